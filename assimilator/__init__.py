@@ -1,0 +1,1 @@
+"""Parameter servers: Celery tasks that validate returned models and merge them into W_s."""

@@ -1,0 +1,82 @@
+"""Closing epochs: the stop rule, the next epoch, and the final model export."""
+
+import logging
+
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from assimilator import paramstore
+from crowdtrain.storage import Storage
+from server import states
+from server.models import Job, Metric, Workunit, utcnow
+from server.states import JobStatus, WorkunitStatus
+from workgen.generator import next_epoch_releasable, release_epoch
+
+log = logging.getLogger(__name__)
+
+
+def final_key(job_id: int) -> str:
+    return f"jobs/{job_id}/final.safetensors"
+
+
+def _lock_job(s: Session, job_id: int) -> Job:
+    return s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+
+
+def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
+    """An epoch's figure: the mean validation accuracy over its merges."""
+    return s.scalar(select(func.avg(Metric.val_accuracy)).where(Metric.job_id == job_id, Metric.epoch == epoch))
+
+
+def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int,
+                            epoch: int) -> None:
+    """If every workunit of `epoch` is done or failed, apply the stop rule; safe to call repeatedly."""
+    with db.begin() as s:
+        job = _lock_job(s, job_id)
+        if job.status != JobStatus.running.value:
+            return
+        open_count = s.scalar(select(func.count()).select_from(Workunit).where(
+            Workunit.job_id == job_id, Workunit.epoch == epoch,
+            Workunit.status.in_([WorkunitStatus.ready.value, WorkunitStatus.in_progress.value])))
+        if open_count:
+            return
+        figure = epoch_accuracy(s, job_id, epoch)
+        stop = job.spec["stop"]
+        shown = "n/a" if figure is None else f"{figure:.4f}"
+        if figure is not None and figure >= stop["target_accuracy"]:
+            _finish(s, storage, r, job, JobStatus.succeeded,
+                    f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}")
+        elif epoch >= stop["max_epochs"]:
+            _finish(s, storage, r, job, JobStatus.failed,
+                    f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
+                    f"< target {stop['target_accuracy']}")
+        else:
+            log.info("job %s: epoch %d closed with accuracy %s (target %s)", job_id, epoch, shown,
+                     stop["target_accuracy"])
+            if epoch == job.current_epoch or next_epoch_releasable(s, job):
+                release_epoch(s, job, job.current_epoch + 1)
+
+
+def _finish(s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, message: str) -> None:
+    version, blob = paramstore.read_blob(r, job.id)
+    storage.put(final_key(job.id), blob)
+    job.final_key = final_key(job.id)
+    job.param_version = max(job.param_version, version)
+    last = s.scalars(select(Metric).where(Metric.job_id == job.id).order_by(Metric.param_version.desc())).first()
+    job.final_accuracy = last.val_accuracy if last else None
+    cancel_open_workunits(s, job.id)
+    states.move(job, outcome)
+    job.status_message = message
+    job.finished_at = utcnow()
+    log.info("job %s %s: %s; final model v%d exported to %s", job.id, outcome.value, message, version, job.final_key)
+
+
+def cancel_open_workunits(s: Session, job_id: int) -> int:
+    wus = s.scalars(select(Workunit).where(
+        Workunit.job_id == job_id,
+        Workunit.status.in_([WorkunitStatus.ready.value, WorkunitStatus.in_progress.value]))).all()
+    for wu in wus:
+        states.move(wu, WorkunitStatus.cancelled)
+        wu.finished_at = utcnow()
+    return len(wus)

@@ -1,0 +1,52 @@
+"""Merge rules and alpha schedules: pure functions over dicts of named numpy arrays."""
+
+import numpy as np
+
+from crowdtrain.tensors import Params
+
+
+def alpha_for_epoch(schedule: str, alpha: float, epoch: int) -> float:
+    """The VC-ASGD mixing weight for a result of `epoch` (1-based).
+
+    `constant` returns `alpha`; `epoch` returns e/(e+1), so later epochs trust W_s more.
+    """
+    if schedule == "constant":
+        return alpha
+    if schedule == "epoch":
+        if epoch < 1:
+            raise ValueError(f"epochs are numbered from 1, got {epoch}")
+        return epoch / (epoch + 1)
+    raise ValueError(f"unknown alpha schedule {schedule!r}")
+
+
+def merge_vc_asgd(server: Params, client: Params, alpha: float, out: Params | None = None) -> Params:
+    """W_s <- alpha * W_s + (1 - alpha) * W_c for floating-point tensors.
+
+    Integer tensors (counters such as BatchNorm's `num_batches_tracked`) keep the server's value.
+    With `out=server` the update happens in place, without allocating a second model.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    result = out if out is not None else {}
+    for name, ws in server.items():
+        wc = client[name]
+        if ws.dtype.kind != "f":
+            result[name] = ws
+            continue
+        target = result.get(name) if out is not None else None
+        if target is None or target is not ws:
+            target = np.array(ws, copy=True)
+        target *= np.asarray(alpha, dtype=ws.dtype)
+        target += np.asarray(1.0 - alpha, dtype=ws.dtype) * wc
+        result[name] = target
+    return result
+
+
+def update_norm(server: Params, client: Params) -> float:
+    """L2 norm of W_c - W_s over all floating-point tensors."""
+    total = 0.0
+    for name, ws in server.items():
+        if ws.dtype.kind == "f":
+            d = client[name].astype(np.float64) - ws
+            total += float(np.dot(d.ravel(), d.ravel()))
+    return total ** 0.5

@@ -1,0 +1,183 @@
+"""The Celery task of a parameter server: validate one uploaded result and merge it into W_s.
+
+Delivery is at least once (late acks, redelivery when a worker dies); the merge itself is exactly
+once per assignment (paramstore.merge_once), and every database step below is idempotent.
+"""
+
+import logging
+from functools import lru_cache
+
+import numpy as np
+from sqlalchemy import select
+
+from assimilator import paramstore
+from assimilator.celery_app import ASSIMILATE_TASK, celery_app
+from assimilator.epochs import close_epoch_if_complete
+from assimilator.evaluate import evaluate
+from assimilator.rules import alpha_for_epoch, merge_vc_asgd, update_norm
+from crowdtrain.settings import get_settings
+from crowdtrain.storage import ObjectNotFound, Storage, open_storage
+from crowdtrain.tensors import Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256
+from server import states
+from server.db import session_factory
+from server.models import Assignment, Host, Job, Metric, Workunit, utcnow
+from server.results import end_assignment
+from server.states import AssignmentStatus, JobStatus, WorkunitStatus
+from workgen.generator import snapshot_key
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """The result is well-formed but must not be merged (stale, too large an update, unusable)."""
+
+
+@lru_cache
+def _services():
+    settings = get_settings()
+    return (session_factory(settings.resolved_database_url),
+            open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+            paramstore.connect(settings.redis_url))
+
+
+@lru_cache(maxsize=8)
+def _validation_set(storage: Storage, key: str) -> tuple[np.ndarray, np.ndarray]:
+    return decode_shard(storage.get(key))
+
+
+@celery_app.task(name=ASSIMILATE_TASK, acks_late=True, reject_on_worker_lost=True)
+def assimilate(assignment_id: int, received_at: float | None = None) -> None:
+    db, storage, r = _services()
+    with db.begin() as s:
+        a = s.get(Assignment, assignment_id)
+        if a is None or a.status not in (AssignmentStatus.uploaded.value, AssignmentStatus.merged.value):
+            log.info("assignment %s: nothing to merge (%s)", assignment_id, "unknown" if a is None else a.status)
+            return
+        job = s.get_one(Job, a.job_id)
+        wu = s.get_one(Workunit, a.workunit_id)
+        job_id, epoch, upload_key, base_version = job.id, wu.epoch, a.upload_key, a.base_version
+        spec, manifest, model_config = job.spec, job.param_manifest, job.model_config_
+        job_running = job.status == JobStatus.running.value
+        wu_open = wu.status == WorkunitStatus.in_progress.value
+        already_merged = a.status == AssignmentStatus.merged.value
+
+    if not already_merged and paramstore.merged_version(r, job_id, assignment_id) is None:
+        if not job_running:
+            return _reject(assignment_id, f"job is no longer running", charge=False)
+        if not wu_open:
+            return _reject(assignment_id, "workunit already done by another assignment", charge=False)
+        try:
+            client = decode(storage.get(upload_key))
+            check_against_manifest(client, manifest)
+        except (ObjectNotFound, TensorFormatError, ValueError) as exc:
+            return _reject(assignment_id, f"invalid result: {exc}", charge=True)
+        try:
+            outcome = paramstore.merge_once(r, job_id, assignment_id,
+                                            _vc_asgd(spec, epoch, base_version, client), received_at)
+        except Refused as exc:
+            return _reject(assignment_id, str(exc), charge=True)
+        version = outcome.version
+    else:
+        version = paramstore.merged_version(r, job_id, assignment_id) or 0
+
+    _record_merge(assignment_id, version)
+    _publish_snapshot_if_due(job_id, spec["scheduling"], version)
+    if version % spec["scheduling"]["eval_every"] == 0:
+        _record_metric(job_id, epoch, assignment_id, model_config)
+    close_epoch_if_complete(db, storage, r, job_id, epoch)
+
+
+def _vc_asgd(spec: dict, epoch: int, base_version: int, client: Params):
+    a_spec = spec["assimilation"]
+    alpha = alpha_for_epoch(a_spec["schedule"], a_spec["alpha"], epoch)
+
+    def merge(server: Params, version: int) -> Params:
+        if a_spec["max_staleness"] is not None and version - base_version > a_spec["max_staleness"]:
+            raise Refused(f"stale result: based on v{base_version}, W_s is v{version} "
+                          f"(max_staleness {a_spec['max_staleness']})")
+        if a_spec["max_update_norm"] is not None:
+            norm = update_norm(server, client)
+            if norm > a_spec["max_update_norm"]:
+                raise Refused(f"update norm {norm:.3g} exceeds max_update_norm {a_spec['max_update_norm']}")
+        return merge_vc_asgd(server, client, alpha, out=server)
+
+    return merge
+
+
+def _reject(assignment_id: int, message: str, charge: bool) -> None:
+    db, storage, r = _services()
+    with db.begin() as s:
+        a = s.get_one(Assignment, assignment_id, with_for_update=True)
+        if a.status != AssignmentStatus.uploaded.value:
+            return
+        wu = end_assignment(s, a, AssignmentStatus.rejected, message) if charge else None
+        if not charge:
+            states.move(a, AssignmentStatus.rejected)
+            a.finished_at, a.message = utcnow(), message
+        job_id, epoch = a.job_id, (wu.epoch if wu else None)
+        finished = wu is not None and wu.status == WorkunitStatus.failed.value
+    log.warning("assignment %s: rejected, %s", assignment_id, message)
+    if finished:
+        close_epoch_if_complete(db, storage, r, job_id, epoch)
+
+
+def _record_merge(assignment_id: int, version: int) -> None:
+    db, _, _ = _services()
+    with db.begin() as s:
+        a = s.get_one(Assignment, assignment_id, with_for_update=True)
+        if a.status == AssignmentStatus.merged.value:
+            return
+        states.move(a, AssignmentStatus.merged)
+        a.merged_version, a.finished_at = version, utcnow()
+        wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
+        if wu.status == WorkunitStatus.in_progress.value:
+            states.move(wu, WorkunitStatus.done)
+            wu.finished_at = a.finished_at
+        job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
+        job.param_version = max(job.param_version, version)
+        host = s.get_one(Host, a.host_id)
+        host.results_valid += 1
+        host.consecutive_valid += 1
+        turnaround = (a.finished_at - a.sent_at).total_seconds()
+        host.mean_turnaround = turnaround if host.mean_turnaround is None else (
+            0.8 * host.mean_turnaround + 0.2 * turnaround)
+    log.info("assignment %s: merged into W_s v%d", assignment_id, version)
+
+
+def _publish_snapshot_if_due(job_id: int, sched: dict, version: int) -> None:
+    """Publish W_s for dispatch at most once per `snapshot_every_merges` merges or seconds."""
+    db, storage, r = _services()
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        last_v, last_at = job.snapshot_version or 0, job.snapshot_at
+    due = (version - last_v >= sched["snapshot_every_merges"]
+           or (last_at is not None and (utcnow() - last_at).total_seconds() >= sched["snapshot_every_seconds"]))
+    if version <= last_v or not due:
+        return
+    current, blob = paramstore.read_blob(r, job_id)
+    key = snapshot_key(job_id, current)
+    storage.put(key, blob)
+    with db.begin() as s:
+        job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+        if (job.snapshot_version or 0) < current:
+            job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = current, key, sha256(blob)
+            job.snapshot_at = utcnow()
+
+
+def _record_metric(job_id: int, epoch: int, assignment_id: int, model_config: dict) -> None:
+    db, storage, r = _services()
+    with db.begin() as s:
+        if s.scalar(select(Metric.id).where(Metric.assignment_id == assignment_id)) is not None:
+            return
+        validation_key = s.get_one(Job, job_id).validation_key
+    version, params = paramstore.read(r, job_id)
+    x, y = _validation_set(storage, validation_key)
+    loss, acc = evaluate(job_id, model_config, params, x, y)
+    with db.begin() as s:
+        if s.scalar(select(Metric.id).where(Metric.assignment_id == assignment_id)) is None:
+            s.add(Metric(job_id=job_id, epoch=epoch, assignment_id=assignment_id, param_version=version,
+                         val_loss=loss, val_accuracy=acc))
+    log.info("job %s: W_s v%d validation accuracy %.4f loss %.4f (epoch %d)", job_id, version, acc, loss, epoch)
+
+
+__all__ = ["assimilate"]

@@ -1,0 +1,80 @@
+"""The job spec: what an operator submits (YAML or JSON), validated with clear errors."""
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ZOO_MODELS = ("mlp", "cnn1d", "resnet")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    name: Literal["mlp", "cnn1d", "resnet"]
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the zoo builder")
+
+
+class DatasetSpec(_Strict):
+    source: str = Field(..., description="builtin:mnist1d or npz:PATH")
+    subsets: int = Field(10, ge=1, le=100_000, description="Number of training shards")
+    validation_fraction: float = Field(0.2, gt=0, lt=1, description="Used when the npz has no x_val/y_val")
+
+    @model_validator(mode="after")
+    def _known_source(self) -> "DatasetSpec":
+        if self.source != "builtin:mnist1d" and not self.source.startswith("npz:"):
+            raise ValueError(f"dataset.source must be 'builtin:mnist1d' or 'npz:PATH', got {self.source!r}")
+        return self
+
+
+class TrainingSpec(_Strict):
+    local_epochs: int = Field(1, ge=1, le=1000)
+    batch_size: int = Field(32, ge=1, le=65536)
+    optimizer: Literal["sgd", "adam"] = "adam"
+    lr: float = Field(0.001, gt=0, le=10)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class AssimilationSpec(_Strict):
+    rule: Literal["vc-asgd"] = "vc-asgd"
+    schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
+    alpha: float = Field(0.7, ge=0, lt=1)
+    max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
+    max_update_norm: float | None = Field(None, gt=0, description="Reject results with ||W_c - W_s|| above this")
+
+
+class StopSpec(_Strict):
+    target_accuracy: float = Field(..., gt=0, le=1)
+    max_epochs: int = Field(50, ge=1, le=100_000)
+
+
+class SchedulingSpec(_Strict):
+    deadline_seconds: float = Field(120, gt=0)
+    max_errors: int = Field(3, ge=1)
+    eval_every: int = Field(1, ge=1, description="Evaluate W_s on the validation set every N merges")
+    snapshot_every_merges: int = Field(1, ge=1)
+    snapshot_every_seconds: float = Field(5.0, ge=0)
+
+
+class JobSpec(_Strict):
+    name: str = Field(..., min_length=1, max_length=200)
+    mode: Literal["vc-asgd"] = "vc-asgd"
+    seed: int = 0
+    model: ModelSpec
+    dataset: DatasetSpec
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    assimilation: AssimilationSpec = Field(default_factory=AssimilationSpec)
+    stop: StopSpec
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+
+
+def load_job_spec(path: Path) -> JobSpec:
+    """Read a YAML or JSON job spec file; raises pydantic.ValidationError or ValueError."""
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a job spec is a mapping, got {type(data).__name__}")
+    return JobSpec.model_validate(data)

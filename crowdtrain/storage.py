@@ -1,0 +1,114 @@
+"""Object storage behind one interface: a local directory (embedded default) or S3 via boto3.
+
+Keys are '/'-separated relative paths such as `jobs/3/shards/0007.npz`.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+
+class ObjectNotFound(KeyError):
+    pass
+
+
+class Storage(Protocol):
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def delete(self, key: str) -> None: ...
+    def local_path(self, key: str) -> Path | None: ...
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"bad storage key {key!r}")
+    return key
+
+
+class LocalStorage:
+    """Files under one root; writes are atomic (temporary file + rename)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path | None:
+        path = self._path(key)
+        return path if path.is_file() else None
+
+
+class S3Storage:
+    """Objects in `s3://bucket/prefix`; `endpoint_url` points at MinIO or another S3 implementation."""
+
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None):
+        import boto3
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.client = boto3.client("s3", endpoint_url=endpoint_url)
+
+    def _key(self, key: str) -> str:
+        key = _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            raise ObjectNotFound(key) from None
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except self.client.exceptions.ClientError:
+            return False
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+
+def open_storage(url: str, endpoint_url: str | None = None) -> Storage:
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return LocalStorage(Path(parsed.path))
+    if parsed.scheme == "s3":
+        return S3Storage(parsed.netloc, parsed.path, endpoint_url)
+    raise ValueError(f"storage URL must be file:///DIR or s3://BUCKET/PREFIX, got {url!r}")

@@ -1,0 +1,1 @@
+"""The FastAPI scheduler and the server-side services shared with the parameter servers."""

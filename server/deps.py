@@ -1,0 +1,69 @@
+"""FastAPI dependencies: settings, database, storage, Redis, and the two kinds of caller."""
+
+import hmac
+from functools import lru_cache
+from typing import Annotated
+
+import redis
+from fastapi import Depends, HTTPException, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
+
+from assimilator import paramstore
+from crowdtrain.settings import Settings, get_settings
+from crowdtrain.storage import Storage, open_storage
+from server.db import session_factory
+from server.hosts import NotAuthorized, authenticate_host
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_db(settings: SettingsDep) -> sessionmaker[Session]:
+    return session_factory(settings.resolved_database_url)
+
+
+@lru_cache
+def _storage(url: str, endpoint: str | None) -> Storage:
+    return open_storage(url, endpoint)
+
+
+def get_storage(settings: SettingsDep) -> Storage:
+    return _storage(settings.resolved_storage_url, settings.s3_endpoint_url)
+
+
+@lru_cache
+def _redis(url: str) -> redis.Redis:
+    return paramstore.connect(url)
+
+
+def get_redis(settings: SettingsDep) -> redis.Redis:
+    return _redis(settings.redis_url)
+
+
+DbDep = Annotated[sessionmaker[Session], Depends(get_db)]
+StorageDep = Annotated[Storage, Depends(get_storage)]
+RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+_bearer = HTTPBearer(auto_error=False)
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def current_host(creds: BearerDep, db: DbDep) -> int:
+    if creds is None:
+        raise _unauthorized("missing host token (Authorization: Bearer ...)")
+    try:
+        return authenticate_host(db, creds.credentials)
+    except NotAuthorized as exc:
+        raise _unauthorized(str(exc)) from None
+
+
+def require_admin(creds: BearerDep, settings: SettingsDep) -> None:
+    if creds is None or not hmac.compare_digest(creds.credentials.encode(), settings.admin_token.encode()):
+        raise _unauthorized("admin token required")
+
+
+HostDep = Annotated[int, Depends(current_host)]
+AdminDep = Depends(require_admin)

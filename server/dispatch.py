@@ -1,0 +1,85 @@
+"""Handing workunits to hosts: atomic claims, locality, reliability, early epoch release."""
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import case, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
+from server import states
+from server.models import Assignment, Host, Job, Shard, Workunit, utcnow
+from server.states import AssignmentStatus, JobStatus, WorkunitStatus
+from workgen.generator import next_epoch_releasable, release_epoch
+
+log = logging.getLogger(__name__)
+
+RELIABLE_AFTER = 3  # consecutive valid results before a host gets retried workunits first
+
+
+def _claim_ready(s: Session, job: Job, host: Host, limit: int, cached: list[str]) -> list[tuple[Workunit, Shard]]:
+    """Lock up to `limit` ready workunits of `job`; concurrent claimers skip each other's rows."""
+    order = []
+    if cached:
+        order.append(case((Shard.sha256.in_(cached), 0), else_=1))
+    retried_first = host.consecutive_valid >= RELIABLE_AFTER
+    order.append(case((Workunit.error_count > 0, 0 if retried_first else 1), else_=1 if retried_first else 0))
+    order += [Workunit.epoch, Workunit.id]
+    query = (select(Workunit, Shard).join(Shard, Shard.id == Workunit.shard_id)
+             .where(Workunit.job_id == job.id, Workunit.status == WorkunitStatus.ready.value)
+             .order_by(*order).limit(limit).with_for_update(skip_locked=True, of=Workunit))
+    return list(s.execute(query).tuples())
+
+
+def _assignment_out(a: Assignment, wu: Workunit, shard: Shard, job: Job) -> AssignmentOut:
+    return AssignmentOut(
+        assignment_id=a.id, job_id=job.id, workunit_id=wu.id, epoch=wu.epoch, shard_index=shard.index,
+        base_version=a.base_version, deadline=a.deadline,
+        recipe=Recipe(model=job.model_config_, training=job.spec["training"], seed=job.spec["seed"] + a.id),
+        shard=FileRef(url=f"/v1/shards/{shard.id}", sha256=shard.sha256, size=shard.size),
+        snapshot=FileRef(url=f"/v1/jobs/{job.id}/snapshots/{job.snapshot_version}", sha256=job.snapshot_sha256,
+                         size=job.param_bytes))
+
+
+def request_work(db: sessionmaker[Session], host_id: int, free_slots: int, cached: list[str],
+                 resources: Resources | None) -> list[AssignmentOut]:
+    """Give the host up to `free_slots` assignments; no workunit is ever held by two hosts at once."""
+    with db.begin() as s:
+        host = s.get_one(Host, host_id)
+        host.last_seen = utcnow()
+        if resources is not None:
+            host.cpus, host.ram_bytes, host.gpu, host.device = (resources.cpus, resources.ram_bytes,
+                                                                resources.gpu, resources.device)
+        if free_slots == 0:
+            return []
+        jobs = s.scalars(select(Job).where(Job.status == JobStatus.running.value).order_by(Job.id)).all()
+        out: list[AssignmentOut] = []
+        for job in jobs:
+            claimed = _claim_ready(s, job, host, free_slots - len(out), cached)
+            if len(claimed) < free_slots - len(out) and _release_next_epoch(s, job):
+                claimed += _claim_ready(s, job, host, free_slots - len(out) - len(claimed), cached)
+            now = utcnow()
+            deadline = now + timedelta(seconds=job.spec["scheduling"]["deadline_seconds"])
+            for wu, shard in claimed:
+                states.move(wu, WorkunitStatus.in_progress)
+                a = Assignment(workunit_id=wu.id, job_id=job.id, host_id=host.id, base_version=job.snapshot_version,
+                               status=AssignmentStatus.in_progress.value, sent_at=now, deadline=deadline)
+                s.add(a)
+                s.flush()
+                out.append(_assignment_out(a, wu, shard, job))
+                log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, deadline %s)", a.id, job.id,
+                         wu.epoch, shard.index, host.id, a.base_version, deadline.isoformat(timespec="seconds"))
+            if len(out) >= free_slots:
+                break
+        return out
+
+
+def _release_next_epoch(s: Session, job: Job) -> bool:
+    # Serialise on the job row so that two schedulers cannot both release the same epoch.
+    s.execute(select(Job.id).where(Job.id == job.id).with_for_update())
+    s.refresh(job)
+    if not next_epoch_releasable(s, job):
+        return False
+    release_epoch(s, job, job.current_epoch + 1)
+    s.flush()
+    return True

@@ -1,0 +1,129 @@
+"""What hosts report about their assignments: uploads, heartbeats, abandonments and errors."""
+
+import logging
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.schemas import ResultMetrics
+from crowdtrain.storage import Storage
+from crowdtrain.tensors import TensorFormatError, check_against_manifest, decode
+from server import states
+from server.models import Assignment, Host, Job, Workunit, utcnow
+from server.states import AssignmentStatus, JobStatus, WorkunitStatus
+
+log = logging.getLogger(__name__)
+
+
+class ResultProblem(Exception):
+    """A request about an assignment that cannot be honoured; `status` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
+    a = s.get(Assignment, assignment_id)
+    # Someone else's assignment is reported exactly like a missing one: ids are not secrets to probe.
+    if a is None or a.host_id != host_id:
+        raise ResultProblem(404, f"assignment {assignment_id} does not exist or is not yours")
+    return a
+
+
+def upload_result(db: sessionmaker[Session], storage: Storage, host_id: int, assignment_id: int, body: bytes,
+                  metrics: ResultMetrics, enqueue: Callable[[int, float], None]) -> str:
+    """Store a result once and queue its merge. Bad bodies raise ResultProblem and change nothing."""
+    received_at = time.time()
+    with db.begin() as s:
+        a = _own_assignment(s, assignment_id, host_id)
+        if a.status != AssignmentStatus.in_progress.value:
+            raise ResultProblem(409, f"assignment {assignment_id} is {a.status}; a result can be uploaded once, "
+                                     "while the assignment is in progress")
+        job = s.get_one(Job, a.job_id)
+        manifest = job.param_manifest
+    try:
+        check_against_manifest(decode(body), manifest)
+    except (TensorFormatError, ValueError) as exc:
+        raise ResultProblem(422, f"result for assignment {assignment_id} rejected: {exc}") from exc
+
+    key = f"jobs/{job.id}/uploads/{assignment_id}.safetensors"
+    storage.put(key, body)
+    with db.begin() as s:
+        a = s.get_one(Assignment, assignment_id, with_for_update=True)
+        if a.status != AssignmentStatus.in_progress.value:  # lost a race with a second upload or the transitioner
+            raise ResultProblem(409, f"assignment {assignment_id} is {a.status}; a result can be uploaded once")
+        states.move(a, AssignmentStatus.uploaded)
+        a.uploaded_at = utcnow()
+        a.upload_key = key
+        a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
+        s.get_one(Host, host_id).last_seen = a.uploaded_at
+    log.info("assignment %s: result uploaded (%d bytes, loss %s), merge queued", assignment_id, len(body),
+             metrics.train_loss)
+    # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
+    # transitioner re-queues merges that stay uploaded too long.
+    enqueue(assignment_id, received_at)
+    return AssignmentStatus.uploaded.value
+
+
+def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str]:
+    """Record that the host is still working; tells it whether the work is still wanted."""
+    with db.begin() as s:
+        a = _own_assignment(s, assignment_id, host_id)
+        now = utcnow()
+        s.get_one(Host, host_id).last_seen = now
+        if a.status != AssignmentStatus.in_progress.value:
+            return False, f"assignment is {a.status}"
+        job = s.get_one(Job, a.job_id)
+        if job.status != JobStatus.running.value:
+            return False, f"job is {job.status}"
+        a.last_heartbeat = now
+        return True, ""
+
+
+def give_up(db: sessionmaker[Session], host_id: int, assignment_id: int, outcome: AssignmentStatus,
+            message: str) -> None:
+    """The host abandons an assignment or reports that it failed; the workunit goes back to ready."""
+    with db.begin() as s:
+        a = _own_assignment(s, assignment_id, host_id)
+        if a.status != AssignmentStatus.in_progress.value:
+            raise ResultProblem(409, f"assignment {assignment_id} is {a.status}, not in progress")
+        end_assignment(s, a, outcome, message)
+
+
+def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message: str) -> Workunit:
+    """Close a failed/abandoned/timed-out/rejected assignment and return its workunit to the pool.
+
+    The workunit becomes ready again, or failed after `max_errors` charged failures. Returns it so
+    the caller can close the epoch when that was its last open workunit.
+    """
+    states.move(a, outcome)
+    a.finished_at = utcnow()
+    a.message = message[:1000]
+    wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
+    host = s.get_one(Host, a.host_id)
+    if outcome.counts_as_error:
+        host.results_failed += 1
+        host.consecutive_valid = 0
+    if wu.status != WorkunitStatus.in_progress.value:
+        return wu  # already done by a duplicate, or cancelled with its job
+    # A duplicate of this workunit may still be running elsewhere: then it stays in progress.
+    others = s.query(Assignment).filter(Assignment.workunit_id == wu.id, Assignment.id != a.id,
+                                        Assignment.status.in_([AssignmentStatus.in_progress.value,
+                                                               AssignmentStatus.uploaded.value])).count()
+    if outcome.counts_as_error:
+        wu.error_count += 1
+    if others:
+        return wu
+    job = s.get_one(Job, a.job_id)
+    if wu.error_count >= job.spec["scheduling"]["max_errors"]:
+        states.move(wu, WorkunitStatus.failed)
+        wu.finished_at = utcnow()
+        log.warning("workunit %s (job %s epoch %d): failed after %d errors; the epoch goes on without it",
+                    wu.id, wu.job_id, wu.epoch, wu.error_count)
+    else:
+        states.move(wu, WorkunitStatus.ready)
+        log.info("workunit %s: ready again after assignment %s %s (%s)", wu.id, a.id, outcome.value, message)
+    return wu

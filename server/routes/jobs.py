@@ -1,0 +1,64 @@
+from fastapi import APIRouter, HTTPException, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from crowdtrain.jobspec import JobSpec
+from crowdtrain.schemas import JobCreated, JobStatusOut
+from server import jobs
+from server.deps import AdminDep, DbDep, RedisDep, StorageDep
+from server.states import IllegalTransition, JobStatus
+from workgen.generator import submit_job
+
+router = APIRouter(prefix="/v1/jobs", tags=["admin"], dependencies=[AdminDep])
+
+
+def _not_found(exc: Exception) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, str(exc))
+
+
+@router.post("", response_model=JobCreated, status_code=status.HTTP_201_CREATED)
+async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep) -> JobCreated:
+    """Submit a job spec: shards are made and stored, W_s v0 initialised, epoch 1 released."""
+    try:
+        prepared = await run_in_threadpool(submit_job, db, storage, r, spec)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+    return JobCreated(job_id=prepared.job_id, status=JobStatus.running.value, shards=prepared.shards,
+                      parameters=prepared.parameters)
+
+
+@router.get("", response_model=list[dict])
+def list_all(db: DbDep) -> list[dict]:
+    return jobs.list_jobs(db)
+
+
+@router.get("/{job_id}", response_model=JobStatusOut)
+def status_of(job_id: int, db: DbDep, metrics: bool = False) -> JobStatusOut:
+    """Job status with per-epoch figures; `?metrics=true` adds every validation point."""
+    try:
+        return jobs.job_status(db, job_id, with_metrics=metrics)
+    except jobs.JobNotFound as exc:
+        raise _not_found(exc) from None
+
+
+@router.post("/{job_id}/cancel", response_model=dict)
+def cancel(job_id: int, db: DbDep) -> dict:
+    try:
+        return {"job_id": job_id, "status": jobs.cancel_job(db, job_id)}
+    except jobs.JobNotFound as exc:
+        raise _not_found(exc) from None
+    except IllegalTransition as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {exc.current}") from None
+
+
+@router.get("/{job_id}/model", response_class=Response)
+def download_model(job_id: int, db: DbDep, storage: StorageDep) -> Response:
+    """The final model (safetensors) once the job has finished."""
+    try:
+        key = jobs.final_model_key(db, job_id)
+    except jobs.JobNotFound as exc:
+        raise _not_found(exc) from None
+    if key is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} has no final model yet")
+    return Response(storage.get(key), media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="job-{job_id}.safetensors"'})

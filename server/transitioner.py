@@ -1,0 +1,66 @@
+"""The transitioner: times out assignments past their deadline and re-queues merges that stalled."""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.storage import Storage
+from server.models import Assignment, utcnow
+from server.results import end_assignment
+from server.states import AssignmentStatus, WorkunitStatus
+
+log = logging.getLogger(__name__)
+
+
+def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: redis.Redis, limit: int = 500) -> int:
+    """Mark in-progress assignments past their deadline timed_out; their workunits retry or fail."""
+    from assimilator.epochs import close_epoch_if_complete
+
+    closed: set[tuple[int, int]] = set()
+    with db.begin() as s:
+        expired = s.scalars(select(Assignment).where(
+            Assignment.status == AssignmentStatus.in_progress.value, Assignment.deadline < utcnow())
+            .order_by(Assignment.deadline).limit(limit).with_for_update(skip_locked=True)).all()
+        for a in expired:
+            wu = end_assignment(s, a, AssignmentStatus.timed_out, f"no result by the deadline {a.deadline}")
+            log.warning("assignment %s (host %s): timed out; workunit %s is now %s", a.id, a.host_id, wu.id,
+                        wu.status)
+            if wu.status == WorkunitStatus.failed.value:
+                closed.add((wu.job_id, wu.epoch))
+    for job_id, epoch in closed:
+        close_epoch_if_complete(db, storage, r, job_id, epoch)
+    return len(expired)
+
+
+def requeue_stalled_merges(db: sessionmaker[Session], stalled_after: float,
+                           enqueue: Callable[[int, float], None]) -> int:
+    """Queue again the merge of results uploaded long ago and still not merged (a lost task)."""
+    with db.begin() as s:
+        ids = s.scalars(select(Assignment.id).where(
+            Assignment.status == AssignmentStatus.uploaded.value,
+            Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after)).limit(500)).all()
+    for aid in ids:
+        log.warning("assignment %s: uploaded %ss ago and not merged; queueing its merge again", aid, stalled_after)
+        enqueue(aid, 0.0)
+    return len(ids)
+
+
+def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, interval: float, stalled_after: float,
+                enqueue: Callable[[int, float], None], stop: threading.Event) -> None:
+    last_requeue = 0.0
+
+    while not stop.is_set():
+        try:
+            reap_expired_assignments(db, storage, r)
+            if time.monotonic() - last_requeue >= stalled_after:
+                requeue_stalled_merges(db, stalled_after, enqueue)
+                last_requeue = time.monotonic()
+        except Exception:
+            log.exception("transitioner sweep failed; retrying in %ss", interval)
+        stop.wait(interval)

@@ -1,0 +1,1 @@
+"""Work generator: datasets -> shards in object storage -> workunits per epoch."""

@@ -1,0 +1,107 @@
+"""Turn a job spec into a running job: shards in storage, W_s version 0, and epoch workunits."""
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from assimilator import paramstore
+from crowdtrain.jobspec import JobSpec
+from crowdtrain.storage import Storage
+from crowdtrain.tensors import encode, encode_shard, manifest_of, sha256
+from crowdtrain.zoo import build_model, count_parameters, state_to_numpy
+from server import states
+from server.models import Job, Shard, Workunit, utcnow
+from server.states import JobStatus, WorkunitStatus
+from workgen.datasets import load_dataset, split_shards
+
+log = logging.getLogger(__name__)
+
+
+def snapshot_key(job_id: int, version: int) -> str:
+    return f"jobs/{job_id}/snapshots/v{version:08d}.safetensors"
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    job_id: int
+    shards: int
+    parameters: int
+
+
+def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec: JobSpec) -> PreparedJob:
+    """Create a job and its first epoch. Bad specs raise ValueError before anything is stored."""
+    data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction)
+    slices = split_shards(len(data.x), spec.dataset.subsets)
+    model_config = {"name": spec.model.name, "input_shape": data.input_shape, "num_classes": data.num_classes,
+                    "options": spec.model.options}
+    model = build_model(spec.model.name, data.input_shape, data.num_classes, seed=spec.seed, **spec.model.options)
+    params = state_to_numpy(model)
+    initial = encode(params)
+
+    with db.begin() as s:
+        job = Job(name=spec.name, mode=spec.mode, status=JobStatus.pending.value, spec=spec.model_dump(mode="json"),
+                  model_config_=model_config, param_manifest=manifest_of(params), param_bytes=len(initial))
+        s.add(job)
+        s.flush()
+        job_id = job.id
+
+    try:
+        shard_rows = []
+        for index, sl in enumerate(slices):
+            blob = encode_shard(data.x[sl], data.y[sl])
+            key = f"jobs/{job_id}/shards/{index:05d}.npz"
+            storage.put(key, blob)
+            shard_rows.append(Shard(job_id=job_id, index=index, key=key, sha256=sha256(blob), size=len(blob),
+                                    examples=sl.stop - sl.start))
+        validation_key = f"jobs/{job_id}/validation.npz"
+        storage.put(validation_key, encode_shard(data.x_val, data.y_val))
+        storage.put(snapshot_key(job_id, 0), initial)
+        paramstore.initialise(r, job_id, params)
+    except Exception as exc:
+        with db.begin() as s:
+            job = s.get_one(Job, job_id)
+            job.status_message = f"preparing the job failed: {exc}"
+            states.move(job, JobStatus.failed)
+        raise
+
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        s.add_all(shard_rows)
+        job.validation_key = validation_key
+        job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = 0, snapshot_key(job_id, 0), sha256(initial)
+        job.snapshot_at = job.started_at = utcnow()
+        states.move(job, JobStatus.running)
+        s.flush()
+        release_epoch(s, job, 1)
+    log.info("job %s (%s): %d shards, %d parameters, epoch 1 released", job_id, spec.name, len(slices),
+             count_parameters(model))
+    return PreparedJob(job_id, len(slices), count_parameters(model))
+
+
+def release_epoch(s: Session, job: Job, epoch: int) -> bool:
+    """Create one ready workunit per shard for `epoch`; idempotent (False if already released)."""
+    if job.current_epoch >= epoch:
+        return False
+    shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id).order_by(Shard.index)).all()
+    s.add_all(Workunit(job_id=job.id, epoch=epoch, shard_id=sid, status=WorkunitStatus.ready.value)
+              for sid in shard_ids)
+    job.current_epoch = epoch
+    log.info("job %s: epoch %d released (%d workunits)", job.id, epoch, len(shard_ids))
+    return True
+
+
+def next_epoch_releasable(s: Session, job: Job) -> bool:
+    """Early release: the current epoch has nothing left to dispatch and no older epoch is still open."""
+    if job.status != JobStatus.running.value or job.current_epoch >= job.spec["stop"]["max_epochs"]:
+        return False
+    ready = s.scalar(select(func.count()).select_from(Workunit).where(
+        Workunit.job_id == job.id, Workunit.epoch == job.current_epoch, Workunit.status == WorkunitStatus.ready.value))
+    older_open = s.scalar(select(func.count()).select_from(Workunit).where(
+        Workunit.job_id == job.id, Workunit.epoch < job.current_epoch,
+        Workunit.status.in_([WorkunitStatus.ready.value, WorkunitStatus.in_progress.value])))
+    return ready == 0 and older_open == 0
+
+
