@@ -80,10 +80,12 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
     else:
         version = paramstore.merged_version(r, job_id, assignment_id) or 0
 
-    _record_merge(assignment_id, version)
-    _publish_snapshot_if_due(job_id, spec["scheduling"], version)
+    # The metric is recorded before the workunit is marked done: when an epoch's last workunit is
+    # done, every one of its merges already has its validation figure.
     if version % spec["scheduling"]["eval_every"] == 0:
         _record_metric(job_id, epoch, assignment_id, model_config)
+    _publish_snapshot_if_due(job_id, spec["scheduling"], version)
+    _record_merge(assignment_id, version)
     close_epoch_if_complete(db, storage, r, job_id, epoch)
 
 

@@ -84,13 +84,17 @@ def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tu
 
 
 def give_up(db: sessionmaker[Session], host_id: int, assignment_id: int, outcome: AssignmentStatus,
-            message: str) -> None:
-    """The host abandons an assignment or reports that it failed; the workunit goes back to ready."""
+            message: str) -> tuple[int, int] | None:
+    """The host abandons an assignment or reports that it failed; the workunit goes back to ready.
+
+    Returns (job id, epoch) when the workunit failed for good, so the caller can close the epoch.
+    """
     with db.begin() as s:
         a = _own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
             raise ResultProblem(409, f"assignment {assignment_id} is {a.status}, not in progress")
-        end_assignment(s, a, outcome, message)
+        wu = end_assignment(s, a, outcome, message)
+        return (wu.job_id, wu.epoch) if wu.status == WorkunitStatus.failed.value else None
 
 
 def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message: str) -> Workunit:

@@ -4,9 +4,10 @@ from fastapi import APIRouter, Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 
 from assimilator.celery_app import enqueue_merge
+from assimilator.epochs import close_epoch_if_complete
 from crowdtrain.schemas import ClientError, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
 from server import dispatch, results
-from server.deps import DbDep, HostDep, SettingsDep, StorageDep
+from server.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
 from server.results import ResultProblem
 from server.states import AssignmentStatus
 
@@ -71,9 +72,13 @@ def abandon(assignment_id: int, host_id: HostDep, db: DbDep) -> ResultAccepted:
 
 
 @router.post("/assignments/{assignment_id}/error", response_model=ResultAccepted)
-def report_error(assignment_id: int, err: ClientError, host_id: HostDep, db: DbDep) -> ResultAccepted:
+def report_error(assignment_id: int, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep,
+                 r: RedisDep) -> ResultAccepted:
+    """Report that the assignment failed on this host; it counts toward the workunit's error limit."""
     try:
-        results.give_up(db, host_id, assignment_id, AssignmentStatus.client_error, err.message)
+        failed = results.give_up(db, host_id, assignment_id, AssignmentStatus.client_error, err.message)
     except ResultProblem as exc:
         raise _problem(exc) from None
+    if failed is not None:
+        close_epoch_if_complete(db, storage, r, *failed)
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.client_error.value)

