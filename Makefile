@@ -1,0 +1,31 @@
+# crowdtrain: `make demo` runs the example job; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+# torch is pinned first: with 2.13.0 installed, the project's `torch>=2.3` pulls nothing more.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m crowdtrain demo
+
+test: $(STAMP)
+	$(PY) -m pytest -ra -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/merge_latency.py
+
+clean:
+	rm -rf var .pytest_cache

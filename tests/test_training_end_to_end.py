@@ -1,0 +1,116 @@
+"""The whole system as real processes: scheduler, Redis, Celery parameter servers, transitioner, clients."""
+
+import signal
+import time
+
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from crowdtrain import keys
+from crowdtrain.jobspec import load_job_spec
+from crowdtrain.launch import Cluster, wait_for
+from server.db import session_factory
+from server.models import Assignment, Host, Job, Workunit
+from server.states import AssignmentStatus, WorkunitStatus
+
+from tests.conftest import EXAMPLE_SPEC
+
+pytestmark = pytest.mark.integration
+JOB_TIMEOUT = 420
+
+
+def submit(cluster: Cluster, **scheduling) -> int:
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.scheduling = spec.scheduling.model_copy(update=scheduling)
+    with cluster.admin() as http:
+        resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+        assert resp.status_code == 201, resp.text
+        return resp.json()["job_id"]
+
+
+def wait_finished(cluster: Cluster, job_id: int, timeout: float = JOB_TIMEOUT) -> dict:
+    deadline = time.monotonic() + timeout
+    with cluster.admin() as http:
+        while time.monotonic() < deadline:
+            st = http.get(f"/v1/jobs/{job_id}").json()
+            if st["status"] in ("succeeded", "failed", "cancelled"):
+                return st
+            dead = [s.name for s in cluster.services if not s.alive]
+            assert not dead, f"processes died: {dead}\n" + "\n".join(cluster.service(n).tail() for n in dead)
+            time.sleep(1)
+    pytest.fail(f"job {job_id} did not finish within {timeout}s: {st}")
+
+
+def assert_exact_accounting(cluster: Cluster, job_id: int) -> None:
+    """Every workunit of every closed epoch is done or failed; nothing merged twice (DB and Redis agree)."""
+    db = session_factory(cluster.database_url or f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        last_closed = int(job.status_message.split()[1]) if job.status == "succeeded" else job.current_epoch
+        wus = s.scalars(select(Workunit).where(Workunit.job_id == job_id)).all()
+        for wu in wus:
+            expected = {WorkunitStatus.done.value, WorkunitStatus.failed.value}
+            if wu.epoch > last_closed:
+                expected.add(WorkunitStatus.cancelled.value)  # released early, cancelled when the job ended
+            assert wu.status in expected, (wu.id, wu.epoch, wu.status)
+        merged_per_wu = s.execute(select(Assignment.workunit_id, func.count()).where(
+            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value)
+            .group_by(Assignment.workunit_id)).all()
+        assert all(n == 1 for _, n in merged_per_wu), "a workunit was merged twice"
+        done = {wu.id for wu in wus if wu.status == WorkunitStatus.done.value}
+        assert done == {wu_id for wu_id, _ in merged_per_wu}
+        merged_ids = {str(a) for a in s.scalars(select(Assignment.id).where(
+            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value))}
+    r = redis.Redis.from_url(cluster.redis_url)
+    assert {m.decode() for m in r.smembers(keys.merged(job_id))} == merged_ids
+    assert int(r.get(keys.version(job_id))) == len(merged_ids), "W_s version != number of merged assignments"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+def test_two_clients_train_the_example_job_to_its_target(make_cluster, database_url: str) -> None:
+    cluster = make_cluster(database_url)
+    job_id = submit(cluster)
+    cluster.start_client("alice", tasks=2)
+    cluster.start_client("bob", tasks=2)
+    st = wait_finished(cluster, job_id)
+    assert st["status"] == "succeeded", st["status_message"]
+    assert max(e["mean_accuracy"] or 0 for e in st["epochs"]) >= 0.90
+    assert_exact_accounting(cluster, job_id)
+    with cluster.admin() as http:
+        model = http.get(f"/v1/jobs/{job_id}/model")
+    assert model.status_code == 200 and len(model.content) > 100_000
+
+
+def test_sigkilled_client_work_is_redispatched_after_its_deadline(make_cluster, sqlite_url: str) -> None:
+    cluster = make_cluster(sqlite_url)
+    deadline_s = 8
+    job_id = submit(cluster, deadline_seconds=deadline_s)
+    db = session_factory(sqlite_url)
+    victim = cluster.start_client("victim", tasks=2)
+
+    def victim_is_training() -> bool:
+        with db.begin() as s:
+            return bool(s.scalar(select(func.count()).select_from(Assignment).join(Host).where(
+                Host.name == "victim", Assignment.status == AssignmentStatus.in_progress.value)))
+
+    wait_for(victim_is_training, 120, "the victim never got work", victim)
+    victim.signal(signal.SIGKILL)
+    with db.begin() as s:
+        lost = s.scalars(select(Assignment).join(Host).where(
+            Host.name == "victim", Assignment.status == AssignmentStatus.in_progress.value)).all()
+        lost = [(a.id, a.workunit_id, a.deadline) for a in lost]
+    assert lost
+    cluster.start_client("survivor", tasks=2)
+    st = wait_finished(cluster, job_id)
+    assert st["status"] == "succeeded", st["status_message"]
+    assert_exact_accounting(cluster, job_id)
+    with db.begin() as s:
+        for aid, wu_id, deadline in lost:
+            a = s.get_one(Assignment, aid)
+            assert a.status == AssignmentStatus.timed_out.value, (aid, a.status)
+            retry = s.scalars(select(Assignment).where(Assignment.workunit_id == wu_id, Assignment.id != aid)
+                              .order_by(Assignment.id)).first()
+            assert retry is not None, f"workunit {wu_id} was never dispatched again"
+            assert retry.sent_at >= deadline, "re-dispatched before the lost assignment's deadline"
+            assert s.get_one(Workunit, wu_id).status in (WorkunitStatus.done.value, WorkunitStatus.failed.value)
