@@ -144,15 +144,17 @@ class VolunteerClient:
             running = list(self.running.values())
         for r in running:
             r.cancel.set()
-            try:
-                self.api.abandon(r.assignment.assignment_id)
-                log.info("assignment %s: abandoned", r.assignment.assignment_id)
-            except httpx.HTTPError as exc:
-                log.warning("assignment %s: could not abandon (%s); it will time out", r.assignment.assignment_id,
-                            exc)
+            self._abandon(r.assignment.assignment_id)
         for r in running:
             r.thread.join(timeout=30)
         self.api.close()
+
+    def _abandon(self, assignment_id: int) -> None:
+        try:
+            self.api.abandon(assignment_id)
+            log.info("assignment %s: abandoned", assignment_id)
+        except httpx.HTTPError as exc:
+            log.warning("assignment %s: could not abandon (%s); it will time out", assignment_id, exc)
 
     # -- one assignment -------------------------------------------------------------------------
     def _work(self, a: AssignmentOut) -> None:
@@ -172,6 +174,8 @@ class VolunteerClient:
             self.completed += 1
         except Cancelled:
             log.info("assignment %s: stopped before finishing", aid)
+            if not self.stop.is_set():  # the server no longer wants it: hand it back at once
+                self._abandon(aid)
         except Refused as exc:
             log.warning("assignment %s: server refused the result: %s", aid, exc.message)
         except Exception as exc:
@@ -188,9 +192,16 @@ class VolunteerClient:
             self.slot_freed.set()
 
     def _prune_snapshots(self) -> None:
-        files = sorted(self.snapshots.root.glob("??/*"), key=lambda p: p.stat().st_mtime, reverse=True)
-        in_use = {r.assignment.snapshot.sha256 for r in self.running.values()}
-        for p in files[KEEP_SNAPSHOTS:]:
+        """Keep the newest few snapshots: each merge publishes a new one, so old ones are never reused."""
+        with self.lock:
+            in_use = {r.assignment.snapshot.sha256 for r in self.running.values()}
+        dated = []
+        for p in self.snapshots.root.glob("??/*"):
+            try:
+                dated.append((p.stat().st_mtime, p))
+            except FileNotFoundError:  # pruned by another slot meanwhile
+                continue
+        for _, p in sorted(dated, reverse=True)[KEEP_SNAPSHOTS:]:
             if p.name not in in_use:
                 p.unlink(missing_ok=True)
 

@@ -120,6 +120,7 @@ class Cluster:
     redis_url: str = ""
     storage_url: str = ""
     assimilator_concurrency: int = 2
+    server_workers: int = 1
     admin_token: str = "demo-admin"
     join_token: str = "demo-join"
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -160,7 +161,7 @@ class Cluster:
                 self.services.append(start_redis(self.var_dir / "redis", port))
                 self.redis_url = f"redis://127.0.0.1:{port}/0"
             self.port = free_port()
-            server = self._service("server", "server", "--port", str(self.port))
+            server = self._service("server", "server", "--port", str(self.port), "--workers", str(self.server_workers))
             self._service("transitioner", "transitioner")
             self._service("assimilator", "assimilator", "--concurrency", str(self.assimilator_concurrency))
             wait_for(self._healthy, 90, "the scheduler did not come up", server)

@@ -29,28 +29,29 @@ class MLP(nn.Module):
 
 
 class CNN1D(nn.Module):
-    """A small 1-D CNN for sequences shaped (length,) or (channels, length), e.g. mnist1d."""
+    """A small 1-D CNN for sequences shaped (length,) or (channels, length), e.g. mnist1d.
+
+    Convolutions with max-pooling between them, then a global max over the length: on mnist1d the
+    global pool learns far faster from small shards than flattening does.
+    """
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5,
-                 layers: int = 3, hidden: int = 128):
+                 layers: int = 3):
         super().__init__()
         in_ch = 1 if len(input_shape) == 1 else int(input_shape[0])
-        length = int(input_shape[-1])
         convs: list[nn.Module] = []
         for i in range(layers):
             convs += [nn.Conv1d(in_ch if i == 0 else channels, channels, kernel_size, padding=kernel_size // 2),
                       nn.ReLU()]
             if i < layers - 1:
                 convs.append(nn.MaxPool1d(2))
-                length //= 2
         self.features = nn.Sequential(*convs)
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(channels * length, hidden), nn.ReLU(),
-                                  nn.Linear(hidden, num_classes))
+        self.head = nn.Linear(channels, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             x = x.unsqueeze(1)
-        return self.head(self.features(x))
+        return self.head(self.features(x).amax(dim=2))
 
 
 class PreActBlock(nn.Module):

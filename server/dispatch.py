@@ -75,10 +75,23 @@ def request_work(db: sessionmaker[Session], host_id: int, free_slots: int, cache
 
 
 def _release_next_epoch(s: Session, job: Job) -> bool:
+    """Release the next epoch if the current one has nothing left to dispatch.
+
+    True when a newer epoch is now available to claim from, whoever released it.
+    """
+    seen_epoch = job.current_epoch
     # Serialise on the job row so that two schedulers cannot both release the same epoch.
     s.execute(select(Job.id).where(Job.id == job.id).with_for_update())
     s.refresh(job)
-    if not next_epoch_releasable(s, job):
+    if job.current_epoch > seen_epoch:
+        return True
+    # Ready rows locked by other claims in flight are as good as taken; an unlocked one is claimable.
+    unlocked_ready = s.scalar(select(Workunit.id).where(
+        Workunit.job_id == job.id, Workunit.epoch == job.current_epoch,
+        Workunit.status == WorkunitStatus.ready.value).limit(1).with_for_update(skip_locked=True))
+    if unlocked_ready is not None:
+        return True
+    if not next_epoch_releasable(s, job, ignore_ready=True):
         return False
     release_epoch(s, job, job.current_epoch + 1)
     s.flush()

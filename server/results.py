@@ -107,12 +107,12 @@ def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message
     a.finished_at = utcnow()
     a.message = message[:1000]
     wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
-    host = s.get_one(Host, a.host_id)
+    if wu.status != WorkunitStatus.in_progress.value:
+        return wu  # already done by a duplicate, or cancelled with its job: nobody is charged
     if outcome.counts_as_error:
+        host = s.get_one(Host, a.host_id)
         host.results_failed += 1
         host.consecutive_valid = 0
-    if wu.status != WorkunitStatus.in_progress.value:
-        return wu  # already done by a duplicate, or cancelled with its job
     # A duplicate of this workunit may still be running elsewhere: then it stays in progress.
     others = s.query(Assignment).filter(Assignment.workunit_id == wu.id, Assignment.id != a.id,
                                         Assignment.status.in_([AssignmentStatus.in_progress.value,

@@ -93,11 +93,14 @@ def release_epoch(s: Session, job: Job, epoch: int) -> bool:
     return True
 
 
-def next_epoch_releasable(s: Session, job: Job) -> bool:
-    """Early release: the current epoch has nothing left to dispatch and no older epoch is still open."""
+def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> bool:
+    """Early release: the current epoch has nothing left to dispatch and no older epoch is still open.
+
+    `ignore_ready` is for a caller that has already seen every ready workunit claimed by others.
+    """
     if job.status != JobStatus.running.value or job.current_epoch >= job.spec["stop"]["max_epochs"]:
         return False
-    ready = s.scalar(select(func.count()).select_from(Workunit).where(
+    ready = 0 if ignore_ready else s.scalar(select(func.count()).select_from(Workunit).where(
         Workunit.job_id == job.id, Workunit.epoch == job.current_epoch, Workunit.status == WorkunitStatus.ready.value))
     older_open = s.scalar(select(func.count()).select_from(Workunit).where(
         Workunit.job_id == job.id, Workunit.epoch < job.current_epoch,
