@@ -17,7 +17,7 @@ from assimilator.evaluate import evaluate
 from assimilator.rules import alpha_for_epoch, merge_vc_asgd, update_norm
 from crowdtrain.settings import get_settings
 from crowdtrain.storage import ObjectNotFound, Storage, open_storage
-from crowdtrain.tensors import Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256
+from crowdtrain.tensors import Params, TensorFormatError, check_against_manifest, decode_shard, sha256, views
 from server import states
 from server.db import session_factory
 from server.models import Assignment, Host, Job, Metric, Workunit, utcnow
@@ -55,7 +55,7 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
             return
         job = s.get_one(Job, a.job_id)
         wu = s.get_one(Workunit, a.workunit_id)
-        job_id, epoch, upload_key, base_version = job.id, wu.epoch, a.upload_key, a.base_version
+        job_id, epoch, base_version, upload_key = job.id, wu.epoch, a.base_version, a.upload_key
         spec, manifest, model_config = job.spec, job.param_manifest, job.model_config_
         job_running = job.status == JobStatus.running.value
         wu_open = wu.status == WorkunitStatus.in_progress.value
@@ -63,13 +63,18 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
 
     if not already_merged and paramstore.merged_version(r, job_id, assignment_id) is None:
         if not job_running:
-            return _reject(assignment_id, f"job is no longer running", charge=False)
+            return _reject(assignment_id, "job is no longer running", charge=False)
         if not wu_open:
             return _reject(assignment_id, "workunit already done by another assignment", charge=False)
         try:
-            client = decode(storage.get(upload_key))
+            blob = storage.get(upload_key)
+        except ObjectNotFound:
+            return _reject(assignment_id, f"the upload {upload_key} is missing from storage; the workunit "
+                                          "will be dispatched again", charge=False)
+        try:
+            client = views(blob)
             check_against_manifest(client, manifest)
-        except (ObjectNotFound, TensorFormatError, ValueError) as exc:
+        except (TensorFormatError, ValueError) as exc:
             return _reject(assignment_id, f"invalid result: {exc}", charge=True)
         try:
             outcome = paramstore.merge_once(r, job_id, assignment_id,
@@ -86,6 +91,7 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
         _record_metric(job_id, epoch, assignment_id, model_config)
     _publish_snapshot_if_due(job_id, spec["scheduling"], version)
     _record_merge(assignment_id, version)
+    storage.delete(upload_key)
     close_epoch_if_complete(db, storage, r, job_id, epoch)
 
 
@@ -107,19 +113,19 @@ def _vc_asgd(spec: dict, epoch: int, base_version: int, client: Params):
 
 
 def _reject(assignment_id: int, message: str, charge: bool) -> None:
+    """Refuse a result: its workunit is ready again (or failed, when `charge` reaches max_errors)."""
     db, storage, r = _services()
     with db.begin() as s:
         a = s.get_one(Assignment, assignment_id, with_for_update=True)
         if a.status != AssignmentStatus.uploaded.value:
             return
-        wu = end_assignment(s, a, AssignmentStatus.rejected, message) if charge else None
-        if not charge:
-            states.move(a, AssignmentStatus.rejected)
-            a.finished_at, a.message = utcnow(), message
-        job_id, epoch = a.job_id, (wu.epoch if wu else None)
-        finished = wu is not None and wu.status == WorkunitStatus.failed.value
+        wu = end_assignment(s, a, AssignmentStatus.rejected, message, charge=charge)
+        job_id, epoch, failed = a.job_id, wu.epoch, wu.status == WorkunitStatus.failed.value
+        upload_key = a.upload_key
+    if upload_key:
+        storage.delete(upload_key)
     log.warning("assignment %s: rejected, %s", assignment_id, message)
-    if finished:
+    if failed:
         close_epoch_if_complete(db, storage, r, job_id, epoch)
 
 

@@ -4,9 +4,14 @@ PREFIX = "ct"
 ASSIMILATE_QUEUE = "crowdtrain.assimilate"
 
 
-def params(job_id: int) -> str:
-    """safetensors bytes of the server model W_s."""
-    return f"{PREFIX}:job:{job_id}:params"
+def params_chunk(job_id: int, index: int) -> str:
+    """One fixed-size chunk of W_s's safetensors bytes (see assimilator.paramstore)."""
+    return f"{PREFIX}:job:{job_id}:params:{index}"
+
+
+def params_size(job_id: int) -> str:
+    """Byte length of W_s's safetensors blob (fixed for the life of a job)."""
+    return f"{PREFIX}:job:{job_id}:params-size"
 
 
 def version(job_id: int) -> str:
@@ -22,3 +27,4 @@ def merged(job_id: int) -> str:
 def merge_log(job_id: int) -> str:
     """Hash assignment id -> JSON {version, merged_at, received_at}: when each merge landed."""
     return f"{PREFIX}:job:{job_id}:merge-log"
+

@@ -81,7 +81,9 @@ class PreActResNet(nn.Module):
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 16, blocks: int = 2):
         super().__init__()
-        in_ch = int(input_shape[0]) if len(input_shape) == 3 else 3
+        # Images come channels-first (C, H, W) or channels-last (H, W, C) with 1 or 3 channels.
+        channels_last = input_shape[-1] in (1, 3) and input_shape[0] not in (1, 3)
+        in_ch = int(input_shape[-1] if channels_last else input_shape[0])
         self.stem = nn.Conv2d(in_ch, width, 3, 1, 1, bias=False)
         stages: list[nn.Module] = []
         ch = width

@@ -28,6 +28,7 @@ def make_engine(url: str) -> Engine:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL keeps it consistent
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.schemas import ResultMetrics
 from crowdtrain.storage import Storage
-from crowdtrain.tensors import TensorFormatError, check_against_manifest, decode
+from crowdtrain.tensors import TensorFormatError, check_against_manifest, views
 from server import states
 from server.models import Assignment, Host, Job, Workunit, utcnow
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -35,29 +35,26 @@ def _own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
 
 def upload_result(db: sessionmaker[Session], storage: Storage, host_id: int, assignment_id: int, body: bytes,
                   metrics: ResultMetrics, enqueue: Callable[[int, float], None]) -> str:
-    """Store a result once and queue its merge. Bad bodies raise ResultProblem and change nothing."""
+    """Store a result once and queue its merge. Bad bodies raise ResultProblem and change nothing.
+    """
     received_at = time.time()
     with db.begin() as s:
-        a = _own_assignment(s, assignment_id, host_id)
+        a = s.get(Assignment, assignment_id, with_for_update=True)
+        # Someone else's assignment is reported exactly like a missing one: ids are not secrets to probe.
+        if a is None or a.host_id != host_id:
+            raise ResultProblem(404, f"assignment {assignment_id} does not exist or is not yours")
         if a.status != AssignmentStatus.in_progress.value:
             raise ResultProblem(409, f"assignment {assignment_id} is {a.status}; a result can be uploaded once, "
                                      "while the assignment is in progress")
         job = s.get_one(Job, a.job_id)
-        manifest = job.param_manifest
-    try:
-        check_against_manifest(decode(body), manifest)
-    except (TensorFormatError, ValueError) as exc:
-        raise ResultProblem(422, f"result for assignment {assignment_id} rejected: {exc}") from exc
-
-    key = f"jobs/{job.id}/uploads/{assignment_id}.safetensors"
-    storage.put(key, body)
-    with db.begin() as s:
-        a = s.get_one(Assignment, assignment_id, with_for_update=True)
-        if a.status != AssignmentStatus.in_progress.value:  # lost a race with a second upload or the transitioner
-            raise ResultProblem(409, f"assignment {assignment_id} is {a.status}; a result can be uploaded once")
+        try:
+            check_against_manifest(views(body), job.param_manifest)
+        except (TensorFormatError, ValueError) as exc:
+            raise ResultProblem(422, f"result for assignment {assignment_id} rejected: {exc}") from exc
+        a.upload_key = f"jobs/{job.id}/uploads/{assignment_id}.safetensors"
+        storage.put(a.upload_key, body)
         states.move(a, AssignmentStatus.uploaded)
         a.uploaded_at = utcnow()
-        a.upload_key = key
         a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
         s.get_one(Host, host_id).last_seen = a.uploaded_at
     log.info("assignment %s: result uploaded (%d bytes, loss %s), merge queued", assignment_id, len(body),
@@ -97,19 +94,22 @@ def give_up(db: sessionmaker[Session], host_id: int, assignment_id: int, outcome
         return (wu.job_id, wu.epoch) if wu.status == WorkunitStatus.failed.value else None
 
 
-def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message: str) -> Workunit:
+def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message: str,
+                   charge: bool | None = None) -> Workunit:
     """Close a failed/abandoned/timed-out/rejected assignment and return its workunit to the pool.
 
-    The workunit becomes ready again, or failed after `max_errors` charged failures. Returns it so
-    the caller can close the epoch when that was its last open workunit.
+    The workunit becomes ready again, or failed after `max_errors` charged failures (`charge`
+    defaults to whether the outcome is the host's fault). Returns it so the caller can close the
+    epoch when that was its last open workunit.
     """
+    charge = outcome.counts_as_error if charge is None else charge
     states.move(a, outcome)
     a.finished_at = utcnow()
     a.message = message[:1000]
     wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
     if wu.status != WorkunitStatus.in_progress.value:
         return wu  # already done by a duplicate, or cancelled with its job: nobody is charged
-    if outcome.counts_as_error:
+    if charge:
         host = s.get_one(Host, a.host_id)
         host.results_failed += 1
         host.consecutive_valid = 0
@@ -117,7 +117,7 @@ def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message
     others = s.query(Assignment).filter(Assignment.workunit_id == wu.id, Assignment.id != a.id,
                                         Assignment.status.in_([AssignmentStatus.in_progress.value,
                                                                AssignmentStatus.uploaded.value])).count()
-    if outcome.counts_as_error:
+    if charge:
         wu.error_count += 1
     if others:
         return wu

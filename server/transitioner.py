@@ -4,7 +4,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 import redis
 from sqlalchemy import select
@@ -42,13 +42,14 @@ def requeue_stalled_merges(db: sessionmaker[Session], stalled_after: float,
                            enqueue: Callable[[int, float], None]) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task)."""
     with db.begin() as s:
-        ids = s.scalars(select(Assignment.id).where(
+        rows = s.execute(select(Assignment.id, Assignment.uploaded_at).where(
             Assignment.status == AssignmentStatus.uploaded.value,
             Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after)).limit(500)).all()
-    for aid in ids:
-        log.warning("assignment %s: uploaded %ss ago and not merged; queueing its merge again", aid, stalled_after)
-        enqueue(aid, 0.0)
-    return len(ids)
+    for aid, uploaded_at in rows:
+        log.warning("assignment %s: uploaded at %s and still not merged; queueing its merge again", aid,
+                    uploaded_at.isoformat(timespec="seconds"))
+        enqueue(aid, uploaded_at.replace(tzinfo=UTC).timestamp())
+    return len(rows)
 
 
 def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, interval: float, stalled_after: float,

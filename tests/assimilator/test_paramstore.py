@@ -29,7 +29,7 @@ def test_a_redelivered_merge_is_applied_once(private_redis) -> None:
 
 def test_initialise_does_not_overwrite_a_live_model(private_redis) -> None:
     paramstore.initialise(private_redis, 1, _w(0.0))
-    paramstore.merge_once(private_redis, 1, 1, lambda ws, v: merge_vc_asgd(ws, _w(1.0), 0.5))
+    paramstore.merge_once(private_redis, 1, 1, lambda ws, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws))
     paramstore.initialise(private_redis, 1, _w(9.0))
     version, params = paramstore.read(private_redis, 1)
     assert version == 1 and params["w"][0] == pytest.approx(0.5)
@@ -63,7 +63,7 @@ def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_red
         conn = paramstore.connect(f"redis://127.0.0.1:{private_redis.connection_pool.connection_kwargs['port']}/0")
         try:
             for aid in chunk:
-                paramstore.merge_once(conn, 3, aid, lambda ws, v: merge_vc_asgd(ws, _w(1.0), alpha))
+                paramstore.merge_once(conn, 3, aid, lambda ws, v: merge_vc_asgd(ws, _w(1.0), alpha, out=ws))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
