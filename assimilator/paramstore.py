@@ -151,3 +151,13 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                 return MergeOutcome(version + 1, applied_now=True)
             except redis.WatchError:
                 continue
+
+
+def note_snapshot(r: redis.Redis, job_id: int, version: int, keep: int) -> list[int]:
+    """Record a published snapshot; returns the versions beyond the newest `keep`, to delete."""
+    with r.pipeline() as pipe:
+        pipe.lpush(keys.snapshots(job_id), version)
+        pipe.lrange(keys.snapshots(job_id), keep, -1)
+        pipe.ltrim(keys.snapshots(job_id), 0, keep - 1)
+        _, expired, _ = pipe.execute()
+    return [int(v) for v in expired]

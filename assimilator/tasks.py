@@ -167,9 +167,13 @@ def _publish_snapshot_if_due(job_id: int, sched: dict, version: int) -> None:
     storage.put(key, blob)
     with db.begin() as s:
         job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
-        if (job.snapshot_version or 0) < current:
-            job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = current, key, sha256(blob)
-            job.snapshot_at = utcnow()
+        if (job.snapshot_version or 0) >= current:
+            return  # another parameter server published a newer one meanwhile
+        job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = current, key, sha256(blob)
+        job.snapshot_at = utcnow()
+    # Assignments fetch their snapshot right after dispatch, so only the newest few are kept.
+    for old in paramstore.note_snapshot(r, job_id, current, get_settings().snapshots_kept):
+        storage.delete(snapshot_key(job_id, old))
 
 
 def _record_metric(job_id: int, epoch: int, assignment_id: int, model_config: dict) -> None:

@@ -31,6 +31,11 @@ def summary_table(st: JobStatusOut, wall: float) -> Table:
     return t
 
 
+def _interrupt(signum, frame) -> None:
+    """SIGTERM is handled like Ctrl-C: the demo stops every process it started."""
+    raise KeyboardInterrupt
+
+
 def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter_servers: int) -> int:
     console = Console()
     spec = load_job_spec(spec_path)
@@ -38,8 +43,7 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
         shutil.rmtree(var_dir)
     start = time.monotonic()
     cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=parameter_servers)
-    # Ctrl-C arrives as KeyboardInterrupt; SIGTERM is turned into one so both stop every process.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         console.print(f"starting Redis, scheduler, transitioner, {parameter_servers} parameter servers ...")
         cluster.start()

@@ -28,3 +28,8 @@ def merge_log(job_id: int) -> str:
     """Hash assignment id -> JSON {version, merged_at, received_at}: when each merge landed."""
     return f"{PREFIX}:job:{job_id}:merge-log"
 
+
+
+def snapshots(job_id: int) -> str:
+    """List of published snapshot versions, newest first (for retention)."""
+    return f"{PREFIX}:job:{job_id}:snapshots"

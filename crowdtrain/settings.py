@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     heartbeat_interval: float = Field(5.0, description="Seconds between client heartbeats")
     transitioner_interval: float = Field(1.0, description="Seconds between transitioner sweeps")
     stuck_upload_seconds: float = Field(60.0, description="Re-queue a merge not done this long after upload")
+    snapshots_kept: int = Field(10, ge=2, description="Published W_s snapshots kept in storage per job")
     broker_visibility_timeout: int = Field(300, description="Seconds before Redis redelivers an unacked task")
 
     @property

@@ -60,6 +60,7 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         storage.put(validation_key, encode_shard(data.x_val, data.y_val))
         storage.put(snapshot_key(job_id, 0), initial)
         paramstore.initialise(r, job_id, params)
+        paramstore.note_snapshot(r, job_id, 0, keep=1_000_000)
     except Exception as exc:
         with db.begin() as s:
             job = s.get_one(Job, job_id)

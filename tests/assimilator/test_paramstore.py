@@ -80,3 +80,9 @@ def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_red
     assert versions == list(range(1, 41))
     # Every client sends 1.0, so after n merges W_s = 1 - alpha^n whatever the order.
     np.testing.assert_allclose(params["w"], 1 - alpha ** 40, rtol=1e-5)
+
+
+def test_snapshot_retention_returns_the_versions_beyond_the_newest_few(private_redis) -> None:
+    expired = [paramstore.note_snapshot(private_redis, 5, v, keep=3) for v in range(6)]
+    assert expired == [[], [], [], [0], [1], [2]]
+    assert [int(v) for v in private_redis.lrange(keys.snapshots(5), 0, -1)] == [5, 4, 3]
