@@ -160,7 +160,7 @@ class Cluster:
                 port = free_port()
                 self.services.append(start_redis(self.var_dir / "redis", port))
                 self.redis_url = f"redis://127.0.0.1:{port}/0"
-            self.port = free_port()
+            self.port = self.port or free_port()
             server = self._service("server", "server", "--port", str(self.port), "--workers", str(self.server_workers))
             self._service("transitioner", "transitioner")
             self._service("assimilator", "assimilator", "--concurrency", str(self.assimilator_concurrency))

@@ -1,0 +1,67 @@
+"""The client process against a real cluster: clean exit on SIGTERM, patience while the server is down."""
+
+import os
+import signal
+import time
+
+import pytest
+from sqlalchemy import select
+
+from crowdtrain.jobspec import load_job_spec
+from crowdtrain.launch import Cluster, Service, crowdtrain_argv, free_port, wait_for
+from server.db import session_factory
+from server.models import Assignment, Host, Workunit
+from server.states import AssignmentStatus, WorkunitStatus
+from tests.conftest import EXAMPLE_SPEC
+
+pytestmark = pytest.mark.integration
+
+
+def submit_slow_job(cluster: Cluster) -> int:
+    """Assignments that train for a long time, so a test can act while they run."""
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.training.local_epochs = 500
+    with cluster.admin() as http:
+        return http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
+
+
+def host_assignments(db_url: str, host_name: str) -> list[tuple[int, str, int]]:
+    with session_factory(db_url).begin() as s:
+        rows = s.execute(select(Assignment.id, Assignment.status, Assignment.workunit_id).join(Host)
+                         .where(Host.name == host_name)).all()
+    return [tuple(r) for r in rows]
+
+
+def test_sigterm_abandons_running_assignments_and_exits_cleanly(make_cluster, sqlite_url: str) -> None:
+    cluster = make_cluster(sqlite_url)
+    submit_slow_job(cluster)
+    client = cluster.start_client("volunteer", tasks=2)
+    wait_for(lambda: len(host_assignments(sqlite_url, "volunteer")) == 2, 60, "no work for the client", client)
+    time.sleep(2)  # well into training
+    client.proc.send_signal(signal.SIGTERM)
+    assert client.proc.wait(30) == 0, client.tail()
+    rows = host_assignments(sqlite_url, "volunteer")
+    assert {status for _, status, _ in rows} == {AssignmentStatus.abandoned.value}
+    with session_factory(sqlite_url).begin() as s:
+        for _, _, wu_id in rows:
+            wu = s.get_one(Workunit, wu_id)
+            assert (wu.status, wu.error_count) == (WorkunitStatus.ready.value, 0), "abandoning is no error"
+
+
+def test_client_waits_for_an_unreachable_server_and_then_works(make_cluster, sqlite_url: str, tmp_path) -> None:
+    port = free_port()
+    client = Service("early-bird", crowdtrain_argv("client", "--server", f"http://127.0.0.1:{port}", "--join-token",
+                                                   "demo-join", "--cache", str(tmp_path / "cache"), "--name",
+                                                   "early-bird"),
+                     dict(os.environ), tmp_path / "early-bird.log").start()
+    try:
+        time.sleep(6)
+        assert client.alive, client.tail()
+        assert "server unreachable" in client.tail(), "the client should be retrying"
+        cluster = make_cluster(sqlite_url, port=port)
+        submit_slow_job(cluster)
+        wait_for(lambda: any(st == AssignmentStatus.in_progress.value
+                             for _, st, _ in host_assignments(sqlite_url, "early-bird")),
+                 90, "the client never got work after the server came up", client)
+    finally:
+        client.stop()
