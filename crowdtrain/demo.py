@@ -62,6 +62,7 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
                        and any(c.alive for c in cluster.clients))
             final = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
         png = plot_accuracy(final, var_dir / "accuracy.png")
+        console.print()
         console.print(summary_table(final, time.monotonic() - start))
         console.print(f"accuracy plot: {png}; logs: {var_dir / 'logs'}")
         if st.status != "succeeded":
