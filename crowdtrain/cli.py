@@ -24,10 +24,8 @@ def _logging(level: str = "INFO") -> None:
 
 
 @app.command()
-def server(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
-    """Run the scheduler (migrates the database to the latest schema first)."""
-    import uvicorn
-
+def migrate() -> None:
+    """Bring the database to the latest schema (`alembic upgrade head`) and exit."""
     from crowdtrain.settings import get_settings
     from migrations import upgrade
 
@@ -35,6 +33,23 @@ def server(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     settings = get_settings()
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.resolved_database_url)
+
+
+@app.command()
+def server(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
+    run_migrations: Annotated[bool, typer.Option("--migrate/--no-migrate",
+                                                 help="Run `alembic upgrade head` before serving")] = True,
+) -> None:
+    """Run the scheduler."""
+    import uvicorn
+
+    if run_migrations:
+        migrate()
+    else:
+        _logging()
     uvicorn.run("server.app:app", host=host, port=port, workers=workers, log_level="warning")
 
 

@@ -17,6 +17,9 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Parameter store and Celery broker")
     storage_url: str = Field("", description="file:///dir or s3://bucket/prefix; empty means var_dir/storage")
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
+    s3_public_endpoint_url: str | None = Field(None, description="Endpoint in presigned URLs, if clients reach S3 "
+                                                                 "by another address than the servers")
+    presign_seconds: int = Field(900, ge=60, description="Lifetime of presigned download URLs")
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the scheduler")
 
     admin_token: str = Field("change-me-admin", description="Bearer token for /v1/jobs admin routes")

@@ -20,6 +20,7 @@ class Storage(Protocol):
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def local_path(self, key: str) -> Path | None: ...
+    def presigned_url(self, key: str, expires_seconds: int) -> str | None: ...
 
 
 def _check_key(key: str) -> str:
@@ -67,16 +68,24 @@ class LocalStorage:
         path = self._path(key)
         return path if path.is_file() else None
 
+    def presigned_url(self, key: str, expires_seconds: int) -> str | None:
+        """Local files have no URL of their own: the scheduler serves them."""
+        return None
+
 
 class S3Storage:
     """Objects in `s3://bucket/prefix`; `endpoint_url` points at MinIO or another S3 implementation."""
 
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None):
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
+                 public_endpoint_url: str | None = None):
         import boto3
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.client = boto3.client("s3", endpoint_url=endpoint_url)
+        # Presigned URLs must name the endpoint as clients reach it (e.g. not a compose-internal host).
+        self.public = (boto3.client("s3", endpoint_url=public_endpoint_url)
+                       if public_endpoint_url and public_endpoint_url != endpoint_url else self.client)
 
     def _key(self, key: str) -> str:
         key = _check_key(key)
@@ -104,11 +113,16 @@ class S3Storage:
     def local_path(self, key: str) -> Path | None:
         return None
 
+    def presigned_url(self, key: str, expires_seconds: int) -> str | None:
+        """A short-lived GET URL: clients download from S3 directly, not through the scheduler."""
+        return self.public.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": self._key(key)},
+                                                  ExpiresIn=expires_seconds)
 
-def open_storage(url: str, endpoint_url: str | None = None) -> Storage:
+
+def open_storage(url: str, endpoint_url: str | None = None, public_endpoint_url: str | None = None) -> Storage:
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return LocalStorage(Path(parsed.path))
     if parsed.scheme == "s3":
-        return S3Storage(parsed.netloc, parsed.path, endpoint_url)
+        return S3Storage(parsed.netloc, parsed.path, endpoint_url, public_endpoint_url)
     raise ValueError(f"storage URL must be file:///DIR or s3://BUCKET/PREFIX, got {url!r}")

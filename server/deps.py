@@ -23,12 +23,12 @@ def get_db(settings: SettingsDep) -> sessionmaker[Session]:
 
 
 @lru_cache
-def _storage(url: str, endpoint: str | None) -> Storage:
-    return open_storage(url, endpoint)
+def _storage(url: str, endpoint: str | None, public_endpoint: str | None) -> Storage:
+    return open_storage(url, endpoint, public_endpoint)
 
 
 def get_storage(settings: SettingsDep) -> Storage:
-    return _storage(settings.resolved_storage_url, settings.s3_endpoint_url)
+    return _storage(settings.resolved_storage_url, settings.s3_endpoint_url, settings.s3_public_endpoint_url)
 
 
 @lru_cache

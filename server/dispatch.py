@@ -7,6 +7,7 @@ from sqlalchemy import case, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
+from crowdtrain.storage import Storage
 from server import states
 from server.models import Assignment, Host, Job, Shard, Workunit, utcnow
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -31,18 +32,22 @@ def _claim_ready(s: Session, job: Job, host: Host, limit: int, cached: list[str]
     return list(s.execute(query).tuples())
 
 
-def _assignment_out(a: Assignment, wu: Workunit, shard: Shard, job: Job) -> AssignmentOut:
+def _assignment_out(a: Assignment, wu: Workunit, shard: Shard, job: Job, storage: Storage,
+                    presign_seconds: int) -> AssignmentOut:
+    # Object storage that can presign serves the bytes itself; otherwise the scheduler does.
+    shard_url = storage.presigned_url(shard.key, presign_seconds) or f"/v1/shards/{shard.id}"
+    snapshot_url = (storage.presigned_url(job.snapshot_key, presign_seconds)
+                    or f"/v1/jobs/{job.id}/snapshots/{job.snapshot_version}")
     return AssignmentOut(
         assignment_id=a.id, job_id=job.id, workunit_id=wu.id, epoch=wu.epoch, shard_index=shard.index,
         base_version=a.base_version, deadline=a.deadline,
         recipe=Recipe(model=job.model_config_, training=job.spec["training"], seed=job.spec["seed"] + a.id),
-        shard=FileRef(url=f"/v1/shards/{shard.id}", sha256=shard.sha256, size=shard.size),
-        snapshot=FileRef(url=f"/v1/jobs/{job.id}/snapshots/{job.snapshot_version}", sha256=job.snapshot_sha256,
-                         size=job.param_bytes))
+        shard=FileRef(url=shard_url, sha256=shard.sha256, size=shard.size),
+        snapshot=FileRef(url=snapshot_url, sha256=job.snapshot_sha256, size=job.param_bytes))
 
 
-def request_work(db: sessionmaker[Session], host_id: int, free_slots: int, cached: list[str],
-                 resources: Resources | None) -> list[AssignmentOut]:
+def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free_slots: int, cached: list[str],
+                 resources: Resources | None, presign_seconds: int = 900) -> list[AssignmentOut]:
     """Give the host up to `free_slots` assignments; no workunit is ever held by two hosts at once."""
     with db.begin() as s:
         host = s.get_one(Host, host_id)
@@ -66,7 +71,7 @@ def request_work(db: sessionmaker[Session], host_id: int, free_slots: int, cache
                                status=AssignmentStatus.in_progress.value, sent_at=now, deadline=deadline)
                 s.add(a)
                 s.flush()
-                out.append(_assignment_out(a, wu, shard, job))
+                out.append(_assignment_out(a, wu, shard, job, storage, presign_seconds))
                 log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, deadline %s)", a.id, job.id,
                          wu.epoch, shard.index, host.id, a.base_version, deadline.isoformat(timespec="seconds"))
             if len(out) >= free_slots:

@@ -19,9 +19,11 @@ def _problem(exc: ResultProblem) -> HTTPException:
 
 
 @router.post("/work", response_model=WorkReply)
-def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, settings: SettingsDep) -> WorkReply:
+def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: StorageDep,
+                 settings: SettingsDep) -> WorkReply:
     """Ask for up to `free_slots` assignments."""
-    assignments = dispatch.request_work(db, host_id, req.free_slots, req.cached_shards, req.resources)
+    assignments = dispatch.request_work(db, storage, host_id, req.free_slots, req.cached_shards, req.resources,
+                                        settings.presign_seconds)
     return WorkReply(assignments=assignments, retry_after=settings.work_retry_after,
                      heartbeat_interval=settings.heartbeat_interval)
 
