@@ -14,6 +14,12 @@ app = typer.Typer(help="crowdtrain: train deep-learning models on compute that c
                   no_args_is_help=True, pretty_exceptions_enable=False)
 job_app = typer.Typer(help="Submit and follow training jobs (needs the admin token).", no_args_is_help=True)
 app.add_typer(job_app, name="job")
+admin_app = typer.Typer(help="Operator commands: join tokens and hosts (needs the admin token).", no_args_is_help=True)
+token_app = typer.Typer(help="Join tokens that let clients register.", no_args_is_help=True)
+host_app = typer.Typer(help="Registered hosts.", no_args_is_help=True)
+admin_app.add_typer(token_app, name="join-token")
+admin_app.add_typer(host_app, name="host")
+app.add_typer(admin_app, name="admin")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -196,6 +202,53 @@ def job_download(job_id: int, output: Annotated[Path, typer.Option("-o", "--outp
             _check(resp)
         output.write_bytes(resp.content)
     typer.echo(f"wrote {output} ({len(resp.content)} bytes)")
+
+
+def _print_rows(rows: list[dict], columns: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in columns))
+    Console().print(table)
+
+
+@token_app.command("create")
+def token_create(label: Annotated[str, typer.Option(help="Who the token is for")],
+                 server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Issue a join token; it is printed once and only its hash is kept."""
+    with _admin(server, admin_token) as http:
+        created = _check(http.post("/v1/admin/join-tokens", json={"label": label}))
+    typer.echo(json.dumps(created))
+
+
+@token_app.command("list")
+def token_list(server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    with _admin(server, admin_token) as http:
+        _print_rows(_check(http.get("/v1/admin/join-tokens")),
+                    ["id", "label", "created_at", "revoked", "hosts_registered"])
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """No new host can register with this token; registered hosts keep working."""
+    with _admin(server, admin_token) as http:
+        typer.echo(json.dumps(_check(http.post(f"/v1/admin/join-tokens/{token_id}/revoke"))))
+
+
+@host_app.command("list")
+def host_list(server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    with _admin(server, admin_token) as http:
+        _print_rows(_check(http.get("/v1/admin/hosts")),
+                    ["id", "name", "device", "last_seen", "revoked", "results_valid", "results_failed"])
+
+
+@host_app.command("revoke")
+def host_revoke(host_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Refuse a host from now on; its running assignments are dispatched again at once."""
+    with _admin(server, admin_token) as http:
+        typer.echo(json.dumps(_check(http.post(f"/v1/admin/hosts/{host_id}/revoke"))))
 
 
 @app.command()

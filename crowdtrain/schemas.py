@@ -24,6 +24,39 @@ class HostRegistered(BaseModel):
     host_token: str
 
 
+class JoinTokenCreate(BaseModel):
+    label: str = Field(..., min_length=1, max_length=200, description="Who the token is for")
+
+
+class JoinTokenCreated(BaseModel):
+    id: int
+    label: str
+    token: str = Field(..., description="Shown once: only its hash is stored")
+
+
+class JoinTokenPublic(BaseModel):
+    id: int
+    label: str
+    created_at: datetime
+    revoked: bool
+    hosts_registered: int
+
+
+class HostPublic(BaseModel):
+    id: int
+    name: str
+    device: str
+    cpus: int
+    gpu: str
+    created_at: datetime
+    last_seen: datetime
+    revoked: bool
+    results_valid: int
+    results_failed: int
+    consecutive_valid: int
+    mean_turnaround: float | None
+
+
 class WorkRequest(BaseModel):
     free_slots: int = Field(..., ge=0, le=256)
     resources: Resources | None = None

@@ -23,7 +23,8 @@ class Settings(BaseSettings):
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the scheduler")
 
     admin_token: str = Field("change-me-admin", description="Bearer token for /v1/jobs admin routes")
-    join_token: str = Field("change-me-join", description="Operator-issued token a client registers with")
+    join_token: str = Field("change-me-join", description="Bootstrap join token clients may register with; "
+                                                        "empty disables it (use `crowdtrain admin join-token`)")
 
     upload_max_bytes: int = Field(64 * 1024 * 1024, description="Largest accepted result upload")
     work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")

@@ -4,12 +4,12 @@ import logging
 
 from fastapi import FastAPI
 
-from server.routes import files, hosts, jobs, work
+from server.routes import admin, files, hosts, jobs, work
 
 
 def create_app() -> FastAPI:
     app = FastAPI(title="crowdtrain scheduler", version="0.1.0")
-    for module in (hosts, work, files, jobs):
+    for module in (hosts, work, files, jobs, admin):
         app.include_router(module.router)
 
     @app.get("/v1/health", tags=["health"])

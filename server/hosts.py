@@ -7,8 +7,9 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.schemas import HostRegister, HostRegistered
-from server.models import Host
+from crowdtrain.schemas import HostPublic, HostRegister, HostRegistered, JoinTokenCreated, JoinTokenPublic
+from server.models import Assignment, Host, JoinToken
+from server.states import AssignmentStatus, WorkunitStatus
 
 
 class NotAuthorized(Exception):
@@ -20,15 +21,26 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def register_host(db: sessionmaker[Session], req: HostRegister, join_token: str) -> HostRegistered:
-    if not hmac.compare_digest(req.join_token.encode(), join_token.encode()):
-        raise NotAuthorized("invalid join token")
+def _join_token_id(s: Session, token: str, bootstrap_token: str) -> int | None:
+    """The id of the active join token `token` (None for the bootstrap token from the settings)."""
+    if bootstrap_token and hmac.compare_digest(token.encode(), bootstrap_token.encode()):
+        return None
+    row = s.execute(select(JoinToken.id, JoinToken.revoked).where(JoinToken.token_hash == hash_token(token))).first()
+    if row is None or row.revoked:
+        raise NotAuthorized("invalid or revoked join token")
+    return row.id
+
+
+def register_host(db: sessionmaker[Session], req: HostRegister, bootstrap_token: str) -> HostRegistered:
     token = secrets.token_urlsafe(32)
     with db.begin() as s:
+        join_id = _join_token_id(s, req.join_token, bootstrap_token)
         r = req.resources
         host = Host(name=req.name, token_hash=hash_token(token), cpus=r.cpus, ram_bytes=r.ram_bytes, gpu=r.gpu,
-                    device=r.device)
+                    device=r.device, join_token_id=join_id)
         s.add(host)
+        if join_id is not None:
+            s.get_one(JoinToken, join_id).hosts_registered += 1
         s.flush()
         return HostRegistered(host_id=host.id, host_token=token)
 
@@ -39,3 +51,58 @@ def authenticate_host(db: sessionmaker[Session], token: str) -> int:
     if row is None or row.revoked:
         raise NotAuthorized("unknown or revoked host token")
     return row.id
+
+
+def create_join_token(db: sessionmaker[Session], label: str) -> JoinTokenCreated:
+    """Issue a join token; the token itself is shown only in this answer."""
+    token = secrets.token_urlsafe(32)
+    with db.begin() as s:
+        row = JoinToken(label=label, token_hash=hash_token(token))
+        s.add(row)
+        s.flush()
+        return JoinTokenCreated(id=row.id, label=label, token=token)
+
+
+def list_join_tokens(db: sessionmaker[Session]) -> list[JoinTokenPublic]:
+    with db.begin() as s:
+        return [JoinTokenPublic(id=t.id, label=t.label, created_at=t.created_at, revoked=t.revoked,
+                                hosts_registered=t.hosts_registered)
+                for t in s.scalars(select(JoinToken).order_by(JoinToken.id))]
+
+
+def revoke_join_token(db: sessionmaker[Session], token_id: int) -> JoinTokenPublic:
+    """No new host can register with it; hosts already registered keep working."""
+    with db.begin() as s:
+        t = s.get(JoinToken, token_id)
+        if t is None:
+            raise LookupError(f"join token {token_id} does not exist")
+        t.revoked = True
+        return JoinTokenPublic(id=t.id, label=t.label, created_at=t.created_at, revoked=True,
+                               hosts_registered=t.hosts_registered)
+
+
+def list_hosts(db: sessionmaker[Session]) -> list[HostPublic]:
+    with db.begin() as s:
+        return [HostPublic.model_validate(h, from_attributes=True) for h in s.scalars(select(Host).order_by(Host.id))]
+
+
+def revoke_host(db: sessionmaker[Session], host_id: int) -> tuple[HostPublic, list[tuple[int, int]]]:
+    """Refuse the host from now on and give its running assignments back to the pool at once.
+
+    Returns the host and the (job, epoch) of workunits that failed for good, for epoch closing.
+    """
+    from server.results import end_assignment
+
+    with db.begin() as s:
+        host = s.get(Host, host_id)
+        if host is None:
+            raise LookupError(f"host {host_id} does not exist")
+        host.revoked = True
+        failed = []
+        for a in s.scalars(select(Assignment).where(Assignment.host_id == host_id,
+                                                    Assignment.status == AssignmentStatus.in_progress.value)):
+            wu = end_assignment(s, a, AssignmentStatus.abandoned, "host revoked by the operator")
+            if wu.status == WorkunitStatus.failed.value:
+                failed.append((wu.job_id, wu.epoch))
+        s.flush()
+        return HostPublic.model_validate(host, from_attributes=True), failed

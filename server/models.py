@@ -85,10 +85,25 @@ class Host(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(default=False)
+    join_token_id: Mapped[int | None] = mapped_column(ForeignKey("join_tokens.id", name="fk_hosts_join_token_id"),
+                                                      nullable=True)
     results_valid: Mapped[int] = mapped_column(Integer, default=0)
     results_failed: Mapped[int] = mapped_column(Integer, default=0)
     consecutive_valid: Mapped[int] = mapped_column(Integer, default=0)
     mean_turnaround: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class JoinToken(Base):
+    """An operator-issued token that lets a client register; only its sha256 is stored."""
+
+    __tablename__ = "join_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    label: Mapped[str] = mapped_column(String(200))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked: Mapped[bool] = mapped_column(default=False)
+    hosts_registered: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Assignment(Base):

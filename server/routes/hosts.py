@@ -9,7 +9,8 @@ router = APIRouter(prefix="/v1", tags=["hosts"])
 
 @router.post("/hosts", response_model=HostRegistered, status_code=status.HTTP_201_CREATED)
 def register(req: HostRegister, db: DbDep, settings: SettingsDep) -> HostRegistered:
-    """Register a client with the operator's join token; answers the host token to use from now on."""
+    """Register a client with a join token (one issued with `crowdtrain admin join-token create`, or the
+    bootstrap token from the settings); answers the host token to use from now on."""
     try:
         return register_host(db, req, settings.join_token)
     except NotAuthorized as exc:
