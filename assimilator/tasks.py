@@ -5,6 +5,7 @@ once per assignment (paramstore.merge_once), and every database step below is id
 """
 
 import logging
+import time
 from functools import lru_cache
 
 import numpy as np
@@ -18,7 +19,7 @@ from assimilator.rules import alpha_for_epoch, merge_vc_asgd, update_norm
 from crowdtrain.settings import get_settings
 from crowdtrain.storage import ObjectNotFound, Storage, open_storage
 from crowdtrain.tensors import Params, TensorFormatError, check_against_manifest, decode_shard, sha256, views
-from server import states
+from server import states, telemetry
 from server.db import session_factory
 from server.models import Assignment, Host, Job, Metric, Workunit, utcnow
 from server.results import end_assignment
@@ -82,6 +83,10 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
         except Refused as exc:
             return _reject(assignment_id, str(exc), charge=True)
         version = outcome.version
+        if outcome.applied_now:
+            telemetry.count(r, "merges")
+            if received_at:
+                telemetry.observe_merge_latency(r, time.time() - received_at)
     else:
         version = paramstore.merged_version(r, job_id, assignment_id) or 0
 
@@ -124,6 +129,7 @@ def _reject(assignment_id: int, message: str, charge: bool) -> None:
         upload_key = a.upload_key
     if upload_key:
         storage.delete(upload_key)
+    telemetry.count(r, "rejections")
     log.warning("assignment %s: rejected, %s", assignment_id, message)
     if failed:
         close_epoch_if_complete(db, storage, r, job_id, epoch)

@@ -33,3 +33,7 @@ def merge_log(job_id: int) -> str:
 def snapshots(job_id: int) -> str:
     """List of published snapshot versions, newest first (for retention)."""
     return f"{PREFIX}:job:{job_id}:snapshots"
+
+
+METRIC_COUNTERS = f"{PREFIX}:metrics:counters"  # hash: event name -> count, shared by every process
+MERGE_LATENCY = f"{PREFIX}:metrics:merge-latency"  # hash: histogram buckets, sum and count

@@ -4,12 +4,12 @@ import logging
 
 from fastapi import FastAPI
 
-from server.routes import admin, files, hosts, jobs, work
+from server.routes import admin, files, hosts, jobs, metrics, work
 
 
 def create_app() -> FastAPI:
     app = FastAPI(title="crowdtrain scheduler", version="0.1.0")
-    for module in (hosts, work, files, jobs, admin):
+    for module in (hosts, work, files, jobs, admin, metrics):
         app.include_router(module.router)
 
     @app.get("/v1/health", tags=["health"])

@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.storage import Storage
+from server import telemetry
 from server.models import Assignment, utcnow
 from server.results import end_assignment
 from server.states import AssignmentStatus, WorkunitStatus
@@ -33,6 +34,7 @@ def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: red
                         wu.status)
             if wu.status == WorkunitStatus.failed.value:
                 closed.add((wu.job_id, wu.epoch))
+    telemetry.count(r, "timeouts", len(expired))
     for job_id, epoch in closed:
         close_epoch_if_complete(db, storage, r, job_id, epoch)
     return len(expired)

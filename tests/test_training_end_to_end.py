@@ -3,8 +3,10 @@
 import signal
 import time
 
+import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from assimilator.evaluate import evaluate
@@ -45,9 +47,23 @@ def wait_finished(cluster: Cluster, job_id: int, timeout: float = JOB_TIMEOUT) -
     pytest.fail(f"job {job_id} did not finish within {timeout}s: {st}")
 
 
+def settle(cluster: Cluster, db) -> None:
+    """Stop the clients and wait until every uploaded result has been merged or rejected."""
+    for client in cluster.clients:
+        client.stop()
+
+    def nothing_in_flight() -> bool:
+        with db.begin() as s:
+            return not s.scalar(select(func.count()).select_from(Assignment).where(
+                Assignment.status == AssignmentStatus.uploaded.value))
+
+    wait_for(nothing_in_flight, 60, "uploaded results were never merged or rejected")
+
+
 def assert_exact_accounting(cluster: Cluster, job_id: int) -> None:
     """Every workunit of every closed epoch is done or failed; nothing merged twice (DB and Redis agree)."""
     db = session_factory(cluster.database_url or f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
+    settle(cluster, db)
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         last_closed = int(job.status_message.split()[1]) if job.status == "succeeded" else job.current_epoch
@@ -75,6 +91,21 @@ def assert_exact_accounting(cluster: Cluster, job_id: int) -> None:
     assert int(r.get(keys.version(job_id))) == len(merged_ids), "W_s version != number of merged assignments"
 
 
+def assert_metrics_agree(cluster: Cluster, job_id: int) -> None:
+    """/metrics (Prometheus text) counts what the database counts (call after `settle`)."""
+    assert httpx.get(f"{cluster.url}/metrics").status_code == 401
+    with cluster.admin() as http:
+        text = http.get("/metrics").text
+        assignments = http.get(f"/v1/jobs/{job_id}").json()["assignments"]
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    merges = assignments.get("merged", 0)
+    assert samples["crowdtrain_merges_total"] == merges
+    assert samples["crowdtrain_merge_latency_seconds_count"] == merges
+    assert samples["crowdtrain_uploads_total"] >= merges
+    assert samples["crowdtrain_dispatches_total"] == sum(assignments.values())
+    assert samples["crowdtrain_work_requests_total"] >= 1
+
+
 @pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
 def test_two_clients_train_the_example_job_to_its_target(make_cluster, database_url: str) -> None:
     cluster = make_cluster(database_url)
@@ -85,6 +116,7 @@ def test_two_clients_train_the_example_job_to_its_target(make_cluster, database_
     assert st["status"] == "succeeded", st["status_message"]
     assert max(e["mean_accuracy"] or 0 for e in st["epochs"]) >= 0.90
     assert_exact_accounting(cluster, job_id)
+    assert_metrics_agree(cluster, job_id)
     with cluster.admin() as http:
         model = http.get(f"/v1/jobs/{job_id}/model")
         job = http.get(f"/v1/jobs/{job_id}").json()

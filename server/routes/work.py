@@ -6,7 +6,7 @@ from fastapi.concurrency import run_in_threadpool
 from assimilator.celery_app import enqueue_merge
 from assimilator.epochs import close_epoch_if_complete
 from crowdtrain.schemas import ClientError, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
-from server import dispatch, results
+from server import dispatch, results, telemetry
 from server.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
 from server.results import ResultProblem
 from server.states import AssignmentStatus
@@ -19,11 +19,13 @@ def _problem(exc: ResultProblem) -> HTTPException:
 
 
 @router.post("/work", response_model=WorkReply)
-def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: StorageDep,
+def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep,
                  settings: SettingsDep) -> WorkReply:
     """Ask for up to `free_slots` assignments."""
     assignments = dispatch.request_work(db, storage, host_id, req.free_slots, req.cached_shards, req.resources,
                                         settings.presign_seconds)
+    telemetry.count(r, "work_requests")
+    telemetry.count(r, "dispatches", len(assignments))
     return WorkReply(assignments=assignments, retry_after=settings.work_retry_after,
                      heartbeat_interval=settings.heartbeat_interval)
 
@@ -52,7 +54,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 @router.put("/assignments/{assignment_id}/result", response_model=ResultAccepted, status_code=status.HTTP_202_ACCEPTED)
 async def upload_result(assignment_id: int, request: Request, metrics: Annotated[ResultMetrics, Depends()],
-                        host_id: HostDep, db: DbDep, storage: StorageDep, settings: SettingsDep) -> ResultAccepted:
+                        host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep,
+                        settings: SettingsDep) -> ResultAccepted:
     """Upload the trained parameters (safetensors body); metrics ride in the query string."""
     body = await _read_body(request, settings.upload_max_bytes)
     try:
@@ -60,6 +63,7 @@ async def upload_result(assignment_id: int, request: Request, metrics: Annotated
                                           metrics, enqueue_merge)
     except ResultProblem as exc:
         raise _problem(exc) from None
+    telemetry.count(r, "uploads")
     return ResultAccepted(assignment_id=assignment_id, status=status_)
 
 
