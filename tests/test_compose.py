@@ -123,7 +123,7 @@ def test_every_required_service_is_defined(services: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["postgres", "redis", "minio", "scheduler"])
-def test_long_running_backing_services_have_healthchecks(services: dict, name: str) -> None:
+def test_backing_services_and_the_scheduler_have_healthchecks(services: dict, name: str) -> None:
     test = services[name].get("healthcheck", {}).get("test")
     assert test and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, test
 
@@ -157,7 +157,7 @@ def test_minio_serves_the_directory_its_volume_is_mounted_on(services: dict) -> 
     ("migrate", {"postgres": "service_healthy"}),
     ("createbucket", {"minio": "service_healthy"}),
     *[(name, {"migrate": "service_completed_successfully", "redis": "service_healthy",
-              "createbucket": "service_completed_successfully"}) for name in ("scheduler", "assimilator", "transitioner")],
+              "createbucket": "service_completed_successfully"}) for name in SERVER_SERVICES[1:]],
     ("client", {"scheduler": "service_healthy"}),
 ])
 def test_services_wait_for_what_they_need(services: dict, name: str, dependencies: dict) -> None:

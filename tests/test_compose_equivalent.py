@@ -98,7 +98,7 @@ def probe_presigned_work(url: str, join_token: str, moto_endpoint: str) -> None:
     host = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token.json()['host_token']}"}, timeout=60)
     with host:
         deadline = time.monotonic() + 30
-        while not (assignments := host.post("/v1/work", json={"free_slots": 1}).raise_for_status().json()["assignments"]):
+        while not (assignments := host.post("/v1/work", json={"free_slots": 1}).json()["assignments"]):
             assert time.monotonic() < deadline, "the probe host got no work"
             time.sleep(0.5)
         a = assignments[0]
@@ -110,70 +110,79 @@ def probe_presigned_work(url: str, join_token: str, moto_endpoint: str) -> None:
         host.post(f"/v1/assignments/{a['assignment_id']}/abandon").raise_for_status()
 
 
+def server_environment(services: dict, addresses: dict[str, str], database_url: str, var_dir: Path) -> dict[str, str]:
+    """The server services' compose environment with the compose network's addresses made local."""
+    compose_env = environment(services["scheduler"])
+    assert urlparse(compose_env["CROWDTRAIN_DATABASE_URL"]).hostname == "postgres"
+    return base_environment() | {k: localize(v, addresses) for k, v in compose_env.items()} | {
+        "CROWDTRAIN_DATABASE_URL": database_url,  # the fixture's fresh database stands in for `postgres`
+        "CROWDTRAIN_VAR_DIR": str(var_dir),
+    }
+
+
+def create_bucket(env: dict[str, str]) -> None:
+    """What `createbucket` does: the bucket of CROWDTRAIN_STORAGE_URL, made with the MinIO root credentials."""
+    boto3.client("s3", endpoint_url=env["CROWDTRAIN_S3_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                 aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"]
+                 ).create_bucket(Bucket=urlparse(env["CROWDTRAIN_STORAGE_URL"]).netloc)
+
+
+def start_server_services(cluster: Cluster, services: dict, env: dict[str, str], logs: Path) -> None:
+    """migrate to completion first (service_completed_successfully), then the long-running services."""
+    migrate = Service("migrate", crowdtrain_process(argv(services["migrate"])), env, logs / "migrate.log").start()
+    assert migrate.proc.wait(120) == 0, migrate.tail()
+    for name in ("scheduler", "assimilator", "transitioner"):
+        command = argv(services[name])
+        if name == "scheduler":
+            assert command[command.index("--host") + 1] == "0.0.0.0"
+            # Only the port changes: 8000 may be taken on this machine (compose publishes it the same way).
+            command = replace_option(command, "--port", str(cluster.port))
+        cluster.services.append(Service(name, crowdtrain_process(command), env, logs / f"{name}.log").start())
+    wait_for(lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health", timeout=2).status_code == 200), 180,
+             "the scheduler did not come up", cluster.service("scheduler"))
+    # The scheduler's own healthcheck command, pointed at the local port, passes too.
+    healthcheck = services["scheduler"]["healthcheck"]["test"]
+    assert healthcheck[:2] == ["CMD", "python"]
+    probe = [sys.executable, *(localize(a, {"127.0.0.1:8000": f"127.0.0.1:{cluster.port}"}) for a in healthcheck[2:])]
+    assert subprocess.run(probe, timeout=30).returncode == 0
+
+
+def client_process(services: dict, addresses: dict[str, str], cache: Path) -> list[str]:
+    """The `client` service's process (image ENTRYPOINT + command) with a local server URL and cache."""
+    service = services["client"]
+    command = argv(service, dockerfile_entrypoint(ROOT / service["build"]["dockerfile"]))
+    command = replace_option(command, "--server", localize(command[command.index("--server") + 1], addresses))
+    command = replace_option(command, "--cache", str(cache))
+    # Two clients share this machine's cores: one training thread each, like the other end-to-end tests.
+    return crowdtrain_process([*command, "--threads", "1"])
+
+
 def test_the_compose_services_train_the_example_job_as_local_processes(postgres_url: str, tmp_path: Path) -> None:
-    compose = load_compose(DOT_ENV)
-    services = compose["services"]
+    services = load_compose(DOT_ENV)["services"]
     redis_port, moto_port, scheduler_port = free_port(), free_port(), free_port()
     addresses = {"redis:6379": f"127.0.0.1:{redis_port}", "minio:9000": f"127.0.0.1:{moto_port}",
                  "scheduler:8000": f"127.0.0.1:{scheduler_port}"}
-    moto_endpoint = f"http://127.0.0.1:{moto_port}"
-
-    compose_env = environment(services["scheduler"])
-    assert urlparse(compose_env["CROWDTRAIN_DATABASE_URL"]).hostname == "postgres"
-    server_env = base_environment() | {k: localize(v, addresses) for k, v in compose_env.items()} | {
-        "CROWDTRAIN_DATABASE_URL": postgres_url,  # the fixture's fresh database stands in for `postgres`
-        "CROWDTRAIN_VAR_DIR": str(tmp_path / "var"),
-    }
-    assert server_env["CROWDTRAIN_S3_ENDPOINT_URL"] == moto_endpoint
+    env = server_environment(services, addresses, postgres_url, tmp_path / "var")
+    moto_endpoint = env["CROWDTRAIN_S3_ENDPOINT_URL"]
+    assert moto_endpoint == f"http://127.0.0.1:{moto_port}"
     logs = tmp_path / "logs"
-    cluster = Cluster(var_dir=tmp_path, database_url=postgres_url, redis_url=server_env["CROWDTRAIN_REDIS_URL"],
-                      storage_url=server_env["CROWDTRAIN_STORAGE_URL"], admin_token=compose_env["CROWDTRAIN_ADMIN_TOKEN"],
-                      join_token=compose_env["CROWDTRAIN_JOIN_TOKEN"], port=scheduler_port)
+    cluster = Cluster(var_dir=tmp_path, database_url=postgres_url, redis_url=env["CROWDTRAIN_REDIS_URL"],
+                      storage_url=env["CROWDTRAIN_STORAGE_URL"], admin_token=env["CROWDTRAIN_ADMIN_TOKEN"],
+                      join_token=env["CROWDTRAIN_JOIN_TOKEN"], port=scheduler_port)
     try:
         cluster.services.append(start_compose_redis(services["redis"], tmp_path / "redis", redis_port))
         assert redis.Redis.from_url(cluster.redis_url).config_get("appendonly") == {"appendonly": "yes"}
         moto = start_moto(logs, moto_port)
         cluster.services.append(moto)
-        # createbucket: the bucket of CROWDTRAIN_STORAGE_URL, made with the MinIO root credentials.
-        boto3.client("s3", endpoint_url=moto_endpoint, aws_access_key_id=server_env["AWS_ACCESS_KEY_ID"],
-                     aws_secret_access_key=server_env["AWS_SECRET_ACCESS_KEY"],
-                     region_name=server_env["AWS_DEFAULT_REGION"]).create_bucket(
-            Bucket=urlparse(server_env["CROWDTRAIN_STORAGE_URL"]).netloc)
-
-        # migrate runs to completion first (service_completed_successfully), then the long-running services.
-        migrate = Service("migrate", crowdtrain_process(argv(services["migrate"])), server_env,
-                          logs / "migrate.log").start()
-        assert migrate.proc.wait(120) == 0, migrate.tail()
-        for name in ("scheduler", "assimilator", "transitioner"):
-            command = argv(services[name])
-            if name == "scheduler":
-                assert command[command.index("--host") + 1] == "0.0.0.0"
-                # Only the port changes: 8000 may be taken on this machine (compose publishes it the same way).
-                command = replace_option(command, "--port", str(scheduler_port))
-            cluster.services.append(Service(name, crowdtrain_process(command), server_env, logs / f"{name}.log").start())
-        wait_for(lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health", timeout=2).status_code == 200), 180,
-                 "the scheduler did not come up", cluster.service("scheduler"))
-
-        # The scheduler's own healthcheck command, pointed at the local port, passes too.
-        healthcheck = services["scheduler"]["healthcheck"]["test"]
-        assert healthcheck[:2] == ["CMD", "python"]
-        probe = [sys.executable, *(localize(a, {"127.0.0.1:8000": f"127.0.0.1:{scheduler_port}"})
-                                   for a in healthcheck[2:])]
-        assert subprocess.run(probe, timeout=30).returncode == 0
+        create_bucket(env)
+        start_server_services(cluster, services, env, logs)
 
         job_id = submit(cluster)
         probe_presigned_work(cluster.url, cluster.join_token, moto_endpoint)
-
-        client_command = argv(services["client"], dockerfile_entrypoint(ROOT / services["client"]["build"]["dockerfile"]))
         client_env = base_environment()  # the client service sets no environment of its own
         for i in range(2):
-            command = replace_option(client_command, "--server", localize(
-                client_command[client_command.index("--server") + 1], addresses))
-            command = replace_option(command, "--cache", str(tmp_path / f"cache{i}"))
-            # Two clients share this machine's cores: one training thread each, like the other end-to-end tests.
-            command = [*command, "--threads", "1"]
-            cluster.clients.append(Service(f"client{i}", crowdtrain_process(command), client_env,
-                                           logs / f"client{i}.log").start())
+            cluster.clients.append(Service(f"client{i}", client_process(services, addresses, tmp_path / f"cache{i}"),
+                                           client_env, logs / f"client{i}.log").start())
 
         st = wait_finished(cluster, job_id, timeout=420)
         assert st["status"] == "succeeded", st["status_message"]
@@ -181,7 +190,7 @@ def test_the_compose_services_train_the_example_job_as_local_processes(postgres_
         assert_exact_accounting(cluster, job_id)
         # The clients fetched shards from S3 through presigned URLs, not through the scheduler.
         presigned_gets = [line for line in moto.log_path.read_text(errors="replace").splitlines()
-                          if re.search(rf'"GET /[^ ]+/jobs/{job_id}/shards/[^ ]+', line) and PRESIGNED.search(line)]
+                          if re.search(rf'"GET /[^ ]+/jobs/{job_id}/shards/', line) and PRESIGNED.search(line)]
         assert len(presigned_gets) >= 3, moto.tail()  # the probe's, and at least one per client
     finally:
         cluster.stop()
