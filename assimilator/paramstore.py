@@ -64,20 +64,28 @@ def _queue_blob_write(pipe: redis.client.Pipeline, job_id: int, blob: bytes | by
 
 def initialise(r: redis.Redis, job_id: int, params: Params, version: int = 0) -> None:
     """Set W_s and its version; does nothing if the job already has a server model."""
-    blob = encode(params)
+    initialise_blob(r, job_id, encode(params), version)
+
+
+def has_server_model(r: redis.Redis, job_id: int) -> bool:
+    return bool(r.exists(keys.version(job_id)))
+
+
+def initialise_blob(r: redis.Redis, job_id: int, blob: bytes, version: int) -> bool:
+    """Set W_s from safetensors bytes unless the job already has one; True if it was set."""
     with r.pipeline() as pipe:
         while True:
             try:
                 pipe.watch(keys.version(job_id))
                 if pipe.exists(keys.version(job_id)):
                     pipe.unwatch()
-                    return
+                    return False
                 pipe.multi()
                 _queue_blob_write(pipe, job_id, blob)
                 pipe.set(keys.params_size(job_id), len(blob))
                 pipe.set(keys.version(job_id), version)
                 pipe.execute()
-                return
+                return True
             except redis.WatchError:
                 continue
 

@@ -62,6 +62,8 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
         wu_open = wu.status == WorkunitStatus.in_progress.value
         already_merged = a.status == AssignmentStatus.merged.value
 
+    if not paramstore.has_server_model(r, job_id):
+        restore_server_model(db, storage, r, job_id)
     if not already_merged and paramstore.merged_version(r, job_id, assignment_id) is None:
         if not job_running:
             return _reject(assignment_id, "job is no longer running", charge=False)
@@ -98,6 +100,21 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
     _record_merge(assignment_id, version)
     storage.delete(upload_key)
     close_epoch_if_complete(db, storage, r, job_id, epoch)
+
+
+def restore_server_model(db, storage: Storage, r, job_id: int) -> None:
+    """Redis lost W_s: put back the newest published snapshot. Merges after it are lost.
+
+    The version continues from the highest one the database has seen, so versions (and snapshot
+    keys) are never reused.
+    """
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        key, snap_version, seen = job.snapshot_key, job.snapshot_version, job.param_version
+    version = max(snap_version, seen)
+    if paramstore.initialise_blob(r, job_id, storage.get(key), version):
+        log.warning("job %s: W_s was missing from Redis; restored snapshot v%d as v%d (%d merges lost)",
+                    job_id, snap_version, version, version - snap_version)
 
 
 def _vc_asgd(spec: dict, epoch: int, base_version: int, client: Params):

@@ -78,9 +78,12 @@ class Service:
             return ""
 
 
-def start_redis(directory: Path, port: int) -> Service:
+def start_redis(directory: Path, port: int, appendonly: bool = False) -> Service:
+    """A private redis-server; with `appendonly` every write is fsynced to its append-only file,
+    so that a restart after kill -9 loses nothing."""
     directory.mkdir(parents=True, exist_ok=True)
-    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if appendonly else ["--appendonly", "no"]
+    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *durability,
             "--dir", str(directory), "--daemonize", "no"]
     svc = Service("redis", argv, dict(os.environ), directory / "redis.log").start()
     wait_for(lambda: _redis_ping(port), 15, "redis-server did not answer", svc)
@@ -121,6 +124,7 @@ class Cluster:
     storage_url: str = ""
     assimilator_concurrency: int = 2
     server_workers: int = 1
+    redis_appendonly: bool = False
     admin_token: str = "demo-admin"
     join_token: str = "demo-join"
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -158,7 +162,7 @@ class Cluster:
         try:
             if not self.redis_url:
                 port = free_port()
-                self.services.append(start_redis(self.var_dir / "redis", port))
+                self.services.append(start_redis(self.var_dir / "redis", port, self.redis_appendonly))
                 self.redis_url = f"redis://127.0.0.1:{port}/0"
             self.port = self.port or free_port()
             server = self._service("server", "server", "--port", str(self.port), "--workers", str(self.server_workers))

@@ -6,8 +6,14 @@ import threading
 import time
 
 import pytest
+import redis
+from sqlalchemy import func, select
 
-from tests.test_training_end_to_end import assert_exact_accounting, submit, wait_finished
+from crowdtrain import keys
+from crowdtrain.launch import wait_for
+from server.db import session_factory
+from server.models import Assignment, Workunit
+from tests.test_training_end_to_end import assert_exact_accounting, settle, submit, wait_finished
 
 pytestmark = pytest.mark.integration
 KILL_EVERY_S = 5.0
@@ -22,9 +28,10 @@ def keep_killing(cluster, name: str, stop: threading.Event, kills: list[float]) 
         service.start()
 
 
-@pytest.mark.parametrize("component", ["assimilator", "transitioner", "server"])
+@pytest.mark.parametrize("component", ["assimilator", "transitioner", "server", "redis"])
 def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqlite_url: str) -> None:
-    cluster = make_cluster(sqlite_url, extra_env={
+    # Redis restarts from its append-only file (fsync on every write), as in docker-compose.yml.
+    cluster = make_cluster(sqlite_url, redis_appendonly=True, extra_env={
         # A killed parameter server's unacknowledged merge comes back after this many seconds.
         "CROWDTRAIN_BROKER_VISIBILITY_TIMEOUT": "5",
         "CROWDTRAIN_STUCK_UPLOAD_SECONDS": "10",
@@ -54,3 +61,24 @@ def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqli
     st = wait_finished(cluster, job_id, timeout=60)
     assert st["status"] == "succeeded", st
     assert_exact_accounting(cluster, job_id)
+
+
+def test_w_s_is_restored_from_its_snapshot_when_redis_loses_everything(make_cluster, sqlite_url: str) -> None:
+    cluster = make_cluster(sqlite_url, extra_env={"CROWDTRAIN_STUCK_UPLOAD_SECONDS": "5"})
+    job_id = submit(cluster)
+    cluster.start_client("alice", tasks=2)
+    cluster.start_client("bob", tasks=2)
+    r = redis.Redis.from_url(cluster.redis_url)
+    wait_for(lambda: int(r.get(keys.version(job_id)) or 0) >= 6, 120, "no merges happened")
+    r.flushall()  # W_s, the merge ledger and the Celery queue are all gone
+    st = wait_finished(cluster, job_id)
+    assert st["status"] == "succeeded", st
+    assert "restored snapshot" in cluster.service("assimilator").tail(400)
+    db = session_factory(sqlite_url)
+    settle(cluster, db)
+    with db.begin() as s:
+        wus = s.scalars(select(Workunit).where(Workunit.job_id == job_id)).all()
+        assert {wu.status for wu in wus} <= {"done", "failed", "cancelled"}
+        merged = s.execute(select(Assignment.workunit_id, func.count()).where(
+            Assignment.job_id == job_id, Assignment.status == "merged").group_by(Assignment.workunit_id)).all()
+        assert all(n == 1 for _, n in merged), "a workunit was merged twice"
