@@ -7,6 +7,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from assimilator import paramstore
+from crowdtrain.logs import ids
 from crowdtrain.storage import Storage
 from server import states
 from server.models import Job, Metric, Workunit, utcnow
@@ -53,7 +54,7 @@ def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redi
                     f"< target {stop['target_accuracy']}")
         else:
             log.info("job %s: epoch %d closed with accuracy %s (target %s)", job_id, epoch, shown,
-                     stop["target_accuracy"])
+                     stop["target_accuracy"], extra=ids(job_id=job_id, epoch=epoch))
             if epoch == job.current_epoch or next_epoch_releasable(s, job):
                 release_epoch(s, job, job.current_epoch + 1)
 

@@ -16,6 +16,7 @@ from assimilator.celery_app import ASSIMILATE_TASK, celery_app
 from assimilator.epochs import close_epoch_if_complete
 from assimilator.evaluate import evaluate
 from assimilator.rules import alpha_for_epoch, merge_vc_asgd, update_norm
+from crowdtrain.logs import ids
 from crowdtrain.settings import get_settings
 from crowdtrain.storage import ObjectNotFound, Storage, open_storage
 from crowdtrain.tensors import Params, TensorFormatError, check_against_manifest, decode_shard, sha256, views
@@ -147,7 +148,8 @@ def _reject(assignment_id: int, message: str, charge: bool) -> None:
     if upload_key:
         storage.delete(upload_key)
     telemetry.count(r, "rejections")
-    log.warning("assignment %s: rejected, %s", assignment_id, message)
+    log.warning("assignment %s: rejected, %s", assignment_id, message,
+                extra=ids(job_id=job_id, epoch=epoch, assignment_id=assignment_id))
     if failed:
         close_epoch_if_complete(db, storage, r, job_id, epoch)
 
@@ -172,7 +174,8 @@ def _record_merge(assignment_id: int, version: int) -> None:
         turnaround = (a.finished_at - a.sent_at).total_seconds()
         host.mean_turnaround = turnaround if host.mean_turnaround is None else (
             0.8 * host.mean_turnaround + 0.2 * turnaround)
-    log.info("assignment %s: merged into W_s v%d", assignment_id, version)
+    log.info("assignment %s: merged into W_s v%d", assignment_id, version,
+             extra=ids(job_id=a.job_id, workunit_id=a.workunit_id, assignment_id=assignment_id))
 
 
 def _publish_snapshot_if_due(job_id: int, sched: dict, version: int) -> None:

@@ -2,7 +2,6 @@
 
 import json
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,12 +20,12 @@ admin_app.add_typer(token_app, name="join-token")
 admin_app.add_typer(host_app, name="host")
 app.add_typer(admin_app, name="admin")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
 
 def _logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from crowdtrain import logs
+    from crowdtrain.settings import get_settings
+
+    logs.configure(get_settings().log_format, level)
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -12,6 +13,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CROWDTRAIN_", extra="ignore")
 
+    log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects")
     var_dir: Path = Field(Path("var"), description="Runtime files of the embedded default")
     database_url: str = Field("", description="SQLAlchemy URL; empty means SQLite under var_dir")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Parameter store and Celery broker")

@@ -1,8 +1,9 @@
 """The FastAPI scheduler application."""
 
-import logging
-
 from fastapi import FastAPI
+
+from crowdtrain import logs
+from crowdtrain.settings import get_settings
 
 from server.routes import admin, files, hosts, jobs, metrics, work
 
@@ -19,5 +20,5 @@ def create_app() -> FastAPI:
     return app
 
 
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logs.configure(get_settings().log_format)
 app = create_app()

@@ -6,6 +6,7 @@ from datetime import timedelta
 from sqlalchemy import case, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.logs import ids
 from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
 from crowdtrain.storage import Storage
 from server import states
@@ -73,7 +74,9 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
                 s.flush()
                 out.append(_assignment_out(a, wu, shard, job, storage, presign_seconds))
                 log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, deadline %s)", a.id, job.id,
-                         wu.epoch, shard.index, host.id, a.base_version, deadline.isoformat(timespec="seconds"))
+                         wu.epoch, shard.index, host.id, a.base_version, deadline.isoformat(timespec="seconds"),
+                         extra=ids(job_id=job.id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id,
+                                   host_id=host.id))
             if len(out) >= free_slots:
                 break
         return out

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.logs import ids
 from crowdtrain.schemas import ResultMetrics
 from crowdtrain.storage import Storage
 from crowdtrain.tensors import TensorFormatError, check_against_manifest, views
@@ -58,7 +59,7 @@ def upload_result(db: sessionmaker[Session], storage: Storage, host_id: int, ass
         a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
         s.get_one(Host, host_id).last_seen = a.uploaded_at
     log.info("assignment %s: result uploaded (%d bytes, loss %s), merge queued", assignment_id, len(body),
-             metrics.train_loss)
+             metrics.train_loss, extra=ids(assignment_id=assignment_id, host_id=host_id))
     # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
     # transitioner re-queues merges that stay uploaded too long.
     enqueue(assignment_id, received_at)
@@ -129,5 +130,6 @@ def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message
                     wu.id, wu.job_id, wu.epoch, wu.error_count)
     else:
         states.move(wu, WorkunitStatus.ready)
-        log.info("workunit %s: ready again after assignment %s %s (%s)", wu.id, a.id, outcome.value, message)
+        log.info("workunit %s: ready again after assignment %s %s (%s)", wu.id, a.id, outcome.value, message,
+                 extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id))
     return wu

@@ -10,6 +10,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.logs import ids
 from crowdtrain.storage import Storage
 from server import telemetry
 from server.models import Assignment, utcnow
@@ -31,7 +32,8 @@ def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: red
         for a in expired:
             wu = end_assignment(s, a, AssignmentStatus.timed_out, f"no result by the deadline {a.deadline}")
             log.warning("assignment %s (host %s): timed out; workunit %s is now %s", a.id, a.host_id, wu.id,
-                        wu.status)
+                        wu.status, extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id,
+                                             assignment_id=a.id, host_id=a.host_id))
             if wu.status == WorkunitStatus.failed.value:
                 closed.add((wu.job_id, wu.epoch))
     telemetry.count(r, "timeouts", len(expired))
