@@ -10,6 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from assimilator import paramstore
 from assimilator.celery_app import ASSIMILATE_TASK, celery_app
@@ -47,7 +48,10 @@ def _validation_set(storage: Storage, key: str) -> tuple[np.ndarray, np.ndarray]
     return decode_shard(storage.get(key))
 
 
-@celery_app.task(name=ASSIMILATE_TASK, acks_late=True, reject_on_worker_lost=True)
+# Every step is idempotent, so a task that lost a database race (deadlock, serialization) simply
+# runs again.
+@celery_app.task(name=ASSIMILATE_TASK, acks_late=True, reject_on_worker_lost=True,
+                 autoretry_for=(OperationalError,), retry_backoff=0.5, max_retries=10)
 def assimilate(assignment_id: int, received_at: float | None = None) -> None:
     db, storage, r = _services()
     with db.begin() as s:
@@ -160,6 +164,7 @@ def _record_merge(assignment_id: int, version: int) -> None:
         a = s.get_one(Assignment, assignment_id, with_for_update=True)
         if a.status == AssignmentStatus.merged.value:
             return
+        host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see server/results.py
         states.move(a, AssignmentStatus.merged)
         a.merged_version, a.finished_at = version, utcnow()
         wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
@@ -168,7 +173,6 @@ def _record_merge(assignment_id: int, version: int) -> None:
             wu.finished_at = a.finished_at
         job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
         job.param_version = max(job.param_version, version)
-        host = s.get_one(Host, a.host_id)
         host.results_valid += 1
         host.consecutive_valid += 1
         turnaround = (a.finished_at - a.sent_at).total_seconds()

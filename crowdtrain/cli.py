@@ -251,6 +251,25 @@ def host_revoke(host_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin
 
 
 @app.command()
+def simulate(
+    server: Annotated[str, typer.Option(help="Scheduler URL")],
+    join_token: Annotated[str, typer.Option(help="Join token")],
+    hosts: Annotated[int, typer.Option(min=1, help="Simulated hosts")] = 100,
+    duration: Annotated[float, typer.Option(help="Seconds to run at most")] = 60.0,
+    until_idle: Annotated[float | None, typer.Option(help="Stop once no work was handed out for this long")] = None,
+    connections: Annotated[int, typer.Option(min=1, help="HTTP connections shared by the hosts")] = 100,
+) -> None:
+    """Load generator: simulated hosts that ask for work and upload results without training.
+
+    Prints one line of JSON with the figures (requests/s, work-request latency, dispatches, uploads).
+    """
+    from crowdtrain.simulate import simulate as run_simulation
+
+    stats = run_simulation(server, join_token, hosts, duration, until_idle, connections)
+    typer.echo(json.dumps(stats.summary()))
+
+
+@app.command()
 def demo(
     var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
         "var/demo"),

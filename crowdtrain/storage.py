@@ -79,12 +79,14 @@ class S3Storage:
     def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
                  public_endpoint_url: str | None = None):
         import boto3
+        from botocore.config import Config
 
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.client = boto3.client("s3", endpoint_url=endpoint_url)
+        config = Config(signature_version="s3v4")
+        self.client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
         # Presigned URLs must name the endpoint as clients reach it (e.g. not a compose-internal host).
-        self.public = (boto3.client("s3", endpoint_url=public_endpoint_url)
+        self.public = (boto3.client("s3", endpoint_url=public_endpoint_url, config=config)
                        if public_endpoint_url and public_endpoint_url != endpoint_url else self.client)
 
     def _key(self, key: str) -> str:

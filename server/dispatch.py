@@ -61,13 +61,12 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
         jobs = s.scalars(select(Job).where(Job.status == JobStatus.running.value).order_by(Job.id)).all()
         out: list[AssignmentOut] = []
         for job in jobs:
-            claimed = _claim_ready(s, job, host, free_slots - len(out), cached)
+            claimed = _take(s, _claim_ready(s, job, host, free_slots - len(out), cached))
             if len(claimed) < free_slots - len(out) and _release_next_epoch(s, job):
-                claimed += _claim_ready(s, job, host, free_slots - len(out) - len(claimed), cached)
+                claimed += _take(s, _claim_ready(s, job, host, free_slots - len(out) - len(claimed), cached))
             now = utcnow()
             deadline = now + timedelta(seconds=job.spec["scheduling"]["deadline_seconds"])
             for wu, shard in claimed:
-                states.move(wu, WorkunitStatus.in_progress)
                 a = Assignment(workunit_id=wu.id, job_id=job.id, host_id=host.id, base_version=job.snapshot_version,
                                status=AssignmentStatus.in_progress.value, sent_at=now, deadline=deadline)
                 s.add(a)
@@ -80,6 +79,15 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
             if len(out) >= free_slots:
                 break
         return out
+
+
+def _take(s: Session, claimed: list[tuple[Workunit, Shard]]) -> list[tuple[Workunit, Shard]]:
+    """Mark claimed workunits in progress at once: SKIP LOCKED does not skip rows this same
+    transaction already holds, so a second claim must not see them ready."""
+    for wu, _ in claimed:
+        states.move(wu, WorkunitStatus.in_progress)
+    s.flush()
+    return claimed
 
 
 def _release_next_epoch(s: Session, job: Job) -> bool:

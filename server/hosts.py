@@ -94,13 +94,16 @@ def revoke_host(db: sessionmaker[Session], host_id: int) -> tuple[HostPublic, li
     from server.results import end_assignment
 
     with db.begin() as s:
-        host = s.get(Host, host_id)
+        # Lock order assignment -> host (see server/results.py).
+        running = s.scalars(select(Assignment).where(Assignment.host_id == host_id,
+                                                     Assignment.status == AssignmentStatus.in_progress.value)
+                            .with_for_update()).all()
+        host = s.get(Host, host_id, with_for_update=True)
         if host is None:
             raise LookupError(f"host {host_id} does not exist")
         host.revoked = True
         failed = []
-        for a in s.scalars(select(Assignment).where(Assignment.host_id == host_id,
-                                                    Assignment.status == AssignmentStatus.in_progress.value)):
+        for a in running:
             wu = end_assignment(s, a, AssignmentStatus.abandoned, "host revoked by the operator")
             if wu.status == WorkunitStatus.failed.value:
                 failed.append((wu.job_id, wu.epoch))

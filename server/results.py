@@ -26,8 +26,12 @@ class ResultProblem(Exception):
         self.message = message
 
 
+# Row locks are always taken in one order, assignment -> host -> workunit -> job, so that
+# concurrent transitions on PostgreSQL cannot deadlock.
+
+
 def _own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
-    a = s.get(Assignment, assignment_id)
+    a = s.get(Assignment, assignment_id, with_for_update=True)
     # Someone else's assignment is reported exactly like a missing one: ids are not secrets to probe.
     if a is None or a.host_id != host_id:
         raise ResultProblem(404, f"assignment {assignment_id} does not exist or is not yours")
@@ -104,14 +108,14 @@ def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message
     epoch when that was its last open workunit.
     """
     charge = outcome.counts_as_error if charge is None else charge
+    host = s.get_one(Host, a.host_id, with_for_update=True) if charge else None
     states.move(a, outcome)
     a.finished_at = utcnow()
     a.message = message[:1000]
     wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
     if wu.status != WorkunitStatus.in_progress.value:
         return wu  # already done by a duplicate, or cancelled with its job: nobody is charged
-    if charge:
-        host = s.get_one(Host, a.host_id)
+    if host is not None:
         host.results_failed += 1
         host.consecutive_valid = 0
     # A duplicate of this workunit may still be running elsewhere: then it stays in progress.

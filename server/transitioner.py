@@ -1,4 +1,5 @@
-"""The transitioner: times out assignments past their deadline and re-queues merges that stalled."""
+"""The transitioner: times out assignments past their deadline, re-queues merges that stalled, and
+closes epochs whose closing was lost."""
 
 import logging
 import threading
@@ -13,9 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.logs import ids
 from crowdtrain.storage import Storage
 from server import telemetry
-from server.models import Assignment, utcnow
+from server.models import Assignment, Job, utcnow
 from server.results import end_assignment
-from server.states import AssignmentStatus, WorkunitStatus
+from server.states import AssignmentStatus, JobStatus, WorkunitStatus
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,19 @@ def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: red
     return len(expired)
 
 
+def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> None:
+    """Close epochs whose last workunit finished but whose closing was lost (a crash or a database
+    race in the parameter server that did the last merge). Closing is idempotent."""
+    from assimilator.epochs import close_epoch_if_complete
+
+    with db.begin() as s:
+        jobs = s.execute(select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value)).all()
+    for job_id, current in jobs:
+        for epoch in (current - 1, current):
+            if epoch >= 1:
+                close_epoch_if_complete(db, storage, r, job_id, epoch)
+
+
 def requeue_stalled_merges(db: sessionmaker[Session], stalled_after: float,
                            enqueue: Callable[[int, float], None]) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task)."""
@@ -63,6 +77,7 @@ def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, int
     while not stop.is_set():
         try:
             reap_expired_assignments(db, storage, r)
+            close_finished_epochs(db, storage, r)
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)
                 last_requeue = time.monotonic()

@@ -57,7 +57,8 @@ def settle(cluster: Cluster, db) -> None:
             return not s.scalar(select(func.count()).select_from(Assignment).where(
                 Assignment.status == AssignmentStatus.uploaded.value))
 
-    wait_for(nothing_in_flight, 60, "uploaded results were never merged or rejected")
+    # A lost merge is re-queued by the transitioner within 2 x stuck_upload_seconds (60 s by default).
+    wait_for(nothing_in_flight, 150, "uploaded results were never merged or rejected")
 
 
 def assert_exact_accounting(cluster: Cluster, job_id: int) -> None:

@@ -1,0 +1,108 @@
+"""Simulated hosts: many registered clients in one process that ask for work and upload results
+without training. A load generator for the scheduler and the parameter servers.
+
+Each host returns the snapshot it was given as its "trained" parameters: a valid result of the
+right names, shapes and dtypes, so every upload goes through the whole validate-and-merge path.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class SimulationStats:
+    hosts: int
+    requests: int = 0
+    work_latencies: list[float] = field(default_factory=list)
+    dispatched: int = 0
+    uploads: int = 0
+    refused: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        lat = np.array(self.work_latencies or [0.0]) * 1000
+        return {"hosts": self.hosts, "seconds": round(self.seconds, 1), "requests": self.requests,
+                "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
+                "work_requests": len(self.work_latencies),
+                "work_p50_ms": round(float(np.percentile(lat, 50)), 1),
+                "work_p95_ms": round(float(np.percentile(lat, 95)), 1),
+                "dispatched": self.dispatched, "uploads": self.uploads, "refused": self.refused,
+                "errors": self.errors}
+
+
+class _Simulation:
+    def __init__(self, server: str, join_token: str, hosts: int, duration: float, until_idle: float | None):
+        self.server, self.join_token, self.duration, self.until_idle = server, join_token, duration, until_idle
+        self.stats = SimulationStats(hosts)
+        self.snapshots: dict[str, bytes] = {}
+        self.last_dispatch = time.monotonic()
+        self.deadline = 0.0
+
+    def done(self) -> bool:
+        now = time.monotonic()
+        return now > self.deadline or (self.until_idle is not None and now - self.last_dispatch > self.until_idle)
+
+    async def request(self, http: httpx.AsyncClient, method: str, url: str, **kw) -> httpx.Response:
+        self.stats.requests += 1
+        return await http.request(method, url, **kw)
+
+    async def register(self, http: httpx.AsyncClient, i: int) -> dict:
+        resp = await self.request(http, "POST", "/v1/hosts", json={"join_token": self.join_token, "name": f"sim-{i}"})
+        resp.raise_for_status()
+        return {"Authorization": f"Bearer {resp.json()['host_token']}"}
+
+    async def snapshot(self, http: httpx.AsyncClient, ref: dict, auth: dict) -> bytes:
+        if ref["sha256"] not in self.snapshots:
+            # Presigned object-storage URLs carry their own credentials.
+            resp = await self.request(http, "GET", ref["url"], headers=auth if ref["url"].startswith("/") else {})
+            resp.raise_for_status()
+            self.snapshots[ref["sha256"]] = resp.content
+        return self.snapshots[ref["sha256"]]
+
+    async def host(self, http: httpx.AsyncClient, auth: dict) -> None:
+        while not self.done():
+            try:
+                start = time.perf_counter()
+                resp = await self.request(http, "POST", "/v1/work", json={"free_slots": 1}, headers=auth)
+                self.stats.work_latencies.append(time.perf_counter() - start)
+                resp.raise_for_status()
+                reply = resp.json()
+                if not reply["assignments"]:
+                    await asyncio.sleep(min(reply["retry_after"], 1.0))
+                    continue
+                self.last_dispatch = time.monotonic()
+                for a in reply["assignments"]:
+                    self.stats.dispatched += 1
+                    body = await self.snapshot(http, a["snapshot"], auth)
+                    up = await self.request(http, "PUT", f"/v1/assignments/{a['assignment_id']}/result",
+                                            content=body, headers=auth)
+                    if up.status_code == 202:
+                        self.stats.uploads += 1
+                    else:
+                        self.stats.refused += 1
+            except httpx.HTTPError:
+                self.stats.errors += 1
+                await asyncio.sleep(0.5)
+
+    async def run(self, connections: int) -> SimulationStats:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        async with httpx.AsyncClient(base_url=self.server, limits=limits, timeout=300) as http:
+            auths = await asyncio.gather(*(self.register(http, i) for i in range(self.stats.hosts)))
+            start = time.monotonic()
+            self.deadline = start + self.duration
+            self.last_dispatch = start
+            self.stats.requests = 0  # count the load, not the registrations
+            await asyncio.gather(*(self.host(http, auth) for auth in auths))
+            self.stats.seconds = time.monotonic() - start
+        return self.stats
+
+
+def simulate(server: str, join_token: str, hosts: int, duration: float, until_idle: float | None = None,
+             connections: int = 100) -> SimulationStats:
+    """Run `hosts` simulated hosts for `duration` seconds (or until no work was handed out for `until_idle`)."""
+    return asyncio.run(_Simulation(server, join_token, hosts, duration, until_idle).run(connections))
