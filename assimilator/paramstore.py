@@ -161,6 +161,11 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                 continue
 
 
+def keep_snapshot(r: redis.Redis, job_id: int, version: int) -> None:
+    """Put an expired snapshot back at the old end of the list: it is still in use."""
+    r.rpush(keys.snapshots(job_id), version)
+
+
 def note_snapshot(r: redis.Redis, job_id: int, version: int, keep: int) -> list[int]:
     """Record a published snapshot; returns the versions beyond the newest `keep`, to delete."""
     with r.pipeline() as pipe:

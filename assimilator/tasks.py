@@ -201,9 +201,18 @@ def _publish_snapshot_if_due(job_id: int, sched: dict, version: int) -> None:
             return  # another parameter server published a newer one meanwhile
         job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = current, key, sha256(blob)
         job.snapshot_at = utcnow()
-    # Assignments fetch their snapshot right after dispatch, so only the newest few are kept.
-    for old in paramstore.note_snapshot(r, job_id, current, get_settings().snapshots_kept):
-        storage.delete(snapshot_key(job_id, old))
+    # Only the newest few snapshots are kept, and none that a running assignment still starts from.
+    expired = paramstore.note_snapshot(r, job_id, current, get_settings().snapshots_kept)
+    if expired:
+        with db.begin() as s:
+            in_use = set(s.scalars(select(Assignment.base_version).distinct().where(
+                Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value,
+                Assignment.base_version.in_(expired))))
+        for old in expired:
+            if old in in_use:
+                paramstore.keep_snapshot(r, job_id, old)
+            else:
+                storage.delete(snapshot_key(job_id, old))
 
 
 def _record_metric(job_id: int, epoch: int, assignment_id: int, model_config: dict) -> None:

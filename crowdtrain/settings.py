@@ -16,6 +16,8 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects")
     var_dir: Path = Field(Path("var"), description="Runtime files of the embedded default")
     database_url: str = Field("", description="SQLAlchemy URL; empty means SQLite under var_dir")
+    db_pool_size: int = Field(5, ge=1, description="Database connections kept open per process")
+    db_max_overflow: int = Field(5, ge=0, description="Extra connections a process may open under load")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Parameter store and Celery broker")
     storage_url: str = Field("", description="file:///dir or s3://bucket/prefix; empty means var_dir/storage")
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")

@@ -21,7 +21,8 @@ class SimulationStats:
     dispatched: int = 0
     uploads: int = 0
     refused: int = 0
-    errors: int = 0
+    server_errors: int = 0  # 5xx answers
+    transport_errors: dict[str, int] = field(default_factory=dict)  # dropped connections and the like
     seconds: float = 0.0
 
     def summary(self) -> dict:
@@ -32,7 +33,7 @@ class SimulationStats:
                 "work_p50_ms": round(float(np.percentile(lat, 50)), 1),
                 "work_p95_ms": round(float(np.percentile(lat, 95)), 1),
                 "dispatched": self.dispatched, "uploads": self.uploads, "refused": self.refused,
-                "errors": self.errors}
+                "server_errors": self.server_errors, "transport_errors": self.transport_errors}
 
 
 class _Simulation:
@@ -70,6 +71,10 @@ class _Simulation:
                 start = time.perf_counter()
                 resp = await self.request(http, "POST", "/v1/work", json={"free_slots": 1}, headers=auth)
                 self.stats.work_latencies.append(time.perf_counter() - start)
+                if resp.status_code >= 500:
+                    self.stats.server_errors += 1
+                    await asyncio.sleep(0.5)
+                    continue
                 resp.raise_for_status()
                 reply = resp.json()
                 if not reply["assignments"]:
@@ -83,10 +88,18 @@ class _Simulation:
                                             content=body, headers=auth)
                     if up.status_code == 202:
                         self.stats.uploads += 1
+                    elif up.status_code >= 500:
+                        self.stats.server_errors += 1
                     else:
                         self.stats.refused += 1
-            except httpx.HTTPError:
-                self.stats.errors += 1
+            except httpx.HTTPStatusError as exc:
+                self.stats.refused += 1
+                name = f"HTTP {exc.response.status_code}"
+                self.stats.transport_errors[name] = self.stats.transport_errors.get(name, 0) + 1
+            except httpx.TransportError as exc:
+                # A real client retries these (client/api.py); the simulated host just asks again.
+                name = type(exc).__name__
+                self.stats.transport_errors[name] = self.stats.transport_errors.get(name, 0) + 1
                 await asyncio.sleep(0.5)
 
     async def run(self, connections: int) -> SimulationStats:

@@ -1,8 +1,8 @@
 """Engine and session factory. SQLite gets WAL and `BEGIN IMMEDIATE` so that claims are atomic."""
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
@@ -38,20 +38,33 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    from crowdtrain.settings import get_settings
+
+    # Every scheduler worker, parameter server and transitioner has its own pool: keep the sum
+    # under PostgreSQL's max_connections (100 by default).
+    settings = get_settings()
+    return create_engine(url, pool_pre_ping=True, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow)
 
 
-@lru_cache
-def _factory(url: str) -> sessionmaker[Session]:
-    return sessionmaker(make_engine(url), expire_on_commit=False)
+_factories: dict[str, sessionmaker[Session]] = {}
+_factories_lock = threading.Lock()
 
 
 def session_factory(url: str) -> sessionmaker[Session]:
-    return _factory(url)
+    """One engine (one connection pool) per database URL and process.
+
+    Locked, not lru_cache'd: a burst of first requests on a fresh worker would otherwise build
+    an engine each and exhaust the database's connections.
+    """
+    with _factories_lock:
+        if url not in _factories:
+            _factories[url] = sessionmaker(make_engine(url), expire_on_commit=False)
+        return _factories[url]
 
 
 @contextmanager
 def transaction(url: str) -> Iterator[Session]:
     """One unit of work: commits on success, rolls back on any exception."""
-    with _factory(url).begin() as session:
+    with session_factory(url).begin() as session:
         yield session

@@ -1,7 +1,9 @@
 """FastAPI dependencies: settings, database, storage, Redis, and the two kinds of caller."""
 
 import hmac
-from functools import lru_cache
+import threading
+from collections.abc import Callable
+from functools import wraps
 from typing import Annotated
 
 import redis
@@ -18,11 +20,26 @@ from server.hosts import NotAuthorized, authenticate_host
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
+def cache_once(make: Callable) -> Callable:
+    """Memoise a client factory under a lock, so concurrent first requests share one client."""
+    made: dict = {}
+    lock = threading.Lock()
+
+    @wraps(make)
+    def get(*args):
+        with lock:
+            if args not in made:
+                made[args] = make(*args)
+            return made[args]
+
+    return get
+
+
 def get_db(settings: SettingsDep) -> sessionmaker[Session]:
     return session_factory(settings.resolved_database_url)
 
 
-@lru_cache
+@cache_once
 def _storage(url: str, endpoint: str | None, public_endpoint: str | None) -> Storage:
     return open_storage(url, endpoint, public_endpoint)
 
@@ -31,7 +48,7 @@ def get_storage(settings: SettingsDep) -> Storage:
     return _storage(settings.resolved_storage_url, settings.s3_endpoint_url, settings.s3_public_endpoint_url)
 
 
-@lru_cache
+@cache_once
 def _redis(url: str) -> redis.Redis:
     return paramstore.connect(url)
 

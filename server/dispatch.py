@@ -17,6 +17,7 @@ from workgen.generator import next_epoch_releasable, release_epoch
 log = logging.getLogger(__name__)
 
 RELIABLE_AFTER = 3  # consecutive valid results before a host gets retried workunits first
+LAST_SEEN_RESOLUTION = timedelta(seconds=15)
 
 
 def _claim_ready(s: Session, job: Job, host: Host, limit: int, cached: list[str]) -> list[tuple[Workunit, Shard]]:
@@ -52,7 +53,9 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
     """Give the host up to `free_slots` assignments; no workunit is ever held by two hosts at once."""
     with db.begin() as s:
         host = s.get_one(Host, host_id)
-        host.last_seen = utcnow()
+        now = utcnow()
+        if now - host.last_seen > LAST_SEEN_RESOLUTION:  # spare a row write on most polls
+            host.last_seen = now
         if resources is not None:
             host.cpus, host.ram_bytes, host.gpu, host.device = (resources.cpus, resources.ram_bytes,
                                                                 resources.gpu, resources.device)
@@ -96,6 +99,10 @@ def _release_next_epoch(s: Session, job: Job) -> bool:
     True when a newer epoch is now available to claim from, whoever released it.
     """
     seen_epoch = job.current_epoch
+    # A cheap look first: idle hosts asking for work must not all queue on the job row's lock.
+    if not next_epoch_releasable(s, job, ignore_ready=True):
+        s.refresh(job)
+        return job.current_epoch > seen_epoch
     # Serialise on the job row so that two schedulers cannot both release the same epoch.
     s.execute(select(Job.id).where(Job.id == job.id).with_for_update())
     s.refresh(job)

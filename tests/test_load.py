@@ -1,0 +1,61 @@
+"""500 simulated hosts hammer 3 scheduler workers and 2 parameter-server processes on PostgreSQL:
+no workunit is held by two hosts at once, no result is merged twice, no upload is lost."""
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from crowdtrain import keys
+from crowdtrain.jobspec import load_job_spec
+from server.db import session_factory
+from server.models import Assignment, Job, Workunit
+from tests.conftest import EXAMPLE_SPEC
+from tests.test_training_end_to_end import settle
+
+pytestmark = pytest.mark.integration
+HOSTS = 500
+
+
+def test_500_simulated_hosts_on_postgresql(make_cluster, postgres_url: str) -> None:
+    cluster = make_cluster(postgres_url, server_workers=3, assimilator_concurrency=2)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.dataset.subsets = 100
+    spec.stop.target_accuracy = 1.0  # never met: the job runs its 3 epochs, 300 workunits
+    spec.stop.max_epochs = 3
+    spec.scheduling.deadline_seconds = 20  # a result lost to a refused request is re-dispatched soon
+    with cluster.admin() as http:
+        job_id = http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
+    sim = subprocess.run([sys.executable, "-m", "crowdtrain", "simulate", "--server", cluster.url, "--join-token",
+                          cluster.join_token, "--hosts", str(HOSTS), "--duration", "300", "--until-idle", "45"],
+                         capture_output=True, text=True, timeout=600, env=cluster.env)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    figures = json.loads(sim.stdout.strip().splitlines()[-1])
+    print("load:", json.dumps(figures))
+    assert figures["dispatched"] >= 300 and figures["server_errors"] == 0
+
+    db = session_factory(postgres_url)
+    settle(cluster, db)
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert job.status == "failed" and "max_epochs=3" in job.status_message, job.status_message
+        assert {wu.status for wu in s.scalars(select(Workunit).where(Workunit.job_id == job_id))} <= {"done", "failed"}
+        assignments = s.scalars(select(Assignment).where(Assignment.job_id == job_id)
+                                .order_by(Assignment.sent_at)).all()
+    by_wu = defaultdict(list)
+    for a in assignments:
+        by_wu[a.workunit_id].append(a)
+    double_dispatch = sum(1 for runs in by_wu.values() for prev, nxt in zip(runs, runs[1:])
+                          if prev.finished_at is None or nxt.sent_at < prev.finished_at)
+    double_merge = sum(1 for runs in by_wu.values() if sum(a.status == "merged" for a in runs) > 1)
+    lost = sum(1 for a in assignments if a.uploaded_at is not None and a.status not in ("merged", "rejected"))
+    print(f"double dispatch {double_dispatch}, double merge {double_merge}, lost uploads {lost}")
+    assert (double_dispatch, double_merge, lost) == (0, 0, 0)
+    r = redis.Redis.from_url(cluster.redis_url)
+    merged = {str(a.id) for a in assignments if a.status == "merged"}
+    assert {m.decode() for m in r.smembers(keys.merged(job_id))} == merged
+    assert figures["uploads"] == sum(1 for a in assignments if a.uploaded_at is not None)
