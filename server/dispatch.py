@@ -3,7 +3,7 @@
 import logging
 from datetime import timedelta
 
-from sqlalchemy import case, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.logs import ids
@@ -21,17 +21,33 @@ LAST_SEEN_RESOLUTION = timedelta(seconds=15)
 
 
 def _claim_ready(s: Session, job: Job, host: Host, limit: int, cached: list[str]) -> list[tuple[Workunit, Shard]]:
-    """Lock up to `limit` ready workunits of `job`; concurrent claimers skip each other's rows."""
-    order = []
+    """Lock up to `limit` ready workunits of `job`; concurrent claimers skip each other's rows.
+
+    Preferences are tried as separate queries, each an index range scan on (job, status, epoch, id):
+    first workunits whose shard the host has cached, then retried workunits if the host is
+    reliable (fresh ones if it is not), then any. One query ordering by all the preferences at
+    once would sort every ready workunit of the job on each request.
+    """
+    reliable = host.consecutive_valid >= RELIABLE_AFTER
+    filters = []
     if cached:
-        order.append(case((Shard.sha256.in_(cached), 0), else_=1))
-    retried_first = host.consecutive_valid >= RELIABLE_AFTER
-    order.append(case((Workunit.error_count > 0, 0 if retried_first else 1), else_=1 if retried_first else 0))
-    order += [Workunit.epoch, Workunit.id]
-    query = (select(Workunit, Shard).join(Shard, Shard.id == Workunit.shard_id)
-             .where(Workunit.job_id == job.id, Workunit.status == WorkunitStatus.ready.value)
-             .order_by(*order).limit(limit).with_for_update(skip_locked=True, of=Workunit))
-    return list(s.execute(query).tuples())
+        filters.append(Workunit.shard_id.in_(select(Shard.id).where(Shard.job_id == job.id,
+                                                                    Shard.sha256.in_(cached))))
+    filters += [Workunit.error_count > 0 if reliable else Workunit.error_count == 0, None]
+    claimed: list[Workunit] = []
+    for extra in filters:
+        if len(claimed) >= limit:
+            break
+        query = (select(Workunit).where(Workunit.job_id == job.id, Workunit.status == WorkunitStatus.ready.value)
+                 .order_by(Workunit.epoch, Workunit.id).limit(limit - len(claimed))
+                 .with_for_update(skip_locked=True))
+        if extra is not None:
+            query = query.where(extra)
+        if claimed:
+            query = query.where(Workunit.id.not_in([wu.id for wu in claimed]))
+        claimed += s.scalars(query).all()
+    shards = {sh.id: sh for sh in s.scalars(select(Shard).where(Shard.id.in_({wu.shard_id for wu in claimed})))}
+    return [(wu, shards[wu.shard_id]) for wu in claimed]
 
 
 def _assignment_out(a: Assignment, wu: Workunit, shard: Shard, job: Job, storage: Storage,

@@ -59,7 +59,7 @@ class Workunit(Base):
     __tablename__ = "workunits"
     __table_args__ = (
         UniqueConstraint("job_id", "epoch", "shard_id"),
-        Index("ix_workunits_job_status", "job_id", "status"),
+        Index("ix_workunits_claim", "job_id", "status", "epoch", "id"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
