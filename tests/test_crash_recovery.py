@@ -1,9 +1,13 @@
 """Kill -9 a component again and again during a run and restart it: the job still completes, and
 every workunit and merge is accounted for exactly."""
 
+import os
+import random
 import signal
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -19,7 +23,21 @@ pytestmark = pytest.mark.integration
 KILL_EVERY_S = 5.0
 
 
+def keep_killing_one_scheduler_worker(cluster, stop: threading.Event, kills: list[float]) -> None:
+    """Kill one uvicorn worker process at a time; the server's supervisor starts a new one."""
+    server = cluster.service("server")
+    while not stop.wait(KILL_EVERY_S):
+        found = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+        # The supervisor's children are the workers (and multiprocessing's resource tracker).
+        workers = [int(pid) for pid in found if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore")]
+        if workers:
+            os.kill(random.choice(workers), signal.SIGKILL)
+            kills.append(time.time())
+
+
 def keep_killing(cluster, name: str, stop: threading.Event, kills: list[float]) -> None:
+    if name == "scheduler-worker":
+        return keep_killing_one_scheduler_worker(cluster, stop, kills)
     service = cluster.service(name)
     while not stop.wait(KILL_EVERY_S):
         service.signal(signal.SIGKILL)
@@ -28,10 +46,11 @@ def keep_killing(cluster, name: str, stop: threading.Event, kills: list[float]) 
         service.start()
 
 
-@pytest.mark.parametrize("component", ["assimilator", "transitioner", "server", "redis"])
+@pytest.mark.parametrize("component", ["assimilator", "transitioner", "server", "scheduler-worker", "redis"])
 def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqlite_url: str) -> None:
     # Redis restarts from its append-only file (fsync on every write), as in docker-compose.yml.
-    cluster = make_cluster(sqlite_url, redis_appendonly=True, extra_env={
+    cluster = make_cluster(sqlite_url, redis_appendonly=True, server_workers=3 if component == "scheduler-worker" else 1,
+                           extra_env={
         # A killed parameter server's unacknowledged merge comes back after this many seconds.
         "CROWDTRAIN_BROKER_VISIBILITY_TIMEOUT": "5",
         "CROWDTRAIN_STUCK_UPLOAD_SECONDS": "10",
@@ -56,7 +75,6 @@ def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqli
     finally:
         stop.set()
         killer.join(30)
-    cluster.service(component).proc.poll()
     assert len(kills) >= 2, f"{component} was killed only {len(kills)} times"
     st = wait_finished(cluster, job_id, timeout=60)
     assert st["status"] == "succeeded", st
