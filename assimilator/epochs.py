@@ -30,17 +30,22 @@ def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
     return s.scalar(select(func.avg(Metric.val_accuracy)).where(Metric.job_id == job_id, Metric.epoch == epoch))
 
 
+def _open_workunits(s: Session, job_id: int, epoch: int) -> int:
+    return s.scalar(select(func.count()).select_from(Workunit).where(
+        Workunit.job_id == job_id, Workunit.epoch == epoch,
+        Workunit.status.in_([WorkunitStatus.ready.value, WorkunitStatus.in_progress.value])))
+
+
 def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int,
                             epoch: int) -> None:
     """If every workunit of `epoch` is done or failed, apply the stop rule; safe to call repeatedly."""
+    # Most calls find the epoch still open: answer those without queueing on the job row's lock.
+    with db.begin() as s:
+        if _open_workunits(s, job_id, epoch):
+            return
     with db.begin() as s:
         job = _lock_job(s, job_id)
-        if job.status != JobStatus.running.value:
-            return
-        open_count = s.scalar(select(func.count()).select_from(Workunit).where(
-            Workunit.job_id == job_id, Workunit.epoch == epoch,
-            Workunit.status.in_([WorkunitStatus.ready.value, WorkunitStatus.in_progress.value])))
-        if open_count:
+        if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
             return
         figure = epoch_accuracy(s, job_id, epoch)
         stop = job.spec["stop"]

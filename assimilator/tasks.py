@@ -69,7 +69,8 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
 
     if not paramstore.has_server_model(r, job_id):
         restore_server_model(db, storage, r, job_id)
-    if not already_merged and paramstore.merged_version(r, job_id, assignment_id) is None:
+    version = paramstore.merged_version(r, job_id, assignment_id)
+    if not already_merged and version is None:
         if not job_running:
             return _reject(assignment_id, "job is no longer running", charge=False)
         if not wu_open:
@@ -95,7 +96,7 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
             if received_at:
                 telemetry.observe_merge_latency(r, time.time() - received_at)
     else:
-        version = paramstore.merged_version(r, job_id, assignment_id) or 0
+        version = version or 0
 
     # The metric is recorded before the workunit is marked done: when an epoch's last workunit is
     # done, every one of its merges already has its validation figure.

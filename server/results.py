@@ -44,10 +44,7 @@ def upload_result(db: sessionmaker[Session], storage: Storage, host_id: int, ass
     """
     received_at = time.time()
     with db.begin() as s:
-        a = s.get(Assignment, assignment_id, with_for_update=True)
-        # Someone else's assignment is reported exactly like a missing one: ids are not secrets to probe.
-        if a is None or a.host_id != host_id:
-            raise ResultProblem(404, f"assignment {assignment_id} does not exist or is not yours")
+        a = _own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
             raise ResultProblem(409, f"assignment {assignment_id} is {a.status}; a result can be uploaded once, "
                                      "while the assignment is in progress")

@@ -29,14 +29,17 @@ MERGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ACTIVE_WINDOW = timedelta(seconds=120)
 
 
-def count(r: redis.Redis, event: str, n: int = 1) -> None:
-    """Add to an event counter; metrics never fail the request they describe."""
-    if n <= 0:
-        return
+def count(r: redis.Redis, event: str, n: int = 1, **more: int) -> None:
+    """Add to event counters in one round trip; metrics never fail the request they describe."""
+    events = {event: n, **more}
     try:
-        r.hincrby(keys.METRIC_COUNTERS, event, n)
+        with r.pipeline(transaction=False) as pipe:
+            for name, k in events.items():
+                if k > 0:
+                    pipe.hincrby(keys.METRIC_COUNTERS, name, k)
+            pipe.execute()
     except redis.RedisError as exc:
-        log.debug("metric %s not counted: %s", event, exc)
+        log.debug("metrics %s not counted: %s", sorted(events), exc)
 
 
 def observe_merge_latency(r: redis.Redis, seconds: float) -> None:

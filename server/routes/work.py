@@ -24,8 +24,7 @@ def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: Storage
     """Ask for up to `free_slots` assignments."""
     assignments = dispatch.request_work(db, storage, host_id, req.free_slots, req.cached_shards, req.resources,
                                         settings.presign_seconds)
-    telemetry.count(r, "work_requests")
-    telemetry.count(r, "dispatches", len(assignments))
+    telemetry.count(r, "work_requests", dispatches=len(assignments))
     return WorkReply(assignments=assignments, retry_after=settings.work_retry_after,
                      heartbeat_interval=settings.heartbeat_interval)
 
