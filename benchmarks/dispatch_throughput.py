@@ -48,18 +48,15 @@ import secrets
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import create_engine, insert
 from sqlalchemy.orm import Session
 
-from crowdtrain.launch import Cluster
+from crowdtrain.launch import Cluster, fresh_postgres_database
 from server.db import normalize_url
 from server.hosts import hash_token
 from server.models import Host
@@ -87,22 +84,6 @@ def admin_database_url() -> str:
                          or os.environ.get("CROWDTRAIN_TEST_DATABASE_URL") or DEFAULT_PG)
 
 
-@contextmanager
-def fresh_database(base: str) -> Iterator[str]:
-    """A new, empty PostgreSQL database beside `base`'s; dropped (connections and all) afterwards."""
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    name = f"crowdtrain_bench_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield base.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-        log(f"dropped database {name}")
-
-
 def write_dataset(path: Path, shards: int, seed: int = 0) -> None:
     """Random features, one example per shard, plus a tiny validation split."""
     rng = np.random.default_rng(seed)
@@ -122,18 +103,6 @@ def job_spec(dataset: Path, shards: int) -> dict:
         "stop": {"target_accuracy": 1.0, "max_epochs": 1000},
         "scheduling": {"deadline_seconds": 3600},
     }
-
-
-def check(resp: httpx.Response) -> dict:
-    if resp.status_code >= 400:
-        raise RuntimeError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text}")
-    return resp.json()
-
-
-def submit_job(cluster: Cluster, spec: dict) -> dict:
-    with cluster.admin() as admin:
-        admin.timeout = httpx.Timeout(900)  # tens of thousands of shards are written one file each
-        return check(admin.post("/v1/jobs", json=spec))
 
 
 def insert_hosts(database_url: str, count: int) -> list[str]:
@@ -226,7 +195,7 @@ async def drive(url: str, tokens: list[str], concurrency: int, warmup: float, se
 def run(var_dir: Path, hosts: int, shards: int, concurrency: int, warmup: float, seconds: float) -> dict:
     dataset = var_dir / "bench.npz"
     write_dataset(dataset, shards)
-    with fresh_database(admin_database_url()) as database_url:
+    with fresh_postgres_database(admin_database_url()) as database_url:
         cluster = Cluster(var_dir=var_dir / "cluster", database_url=database_url,
                           server_workers=SCHEDULER_WORKERS, assimilator_concurrency=1)
         try:
@@ -234,7 +203,8 @@ def run(var_dir: Path, hosts: int, shards: int, concurrency: int, warmup: float,
                 "parameter server on PostgreSQL ...")
             cluster.start()
             started = time.monotonic()
-            job = submit_job(cluster, job_spec(dataset, shards))
+            # tens of thousands of shards are written one file each
+            job = cluster.submit(job_spec(dataset, shards), timeout=900)
             log(f"job {job['job_id']}: {job['shards']:,} shards submitted in {time.monotonic() - started:.1f}s")
             started = time.monotonic()
             tokens = insert_hosts(database_url, hosts)

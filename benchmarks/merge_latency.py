@@ -99,11 +99,6 @@ def check(resp: httpx.Response) -> dict:
     return resp.json()
 
 
-def submit_job(cluster: Cluster, spec: dict) -> dict:
-    with cluster.admin() as admin:
-        return check(admin.post("/v1/jobs", json=spec))
-
-
 def register_host(cluster: Cluster) -> httpx.Client:
     """Register as a host; returns an HTTP client that authenticates with the host token."""
     reply = check(httpx.post(f"{cluster.url}/v1/hosts", timeout=30,
@@ -232,7 +227,7 @@ def run(samples: int, var_dir: Path) -> dict:
         log("starting redis, scheduler, transitioner and one parameter server ...")
         cluster.start()
         r = paramstore.connect(cluster.redis_url)
-        job = submit_job(cluster, job_spec(dataset, shards))
+        job = cluster.submit(job_spec(dataset, shards))
         job_id = job["job_id"]
         log(f"job {job_id}: {job['parameters']:,} parameters, {job['shards']} shards")
         with register_host(cluster) as host:

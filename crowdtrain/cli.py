@@ -3,7 +3,6 @@
 import json
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Annotated
 

@@ -8,6 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +113,26 @@ def wait_for(check, timeout: float, message: str, service: Service | None = None
     raise TimeoutError(f"{message} within {timeout}s" + (f"\n{service.tail()}" if service else ""))
 
 
+@contextmanager
+def fresh_postgres_database(base_url: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database on `base_url`'s server; dropped, connections and all, afterwards."""
+    from sqlalchemy import create_engine, text
+
+    from server.db import normalize_url
+
+    base = normalize_url(base_url)
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    name = f"crowdtrain_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        yield base.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 def crowdtrain_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "crowdtrain", *args]
 
@@ -188,6 +211,14 @@ class Cluster:
                       self.env, self.var_dir / "logs" / f"{name}.log").start()
         self.clients.append(svc)
         return svc
+
+    def submit(self, spec: dict, timeout: float = 120) -> dict:
+        """Submit a job spec through the admin API; raises with the scheduler's answer if refused."""
+        with self.admin() as http:
+            resp = http.post("/v1/jobs", json=spec, timeout=timeout)
+        if resp.status_code != 201:
+            raise RuntimeError(f"job refused: {resp.status_code} {resp.text}")
+        return resp.json()
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=120)

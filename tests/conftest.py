@@ -1,7 +1,6 @@
 """Fixtures that start real services: PostgreSQL databases, private Redis servers, whole clusters."""
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,8 +8,8 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from crowdtrain.launch import Cluster, free_port, start_redis
-from server.db import normalize_url
+from crowdtrain.launch import Cluster, free_port, fresh_postgres_database, start_redis
+from server.db import normalize_url, session_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
@@ -32,26 +31,14 @@ def postgres_url() -> Iterator[str]:
         admin = create_engine(base, isolation_level="AUTOCOMMIT")
         with admin.connect() as c:
             c.execute(text("select 1"))
+        admin.dispose()
     except Exception as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"PostgreSQL at {base} is unreachable under CI=true: {exc}")
         pytest.skip(f"PostgreSQL at {base} is unreachable: {exc}")
-    name = f"crowdtrain_test_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = base.rsplit("/", 1)[0] + f"/{name}"
-    try:
+    with fresh_postgres_database(base) as url:
         yield url
-    finally:
-        from server.db import session_factory
-
-        try:
-            session_factory(url).kw["bind"].dispose()
-        except Exception:
-            pass
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        session_factory(url).kw["bind"].dispose()
 
 
 @pytest.fixture
