@@ -13,7 +13,7 @@ import httpx
 
 from client.api import Refused, SchedulerAPI
 from client.cache import FileCache
-from client.trainer import Cancelled, train
+from client.trainers import Cancelled, train
 from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
 from crowdtrain.tensors import decode, decode_shard, encode
 
@@ -164,7 +164,7 @@ class VolunteerClient:
             snap = self.snapshots.fetch(a.snapshot.sha256, lambda p: self.api.download(a.snapshot.url, p))
             shard = self.shards.fetch(a.shard.sha256, lambda p: self.api.download(a.shard.url, p))
             x, y = decode_shard(shard.read_bytes())
-            result = train(a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, cancel)
+            result = train("pytorch", a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, cancel)
             if cancel.is_set():
                 raise Cancelled()
             self.api.upload(a, encode(result.params), ResultMetrics(train_loss=result.train_loss,

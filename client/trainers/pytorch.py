@@ -2,29 +2,17 @@
 
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from client.trainers import Cancelled, Checkpoint, TrainResult
 from crowdtrain.tensors import Params
 from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
 
 
-class Cancelled(Exception):
-    """Training stopped early because the assignment was abandoned or is no longer wanted."""
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    params: Params
-    train_loss: float
-    examples: int
-    seconds: float
-
-
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          cancel: threading.Event | None = None) -> TrainResult:
+          cancel: threading.Event | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
     """Run `training.local_epochs` passes over (x, y) from `params`; checks `cancel` between batches."""
     start = time.monotonic()
     m, t = recipe["model"], recipe["training"]
