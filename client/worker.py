@@ -13,7 +13,7 @@ import httpx
 
 from client.api import Refused, SchedulerAPI
 from client.cache import FileCache
-from client.trainers import Cancelled, train
+from client.trainers import Cancelled, TrainControl, train
 from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
 from crowdtrain.tensors import decode, decode_shard, encode
 
@@ -26,7 +26,7 @@ KEEP_SNAPSHOTS = 4
 class Running:
     assignment: AssignmentOut
     thread: threading.Thread
-    cancel: threading.Event = field(default_factory=threading.Event)
+    control: TrainControl = field(default_factory=TrainControl)
 
 
 def detect_resources(device: str) -> Resources:
@@ -143,7 +143,7 @@ class VolunteerClient:
         with self.lock:
             running = list(self.running.values())
         for r in running:
-            r.cancel.set()
+            r.control.cancel()
             self._abandon(r.assignment.assignment_id)
         for r in running:
             r.thread.join(timeout=30)
@@ -159,13 +159,13 @@ class VolunteerClient:
     # -- one assignment -------------------------------------------------------------------------
     def _work(self, a: AssignmentOut) -> None:
         aid = a.assignment_id
-        cancel = self.running[aid].cancel
+        control = self.running[aid].control
         try:
             snap = self.snapshots.fetch(a.snapshot.sha256, lambda p: self.api.download(a.snapshot.url, p))
             shard = self.shards.fetch(a.shard.sha256, lambda p: self.api.download(a.shard.url, p))
             x, y = decode_shard(shard.read_bytes())
-            result = train("pytorch", a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, cancel)
-            if cancel.is_set():
+            result = train("pytorch", a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, control)
+            if control.cancelled.is_set():
                 raise Cancelled()
             self.api.upload(a, encode(result.params), ResultMetrics(train_loss=result.train_loss,
                                                                     examples=result.examples, seconds=result.seconds))
@@ -217,4 +217,4 @@ class VolunteerClient:
                     continue
                 if not reply.keep_going:
                     log.info("assignment %s: server says stop (%s)", r.assignment.assignment_id, reply.reason)
-                    r.cancel.set()
+                    r.control.cancel()

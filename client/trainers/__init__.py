@@ -5,7 +5,8 @@ returns named numpy arrays in the job's canonical layout (the zoo's PyTorch `sta
 shapes for zoo models), so parameter servers never see which framework trained a result.
 
 The contract every trainer keeps:
-- it checks `cancel` between batches and raises `Cancelled` when it is set;
+- it calls `control.between_batches()` between batches: that raises `Cancelled` once the
+  assignment is cancelled and blocks while the client is paused (the machine is not idle);
 - with a `checkpoint`, it calls `checkpoint.due()` between batches and, when it is true,
   `checkpoint.save(tensors, progress)` with everything needed to continue (model and optimizer
   state as named arrays, the position in the data as JSON-able values); when
@@ -35,6 +36,36 @@ class TrainResult:
     seconds: float
 
 
+class TrainControl:
+    """How the client steers a running trainer: cancel it, or pause it between batches."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def between_batches(self) -> None:
+        """Raise Cancelled if cancelled; while paused, wait (still answering a cancel)."""
+        while not self._running.wait(0.2):
+            if self.cancelled.is_set():
+                raise Cancelled()
+        if self.cancelled.is_set():
+            raise Cancelled()
+
+
 class Checkpoint(Protocol):
     resumed: tuple[Params, dict] | None
 
@@ -52,8 +83,20 @@ def available_frameworks() -> list[str]:
     return found
 
 
+def limit_threads(n: int) -> None:
+    """Cap the CPU threads every installed framework uses for training (call before training)."""
+    if "pytorch" in available_frameworks():
+        import torch
+
+        torch.set_num_threads(n)
+    if "tensorflow" in available_frameworks():
+        from client.trainers.tensorflow import limit_threads as limit_tf
+
+        limit_tf(n)
+
+
 def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          cancel: threading.Event | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
+          control: TrainControl | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
     """Train with `framework` from `params` on (x, y); see the module docstring for the contract."""
     if framework == "pytorch":
         from client.trainers.pytorch import train as run
@@ -61,4 +104,4 @@ def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.nda
         from client.trainers.tensorflow import train as run
     else:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
-    return run(recipe, params, x, y, device=device, cancel=cancel, checkpoint=checkpoint)
+    return run(recipe, params, x, y, device=device, control=control or TrainControl(), checkpoint=checkpoint)

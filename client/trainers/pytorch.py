@@ -1,19 +1,18 @@
 """Local training with PyTorch: start from the snapshot, train on the shard, return W_c."""
 
-import threading
 import time
 
 import numpy as np
 import torch
 
-from client.trainers import Cancelled, Checkpoint, TrainResult
+from client.trainers import Checkpoint, TrainControl, TrainResult
 from crowdtrain.tensors import Params
 from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
 
 
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          cancel: threading.Event | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
-    """Run `training.local_epochs` passes over (x, y) from `params`; checks `cancel` between batches."""
+          control: TrainControl, checkpoint: Checkpoint | None = None) -> TrainResult:
+    """Run `training.local_epochs` passes over (x, y) from `params`; see client.trainers for the contract."""
     start = time.monotonic()
     m, t = recipe["model"], recipe["training"]
     model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
@@ -30,8 +29,7 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
         order = torch.randperm(len(xt), generator=gen)
         loss_sum, seen = 0.0, 0
         for i in range(0, len(order), bs):
-            if cancel is not None and cancel.is_set():
-                raise Cancelled()
+            control.between_batches()
             idx = order[i:i + bs]
             xb, yb = xt[idx].to(device), yt[idx].to(device)
             opt.zero_grad(set_to_none=True)
