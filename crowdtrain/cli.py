@@ -103,19 +103,34 @@ def client(
         "~/.cache/crowdtrain"),
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
     name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
-    max_assignments: Annotated[int | None, typer.Option(help="Exit after this many results")] = None,
+    max_assignments: Annotated[int | None, typer.Option(help="Exit after this many assignments")] = None,
+    prefetch: Annotated[bool, typer.Option(help="Fetch the next assignment's files while training")] = True,
+    checkpoint_seconds: Annotated[float, typer.Option(
+        min=0, help="Checkpoint running training this often (0: never); a restarted client resumes")] = 30.0,
+    spot_notice_url: Annotated[str, typer.Option(
+        help="Spot-interruption notice to poll, e.g. AWS IMDSv2 "
+             "http://169.254.169.254/latest/meta-data/spot/instance-action; empty: none")] = "",
+    spot_poll_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds between notice polls")] = 5.0,
+    sigterm_grace: Annotated[float, typer.Option(
+        min=0, help="On SIGTERM, let training that ends within this many seconds finish and upload")] = 0.0,
+    max_download_rate: Annotated[float | None, typer.Option(min=1, help="Download cap, bytes/s")] = None,
+    max_upload_rate: Annotated[float | None, typer.Option(min=1, help="Upload cap, bytes/s")] = None,
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly)."""
     import torch
 
+    from client.trainers import limit_threads
     from client.worker import VolunteerClient
 
     _logging()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available on this machine", param_hint="--device")
     if threads:
-        torch.set_num_threads(threads)
-    c = VolunteerClient(server, join_token, tasks, device, cache.expanduser(), name, max_assignments)
+        limit_threads(threads)
+    c = VolunteerClient(server, join_token, tasks, device, cache.expanduser(), name, max_assignments,
+                        prefetch=prefetch, checkpoint_seconds=checkpoint_seconds, spot_notice_url=spot_notice_url,
+                        spot_poll_seconds=spot_poll_seconds, sigterm_grace=sigterm_grace,
+                        max_download_rate=max_download_rate, max_upload_rate=max_upload_rate)
     c.install_signal_handlers()
     raise typer.Exit(c.run())
 
