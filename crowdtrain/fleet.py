@@ -13,6 +13,7 @@ import math
 import re
 import shlex
 from datetime import datetime
+from decimal import ROUND_DOWN, Decimal
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -24,6 +25,7 @@ SPOT_NOTICE_URL = f"{IMDS_URL}/meta-data/spot/instance-action"
 CLIENT_VENV = "/opt/crowdtrain"
 JOIN_TOKEN_FILE = "/etc/crowdtrain/join-token.env"
 STATE_DIR = "/var/lib/crowdtrain"
+PRICE_STEP = "0.000001"  # USD/h: the precision of EC2 spot prices
 
 # A family with a generation digit, then a size: t3.large, c5.xlarge, m7i-flex.2xlarge, u-6tb1.metal.
 INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*[0-9][a-z0-9-]*\.[a-z0-9]+$")
@@ -77,8 +79,8 @@ class FleetSpec(BaseModel):
     @field_validator("max_price")
     @classmethod
     def _finite_price(cls, price: float | None) -> float | None:
-        if price is not None and not math.isfinite(price):
-            raise ValueError("must be a finite number of USD per hour")
+        if price is not None and not (math.isfinite(price) and price >= float(PRICE_STEP)):
+            raise ValueError(f"must be a finite number of USD per hour, at least {PRICE_STEP}")
         return price
 
     @field_validator("server")
@@ -107,10 +109,12 @@ class FleetSpec(BaseModel):
 
     @property
     def max_price_text(self) -> str | None:
-        """The price as EC2 takes it: a decimal string, at most 6 decimals (EC2's precision)."""
+        """The price as EC2 takes it: a decimal string of at most 6 decimals (EC2's precision),
+        rounded down, because it is a cap the operator must not be charged above."""
         if self.max_price is None:
             return None
-        return f"{self.max_price:.6f}".rstrip("0").rstrip(".")
+        text = str(Decimal(repr(self.max_price)).quantize(Decimal(PRICE_STEP), rounding=ROUND_DOWN))
+        return text.rstrip("0").rstrip(".")
 
 
 def _aws_ids(ids: list[str], prefix: str) -> list[str]:
