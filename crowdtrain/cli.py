@@ -291,7 +291,8 @@ app.add_typer(fleet_app, name="fleet")
 
 FleetNameOpt = Annotated[str, typer.Option("--name", help="Fleet name; tags every instance crowdtrain:fleet=NAME")]
 RegionOpt = Annotated[str | None, typer.Option(help="AWS region (default: the AWS configuration)")]
-Ec2EndpointOpt = Annotated[str | None, typer.Option(help="EC2 endpoint (default: CROWDTRAIN_EC2_ENDPOINT_URL, else AWS)")]
+Ec2EndpointOpt = Annotated[str | None,
+                           typer.Option(help="EC2 endpoint (default: CROWDTRAIN_EC2_ENDPOINT_URL, else AWS)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document for scripts instead of a table")]
 # FleetSpec fields whose CLI option is named differently.
 _FLEET_OPTIONS = {"instance_types": "--instance-types", "subnet_ids": "--subnet-id",
@@ -329,7 +330,8 @@ def fleet_up(
     client_package: Annotated[str, typer.Option(help="pip requirement installed on every instance")] = (
         "crowdtrain[client]"),
     key_name: Annotated[str | None, typer.Option(help="EC2 key pair for SSH")] = None,
-    subnet_id: Annotated[str | None, typer.Option(help="Subnet(s), comma list; several zones find more capacity")] = None,
+    subnet_id: Annotated[str | None,
+                         typer.Option(help="Subnet(s), comma list; several zones find more capacity")] = None,
     security_group_id: Annotated[str | None, typer.Option(help="Security group(s), comma list")] = None,
     allocation_strategy: Annotated[str, typer.Option(help="price-capacity-optimized, capacity-optimized, "
                                                           "lowest-price or diversified")] = "price-capacity-optimized",
@@ -386,7 +388,8 @@ def _minute(t) -> str:
 @fleet_app.command("status")
 def fleet_status(
     name: FleetNameOpt,
-    server: Annotated[str | None, typer.Option(help="Scheduler URL (default: the one the fleet was started with)")] = None,
+    server: Annotated[str | None,
+                      typer.Option(help="Scheduler URL (default: the one the fleet was started with)")] = None,
     admin_token: TokenOpt = None,
     as_json: JsonOpt = False,
     region: RegionOpt = None,
