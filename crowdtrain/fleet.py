@@ -23,7 +23,7 @@ SERVER_TAG = "crowdtrain:server"
 IMDS_URL = "http://169.254.169.254/latest"
 SPOT_NOTICE_URL = f"{IMDS_URL}/meta-data/spot/instance-action"
 CLIENT_VENV = "/opt/crowdtrain"
-JOIN_TOKEN_FILE = "/etc/crowdtrain/join-token.env"
+CLIENT_ENV_FILE = "/etc/crowdtrain/client.env"
 STATE_DIR = "/var/lib/crowdtrain"
 PRICE_STEP = "0.000001"  # USD/h: the precision of EC2 spot prices
 
@@ -32,7 +32,8 @@ INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*[0-9][a-z0-9-]*\.[a-z0-9]+$")
 # Characters of `secrets.token_urlsafe` tokens and of usual operator-chosen ones. Anything else is
 # refused rather than quoted, so the token can sit unquoted in a systemd EnvironmentFile.
 JOIN_TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{1,500}$")
-SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/%-]*)?$")
+# No '%' or '$': in a systemd ExecStart line they are specifiers and expansions.
+SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/-]*)?$")
 
 AllocationStrategy = Literal["price-capacity-optimized", "capacity-optimized", "lowest-price", "diversified"]
 
@@ -140,14 +141,14 @@ _BOOTSTRAP = r"""#!/bin/bash
 # crowdtrain spot-fleet bootstrap (cloud-init user-data): install the client, run it as a service.
 # Never `set -x` here and never echo the environment file: cloud-init logs this script's output.
 set -euo pipefail
-umask 077
 
 CLIENT_PACKAGE=__CLIENT_PACKAGE__
 
 if command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q python3 python3-venv curl
+    # At first boot unattended-upgrades may hold the dpkg lock for a while: wait for it.
+    apt-get -o DPkg::Lock::Timeout=600 update -q
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q python3 python3-venv curl
 elif command -v dnf >/dev/null; then
     # Amazon Linux 2023's python3 is 3.9; crowdtrain needs 3.11 or newer.
     dnf install -y -q python3.11 python3.11-pip || dnf install -y -q python3 python3-pip
@@ -173,14 +174,16 @@ IMDS_TOKEN=$(curl -fsS --retry 10 --retry-connrefused -X PUT "__IMDS_URL__/api/t
 INSTANCE_ID=$(curl -fsS --retry 10 --retry-connrefused -H "X-aws-ec2-metadata-token: $IMDS_TOKEN" \
     "__IMDS_URL__/meta-data/instance-id")
 
-mkdir -p "$(dirname __JOIN_TOKEN_FILE__)"
-cat > __JOIN_TOKEN_FILE__ <<'CROWDTRAIN_ENV'
+# Root-only from its first byte (umask in a subshell: the venv above must stay readable to the service).
+mkdir -p "$(dirname __CLIENT_ENV_FILE__)"
+(
+umask 077
+cat > __CLIENT_ENV_FILE__ <<'CROWDTRAIN_ENV'
 FLEET_JOIN_TOKEN=__JOIN_TOKEN__
 CROWDTRAIN_ENV
-echo "INSTANCE_ID=$INSTANCE_ID" >> __JOIN_TOKEN_FILE__
-chmod 600 __JOIN_TOKEN_FILE__
+echo "INSTANCE_ID=$INSTANCE_ID" >> __CLIENT_ENV_FILE__
+)
 
-umask 022
 cat > /etc/systemd/system/crowdtrain-client.service <<'CROWDTRAIN_UNIT'
 [Unit]
 Description=crowdtrain volunteer client (spot fleet)
@@ -188,7 +191,7 @@ Wants=network-online.target
 After=network-online.target
 
 [Service]
-EnvironmentFile=__JOIN_TOKEN_FILE__
+EnvironmentFile=__CLIENT_ENV_FILE__
 ExecStart=__EXEC_START__
 Restart=always
 RestartSec=5
@@ -219,7 +222,7 @@ def user_data(spec: FleetSpec) -> str:
         "__CLIENT_PACKAGE__": shlex.quote(spec.client_package),
         "__CLIENT_VENV__": CLIENT_VENV,
         "__IMDS_URL__": IMDS_URL,
-        "__JOIN_TOKEN_FILE__": JOIN_TOKEN_FILE,
+        "__CLIENT_ENV_FILE__": CLIENT_ENV_FILE,
         "__JOIN_TOKEN__": spec.join_token,
         "__EXEC_START__": " ".join(client_command(spec)),
         "__STATE_DIR__": STATE_DIR,

@@ -77,11 +77,20 @@ def test_user_data_runs_the_client_with_the_token_from_a_root_only_file() -> Non
     assert "Restart=always" in script
 
 
+def test_only_the_token_file_is_written_under_umask_077() -> None:
+    """The venv and the unit must stay readable to the service's (dynamic) user."""
+    lines = user_data(_spec()).splitlines()
+    [umask] = [i for i, ln in enumerate(lines) if ln.strip().startswith("umask")]
+    assert lines[umask] == "umask 077" and lines[umask - 1] == "("
+    assert lines[umask + 1].startswith("cat > /etc/crowdtrain/client.env")
+    assert lines.index(")", umask) < next(i for i, ln in enumerate(lines) if "crowdtrain-client.service <<" in ln)
+
+
 def test_user_data_reads_the_instance_id_with_imdsv2() -> None:
     script = user_data(_spec())
     put = script.index("-X PUT \"http://169.254.169.254/latest/api/token\"")
     get = script.index("-H \"X-aws-ec2-metadata-token: $IMDS_TOKEN\"")
-    assert put < get < script.index('echo "INSTANCE_ID=$INSTANCE_ID" >> /etc/crowdtrain/join-token.env')
+    assert put < get < script.index('echo "INSTANCE_ID=$INSTANCE_ID" >> /etc/crowdtrain/client.env')
 
 
 def test_request_has_one_override_per_type_and_subnet() -> None:
@@ -266,6 +275,7 @@ def _ec2_footprint(ec2) -> tuple[int, int, int, int]:
     ({"--instance-types": "t3.large,c5xlarge"}, "invalid --instance-types"),
     ({"--max-price": "-0.05"}, "invalid --max-price"),
     ({"--server": "scheduler:8000"}, "invalid --server"),
+    ({"--server": "http://scheduler:8000/%n"}, "invalid --server"),
     ({"--join-token": "has space"}, "invalid --join-token"),
 ])
 def test_bad_input_exits_2_and_requests_nothing(ec2, fleet_cli, change, message) -> None:
