@@ -308,7 +308,11 @@ def _fleets(region: str | None, endpoint_url: str | None):
 
 def _ec2(call):
     """Run `call()`; an EC2 refusal or missing credentials/region ends the command with its message."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        typer.echo("crowdtrain fleet needs boto3: pip install 'crowdtrain[fleet]'", err=True)
+        raise typer.Exit(1) from None
 
     try:
         return call()
@@ -412,6 +416,9 @@ def fleet_status(
         return
     if hosts_error:
         typer.echo(f"hosts unknown: {hosts_error}", err=True)
+    if not requests and not rows:
+        typer.echo(f"fleet {name}: no such fleet here (check --region)")
+        return
     for r in requests:
         typer.echo(f"{r['fleet_id']}: {r['state']}, {r['fulfilled_capacity']}/{r['target_capacity']} running")
     _print_rows([{"instance": r.instance_id, "type": r.instance_type, "state": r.state,

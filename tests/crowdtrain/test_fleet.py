@@ -142,7 +142,7 @@ def ec2(moto_url: str):
 def fleet_cli(moto_url: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
-                "CROWDTRAIN_EC2_ENDPOINT_URL": moto_url})
+                "AWS_MAX_ATTEMPTS": "1", "CROWDTRAIN_EC2_ENDPOINT_URL": moto_url})
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "crowdtrain", "fleet", *args], env=env, capture_output=True,
@@ -201,6 +201,7 @@ def test_up_requests_the_asked_types_price_and_user_data(ec2, fleet_cli) -> None
     assert {i["InstanceType"] for i in instances} == {"t3.large", "c5.xlarge"}
     assert {i["InstanceLifecycle"] for i in instances} == {"spot"}
     for i in instances:
+        assert {"Key": FLEET_TAG, "Value": name} in i["Tags"]
         booted_with = ec2.describe_instance_attribute(InstanceId=i["InstanceId"], Attribute="userData")
         assert base64.b64decode(booted_with["UserData"]["Value"]).decode() == script
     fleet_cli("down", "--name", name)
@@ -241,6 +242,27 @@ def test_status_shows_the_host_each_instance_registered_as(ec2, fleet_cli, make_
     table = fleet_cli("status", "--name", name, "--admin-token", cluster.admin_token)
     assert table.returncode == 0 and "running" in table.stdout
     fleet_cli("down", "--name", name)
+
+
+def test_status_without_the_scheduler_still_lists_the_instances(ec2, fleet_cli) -> None:
+    name = fleet_name()
+    assert fleet_cli(*up_args(name, **{"--count": "2"})).returncode == 0
+    nobody = f"http://127.0.0.1:{free_port()}"
+    result = fleet_cli("status", "--name", name, "--server", nobody, "--json")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert "unreachable" in status["hosts_error"]
+    assert {i["instance_id"] for i in status["instances"]} == {i["InstanceId"] for i in tagged_instances(ec2, name)}
+    assert [i["host"] for i in status["instances"]] == [None, None]
+    fleet_cli("down", "--name", name)
+
+
+def test_unreachable_ec2_exits_1_with_the_reason(fleet_cli) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    for args in (up_args(fleet_name()), ["status", "--name", "x"], ["down", "--name", "x"]):
+        result = fleet_cli(*args, "--endpoint-url", nowhere)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith("EC2: Could not connect to the endpoint URL") and "Traceback" not in result.stderr
 
 
 def test_down_terminates_instances_and_cancels_requests_once(ec2, fleet_cli) -> None:
