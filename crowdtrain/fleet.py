@@ -61,7 +61,8 @@ class FleetSpec(BaseModel):
     join_token: str = Field(..., repr=False)
     tasks: int = Field(1, ge=1, le=64)
     client_package: str = Field("crowdtrain[client]", min_length=1, max_length=500,
-                                pattern=r"^[^\s'\"\\]+$", description="pip requirement installed on boot")
+                                pattern=r"^[^\r\n]+$", description="pip requirement installed on boot "
+                                                                  "(one shell-quoted argument to pip)")
     key_name: str | None = Field(None, min_length=1, max_length=255)
     subnet_ids: list[str] = Field(default_factory=list, max_length=20)
     security_group_ids: list[str] = Field(default_factory=list, max_length=5)

@@ -77,6 +77,16 @@ def test_user_data_runs_the_client_with_the_token_from_a_root_only_file() -> Non
     assert "Restart=always" in script
 
 
+def test_client_package_reaches_pip_verbatim() -> None:
+    """A requirement with shell metacharacters is one literal word, never a command."""
+    package = "crowdtrain[client] @ git+https://example.org/o/crowdtrain@v1 ; echo 'pwned' $(id)"
+    [assignment] = [ln for ln in user_data(_spec(client_package=package)).splitlines()
+                    if ln.startswith("CLIENT_PACKAGE=")]
+    result = subprocess.run(["bash", "-c", f'{assignment}\nprintf %s "$CLIENT_PACKAGE"'], capture_output=True,
+                            text=True)
+    assert result.stdout == package
+
+
 def test_only_the_token_file_is_written_under_umask_077() -> None:
     """The venv and the unit must stay readable to the service's (dynamic) user."""
     lines = user_data(_spec()).splitlines()
