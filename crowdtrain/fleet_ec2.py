@@ -30,6 +30,11 @@ def _pages(ec2, operation: str, key: str, **kwargs) -> list[dict]:
     return [item for page in ec2.get_paginator(operation).paginate(**kwargs) for item in page[key]]
 
 
+def _chunks(ids: list[str], size: int = 100) -> list[list[str]]:
+    """EC2 bounds the values of one filter and the ids of one call; 100 is within every bound."""
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
 def _tag(resource: dict, key: str) -> str | None:
     return next((t["Value"] for t in resource.get("Tags", []) if t["Key"] == key), None)
 
@@ -111,8 +116,8 @@ class Ec2Fleets:
             done.fleets_deleted = live_fleets
         done.requests_cancelled = self._cancel_requests([i.instance_id for i in instances])
         still_live = [i.instance_id for i in self.instances(fleet) if i.state not in GONE_STATES]
-        if still_live:
-            self.ec2.terminate_instances(InstanceIds=still_live)
+        for ids in _chunks(still_live):
+            self.ec2.terminate_instances(InstanceIds=ids)
         template_id = self._template_id(template_name(fleet))
         if template_id:
             self.ec2.delete_launch_template(LaunchTemplateId=template_id)
@@ -120,15 +125,16 @@ class Ec2Fleets:
         return done
 
     def _cancel_requests(self, instance_ids: list[str]) -> list[str]:
-        if not instance_ids:
-            return []
-        live = _pages(self.ec2, "describe_spot_instance_requests", "SpotInstanceRequests",
-                      Filters=[{"Name": "instance-id", "Values": instance_ids},
-                               {"Name": "state", "Values": LIVE_REQUEST_STATES}])
-        ids = [r["SpotInstanceRequestId"] for r in live]
-        if ids:
-            self.ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=ids)
-        return ids
+        cancelled = []
+        for chunk in _chunks(instance_ids):
+            live = _pages(self.ec2, "describe_spot_instance_requests", "SpotInstanceRequests",
+                          Filters=[{"Name": "instance-id", "Values": chunk},
+                                   {"Name": "state", "Values": LIVE_REQUEST_STATES}])
+            ids = [r["SpotInstanceRequestId"] for r in live]
+            if ids:
+                self.ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=ids)
+            cancelled += ids
+        return cancelled
 
     def _template_id(self, name: str) -> str | None:
         found = _pages(self.ec2, "describe_launch_templates", "LaunchTemplates",
