@@ -107,17 +107,19 @@ class Ec2Fleets:
         terminated instance, so both go before the instances do.
         """
         done = Teardown()
-        # Listed first: deleting a fleet already starts terminating its instances.
-        instances = self.instances(fleet)
-        done.instances_terminated = [i for i in instances if i.state not in GONE_STATES]
+        # Listed before as well as after: deleting a fleet already starts terminating its
+        # instances, and the fleet may have launched a replacement in between.
+        before = self.instances(fleet)
         live_fleets = [f["FleetId"] for f in self.fleets(fleet) if not f["FleetState"].startswith("deleted")]
         if live_fleets:
             self.ec2.delete_fleets(FleetIds=live_fleets, TerminateInstances=True)
             done.fleets_deleted = live_fleets
-        done.requests_cancelled = self._cancel_requests([i.instance_id for i in instances])
-        still_live = [i.instance_id for i in self.instances(fleet) if i.state not in GONE_STATES]
-        for ids in _chunks(still_live):
+        after = self.instances(fleet)
+        done.requests_cancelled = self._cancel_requests([i.instance_id for i in after])
+        for ids in _chunks([i.instance_id for i in after if i.state not in GONE_STATES]):
             self.ec2.terminate_instances(InstanceIds=ids)
+        live = {i.instance_id: i for i in before + after if i.state not in GONE_STATES}
+        done.instances_terminated = list(live.values())
         template_id = self._template_id(template_name(fleet))
         if template_id:
             self.ec2.delete_launch_template(LaunchTemplateId=template_id)
