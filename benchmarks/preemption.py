@@ -5,7 +5,8 @@ What it measures
     deadline (the assignment timeout) is `--timeout` seconds. The endpoint starts serving a
     notice; the client gives the assignment back at once; a second client that has a free slot
     gets the workunit on its next poll. For each of `--trials` runs it records the seconds from
-    the moment the client first read the notice to (a) the assignment being abandoned on the
+    the moment the client first read the notice (and, for the re-dispatch, from the moment the
+    notice appeared, which adds the wait for the client's next poll) to (a) the assignment being abandoned on the
     server and (b) the workunit's next dispatch to the other client. Without the notice the
     workunit would be dispatched again only after the deadline: `--timeout` seconds after it
     was sent, minus however long it had been training. The ratio against the timeout is the
