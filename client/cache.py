@@ -1,10 +1,19 @@
-"""A content-addressed file cache: files are named by their sha256 and verified before use."""
+"""A content-addressed file cache: files are named by their sha256 and verified before use.
+
+Shards and snapshots are two `FileCache`s that may share one `CacheBudget`: a single size limit
+over both, because a volunteer grants disk space, not space per kind of file. When a download
+would pass the limit, the least recently used files are deleted first. A file's mtime is its
+recency (a hit touches it), so the order survives restarts. Files that running assignments use
+(`in_use`) and files being downloaded are never deleted; if they alone fill the limit the
+download is refused with CacheFull.
+"""
 
 import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -12,6 +21,10 @@ log = logging.getLogger(__name__)
 
 class HashMismatch(Exception):
     pass
+
+
+class CacheFull(Exception):
+    """The file does not fit under the cache limit even after evicting everything not in use."""
 
 
 def file_sha256(path: Path) -> str:
@@ -22,10 +35,79 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class CacheBudget:
+    """One size limit (None: unlimited) over several FileCaches, least recently used evicted first."""
+
+    def __init__(self, max_bytes: int | None, in_use: Callable[[], set[str]] = set):
+        self.max_bytes = max_bytes
+        self.in_use = in_use
+        self.caches: list[FileCache] = []
+        self.lock = threading.Lock()
+        self.incoming: dict[str, int] = {}  # sha256 -> bytes of downloads in flight
+        self.evictions = 0
+
+    def files(self) -> list[tuple[float, int, Path]]:
+        """(recency, size, path) of every cached file."""
+        found = []
+        for cache in self.caches:
+            for p in cache.root.glob("??/*"):
+                try:
+                    st = p.stat()
+                except FileNotFoundError:  # evicted or pruned meanwhile
+                    continue
+                if len(p.name) == 64:
+                    found.append((st.st_mtime, st.st_size, p))
+        return found
+
+    def used_bytes(self) -> int:
+        return sum(size for _, size, _ in self.files())
+
+    @contextmanager
+    def room_for(self, sha256: str, size: int) -> Iterator[None]:
+        """Evict until `size` more bytes fit, and hold that room while the download runs."""
+        with self.lock:
+            if self.max_bytes is not None:
+                self._evict(size)
+            self.incoming[sha256] = size
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.incoming.pop(sha256, None)
+
+    def _evict(self, size: int) -> None:
+        files = self.files()
+        used = sum(s for _, s, _ in files) + sum(self.incoming.values())
+        keep = self.in_use() | set(self.incoming)
+        for _, fsize, path in sorted(files):
+            if used + size <= self.max_bytes:
+                break
+            if path.name in keep:
+                continue
+            path.unlink(missing_ok=True)
+            used -= fsize
+            self.evictions += 1
+            log.info("cache: evicted %s (%d bytes, least recently used)", path.name[:12], fsize)
+        if used + size > self.max_bytes:
+            raise CacheFull(f"{size} bytes do not fit in the cache limit of {self.max_bytes} bytes: "
+                            f"{used} bytes are in use by running assignments")
+
+
+def _touch(path: Path) -> bool:
+    """Mark a cached file as just used; False if it is not (or no longer) there."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 class FileCache:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, budget: CacheBudget | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.budget = budget or CacheBudget(None)
+        self.budget.caches.append(self)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self.downloads = 0
@@ -37,27 +119,35 @@ class FileCache:
     def holds(self) -> list[str]:
         return [p.name for p in self.root.glob("??/*") if p.is_file() and len(p.name) == 64]
 
-    def fetch(self, sha256: str, download: Callable[[Path], None]) -> Path:
+    def has(self, sha256: str) -> bool:
+        return self.path_for(sha256).is_file()
+
+    def fetch(self, sha256: str, download: Callable[[Path], None], size: int = 0) -> Path:
         """Return the verified local file for `sha256`, downloading it only if absent.
 
-        Concurrent fetches of one file wait for a single download.
+        Concurrent fetches of one file wait for a single download. A hit makes the file the most
+        recently used; a download first evicts to make room for `size` bytes (see CacheBudget).
         """
         with self._guard:
             lock = self._locks.setdefault(sha256, threading.Lock())
         with lock:
             path = self.path_for(sha256)
-            if path.is_file():
+            if _touch(path):
                 self.hits += 1
                 return path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{sha256}.{os.getpid()}.{threading.get_ident()}.part")
-            try:
-                download(tmp)
-                actual = file_sha256(tmp)
-                if actual != sha256:
-                    raise HashMismatch(f"downloaded file has sha256 {actual}, expected {sha256}")
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            with self.budget.room_for(sha256, size):
+                self._download(sha256, path, download)
             self.downloads += 1
             return path
+
+    def _download(self, sha256: str, path: Path, download: Callable[[Path], None]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{sha256}.{os.getpid()}.{threading.get_ident()}.part")
+        try:
+            download(tmp)
+            actual = file_sha256(tmp)
+            if actual != sha256:
+                raise HashMismatch(f"downloaded file has sha256 {actual}, expected {sha256}")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
