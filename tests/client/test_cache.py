@@ -1,10 +1,12 @@
 import hashlib
+import os
+import time
 import threading
 from pathlib import Path
 
 import pytest
 
-from client.cache import FileCache, HashMismatch
+from client.cache import CacheBudget, CacheFull, FileCache, HashMismatch
 
 
 def test_a_cached_file_is_downloaded_once_even_by_concurrent_slots(tmp_path: Path) -> None:
@@ -36,3 +38,76 @@ def test_a_corrupt_download_is_refused_and_not_kept(tmp_path: Path) -> None:
     assert cache.holds() == []
     assert list(tmp_path.rglob("*.part")) == []
     assert cache.fetch(digest, lambda dest: dest.write_bytes(b"good")).read_bytes() == b"good"
+
+
+def put(cache: FileCache, data: bytes) -> str:
+    digest = hashlib.sha256(data).hexdigest()
+    cache.fetch(digest, lambda dest: dest.write_bytes(data), len(data))
+    return digest
+
+
+def blob(tag: int, size: int = 100) -> bytes:
+    return bytes([tag]) * size
+
+
+def age(cache: FileCache, digest: str, seconds_ago: float) -> None:
+    """Recency is the file's mtime; set it explicitly so the order does not hang on clock resolution."""
+    t = time.time() - seconds_ago
+    os.utime(cache.path_for(digest), (t, t))
+
+
+def test_the_least_recently_used_file_is_evicted_first_and_a_hit_refreshes_recency(tmp_path: Path) -> None:
+    budget = CacheBudget(max_bytes=300)
+    cache = FileCache(tmp_path, budget)
+    a, b, c = put(cache, blob(1)), put(cache, blob(2)), put(cache, blob(3))
+    for digest, ago in ((a, 30), (b, 20), (c, 10)):
+        age(cache, digest, ago)
+    cache.fetch(a, lambda dest: pytest.fail("a cached file is not downloaded again"))  # a is now the newest
+    d = put(cache, blob(4))
+    assert set(cache.holds()) == {a, c, d}, "b was the least recently used"
+    assert budget.used_bytes() == 300
+
+
+def test_shards_and_snapshots_share_one_limit(tmp_path: Path) -> None:
+    budget = CacheBudget(max_bytes=250)
+    shards, snapshots = FileCache(tmp_path / "shards", budget), FileCache(tmp_path / "snapshots", budget)
+    old_shard = put(shards, blob(1))
+    age(shards, old_shard, 60)
+    put(snapshots, blob(2))
+    put(snapshots, blob(3))
+    assert shards.holds() == [] and len(snapshots.holds()) == 2
+    assert budget.used_bytes() <= 250
+
+
+def test_files_in_use_are_never_evicted_and_a_file_that_cannot_fit_is_refused(tmp_path: Path) -> None:
+    pinned: set[str] = set()
+    cache = FileCache(tmp_path, CacheBudget(max_bytes=200, in_use=lambda: pinned))
+    a, b = put(cache, blob(1)), put(cache, blob(2))
+    age(cache, a, 60)
+    pinned.add(a)
+    c = put(cache, blob(3))
+    assert set(cache.holds()) == {a, c}, "b went although a was older: a is in use"
+    pinned.add(c)
+    with pytest.raises(CacheFull, match="in use by running assignments"):
+        put(cache, blob(4))
+    assert set(cache.holds()) == {a, c}
+    assert list(tmp_path.rglob("*.part")) == [], "the refused download was never started"
+
+
+def test_eviction_makes_room_before_the_download_starts(tmp_path: Path) -> None:
+    cache = FileCache(tmp_path, CacheBudget(max_bytes=200))
+    old = put(cache, blob(1, 150))
+    seen_during_download: list[list[str]] = []
+
+    def download(dest: Path) -> None:
+        seen_during_download.append(cache.holds())
+        dest.write_bytes(blob(2, 150))
+
+    cache.fetch(hashlib.sha256(blob(2, 150)).hexdigest(), download, 150)
+    assert seen_during_download == [[]], f"{old} should have been evicted before the download began"
+
+
+def test_without_a_limit_nothing_is_evicted(tmp_path: Path) -> None:
+    cache = FileCache(tmp_path)
+    digests = {put(cache, blob(i, 10_000)) for i in range(5)}
+    assert set(cache.holds()) == digests

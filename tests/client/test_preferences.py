@@ -1,0 +1,73 @@
+"""Preferences: the TOML file, command-line overrides on top, and errors that name the field."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from client.preferences import Preferences, PreferencesError, load_preferences
+from crowdtrain.launch import crowdtrain_argv
+
+FILE = """
+tasks = 3
+device = "cpu"
+idle_only = true
+idle_minutes = 0.5
+cache_max_bytes = "2GiB"
+daily_download_bytes = 5000000
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "client.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_file_is_read_and_sizes_take_units(tmp_path: Path) -> None:
+    prefs = load_preferences(write(tmp_path, FILE), {})
+    assert (prefs.tasks, prefs.device, prefs.idle_only, prefs.idle_minutes) == (3, "cpu", True, 0.5)
+    assert (prefs.cache_max_bytes, prefs.daily_download_bytes, prefs.daily_upload_bytes) == (2 * 2**30, 5_000_000,
+                                                                                             None)
+
+
+def test_options_override_the_file_and_unset_options_do_not(tmp_path: Path) -> None:
+    prefs = load_preferences(write(tmp_path, FILE), {"tasks": 1, "idle_only": False, "threads": None,
+                                                     "cache_max_bytes": "100MB"})
+    assert (prefs.tasks, prefs.idle_only, prefs.cache_max_bytes) == (1, False, 100_000_000)
+    assert prefs.idle_minutes == 0.5, "a preference not given on the command line comes from the file"
+
+
+def test_a_missing_default_file_means_defaults(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_preferences(None, {}) == Preferences()
+
+
+@pytest.mark.parametrize(("text", "overrides", "says"), [
+    ("idle_minutes = -1\n", {}, "invalid preference `idle_minutes` (from {file}): Input should be greater than 0"),
+    ("", {"idle_minutes": -1}, "invalid preference `idle_minutes` (from --idle-minutes)"),
+    ("cache_max_bytes = 'lots'\n", {}, "invalid preference `cache_max_bytes` (from {file})"),
+    ("tasks = 0\n", {}, "invalid preference `tasks`"),
+    ("idel_only = true\n", {}, "invalid preference `idel_only` (from {file}): unknown preference"),
+    ("tasks = \n", {}, "is not valid TOML"),
+])
+def test_a_bad_file_or_value_names_the_field_and_its_source(tmp_path: Path, text: str, overrides: dict,
+                                                           says: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(PreferencesError) as err:
+        load_preferences(path, overrides)
+    assert says.format(file=path) in str(err.value)
+
+
+def test_a_named_file_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(PreferencesError, match="does not exist"):
+        load_preferences(tmp_path / "nope.toml", {})
+
+
+def test_the_client_command_exits_2_naming_the_bad_field(tmp_path: Path) -> None:
+    path = write(tmp_path, "daily_upload_bytes = '12 parsecs'\n")
+    proc = subprocess.run(crowdtrain_argv("client", "--server", "http://127.0.0.1:9", "--join-token", "t",
+                                          "--cache", str(tmp_path / "cache"), "--config", str(path)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"invalid preference `daily_upload_bytes` (from {path})" in proc.stderr
