@@ -143,6 +143,19 @@ class IdleMonitor:
             self._warned_no_input = True
         return Sample(time.time(), self.cpu.others_percent(), last_input)
 
+    def explain(self) -> str:
+        """Why the machine does not count as idle now, in the volunteer's words."""
+        window = self.samples and [s for s in self.samples if s.at >= self.samples[-1].at - self.policy.window]
+        if not window:
+            return f"watching for {self.policy.minutes:g} idle minutes"
+        busiest = max(s.others_cpu_percent for s in window)
+        if busiest >= self.policy.cpu_percent:
+            return f"other processes used {busiest:.0f}% CPU (limit {self.policy.cpu_percent:g}%)"
+        last_input = max((s.last_input for s in window if s.last_input is not None), default=None)
+        if last_input is not None and last_input >= window[-1].at - self.policy.window:
+            return f"keyboard or mouse used {window[-1].at - last_input:.0f}s ago"
+        return f"watching for {self.policy.minutes:g} idle minutes"
+
     def observe(self, sample: Sample) -> None:
         self.samples.append(sample)
         # Keep one sample older than the window: it shows the window is fully covered.

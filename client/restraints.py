@@ -47,7 +47,7 @@ class Restraints:
     def reason_to_wait(self) -> tuple[ClientState, str] | None:
         """Why the client must not ask for work now, or None."""
         if not self.machine_idle:
-            return ClientState.not_idle, f"waiting for {self.prefs.idle_minutes:g} idle minutes"
+            return ClientState.not_idle, self.monitor.explain()
         over = self.transfer.over_cap()
         if over:
             return ClientState.over_cap, over

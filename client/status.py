@@ -72,7 +72,7 @@ def read_status(cache_dir: Path) -> ClientStatus | None:
 
 def is_running(status: ClientStatus | None, now: datetime) -> bool:
     """The writer is alive and the file is fresh (a crashed client leaves a stale file behind)."""
-    if status is None or status.state == ClientState.stopping:
+    if status is None:
         return False
     fresh = (now - status.updated_at).total_seconds() < STALE_SECONDS
     return fresh and psutil.pid_exists(status.pid)

@@ -78,8 +78,10 @@ def available_frameworks() -> list[str]:
     """The frameworks importable in this environment, PyTorch first."""
     import importlib.util
 
+    # Both the library and our trainer for it: a branch or install may have one without the other.
     found = [f for f, module in (("pytorch", "torch"), ("tensorflow", "tensorflow"))
-             if importlib.util.find_spec(module) is not None]
+             if importlib.util.find_spec(module) is not None
+             and importlib.util.find_spec(f"client.trainers.{f}") is not None]
     return found
 
 
