@@ -10,7 +10,7 @@ The file (default `~/.config/crowdtrain/client.toml`) holds top-level keys named
     daily_download_bytes = "5GB"
 
 Every field is also a `crowdtrain client` option (`--idle-minutes 5`), which wins over the file.
-Byte sizes are integers or strings with a unit (`500MB`, `2GiB`).
+Byte sizes and rates (bytes/s) are integers or strings with a unit (`500MB`, `2GiB`).
 """
 
 import re
@@ -41,6 +41,7 @@ def parse_bytes(value: Any) -> Any:
 
 
 ByteSize = Annotated[int | None, BeforeValidator(parse_bytes), Field(ge=0)]
+ByteRate = Annotated[int | None, BeforeValidator(parse_bytes), Field(gt=0)]
 
 
 class Preferences(BaseModel):
@@ -58,6 +59,8 @@ class Preferences(BaseModel):
     cache_max_bytes: ByteSize = Field(None, description="Disk for cached shards and snapshots together")
     daily_download_bytes: ByteSize = Field(None, description="Bytes downloaded per UTC day")
     daily_upload_bytes: ByteSize = Field(None, description="Bytes uploaded per UTC day")
+    max_download_rate: ByteRate = Field(None, description="Download bandwidth, bytes/s")
+    max_upload_rate: ByteRate = Field(None, description="Upload bandwidth, bytes/s")
 
 
 def option_name(field: str) -> str:

@@ -61,3 +61,11 @@ class Restraints:
         download = sum(f.size for f, cache in ((a.shard, self.shards), (a.snapshot, self.snapshots))
                        if not cache.has(f.sha256))
         return self.transfer.reserve(download, a.snapshot.size)
+
+    def figures(self) -> dict:
+        """Cache and transfer figures and the preferences in force, as ClientStatus fields."""
+        t = self.transfer.figures()
+        return {"cache_bytes": self.budget.used_bytes(), "cache_max_bytes": self.prefs.cache_max_bytes,
+                "transfer_day": t["day"], "downloaded_bytes": t["used"]["download"],
+                "uploaded_bytes": t["used"]["upload"], "daily_download_bytes": t["caps"]["download"],
+                "daily_upload_bytes": t["caps"]["upload"], "preferences": self.prefs.model_dump()}

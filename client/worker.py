@@ -21,9 +21,13 @@ from pathlib import Path
 import httpx
 
 from client.api import Refused, SchedulerAPI
-from client.cache import FileCache
+from client.cache import CacheFull
 from client.journal import AssignmentJournal, FileCheckpoint
 from client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
+from client.preferences import Preferences
+from client.quota import OverDailyCap, counted
+from client.restraints import Restraints
+from client.status import AssignmentStatus, ClientState, ClientStatus, StatusWriter
 from client.trainers import Cancelled, TrainControl, train
 from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
 from crowdtrain.tensors import decode, decode_shard, encode
@@ -44,6 +48,7 @@ class Running:
     phase: str = "fetching"
     training_since: float | None = None
     given_back: bool = False
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 def detect_resources(device: str) -> Resources:
@@ -56,6 +61,14 @@ def detect_resources(device: str) -> Resources:
     return Resources(cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device)
 
 
+def _assignment_status(r: Running) -> AssignmentStatus:
+    a = r.assignment
+    phase = "downloading" if r.phase == "fetching" else r.phase
+    return AssignmentStatus(assignment_id=a.assignment_id, job_id=a.job_id, epoch=a.epoch, shard_index=a.shard_index,
+                            phase=phase + (" (paused)" if r.control.paused else ""), started_at=r.started_at,
+                            deadline=a.deadline)
+
+
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new
 
@@ -65,7 +78,8 @@ class VolunteerClient:
                  cache_dir: Path = Path("~/.cache/crowdtrain").expanduser(), name: str | None = None,
                  max_assignments: int | None = None, prefetch: bool = True, checkpoint_seconds: float = 30.0,
                  spot_notice_url: str = "", spot_poll_seconds: float = 5.0, sigterm_grace: float = 0.0,
-                 max_download_rate: float | None = None, max_upload_rate: float | None = None):
+                 max_download_rate: float | None = None, max_upload_rate: float | None = None,
+                 preferences: Preferences | None = None):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
         self.tasks = tasks
@@ -83,8 +97,11 @@ class VolunteerClient:
         self.notice: Notice | None = None
         self.api = SchedulerAPI(self.server_url, self.stop, max_download_rate=max_download_rate,
                                 max_upload_rate=max_upload_rate)
-        self.shards = FileCache(self.cache_dir / "shards")
-        self.snapshots = FileCache(self.cache_dir / "snapshots")
+        self.prefs = preferences or Preferences(tasks=tasks, device=device)
+        self.restraints = Restraints(self.prefs, self.cache_dir, self._files_in_use)
+        self.shards, self.snapshots = self.restraints.shards, self.restraints.snapshots
+        self.status = StatusWriter(self.cache_dir, self._status)
+        self.state, self.state_reason = ClientState.waiting, ""
         self.journal = AssignmentJournal(self.cache_dir / "assignments", self.server_url)
         self.resources = detect_resources(device)
         self.running: dict[int, Running] = {}
@@ -151,6 +168,8 @@ class VolunteerClient:
         if self.spot_notice_url:
             watcher = SpotNoticeWatcher(self.spot_notice_url, self.spot_poll_seconds, self.on_notice, self.stop)
             threading.Thread(target=watcher.run, name="spot-notice", daemon=True).start()
+        self.restraints.start(self._on_idle_change)
+        self.status.start()
         try:
             self._resume_journaled()
             self._request_loop()
@@ -168,6 +187,8 @@ class VolunteerClient:
     def _request_loop(self) -> None:
         ahead = 1 if self.prefetch else 0
         while not self.draining.is_set():
+            if self._held_back():
+                continue
             pending, running = self._in_flight()
             want = self.tasks + ahead - pending
             if self.max_assignments is not None:
@@ -246,13 +267,20 @@ class VolunteerClient:
         r = Running(a)
         r.thread = threading.Thread(target=self._work, args=(r,), name=f"assignment-{a.assignment_id}")
         self.journal.record(a)
-        with self.lock:
+        with self.lock:  # under the lock, so an idleness change cannot slip between the check and the insert
+            if not self.restraints.machine_idle:
+                r.control.pause()
             self.running[a.assignment_id] = r
         self.started += 1
         r.thread.start()
+        self.status.changed()
 
     def _shutdown(self) -> None:
         self.stop.set()
+        self.restraints.close()
+        self.status.close()
+        self._set_state(ClientState.stopping)
+        self.status.write()
         with self.lock:
             running = list(self.running.values())
         for r in running:
@@ -275,21 +303,67 @@ class VolunteerClient:
             log.warning("assignment %s: could not abandon (%s); it will time out", aid, exc)
         self.journal.forget(aid)
 
+    # -- volunteer preferences ------------------------------------------------------------------
+    def _held_back(self) -> bool:
+        """True (after a short wait) while the preferences forbid asking for work."""
+        wait = self.restraints.reason_to_wait()
+        if wait is None:
+            if self.state in (ClientState.not_idle, ClientState.over_cap):
+                self._set_state(ClientState.waiting)
+            return False
+        self._set_state(*wait)
+        self.draining.wait(1.0)
+        return True
+
+    def _on_idle_change(self, idle: bool) -> None:
+        """Pause running training while the machine is in use; resume it when it is idle again."""
+        with self.lock:
+            for r in self.running.values():
+                r.control.resume() if idle else r.control.pause()
+        self.status.changed()
+
+    def _set_state(self, state: ClientState, reason: str = "") -> None:
+        if state != self.state and state in (ClientState.not_idle, ClientState.over_cap):
+            log.info("%s: %s", state.value, reason)
+        if (state, reason) != (self.state, self.state_reason):
+            self.state, self.state_reason = state, reason
+            self.status.changed()
+
+    def _files_in_use(self) -> set[str]:
+        with self.lock:
+            return {f.sha256 for r in self.running.values() for f in (r.assignment.shard, r.assignment.snapshot)}
+
+    def _status(self) -> ClientStatus:
+        with self.lock:
+            running = list(self.running.values())
+        state = self.state
+        if state in (ClientState.waiting, ClientState.working):
+            state = ClientState.working if running else ClientState.waiting
+        return ClientStatus(pid=os.getpid(), state=state, reason=self.state_reason, server=self.server_url,
+                            updated_at=datetime.now(UTC), assignments=[_assignment_status(r) for r in running],
+                            **self.restraints.figures())
+
     # -- one assignment -------------------------------------------------------------------------
     def _work(self, r: Running) -> None:
         a = r.assignment
         aid = a.assignment_id
+        transfer, reservation = self.restraints.transfer, None
         try:
-            snap = self.snapshots.fetch(a.snapshot.sha256, lambda p: self.api.download(a.snapshot.url, p))
-            shard = self.shards.fetch(a.shard.sha256, lambda p: self.api.download(a.shard.url, p))
+            reservation = self.restraints.reserve(a)
+            snap = self.snapshots.fetch(a.snapshot.sha256, counted(lambda p: self.api.download(a.snapshot.url, p),
+                                                                   transfer, reservation), a.snapshot.size)
+            shard = self.shards.fetch(a.shard.sha256, counted(lambda p: self.api.download(a.shard.url, p),
+                                                              transfer, reservation), a.shard.size)
             x, y = decode_shard(shard.read_bytes())
             params = decode(snap.read_bytes())
             r.phase = "waiting"
+            self.status.changed()
             while not self.compute.acquire(timeout=0.2):
                 r.control.between_batches()
             try:
                 r.control.between_batches()
                 r.phase, r.training_since = "training", time.monotonic()
+                self.status.changed()
                 checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid), self.checkpoint_seconds)
                 if checkpoint.resumed is not None:
                     log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
@@ -300,9 +374,12 @@ class VolunteerClient:
             if checkpoint.resumed is None:
                 self.train_seconds[a.job_id] = _ewma(self.train_seconds.get(a.job_id), result.seconds)
             r.phase = "uploading"
+            self.status.changed()
             t0 = time.monotonic()
-            self.api.upload(a, encode(result.params), ResultMetrics(train_loss=result.train_loss,
-                                                                    examples=result.examples, seconds=result.seconds))
+            blob = encode(result.params)
+            self.api.upload(a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples,
+                                                   seconds=result.seconds))
+            transfer.record("upload", len(blob), reservation)
             self.upload_seconds = _ewma(self.upload_seconds, time.monotonic() - t0)
             log.info("assignment %s: uploaded (epoch %d, shard %d, loss %.4f, %.1fs)", aid, a.epoch, a.shard_index,
                      result.train_loss, result.seconds)
@@ -312,6 +389,9 @@ class VolunteerClient:
             log.info("assignment %s: stopped before finishing", aid)
             if not r.given_back:  # the server no longer wants it: hand it back at once
                 self._give_back(r)
+        except (OverDailyCap, CacheFull) as exc:
+            log.warning("assignment %s: giving it back: %s", aid, exc)
+            self._give_back(r)
         except Refused as exc:
             log.warning("assignment %s: server refused the result: %s", aid, exc.message)
             self.journal.forget(aid)
@@ -324,10 +404,13 @@ class VolunteerClient:
                     log.warning("assignment %s: could not report the error; it will time out", aid)
                 self.journal.forget(aid)
         finally:
+            if reservation is not None:
+                transfer.release(reservation)
             with self.lock:
                 self.running.pop(aid, None)
             self._prune_snapshots()
             self.slot_freed.set()
+            self.status.changed()
 
     def _prune_snapshots(self) -> None:
         """Keep the newest few snapshots: each merge publishes a new one, so old ones are never reused."""

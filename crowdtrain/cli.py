@@ -93,15 +93,36 @@ def transitioner() -> None:
                 settings.stuck_upload_seconds, enqueue_merge, stop)
 
 
-@app.command()
+client_app = typer.Typer(help="The volunteer client: run it, or see what it is doing.")
+app.add_typer(client_app, name="client")
+DEFAULT_CACHE = Path("~/.cache/crowdtrain")
+CacheOpt = Annotated[Path, typer.Option(help="Cache of shards, snapshots, the host token and the status file")]
+SizeOpt = Annotated[str | None, typer.Option(help="Bytes, e.g. 500MB or 2GiB", show_default=False)]
+RateOpt = Annotated[str | None, typer.Option(help="Bytes per second, e.g. 2MB", show_default=False)]
+
+
+@client_app.callback(invoke_without_command=True)
 def client(
-    server: Annotated[str, typer.Option(help="Scheduler URL")],
-    join_token: Annotated[str, typer.Option(help="Join token from the project operator")],
-    tasks: Annotated[int, typer.Option(min=1, max=64, help="Assignments run at once")] = 1,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
-    cache: Annotated[Path, typer.Option(help="Cache of shards, snapshots and the host token")] = Path(
-        "~/.cache/crowdtrain"),
-    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
+    ctx: typer.Context,
+    server: Annotated[str | None, typer.Option(help="Scheduler URL")] = None,
+    join_token: Annotated[str | None, typer.Option(help="Join token from the project operator")] = None,
+    config: Annotated[Path | None, typer.Option(help="Preferences file (default ~/.config/crowdtrain/client.toml)",
+                                                show_default=False)] = None,
+    cache: CacheOpt = DEFAULT_CACHE,
+    tasks: Annotated[int | None, typer.Option(help="Assignments trained at once (default 1)")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N or mps (default auto)")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for training")] = None,
+    idle_only: Annotated[bool | None, typer.Option("--idle-only/--no-idle-only",
+                                                   help="Work only while the machine is idle")] = None,
+    idle_minutes: Annotated[float | None, typer.Option(help="Minutes without input or CPU use by others that make "
+                                                            "the machine idle (default 3)")] = None,
+    idle_cpu_percent: Annotated[float | None, typer.Option(help="CPU use by others (% of all cores) that counts as "
+                                                                "busy (default 25)")] = None,
+    cache_max_bytes: SizeOpt = None,
+    daily_download_bytes: SizeOpt = None,
+    daily_upload_bytes: SizeOpt = None,
+    max_download_rate: RateOpt = None,
+    max_upload_rate: RateOpt = None,
     name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
     max_assignments: Annotated[int | None, typer.Option(help="Exit after this many assignments")] = None,
     prefetch: Annotated[bool, typer.Option(help="Fetch the next assignment's files while training")] = True,
@@ -113,26 +134,67 @@ def client(
     spot_poll_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds between notice polls")] = 5.0,
     sigterm_grace: Annotated[float, typer.Option(
         min=0, help="On SIGTERM, let training that ends within this many seconds finish and upload")] = 0.0,
-    max_download_rate: Annotated[float | None, typer.Option(min=1, help="Download cap, bytes/s")] = None,
-    max_upload_rate: Annotated[float | None, typer.Option(min=1, help="Upload cap, bytes/s")] = None,
 ) -> None:
-    """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly)."""
-    import torch
+    """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly).
 
+    Preferences (tasks through max-upload-rate) come from the --config file; each one given here
+    overrides the file.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not server or not join_token:
+        raise typer.BadParameter("--server and --join-token are required to run the client")
+    given = locals()
+    prefs, resolved = _client_preferences(config, {k: given[k] for k in _PREFERENCE_OPTIONS})
     from client.trainers import limit_threads
     from client.worker import VolunteerClient
 
     _logging()
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise typer.BadParameter("CUDA is not available on this machine", param_hint="--device")
-    if threads:
-        limit_threads(threads)
-    c = VolunteerClient(server, join_token, tasks, device, cache.expanduser(), name, max_assignments,
+    if prefs.threads:
+        limit_threads(prefs.threads)
+    c = VolunteerClient(server, join_token, prefs.tasks, resolved, cache.expanduser(), name, max_assignments,
                         prefetch=prefetch, checkpoint_seconds=checkpoint_seconds, spot_notice_url=spot_notice_url,
                         spot_poll_seconds=spot_poll_seconds, sigterm_grace=sigterm_grace,
-                        max_download_rate=max_download_rate, max_upload_rate=max_upload_rate)
+                        max_download_rate=prefs.max_download_rate, max_upload_rate=prefs.max_upload_rate,
+                        preferences=prefs)
     c.install_signal_handlers()
     raise typer.Exit(c.run())
+
+
+_PREFERENCE_OPTIONS = ("tasks", "device", "threads", "idle_only", "idle_minutes", "idle_cpu_percent",
+                       "cache_max_bytes", "daily_download_bytes", "daily_upload_bytes", "max_download_rate",
+                       "max_upload_rate")
+
+
+def _client_preferences(config: Path | None, overrides: dict):
+    """The preferences in force and the resolved device; exit 2 naming the field if either is unusable."""
+    from client.devices import DeviceUnavailable, detect_accelerators, resolve_device
+    from client.preferences import PreferencesError, load_preferences
+
+    try:
+        prefs = load_preferences(config, overrides)
+        try:
+            return prefs, resolve_device(prefs.device, detect_accelerators())
+        except DeviceUnavailable as exc:
+            raise PreferencesError(f"invalid preference `device`: {exc}") from None
+    except PreferencesError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+
+
+@client_app.command("status")
+def client_status(cache: CacheOpt = DEFAULT_CACHE) -> None:
+    """Show what the client using this cache is doing now; exit 1 if it is not running."""
+    from rich.console import Console
+
+    from client.status import is_running, now_utc, read_status, render
+
+    status = read_status(cache.expanduser())
+    if not is_running(status, now_utc()):
+        last = f" (last seen {status.updated_at.isoformat(timespec='seconds')}, {status.state.value})" if status else ""
+        typer.echo(f"not running{last}")
+        raise typer.Exit(1)
+    Console().print(render(status))
 
 
 def _admin(server: str, token: str | None):
