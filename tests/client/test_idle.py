@@ -1,13 +1,19 @@
 """Idleness: the pure rule over samples, and a real client that yields to a real CPU hog."""
 
 import os
-import signal
 import subprocess
 import sys
+from datetime import timedelta
 
+import psutil
 import pytest
 
 from client.idle import IdleMonitor, IdlePolicy, Sample, is_idle, linux_input_activity
+from client.status import ClientState, read_status
+from crowdtrain.jobspec import load_job_spec
+from crowdtrain.launch import Cluster, wait_for
+from tests.client.test_worker import host_assignments
+from tests.conftest import EXAMPLE_SPEC
 
 POLICY = IdlePolicy(minutes=1.0, cpu_percent=25.0)
 NOW = 10_000.0
@@ -61,3 +67,94 @@ def test_input_activity_reads_terminal_and_device_times_or_says_it_cannot(tmp_pa
     device.write_bytes(b"")
     os.utime(device, (1_000_000_000, 1_000_000_500))
     assert linux_input_activity(str(tmp_path / "event*")) >= 1_000_000_500
+
+
+# -- a real client and a real CPU hog --------------------------------------------------------------
+
+IDLE_MINUTES = 0.05  # a 3-second window
+WINDOW = timedelta(minutes=IDLE_MINUTES)
+
+
+def start_hog() -> list[subprocess.Popen]:
+    """Busy loops on four times as many processes as cores: other processes then use ~90-100% of the CPU
+    (the client gets a fifth of a core at most), however loaded the machine already is."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4 * (os.cpu_count() or 1))]
+
+
+def kill(hog: list[subprocess.Popen]) -> None:
+    for p in hog:
+        p.kill()
+        p.wait()
+
+
+def submit_long_job(cluster: Cluster) -> None:
+    """Assignments that train far longer than the test and whose deadline outlasts the pauses."""
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.training.local_epochs = 500
+    spec.scheduling.deadline_seconds = 900
+    cluster.submit(spec.model_dump(mode="json"))
+
+
+def cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def status_is(cache, state: ClientState, phase: str | None = None):
+    def check() -> bool:
+        st = read_status(cache)
+        return bool(st and st.state == state and (phase is None or [a.phase for a in st.assignments] == [phase]))
+
+    return check
+
+
+def cpu_while_status_rewritten(pid: int, cache, times: int) -> tuple[float, float]:
+    """(client CPU seconds, wall seconds by the status file's clock) over `times` status rewrites."""
+    first = read_status(cache).updated_at
+    cpu0 = cpu_seconds(pid)
+    seen = [first]
+
+    def rewritten() -> bool:
+        st = read_status(cache)
+        if st and st.updated_at > seen[-1]:
+            seen.append(st.updated_at)
+        return len(seen) > times
+
+    wait_for(rewritten, 60, "the status file stopped being rewritten")
+    return cpu_seconds(pid) - cpu0, (seen[-1] - first).total_seconds()
+
+
+@pytest.mark.integration
+def test_an_idle_only_client_waits_for_a_cpu_hog_to_end_and_pauses_training_while_one_runs(
+        make_cluster, sqlite_url: str) -> None:
+    cluster = make_cluster(sqlite_url)
+    submit_long_job(cluster)
+    hog = start_hog()
+    try:
+        client = cluster.start_client("polite", 1, "--no-prefetch", "--idle-only", "--idle-minutes",
+                                      str(IDLE_MINUTES), "--idle-cpu-percent", "75")
+        cache = cluster.var_dir / "clients" / "polite"
+        wait_for(lambda: "other processes used" in getattr(read_status(cache), "reason", ""), 60,
+                 "the client never measured the hog", client)
+        busy_since = read_status(cache).updated_at
+        wait_for(lambda: read_status(cache).updated_at > busy_since + 3 * WINDOW, 60, "no status", client)
+        assert read_status(cache).state == ClientState.not_idle
+        assert host_assignments(sqlite_url, "polite") == [], "the client took work while the machine was busy"
+
+        kill(hog)
+        wait_for(status_is(cache, ClientState.working, "training"), 90, "no work once the hog ended", client)
+        assert [st for _, st, _ in host_assignments(sqlite_url, "polite")] == ["in_progress"]
+
+        hog = start_hog()
+        wait_for(status_is(cache, ClientState.not_idle, "training (paused)"), 60, "training was not paused", client)
+        paused_cpu, paused_wall = cpu_while_status_rewritten(client.proc.pid, cache, 3)
+        assert paused_cpu < 0.25 * paused_wall, f"a paused client used {paused_cpu:.2f}s CPU in {paused_wall:.1f}s"
+
+        kill(hog)
+        wait_for(status_is(cache, ClientState.working, "training"), 90, "training did not resume", client)
+        cpu0 = cpu_seconds(client.proc.pid)
+        wait_for(lambda: cpu_seconds(client.proc.pid) - cpu0 > 2.0, 60, "the resumed client does not compute",
+                 client)
+        assert [st for _, st, _ in host_assignments(sqlite_url, "polite")] == ["in_progress"], "same assignment"
+    finally:
+        kill(hog)
