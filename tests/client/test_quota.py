@@ -8,6 +8,10 @@ import pytest
 
 from client.cache import FileCache
 from client.quota import DailyTransfer, OverDailyCap, counted
+from client.status import ClientState, read_status
+from crowdtrain.launch import wait_for
+from server.states import AssignmentStatus
+from tests.client.test_worker import host_assignments, submit_slow_job
 
 DAY1, DAY2 = date(2026, 11, 22), date(2026, 11, 23)
 
@@ -87,3 +91,29 @@ def test_without_caps_nothing_is_refused(tmp_path: Path) -> None:
     t.record("download", 10**12)
     t.reserve(10**12, 10**12)
     assert t.over_cap() is None
+
+
+@pytest.mark.integration
+def test_a_client_over_its_daily_cap_hands_work_back_and_asks_for_none_even_after_a_restart(
+        make_cluster, sqlite_url: str) -> None:
+    cluster = make_cluster(sqlite_url)
+    submit_slow_job(cluster)
+    cache = cluster.var_dir / "clients" / "frugal"
+    # A shard and a snapshot of the example job are ~200 kB: no assignment fits in 100 kB.
+    client = cluster.start_client("frugal", 1, "--no-prefetch", "--daily-download-bytes", "100kB")
+
+    def over_cap() -> bool:
+        st = read_status(cache)
+        return bool(st and st.state == ClientState.over_cap and "download cap" in st.reason)
+
+    wait_for(over_cap, 60, "the client never stopped at its cap", client)
+    taken = host_assignments(sqlite_url, "frugal")
+    assert [st for _, st, _ in taken] == [AssignmentStatus.abandoned.value], "handed back, not failed"
+    assert read_status(cache).downloaded_bytes == 0 and not list((cache / "shards").rglob("*")), \
+        "a download that would pass the cap is not started"
+    assert "over daily cap: over daily download cap" in client.tail()
+
+    client.stop()
+    again = cluster.start_client("frugal", 1, "--no-prefetch", "--daily-download-bytes", "100kB")
+    wait_for(lambda: over_cap() and read_status(cache).pid == again.proc.pid, 60, "no status after restart", again)
+    assert host_assignments(sqlite_url, "frugal") == taken, "the restarted client asked for work over its cap"
