@@ -160,6 +160,7 @@ class VolunteerClient:
             log.warning("spot interruption notice: %s in %.0fs", notice.action, notice.at - time.time())
         self.draining.set()
         self.slot_freed.set()
+        self.status.changed()
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -337,7 +338,9 @@ class VolunteerClient:
         with self.lock:
             running = list(self.running.values())
         state = self.state
-        if state in (ClientState.waiting, ClientState.working):
+        if self.draining.is_set():  # a signal or spot notice: finishing or giving back what runs
+            state = ClientState.stopping
+        elif state in (ClientState.waiting, ClientState.working):
             state = ClientState.working if running else ClientState.waiting
         return ClientStatus(pid=os.getpid(), state=state, reason=self.state_reason, server=self.server_url,
                             updated_at=datetime.now(UTC), assignments=[_assignment_status(r) for r in running],
