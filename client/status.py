@@ -132,10 +132,10 @@ def render(status: ClientStatus):
     head.add_row("pid", str(status.pid))
     head.add_row("server", status.server)
     head.add_row("updated", status.updated_at.isoformat(timespec="seconds"))
-    head.add_row("cache", f"{_size(status.cache_bytes)} of {_size(status.cache_max_bytes)}")
+    head.add_row("cache", _of(status.cache_bytes, status.cache_max_bytes))
     head.add_row(f"today ({status.transfer_day} UTC)",
-                 f"downloaded {_size(status.downloaded_bytes)} of {_size(status.daily_download_bytes)}, "
-                 f"uploaded {_size(status.uploaded_bytes)} of {_size(status.daily_upload_bytes)}")
+                 f"downloaded {_of(status.downloaded_bytes, status.daily_download_bytes)}, "
+                 f"uploaded {_of(status.uploaded_bytes, status.daily_upload_bytes)}")
     head.add_row("preferences", json.dumps(status.preferences))
     work = Table("assignment", "job", "epoch", "shard", "phase", "started", "deadline", title="running assignments")
     for a in status.assignments:
@@ -144,9 +144,11 @@ def render(status: ClientStatus):
     return Group(head, work)
 
 
-def _size(n: int | None) -> str:
-    if n is None:
-        return "no limit"
+def _of(used: int, limit: int | None) -> str:
+    return f"{_size(used)} of {_size(limit)}" if limit is not None else f"{_size(used)} (no limit)"
+
+
+def _size(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
