@@ -63,7 +63,7 @@ def test_status_shows_what_a_running_client_does_and_not_running_once_it_exits(m
     assert {a.assignment_id for a in st.assignments} == {aid for aid, status, _ in host_assignments(sqlite_url, "watched")
                                                          if status == "in_progress"}
     assert st.cache_max_bytes == 50_000_000 and 0 < st.cache_bytes <= 50_000_000
-    assert st.daily_download_bytes == 10**9 and st.downloaded_bytes == st.cache_bytes
+    assert st.daily_download_bytes == 10**9 and st.downloaded_bytes >= st.cache_bytes, "every cached byte was counted"
     assert st.preferences["idle_minutes"] == 7
 
     shown = client_status(cache)
