@@ -8,7 +8,7 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from client.idle import IdleMonitor, IdlePolicy, Sample, is_idle, linux_input_activity
+from client.idle import IdleMonitor, IdlePolicy, ProcessTreeCPU, Sample, is_idle, linux_input_activity
 from client.status import ClientState, read_status
 from crowdtrain.jobspec import load_job_spec
 from crowdtrain.launch import Cluster, wait_for
@@ -60,6 +60,28 @@ def test_the_monitor_reports_each_change_once_from_injected_input_readings() -> 
     for t in range(13, 30):
         monitor.observe(Sample(1000.0 + t, 0.0, 1011.5))
     assert changes == [True, False, True]
+
+
+def test_the_monitor_explains_why_the_machine_is_not_idle() -> None:
+    monitor = IdleMonitor(IdlePolicy(minutes=10 / 60, cpu_percent=50.0), lambda idle: None,
+                          input_activity=lambda: None)
+    assert monitor.explain() == "watching for 0.166667 idle minutes"
+    monitor.observe(Sample(1000.0, 80.0, None))
+    assert monitor.explain() == "other processes used 80% CPU (limit 50%)"
+    for t in range(1, 12):
+        monitor.observe(Sample(1000.0 + t, 0.0, 1009.0))
+    assert monitor.explain() == "keyboard or mouse used 2s ago"
+
+
+def test_the_clients_own_children_count_as_the_client_not_as_other_processes() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        tree = ProcessTreeCPU(os.getpid())
+        tree._tree_percent()  # psutil measures from this first call on
+        wait_for(lambda: tree._tree_percent() > 25.0, 30, "the busy child was not counted in the client's tree")
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_input_activity_reads_terminal_and_device_times_or_says_it_cannot(tmp_path) -> None:
