@@ -34,7 +34,7 @@ def parse_bytes(value: Any) -> Any:
     """`"1.5GB"` -> 1500000000; integers and None pass through for pydantic to check."""
     if not isinstance(value, str):
         return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{value!r} is not a byte size (e.g. 500MB, 2GiB, 1000000)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -18,6 +18,13 @@ daily_download_bytes = 5000000
 """
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch) -> Path:
+    """A HOME of its own, so that the default file of whoever runs the tests is never read."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "client.toml"
     path.write_text(text)
@@ -38,9 +45,14 @@ def test_options_override_the_file_and_unset_options_do_not(tmp_path: Path) -> N
     assert prefs.idle_minutes == 0.5, "a preference not given on the command line comes from the file"
 
 
-def test_a_missing_default_file_means_defaults(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path))
+def test_a_missing_default_file_means_defaults() -> None:
     assert load_preferences(None, {}) == Preferences()
+
+
+def test_the_default_file_is_read_from_the_users_config_directory(home: Path) -> None:
+    (home / ".config" / "crowdtrain").mkdir(parents=True)
+    (home / ".config" / "crowdtrain" / "client.toml").write_text("tasks = 5\n")
+    assert load_preferences(None, {}).tasks == 5
 
 
 @pytest.mark.parametrize(("text", "overrides", "says"), [
@@ -71,3 +83,14 @@ def test_the_client_command_exits_2_naming_the_bad_field(tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"invalid preference `daily_upload_bytes` (from {path})" in proc.stderr
+
+
+@pytest.mark.parametrize(("text", "value"), [("12500000.0", 12_500_000), ("1e7", 10_000_000), ("2MB", 2_000_000),
+                                             ("1 KiB", 1024), (3, 3)])
+def test_rates_and_sizes_accept_plain_numbers_floats_and_units(text, value) -> None:
+    assert load_preferences(None, {"max_download_rate": text}).max_download_rate == value
+
+
+def test_a_zero_rate_is_refused_rather_than_read_as_no_limit() -> None:
+    with pytest.raises(PreferencesError, match="`max_upload_rate` \\(from --max-upload-rate\\)"):
+        load_preferences(None, {"max_upload_rate": "0"})
