@@ -144,8 +144,10 @@ def client(
         return
     if not server or not join_token:
         raise typer.BadParameter("--server and --join-token are required to run the client")
-    given = locals()
-    prefs, resolved = _client_preferences(config, {k: given[k] for k in _PREFERENCE_OPTIONS})
+    prefs, resolved = _client_preferences(config, dict(
+        tasks=tasks, device=device, threads=threads, idle_only=idle_only, idle_minutes=idle_minutes,
+        idle_cpu_percent=idle_cpu_percent, cache_max_bytes=cache_max_bytes, daily_download_bytes=daily_download_bytes,
+        daily_upload_bytes=daily_upload_bytes, max_download_rate=max_download_rate, max_upload_rate=max_upload_rate))
     from client.trainers import limit_threads
     from client.worker import VolunteerClient
 
@@ -161,12 +163,7 @@ def client(
     raise typer.Exit(c.run())
 
 
-_PREFERENCE_OPTIONS = ("tasks", "device", "threads", "idle_only", "idle_minutes", "idle_cpu_percent",
-                       "cache_max_bytes", "daily_download_bytes", "daily_upload_bytes", "max_download_rate",
-                       "max_upload_rate")
-
-
-def _client_preferences(config: Path | None, overrides: dict):
+def _client_preferences(config: Path | None, overrides: dict) -> tuple:
     """The preferences in force and the resolved device; exit 2 naming the field if either is unusable."""
     from client.devices import DeviceUnavailable, detect_accelerators, resolve_device
     from client.preferences import PreferencesError, load_preferences
