@@ -205,9 +205,13 @@ class Cluster:
 
     def start_client(self, name: str, tasks: int = 2, *extra: str) -> Service:
         cache = self.var_dir / "clients" / name
+        # An empty preferences file of its own: the user's ~/.config/crowdtrain/client.toml must not apply.
+        config = self.var_dir / "clients" / f"{name}.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.touch()
         svc = Service(name, crowdtrain_argv("client", "--server", self.url, "--join-token", self.join_token,
                                             "--tasks", str(tasks), "--cache", str(cache), "--name", name,
-                                            "--threads", "1", *extra),
+                                            "--threads", "1", "--config", str(config), *extra),
                       self.env, self.var_dir / "logs" / f"{name}.log").start()
         self.clients.append(svc)
         return svc
