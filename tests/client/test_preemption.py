@@ -87,7 +87,7 @@ def test_spot_notice_gives_back_running_work_at_once_and_it_is_redispatched_long
 def test_spot_notice_lets_an_assignment_that_fits_finish_and_upload(make_cluster, sqlite_url: str,
                                                                     notice_server: SpotNoticeServer) -> None:
     cluster = make_cluster(sqlite_url)
-    _submit(cluster, local_epochs=8, subsets=4, deadline=300)
+    _submit(cluster, local_epochs=16, subsets=4, deadline=300)
     db = session_factory(sqlite_url)
     spot = cluster.start_client("spot", 1, "--no-prefetch", "--spot-notice-url", notice_server.url,
                                 "--spot-poll-seconds", "0.5")
@@ -101,13 +101,13 @@ def test_spot_notice_lets_an_assignment_that_fits_finish_and_upload(make_cluster
 
     # The client needs one finished assignment to estimate how long the next one takes.
     wait_for(lambda: training_after_a_finished_one() is not None, 120, "spot never trained twice", spot)
-    running = training_after_a_finished_one()
     notice_server.announce(seconds_left=90)
     assert spot.proc.wait(60) == 0, spot.tail()
 
     rows = _assignments(db, "spot")
-    finished = next(a for a in rows if a.id == running.id)
-    assert finished.status in (AssignmentStatus.uploaded.value, AssignmentStatus.merged.value), finished.status
-    assert finished.uploaded_at.replace(tzinfo=UTC).timestamp() > notice_server.served_at
-    assert all(a.id <= running.id for a in rows), "the client took new work after the notice"
+    sent_after = [a.id for a in rows if a.sent_at.replace(tzinfo=UTC).timestamp() > notice_server.served_at]
+    assert not sent_after, "the client took new work after the notice"
+    last = rows[-1]  # the one training when the notice came: it fits in 90 s, so it is finished
+    assert last.status in (AssignmentStatus.uploaded.value, AssignmentStatus.merged.value), last.status
+    assert last.uploaded_at.replace(tzinfo=UTC).timestamp() > notice_server.served_at
     assert "finishing before the notice expires" in spot.tail(200)
