@@ -11,7 +11,7 @@ from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
 
 
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          control: TrainControl, checkpoint: Checkpoint | None = None) -> TrainResult:
+          *, control: TrainControl, checkpoint: Checkpoint | None = None) -> TrainResult:
     """Run `training.local_epochs` passes over (x, y) from `params`; see client.trainers for the contract."""
     start = time.monotonic()
     m, t = recipe["model"], recipe["training"]
