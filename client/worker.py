@@ -13,7 +13,8 @@ import httpx
 
 from client.api import Refused, SchedulerAPI
 from client.cache import FileCache
-from client.trainers import Cancelled, TrainControl, train
+from client.trainers import Cancelled, TrainControl, available_frameworks, train
+from crowdtrain import frameworks as fw
 from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
 from crowdtrain.tensors import decode, decode_shard, encode
 
@@ -29,20 +30,21 @@ class Running:
     control: TrainControl = field(default_factory=TrainControl)
 
 
-def detect_resources(device: str) -> Resources:
+def detect_resources(device: str, frameworks: list[str] | None = None) -> Resources:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     gpu = ""
     if device.startswith("cuda"):
         import torch
 
         gpu = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else ""
-    return Resources(cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device)
+    return Resources(cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device,
+                     frameworks=frameworks or available_frameworks())
 
 
 class VolunteerClient:
     def __init__(self, server_url: str, join_token: str, tasks: int = 1, device: str = "cpu",
                  cache_dir: Path = Path("~/.cache/crowdtrain").expanduser(), name: str | None = None,
-                 max_assignments: int | None = None):
+                 max_assignments: int | None = None, frameworks: list[str] | None = None):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
         self.tasks = tasks
@@ -54,7 +56,7 @@ class VolunteerClient:
         self.api = SchedulerAPI(self.server_url, self.stop)
         self.shards = FileCache(self.cache_dir / "shards")
         self.snapshots = FileCache(self.cache_dir / "snapshots")
-        self.resources = detect_resources(device)
+        self.resources = detect_resources(device, frameworks)
         self.running: dict[int, Running] = {}
         self.lock = threading.Lock()
         self.slot_freed = threading.Event()
@@ -164,13 +166,17 @@ class VolunteerClient:
             snap = self.snapshots.fetch(a.snapshot.sha256, lambda p: self.api.download(a.snapshot.url, p))
             shard = self.shards.fetch(a.shard.sha256, lambda p: self.api.download(a.shard.url, p))
             x, y = decode_shard(shard.read_bytes())
-            result = train("pytorch", a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, control)
+            framework = fw.pick(a.recipe.model, self.resources.frameworks)
+            if framework is None:  # the scheduler sends only runnable work; say so rather than guess
+                raise RuntimeError(f"model {a.recipe.model['name']!r} needs one of "
+                                   f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}")
+            result = train(framework, a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, control)
             if control.cancelled.is_set():
                 raise Cancelled()
             self.api.upload(a, encode(result.params), ResultMetrics(train_loss=result.train_loss,
                                                                     examples=result.examples, seconds=result.seconds))
-            log.info("assignment %s: uploaded (epoch %d, shard %d, loss %.4f, %.1fs)", aid, a.epoch, a.shard_index,
-                     result.train_loss, result.seconds)
+            log.info("assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)", aid, a.epoch,
+                     a.shard_index, framework, result.train_loss, result.seconds)
             self.completed += 1
         except Cancelled:
             log.info("assignment %s: stopped before finishing", aid)

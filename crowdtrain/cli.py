@@ -104,20 +104,39 @@ def client(
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
     name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
     max_assignments: Annotated[int | None, typer.Option(help="Exit after this many results")] = None,
+    frameworks: Annotated[str | None, typer.Option(
+        help="Comma list of frameworks to train with: pytorch, tensorflow (default: all installed)")] = None,
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly)."""
     import torch
 
+    from client.trainers import limit_threads
     from client.worker import VolunteerClient
 
     _logging()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    chosen = _client_frameworks(frameworks)
     if threads:
-        torch.set_num_threads(threads)
-    c = VolunteerClient(server, join_token, tasks, device, cache.expanduser(), name, max_assignments)
+        limit_threads(threads, chosen)
+    c = VolunteerClient(server, join_token, tasks, device, cache.expanduser(), name, max_assignments, chosen)
     c.install_signal_handlers()
     raise typer.Exit(c.run())
+
+
+def _client_frameworks(option: str | None) -> list[str]:
+    """The frameworks named by --frameworks, each checked to be installed here."""
+    from client.trainers import available_frameworks
+
+    have = available_frameworks()
+    if option is None:
+        return have
+    chosen = [f.strip() for f in option.split(",") if f.strip()]
+    missing = [f for f in chosen if f not in have]
+    if not chosen or missing:
+        raise typer.BadParameter(f"{', '.join(missing) or 'none given'}: installed frameworks are {', '.join(have)}",
+                                 param_hint="--frameworks")
+    return chosen
 
 
 def _admin(server: str, token: str | None):
