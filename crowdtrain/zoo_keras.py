@@ -26,6 +26,7 @@ from crowdtrain.tensors import Params
 def keras_module():
     """Keras 3 on the TensorFlow backend (the trainer uses tf.GradientTape)."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banners are noise in our logs
     import keras
 
     if keras.backend.backend() != "tensorflow":

@@ -6,7 +6,6 @@ decay is L2 added to the gradient (not Keras's decoupled decay) and Adam's epsil
 """
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ MODEL_PREFIX, OPTIMIZER_PREFIX = "model/", "optimizer/"
 
 
 def _tensorflow():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banner is noise in client logs
+    keras_module()  # sets the backend and log level before TensorFlow is first imported
     import tensorflow as tf
 
     return tf

@@ -68,3 +68,31 @@ def test_200_simultaneous_work_requests_on_postgresql_never_share_a_workunit(mak
             Workunit.job_id == job_id, Workunit.status == WorkunitStatus.in_progress.value)) == HOSTS
         assert s.scalar(select(func.count()).select_from(Assignment).where(
             Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value)) == HOSTS
+
+
+def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, sqlite_url) -> None:
+    pytest.importorskip("tensorflow")
+    cluster = make_cluster(sqlite_url, assimilator_concurrency=1)
+    zoo_job = cluster.submit(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json"))["job_id"]
+    keras_job = cluster.submit(load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-keras.yaml").model_dump(mode="json"))[
+        "job_id"]
+
+    def ask(name: str, frameworks: list[str], slots: int) -> list[int]:
+        resources = {"frameworks": frameworks}
+        with httpx.Client(base_url=cluster.url, timeout=60) as http:
+            token = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": name,
+                                                 "resources": resources}).json()["host_token"]
+            reply = http.post("/v1/work", json={"free_slots": slots, "resources": resources},
+                              headers={"Authorization": f"Bearer {token}"}).json()
+        return [a["job_id"] for a in reply["assignments"]]
+
+    # Jobs are offered in id order. The zoo job (a PyTorch job) goes to a TensorFlow-only host too:
+    # TensorFlow has a port of cnn1d.
+    assert ask("tf", ["tensorflow"], 2) == [zoo_job] * 2
+    # The rest of epoch 1 and the early-released epoch 2 (4 shards each); the Keras job is skipped.
+    assert ask("torch", ["pytorch"], 12) == [zoo_job] * 6
+    assert ask("tf-2", ["tensorflow"], 2) == [keras_job] * 2
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        bad = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": "x",
+                                           "resources": {"frameworks": ["jax"]}})
+    assert bad.status_code == 422 and "frameworks" in bad.text
