@@ -82,3 +82,13 @@ def test_seed_makes_the_initial_weights_reproducible() -> None:
     c = zoo_keras.build_model(config, seed=6).get_params()
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["hidden/kernel"], c["hidden/kernel"])
+
+
+def test_keras_json_naming_a_function_outside_keras_is_refused() -> None:
+    # An activation that would resolve to os.system if Keras imported whatever module a config names.
+    evil = {"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": [
+        {"module": "keras.layers", "class_name": "Dense", "config": {
+            "units": 2, "activation": {"module": "os", "class_name": "function", "config": "system",
+                                       "registered_name": "function"}}}]}}
+    with pytest.raises(ValueError, match="safe mode"):
+        zoo_keras.load_keras_json(evil)
