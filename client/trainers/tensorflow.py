@@ -6,6 +6,8 @@ decay is L2 added to the gradient (not Keras's decoupled decay) and Adam's epsil
 """
 
 import logging
+import os
+import sys
 import time
 
 import numpy as np
@@ -27,7 +29,14 @@ def _tensorflow():
 
 
 def limit_threads(n: int) -> None:
-    """Cap TensorFlow's intra- and inter-op thread pools; effective only before TensorFlow first runs."""
+    """Cap TensorFlow's intra- and inter-op thread pools; effective only before TensorFlow first runs.
+
+    Before TensorFlow is imported this only sets the variables its runtime reads at start-up, so a
+    client that never trains with TensorFlow does not pay for importing it.
+    """
+    if "tensorflow" not in sys.modules:
+        os.environ["TF_NUM_INTRAOP_THREADS"] = os.environ["TF_NUM_INTEROP_THREADS"] = str(n)
+        return
     tf = _tensorflow()
     try:
         tf.config.threading.set_intra_op_parallelism_threads(n)

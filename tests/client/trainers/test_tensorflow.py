@@ -105,3 +105,14 @@ def test_resume_from_a_mid_run_checkpoint_ends_like_an_uninterrupted_run(shard, 
     for name, value in whole.params.items():
         np.testing.assert_allclose(resumed.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     assert resumed.train_loss == pytest.approx(whole.train_loss, rel=1e-5)
+
+
+def test_limit_threads_before_tensorflow_starts_does_not_import_it() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, os; from client.trainers.tensorflow import limit_threads; limit_threads(3); "
+            "print('tensorflow' in sys.modules, os.environ['TF_NUM_INTRAOP_THREADS'], "
+            "os.environ['TF_NUM_INTEROP_THREADS'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "3", "3"]
