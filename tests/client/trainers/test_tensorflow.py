@@ -87,7 +87,8 @@ def test_pause_holds_training_until_resumed(shard, initial) -> None:
 def test_resume_from_a_mid_run_checkpoint_ends_like_an_uninterrupted_run(shard, initial) -> None:
     x, y = shard
     whole = train("tensorflow", recipe(), initial, x, y)
-    # 13 batches per epoch: the 17th due() comes before epoch 2's 4th batch (index 3), with Adam's moments well under way.
+    # 13 batches per epoch: the 17th due() comes before epoch 2's 4th batch (index 3), with Adam's
+    # moments well under way.
     first = MemoryCheckpoint(at=17)
     control = TrainControl()
     original_save = first.save
