@@ -3,6 +3,7 @@
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,36 @@ def _log_retry(state: RetryCallState) -> None:
                 state.next_action.sleep if state.next_action else 0)
 
 
+class Throttle:
+    """Caps a transfer direction at `rate` bytes/s on average, across every thread that uses it."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._free_at = time.monotonic()
+
+    def consume(self, n: int) -> None:
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + n / self.rate
+            wait = self._free_at - now - n / self.rate  # this chunk may go now if the line was free
+        if wait > 0:
+            time.sleep(wait)
+
+
+UPLOAD_CHUNK = 256 * 1024
+
+
 class SchedulerAPI:
-    def __init__(self, server_url: str, stop: threading.Event, timeout: float = 60.0):
+    def __init__(self, server_url: str, stop: threading.Event, timeout: float = 60.0,
+                 max_download_rate: float | None = None, max_upload_rate: float | None = None):
         self.stop = stop
         self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout)
         self.token: str | None = None
+        self.downloads = Throttle(max_download_rate)
+        self.uploads = Throttle(max_upload_rate)
 
     def close(self) -> None:
         self.http.close()
@@ -60,10 +86,14 @@ class SchedulerAPI:
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
         headers = {**kwargs.pop("headers", {}), **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
 
+        content = kwargs.pop("content", None)
+
         @retry(retry=retry_if_exception(_transient), wait=wait_random_exponential(multiplier=0.5, max=30),
                stop=_StopWhenSet(self.stop), before_sleep=_log_retry, reraise=True)
         def attempt() -> httpx.Response:
-            resp = self.http.request(method, url, headers=headers, **kwargs)
+            # A body given as a function is produced anew for each attempt (a generator is used up).
+            body = content() if callable(content) else content
+            resp = self.http.request(method, url, headers=headers, content=body, **kwargs)
             if resp.status_code >= 500:
                 resp.raise_for_status()
             if resp.status_code >= 400:
@@ -90,8 +120,15 @@ class SchedulerAPI:
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}
-        self._request("PUT", f"/v1/assignments/{a.assignment_id}/result", content=blob, params=params,
-                      headers={"Content-Type": "application/octet-stream"})
+        def body():
+            for start in range(0, len(blob), UPLOAD_CHUNK):
+                chunk = blob[start:start + UPLOAD_CHUNK]
+                self.uploads.consume(len(chunk))
+                yield chunk
+
+        self._request("PUT", f"/v1/assignments/{a.assignment_id}/result", params=params,
+                      content=body if self.uploads.rate else blob,
+                      headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(blob))})
 
     def abandon(self, assignment_id: int) -> None:
         self.http.post(f"/v1/assignments/{assignment_id}/abandon",
@@ -114,7 +151,8 @@ class SchedulerAPI:
                     resp.read()
                     raise Refused(resp.status_code, resp.text)
                 with dest.open("wb") as f:
-                    for chunk in resp.iter_bytes(1 << 20):
+                    for chunk in resp.iter_bytes(1 << 18):
+                        self.downloads.consume(len(chunk))
                         f.write(chunk)
 
         attempt()

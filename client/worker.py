@@ -1,4 +1,11 @@
-"""The client's work loop: register once, keep T assignments running, heartbeat, upload, abandon on exit."""
+"""The client's work loop.
+
+Register once; keep `tasks` assignments training and, with prefetch, the next assignment's files
+already downloaded and decoded, so a slot that frees starts training at once; heartbeat; upload
+while the next assignment trains. On SIGTERM or a spot-interruption notice, give back at once
+every assignment that cannot finish before the notice expires. Running assignments are
+journaled and checkpointed, so a client killed outright resumes them when it starts again.
+"""
 
 import json
 import logging
@@ -6,13 +13,17 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 from client.api import Refused, SchedulerAPI
 from client.cache import FileCache
+from client.journal import AssignmentJournal, FileCheckpoint
+from client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
 from client.trainers import Cancelled, TrainControl, available_frameworks, train
 from crowdtrain import frameworks as fw
 from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
@@ -21,13 +32,19 @@ from crowdtrain.tensors import decode, decode_shard, encode
 log = logging.getLogger(__name__)
 
 KEEP_SNAPSHOTS = 4
+EWMA_WEIGHT = 0.3  # weight of the newest observation in the running means of task times
 
 
 @dataclass
 class Running:
+    """One assignment on this client: fetching -> waiting (for a compute slot) -> training -> uploading."""
+
     assignment: AssignmentOut
-    thread: threading.Thread
+    thread: threading.Thread | None = None
     control: TrainControl = field(default_factory=TrainControl)
+    phase: str = "fetching"
+    training_since: float | None = None
+    given_back: bool = False
 
 
 def detect_resources(device: str, frameworks: list[str] | None = None) -> Resources:
@@ -41,10 +58,17 @@ def detect_resources(device: str, frameworks: list[str] | None = None) -> Resour
                      frameworks=frameworks or available_frameworks())
 
 
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new
+
+
 class VolunteerClient:
     def __init__(self, server_url: str, join_token: str, tasks: int = 1, device: str = "cpu",
                  cache_dir: Path = Path("~/.cache/crowdtrain").expanduser(), name: str | None = None,
-                 max_assignments: int | None = None, frameworks: list[str] | None = None):
+                 max_assignments: int | None = None, prefetch: bool = True, checkpoint_seconds: float = 30.0,
+                 spot_notice_url: str = "", spot_poll_seconds: float = 5.0, sigterm_grace: float = 0.0,
+                 max_download_rate: float | None = None, max_upload_rate: float | None = None,
+                 frameworks: list[str] | None = None):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
         self.tasks = tasks
@@ -52,16 +76,29 @@ class VolunteerClient:
         self.cache_dir = Path(cache_dir)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.max_assignments = max_assignments
-        self.stop = threading.Event()
-        self.api = SchedulerAPI(self.server_url, self.stop)
+        self.prefetch = prefetch
+        self.checkpoint_seconds = checkpoint_seconds
+        self.spot_notice_url = spot_notice_url
+        self.spot_poll_seconds = spot_poll_seconds
+        self.sigterm_grace = sigterm_grace
+        self.stop = threading.Event()  # hard stop: no more requests to the server
+        self.draining = threading.Event()  # no new work; finish or give back what runs
+        self.notice: Notice | None = None
+        self.api = SchedulerAPI(self.server_url, self.stop, max_download_rate=max_download_rate,
+                                max_upload_rate=max_upload_rate)
         self.shards = FileCache(self.cache_dir / "shards")
         self.snapshots = FileCache(self.cache_dir / "snapshots")
+        self.journal = AssignmentJournal(self.cache_dir / "assignments", self.server_url)
         self.resources = detect_resources(device, frameworks)
         self.running: dict[int, Running] = {}
         self.lock = threading.Lock()
         self.slot_freed = threading.Event()
+        self.compute = threading.Semaphore(tasks)
+        self.started = 0
         self.completed = 0
         self.heartbeat_interval = 5.0
+        self.train_seconds: dict[int, float] = {}  # job id -> running mean of training time
+        self.upload_seconds: float | None = None
 
     # -- identity -------------------------------------------------------------------------------
     def _identity_file(self) -> Path:
@@ -91,99 +128,200 @@ class VolunteerClient:
         ids.pop(self.server_url, None)
         path.write_text(json.dumps(ids))
 
-    # -- main loop ------------------------------------------------------------------------------
+    # -- stopping -------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
         def handle(signum, _frame):
-            log.info("signal %s: abandoning running assignments and exiting", signal.Signals(signum).name)
-            self.stop.set()
-            self.slot_freed.set()
+            log.info("signal %s: giving back work that cannot finish within %.0fs, then exiting",
+                     signal.Signals(signum).name, self.sigterm_grace)
+            self.on_notice(Notice(signal.Signals(signum).name, time.time() + self.sigterm_grace))
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
 
+    def on_notice(self, notice: Notice) -> None:
+        """A spot-interruption notice or a signal: stop taking work; `run` decides what finishes."""
+        if self.notice is None or notice.at < self.notice.at:
+            self.notice = notice
+        if notice.action not in ("SIGTERM", "SIGINT"):
+            log.warning("spot interruption notice: %s in %.0fs", notice.action, notice.at - time.time())
+        self.draining.set()
+        self.slot_freed.set()
+
+    # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
         self.ensure_registered()
-        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        hb.start()
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        if self.spot_notice_url:
+            watcher = SpotNoticeWatcher(self.spot_notice_url, self.spot_poll_seconds, self.on_notice, self.stop)
+            threading.Thread(target=watcher.run, name="spot-notice", daemon=True).start()
         try:
-            while not self.stop.is_set():
-                if self.max_assignments is not None and self.completed >= self.max_assignments:
-                    break
-                with self.lock:
-                    free = self.tasks - len(self.running)
-                if free <= 0:
-                    self.slot_freed.wait(1.0)
-                    self.slot_freed.clear()
-                    continue
-                try:
-                    reply = self.api.request_work(free, self.shards.holds(), self.resources)
-                except Refused as exc:
-                    if exc.status == 401:
-                        log.warning("host token refused (%s); registering again", exc.message)
-                        self._forget_identity()
-                        self.ensure_registered()
-                        continue
-                    raise
-                except httpx.TransportError:
-                    continue  # retries ended because we are stopping
-                self.heartbeat_interval = reply.heartbeat_interval
-                for a in reply.assignments:
-                    self._start(a)
-                if not reply.assignments:
-                    self.stop.wait(reply.retry_after)
+            self._resume_journaled()
+            self._request_loop()
+            self._drain()
         finally:
             self._shutdown()
         return 0
 
+    def _in_flight(self) -> tuple[int, int]:
+        """(assignments not yet done training, all running assignments)."""
+        with self.lock:
+            return sum(r.phase in ("fetching", "waiting", "training") for r in self.running.values()), len(
+                self.running)
+
+    def _request_loop(self) -> None:
+        ahead = 1 if self.prefetch else 0
+        while not self.draining.is_set():
+            pending, running = self._in_flight()
+            want = self.tasks + ahead - pending
+            if self.max_assignments is not None:
+                if self.started >= self.max_assignments and running == 0:
+                    return
+                want = min(want, self.max_assignments - self.started)
+            if want <= 0:
+                self.slot_freed.wait(1.0)
+                self.slot_freed.clear()
+                continue
+            try:
+                reply = self.api.request_work(want, self.shards.holds(), self.resources)
+            except Refused as exc:
+                if exc.status == 401:
+                    log.warning("host token refused (%s); registering again", exc.message)
+                    self._forget_identity()
+                    self.ensure_registered()
+                    continue
+                raise
+            except httpx.TransportError:
+                continue  # retries ended because we are stopping
+            self.heartbeat_interval = reply.heartbeat_interval
+            for a in reply.assignments:
+                self._start(a)
+            if not reply.assignments:
+                self.slot_freed.clear()
+                self.slot_freed.wait(reply.retry_after)
+
+    def _resume_journaled(self) -> None:
+        """Take up the assignments an earlier run of this client left behind, if still wanted."""
+        now = datetime.now(UTC)
+        for a in self.journal.pending():
+            deadline = a.deadline if a.deadline.tzinfo else a.deadline.replace(tzinfo=UTC)
+            keep, reason = deadline > now, "its deadline has passed"
+            if keep:
+                try:
+                    reply = self.api.heartbeat(a.assignment_id)
+                    keep, reason = reply.keep_going, reply.reason
+                except Refused as exc:
+                    keep, reason = False, exc.message
+            if not keep:
+                log.info("assignment %s: left by an earlier run, not resumed (%s)", a.assignment_id, reason)
+                self.journal.forget(a.assignment_id)
+                continue
+            log.info("assignment %s: left by an earlier run; resuming", a.assignment_id)
+            self._start(a)
+
+    def _drain(self) -> None:
+        """Finish what fits before the notice expires and give back the rest at once."""
+        notice = self.notice
+        with self.lock:
+            running = list(self.running.values())
+        if notice is None:  # max_assignments reached: let everything finish
+            for r in running:
+                r.thread.join()
+            return
+        now, mono = time.time(), time.monotonic()
+        estimates = []
+        for r in running:
+            mean = self.train_seconds.get(r.assignment.job_id)
+            remaining = (None if r.phase != "training" or mean is None or r.training_since is None
+                         else max(0.0, mean - (mono - r.training_since)))
+            if r.phase == "uploading":
+                remaining = 0.0
+            estimates.append(RunningEstimate(r.assignment.assignment_id, remaining))
+        finish, abandon = plan_preemption(estimates, notice.at, now, self.upload_seconds or 1.0)
+        for r in running:
+            if r.assignment.assignment_id in abandon:
+                self._give_back(r)
+        for r in running:
+            if r.assignment.assignment_id in finish:
+                log.info("assignment %s: finishing before the notice expires", r.assignment.assignment_id)
+                r.thread.join(max(0.0, notice.at - time.time()))
+
     def _start(self, a: AssignmentOut) -> None:
-        r = Running(a, threading.Thread(target=self._work, args=(a,), name=f"assignment-{a.assignment_id}"))
+        r = Running(a)
+        r.thread = threading.Thread(target=self._work, args=(r,), name=f"assignment-{a.assignment_id}")
+        self.journal.record(a)
         with self.lock:
             self.running[a.assignment_id] = r
+        self.started += 1
         r.thread.start()
 
     def _shutdown(self) -> None:
+        self.stop.set()
         with self.lock:
             running = list(self.running.values())
         for r in running:
-            r.control.cancel()
-            self._abandon(r.assignment.assignment_id)
+            self._give_back(r)
         for r in running:
             r.thread.join(timeout=30)
         self.api.close()
 
-    def _abandon(self, assignment_id: int) -> None:
+    def _give_back(self, r: Running) -> None:
+        """Cancel the assignment here and tell the server at once, so it is dispatched again."""
+        if r.given_back:
+            return
+        r.given_back = True
+        r.control.cancel()
+        aid = r.assignment.assignment_id
         try:
-            self.api.abandon(assignment_id)
-            log.info("assignment %s: abandoned", assignment_id)
+            self.api.abandon(aid)
+            log.info("assignment %s: abandoned (%s)", aid, r.phase)
         except httpx.HTTPError as exc:
-            log.warning("assignment %s: could not abandon (%s); it will time out", assignment_id, exc)
+            log.warning("assignment %s: could not abandon (%s); it will time out", aid, exc)
+        self.journal.forget(aid)
 
     # -- one assignment -------------------------------------------------------------------------
-    def _work(self, a: AssignmentOut) -> None:
+    def _work(self, r: Running) -> None:
+        a = r.assignment
         aid = a.assignment_id
-        control = self.running[aid].control
         try:
             snap = self.snapshots.fetch(a.snapshot.sha256, lambda p: self.api.download(a.snapshot.url, p))
             shard = self.shards.fetch(a.shard.sha256, lambda p: self.api.download(a.shard.url, p))
             x, y = decode_shard(shard.read_bytes())
+            params = decode(snap.read_bytes())
             framework = fw.pick(a.recipe.model, self.resources.frameworks)
             if framework is None:  # the scheduler sends only runnable work; say so rather than guess
                 raise RuntimeError(f"model {a.recipe.model['name']!r} needs one of "
                                    f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}")
-            result = train(framework, a.recipe.model_dump(), decode(snap.read_bytes()), x, y, self.device, control)
-            if control.cancelled.is_set():
-                raise Cancelled()
+            r.phase = "waiting"
+            while not self.compute.acquire(timeout=0.2):
+                r.control.between_batches()
+            try:
+                r.control.between_batches()
+                r.phase, r.training_since = "training", time.monotonic()
+                checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid), self.checkpoint_seconds)
+                if checkpoint.resumed is not None:
+                    log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
+                result = train(framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint)
+            finally:
+                self.compute.release()
+                self.slot_freed.set()
+            if checkpoint.resumed is None:
+                self.train_seconds[a.job_id] = _ewma(self.train_seconds.get(a.job_id), result.seconds)
+            r.phase = "uploading"
+            t0 = time.monotonic()
             self.api.upload(a, encode(result.params), ResultMetrics(train_loss=result.train_loss,
                                                                     examples=result.examples, seconds=result.seconds))
+            self.upload_seconds = _ewma(self.upload_seconds, time.monotonic() - t0)
             log.info("assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)", aid, a.epoch,
                      a.shard_index, framework, result.train_loss, result.seconds)
             self.completed += 1
+            self.journal.forget(aid)
         except Cancelled:
             log.info("assignment %s: stopped before finishing", aid)
-            if not self.stop.is_set():  # the server no longer wants it: hand it back at once
-                self._abandon(aid)
+            if not r.given_back:  # the server no longer wants it: hand it back at once
+                self._give_back(r)
         except Refused as exc:
             log.warning("assignment %s: server refused the result: %s", aid, exc.message)
+            self.journal.forget(aid)
         except Exception as exc:
             if not self.stop.is_set():
                 log.exception("assignment %s: failed", aid)
@@ -191,6 +329,7 @@ class VolunteerClient:
                     self.api.report_error(aid, f"{type(exc).__name__}: {exc}")
                 except Exception:
                     log.warning("assignment %s: could not report the error; it will time out", aid)
+                self.journal.forget(aid)
         finally:
             with self.lock:
                 self.running.pop(aid, None)

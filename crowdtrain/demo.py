@@ -17,7 +17,26 @@ from crowdtrain.schemas import JobStatusOut
 DEMO_TIMEOUT = 600
 
 
-def summary_table(st: JobStatusOut, wall: float) -> Table:
+def locality_figures(http) -> dict[str, float]:
+    """Shard-locality counters from the scheduler's /metrics: what clients' caches saved."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"crowdtrain_dispatches_total", "crowdtrain_dispatches_cached_shard_total",
+              "crowdtrain_shard_bytes_saved_total", "crowdtrain_shard_bytes_sent_total"}
+    resp = http.get("/metrics")
+    resp.raise_for_status()
+    return {s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples
+            if s.name in wanted}
+
+
+def _locality_row(f: dict[str, float]) -> str:
+    saved, sent = f.get("crowdtrain_shard_bytes_saved_total", 0), f.get("crowdtrain_shard_bytes_sent_total", 0)
+    return (f"{int(f.get('crowdtrain_dispatches_cached_shard_total', 0))} of "
+            f"{int(f.get('crowdtrain_dispatches_total', 0))} assignments had their shard cached: "
+            f"{saved / 1e6:.2f} MB not downloaded, {sent / 1e6:.2f} MB downloaded")
+
+
+def summary_table(st: JobStatusOut, wall: float, locality: dict[str, float] | None = None) -> Table:
     t = Table(title="crowdtrain demo summary", show_header=False)
     best = max((e for e in st.epochs if e.mean_accuracy is not None), key=lambda e: e.mean_accuracy, default=None)
     rows = [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
@@ -26,6 +45,8 @@ def summary_table(st: JobStatusOut, wall: float) -> Table:
             ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
             ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
             ("wall time", f"{wall:.1f}s")]
+    if locality is not None:
+        rows.append(("shard locality", _locality_row(locality)))
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -61,9 +82,10 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
                        alive=lambda: all(s.alive for s in cluster.services)
                        and any(c.alive for c in cluster.clients))
             final = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
+            locality = locality_figures(http)
         png = plot_accuracy(final, var_dir / "accuracy.png")
         console.print()
-        console.print(summary_table(final, time.monotonic() - start))
+        console.print(summary_table(final, time.monotonic() - start, locality))
         console.print(f"accuracy plot: {png}; logs: {var_dir / 'logs'}")
         if st.status != "succeeded":
             dead = [s.name for s in cluster.services if not s.alive]

@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     s3_public_endpoint_url: str | None = Field(None, description="Endpoint in presigned URLs, if clients reach S3 "
                                                                  "by another address than the servers")
     presign_seconds: int = Field(900, ge=60, description="Lifetime of presigned download URLs")
+    ec2_endpoint_url: str | None = Field(None, description="EC2 endpoint for `crowdtrain fleet`; None = AWS")
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the scheduler")
 
     admin_token: str = Field("change-me-admin", description="Bearer token for /v1/jobs admin routes")

@@ -24,6 +24,9 @@ EVENTS = {
     "merges": "Results merged into W_s",
     "rejections": "Results refused by a parameter server",
     "timeouts": "Assignments timed out by the transitioner",
+    "dispatches_cached_shard": "Assignments whose shard the host already had cached",
+    "shard_bytes_saved": "Shard bytes hosts did not download because they had the shard cached",
+    "shard_bytes_sent": "Shard bytes hosts had to download",
 }
 MERGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ACTIVE_WINDOW = timedelta(seconds=120)

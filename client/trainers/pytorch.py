@@ -1,4 +1,4 @@
-"""Local training with PyTorch: start from the snapshot, train on the shard, return W_c."""
+"""Local training with PyTorch: start from the snapshot (or a checkpoint), train on the shard, return W_c."""
 
 import time
 
@@ -9,27 +9,75 @@ from client.trainers import Checkpoint, TrainControl, TrainResult
 from crowdtrain.tensors import Params
 from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
 
+# Checkpoint tensor names beside the model's own (which never start with "__").
+_OPT = "__opt__"
+_ORDER = "__order__"
+_RNG = "__rng__"
+
+
+def _optimizer(model: torch.nn.Module, t: dict) -> torch.optim.Optimizer:
+    if t["optimizer"] == "adam":
+        return torch.optim.Adam(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    return torch.optim.SGD(model.parameters(), lr=t["lr"], momentum=t["momentum"], weight_decay=t["weight_decay"])
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> Params:
+    """The optimizer's per-parameter state (Adam moments and step, SGD momentum) as named arrays."""
+    out: Params = {}
+    for index, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            out[f"{_OPT}/{index}/{key}"] = torch.as_tensor(value).detach().cpu().numpy().copy()
+    return out
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, tensors: Params) -> None:
+    sd = opt.state_dict()
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith(_OPT + "/"):
+            _, index, key = name.split("/", 2)
+            state.setdefault(int(index), {})[key] = torch.from_numpy(np.array(value, copy=True))
+    sd["state"] = state
+    opt.load_state_dict(sd)
+
 
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          *, control: TrainControl, checkpoint: Checkpoint | None = None) -> TrainResult:
+          control: TrainControl | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
     """Run `training.local_epochs` passes over (x, y) from `params`; see client.trainers for the contract."""
     start = time.monotonic()
+    control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]
     model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
-    load_numpy_state(model, params)
-    model.to(device).train()
-    if t["optimizer"] == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=t["lr"], momentum=t["momentum"], weight_decay=t["weight_decay"])
+    opt = _optimizer(model, t)
     gen = torch.Generator().manual_seed(int(recipe["seed"]))
+    first_epoch, first_batch, loss_sum, seen, order = 0, 0, 0.0, 0, None
+    resumed = checkpoint.resumed if checkpoint is not None else None
+    if resumed is not None:
+        tensors, progress = resumed
+        load_numpy_state(model, {k: v for k, v in tensors.items() if not k.startswith("__")})
+        _load_optimizer(opt, tensors)
+        gen.set_state(torch.from_numpy(np.array(tensors[_RNG], copy=True)))
+        order = torch.from_numpy(np.array(tensors[_ORDER], copy=True))
+        first_epoch, first_batch = progress["epoch"], progress["batch_start"]
+        loss_sum, seen = progress["loss_sum"], progress["seen"]
+    else:
+        load_numpy_state(model, params)
+    model.to(device).train()
+    # Moving the model after loading keeps the optimizer state on the parameters' device.
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                st[k] = v.to(device)
     xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y)).long()
-    bs, loss_sum, seen = t["batch_size"], 0.0, 0
-    for _ in range(t["local_epochs"]):
-        order = torch.randperm(len(xt), generator=gen)
-        loss_sum, seen = 0.0, 0
-        for i in range(0, len(order), bs):
+    bs = t["batch_size"]
+    for epoch in range(first_epoch, t["local_epochs"]):
+        if order is None:
+            order = torch.randperm(len(xt), generator=gen)
+            loss_sum, seen = 0.0, 0
+        for i in range(first_batch, len(order), bs):
             control.between_batches()
+            if checkpoint is not None and i > first_batch and checkpoint.due():
+                _save(checkpoint, model, opt, gen, order, epoch, i, loss_sum, seen)
             idx = order[i:i + bs]
             xb, yb = xt[idx].to(device), yt[idx].to(device)
             opt.zero_grad(set_to_none=True)
@@ -38,6 +86,14 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
             opt.step()
             loss_sum += loss.item() * len(idx)
             seen += len(idx)
+        order, first_batch = None, 0
     model.to("cpu")
     return TrainResult(state_to_numpy(model), loss_sum / max(seen, 1), len(xt) * t["local_epochs"],
                        time.monotonic() - start)
+
+
+def _save(checkpoint: Checkpoint, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+          order: torch.Tensor, epoch: int, batch_start: int, loss_sum: float, seen: int) -> None:
+    tensors = {**state_to_numpy(model), **_optimizer_tensors(opt), _ORDER: order.numpy().copy(),
+               _RNG: gen.get_state().numpy().copy()}
+    checkpoint.save(tensors, {"epoch": epoch, "batch_start": batch_start, "loss_sum": loss_sum, "seen": seen})

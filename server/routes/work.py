@@ -24,7 +24,11 @@ def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: Storage
     """Ask for up to `free_slots` assignments."""
     assignments = dispatch.request_work(db, storage, host_id, req.free_slots, req.cached_shards, req.resources,
                                         settings.presign_seconds)
-    telemetry.count(r, "work_requests", dispatches=len(assignments))
+    cached = set(req.cached_shards)
+    hits = [a.shard.size for a in assignments if a.shard.sha256 in cached]
+    telemetry.count(r, "work_requests", dispatches=len(assignments), dispatches_cached_shard=len(hits),
+                    shard_bytes_saved=sum(hits),
+                    shard_bytes_sent=sum(a.shard.size for a in assignments) - sum(hits))
     return WorkReply(assignments=assignments, retry_after=settings.work_retry_after,
                      heartbeat_interval=settings.heartbeat_interval)
 

@@ -70,6 +70,38 @@ def test_200_simultaneous_work_requests_on_postgresql_never_share_a_workunit(mak
             Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value)) == HOSTS
 
 
+def _counters(cluster) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with cluster.admin() as http:
+        text = http.get("/metrics").text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_a_host_gets_the_workunit_whose_shard_it_has_cached(make_cluster, sqlite_url) -> None:
+    from server.models import Shard
+
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.dataset.subsets = 8
+    job_id = cluster.submit(spec.model_dump(mode="json"))["job_id"]
+    with session_factory(sqlite_url).begin() as s:
+        shards = {sh.index: (sh.sha256, sh.size) for sh in s.scalars(select(Shard).where(Shard.job_id == job_id))}
+    (token,) = register_hosts(cluster, 1)
+    with httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        cached = http.post("/v1/work", json={"free_slots": 2, "cached_shards": [shards[5][0], shards[6][0]]}).json()
+        after = _counters(cluster)
+        fresh = http.post("/v1/work", json={"free_slots": 1, "cached_shards": [shards[5][0]]}).json()
+    # Cached shards first, though lower-numbered workunits are ready; then the lowest fresh one.
+    assert sorted(a["shard_index"] for a in cached["assignments"]) == [5, 6]
+    assert [a["shard_index"] for a in fresh["assignments"]] == [0]
+    assert after["crowdtrain_dispatches_cached_shard_total"] == 2
+    assert after["crowdtrain_shard_bytes_saved_total"] == shards[5][1] + shards[6][1]
+    final = _counters(cluster)
+    assert final["crowdtrain_shard_bytes_sent_total"] == shards[0][1]
+    assert final["crowdtrain_shard_bytes_saved_total"] == after["crowdtrain_shard_bytes_saved_total"]
+
+
 def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, sqlite_url) -> None:
     pytest.importorskip("tensorflow")
     cluster = make_cluster(sqlite_url, assimilator_concurrency=1)
