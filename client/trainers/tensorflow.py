@@ -122,6 +122,7 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
         opt = _optimizer(keras, t)
         opt.build(km.model.trainable_variables)
         pos = _start(km, opt, params, seed, checkpoint)
+        start_at = (pos["epoch"], pos["batch"])
         step = _train_step(tf, km.model, opt, float(t["weight_decay"]), x.shape[1:])
         bs = t["batch_size"]
         for epoch in range(pos["epoch"], t["local_epochs"]):
@@ -131,7 +132,8 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
                 pos["loss_sum"], pos["seen"] = 0.0, 0
             for i in range(first, len(order), bs):
                 control.between_batches()
-                if checkpoint is not None and checkpoint.due():
+                # Not at the position this run started from: that state is the snapshot or the checkpoint.
+                if checkpoint is not None and (epoch, i) != start_at and checkpoint.due():
                     pos.update(epoch=epoch, batch=i)
                     checkpoint.save(_state(km, opt), dict(pos))
                 idx = order[i:i + bs]

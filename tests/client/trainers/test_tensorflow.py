@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from client.journal import FileCheckpoint  # noqa: E402
 from client.trainers import Cancelled, TrainControl, train  # noqa: E402
 from crowdtrain.zoo import build_model, state_to_numpy  # noqa: E402
 
@@ -84,11 +85,11 @@ def test_pause_holds_training_until_resumed(shard, initial) -> None:
     assert done.is_set()
 
 
-def test_resume_from_a_mid_run_checkpoint_ends_like_an_uninterrupted_run(shard, initial) -> None:
+def test_resume_from_a_mid_run_checkpoint_ends_like_an_uninterrupted_run(shard, initial, tmp_path) -> None:
     x, y = shard
     whole = train("tensorflow", recipe(), initial, x, y)
-    # 13 batches per epoch: the 17th due() comes before epoch 2's 4th batch (index 3), with Adam's
-    # moments well under way.
+    # 13 batches per epoch, no save before a run's first batch: the 17th due() comes before
+    # epoch 2's 5th batch (index 4), with Adam's moments well under way.
     first = MemoryCheckpoint(at=17)
     control = TrainControl()
     original_save = first.save
@@ -100,8 +101,10 @@ def test_resume_from_a_mid_run_checkpoint_ends_like_an_uninterrupted_run(shard, 
     first.save = save_then_stop
     with pytest.raises(Cancelled):
         train("tensorflow", recipe(), initial, x, y, control=control, checkpoint=first)
-    assert first.saved[1]["epoch"] == 1 and first.saved[1]["batch"] == 3 * 16
-    resumed = train("tensorflow", recipe(), {}, x, y, checkpoint=MemoryCheckpoint(resumed=first.saved))
+    assert first.saved[1]["epoch"] == 1 and first.saved[1]["batch"] == 4 * 16
+    # Through the client's checkpoint file (safetensors + JSON progress), as after a restart.
+    FileCheckpoint(tmp_path / "a.ckpt", 30).save(*first.saved)
+    resumed = train("tensorflow", recipe(), {}, x, y, checkpoint=FileCheckpoint(tmp_path / "a.ckpt", 30))
     # CPU kernels on the same machine are deterministic for this model: equal to float32 rounding.
     for name, value in whole.params.items():
         np.testing.assert_allclose(resumed.params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
