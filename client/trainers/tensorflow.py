@@ -125,9 +125,9 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
         start_at = (pos["epoch"], pos["batch"])
         step = _train_step(tf, km.model, opt, float(t["weight_decay"]), x.shape[1:])
         bs = t["batch_size"]
-        for epoch in range(pos["epoch"], t["local_epochs"]):
+        for epoch in range(start_at[0], t["local_epochs"]):
             order = epoch_order(seed, epoch, len(x))
-            first = pos["batch"] if epoch == pos["epoch"] else 0
+            first = start_at[1] if epoch == start_at[0] else 0
             if first == 0:
                 pos["loss_sum"], pos["seen"] = 0.0, 0
             for i in range(first, len(order), bs):
