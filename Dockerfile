@@ -19,7 +19,8 @@ COPY workgen ./workgen
 COPY assimilator ./assimilator
 COPY client ./client
 COPY migrations ./migrations
-RUN pip install ".[server]"
+# TensorFlow too: parameter servers evaluate TensorFlow jobs and Keras JSON models with it.
+RUN pip install ".[server,tensorflow]"
 
 # An unprivileged user; its working directory holds the example job specs
 # (`docker compose exec scheduler crowdtrain job submit examples/mnist1d-cnn.yaml`).

@@ -11,6 +11,7 @@ $(PY):
 	$(PY) -m pip install --upgrade pip
 
 # torch is pinned first: with 2.13.0 installed, the project's `torch>=2.3` pulls nothing more.
+# The dev extra brings tensorflow too; it installs beside that torch and keeps numpy as it is.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[dev]"

@@ -38,8 +38,9 @@ class AssignmentJournal:
     def _path(self, assignment_id: int) -> Path:
         return self.root / f"{assignment_id}.json"
 
-    def checkpoint_path(self, assignment_id: int) -> Path:
-        return self.root / f"{assignment_id}.checkpoint.safetensors"
+    def checkpoint_path(self, assignment_id: int, framework: str) -> Path:
+        """Per framework: a client restarted with other frameworks must not read another trainer's state."""
+        return self.root / f"{assignment_id}.{framework}.checkpoint.safetensors"
 
     def record(self, a: AssignmentOut) -> None:
         _atomic_write(self._path(a.assignment_id),
@@ -47,7 +48,8 @@ class AssignmentJournal:
 
     def forget(self, assignment_id: int) -> None:
         self._path(assignment_id).unlink(missing_ok=True)
-        self.checkpoint_path(assignment_id).unlink(missing_ok=True)
+        for checkpoint in self.root.glob(f"{assignment_id}.*.checkpoint.safetensors"):
+            checkpoint.unlink(missing_ok=True)
 
     def pending(self) -> list[AssignmentOut]:
         """Assignments of this server left behind by an earlier run, oldest first."""

@@ -28,7 +28,8 @@ from client.preferences import Preferences
 from client.quota import OverDailyCap, counted
 from client.restraints import Restraints
 from client.status import AssignmentStatus, ClientState, ClientStatus, StatusWriter
-from client.trainers import Cancelled, TrainControl, train
+from client.trainers import Cancelled, TrainControl, available_frameworks, train
+from crowdtrain import frameworks as fw
 from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
 from crowdtrain.tensors import decode, decode_shard, encode
 
@@ -51,14 +52,15 @@ class Running:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
-def detect_resources(device: str) -> Resources:
+def detect_resources(device: str, frameworks: list[str] | None = None) -> Resources:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     gpu = ""
     if device.startswith("cuda"):
         import torch
 
         gpu = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else ""
-    return Resources(cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device)
+    return Resources(cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device,
+                     frameworks=frameworks or available_frameworks())
 
 
 def _assignment_status(r: Running) -> AssignmentStatus:
@@ -79,7 +81,7 @@ class VolunteerClient:
                  max_assignments: int | None = None, prefetch: bool = True, checkpoint_seconds: float = 30.0,
                  spot_notice_url: str = "", spot_poll_seconds: float = 5.0, sigterm_grace: float = 0.0,
                  max_download_rate: float | None = None, max_upload_rate: float | None = None,
-                 preferences: Preferences | None = None):
+                 preferences: Preferences | None = None, frameworks: list[str] | None = None):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
         self.tasks = tasks
@@ -103,7 +105,7 @@ class VolunteerClient:
         self.status = StatusWriter(self.cache_dir, self._status)
         self.state, self.state_reason = ClientState.waiting, ""
         self.journal = AssignmentJournal(self.cache_dir / "assignments", self.server_url)
-        self.resources = detect_resources(device)
+        self.resources = detect_resources(device, frameworks)
         self.running: dict[int, Running] = {}
         self.lock = threading.Lock()
         self.slot_freed = threading.Event()
@@ -359,6 +361,10 @@ class VolunteerClient:
                                                               transfer, reservation), a.shard.size)
             x, y = decode_shard(shard.read_bytes())
             params = decode(snap.read_bytes())
+            framework = fw.pick(a.recipe.model, self.resources.frameworks)
+            if framework is None:  # the scheduler sends only runnable work; say so rather than guess
+                raise RuntimeError(f"model {a.recipe.model['name']!r} needs one of "
+                                   f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}")
             r.phase = "waiting"
             self.status.changed()
             while not self.compute.acquire(timeout=0.2):
@@ -367,10 +373,10 @@ class VolunteerClient:
                 r.control.between_batches()
                 r.phase, r.training_since = "training", time.monotonic()
                 self.status.changed()
-                checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid), self.checkpoint_seconds)
+                checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid, framework), self.checkpoint_seconds)
                 if checkpoint.resumed is not None:
                     log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
-                result = train("pytorch", a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint)
+                result = train(framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint)
             finally:
                 self.compute.release()
                 self.slot_freed.set()
@@ -384,8 +390,8 @@ class VolunteerClient:
                                                    seconds=result.seconds))
             transfer.record("upload", len(blob), reservation)
             self.upload_seconds = _ewma(self.upload_seconds, time.monotonic() - t0)
-            log.info("assignment %s: uploaded (epoch %d, shard %d, loss %.4f, %.1fs)", aid, a.epoch, a.shard_index,
-                     result.train_loss, result.seconds)
+            log.info("assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)", aid, a.epoch,
+                     a.shard_index, framework, result.train_loss, result.seconds)
             self.completed += 1
             self.journal.forget(aid)
         except Cancelled:

@@ -134,6 +134,8 @@ def client(
     spot_poll_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds between notice polls")] = 5.0,
     sigterm_grace: Annotated[float, typer.Option(
         min=0, help="On SIGTERM, let training that ends within this many seconds finish and upload")] = 0.0,
+    frameworks: Annotated[str | None, typer.Option(
+        help="Comma list of frameworks to train with: pytorch, tensorflow (default: all installed)")] = None,
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly).
 
@@ -152,13 +154,14 @@ def client(
     from client.worker import VolunteerClient
 
     _logging()
+    chosen = _client_frameworks(frameworks)
     if prefs.threads:
-        limit_threads(prefs.threads)
+        limit_threads(prefs.threads, chosen)
     c = VolunteerClient(server, join_token, prefs.tasks, resolved, cache.expanduser(), name, max_assignments,
                         prefetch=prefetch, checkpoint_seconds=checkpoint_seconds, spot_notice_url=spot_notice_url,
                         spot_poll_seconds=spot_poll_seconds, sigterm_grace=sigterm_grace,
                         max_download_rate=prefs.max_download_rate, max_upload_rate=prefs.max_upload_rate,
-                        preferences=prefs)
+                        preferences=prefs, frameworks=chosen)
     c.install_signal_handlers()
     raise typer.Exit(c.run())
 
@@ -192,6 +195,21 @@ def client_status(cache: CacheOpt = DEFAULT_CACHE) -> None:
         typer.echo(f"not running{last}")
         raise typer.Exit(1)
     Console().print(render(status))
+
+
+def _client_frameworks(option: str | None) -> list[str]:
+    """The frameworks named by --frameworks, each checked to be installed here."""
+    from client.trainers import available_frameworks
+
+    have = available_frameworks()
+    if option is None:
+        return have
+    chosen = [f.strip() for f in option.split(",") if f.strip()]
+    missing = [f for f in chosen if f not in have]
+    if not chosen or missing:
+        raise typer.BadParameter(f"{', '.join(missing) or 'none given'}: installed frameworks are {', '.join(have)}",
+                                 param_hint="--frameworks")
+    return chosen
 
 
 def _admin(server: str, token: str | None):

@@ -1,10 +1,13 @@
 """The job spec: what an operator submits (YAML or JSON), validated with clear errors."""
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from crowdtrain.frameworks import KERAS_MODEL, ZOO_PORTS
 
 ZOO_MODELS = ("mlp", "cnn1d", "resnet")
 
@@ -14,8 +17,20 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    name: Literal["mlp", "cnn1d", "resnet"]
+    name: Literal["mlp", "cnn1d", "resnet", "keras"] = Field(
+        ..., description="A zoo model, or 'keras' for the Keras model JSON given in `keras`")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the zoo builder")
+    keras: dict[str, Any] | None = Field(
+        None, description="A Keras model's JSON config (`model.to_json()`), loaded in safe mode: no Lambda layers "
+                          "or other code. It must output logits. In a spec file, `keras_file: PATH` reads it.")
+
+    @model_validator(mode="after")
+    def _keras_json_with_keras_name(self) -> "ModelSpec":
+        if (self.name == KERAS_MODEL) != (self.keras is not None):
+            raise ValueError("model.keras (a Keras model JSON) is given exactly when model.name is 'keras'")
+        if self.keras is not None and self.options:
+            raise ValueError("model.options are for zoo models; a Keras JSON model has its settings inside")
+        return self
 
 
 class DatasetSpec(_Strict):
@@ -63,6 +78,9 @@ class SchedulingSpec(_Strict):
 class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=200)
     mode: Literal["vc-asgd"] = "vc-asgd"
+    framework: Literal["pytorch", "tensorflow"] = Field(
+        "pytorch", description="The framework the job is written for; clients with another framework that "
+                               "ports the zoo model may train it too (the parameter layout is shared)")
     seed: int = 0
     model: ModelSpec
     dataset: DatasetSpec
@@ -71,10 +89,30 @@ class JobSpec(_Strict):
     stop: StopSpec
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
 
+    @model_validator(mode="after")
+    def _framework_runs_the_model(self) -> "JobSpec":
+        if self.model.name == KERAS_MODEL and self.framework != "tensorflow":
+            raise ValueError("a Keras JSON model (model.name 'keras') needs framework: tensorflow")
+        if self.model.name != KERAS_MODEL and self.model.name not in ZOO_PORTS[self.framework]:
+            raise ValueError(f"model {self.model.name!r} has no {self.framework} port; "
+                             f"{self.framework} runs {sorted(ZOO_PORTS[self.framework])}")
+        return self
+
 
 def load_job_spec(path: Path) -> JobSpec:
-    """Read a YAML or JSON job spec file; raises pydantic.ValidationError or ValueError."""
-    data = yaml.safe_load(Path(path).read_text())
+    """Read a YAML or JSON job spec file; raises pydantic.ValidationError or ValueError.
+
+    `model.keras_file: PATH` (relative to the spec file) is read into `model.keras`.
+    """
+    path = Path(path)
+    data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a job spec is a mapping, got {type(data).__name__}")
+    model = data.get("model")
+    if isinstance(model, dict) and "keras_file" in model:
+        keras_path = path.parent / str(model.pop("keras_file"))
+        try:
+            model["keras"] = json.loads(keras_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{keras_path}: not JSON: {exc}") from None
     return JobSpec.model_validate(data)

@@ -1,7 +1,7 @@
 """Wire schemas: one pydantic model per request and per response of the `/v1` API."""
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -11,6 +11,9 @@ class Resources(BaseModel):
     ram_bytes: int = Field(0, ge=0)
     gpu: str = Field("", max_length=200)
     device: str = Field("cpu", max_length=50)
+    frameworks: list[Literal["pytorch", "tensorflow"]] = Field(
+        default_factory=lambda: ["pytorch"], min_length=1, max_length=8,
+        description="Frameworks the client trains with (clients from before this field had PyTorch only)")
 
 
 class HostRegister(BaseModel):
@@ -71,7 +74,8 @@ class FileRef(BaseModel):
 
 
 class Recipe(BaseModel):
-    """Everything a client needs to train: model (zoo name + shapes + options) and training settings."""
+    """Everything a client needs to train: model (zoo name or Keras JSON, the job's framework, shapes,
+    options) and training settings."""
 
     model: dict[str, Any]
     training: dict[str, Any]

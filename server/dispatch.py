@@ -6,6 +6,7 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain import frameworks
 from crowdtrain.logs import ids
 from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
 from crowdtrain.storage import Storage
@@ -75,9 +76,12 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
         if resources is not None:
             host.cpus, host.ram_bytes, host.gpu, host.device = (resources.cpus, resources.ram_bytes,
                                                                 resources.gpu, resources.device)
+            if host.frameworks != (declared := ",".join(resources.frameworks)):
+                host.frameworks = declared
         if free_slots == 0:
             return []
-        jobs = s.scalars(select(Job).where(Job.status == JobStatus.running.value).order_by(Job.id)).all()
+        jobs = [job for job in s.scalars(select(Job).where(Job.status == JobStatus.running.value).order_by(Job.id))
+                if host_can_run(host, job)]
         out: list[AssignmentOut] = []
         for job in jobs:
             claimed = _take(s, _claim_ready(s, job, host, free_slots - len(out), cached))
@@ -98,6 +102,12 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
             if len(out) >= free_slots:
                 break
         return out
+
+
+def host_can_run(host: Host, job: Job) -> bool:
+    """Whether one of the host's frameworks trains the job's model (a Keras JSON model needs
+    TensorFlow; a zoo model, any framework with a port of it)."""
+    return frameworks.pick(job.model_config_, host.frameworks.split(",")) is not None
 
 
 def _take(s: Session, claimed: list[tuple[Workunit, Shard]]) -> list[tuple[Workunit, Shard]]:

@@ -37,7 +37,7 @@ def register_host(db: sessionmaker[Session], req: HostRegister, bootstrap_token:
         join_id = _join_token_id(s, req.join_token, bootstrap_token)
         r = req.resources
         host = Host(name=req.name, token_hash=hash_token(token), cpus=r.cpus, ram_bytes=r.ram_bytes, gpu=r.gpu,
-                    device=r.device, join_token_id=join_id)
+                    device=r.device, frameworks=",".join(r.frameworks), join_token_id=join_id)
         s.add(host)
         if join_id is not None:
             s.get_one(JoinToken, join_id).hosts_registered += 1

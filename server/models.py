@@ -82,6 +82,8 @@ class Host(Base):
     ram_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     gpu: Mapped[str] = mapped_column(String(200), default="")
     device: Mapped[str] = mapped_column(String(50), default="cpu")
+    # Comma-separated frameworks the client trains with; dispatch gives it only jobs one of them runs.
+    frameworks: Mapped[str] = mapped_column(String(100), default="pytorch", server_default="pytorch")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(default=False)

@@ -280,9 +280,10 @@ def test_the_client_image_installs_the_client_extra_only() -> None:
     assert dockerfile_entrypoint(ROOT / "Dockerfile.client") == ["crowdtrain"]
 
 
-def test_the_server_image_installs_the_server_extra() -> None:
+def test_the_server_image_installs_the_server_and_tensorflow_extras() -> None:
+    # Parameter servers evaluate TensorFlow jobs and Keras JSON models with TensorFlow.
     installs = " ".join(_pip_installs(ROOT / "Dockerfile"))
-    assert ".[server]" in installs and "[dev]" not in installs
+    assert ".[server,tensorflow]" in installs and "[dev]" not in installs
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])

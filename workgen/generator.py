@@ -3,14 +3,16 @@
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from assimilator import paramstore
+from crowdtrain.frameworks import KERAS_MODEL
 from crowdtrain.jobspec import JobSpec
 from crowdtrain.storage import Storage
-from crowdtrain.tensors import encode, encode_shard, manifest_of, sha256
+from crowdtrain.tensors import Params, encode, encode_shard, manifest_of, sha256
 from crowdtrain.zoo import build_model, count_parameters, state_to_numpy
 from server import states
 from server.models import Job, Shard, Workunit, utcnow
@@ -35,10 +37,11 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
     """Create a job and its first epoch. Bad specs raise ValueError before anything is stored."""
     data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction)
     slices = split_shards(len(data.x), spec.dataset.subsets)
-    model_config = {"name": spec.model.name, "input_shape": data.input_shape, "num_classes": data.num_classes,
-                    "options": spec.model.options}
-    model = build_model(spec.model.name, data.input_shape, data.num_classes, seed=spec.seed, **spec.model.options)
-    params = state_to_numpy(model)
+    model_config = {"name": spec.model.name, "framework": spec.framework, "input_shape": data.input_shape,
+                    "num_classes": data.num_classes, "options": spec.model.options}
+    if spec.model.keras is not None:
+        model_config["keras"] = spec.model.keras
+    params, n_parameters = initial_parameters(model_config, spec.seed)
     initial = encode(params)
 
     with db.begin() as s:
@@ -77,9 +80,28 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         states.move(job, JobStatus.running)
         s.flush()
         release_epoch(s, job, 1)
-    log.info("job %s (%s): %d shards, %d parameters, epoch 1 released", job_id, spec.name, len(slices),
-             count_parameters(model))
-    return PreparedJob(job_id, len(slices), count_parameters(model))
+    log.info("job %s (%s): %d shards, %d parameters, epoch 1 released", job_id, spec.name, len(slices), n_parameters)
+    return PreparedJob(job_id, len(slices), n_parameters)
+
+
+def initial_parameters(model_config: dict, seed: int) -> tuple[Params, int]:
+    """W_s version 0 in the canonical layout, and the number of trainable parameters.
+
+    Zoo models start from the PyTorch zoo whatever the job's framework (its layout is canonical);
+    a Keras JSON model is built in safe mode, which refuses Lambda layers and other code.
+    """
+    if model_config["name"] != KERAS_MODEL:
+        model = build_model(model_config["name"], model_config["input_shape"], model_config["num_classes"],
+                            seed=seed, **model_config["options"])
+        return state_to_numpy(model), count_parameters(model)
+    from crowdtrain.zoo_keras import build_model as build_keras_model
+
+    try:
+        keras_model = build_keras_model(model_config, seed=seed)
+    except ImportError:
+        raise ValueError("this server cannot load Keras JSON models: install crowdtrain[tensorflow]") from None
+    trainable = sum(int(np.prod(v.shape)) for v in keras_model.model.trainable_weights)
+    return keras_model.get_params(), trainable
 
 
 def release_epoch(s: Session, job: Job, epoch: int) -> bool:

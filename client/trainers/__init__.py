@@ -76,22 +76,19 @@ class Checkpoint(Protocol):
 
 def available_frameworks() -> list[str]:
     """The frameworks importable in this environment, PyTorch first."""
-    import importlib.util
+    from crowdtrain.frameworks import installed
 
-    # Both the library and our trainer for it: a branch or install may have one without the other.
-    found = [f for f, module in (("pytorch", "torch"), ("tensorflow", "tensorflow"))
-             if importlib.util.find_spec(module) is not None
-             and importlib.util.find_spec(f"client.trainers.{f}") is not None]
-    return found
+    return installed()
 
 
-def limit_threads(n: int) -> None:
-    """Cap the CPU threads every installed framework uses for training (call before training)."""
-    if "pytorch" in available_frameworks():
+def limit_threads(n: int, frameworks: list[str] | None = None) -> None:
+    """Cap the CPU threads `frameworks` (default: every installed one) use for training (call before training)."""
+    frameworks = available_frameworks() if frameworks is None else frameworks
+    if "pytorch" in frameworks:
         import torch
 
         torch.set_num_threads(n)
-    if "tensorflow" in available_frameworks():
+    if "tensorflow" in frameworks:
         from client.trainers.tensorflow import limit_threads as limit_tf
 
         limit_tf(n)

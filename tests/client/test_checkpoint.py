@@ -41,19 +41,23 @@ class _StopAtSave(FileCheckpoint):
         raise Cancelled()
 
 
+@pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_resumed_training_ends_exactly_where_uninterrupted_training_does(tmp_path: Path, optimizer: str) -> None:
+def test_resumed_training_ends_exactly_where_uninterrupted_training_does(tmp_path: Path, optimizer: str,
+                                                                         framework: str) -> None:
+    if framework == "tensorflow":
+        pytest.importorskip("tensorflow")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(200, 40)).astype(np.float32), rng.integers(0, 10, 200)
     recipe = {**RECIPE, "training": {**RECIPE["training"], "optimizer": optimizer, "momentum": 0.9}}
     params = state_to_numpy(build_model("cnn1d", [40], 10, seed=0))
-    whole = train("pytorch", recipe, params, x, y)
+    whole = train(framework, recipe, params, x, y)
 
     with pytest.raises(Cancelled):
-        train("pytorch", recipe, params, x, y, checkpoint=_StopAtSave(tmp_path / "c.safetensors", at_batch=20))
+        train(framework, recipe, params, x, y, checkpoint=_StopAtSave(tmp_path / "c.safetensors", at_batch=20))
     resumed = FileCheckpoint(tmp_path / "c.safetensors", interval=0)
     assert resumed.resumed is not None and resumed.resumed[1]["epoch"] == 1  # stopped in the second epoch
-    again = train("pytorch", recipe, params, x, y, checkpoint=resumed)
+    again = train(framework, recipe, params, x, y, checkpoint=resumed)
     for name in params:
         np.testing.assert_array_equal(again.params[name], whole.params[name])
     assert again.train_loss == whole.train_loss

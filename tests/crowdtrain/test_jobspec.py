@@ -34,3 +34,23 @@ def test_job_submit_refuses_a_bad_spec_with_exit_code_2(tmp_path) -> None:
                              "http://127.0.0.1:9"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "target_accuracy" in result.stderr
+
+
+@pytest.mark.parametrize(("model", "framework", "message"), [
+    ({"name": "resnet"}, "tensorflow", "model 'resnet' has no tensorflow port"),
+    ({"name": "keras", "keras": {"class_name": "Sequential"}}, "pytorch", "needs framework: tensorflow"),
+    ({"name": "keras"}, "tensorflow", "given exactly when model.name is 'keras'"),
+    ({"name": "cnn1d", "keras": {"class_name": "Sequential"}}, "tensorflow", "given exactly when"),
+    ({"name": "cnn1d"}, "jax", "framework"),
+])
+def test_the_framework_must_run_the_model(model: dict, framework: str, message: str) -> None:
+    data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json") | {"model": model, "framework": framework}
+    with pytest.raises(ValidationError, match=message):
+        JobSpec.model_validate(data)
+
+
+def test_keras_file_is_read_relative_to_the_spec() -> None:
+    spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-keras.yaml")
+    assert spec.framework == "tensorflow" and spec.model.name == "keras"
+    assert spec.model.keras["class_name"] == "Sequential"
+    assert load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-cnn-tensorflow.yaml").framework == "tensorflow"

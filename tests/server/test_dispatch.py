@@ -100,3 +100,31 @@ def test_a_host_gets_the_workunit_whose_shard_it_has_cached(make_cluster, sqlite
     final = _counters(cluster)
     assert final["crowdtrain_shard_bytes_sent_total"] == shards[0][1]
     assert final["crowdtrain_shard_bytes_saved_total"] == after["crowdtrain_shard_bytes_saved_total"]
+
+
+def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, sqlite_url) -> None:
+    pytest.importorskip("tensorflow")
+    cluster = make_cluster(sqlite_url, assimilator_concurrency=1)
+    zoo_job = cluster.submit(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json"))["job_id"]
+    keras_job = cluster.submit(load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-keras.yaml").model_dump(mode="json"))[
+        "job_id"]
+
+    def ask(name: str, frameworks: list[str], slots: int) -> list[int]:
+        resources = {"frameworks": frameworks}
+        with httpx.Client(base_url=cluster.url, timeout=60) as http:
+            token = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": name,
+                                                 "resources": resources}).json()["host_token"]
+            reply = http.post("/v1/work", json={"free_slots": slots, "resources": resources},
+                              headers={"Authorization": f"Bearer {token}"}).json()
+        return [a["job_id"] for a in reply["assignments"]]
+
+    # Jobs are offered in id order. The zoo job (a PyTorch job) goes to a TensorFlow-only host too:
+    # TensorFlow has a port of cnn1d.
+    assert ask("tf", ["tensorflow"], 2) == [zoo_job] * 2
+    # The rest of epoch 1 and the early-released epoch 2 (4 shards each); the Keras job is skipped.
+    assert ask("torch", ["pytorch"], 12) == [zoo_job] * 6
+    assert ask("tf-2", ["tensorflow"], 2) == [keras_job] * 2
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        bad = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": "x",
+                                           "resources": {"frameworks": ["jax"]}})
+    assert bad.status_code == 422 and "frameworks" in bad.text

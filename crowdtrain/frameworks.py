@@ -1,0 +1,38 @@
+"""Which deep-learning framework can run which model: shared by the scheduler, the parameter
+servers and the client, and importing no framework itself.
+
+Zoo models have one canonical parameter layout (the PyTorch zoo's `state_dict`), so any framework
+that ports a zoo model can train a job of either framework. A Keras-JSON model exists only in Keras.
+"""
+
+import importlib.util
+
+FRAMEWORKS = ("pytorch", "tensorflow")
+KERAS_MODEL = "keras"  # model.name of a job whose model is a Keras model JSON
+# Zoo models each framework has a port of (crowdtrain/zoo.py, crowdtrain/zoo_keras.py).
+ZOO_PORTS = {"pytorch": frozenset({"mlp", "cnn1d", "resnet"}), "tensorflow": frozenset({"mlp", "cnn1d"})}
+_MODULES = {"pytorch": "torch", "tensorflow": "tensorflow"}
+
+
+def installed() -> list[str]:
+    """The frameworks importable in this environment, PyTorch first."""
+    return [f for f in FRAMEWORKS if importlib.util.find_spec(_MODULES[f]) is not None]
+
+
+def job_framework(model_config: dict) -> str:
+    """The framework a job was submitted for (jobs from before frameworks existed are PyTorch)."""
+    return model_config.get("framework", "pytorch")
+
+
+def able_to_run(model_config: dict) -> list[str]:
+    """Frameworks that can train `model_config`, the job's own framework first."""
+    name, own = model_config["name"], job_framework(model_config)
+    if name == KERAS_MODEL:
+        return ["tensorflow"]
+    able = [f for f in FRAMEWORKS if name in ZOO_PORTS[f]]
+    return sorted(able, key=lambda f: f != own)
+
+
+def pick(model_config: dict, have: list[str]) -> str | None:
+    """The framework to train `model_config` with, among `have`: the job's own if possible."""
+    return next((f for f in able_to_run(model_config) if f in have), None)
