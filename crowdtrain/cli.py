@@ -58,12 +58,24 @@ def server(
 
 
 @app.command()
-def assimilator(concurrency: Annotated[int, typer.Option(min=1)] = 1) -> None:
-    """Run a parameter server: a Celery worker with `concurrency` processes."""
+def assimilator(
+    concurrency: Annotated[int, typer.Option(min=1)] = 1,
+    supervise: Annotated[bool, typer.Option("--supervise/--no-supervise",
+                                            help="Restart the Celery worker if it dies")] = True,
+) -> None:
+    """Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies."""
+    import sys
+
+    _logging()
+    if supervise:
+        from crowdtrain.supervise import supervise as run_supervised
+
+        argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency),
+                "--no-supervise"]
+        raise typer.Exit(run_supervised(argv, "the parameter server's Celery worker"))
     from assimilator.celery_app import celery_app
     from crowdtrain import keys
 
-    _logging()
     celery_app.worker_main(["worker", "--concurrency", str(concurrency), "--loglevel", "INFO", "--pool", "prefork",
                             "-Q", keys.ASSIMILATE_QUEUE, "--without-gossip", "--without-mingle", "-n",
                             "assimilator@%h-%i"])
