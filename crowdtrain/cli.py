@@ -135,6 +135,41 @@ def client(
     raise typer.Exit(c.run())
 
 
+@app.command()
+def peer(
+    server: Annotated[str, typer.Option(help="Scheduler URL")],
+    join_token: Annotated[str, typer.Option(help="Join token from the project operator")],
+    job: Annotated[int, typer.Option(help="The dedloc job to train")],
+    name: Annotated[str, typer.Option(help="Host name shown to the operator")] = "dedloc-peer",
+    relayed: Annotated[bool, typer.Option(help="This peer cannot accept connections (NAT): the server "
+                                               "reduces for it")] = False,
+    data_rank: Annotated[int, typer.Option(min=0, help="Train on examples i with i % data_world == data_rank")] = 0,
+    data_world: Annotated[int, typer.Option(min=1)] = 1,
+    examples_per_step: Annotated[int | None, typer.Option(min=1, help="Contribute at most this many examples "
+                                                                     "per step")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Append one JSON line per applied step")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
+    kill_at: Annotated[str | None, typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT")] = None,
+) -> None:
+    """Run a peer of a synchronous DeDLOC job until the job finishes."""
+    import torch
+
+    from client.dedloc.api import PeerAPI
+    from client.dedloc.peer import DedlocPeer, PeerOptions
+
+    _logging()
+    if data_rank >= data_world:
+        raise typer.BadParameter(f"must be below --data-world ({data_world})", param_hint="--data-rank")
+    if threads:
+        torch.set_num_threads(threads)
+    api = PeerAPI(server)
+    api.register(join_token, name)
+    at = tuple(int(v) for v in kill_at.split(":")) if kill_at else None
+    options = PeerOptions(job_id=job, relayed=relayed, data_rank=data_rank, data_world=data_world,
+                          examples_per_step=examples_per_step, trace=trace, kill_at=at)
+    raise typer.Exit(DedlocPeer(api, options).run())
+
+
 def _admin(server: str, token: str | None):
     import httpx
 
