@@ -1,0 +1,133 @@
+"""The synchronous DeDLOC mode as real processes: the scheduler (uvicorn), a private Redis and peer
+processes that all-reduce with torch.distributed (Gloo) over a rendezvous store the scheduler serves."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from crowdtrain import dedloc
+from crowdtrain.launch import Cluster, Service, crowdtrain_argv
+from crowdtrain.tensors import decode
+from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
+from workgen.datasets import load_dataset
+
+pytestmark = pytest.mark.integration
+JOB_TIMEOUT = 300
+
+
+def dedloc_spec(max_steps: int, target_accuracy: float = 0.99, **fields) -> dict:
+    return {
+        "name": "dedloc-test", "mode": "dedloc", "seed": 3,
+        "model": {"name": "cnn1d", "options": {"channels": 16, "kernel_size": 5, "layers": 2}},
+        "dataset": {"source": "builtin:mnist1d", "subsets": 4},
+        "stop": {"target_accuracy": target_accuracy, "max_steps": max_steps},
+        "dedloc": {"target_batch_size": 96, "micro_batch_size": 16, "optimizer": "sgd", "lr": 0.05,
+                   "momentum": 0.9, "matchmaking_timeout": 4, "averaging_timeout": 20, "report_interval": 0.2,
+                   **fields},
+    }
+
+
+def submit(cluster: Cluster, spec: dict) -> int:
+    with cluster.admin() as http:
+        resp = http.post("/v1/jobs", json=spec)
+        assert resp.status_code == 201, resp.text
+        return resp.json()["job_id"]
+
+
+def start_peer(cluster: Cluster, job_id: int, name: str, *extra: str) -> Service:
+    argv = crowdtrain_argv("peer", "--server", cluster.url, "--join-token", cluster.join_token, "--job", str(job_id),
+                           "--name", name, "--threads", "1",
+                           "--trace", str(cluster.var_dir / f"{name}.trace"), *extra)
+    svc = Service(name, argv, cluster.env, cluster.var_dir / "logs" / f"{name}.log").start()
+    cluster.clients.append(svc)
+    return svc
+
+
+def wait_finished(cluster: Cluster, job_id: int, peers: list[Service], timeout: float = JOB_TIMEOUT) -> dict:
+    deadline = time.monotonic() + timeout
+    with cluster.admin() as http:
+        while time.monotonic() < deadline:
+            st = http.get(f"/v1/jobs/{job_id}").json()
+            if st["status"] in ("succeeded", "failed", "cancelled"):
+                return st
+            assert any(p.alive for p in peers), "every peer exited:\n" + "\n".join(p.tail() for p in peers)
+            time.sleep(0.5)
+    pytest.fail(f"job {job_id} did not finish within {timeout}s: {st}\n" + "\n".join(p.tail(15) for p in peers))
+
+
+def traces(cluster: Cluster) -> list[dict]:
+    return [json.loads(line) for f in sorted(cluster.var_dir.glob("*.trace")) for line in f.read_text().splitlines()]
+
+
+def stored_state(cluster: Cluster, job_id: int, step: int) -> dict[str, np.ndarray]:
+    blob = (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors").read_bytes()
+    return {k: v for k, v in decode(blob).items() if not k.startswith("__")}
+
+
+def digests_per_step(cluster: Cluster, job_id: int, steps: range) -> dict[int, dict[str, str]]:
+    with cluster.admin() as http:
+        return {s: http.get(f"/v1/dedloc/jobs/{job_id}/digests/{s}").json() for s in steps}
+
+
+def commits(cluster: Cluster, job_id: int) -> dict[int, dict]:
+    with cluster.admin() as http:
+        return {int(k): v for k, v in http.get(f"/v1/dedloc/jobs/{job_id}/commits").json().items()}
+
+
+def single_process_reference(cluster: Cluster, job_id: int, spec: dict, batches: list[list[int]]) -> list[dict]:
+    """Plain large-batch SGD from the same initial parameters on the same global batches."""
+    data = load_dataset(spec["dataset"]["source"])
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    m = spec["model"]
+    model = build_model(m["name"], data.input_shape, data.num_classes, **m["options"])
+    load_numpy_state(model, stored_state(cluster, job_id, 0))
+    d = spec["dedloc"]
+    opt = torch.optim.SGD(model.parameters(), lr=d["lr"], momentum=d["momentum"])
+    out = []
+    for step, idx in enumerate(batches):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        for g in opt.param_groups:
+            g["lr"] = dedloc.learning_rate(step, d["lr"], "constant", 0, spec["stop"]["max_steps"])
+        opt.step()
+        out.append(state_to_numpy(model))
+    return out
+
+
+def relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-12)) for k in b)
+
+
+def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(make_cluster) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    spec = dedloc_spec(max_steps=5)
+    job_id = submit(cluster, spec)
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
+                        "--examples-per-step", "32") for i in range(3)]
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed" and "max_steps=5" in st["status_message"], st
+
+    done = commits(cluster, job_id)
+    assert sorted(done) == [0, 1, 2, 3, 4]
+    lines = traces(cluster)
+    batches = []
+    for step in range(5):
+        mine = [t for t in lines if t["step"] == step]
+        assert len(mine) == 3 and all(t["attempt"] == done[step]["attempt"] for t in mine)
+        idx = sorted(i for t in mine for i in t["indices"])
+        assert len(idx) == 96 and len(set(idx)) == 96  # disjoint contributions of 32 examples each
+        batches.append(idx)
+
+    reference = single_process_reference(cluster, job_id, spec, batches)
+    for step in range(1, 6):
+        err = relative_error(stored_state(cluster, job_id, step), reference[step - 1])
+        assert err <= 1e-5, f"step {step}: relative error {err:.3g} against single-process SGD"
+
+    seen = digests_per_step(cluster, job_id, range(1, 6))
+    for step, by_peer in seen.items():
+        assert len(by_peer) == 3 and len(set(by_peer.values())) == 1, (step, by_peer)
+        assert set(by_peer.values()) == {dedloc.digest(stored_state(cluster, job_id, step))}
