@@ -124,13 +124,14 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
     def answer(action: str, **kw) -> ProgressReply:
         return ProgressReply(action=action, step=rnd.step, state_step=rnd.state_step, **kw)
 
-    if rnd.finished or not view.running:
-        return answer("stop", message="the job has finished")
+    # A committed step is applied by each of its members, even when it was the job's last.
     if 0 <= req.step < rnd.step and req.attempt is not None:
         commit = dedloc.commit_of(r, view.id, req.step)
         if commit and commit["attempt"] == req.attempt and req.peer_id in commit["members"]:
             last = req.step + 1 >= view.max_steps  # every member uploads the final state: it ends the job
             return answer("apply", upload_state=last or commit["uploader"] == req.peer_id)
+    if rnd.finished or not view.running:
+        return answer("stop", message="the job has finished")
     if req.step != rnd.step:
         return answer("resync", message=f"the collaboration is at step {rnd.step}")
     dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)

@@ -102,17 +102,24 @@ def relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-12)) for k in b)
 
 
-def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(make_cluster) -> None:
+@pytest.mark.parametrize(("max_group_size", "relayed"), [
+    (16, ()),  # one Gloo group of 3
+    (2, (2,)),  # a Gloo group of 2 plus a relayed peer, combined by the scheduler
+    (1, (0,)),  # three parts: two single-peer groups and a relayed peer
+], ids=["one-group", "group-and-relayed", "three-parts"])
+def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(make_cluster, max_group_size: int,
+                                                                               relayed: tuple[int, ...]) -> None:
     cluster = make_cluster(assimilator_concurrency=1)
-    spec = dedloc_spec(max_steps=5)
+    spec = dedloc_spec(max_steps=5, max_group_size=max_group_size)
     job_id = submit(cluster, spec)
     peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
-                        "--examples-per-step", "32") for i in range(3)]
+                        "--examples-per-step", "32", *(["--relayed"] if i in relayed else [])) for i in range(3)]
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed" and "max_steps=5" in st["status_message"], st
 
     done = commits(cluster, job_id)
     assert sorted(done) == [0, 1, 2, 3, 4]
+    assert all(len(c["members"]) == 3 for c in done.values())
     lines = traces(cluster)
     batches = []
     for step in range(5):
