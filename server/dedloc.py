@@ -131,7 +131,10 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
                     if k.decode() in live}
         if dedloc.step_is_full(reported, spec.target_batch_size):
             rnd.phase, rnd.attempt, rnd.ready = "matchmaking", 0, {}
-            rnd.candidates = dedloc.round_members(reported)
+            # Every live peer is awaited (up to matchmaking_timeout), also one still applying the last
+            # step or loading the state: otherwise a fast peer could close steps alone and leave the
+            # others chasing the collaboration.
+            rnd.candidates = sorted(live)
             rnd.deadline = now + spec.matchmaking_timeout
             log.info("job %s: step %d closed with %d examples from %s", job_id, rnd.step, sum(reported.values()),
                      rnd.candidates)

@@ -138,7 +138,9 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
     if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
         r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
-    if rnd.phase == "matchmaking" and req.peer_id in rnd.candidates and req.examples > 0:
+    if rnd.phase == "matchmaking" and req.examples > 0:
+        if req.peer_id not in rnd.candidates:
+            rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
         rnd.ready[req.peer_id] = req.examples
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
     if rnd.phase == "reducing" and req.peer_id in rnd.members:

@@ -26,8 +26,8 @@ def dedloc_spec(max_steps: int, target_accuracy: float = 0.99, **fields) -> dict
         "dataset": {"source": "builtin:mnist1d", "subsets": 4},
         "stop": {"target_accuracy": target_accuracy, "max_steps": max_steps},
         "dedloc": {"target_batch_size": 96, "micro_batch_size": 16, "optimizer": "sgd", "lr": 0.05,
-                   "momentum": 0.9, "matchmaking_timeout": 4, "averaging_timeout": 20, "report_interval": 0.2,
-                   **fields},
+                   "momentum": 0.9, "matchmaking_timeout": 4, "averaging_timeout": 20, "report_interval": 0.2}
+        | fields,
     }
 
 
@@ -138,3 +138,62 @@ def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(m
     for step, by_peer in seen.items():
         assert len(by_peer) == 3 and len(set(by_peer.values())) == 1, (step, by_peer)
         assert set(by_peer.values()) == {dedloc.digest(stored_state(cluster, job_id, step))}
+
+
+def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> None:
+    """Every peer that reported parameters at a step holds the uploaded state of that step."""
+    for step, by_peer in digests_per_step(cluster, job_id, steps).items():
+        stored = (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors")
+        assert by_peer, f"no peer reported parameters at step {step}"
+        assert len(set(by_peer.values())) == 1, f"step {step}: peers differ: {by_peer}"
+        if stored.exists():
+            assert set(by_peer.values()) == {dedloc.digest(stored_state(cluster, job_id, step))}
+
+
+def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it(make_cluster) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, dedloc_spec(max_steps=6, target_batch_size=480))
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
+                        *(["--kill-at", "2:0"] if i == 2 else [])) for i in range(3)]
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed" and "max_steps=6" in st["status_message"], st
+
+    assert peers[2].proc.poll() == -9, peers[2].tail()
+    done = commits(cluster, job_id)
+    assert sorted(done) == list(range(6))
+    assert all(len(done[s]["members"]) == 3 for s in (0, 1)), done
+    assert done[2]["attempt"] >= 1 and len(done[2]["members"]) == 2, done[2]
+    assert all(len(done[s]["members"]) == 2 for s in range(2, 6))
+    # Nobody stepped on the aborted attempt: the survivors applied step 2 once, from the retry.
+    applied = [(t["step"], t["attempt"]) for t in traces(cluster) if t["step"] == 2]
+    assert applied == [(2, done[2]["attempt"])] * 2, applied
+    assert_one_collaboration(cluster, job_id, range(1, 7))
+
+
+def test_a_peer_that_joins_late_starts_from_the_current_state(make_cluster) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, dedloc_spec(max_steps=12, target_batch_size=4800, micro_batch_size=32))
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3") for i in range(2)]
+    deadline = time.monotonic() + 120
+    while 2 not in commits(cluster, job_id):
+        assert time.monotonic() < deadline, "step 2 was never committed"
+        time.sleep(0.2)
+    peers.append(start_peer(cluster, job_id, "peer-late", "--data-rank", "2", "--data-world", "3"))
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed", st
+
+    late = [t for t in traces(cluster) if t["peer"] in late_peer_ids(cluster)]
+    assert late, "the late peer never applied a step"
+    first = late[0]
+    assert first["step"] >= 3
+    # It started from the stored state of the step it joined (parameters and momentum): its digest
+    # before its first step is the state's, and after it, everyone's.
+    assert first["before"] == dedloc.digest(stored_state(cluster, job_id, first["step"]))
+    done = commits(cluster, job_id)
+    assert all(len(done[s]["members"]) == 3 for s in range(first["step"], 12)), done
+    assert_one_collaboration(cluster, job_id, range(1, 13))
+
+
+def late_peer_ids(cluster: Cluster) -> set[str]:
+    log = (cluster.var_dir / "logs" / "peer-late.log").read_text()
+    return {line.split("peer ", 1)[1].split(" ", 1)[0] for line in log.splitlines() if "joined job" in line}

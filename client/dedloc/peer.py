@@ -64,6 +64,7 @@ class DedlocPeer:
         self.reduced: tuple[int, int, torch.Tensor] | None = None  # (step, attempt, average) awaiting commit
         self.frozen = False  # `reported` is promised to a round: no fresh examples move into it
         self._digest: tuple[int, str] | None = None
+        self.grads_step = -1  # the step whose parameters the oldest accumulated gradient was computed at
 
     # -- set-up -----------------------------------------------------------------------------------
     def join(self) -> PeerJoined:
@@ -98,7 +99,12 @@ class DedlocPeer:
         if step == self.step:
             return
         load_state(self.model, self.opt, blob)
-        log.info("peer %s: loaded the state of step %d (was at %d)", self.api.peer_id, step, self.step)
+        stale = self.reported.examples + self.fresh.examples and step > self.grads_step + 1
+        if stale:  # gradients of parameters more than one step old would pull the model back
+            self.reported.clear()
+            self.fresh.clear()
+        log.info("peer %s: loaded the state of step %d (was at %d)%s", self.api.peer_id, step, self.step,
+                 "; dropped gradients more than one step old" if stale else "")
         self.step, self.reduced, self._digest = step, None, None
 
     # -- training ---------------------------------------------------------------------------------
@@ -120,6 +126,8 @@ class DedlocPeer:
         return max(0, budget)
 
     def compute_micro_batch(self, count: int) -> None:
+        if self.reported.examples + self.fresh.examples == 0:
+            self.grads_step = self.step
         idx = self._next_indices(count)
         self.model.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(self.model(self.x[idx]), self.y[idx], reduction="sum")
