@@ -60,6 +60,8 @@ class ProgressReply(BaseModel):
     state_step: int
     round: RoundPlanOut | None = None
     upload_state: bool = Field(False, description="With `apply`: this peer uploads the state after the step")
+    accumulated: int = Field(0, description="Examples the live peers have reported for `step` so far")
+    peers: int = Field(1, description="Live peers: a peer reports as soon as it holds its share of the batch")
     message: str = ""
 
 

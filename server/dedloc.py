@@ -115,7 +115,7 @@ def touch(r: redis.Redis, job_id: int, peer_id: str, host_id: int) -> Peer:
     return peer
 
 
-def _live(r: redis.Redis, job_id: int, spec: DedlocSpec) -> dict[str, Peer]:
+def live_peers(r: redis.Redis, job_id: int, spec: DedlocSpec) -> dict[str, Peer]:
     horizon = time.time() - liveness_window(spec)
     return {p: v for p, v in peers(r, job_id).items() if v.last_seen >= horizon}
 
@@ -126,7 +126,7 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
     if rnd.finished:
         return rnd
     if rnd.phase == "accumulating" and rnd.step < max_steps and rnd.state_step >= rnd.step:
-        live = _live(r, job_id, spec)
+        live = live_peers(r, job_id, spec)
         reported = {k.decode(): int(v) for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
                     if k.decode() in live}
         if dedloc.step_is_full(reported, spec.target_batch_size):

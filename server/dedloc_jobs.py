@@ -149,7 +149,10 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         return answer("reduce", round=_plan_for(rnd, req.peer_id, view.spec))
     if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
         return answer("matchmaking")
-    return answer("accumulate")
+    live = dedloc.live_peers(r, view.id, view.spec)
+    reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
+    return answer("accumulate", accumulated=sum(int(v) for k, v in reported.items() if k.decode() in live),
+                  peers=max(1, len(live)))
 
 
 def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,

@@ -182,7 +182,7 @@ def test_a_peer_that_joins_late_starts_from_the_current_state(make_cluster) -> N
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed", st
 
-    late = [t for t in traces(cluster) if t["peer"] in late_peer_ids(cluster)]
+    late = [t for t in traces(cluster) if t["peer"] in peer_ids(cluster, "peer-late")]
     assert late, "the late peer never applied a step"
     first = late[0]
     assert first["step"] >= 3
@@ -194,6 +194,32 @@ def test_a_peer_that_joins_late_starts_from_the_current_state(make_cluster) -> N
     assert_one_collaboration(cluster, job_id, range(1, 13))
 
 
-def late_peer_ids(cluster: Cluster) -> set[str]:
-    log = (cluster.var_dir / "logs" / "peer-late.log").read_text()
+def peer_ids(cluster: Cluster, name: str) -> set[str]:
+    """The peer id(s) the process `name` joined as, from its log."""
+    log = (cluster.var_dir / "logs" / f"{name}.log").read_text()
     return {line.split("peer ", 1)[1].split(" ", 1)[0] for line in log.splitlines() if "joined job" in line}
+
+
+def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(make_cluster) -> None:
+    from crowdtrain.jobspec import load_job_spec
+
+    spec = load_job_spec(Path(__file__).parents[1] / "examples" / "mnist1d-dedloc.yaml")
+    assert spec.stop.target_accuracy == 0.90  # the target of examples/mnist1d-cnn.yaml (VC-ASGD)
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, spec.model_dump(mode="json"))
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
+                        *(["--relayed"] if i == 2 else [])) for i in range(3)]
+    st = wait_finished(cluster, job_id, peers, timeout=600)
+    assert st["status"] == "succeeded", st
+    assert st["final_accuracy"] >= 0.90
+    steps = st["param_version"]
+    with cluster.admin() as http:
+        full = http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json()
+        model = http.get(f"/v1/jobs/{job_id}/model")
+    assert model.status_code == 200 and dedloc.digest(decode(model.content)) == dedloc.digest(
+        stored_state(cluster, job_id, steps))
+    assert max(m["val_accuracy"] for m in full["metrics"]) >= 0.90
+    relayed = peer_ids(cluster, "peer-2")
+    relayed_in = [c for c in commits(cluster, job_id).values() if relayed & set(c["members"])]
+    assert relayed_in, "the relayed peer never took part in a step"
+    assert_one_collaboration(cluster, job_id, range(1, steps + 1))

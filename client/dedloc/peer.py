@@ -65,6 +65,8 @@ class DedlocPeer:
         self.frozen = False  # `reported` is promised to a round: no fresh examples move into it
         self._digest: tuple[int, str] | None = None
         self.grads_step = -1  # the step whose parameters the oldest accumulated gradient was computed at
+        self.others = 0  # examples the other peers had reported for this step, as last heard
+        self.share = 1  # report at once on holding this many unreported examples (target / live peers)
 
     # -- set-up -----------------------------------------------------------------------------------
     def join(self) -> PeerJoined:
@@ -105,7 +107,7 @@ class DedlocPeer:
             self.fresh.clear()
         log.info("peer %s: loaded the state of step %d (was at %d)%s", self.api.peer_id, step, self.step,
                  "; dropped gradients more than one step old" if stale else "")
-        self.step, self.reduced, self._digest = step, None, None
+        self.step, self.reduced, self._digest, self.others = step, None, None, 0
 
     # -- training ---------------------------------------------------------------------------------
     def _next_indices(self, count: int) -> list[int]:
@@ -120,6 +122,8 @@ class DedlocPeer:
         return out
 
     def _wants_examples(self) -> int:
+        if self.others + self.reported.examples + self.fresh.examples >= self.spec["target_batch_size"]:
+            return 0  # the step will close with what the collaboration has: don't overshoot the batch
         budget = self.spec["micro_batch_size"]
         if self.o.examples_per_step is not None:
             budget = min(budget, self.o.examples_per_step - self.reported.examples - self.fresh.examples)
@@ -154,8 +158,8 @@ class DedlocPeer:
             interval = self.spec["report_interval"]
             idle = self.frozen or not self._wants_examples()
             if idle:
-                interval = min(interval, ROUND_POLL if self.frozen else 0.25)
-            if time.monotonic() - last_poll < interval:
+                interval = min(interval, ROUND_POLL if self.frozen or self.fresh.examples else 0.25)
+            if time.monotonic() - last_poll < interval and self.fresh.examples < self.share:
                 if idle:
                     time.sleep(ROUND_POLL / 2)
                 continue
@@ -182,6 +186,8 @@ class DedlocPeer:
             self.sync_state()
         elif reply.action == "accumulate":
             self.frozen, self.reduced = False, None
+            self.others = max(0, reply.accumulated - self.reported.examples)
+            self.share = max(1, self.spec["target_batch_size"] // reply.peers)
         elif reply.action == "matchmaking":
             self.frozen, self.reduced = True, None
         elif reply.action == "reduce":
@@ -250,7 +256,7 @@ class DedlocPeer:
         self.opt.step()
         contributed = self.reported.indices
         self.reported.clear()
-        self.step, self.reduced, self.frozen = step + 1, None, False
+        self.step, self.reduced, self.frozen, self.others = step + 1, None, False, 0
         self._digest = None
         after = self.params_digest()
         log.info("peer %s: applied step %d (attempt %d, %d own examples, lr %.5f)", self.api.peer_id, step, attempt,
