@@ -169,7 +169,7 @@ def abort(rnd: Round, spec: DedlocSpec, reason: str, job_id: int) -> None:
     rnd.deadline = time.time() + spec.matchmaking_timeout
 
 
-def record_done(r: redis.Redis, job_id: int, rnd: Round, peer_id: str, step: int, attempt: int,
+def record_done(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, peer_id: str, step: int, attempt: int,
                 result_digest: str) -> dict | None:
     """A member finished its reduction; returns the commit record when this completes the round."""
     if rnd.phase != "reducing" or rnd.step != step or rnd.attempt != attempt:
@@ -182,7 +182,7 @@ def record_done(r: redis.Redis, job_id: int, rnd: Round, peer_id: str, step: int
         return None
     if len(set(rnd.done.values())) != 1:
         # Members disagree on the averaged gradient: applying it would fork the collaboration.
-        abort(rnd, DedlocSpec(target_batch_size=1), f"members' results differ: {rnd.done}", job_id)
+        abort(rnd, spec, f"members' results differ: {rnd.done}", job_id)
         return None
     commit = {"step": step, "attempt": attempt, "members": rnd.members, "examples": rnd.examples,
               "digest": result_digest, "uploader": rnd.members[0], "at": time.time()}

@@ -167,7 +167,7 @@ def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int,
         rnd = dedloc.load(r, job_id)
         try:
             if ok:
-                commit = dedloc.record_done(r, job_id, rnd, peer_id, step, attempt, result_digest)
+                commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
             else:
                 dedloc.check_member(rnd, peer_id, step, attempt)
                 dedloc.abort(rnd, view.spec, f"{peer_id} failed: {message}", job_id)
