@@ -322,15 +322,21 @@ def simulate(
 def demo(
     var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
         "var/demo"),
-    spec: Annotated[Path, typer.Option(help="Job spec to run")] = Path("examples/mnist1d-cnn.yaml"),
-    clients: Annotated[int, typer.Option(min=1)] = 3,
+    spec: Annotated[Path | None, typer.Option(help="Job spec to run (default: examples/mnist1d-cnn.yaml, "
+                                                   "or examples/mnist1d-dedloc.yaml with --mode dedloc)")] = None,
+    clients: Annotated[int, typer.Option(min=1, help="Clients, or peers with --mode dedloc")] = 3,
     tasks: Annotated[int, typer.Option(min=1)] = 2,
     parameter_servers: Annotated[int, typer.Option(min=1)] = 2,
+    mode: Annotated[str, typer.Option(help="vc-asgd, or dedloc: synchronous peers (the last one relayed)")] = "vc-asgd",
 ) -> None:
     """Run the whole system locally on the embedded defaults and train the example job to its target."""
-    from crowdtrain.demo import run_demo
+    from crowdtrain.demo import run_dedloc_demo, run_demo
 
-    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers))
+    if mode not in ("vc-asgd", "dedloc"):
+        raise typer.BadParameter(f"must be vc-asgd or dedloc, not {mode!r}", param_hint="--mode")
+    if mode == "dedloc":
+        raise typer.Exit(run_dedloc_demo(var_dir, spec or Path("examples/mnist1d-dedloc.yaml"), clients))
+    raise typer.Exit(run_demo(var_dir, spec or Path("examples/mnist1d-cnn.yaml"), clients, tasks, parameter_servers))
 
 
 # --- spot fleets -------------------------------------------------------------------------------
