@@ -125,7 +125,9 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
     now = time.time()
     if rnd.finished:
         return rnd
-    if rnd.phase == "accumulating" and rnd.step < max_steps and rnd.state_step >= rnd.step:
+    # Closing does not wait for the state upload of the last step: if its uploader died, the next
+    # step's members upload a newer one, and newcomers sync to that.
+    if rnd.phase == "accumulating" and rnd.step < max_steps:
         live = live_peers(r, job_id, spec)
         reported = {k.decode(): int(v) for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
                     if k.decode() in live}
