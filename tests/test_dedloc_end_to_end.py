@@ -223,3 +223,14 @@ def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(m
     relayed_in = [c for c in commits(cluster, job_id).values() if relayed & set(c["members"])]
     assert relayed_in, "the relayed peer never took part in a step"
     assert_one_collaboration(cluster, job_id, range(1, steps + 1))
+
+
+def test_the_dedloc_demo_trains_three_peers_one_relayed_to_the_target(tmp_path) -> None:
+    import subprocess
+
+    result = subprocess.run(crowdtrain_argv("demo", "--mode", "dedloc", "--var-dir", str(tmp_path / "demo")),
+                            capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "succeeded" in result.stdout and "3 peers, 1 distinct digest(s)" in result.stdout
+    relayed_log = (tmp_path / "demo" / "logs" / "peer-3.log").read_text()
+    assert "(relayed)" in relayed_log and "applied step" in relayed_log

@@ -136,6 +136,7 @@ def _round_doc(cluster: Cluster, job_id: int) -> bytes:
     return redis.Redis.from_url(cluster.redis_url).get(keys.dedloc_round(job_id))
 
 
+@pytest.mark.integration
 def test_a_dedloc_spec_without_its_section_is_refused_and_nothing_stored(api) -> None:
     cluster, *_ = api
     with cluster.admin() as http:
@@ -145,6 +146,7 @@ def test_a_dedloc_spec_without_its_section_is_refused_and_nothing_stored(api) ->
         assert http.get("/v1/jobs").json() == before
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("who", "path", "body", "status", "message"), [
     ("mallory", "progress", {"step": 0, "examples": 5}, 403, "belongs to another host"),
     ("alice", "progress", {"step": 0, "examples": -5}, 422, "examples"),
@@ -160,6 +162,7 @@ def test_bad_requests_are_refused_and_change_nothing(api, who, path, body, statu
     assert _round_doc(cluster, job_id) == before
 
 
+@pytest.mark.integration
 def test_join_names_a_missing_job_or_the_wrong_mode(api) -> None:
     cluster, job_id, vc_job, hosts, _ = api
     assert hosts["alice"].post("/v1/dedloc/jobs/999/join", json={}).status_code == 404
@@ -168,6 +171,7 @@ def test_join_names_a_missing_job_or_the_wrong_mode(api) -> None:
     assert httpx.post(f"{cluster.url}/v1/dedloc/jobs/{job_id}/join", json={}).status_code == 401
 
 
+@pytest.mark.integration
 def test_parts_and_states_only_from_members(api) -> None:
     cluster, job_id, _, hosts, peer = api
     blob = encode({"g": np.zeros(4, np.float32)})
