@@ -2,7 +2,7 @@
 
 One job's round lives in Redis as one JSON document (`keys.dedloc_round`) that moves through
 
-    accumulating --(reports reach target_batch_size)--> matchmaking
+    accumulating --(live peers' reports reach target_batch_size)--> matchmaking (every live peer awaited)
     matchmaking  --(every candidate ready, or matchmaking_timeout)--> reducing (members fixed)
     reducing     --(every member reported the same result digest)--> accumulating at step + 1 (committed)
     reducing     --(a member failed, or averaging_timeout)--> matchmaking, attempt + 1 (aborted)
@@ -87,7 +87,7 @@ def load(r: redis.Redis, job_id: int) -> Round | None:
     return None if raw is None else Round(**json.loads(raw))
 
 
-def _save(r: redis.Redis, job_id: int, rnd: Round) -> None:
+def save(r: redis.Redis, job_id: int, rnd: Round) -> None:
     r.set(keys.dedloc_round(job_id), json.dumps(asdict(rnd)))
 
 

@@ -116,7 +116,7 @@ def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: in
             r.hset(keys.dedloc_digests(job_id, req.step), req.peer_id, req.params_digest)
             r.expire(keys.dedloc_digests(job_id, req.step), 24 * 3600)
         reply = _next_action(r, view, rnd, req)
-        dedloc._save(r, job_id, rnd)
+        dedloc.save(r, job_id, rnd)
     return reply
 
 
@@ -176,7 +176,7 @@ def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int,
             raise DedlocProblem(409, str(exc)) from None
         except NotAMember as exc:
             raise DedlocProblem(403, str(exc)) from None
-        dedloc._save(r, job_id, rnd)
+        dedloc.save(r, job_id, rnd)
     if commit is not None:
         with db.begin() as s:
             job = s.get_one(Job, job_id)
@@ -320,7 +320,7 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
     with dedloc.lock(r, job_id):
         rnd = dedloc.load(r, job_id)
         rnd.state_step = max(rnd.state_step, step)
-        dedloc._save(r, job_id, rnd)
+        dedloc.save(r, job_id, rnd)
     x, y = decode_shard(storage.get(view.validation_key))
     loss, accuracy = evaluate(job_id, view.model_config, params, x, y)
     log.info("job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f", job_id, step,
@@ -348,7 +348,7 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
         with dedloc.lock(r, job_id):
             rnd = dedloc.load(r, job_id)
             rnd.finished = True
-            dedloc._save(r, job_id, rnd)
+            dedloc.save(r, job_id, rnd)
         log.info("job %s %s: %s", job_id, outcome[0].value, outcome[1])
     return "stored"
 
