@@ -53,6 +53,11 @@ def wait_finished(cluster: Cluster, job_id: int, peers: list[Service], timeout: 
         while time.monotonic() < deadline:
             st = http.get(f"/v1/jobs/{job_id}").json()
             if st["status"] in ("succeeded", "failed", "cancelled"):
+                # The job ends with the first upload of its final state; the other members still
+                # apply that step (and write its trace line) before they learn that it has ended.
+                for p in peers:
+                    if p.alive:
+                        p.proc.wait(timeout=120)
                 return st
             assert any(p.alive for p in peers), "every peer exited:\n" + "\n".join(p.tail() for p in peers)
             time.sleep(0.5)
