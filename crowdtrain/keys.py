@@ -88,3 +88,8 @@ def dedloc_total(job_id: int, step: int, attempt: int) -> str:
 def dedloc_state_claim(job_id: int, step: int) -> str:
     """SET NX by the first upload of the state of `step`: later uploads change nothing."""
     return f"{PREFIX}:job:{job_id}:dedloc:state-claim:{step}"
+
+
+def dedloc_aborts(job_id: int) -> str:
+    """Hash "step:attempt" -> JSON {members, reason}: every aborted attempt, for the operator."""
+    return f"{PREFIX}:job:{job_id}:dedloc:aborts"

@@ -157,12 +157,14 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
                      rnd.attempt, rnd.total, rnd.groups, rnd.relayed, f", without {dropped}" if dropped else "")
     if rnd.phase == "reducing" and now > rnd.deadline:
         missing = sorted(set(rnd.members) - set(rnd.done))
-        abort(rnd, spec, f"averaging timed out waiting for {missing}", job_id)
+        abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}")
     return rnd
 
 
-def abort(rnd: Round, spec: DedlocSpec, reason: str, job_id: int) -> None:
+def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str) -> None:
     """Abort the running attempt for every member; its members are the candidates of the retry."""
+    r.hset(keys.dedloc_aborts(job_id), f"{rnd.step}:{rnd.attempt}",
+           json.dumps({"members": rnd.members, "reason": reason[:500], "at": time.time()}))
     log.warning("job %s: step %d attempt %d aborted (%s); retrying without the peers that do not answer",
                 job_id, rnd.step, rnd.attempt, reason)
     rnd.candidates, rnd.ready, rnd.done = list(rnd.members), {}, {}
@@ -184,7 +186,7 @@ def record_done(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, peer_
         return None
     if len(set(rnd.done.values())) != 1:
         # Members disagree on the averaged gradient: applying it would fork the collaboration.
-        abort(rnd, spec, f"members' results differ: {rnd.done}", job_id)
+        abort(r, job_id, rnd, spec, f"members' results differ: {rnd.done}")
         return None
     commit = {"step": step, "attempt": attempt, "members": rnd.members, "examples": rnd.examples,
               "digest": result_digest, "uploader": rnd.members[0], "at": time.time()}

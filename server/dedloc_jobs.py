@@ -170,7 +170,7 @@ def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int,
                 commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
             else:
                 dedloc.check_member(rnd, peer_id, step, attempt)
-                dedloc.abort(rnd, view.spec, f"{peer_id} failed: {message}", job_id)
+                dedloc.abort(r, job_id, rnd, view.spec, f"{peer_id} failed: {message}")
                 commit = None
         except RoundGone as exc:
             raise DedlocProblem(409, str(exc)) from None
@@ -362,6 +362,10 @@ def latest_state(r: redis.Redis, storage: Storage, job_id: int) -> tuple[int, by
 
 def digests(r: redis.Redis, job_id: int, step: int) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in r.hgetall(keys.dedloc_digests(job_id, step)).items()}
+
+
+def aborts(r: redis.Redis, job_id: int) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.dedloc_aborts(job_id)).items()}
 
 
 def commits(r: redis.Redis, job_id: int) -> dict[int, dict]:

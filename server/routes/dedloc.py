@@ -117,3 +117,9 @@ def digests(job_id: int, step: int, r: RedisDep) -> dict[str, str]:
 def commits(job_id: int, r: RedisDep) -> dict[int, dict]:
     """Step -> how it was committed (attempt, members, examples, result digest)."""
     return svc.commits(r, job_id)
+
+
+@admin_router.get("/aborts", response_model=dict[str, dict])
+def aborts(job_id: int, r: RedisDep) -> dict[str, dict]:
+    """"step:attempt" -> the members of each aborted attempt and why it was aborted."""
+    return svc.aborts(r, job_id)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import redis
 
+from crowdtrain import keys
 from crowdtrain.jobspec import DedlocSpec, load_job_spec
 from crowdtrain.launch import Cluster
 from crowdtrain.tensors import encode
@@ -72,6 +73,7 @@ def test_a_failed_attempt_is_retried_without_the_peer_that_does_not_come_back(pr
     time.sleep(SPEC.averaging_timeout + 0.1)  # c never reports: the attempt times out for everyone
     dedloc.advance(r, 1, rnd, SPEC, 10)
     assert rnd.phase == "matchmaking" and rnd.attempt == 1 and rnd.done == {}
+    assert r.hexists(keys.dedloc_aborts(1), "0:0")
     with pytest.raises(dedloc.RoundGone):
         dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d1")  # a late report of the aborted attempt changes nothing
     assert dedloc.commit_of(r, 1, 0) is None
