@@ -102,3 +102,16 @@ def test_bad_dedloc_specs_say_what_is_wrong(change, message: str) -> None:
     with pytest.raises(ValidationError) as err:
         JobSpec.model_validate(data)
     assert message in str(err.value)
+
+
+def test_job_submit_refuses_a_bad_dedloc_spec_with_exit_code_2(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmode: dedloc\nmodel: {name: cnn1d}\ndataset: {source: builtin:mnist1d}\n"
+                   "stop: {target_accuracy: 0.9}\ndedloc: {target_batch_size: 64}\n")
+    result = subprocess.run([sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server",
+                             "http://127.0.0.1:9"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "needs stop.max_steps" in result.stderr
