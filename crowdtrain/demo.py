@@ -129,6 +129,11 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
                 cluster.start_peer(f"peer-{i + 1}", job_id, "--data-rank", str(i), "--data-world", str(peers),
                                    *relayed)
             st = _follow_steps(console, http, job_id, cluster)
+            # The job ends with the first upload of its final state; the other members still apply
+            # that step and report their parameters' digest before they learn that it has ended.
+            for peer in cluster.clients:
+                if peer.alive:
+                    peer.proc.wait(timeout=60)
             commits = http.get(f"/v1/dedloc/jobs/{job_id}/commits").json()
             digests = http.get(f"/v1/dedloc/jobs/{job_id}/digests/{st.param_version}").json()
         t = Table(title="crowdtrain dedloc demo summary", show_header=False)
