@@ -224,6 +224,41 @@ def _client_frameworks(option: str | None) -> list[str]:
     return chosen
 
 
+@app.command()
+def peer(
+    server: Annotated[str, typer.Option(help="Scheduler URL")],
+    join_token: Annotated[str, typer.Option(help="Join token from the project operator")],
+    job: Annotated[int, typer.Option(help="The dedloc job to train")],
+    name: Annotated[str, typer.Option(help="Host name shown to the operator")] = "dedloc-peer",
+    relayed: Annotated[bool, typer.Option(help="This peer cannot accept connections (NAT): the server "
+                                               "reduces for it")] = False,
+    data_rank: Annotated[int, typer.Option(min=0, help="Train on examples i with i % data_world == data_rank")] = 0,
+    data_world: Annotated[int, typer.Option(min=1)] = 1,
+    examples_per_step: Annotated[int | None, typer.Option(min=1, help="Contribute at most this many examples "
+                                                                     "per step")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Append one JSON line per applied step")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
+    kill_at: Annotated[str | None, typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT")] = None,
+) -> None:
+    """Run a peer of a synchronous DeDLOC job until the job finishes."""
+    import torch
+
+    from client.dedloc.api import PeerAPI
+    from client.dedloc.peer import DedlocPeer, PeerOptions
+
+    _logging()
+    if data_rank >= data_world:
+        raise typer.BadParameter(f"must be below --data-world ({data_world})", param_hint="--data-rank")
+    if threads:
+        torch.set_num_threads(threads)
+    api = PeerAPI(server)
+    api.register(join_token, name)
+    at = tuple(int(v) for v in kill_at.split(":")) if kill_at else None
+    options = PeerOptions(job_id=job, relayed=relayed, data_rank=data_rank, data_world=data_world,
+                          examples_per_step=examples_per_step, trace=trace, kill_at=at)
+    raise typer.Exit(DedlocPeer(api, options).run())
+
+
 def _admin(server: str, token: str | None):
     import httpx
 
@@ -376,15 +411,21 @@ def simulate(
 def demo(
     var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
         "var/demo"),
-    spec: Annotated[Path, typer.Option(help="Job spec to run")] = Path("examples/mnist1d-cnn.yaml"),
-    clients: Annotated[int, typer.Option(min=1)] = 3,
+    spec: Annotated[Path | None, typer.Option(help="Job spec to run (default: examples/mnist1d-cnn.yaml, "
+                                                   "or examples/mnist1d-dedloc.yaml with --mode dedloc)")] = None,
+    clients: Annotated[int, typer.Option(min=1, help="Clients, or peers with --mode dedloc")] = 3,
     tasks: Annotated[int, typer.Option(min=1)] = 2,
     parameter_servers: Annotated[int, typer.Option(min=1)] = 2,
+    mode: Annotated[str, typer.Option(help="vc-asgd, or dedloc: synchronous peers (the last one relayed)")] = "vc-asgd",
 ) -> None:
     """Run the whole system locally on the embedded defaults and train the example job to its target."""
-    from crowdtrain.demo import run_demo
+    from crowdtrain.demo import run_dedloc_demo, run_demo
 
-    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers))
+    if mode not in ("vc-asgd", "dedloc"):
+        raise typer.BadParameter(f"must be vc-asgd or dedloc, not {mode!r}", param_hint="--mode")
+    if mode == "dedloc":
+        raise typer.Exit(run_dedloc_demo(var_dir, spec or Path("examples/mnist1d-dedloc.yaml"), clients))
+    raise typer.Exit(run_demo(var_dir, spec or Path("examples/mnist1d-cnn.yaml"), clients, tasks, parameter_servers))
 
 
 # --- spot fleets -------------------------------------------------------------------------------

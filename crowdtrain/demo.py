@@ -98,3 +98,79 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
         return 130
     finally:
         cluster.stop()
+
+
+def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
+    """`crowdtrain demo --mode dedloc`: the scheduler and `peers` DeDLOC peers, the last one relayed
+    (it declares that it cannot accept connections, so the scheduler reduces for it)."""
+    console = Console()
+    spec = load_job_spec(spec_path)
+    if spec.mode != "dedloc":
+        console.print(f"[red]{spec_path} is a {spec.mode} job; --mode dedloc needs a dedloc spec")
+        return 2
+    if var_dir.exists():
+        shutil.rmtree(var_dir)
+    start = time.monotonic()
+    cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=1)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        console.print("starting Redis and the scheduler ...")
+        cluster.start()
+        with cluster.admin() as http:
+            resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+            if resp.status_code >= 400:
+                console.print(f"[red]job rejected: {resp.text}")
+                return 2
+            job_id = resp.json()["job_id"]
+            console.print(f"job {job_id} ({spec.name}): {peers} peers, target batch {spec.dedloc.target_batch_size}, "
+                          f"target accuracy {spec.stop.target_accuracy}")
+            for i in range(peers):
+                relayed = ["--relayed"] if i == peers - 1 else []
+                cluster.start_peer(f"peer-{i + 1}", job_id, "--data-rank", str(i), "--data-world", str(peers),
+                                   *relayed)
+            st = _follow_steps(console, http, job_id, cluster)
+            # The job ends with the first upload of its final state; the other members still apply
+            # that step and report their parameters' digest before they learn that it has ended.
+            for peer in cluster.clients:
+                if peer.alive:
+                    peer.proc.wait(timeout=60)
+            commits = http.get(f"/v1/dedloc/jobs/{job_id}/commits").json()
+            digests = http.get(f"/v1/dedloc/jobs/{job_id}/digests/{st.param_version}").json()
+        t = Table(title="crowdtrain dedloc demo summary", show_header=False)
+        sizes = [len(c["members"]) for c in commits.values()]
+        examples = [sum(c["examples"].values()) for c in commits.values()]
+        for k, v in [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
+                     ("global steps", str(st.param_version)),
+                     ("final accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
+                     ("members per step", f"min {min(sizes, default=0)}, max {max(sizes, default=0)}"),
+                     ("examples per step", f"min {min(examples, default=0)}, max {max(examples, default=0)}"),
+                     ("retried steps", str(sum(1 for c in commits.values() if c["attempt"] > 0))),
+                     ("peers' final parameters", f"{len(digests)} peers, {len(set(digests.values()))} distinct "
+                                                 "digest(s)"),
+                     ("wall time", f"{time.monotonic() - start:.1f}s")]:
+            t.add_row(k, v)
+        console.print(t)
+        console.print(f"logs: {var_dir / 'logs'}")
+        return 0 if st.status == "succeeded" else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping every process")
+        return 130
+    finally:
+        cluster.stop()
+
+
+def _follow_steps(console: Console, http, job_id: int, cluster: Cluster) -> JobStatusOut:
+    shown = 0
+    deadline = time.monotonic() + DEMO_TIMEOUT
+    while True:
+        st = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
+        for m in st.metrics[shown:]:
+            console.print(f"step {m.param_version:4d}  validation accuracy {m.val_accuracy:.4f}  "
+                          f"loss {m.val_loss:.4f}  t {m.t:6.1f}s")
+        shown = len(st.metrics)
+        if st.status in ("succeeded", "failed", "cancelled") or time.monotonic() > deadline:
+            return st
+        if not any(p.alive for p in cluster.clients):
+            console.print("[red]every peer has exited")
+            return st
+        time.sleep(1.0)

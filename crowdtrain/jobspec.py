@@ -65,6 +65,8 @@ class AssimilationSpec(_Strict):
 class StopSpec(_Strict):
     target_accuracy: float = Field(..., gt=0, le=1)
     max_epochs: int = Field(50, ge=1, le=100_000)
+    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="dedloc mode: stop after this many "
+                                                                       "global optimizer steps")
 
 
 class SchedulingSpec(_Strict):
@@ -75,9 +77,36 @@ class SchedulingSpec(_Strict):
     snapshot_every_seconds: float = Field(5.0, ge=0)
 
 
+class DedlocSpec(_Strict):
+    """Synchronous DeDLOC training: peers accumulate gradients until the collaboration has
+    `target_batch_size` examples, then all-reduce them and take one optimizer step together."""
+
+    target_batch_size: int = Field(..., ge=1, le=10_000_000, description="Examples per global step")
+    micro_batch_size: int = Field(32, ge=1, le=65536, description="Examples per local forward/backward")
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.1, gt=0, le=10, description="Peak learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Keyed to the global step; cosine "
+                                                                               "decays to 0 at stop.max_steps")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 over this many global steps")
+    matchmaking_timeout: float = Field(5.0, gt=0, le=600, description="Seconds to wait for a round's members")
+    averaging_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one all-reduce may take")
+    max_group_size: int = Field(16, ge=1, le=1024, description="Peers per all-reduce group; more peers form "
+                                                               "several groups whose sums are combined exactly")
+    report_interval: float = Field(1.0, gt=0, le=60, description="Seconds between a peer's progress reports")
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> "DedlocSpec":
+        if self.micro_batch_size > self.target_batch_size:
+            raise ValueError(f"dedloc.micro_batch_size ({self.micro_batch_size}) exceeds dedloc.target_batch_size "
+                             f"({self.target_batch_size})")
+        return self
+
+
 class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=200)
-    mode: Literal["vc-asgd"] = "vc-asgd"
+    mode: Literal["vc-asgd", "dedloc"] = "vc-asgd"
     framework: Literal["pytorch", "tensorflow"] = Field(
         "pytorch", description="The framework the job is written for; clients with another framework that "
                                "ports the zoo model may train it too (the parameter layout is shared)")
@@ -88,6 +117,27 @@ class JobSpec(_Strict):
     assimilation: AssimilationSpec = Field(default_factory=AssimilationSpec)
     stop: StopSpec
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    dedloc: DedlocSpec | None = Field(None, description="Required in dedloc mode, refused otherwise")
+
+    @model_validator(mode="after")
+    def _mode_sections(self) -> "JobSpec":
+        if self.mode == "dedloc":
+            if self.dedloc is None:
+                raise ValueError("mode 'dedloc' needs a 'dedloc' section (target_batch_size, ...)")
+            if self.stop.max_steps is None:
+                raise ValueError("mode 'dedloc' needs stop.max_steps")
+            if self.model.name == "resnet":
+                # BatchNorm running statistics are per-peer state that gradient averaging does not
+                # synchronise: peers' parameters would drift apart.
+                raise ValueError("mode 'dedloc' supports models without BatchNorm (mlp, cnn1d), not 'resnet'")
+            if self.framework != "pytorch":
+                raise ValueError("mode 'dedloc' peers train with PyTorch: use framework 'pytorch'")
+        else:
+            if self.dedloc is not None:
+                raise ValueError(f"a 'dedloc' section is only allowed with mode 'dedloc', not {self.mode!r}")
+            if self.stop.max_steps is not None:
+                raise ValueError("stop.max_steps applies to mode 'dedloc'; vc-asgd stops at stop.max_epochs")
+        return self
 
     @model_validator(mode="after")
     def _framework_runs_the_model(self) -> "JobSpec":

@@ -37,3 +37,59 @@ def snapshots(job_id: int) -> str:
 
 METRIC_COUNTERS = f"{PREFIX}:metrics:counters"  # hash: event name -> count, shared by every process
 MERGE_LATENCY = f"{PREFIX}:metrics:merge-latency"  # hash: histogram buckets, sum and count
+
+
+# Synchronous DeDLOC mode (server/dedloc.py): the rendezvous of one job's peers.
+def dedloc_lock(job_id: int) -> str:
+    """Lock held while a request moves the job's round from one phase to the next."""
+    return f"{PREFIX}:job:{job_id}:dedloc:lock"
+
+
+def dedloc_round(job_id: int) -> str:
+    """JSON: the step being accumulated and the phase of its round (see server.dedloc.Coordinator)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:round"
+
+
+def dedloc_peers(job_id: int) -> str:
+    """Hash peer id -> JSON {host_id, relayed, last_seen}."""
+    return f"{PREFIX}:job:{job_id}:dedloc:peers"
+
+
+def dedloc_progress(job_id: int, step: int) -> str:
+    """Hash peer id -> examples the peer has accumulated for `step`."""
+    return f"{PREFIX}:job:{job_id}:dedloc:progress:{step}"
+
+
+def dedloc_commits(job_id: int) -> str:
+    """Hash step -> JSON {attempt, members, digest}: how each step was committed."""
+    return f"{PREFIX}:job:{job_id}:dedloc:commits"
+
+
+def dedloc_digests(job_id: int, step: int) -> str:
+    """Hash peer id -> sha256 of the parameters the peer holds at the start of `step`."""
+    return f"{PREFIX}:job:{job_id}:dedloc:digests:{step}"
+
+
+def dedloc_store(job_id: int, step: int, attempt: int, group: int) -> str:
+    """Prefix of the rendezvous store of one all-reduce group (torch.distributed Store keys follow)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:store:{step}:{attempt}:{group}:"
+
+
+def dedloc_part(job_id: int, step: int, attempt: int, part: str) -> str:
+    """One part of a round's sum (a group's all-reduce result or a relayed peer's gradient)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:part:{step}:{attempt}:{part}"
+
+
+def dedloc_total(job_id: int, step: int, attempt: int) -> str:
+    """The combined sum of a round's parts, as every member downloads it."""
+    return f"{PREFIX}:job:{job_id}:dedloc:total:{step}:{attempt}"
+
+
+def dedloc_state_claim(job_id: int, step: int) -> str:
+    """SET NX by the first upload of the state of `step`: later uploads change nothing."""
+    return f"{PREFIX}:job:{job_id}:dedloc:state-claim:{step}"
+
+
+def dedloc_aborts(job_id: int) -> str:
+    """Hash "step:attempt" -> JSON {members, reason}: every aborted attempt, for the operator."""
+    return f"{PREFIX}:job:{job_id}:dedloc:aborts"

@@ -216,6 +216,14 @@ class Cluster:
         self.clients.append(svc)
         return svc
 
+    def start_peer(self, name: str, job_id: int, *extra: str) -> Service:
+        """A DeDLOC peer process (`crowdtrain peer`) for `job_id`."""
+        svc = Service(name, crowdtrain_argv("peer", "--server", self.url, "--join-token", self.join_token,
+                                            "--job", str(job_id), "--name", name, "--threads", "1", *extra),
+                      self.env, self.var_dir / "logs" / f"{name}.log").start()
+        self.clients.append(svc)
+        return svc
+
     def submit(self, spec: dict, timeout: float = 120) -> dict:
         """Submit a job spec through the admin API; raises with the scheduler's answer if refused."""
         with self.admin() as http:

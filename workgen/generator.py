@@ -79,8 +79,10 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         job.snapshot_at = job.started_at = utcnow()
         states.move(job, JobStatus.running)
         s.flush()
-        release_epoch(s, job, 1)
-    log.info("job %s (%s): %d shards, %d parameters, epoch 1 released", job_id, spec.name, len(slices), n_parameters)
+        if spec.mode == "vc-asgd":  # dedloc peers need no workunits: server.dedloc runs their rounds
+            release_epoch(s, job, 1)
+    log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(slices),
+             n_parameters)
     return PreparedJob(job_id, len(slices), n_parameters)
 
 

@@ -4,7 +4,7 @@ from fastapi.responses import Response
 
 from crowdtrain.jobspec import JobSpec
 from crowdtrain.schemas import JobCreated, JobStatusOut
-from server import jobs
+from server import dedloc_jobs, jobs
 from server.deps import AdminDep, DbDep, RedisDep, StorageDep
 from server.states import IllegalTransition, JobStatus
 from workgen.generator import submit_job
@@ -23,6 +23,8 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep) -> 
         prepared = await run_in_threadpool(submit_job, db, storage, r, spec)
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+    if spec.mode == "dedloc":
+        await run_in_threadpool(dedloc_jobs.open_job, r, storage, prepared.job_id)
     return JobCreated(job_id=prepared.job_id, status=JobStatus.running.value, shards=prepared.shards,
                       parameters=prepared.parameters)
 

@@ -1,0 +1,1 @@
+"""The DeDLOC peer: accumulate gradients, rendezvous through the scheduler, all-reduce, step together."""

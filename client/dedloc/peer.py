@@ -1,0 +1,271 @@
+"""The DeDLOC peer's loop: accumulate, report, reduce when a round names it, apply on commit.
+
+Two gradient accumulators: `reported` holds what the scheduler has been told (and what a round
+reduces); `fresh` collects micro-batches since the last report. A round reduces a copy of
+`reported`; the step is applied only when the scheduler confirms the commit of this peer's
+(step, attempt), so an aborted round leaves every peer where it was. A peer left out of a step keeps
+both accumulators, loads the newer state and brings them into the next step.
+"""
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from client.dedloc.allreduce import reduce_round, result_digest
+from client.dedloc.api import PeerAPI, Refused
+from client.dedloc.state import encode_state, load_state, make_optimizer
+from crowdtrain import dedloc as math
+from crowdtrain.schemas_dedloc import PeerJoined, ProgressReply
+from crowdtrain.tensors import decode_shard, sha256
+from crowdtrain.zoo import build_model, state_to_numpy
+
+log = logging.getLogger(__name__)
+ROUND_POLL = 0.1
+
+
+@dataclass
+class Accumulator:
+    grads: torch.Tensor
+    examples: int = 0
+    indices: list[int] = field(default_factory=list)
+
+    def add(self, other: "Accumulator") -> None:
+        self.grads += other.grads
+        self.examples += other.examples
+        self.indices += other.indices
+        other.clear()
+
+    def clear(self) -> None:
+        self.grads.zero_()
+        self.examples = 0
+        self.indices = []
+
+
+@dataclass(frozen=True)
+class PeerOptions:
+    job_id: int
+    relayed: bool = False
+    data_rank: int = 0
+    data_world: int = 1
+    examples_per_step: int | None = None  # stop computing at this many examples per step (reproducible runs)
+    trace: Path | None = None  # JSON lines: one per applied step
+    kill_at: tuple[int, int] | None = None  # (step, attempt): exit abruptly in the middle of that reduction
+
+
+class DedlocPeer:
+    def __init__(self, api: PeerAPI, options: PeerOptions):
+        self.api, self.o = api, options
+        self.step = -1
+        self.reduced: tuple[int, int, torch.Tensor] | None = None  # (step, attempt, average) awaiting commit
+        self.frozen = False  # `reported` is promised to a round: no fresh examples move into it
+        self._digest: tuple[int, str] | None = None
+        self.grads_step = -1  # the step whose parameters the oldest accumulated gradient was computed at
+        self.others = 0  # examples the other peers had reported for this step, as last heard
+        self.share = 1  # report at once on holding this many unreported examples (target / live peers)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def join(self) -> PeerJoined:
+        joined = self.api.join(self.o.job_id, self.o.relayed)
+        self.recipe = joined.recipe
+        self.spec = joined.recipe["dedloc"]
+        m = joined.recipe["model"]
+        self.model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
+        self.opt = make_optimizer(self.model, self.spec)
+        self.params = [p for p in self.model.parameters()]
+        n = sum(p.numel() for p in self.params)
+        self.reported, self.fresh = Accumulator(torch.zeros(n)), Accumulator(torch.zeros(n))
+        xs, ys = [], []
+        for shard in joined.shards:
+            blob = self.api.shard(shard.id)
+            if sha256(blob) != shard.sha256:
+                raise ValueError(f"shard {shard.index} failed its sha256 check")
+            x, y = decode_shard(blob)
+            xs.append(x)
+            ys.append(y)
+        self.x, self.y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+        self.mine = np.arange(len(self.x))[self.o.data_rank::self.o.data_world]
+        self.order: np.ndarray = np.empty(0, dtype=np.int64)
+        self.passes = 0
+        log.info("peer %s joined job %s (%s); %d examples of %d are this peer's", joined.peer_id, self.o.job_id,
+                 "relayed" if self.o.relayed else "direct", len(self.mine), len(self.x))
+        return joined
+
+    def sync_state(self) -> None:
+        """Load the newest state; keeps the accumulated gradients (they join the next step)."""
+        step, blob = self.api.latest_state()
+        if step == self.step:
+            return
+        load_state(self.model, self.opt, blob)
+        stale = self.reported.examples + self.fresh.examples and step > self.grads_step + 1
+        if stale:  # gradients of parameters more than one step old would pull the model back
+            self.reported.clear()
+            self.fresh.clear()
+        log.info("peer %s: loaded the state of step %d (was at %d)%s", self.api.peer_id, step, self.step,
+                 "; dropped gradients more than one step old" if stale else "")
+        self.step, self.reduced, self._digest, self.others = step, None, None, 0
+
+    # -- training ---------------------------------------------------------------------------------
+    def _next_indices(self, count: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < count:
+            if len(self.order) == 0:
+                rng = np.random.default_rng([int(self.recipe["seed"]), self.o.data_rank, self.passes])
+                self.order, self.passes = rng.permutation(self.mine), self.passes + 1
+            take = self.order[:count - len(out)]
+            self.order = self.order[len(take):]
+            out += [int(i) for i in take]
+        return out
+
+    def _wants_examples(self) -> int:
+        if self.others + self.reported.examples + self.fresh.examples >= self.spec["target_batch_size"]:
+            return 0  # the step will close with what the collaboration has: don't overshoot the batch
+        budget = self.spec["micro_batch_size"]
+        if self.o.examples_per_step is not None:
+            budget = min(budget, self.o.examples_per_step - self.reported.examples - self.fresh.examples)
+        return max(0, budget)
+
+    def compute_micro_batch(self, count: int) -> None:
+        if self.reported.examples + self.fresh.examples == 0:
+            self.grads_step = self.step
+        idx = self._next_indices(count)
+        self.model.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.cross_entropy(self.model(self.x[idx]), self.y[idx], reduction="sum")
+        loss.backward()
+        self.fresh.grads += torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.fresh.examples += len(idx)
+        self.fresh.indices += idx
+
+    def params_digest(self) -> str:
+        if self._digest is None or self._digest[0] != self.step:
+            self._digest = (self.step, math.digest(state_to_numpy(self.model)))
+        return self._digest[1]
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, stop_after: float | None = None) -> int:
+        self.join()
+        self.sync_state()
+        last_poll = 0.0
+        started = time.monotonic()
+        while stop_after is None or time.monotonic() - started < stop_after:
+            count = 0 if self.frozen else self._wants_examples()
+            if count:
+                self.compute_micro_batch(count)
+            interval = self.spec["report_interval"]
+            idle = self.frozen or not self._wants_examples()
+            if idle:
+                interval = min(interval, ROUND_POLL if self.frozen or self.fresh.examples else 0.25)
+            if time.monotonic() - last_poll < interval and self.fresh.examples < self.share:
+                if idle:
+                    time.sleep(ROUND_POLL / 2)
+                continue
+            if not self.frozen:
+                self.reported.add(self.fresh)
+            last_poll = time.monotonic()
+            reply = self.api.progress(self.step, self.reported.examples,
+                                      self.reduced[1] if self.reduced else None,
+                                      self.params_digest() if self.step >= 0 else None)
+            if not self.handle(reply):
+                return 0
+        return 0
+
+    def handle(self, reply: ProgressReply) -> bool:
+        """Act on the scheduler's answer; False when the job has finished."""
+        if reply.action == "stop":
+            log.info("peer %s: the job has finished (%s)", self.api.peer_id, reply.message)
+            return False
+        if reply.action == "apply":
+            self.apply(reply.upload_state)
+        elif reply.action == "resync":
+            self.frozen = False
+            self.reduced = None
+            self.sync_state()
+        elif reply.action == "accumulate":
+            self.frozen, self.reduced = False, None
+            self.others = max(0, reply.accumulated - self.reported.examples)
+            self.share = max(1, self.spec["target_batch_size"] // reply.peers)
+        elif reply.action == "matchmaking":
+            self.frozen, self.reduced = True, None
+        elif reply.action == "reduce":
+            self.frozen = True
+            self.reduce(reply)
+        return True
+
+    def reduce(self, reply: ProgressReply) -> None:
+        plan = reply.round
+        if self.o.kill_at == (plan.step, plan.attempt) and not plan.relayed:
+            self._die_mid_allreduce(plan)
+        try:
+            average = reduce_round(self.api, plan, self.reported.grads)
+        except Exception as exc:  # any failure of the collective: the round is aborted for everyone
+            log.warning("peer %s: step %d attempt %d failed (%s); reporting it", self.api.peer_id, plan.step,
+                        plan.attempt, exc)
+            self.reduced = None
+            try:
+                self.api.report(plan.step, plan.attempt, False, message=str(exc))
+            except Refused as refused:
+                log.info("peer %s: the attempt had already ended (%s)", self.api.peer_id, refused)
+            return
+        self.reduced = (plan.step, plan.attempt, average)
+        try:
+            self.api.report(plan.step, plan.attempt, True, result_digest(average))
+        except Refused as exc:
+            log.info("peer %s: step %d attempt %d ended before this peer finished (%s)", self.api.peer_id,
+                     plan.step, plan.attempt, exc)
+            self.reduced = None
+
+    def _die_mid_allreduce(self, plan) -> None:
+        """Fault injection for tests: join the collective, then vanish while the others reduce."""
+        import os
+        import signal
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from client.dedloc.store import RoundStore
+
+        # Connect to the group like any member, so the others enter the all-reduce and wait on this
+        # peer, then die without a word: SIGKILL, no clean-up, no report.
+        store = RoundStore(self.api, plan.step, plan.attempt, plan.averaging_timeout)
+        pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members),
+                                   timedelta(seconds=plan.averaging_timeout))
+        log.warning("peer %s: SIGKILLing itself in the middle of step %d attempt %d", self.api.peer_id, plan.step,
+                    plan.attempt)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+        del pg
+
+    def apply(self, upload_state: bool) -> None:
+        if self.reduced is None or self.reduced[0] != self.step:
+            self.sync_state()
+            return
+        step, attempt, average = self.reduced
+        offset = 0
+        for p in self.params:
+            p.grad = average[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        lr = math.learning_rate(step, self.spec["lr"], self.spec["lr_schedule"], self.spec["warmup_steps"],
+                                self.recipe["max_steps"])
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        before = self.params_digest()
+        self.opt.step()
+        contributed = self.reported.indices
+        self.reported.clear()
+        self.step, self.reduced, self.frozen, self.others = step + 1, None, False, 0
+        self._digest = None
+        after = self.params_digest()
+        log.info("peer %s: applied step %d (attempt %d, %d own examples, lr %.5f)", self.api.peer_id, step, attempt,
+                 len(contributed), lr)
+        if self.o.trace is not None:
+            with self.o.trace.open("a") as f:
+                f.write(json.dumps({"peer": self.api.peer_id, "step": step, "attempt": attempt, "lr": lr,
+                                    "indices": contributed, "result_digest": result_digest(average),
+                                    "before": before, "after": after}) + "\n")
+        if upload_state:
+            status = self.api.put_state(self.step, encode_state(self.model, self.opt))
+            log.info("peer %s: uploaded the state of step %d (%s)", self.api.peer_id, self.step, status)

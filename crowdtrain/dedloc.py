@@ -1,0 +1,131 @@
+"""Pure math of the synchronous DeDLOC mode: step closing, member weights, all-reduce groups,
+combining group sums, the learning-rate schedule and parameter digests. No I/O.
+
+A global step averages the gradients of every member of its round, each weighted by the examples it
+contributed: with `g_i` the gradient of the *summed* loss over peer i's `n_i` examples,
+
+    g = Σ_i g_i / N,   N = Σ_i n_i,
+
+which is the gradient of the mean loss over the union of the members' examples: the step is the
+step of single-process SGD on that global batch. Each member multiplies its `g_i` by `1/N` (the
+same float for all), groups sum those with an all-reduce, and groups' sums are added in a fixed
+order (`combine_parts`), so every member ends with bit-identical values.
+"""
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Params = dict[str, np.ndarray]
+
+
+def step_is_full(reported: Mapping[str, int], target_batch_size: int) -> bool:
+    """The collaboration has accumulated a global batch: the step may close."""
+    return sum(max(0, n) for n in reported.values()) >= target_batch_size
+
+
+def round_members(reported: Mapping[str, int]) -> list[str]:
+    """Peers that contribute to a closing step: those with examples, in a fixed (sorted) order."""
+    return sorted(p for p, n in reported.items() if n > 0)
+
+
+def member_weights(examples: Mapping[str, int]) -> dict[str, float]:
+    """Each member's share of the round: its examples / the round's examples (they sum to 1)."""
+    total = sum(examples.values())
+    if total <= 0 or any(n < 0 for n in examples.values()):
+        raise ValueError(f"a round needs a positive number of examples, got {dict(examples)}")
+    return {p: n / total for p, n in examples.items()}
+
+
+def form_groups(direct: Sequence[str], max_group_size: int) -> list[list[str]]:
+    """Split the directly reachable members into the fewest groups of at most `max_group_size`,
+    with sizes differing by at most one (balanced all-reduces finish together)."""
+    if max_group_size < 1:
+        raise ValueError("max_group_size must be at least 1")
+    peers = sorted(direct)
+    if not peers:
+        return []
+    count = math.ceil(len(peers) / max_group_size)
+    base, extra = divmod(len(peers), count)
+    groups, start = [], 0
+    for g in range(count):
+        size = base + (1 if g < extra else 0)
+        groups.append(peers[start:start + size])
+        start += size
+    return groups
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Who reduces with whom in one attempt of a step.
+
+    `groups` all-reduce among themselves over the collective engine; `relayed` members send their
+    weighted gradients to the server. When there is more than one part (several groups, or any
+    relayed member), each group's rank 0 uploads its group's sum and every member downloads the sum
+    of all parts, in the order of `parts`.
+    """
+
+    groups: list[list[str]]
+    relayed: list[str]
+
+    @property
+    def parts(self) -> list[str]:
+        return [f"group-{i}" for i in range(len(self.groups))] + [f"relay-{p}" for p in self.relayed]
+
+    @property
+    def needs_combining(self) -> bool:
+        return len(self.parts) > 1
+
+
+def plan_round(members: Sequence[str], relayed: set[str], max_group_size: int) -> RoundPlan:
+    direct = [p for p in members if p not in relayed]
+    return RoundPlan(form_groups(direct, max_group_size), sorted(p for p in members if p in relayed))
+
+
+def combine_parts(parts: Sequence[Params]) -> Params:
+    """Sum partial sums (groups' all-reduce results, relayed peers' weighted gradients) in the given
+    order. Every caller that passes the same parts in the same order gets bit-identical sums."""
+    if not parts:
+        raise ValueError("nothing to combine")
+    names = set(parts[0])
+    for p in parts[1:]:
+        if set(p) != names:
+            raise ValueError(f"parts name different tensors: {sorted(names ^ set(p))[:5]}")
+    out: Params = {}
+    for name in parts[0]:
+        acc = np.array(parts[0][name], dtype=parts[0][name].dtype, copy=True)
+        for p in parts[1:]:
+            if p[name].shape != acc.shape:
+                raise ValueError(f"tensor {name!r}: shape {p[name].shape} differs from {acc.shape}")
+            acc += p[name]
+        out[name] = acc
+    return out
+
+
+def learning_rate(step: int, lr: float, schedule: str, warmup_steps: int, max_steps: int) -> float:
+    """The learning rate of global step `step` (0-based): linear warm-up, then constant or cosine
+    decay to 0 at `max_steps`. Every peer computes the same value from the global step alone."""
+    if warmup_steps and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        span = max(1, max_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {schedule!r}")
+
+
+def digest(params: Mapping[str, np.ndarray]) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order: equal iff the tensors are identical."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        a = np.ascontiguousarray(params[name])
+        h.update(name.encode())
+        h.update(str(a.dtype).encode())
+        h.update(repr(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,54 @@
+"""The DeDLOC peer's pieces: a failed reduction leaves the gradients intact; the state codec."""
+
+import pytest
+import torch
+
+from client.dedloc.allreduce import reduce_round
+from client.dedloc.api import PeerAPI
+from client.dedloc.state import encode_state, load_state, make_optimizer
+from crowdtrain import dedloc
+from crowdtrain.launch import free_port
+from crowdtrain.schemas_dedloc import RoundPlanOut
+from crowdtrain.zoo import build_model, state_to_numpy
+
+
+@pytest.mark.parametrize("relayed", [True, False], ids=["relayed", "gloo-group"])
+def test_a_failed_reduction_leaves_the_accumulated_gradients_intact(relayed: bool) -> None:
+    api = PeerAPI(f"http://127.0.0.1:{free_port()}", timeout=2)  # nothing listens: every request fails
+    api.job_id, api.peer_id = 1, "a"
+    plan = RoundPlanOut(step=0, attempt=0, members=["a", "b"], examples={"a": 3, "b": 5}, total=8, relayed=relayed,
+                        group=None if relayed else 0, group_members=[] if relayed else ["a", "b"],
+                        rank=None if relayed else 0, needs_combining=relayed, parts=["relay-a", "group-0"],
+                        averaging_timeout=5)
+    grads = torch.arange(10, dtype=torch.float32)
+    kept = grads.clone()
+    with pytest.raises(Exception):
+        reduce_round(api, plan, grads)
+    assert torch.equal(grads, kept)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_state_restores_parameters_and_optimizer_so_the_next_step_is_identical(optimizer: str) -> None:
+    spec = {"optimizer": optimizer, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}
+
+    def model_and_opt():
+        m = build_model("mlp", [8], 3, seed=1, hidden=[4])
+        return m, make_optimizer(m, spec)
+
+    def step(m, opt, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(torch.randn(5, 8, generator=g)), torch.tensor([0, 1, 2, 0, 1])).backward()
+        opt.step()
+
+    a, opt_a = model_and_opt()
+    step(a, opt_a, 0)
+    blob = encode_state(a, opt_a)
+    b, opt_b = model_and_opt()
+    load_state(b, opt_b, blob)
+    params_only, opt_c = model_and_opt()  # control: the same parameters without the optimizer state
+    params_only.load_state_dict(a.state_dict())
+    for m, opt in ((a, opt_a), (b, opt_b), (params_only, opt_c)):
+        step(m, opt, 1)
+    assert dedloc.digest(state_to_numpy(a)) == dedloc.digest(state_to_numpy(b))
+    assert dedloc.digest(state_to_numpy(a)) != dedloc.digest(state_to_numpy(params_only))

@@ -1,0 +1,246 @@
+"""The synchronous DeDLOC mode as real processes: the scheduler (uvicorn), a private Redis and peer
+processes that all-reduce with torch.distributed (Gloo) over a rendezvous store the scheduler serves."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from crowdtrain import dedloc
+from crowdtrain.launch import Cluster, Service, crowdtrain_argv
+from crowdtrain.tensors import decode
+from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
+from workgen.datasets import load_dataset
+
+pytestmark = pytest.mark.integration
+JOB_TIMEOUT = 300
+
+
+def dedloc_spec(max_steps: int, target_accuracy: float = 0.99, **fields) -> dict:
+    return {
+        "name": "dedloc-test", "mode": "dedloc", "seed": 3,
+        "model": {"name": "cnn1d", "options": {"channels": 16, "kernel_size": 5, "layers": 2}},
+        "dataset": {"source": "builtin:mnist1d", "subsets": 4},
+        "stop": {"target_accuracy": target_accuracy, "max_steps": max_steps},
+        "dedloc": {"target_batch_size": 96, "micro_batch_size": 16, "optimizer": "sgd", "lr": 0.05,
+                   "momentum": 0.9, "matchmaking_timeout": 4, "averaging_timeout": 20, "report_interval": 0.2}
+        | fields,
+    }
+
+
+def submit(cluster: Cluster, spec: dict) -> int:
+    with cluster.admin() as http:
+        resp = http.post("/v1/jobs", json=spec)
+        assert resp.status_code == 201, resp.text
+        return resp.json()["job_id"]
+
+
+def start_peer(cluster: Cluster, job_id: int, name: str, *extra: str) -> Service:
+    argv = crowdtrain_argv("peer", "--server", cluster.url, "--join-token", cluster.join_token, "--job", str(job_id),
+                           "--name", name, "--threads", "1",
+                           "--trace", str(cluster.var_dir / f"{name}.trace"), *extra)
+    svc = Service(name, argv, cluster.env, cluster.var_dir / "logs" / f"{name}.log").start()
+    cluster.clients.append(svc)
+    return svc
+
+
+def wait_finished(cluster: Cluster, job_id: int, peers: list[Service], timeout: float = JOB_TIMEOUT) -> dict:
+    deadline = time.monotonic() + timeout
+    with cluster.admin() as http:
+        while time.monotonic() < deadline:
+            st = http.get(f"/v1/jobs/{job_id}").json()
+            if st["status"] in ("succeeded", "failed", "cancelled"):
+                # The job ends with the first upload of its final state; the other members still
+                # apply that step (and write its trace line) before they learn that it has ended.
+                for p in peers:
+                    if p.alive:
+                        p.proc.wait(timeout=120)
+                return st
+            assert any(p.alive for p in peers), "every peer exited:\n" + "\n".join(p.tail() for p in peers)
+            time.sleep(0.5)
+    pytest.fail(f"job {job_id} did not finish within {timeout}s: {st}\n" + "\n".join(p.tail(15) for p in peers))
+
+
+def traces(cluster: Cluster) -> list[dict]:
+    return [json.loads(line) for f in sorted(cluster.var_dir.glob("*.trace")) for line in f.read_text().splitlines()]
+
+
+def stored_state(cluster: Cluster, job_id: int, step: int) -> dict[str, np.ndarray]:
+    blob = (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors").read_bytes()
+    return {k: v for k, v in decode(blob).items() if not k.startswith("__")}
+
+
+def digests_per_step(cluster: Cluster, job_id: int, steps: range) -> dict[int, dict[str, str]]:
+    with cluster.admin() as http:
+        return {s: http.get(f"/v1/dedloc/jobs/{job_id}/digests/{s}").json() for s in steps}
+
+
+def commits(cluster: Cluster, job_id: int) -> dict[int, dict]:
+    with cluster.admin() as http:
+        return {int(k): v for k, v in http.get(f"/v1/dedloc/jobs/{job_id}/commits").json().items()}
+
+
+def single_process_reference(cluster: Cluster, job_id: int, spec: dict, batches: list[list[int]]) -> list[dict]:
+    """Plain large-batch SGD from the same initial parameters on the same global batches."""
+    data = load_dataset(spec["dataset"]["source"])
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    m = spec["model"]
+    model = build_model(m["name"], data.input_shape, data.num_classes, **m["options"])
+    load_numpy_state(model, stored_state(cluster, job_id, 0))
+    d = spec["dedloc"]
+    opt = torch.optim.SGD(model.parameters(), lr=d["lr"], momentum=d["momentum"])
+    out = []
+    for step, idx in enumerate(batches):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        for g in opt.param_groups:
+            g["lr"] = dedloc.learning_rate(step, d["lr"], "constant", 0, spec["stop"]["max_steps"])
+        opt.step()
+        out.append(state_to_numpy(model))
+    return out
+
+
+def relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-12)) for k in b)
+
+
+@pytest.mark.parametrize(("max_group_size", "relayed"), [
+    (16, ()),  # one Gloo group of 3
+    (2, (2,)),  # a Gloo group of 2 plus a relayed peer, combined by the scheduler
+    (1, (0,)),  # three parts: two single-peer groups and a relayed peer
+], ids=["one-group", "group-and-relayed", "three-parts"])
+def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(make_cluster, max_group_size: int,
+                                                                               relayed: tuple[int, ...]) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    spec = dedloc_spec(max_steps=5, max_group_size=max_group_size)
+    job_id = submit(cluster, spec)
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
+                        "--examples-per-step", "32", *(["--relayed"] if i in relayed else [])) for i in range(3)]
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed" and "max_steps=5" in st["status_message"], st
+
+    done = commits(cluster, job_id)
+    assert sorted(done) == [0, 1, 2, 3, 4]
+    assert all(len(c["members"]) == 3 for c in done.values())
+    lines = traces(cluster)
+    batches = []
+    for step in range(5):
+        mine = [t for t in lines if t["step"] == step]
+        assert len(mine) == 3 and all(t["attempt"] == done[step]["attempt"] for t in mine)
+        idx = sorted(i for t in mine for i in t["indices"])
+        assert len(idx) == 96 and len(set(idx)) == 96  # disjoint contributions of 32 examples each
+        batches.append(idx)
+
+    reference = single_process_reference(cluster, job_id, spec, batches)
+    for step in range(1, 6):
+        err = relative_error(stored_state(cluster, job_id, step), reference[step - 1])
+        assert err <= 1e-5, f"step {step}: relative error {err:.3g} against single-process SGD"
+
+    seen = digests_per_step(cluster, job_id, range(1, 6))
+    for step, by_peer in seen.items():
+        assert len(by_peer) == 3 and len(set(by_peer.values())) == 1, (step, by_peer)
+        assert set(by_peer.values()) == {dedloc.digest(stored_state(cluster, job_id, step))}
+
+
+def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> None:
+    """Every peer that reported parameters at a step holds the uploaded state of that step."""
+    for step, by_peer in digests_per_step(cluster, job_id, steps).items():
+        stored = (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors")
+        assert by_peer, f"no peer reported parameters at step {step}"
+        assert len(set(by_peer.values())) == 1, f"step {step}: peers differ: {by_peer}"
+        if stored.exists():
+            assert set(by_peer.values()) == {dedloc.digest(stored_state(cluster, job_id, step))}
+
+
+def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it(make_cluster) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, dedloc_spec(max_steps=6, target_batch_size=480))
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
+                        *(["--kill-at", "2:0"] if i == 2 else [])) for i in range(3)]
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed" and "max_steps=6" in st["status_message"], st
+
+    assert peers[2].proc.poll() == -9, peers[2].tail()
+    done = commits(cluster, job_id)
+    assert sorted(done) == list(range(6))
+    assert "SIGKILLing itself in the middle of step 2 attempt 0" in peers[2].tail(50)
+    with cluster.admin() as http:
+        aborted = http.get(f"/v1/dedloc/jobs/{job_id}/aborts").json()
+    killed = peer_ids(cluster, "peer-2")
+    assert len(aborted["2:0"]["members"]) == 3 and killed <= set(aborted["2:0"]["members"]), aborted
+    assert not killed & set(done[2]["members"])
+    assert done[2]["attempt"] >= 1 and len(done[2]["members"]) == 2, done[2]
+    assert all(len(done[s]["members"]) == 2 for s in range(2, 6))
+    # Nobody stepped on the aborted attempt: the survivors applied step 2 once, from the retry.
+    applied = [(t["step"], t["attempt"]) for t in traces(cluster) if t["step"] == 2]
+    assert applied == [(2, done[2]["attempt"])] * 2, applied
+    assert_one_collaboration(cluster, job_id, range(1, 7))
+
+
+def test_a_peer_that_joins_late_starts_from_the_current_state(make_cluster) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, dedloc_spec(max_steps=12, target_batch_size=4800, micro_batch_size=32))
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3") for i in range(2)]
+    deadline = time.monotonic() + 120
+    while 2 not in commits(cluster, job_id):
+        assert time.monotonic() < deadline, "step 2 was never committed"
+        time.sleep(0.2)
+    peers.append(start_peer(cluster, job_id, "peer-late", "--data-rank", "2", "--data-world", "3"))
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed", st
+
+    late = [t for t in traces(cluster) if t["peer"] in peer_ids(cluster, "peer-late")]
+    assert late, "the late peer never applied a step"
+    first = late[0]
+    assert first["step"] >= 3
+    # It started from the stored state of the step it joined (parameters and momentum): its digest
+    # before its first step is the state's, and after it, everyone's.
+    assert first["before"] == dedloc.digest(stored_state(cluster, job_id, first["step"]))
+    done = commits(cluster, job_id)
+    assert all(len(done[s]["members"]) == 3 for s in range(first["step"], 12)), done
+    assert_one_collaboration(cluster, job_id, range(1, 13))
+
+
+def peer_ids(cluster: Cluster, name: str) -> set[str]:
+    """The peer id(s) the process `name` joined as, from its log."""
+    log = (cluster.var_dir / "logs" / f"{name}.log").read_text()
+    return {line.split("peer ", 1)[1].split(" ", 1)[0] for line in log.splitlines() if "joined job" in line}
+
+
+def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(make_cluster) -> None:
+    from crowdtrain.jobspec import load_job_spec
+
+    spec = load_job_spec(Path(__file__).parents[1] / "examples" / "mnist1d-dedloc.yaml")
+    assert spec.stop.target_accuracy == 0.90  # the target of examples/mnist1d-cnn.yaml (VC-ASGD)
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, spec.model_dump(mode="json"))
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
+                        *(["--relayed"] if i == 2 else [])) for i in range(3)]
+    st = wait_finished(cluster, job_id, peers, timeout=600)
+    assert st["status"] == "succeeded", st
+    assert st["final_accuracy"] >= 0.90
+    steps = st["param_version"]
+    with cluster.admin() as http:
+        full = http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json()
+        model = http.get(f"/v1/jobs/{job_id}/model")
+    assert model.status_code == 200 and dedloc.digest(decode(model.content)) == dedloc.digest(
+        stored_state(cluster, job_id, steps))
+    assert max(m["val_accuracy"] for m in full["metrics"]) >= 0.90
+    relayed = peer_ids(cluster, "peer-2")
+    relayed_in = [c for c in commits(cluster, job_id).values() if relayed & set(c["members"])]
+    assert relayed_in, "the relayed peer never took part in a step"
+    assert_one_collaboration(cluster, job_id, range(1, steps + 1))
+
+
+def test_the_dedloc_demo_trains_three_peers_one_relayed_to_the_target(tmp_path) -> None:
+    import subprocess
+
+    result = subprocess.run(crowdtrain_argv("demo", "--mode", "dedloc", "--var-dir", str(tmp_path / "demo")),
+                            capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "succeeded" in result.stdout and "3 peers, 1 distinct digest(s)" in result.stdout
+    relayed_log = (tmp_path / "demo" / "logs" / "peer-3.log").read_text()
+    assert "(relayed)" in relayed_log and "applied step" in relayed_log
