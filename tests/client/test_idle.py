@@ -98,8 +98,12 @@ WINDOW = timedelta(minutes=IDLE_MINUTES)
 
 
 def start_hog() -> list[subprocess.Popen]:
-    """Busy loops on four times as many processes as cores: other processes then use ~90-100% of the CPU
-    (the client gets a fifth of a core at most), however loaded the machine already is."""
+    """Busy loops on four times as many processes as cores.
+
+    The client runs in a session of its own, and the kernel's autogroup scheduling shares the CPU
+    between sessions, not processes: a training client still gets about half of the machine, so
+    the hog shows as ~50% CPU by others while the client trains (~100% while it waits or pauses).
+    The test's threshold of 35% sits between that and the few per cent the idle cluster uses."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4 * (os.cpu_count() or 1))]
 
 
@@ -154,7 +158,7 @@ def test_an_idle_only_client_waits_for_a_cpu_hog_to_end_and_pauses_training_whil
     hog = start_hog()
     try:
         client = cluster.start_client("polite", 1, "--no-prefetch", "--idle-only", "--idle-minutes",
-                                      str(IDLE_MINUTES), "--idle-cpu-percent", "75")
+                                      str(IDLE_MINUTES), "--idle-cpu-percent", "35")
         cache = cluster.var_dir / "clients" / "polite"
         wait_for(lambda: "other processes used" in getattr(read_status(cache), "reason", ""), 60,
                  "the client never measured the hog", client)
