@@ -20,6 +20,7 @@ from crowdtrain.jobspec import DedlocSpec
 from crowdtrain.schemas_dedloc import PeerJoined, Progress, ProgressReply, RoundPlanOut, ShardRef, StoreOp, StoreReply
 from crowdtrain.storage import Storage
 from crowdtrain.tensors import check_against_manifest, decode, decode_shard, encode, sha256
+from server.results import ResultProblem
 from server import dedloc, states
 from server.dedloc import NotAMember, Round, RoundGone
 from server.models import Job, Metric, Shard, utcnow
@@ -29,11 +30,8 @@ from workgen.generator import snapshot_key
 log = logging.getLogger(__name__)
 
 
-class DedlocProblem(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
+class DedlocProblem(ResultProblem):
+    """A DeDLOC request that cannot be honoured; `status` is the HTTP status to answer."""
 
 
 def state_key(job_id: int, step: int) -> str:
