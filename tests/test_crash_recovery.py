@@ -14,11 +14,9 @@ import redis
 from sqlalchemy import func, select
 
 from crowdtrain import keys
-from crowdtrain.jobspec import load_job_spec
 from crowdtrain.launch import wait_for
 from server.db import session_factory
 from server.models import Assignment, Workunit
-from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import assert_exact_accounting, settle, submit, wait_finished
 
 pytestmark = pytest.mark.integration
@@ -57,12 +55,7 @@ def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqli
         "CROWDTRAIN_BROKER_VISIBILITY_TIMEOUT": "5",
         "CROWDTRAIN_STUCK_UPLOAD_SECONDS": "10",
     })
-    # Twice the example's local training: with prefetching clients the example job can end before
-    # a second kill comes round.
-    spec = load_job_spec(EXAMPLE_SPEC)
-    spec.training.local_epochs *= 2
-    spec.scheduling.deadline_seconds = 20
-    job_id = cluster.submit(spec.model_dump(mode="json"))["job_id"]
+    job_id = submit(cluster, deadline_seconds=20)
     cluster.start_client("alice", tasks=2)
     cluster.start_client("bob", tasks=2)
     stop, kills = threading.Event(), []
