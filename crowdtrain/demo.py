@@ -52,15 +52,6 @@ def summary_table(st: JobStatusOut, wall: float, locality: dict[str, float] | No
     return t
 
 
-def _submit(console: Console, http, spec) -> int | None:
-    """Submit the demo's job; None (and the scheduler's reason printed) if it is refused."""
-    resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
-    if resp.status_code >= 400:
-        console.print(f"[red]job rejected: {resp.text}")
-        return None
-    return resp.json()["job_id"]
-
-
 def _interrupt(signum, frame) -> None:
     """SIGTERM is handled like Ctrl-C: the demo stops every process it started."""
     raise KeyboardInterrupt
@@ -79,9 +70,11 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
         cluster.start()
         console.print(f"scheduler at {cluster.url}; submitting {spec_path} ({spec.name})")
         with cluster.admin() as http:
-            job_id = _submit(console, http, spec)
-            if job_id is None:
+            resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+            if resp.status_code >= 400:
+                console.print(f"[red]job rejected: {resp.text}")
                 return 2
+            job_id = resp.json()["job_id"]
             console.print(f"starting {clients} clients with {tasks} task slots each")
             for i in range(clients):
                 cluster.start_client(f"client-{i + 1}", tasks)
@@ -124,9 +117,11 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
         console.print("starting Redis and the scheduler ...")
         cluster.start()
         with cluster.admin() as http:
-            job_id = _submit(console, http, spec)
-            if job_id is None:
+            resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+            if resp.status_code >= 400:
+                console.print(f"[red]job rejected: {resp.text}")
                 return 2
+            job_id = resp.json()["job_id"]
             console.print(f"job {job_id} ({spec.name}): {peers} peers, target batch {spec.dedloc.target_batch_size}, "
                           f"target accuracy {spec.stop.target_accuracy}")
             for i in range(peers):

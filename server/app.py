@@ -1,12 +1,10 @@
 """The FastAPI scheduler application."""
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from crowdtrain import logs
 from crowdtrain.settings import get_settings
 
-from server.results import ResultProblem
 from server.routes import admin, dedloc, files, hosts, jobs, metrics, work
 
 
@@ -16,10 +14,6 @@ def create_app() -> FastAPI:
         app.include_router(module.router)
     app.include_router(dedloc.router)
     app.include_router(dedloc.admin_router)
-
-    @app.exception_handler(ResultProblem)
-    async def refuse(_request: Request, exc: ResultProblem) -> JSONResponse:
-        return JSONResponse({"detail": exc.message}, status_code=exc.status)
 
     @app.get("/v1/health", tags=["health"])
     def health() -> dict[str, str]:

@@ -20,7 +20,6 @@ from crowdtrain.jobspec import DedlocSpec
 from crowdtrain.schemas_dedloc import PeerJoined, Progress, ProgressReply, RoundPlanOut, ShardRef, StoreOp, StoreReply
 from crowdtrain.storage import Storage
 from crowdtrain.tensors import check_against_manifest, decode, decode_shard, encode, sha256
-from server.results import ResultProblem
 from server import dedloc, states
 from server.dedloc import NotAMember, Round, RoundGone
 from server.models import Job, Metric, Shard, utcnow
@@ -30,8 +29,11 @@ from workgen.generator import snapshot_key
 log = logging.getLogger(__name__)
 
 
-class DedlocProblem(ResultProblem):
-    """A DeDLOC request that cannot be honoured; `status` is the HTTP status to answer."""
+class DedlocProblem(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 def state_key(job_id: int, step: int) -> str:

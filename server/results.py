@@ -18,10 +18,7 @@ log = logging.getLogger(__name__)
 
 
 class ResultProblem(Exception):
-    """A host's request that cannot be honoured; `status` is the HTTP status to answer.
-
-    Raised by the services and turned into that answer by one exception handler (server/app.py).
-    """
+    """A request about an assignment that cannot be honoured; `status` is the HTTP status to answer."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)

@@ -7,6 +7,7 @@ from fastapi.responses import Response
 from crowdtrain.schemas_dedloc import PeerJoin, PeerJoined, Progress, ProgressReply, ReplyOk, RoundReport, StoreOp, \
     StoreReply
 from server import dedloc_jobs as svc
+from server.dedloc_jobs import DedlocProblem
 from server.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
 from server.routes.work import _read_body
 
@@ -15,25 +16,37 @@ admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "adm
 STORE_OPS = ("set", "get", "add", "check", "compare_set", "delete")
 
 
+def _problem(exc: DedlocProblem) -> HTTPException:
+    return HTTPException(exc.status, exc.message)
+
 
 @router.post("/join", response_model=PeerJoined)
 def join(job_id: int, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep) -> PeerJoined:
     """Join the collaboration; the answer names the recipe, the shards and the step to sync to."""
-    return svc.join(db, r, job_id, host_id, req.relayed)
+    try:
+        return svc.join(db, r, job_id, host_id, req.relayed)
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
 
 
 @router.post("/progress", response_model=ProgressReply)
 def progress(job_id: int, req: Progress, host_id: HostDep, db: DbDep, r: RedisDep) -> ProgressReply:
     """Report the examples accumulated for the current step; the answer says what to do next."""
-    return svc.progress(db, r, job_id, host_id, req)
+    try:
+        return svc.progress(db, r, job_id, host_id, req)
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
 
 
 @router.post("/rounds/{step}/{attempt}/report", response_model=ReplyOk)
 def report(job_id: int, step: int, attempt: int, req: RoundReport, host_id: HostDep, db: DbDep,
            r: RedisDep) -> ReplyOk:
     """A member's outcome of its reduction; a failure aborts the attempt for every member."""
-    return ReplyOk(status=svc.report(db, r, job_id, host_id, step, attempt, req.peer_id, req.ok,
-                                     req.result_digest, req.message))
+    try:
+        return ReplyOk(status=svc.report(db, r, job_id, host_id, step, attempt, req.peer_id, req.ok,
+                                         req.result_digest, req.message))
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
 
 
 @router.post("/rounds/{step}/{attempt}/store/{op}", response_model=StoreReply)
@@ -41,7 +54,10 @@ def store(job_id: int, step: int, attempt: int, op: str, req: StoreOp, host_id: 
     """The torch.distributed Store of the caller's all-reduce group (a prefix per job, step, attempt, group)."""
     if op not in STORE_OPS:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown store operation {op!r}; known: {STORE_OPS}")
-    return svc.store_op(r, job_id, host_id, step, attempt, op, req)
+    try:
+        return svc.store_op(r, job_id, host_id, step, attempt, op, req)
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
 
 
 @router.put("/rounds/{step}/{attempt}/parts/{part}", response_model=ReplyOk)
@@ -49,15 +65,21 @@ async def put_part(job_id: int, step: int, attempt: int, part: str, peer_id: str
                    host_id: HostDep, r: RedisDep, settings: SettingsDep) -> ReplyOk:
     """A group's sum or a relayed member's weighted gradient (safetensors, one float32 tensor 'g')."""
     body = await _read_body(request, settings.upload_max_bytes)
-    return ReplyOk(status=await run_in_threadpool(svc.put_part, r, job_id, host_id, peer_id, step, attempt,
-                                                  part, body))
+    try:
+        return ReplyOk(status=await run_in_threadpool(svc.put_part, r, job_id, host_id, peer_id, step, attempt,
+                                                      part, body))
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
 
 
 @router.get("/rounds/{step}/{attempt}/total", response_class=Response)
 def get_total(job_id: int, step: int, attempt: int, peer_id: str, host_id: HostDep, r: RedisDep,
               wait: float = 2.0) -> Response:
     """The sum of every part of the round: 200 with safetensors, or 204 while parts are missing."""
-    blob = svc.get_total(r, job_id, host_id, peer_id, step, attempt, min(max(wait, 0.0), 5.0))
+    try:
+        blob = svc.get_total(r, job_id, host_id, peer_id, step, attempt, min(max(wait, 0.0), 5.0))
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
     if blob is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
     return Response(blob, media_type="application/octet-stream")
@@ -68,14 +90,20 @@ async def put_state(job_id: int, step: int, peer_id: str, request: Request, host
                     r: RedisDep, storage: StorageDep, settings: SettingsDep) -> ReplyOk:
     """Parameters and optimizer state at the start of `step` (safetensors); evaluated and recorded."""
     body = await _read_body(request, settings.upload_max_bytes)
-    return ReplyOk(status=await run_in_threadpool(svc.put_state, db, r, storage, job_id, host_id, peer_id,
-                                                  step, body))
+    try:
+        return ReplyOk(status=await run_in_threadpool(svc.put_state, db, r, storage, job_id, host_id, peer_id,
+                                                      step, body))
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
 
 
 @router.get("/states/latest", response_class=Response)
 def latest_state(job_id: int, _host: HostDep, r: RedisDep, storage: StorageDep) -> Response:
     """The newest state; its step is in the `X-Crowdtrain-Step` header."""
-    step, blob = svc.latest_state(r, storage, job_id)
+    try:
+        step, blob = svc.latest_state(r, storage, job_id)
+    except DedlocProblem as exc:
+        raise _problem(exc) from None
     return Response(blob, media_type="application/octet-stream", headers={"X-Crowdtrain-Step": str(step)})
 
 

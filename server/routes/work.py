@@ -8,10 +8,14 @@ from assimilator.epochs import close_epoch_if_complete
 from crowdtrain.schemas import ClientError, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
 from server import dispatch, results, telemetry
 from server.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from server.results import ResultProblem
 from server.states import AssignmentStatus
 
 router = APIRouter(prefix="/v1", tags=["work"])
 
+
+def _problem(exc: ResultProblem) -> HTTPException:
+    return HTTPException(exc.status, exc.message)
 
 
 @router.post("/work", response_model=WorkReply)
@@ -31,7 +35,10 @@ def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: Storage
 
 @router.post("/assignments/{assignment_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(assignment_id: int, host_id: HostDep, db: DbDep) -> HeartbeatReply:
-    keep_going, reason = results.heartbeat(db, host_id, assignment_id)
+    try:
+        keep_going, reason = results.heartbeat(db, host_id, assignment_id)
+    except ResultProblem as exc:
+        raise _problem(exc) from None
     return HeartbeatReply(keep_going=keep_going, reason=reason)
 
 
@@ -54,8 +61,11 @@ async def upload_result(assignment_id: int, request: Request, metrics: Annotated
                         settings: SettingsDep) -> ResultAccepted:
     """Upload the trained parameters (safetensors body); metrics ride in the query string."""
     body = await _read_body(request, settings.upload_max_bytes)
-    status_ = await run_in_threadpool(results.upload_result, db, storage, host_id, assignment_id, body,
-                                      metrics, enqueue_merge)
+    try:
+        status_ = await run_in_threadpool(results.upload_result, db, storage, host_id, assignment_id, body,
+                                          metrics, enqueue_merge)
+    except ResultProblem as exc:
+        raise _problem(exc) from None
     telemetry.count(r, "uploads")
     return ResultAccepted(assignment_id=assignment_id, status=status_)
 
@@ -63,7 +73,10 @@ async def upload_result(assignment_id: int, request: Request, metrics: Annotated
 @router.post("/assignments/{assignment_id}/abandon", response_model=ResultAccepted)
 def abandon(assignment_id: int, host_id: HostDep, db: DbDep) -> ResultAccepted:
     """Give the assignment back now (shutdown, preemption) so it is re-dispatched without waiting."""
-    results.give_up(db, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host")
+    try:
+        results.give_up(db, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host")
+    except ResultProblem as exc:
+        raise _problem(exc) from None
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.abandoned.value)
 
 
@@ -71,7 +84,10 @@ def abandon(assignment_id: int, host_id: HostDep, db: DbDep) -> ResultAccepted:
 def report_error(assignment_id: int, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep,
                  r: RedisDep) -> ResultAccepted:
     """Report that the assignment failed on this host; it counts toward the workunit's error limit."""
-    failed = results.give_up(db, host_id, assignment_id, AssignmentStatus.client_error, err.message)
+    try:
+        failed = results.give_up(db, host_id, assignment_id, AssignmentStatus.client_error, err.message)
+    except ResultProblem as exc:
+        raise _problem(exc) from None
     if failed is not None:
         close_epoch_if_complete(db, storage, r, *failed)
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.client_error.value)
