@@ -7,8 +7,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from assimilator import paramstore
+from assimilator.evaluate import evaluate
 from crowdtrain.logs import ids
 from crowdtrain.storage import Storage
+from crowdtrain.tensors import decode, decode_shard
 from server import states
 from server.models import Job, Metric, Workunit, utcnow
 from server.states import JobStatus, WorkunitStatus
@@ -64,18 +66,48 @@ def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redi
                 release_epoch(s, job, job.current_epoch + 1)
 
 
+def fail_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str) -> bool:
+    """End a running job as failed with `message` (its model is exported as it stands); False if it
+    was no longer running."""
+    with db.begin() as s:
+        job = _lock_job(s, job_id)
+        if job.status != JobStatus.running.value:
+            return False
+        _finish(s, storage, r, job, JobStatus.failed, message)
+        return True
+
+
 def _finish(s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, message: str) -> None:
+    """Export W_s and report the validation accuracy of exactly the version exported."""
     version, blob = paramstore.read_blob(r, job.id)
     storage.put(final_key(job.id), blob)
     job.final_key = final_key(job.id)
     job.param_version = max(job.param_version, version)
-    last = s.scalars(select(Metric).where(Metric.job_id == job.id).order_by(Metric.param_version.desc())).first()
-    job.final_accuracy = last.val_accuracy if last else None
+    job.final_accuracy = _accuracy_of(s, storage, job, version, blob)
     cancel_open_workunits(s, job.id)
     states.move(job, outcome)
     job.status_message = message
     job.finished_at = utcnow()
     log.info("job %s %s: %s; final model v%d exported to %s", job.id, outcome.value, message, version, job.final_key)
+
+
+def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes) -> float | None:
+    """Validation accuracy of W_s `version` (`blob`): its recorded metric, else evaluated now.
+
+    A merge may land after the last recorded metric (or eval_every may skip versions), so the
+    newest metric is not necessarily the exported model's. None if it cannot be evaluated.
+    """
+    recorded = s.scalar(select(Metric.val_accuracy).where(Metric.job_id == job.id, Metric.param_version == version)
+                        .limit(1))
+    if recorded is not None:
+        return recorded
+    try:
+        x, y = decode_shard(storage.get(job.validation_key))
+        return evaluate(job.id, job.model_config_, decode(blob), x, y)[1]
+    except Exception as exc:  # the job ends either way; a missing figure is logged, not fatal
+        log.warning("job %s: the exported W_s v%d could not be evaluated: %s: %s", job.id, version,
+                    type(exc).__name__, exc, extra=ids(job_id=job.id))
+        return None
 
 
 def cancel_open_workunits(s: Session, job_id: int) -> int:

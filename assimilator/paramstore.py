@@ -20,6 +20,7 @@ from crowdtrain import keys
 from crowdtrain.tensors import Params, decode, encode, views
 
 CHUNK_BYTES = 1 << 20
+NORMS_KEPT = 50  # accepted update norms remembered per job: the window of the norm bound's median
 
 
 class NoServerModel(RuntimeError):
@@ -115,12 +116,20 @@ def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | Non
     return None if raw is None else int(json.loads(raw)["version"])
 
 
+def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:
+    """Norms of the job's last `NORMS_KEPT` merged updates, newest first."""
+    return [float(v) for v in r.lrange(keys.update_norms(job_id), 0, -1)]
+
+
 def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
-               merge: Callable[[Params, int], Params], received_at: float | None = None) -> MergeOutcome:
+               merge: Callable[[Params, int], Params], received_at: float | None = None,
+               update_norm: float | None = None) -> MergeOutcome:
     """Apply `merge(W_s, version)` exactly once for `assignment_id`.
 
     `merge` updates W_s in place (and returns it), or raises to refuse the result; either way
-    nothing is written unless the whole transaction commits.
+    nothing is written unless the whole transaction commits. The merge also records
+    `update_norm` among the recent ones and resets the job's count of failed merges. The norms
+    change only together with the version, which is watched: `merge` may read them consistently.
     """
     vkey, mkey, lkey, member = keys.version(job_id), keys.merged(job_id), keys.merge_log(job_id), str(assignment_id)
     with r.pipeline() as pipe:
@@ -150,6 +159,10 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                 pipe.set(vkey, version + 1)
                 pipe.sadd(mkey, member)
                 pipe.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at}))
+                if update_norm is not None:
+                    pipe.lpush(keys.update_norms(job_id), update_norm)
+                    pipe.ltrim(keys.update_norms(job_id), 0, NORMS_KEPT - 1)
+                pipe.delete(keys.merge_failures(job_id))
                 pipe.execute()
                 merged_at = time.time()
                 r.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at,
@@ -159,6 +172,11 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                 return MergeOutcome(version + 1, applied_now=True)
             except redis.WatchError:
                 continue
+
+
+def count_merge_failure(r: redis.Redis, job_id: int) -> int:
+    """Count one more merge that failed for good; returns how many failed since the last merge."""
+    return int(r.incr(keys.merge_failures(job_id)))
 
 
 def keep_snapshot(r: redis.Redis, job_id: int, version: int) -> None:

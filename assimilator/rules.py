@@ -42,10 +42,11 @@ def merge_vc_asgd(server: Params, client: Params, alpha: float, out: Params | No
     return result
 
 
-def update_norm(server: Params, client: Params) -> float:
-    """L2 norm of W_c - W_s over all floating-point tensors."""
+def update_norm(reference: Params, client: Params) -> float:
+    """L2 norm of W_c - `reference` over all floating-point tensors (the policy measures against
+    the snapshot the client started from, W_base)."""
     total = 0.0
-    for name, ws in server.items():
+    for name, ws in reference.items():
         if ws.dtype.kind == "f":
             d = client[name].astype(np.float64) - ws
             total += float(np.dot(d.ravel(), d.ravel()))

@@ -6,21 +6,25 @@ once per assignment (paramstore.merge_once), and every database step below is id
 
 import logging
 import time
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
+import redis
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from assimilator import paramstore
 from assimilator.celery_app import ASSIMILATE_TASK, celery_app
-from assimilator.epochs import close_epoch_if_complete
+from assimilator.epochs import close_epoch_if_complete, fail_job
 from assimilator.evaluate import evaluate
+from assimilator.policy import UpdateBound, norm_refusal, params_norm, staleness_refusal
 from assimilator.rules import alpha_for_epoch, merge_vc_asgd, update_norm
 from crowdtrain.logs import ids
 from crowdtrain.settings import get_settings
 from crowdtrain.storage import ObjectNotFound, Storage, open_storage
-from crowdtrain.tensors import Params, TensorFormatError, check_against_manifest, decode_shard, sha256, views
+from crowdtrain.tensors import (Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256,
+                                views)
 from server import states, telemetry
 from server.db import session_factory
 from server.models import Assignment, Host, Job, Metric, Workunit, utcnow
@@ -33,6 +37,16 @@ log = logging.getLogger(__name__)
 
 class Refused(Exception):
     """The result is well-formed but must not be merged (stale, too large an update, unusable)."""
+
+
+class JobBroken(Exception):
+    """The job itself cannot take merges (its validation set does not fit its model, ...): every
+    merge would fail the same way, so the job fails with this message."""
+
+
+# Failures that go away: the task runs again. Anything else ends the assignment (see _merge_failed).
+TRANSIENT = (OperationalError, redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+MERGE_FAILURES_BEFORE_JOB_FAILS = 3
 
 
 @lru_cache
@@ -48,11 +62,28 @@ def _validation_set(storage: Storage, key: str) -> tuple[np.ndarray, np.ndarray]
     return decode_shard(storage.get(key))
 
 
-# Every step is idempotent, so a task that lost a database race (deadlock, serialization) simply
-# runs again.
+@lru_cache(maxsize=4)
+def _base_snapshot(storage: Storage, key: str) -> tuple[Params, float]:
+    """A published W_s snapshot (read-only) and its norm: what results based on it are measured against."""
+    params = decode(storage.get(key))
+    return params, params_norm(params)
+
+
+# Every step is idempotent, so a task that lost a database race (deadlock, serialization) or the
+# connection simply runs again. A failure that would recur ends the assignment instead: otherwise
+# the transitioner would queue it again every `stuck_upload_seconds`, forever.
 @celery_app.task(name=ASSIMILATE_TASK, acks_late=True, reject_on_worker_lost=True,
-                 autoretry_for=(OperationalError,), retry_backoff=0.5, max_retries=10)
+                 autoretry_for=TRANSIENT, retry_backoff=0.5, max_retries=10)
 def assimilate(assignment_id: int, received_at: float | None = None) -> None:
+    try:
+        _assimilate(assignment_id, received_at)
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        _merge_failed(assignment_id, exc)
+
+
+def _assimilate(assignment_id: int, received_at: float | None) -> None:
     db, storage, r = _services()
     with db.begin() as s:
         a = s.get(Assignment, assignment_id)
@@ -61,8 +92,7 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
             return
         job = s.get_one(Job, a.job_id)
         wu = s.get_one(Workunit, a.workunit_id)
-        job_id, epoch, base_version, upload_key = job.id, wu.epoch, a.base_version, a.upload_key
-        spec, manifest, model_config = job.spec, job.param_manifest, job.model_config_
+        job_id, epoch, spec, model_config, upload_key = job.id, wu.epoch, job.spec, job.model_config_, a.upload_key
         job_running = job.status == JobStatus.running.value
         wu_open = wu.status == WorkunitStatus.in_progress.value
         already_merged = a.status == AssignmentStatus.merged.value
@@ -75,28 +105,10 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
             return _reject(assignment_id, "job is no longer running", charge=False)
         if not wu_open:
             return _reject(assignment_id, "workunit already done by another assignment", charge=False)
-        try:
-            blob = storage.get(upload_key)
-        except ObjectNotFound:
-            return _reject(assignment_id, f"the upload {upload_key} is missing from storage; the workunit "
-                                          "will be dispatched again", charge=False)
-        try:
-            client = views(blob)
-            check_against_manifest(client, manifest)
-        except (TensorFormatError, ValueError) as exc:
-            return _reject(assignment_id, f"invalid result: {exc}", charge=True)
-        try:
-            outcome = paramstore.merge_once(r, job_id, assignment_id,
-                                            _vc_asgd(spec, epoch, base_version, client), received_at)
-        except Refused as exc:
-            return _reject(assignment_id, str(exc), charge=True)
-        version = outcome.version
-        if outcome.applied_now:
-            telemetry.count(r, "merges")
-            if received_at:
-                telemetry.observe_merge_latency(r, time.time() - received_at)
-    else:
-        version = version or 0
+        version = _merge_result(assignment_id, epoch, received_at)
+        if version is None:
+            return
+    version = version or 0
 
     # The metric is recorded before the workunit is marked done: when an epoch's last workunit is
     # done, every one of its merges already has its validation figure.
@@ -106,6 +118,68 @@ def assimilate(assignment_id: int, received_at: float | None = None) -> None:
     _record_merge(assignment_id, version)
     storage.delete(upload_key)
     close_epoch_if_complete(db, storage, r, job_id, epoch)
+
+
+def _merge_result(assignment_id: int, epoch: int, received_at: float | None) -> int | None:
+    """Check an uploaded result and merge it; the new W_s version, or None when it was rejected."""
+    db, storage, r = _services()
+    with db.begin() as s:
+        a = s.get_one(Assignment, assignment_id)
+        job = s.get_one(Job, a.job_id)
+        job_id, base_version, upload_key = job.id, a.base_version, a.upload_key
+        spec, manifest = job.spec, job.param_manifest
+    try:
+        blob = storage.get(upload_key)
+    except ObjectNotFound:
+        return _reject(assignment_id, f"the upload {upload_key} is missing from storage; the workunit "
+                                      "will be dispatched again", charge=False)
+    try:
+        client = views(blob)
+        check_against_manifest(client, manifest)
+    except (TensorFormatError, ValueError) as exc:
+        return _reject(assignment_id, f"invalid result: {exc}", charge=True)
+    try:
+        base, base_norm = _base_snapshot(storage, snapshot_key(job_id, base_version))
+    except ObjectNotFound:
+        return _reject(assignment_id, f"the snapshot v{base_version} this result started from is gone, so its "
+                                      "update cannot be checked; the workunit will be dispatched again",
+                       charge=False)
+    norm = update_norm(base, client)
+    merge = _guarded(_vc_asgd(spec["assimilation"], epoch, client), r, job_id, spec["assimilation"],
+                     base_version, norm, base_norm)
+    try:
+        outcome = paramstore.merge_once(r, job_id, assignment_id, merge, received_at, update_norm=norm)
+    except Refused as exc:
+        return _reject(assignment_id, str(exc), charge=True)
+    if outcome.applied_now:
+        telemetry.count(r, "merges")
+        if received_at:
+            telemetry.observe_merge_latency(r, time.time() - received_at)
+    return outcome.version
+
+
+def _merge_failed(assignment_id: int, exc: Exception) -> None:
+    """A merge failed for a reason that retrying will not remove: end the assignment, so that
+    nothing queues it again, and fail the job when the cause is the job's own (JobBroken) or when
+    MERGE_FAILURES_BEFORE_JOB_FAILS merges in a row have failed."""
+    db, storage, r = _services()
+    with db.begin() as s:
+        a = s.get(Assignment, assignment_id)
+        job_id = None if a is None else a.job_id
+    cause = str(exc) if isinstance(exc, JobBroken) else f"{type(exc).__name__}: {exc}"
+    log.error("assignment %s: merge failed: %s", assignment_id, cause, exc_info=exc,
+              extra=ids(job_id=job_id, assignment_id=assignment_id))
+    if job_id is None:
+        return
+    version = paramstore.merged_version(r, job_id, assignment_id)
+    if version is not None:
+        _record_merge(assignment_id, version)  # W_s includes it: the ledger says so
+    else:
+        _reject(assignment_id, f"merge failed on the server: {cause}", charge=False)
+    if isinstance(exc, JobBroken):
+        fail_job(db, storage, r, job_id, cause)
+    elif (failures := paramstore.count_merge_failure(r, job_id)) >= MERGE_FAILURES_BEFORE_JOB_FAILS:
+        fail_job(db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}")
 
 
 def restore_server_model(db, storage: Storage, r, job_id: int) -> None:
@@ -123,19 +197,23 @@ def restore_server_model(db, storage: Storage, r, job_id: int) -> None:
                     job_id, snap_version, version, version - snap_version)
 
 
-def _vc_asgd(spec: dict, epoch: int, base_version: int, client: Params):
-    a_spec = spec["assimilation"]
-    alpha = alpha_for_epoch(a_spec["schedule"], a_spec["alpha"], epoch)
+def _vc_asgd(assimilation: dict, epoch: int, client: Params) -> Callable[[Params], Params]:
+    """The merge rule: W_s <- alpha_e * W_s + (1 - alpha_e) * W_c, in place."""
+    alpha = alpha_for_epoch(assimilation["schedule"], assimilation["alpha"], epoch)
+    return lambda server: merge_vc_asgd(server, client, alpha, out=server)
+
+
+def _guarded(rule: Callable[[Params], Params], r, job_id: int, assimilation: dict, base_version: int,
+             norm: float, base_norm: float) -> Callable[[Params, int], Params]:
+    """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates."""
+    bound = UpdateBound.from_spec(assimilation)
 
     def merge(server: Params, version: int) -> Params:
-        if a_spec["max_staleness"] is not None and version - base_version > a_spec["max_staleness"]:
-            raise Refused(f"stale result: based on v{base_version}, W_s is v{version} "
-                          f"(max_staleness {a_spec['max_staleness']})")
-        if a_spec["max_update_norm"] is not None:
-            norm = update_norm(server, client)
-            if norm > a_spec["max_update_norm"]:
-                raise Refused(f"update norm {norm:.3g} exceeds max_update_norm {a_spec['max_update_norm']}")
-        return merge_vc_asgd(server, client, alpha, out=server)
+        refusal = (staleness_refusal(base_version, version, assimilation["max_staleness"])
+                   or norm_refusal(norm, bound, paramstore.recent_update_norms(r, job_id), base_norm))
+        if refusal:
+            raise Refused(refusal)
+        return rule(server)
 
     return merge
 
@@ -164,6 +242,11 @@ def _record_merge(assignment_id: int, version: int) -> None:
     with db.begin() as s:
         a = s.get_one(Assignment, assignment_id, with_for_update=True)
         if a.status == AssignmentStatus.merged.value:
+            return
+        if a.status != AssignmentStatus.uploaded.value:
+            # Ended meanwhile (its job was cancelled or finished): W_s has it, the ledger cannot.
+            log.warning("assignment %s: merged into W_s v%d after it was ended (%s)", assignment_id, version,
+                        a.status, extra=ids(job_id=a.job_id, assignment_id=assignment_id))
             return
         host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see server/results.py
         states.move(a, AssignmentStatus.merged)
@@ -202,12 +285,14 @@ def _publish_snapshot_if_due(job_id: int, sched: dict, version: int) -> None:
             return  # another parameter server published a newer one meanwhile
         job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = current, key, sha256(blob)
         job.snapshot_at = utcnow()
-    # Only the newest few snapshots are kept, and none that a running assignment still starts from.
+    # Only the newest few snapshots are kept, and none that an unmerged assignment started from: its
+    # update is measured against it.
     expired = paramstore.note_snapshot(r, job_id, current, get_settings().snapshots_kept)
     if expired:
         with db.begin() as s:
             in_use = set(s.scalars(select(Assignment.base_version).distinct().where(
-                Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value,
+                Assignment.job_id == job_id,
+                Assignment.status.in_([AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value]),
                 Assignment.base_version.in_(expired))))
         for old in expired:
             if old in in_use:
@@ -223,8 +308,14 @@ def _record_metric(job_id: int, epoch: int, assignment_id: int, model_config: di
             return
         validation_key = s.get_one(Job, job_id).validation_key
     version, params = paramstore.read(r, job_id)
-    x, y = _validation_set(storage, validation_key)
-    loss, acc = evaluate(job_id, model_config, params, x, y)
+    try:
+        x, y = _validation_set(storage, validation_key)
+        loss, acc = evaluate(job_id, model_config, params, x, y)
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        raise JobBroken(f"evaluating W_s v{version} on the job's validation set failed: "
+                        f"{type(exc).__name__}: {exc}") from exc
     with db.begin() as s:
         if s.scalar(select(Metric.id).where(Metric.assignment_id == assignment_id)) is None:
             s.add(Metric(job_id=job_id, epoch=epoch, assignment_id=assignment_id, param_version=version,

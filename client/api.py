@@ -1,20 +1,42 @@
-"""The scheduler's HTTP API as the client sees it, with retries while the server is unreachable."""
+"""The scheduler's HTTP API as the client sees it, with retries while the server is unreachable.
+
+Replies are untrusted: a reply is read up to MAX_REPLY_BYTES and must fit its schema, or it is
+refused as a whole (BadReply); a download comes only from an allowed origin (see client.origins)
+and stops at the size the assignment declared.
+"""
 
 import json
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 from tenacity.stop import stop_base
 
+from client.origins import Origins, check_url_text
 from crowdtrain.schemas import (AssignmentOut, HeartbeatReply, HostRegister, HostRegistered, Resources, ResultMetrics,
                                 WorkReply, WorkRequest)
 
 log = logging.getLogger(__name__)
+
+MAX_REPLY_BYTES = 32 * 2**20  # a work reply of 256 assignments with Keras JSON recipes fits well
+MAX_ASSIGNMENTS_NAMED = 256
+
+
+class BadReply(Exception):
+    """The server's answer is unusable (too large, not JSON, not its schema): refused as a whole.
+
+    `assignment_ids` names the assignments a refused work reply carried, so that the client can
+    hand them back at once instead of leaving them to time out.
+    """
+
+    def __init__(self, message: str, assignment_ids: list[int] = ()):
+        super().__init__(message)
+        self.assignment_ids = list(assignment_ids)
 
 
 class Refused(Exception):
@@ -30,18 +52,63 @@ class Stopping(Exception):
     """The client is shutting down; the request was not made."""
 
 
+class TooLarge(BadReply):
+    """A reply or download longer than the client accepts."""
+
+
+def read_at_most(resp: httpx.Response, limit: int, what: str) -> bytes:
+    """The (decoded) body of a streamed response; TooLarge as soon as it passes `limit` bytes."""
+    declared = resp.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"{what} of {declared} bytes is larger than {limit} bytes")
+    body = bytearray()
+    for chunk in resp.iter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"{what} is larger than {limit} bytes")
+    return bytes(body)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise BadReply(f"{model.__name__} refused: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_input=False)[0]
+    where = ".".join(str(part) for part in err["loc"])
+    return f"{where}: {err['msg']}" + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
+
+
+def _assignment_ids(body: bytes) -> list[int]:
+    """The assignment ids a work reply names, read leniently (the reply itself was refused)."""
+    try:
+        items = json.loads(body).get("assignments", [])
+        ids = [a.get("assignment_id") for a in items[:MAX_ASSIGNMENTS_NAMED] if isinstance(a, dict)]
+    except (ValueError, AttributeError, TypeError):
+        return []
+    return [i for i in ids if type(i) is int]
+
+
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, httpx.TransportError):
         return True
+    if isinstance(exc, Refused):  # our address is throttled (someone there guessed tokens): wait it out
+        return exc.status == 429
     return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
 
 
 class _StopWhenSet(stop_base):
-    def __init__(self, event: threading.Event):
-        self.event = event
+    def __init__(self, *events: threading.Event | None):
+        self.events = [e for e in events if e is not None]
 
     def __call__(self, retry_state: RetryCallState) -> bool:
-        return self.event.is_set()
+        return any(e.is_set() for e in self.events)
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -73,9 +140,11 @@ UPLOAD_CHUNK = 256 * 1024
 
 class SchedulerAPI:
     def __init__(self, server_url: str, stop: threading.Event, timeout: float = 60.0,
-                 max_download_rate: float | None = None, max_upload_rate: float | None = None):
+                 max_download_rate: float | None = None, max_upload_rate: float | None = None,
+                 origins: Origins | None = None):
         self.stop = stop
         self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout)
+        self.origins = origins or Origins.for_scheduler(server_url)
         self.token: str | None = None
         self.downloads = Throttle(max_download_rate)
         self.uploads = Throttle(max_upload_rate)
@@ -83,40 +152,54 @@ class SchedulerAPI:
     def close(self) -> None:
         self.http.close()
 
-    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        headers = {**kwargs.pop("headers", {}), **({"Authorization": f"Bearer {self.token}"} if self.token else {})}
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _request(self, method: str, url: str, give_up: threading.Event | None = None, **kwargs: Any) -> bytes:
+        """The reply's body (at most MAX_REPLY_BYTES); Refused on 4xx, retried on 5xx and transport errors
+        until the client stops or `give_up` is set."""
+        headers = {**kwargs.pop("headers", {}), **self._auth()}
 
         content = kwargs.pop("content", None)
 
         @retry(retry=retry_if_exception(_transient), wait=wait_random_exponential(multiplier=0.5, max=30),
-               stop=_StopWhenSet(self.stop), before_sleep=_log_retry, reraise=True)
-        def attempt() -> httpx.Response:
+               stop=_StopWhenSet(self.stop, give_up), before_sleep=_log_retry, reraise=True)
+        def attempt() -> bytes:
             # A body given as a function is produced anew for each attempt (a generator is used up).
             body = content() if callable(content) else content
-            resp = self.http.request(method, url, headers=headers, content=body, **kwargs)
-            if resp.status_code >= 500:
-                resp.raise_for_status()
+            req = self.http.build_request(method, url, headers=headers, content=body, **kwargs)
+            resp = self.http.send(req, stream=True)
+            try:
+                if resp.status_code >= 500:
+                    resp.raise_for_status()
+                reply = read_at_most(resp, MAX_REPLY_BYTES, f"reply to {method} {url}")
+            finally:
+                resp.close()
             if resp.status_code >= 400:
-                try:
-                    detail = resp.json().get("detail", resp.text)
-                except ValueError:
-                    detail = resp.text
-                raise Refused(resp.status_code, detail if isinstance(detail, str) else json.dumps(detail))
-            return resp
+                raise Refused(resp.status_code, _detail(reply))
+            return reply
 
         return attempt()
 
     def register(self, join_token: str, name: str, resources: Resources) -> HostRegistered:
         body = HostRegister(join_token=join_token, name=name, resources=resources)
-        return HostRegistered.model_validate(self._request("POST", "/v1/hosts", json=body.model_dump()).json())
+        return _parse(HostRegistered, self._request("POST", "/v1/hosts", json=body.model_dump()))
 
-    def request_work(self, free_slots: int, cached: list[str], resources: Resources) -> WorkReply:
+    def request_work(self, free_slots: int, cached: list[str], resources: Resources,
+                     give_up: threading.Event | None = None) -> WorkReply:
+        """The assignments the server hands out; BadReply (with their ids) if any one is unusable.
+
+        Retries stop when `give_up` is set (the client takes no more work: no use waiting for the server).
+        """
         body = WorkRequest(free_slots=free_slots, cached_shards=cached, resources=resources)
-        return WorkReply.model_validate(self._request("POST", "/v1/work", json=body.model_dump()).json())
+        reply = self._request("POST", "/v1/work", give_up, json=body.model_dump())
+        try:
+            return _parse(WorkReply, reply)
+        except BadReply as exc:
+            raise BadReply(str(exc), _assignment_ids(reply)) from None
 
     def heartbeat(self, assignment_id: int) -> HeartbeatReply:
-        return HeartbeatReply.model_validate(
-            self._request("POST", f"/v1/assignments/{assignment_id}/heartbeat").json())
+        return _parse(HeartbeatReply, self._request("POST", f"/v1/assignments/{assignment_id}/heartbeat"))
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}
@@ -131,28 +214,54 @@ class SchedulerAPI:
                       headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(blob))})
 
     def abandon(self, assignment_id: int) -> None:
-        self.http.post(f"/v1/assignments/{assignment_id}/abandon",
-                       headers={"Authorization": f"Bearer {self.token}"}, timeout=5.0)
+        self.http.post(f"/v1/assignments/{assignment_id}/abandon", headers=self._auth(), timeout=5.0)
 
     def report_error(self, assignment_id: int, message: str) -> None:
         self._request("POST", f"/v1/assignments/{assignment_id}/error", json={"message": message[:1000]})
 
-    def download(self, url: str, dest: Path) -> None:
-        """Stream a file to `dest`; `url` is absolute (presigned) or relative to the server."""
+    def download(self, url: str, dest: Path, max_bytes: int) -> None:
+        """Stream a file of at most `max_bytes` to `dest`.
+
+        `url` is relative to the scheduler or absolute (presigned); it is fetched only from an
+        allowed origin (ForbiddenURL otherwise), the host token is sent only to the scheduler, and
+        redirects are not followed.
+        """
+        check_url_text(url)
+        req = self.http.build_request("GET", url)
+        if self.origins.check(req.url) == self.origins.scheduler:
+            req.headers.update(self._auth())
 
         @retry(retry=retry_if_exception(_transient), wait=wait_random_exponential(multiplier=0.5, max=30),
                stop=_StopWhenSet(self.stop), before_sleep=_log_retry, reraise=True)
         def attempt() -> None:
-            headers = {"Authorization": f"Bearer {self.token}"} if url.startswith("/") else {}
-            with self.http.stream("GET", url, headers=headers) as resp:
+            resp = self.http.send(req, stream=True)
+            try:
                 if resp.status_code >= 500:
                     resp.raise_for_status()
-                if resp.status_code >= 400:
-                    resp.read()
-                    raise Refused(resp.status_code, resp.text)
+                if resp.status_code != 200:
+                    raise Refused(resp.status_code, _detail(read_at_most(resp, 64 * 1024, "error reply")))
+                declared = resp.headers.get("Content-Length", "")
+                if declared.isdigit() and int(declared) > max_bytes:
+                    raise TooLarge(f"download of {declared} bytes is larger than the {max_bytes} bytes announced")
+                received = 0
                 with dest.open("wb") as f:
                     for chunk in resp.iter_bytes(1 << 18):
+                        received += len(chunk)
+                        if received > max_bytes:
+                            raise TooLarge(f"download is larger than the {max_bytes} bytes announced")
                         self.downloads.consume(len(chunk))
                         f.write(chunk)
+            finally:
+                resp.close()
 
         attempt()
+
+
+def _detail(body: bytes) -> str:
+    """The message of an error reply: FastAPI's `detail`, else the text, cut short."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        detail = json.loads(text).get("detail", text)
+    except (ValueError, AttributeError):
+        detail = text
+    return (detail if isinstance(detail, str) else json.dumps(detail))[:1000]

@@ -6,11 +6,15 @@ would pass the limit, the least recently used files are deleted first. A file's 
 recency (a hit touches it), so the order survives restarts. Files that running assignments use
 (`in_use`) and files being downloaded are never deleted; if they alone fill the limit the
 download is refused with CacheFull.
+
+A sha256 comes from the server: anything but 64 lowercase hex digits is refused (BadHash) before
+it names a path, so no file outside the cache is ever read, created or deleted.
 """
 
 import hashlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +29,13 @@ class HashMismatch(Exception):
 
 class CacheFull(Exception):
     """The file does not fit under the cache limit even after evicting everything not in use."""
+
+
+class BadHash(ValueError):
+    """A string that is not a sha256 (64 lowercase hex digits) was given as a file's name."""
+
+
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def file_sha256(path: Path) -> str:
@@ -106,6 +117,7 @@ class FileCache:
     def __init__(self, root: Path, budget: CacheBudget | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._resolved_root = self.root.resolve()
         self.budget = budget or CacheBudget(None)
         self.budget.caches.append(self)
         self._locks: dict[str, threading.Lock] = {}
@@ -114,7 +126,13 @@ class FileCache:
         self.hits = 0
 
     def path_for(self, sha256: str) -> Path:
-        return self.root / sha256[:2] / sha256
+        """`root/ab/abcd...`; BadHash unless `sha256` is one and the path stays inside the cache."""
+        if not isinstance(sha256, str) or not SHA256.fullmatch(sha256):
+            raise BadHash(f"{sha256!r:.80} is not a sha256 (64 lowercase hex digits)")
+        path = self.root / sha256[:2] / sha256
+        if not path.resolve().is_relative_to(self._resolved_root):  # a link inside the cache pointing out
+            raise BadHash(f"{path} leads outside the cache {self.root}")
+        return path
 
     def holds(self) -> list[str]:
         return [p.name for p in self.root.glob("??/*") if p.is_file() and len(p.name) == 64]
@@ -128,10 +146,10 @@ class FileCache:
         Concurrent fetches of one file wait for a single download. A hit makes the file the most
         recently used; a download first evicts to make room for `size` bytes (see CacheBudget).
         """
+        path = self.path_for(sha256)
         with self._guard:
             lock = self._locks.setdefault(sha256, threading.Lock())
         with lock:
-            path = self.path_for(sha256)
             if _touch(path):
                 self.hits += 1
                 return path

@@ -8,6 +8,7 @@ The file (default `~/.config/crowdtrain/client.toml`) holds top-level keys named
     idle_minutes = 5
     cache_max_bytes = "20GB"
     daily_download_bytes = "5GB"
+    download_origins = ["https://s3.example.org"]
 
 Every field is also a `crowdtrain client` option (`--idle-minutes 5`), which wins over the file.
 Byte sizes and rates (bytes/s) are integers or strings with a unit (`500MB`, `2GiB`).
@@ -18,7 +19,9 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from client.origins import parse_origin
 
 DEFAULT_PATH = Path("~/.config/crowdtrain/client.toml")
 
@@ -42,6 +45,7 @@ def parse_bytes(value: Any) -> Any:
 
 ByteSize = Annotated[int | None, BeforeValidator(parse_bytes), Field(ge=0)]
 ByteRate = Annotated[int | None, BeforeValidator(parse_bytes), Field(gt=0)]
+DownloadOrigin = Annotated[str, AfterValidator(parse_origin)]
 
 
 class Preferences(BaseModel):
@@ -61,10 +65,17 @@ class Preferences(BaseModel):
     daily_upload_bytes: ByteSize = Field(None, description="Bytes uploaded per UTC day")
     max_download_rate: ByteRate = Field(None, description="Download bandwidth, bytes/s")
     max_upload_rate: ByteRate = Field(None, description="Upload bandwidth, bytes/s")
+    download_origins: list[DownloadOrigin] = Field(
+        default_factory=list, max_length=32,
+        description="Object stores (scheme://host:port) downloads may come from, besides the scheduler and the "
+                    "store it names at registration")
+
+
+OPTION_NAMES = {"download_origins": "--allow-origin"}  # a repeated option, one origin each
 
 
 def option_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    return OPTION_NAMES.get(field, "--" + field.replace("_", "-"))
 
 
 def read_file(path: Path, required: bool) -> dict[str, Any]:

@@ -7,7 +7,6 @@ every assignment that cannot finish before the notice expires. Running assignmen
 journaled and checkpointed, so a client killed outright resumes them when it starts again.
 """
 
-import json
 import logging
 import os
 import signal
@@ -20,23 +19,26 @@ from pathlib import Path
 
 import httpx
 
-from client.api import Refused, SchedulerAPI
-from client.cache import CacheFull
+from client.api import BadReply, Refused, SchedulerAPI
+from client.cache import CacheFull, FileCache
+from client.identity import Identities
 from client.journal import AssignmentJournal, FileCheckpoint
+from client.origins import Origins, learned_origins
 from client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
 from client.preferences import Preferences
-from client.quota import OverDailyCap, counted
+from client.quota import DailyTransfer, OverDailyCap, Reservation, counted
 from client.restraints import Restraints
 from client.status import AssignmentStatus, ClientState, ClientStatus, StatusWriter
 from client.trainers import Cancelled, TrainControl, available_frameworks, train
 from crowdtrain import frameworks as fw
-from crowdtrain.schemas import AssignmentOut, Resources, ResultMetrics
+from crowdtrain.schemas import AssignmentOut, FileRef, Resources, ResultMetrics
 from crowdtrain.tensors import decode, decode_shard, encode
 
 log = logging.getLogger(__name__)
 
 KEEP_SNAPSHOTS = 4
 EWMA_WEIGHT = 0.3  # weight of the newest observation in the running means of task times
+BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work reply that had to be refused
 
 
 @dataclass
@@ -97,9 +99,11 @@ class VolunteerClient:
         self.stop = threading.Event()  # hard stop: no more requests to the server
         self.draining = threading.Event()  # no new work; finish or give back what runs
         self.notice: Notice | None = None
-        self.api = SchedulerAPI(self.server_url, self.stop, max_download_rate=max_download_rate,
-                                max_upload_rate=max_upload_rate)
         self.prefs = preferences or Preferences(tasks=tasks, device=device)
+        self.origins = Origins.for_scheduler(self.server_url, self.prefs.download_origins)  # before registration
+        self.api = SchedulerAPI(self.server_url, self.stop, max_download_rate=max_download_rate,
+                                max_upload_rate=max_upload_rate, origins=self.origins)
+        self.identities = Identities(self.cache_dir / "identity.json")
         self.restraints = Restraints(self.prefs, self.cache_dir, self._files_in_use)
         self.shards, self.snapshots = self.restraints.shards, self.restraints.snapshots
         self.status = StatusWriter(self.cache_dir, self._status)
@@ -117,32 +121,25 @@ class VolunteerClient:
         self.upload_seconds: float | None = None
 
     # -- identity -------------------------------------------------------------------------------
-    def _identity_file(self) -> Path:
-        return self.cache_dir / "identity.json"
-
     def ensure_registered(self) -> None:
-        """Reuse the host token kept on disk for this server, or register with the join token."""
-        path = self._identity_file()
-        ids = json.loads(path.read_text()) if path.is_file() else {}
-        if self.server_url in ids:
-            self.api.token = ids[self.server_url]["host_token"]
-            return
-        self.api.token = None
-        reg = self.api.register(self.join_token, self.name, self.resources)
-        ids[self.server_url] = {"host_id": reg.host_id, "host_token": reg.host_token}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ids))
-        tmp.chmod(0o600)
-        os.replace(tmp, path)
-        self.api.token = reg.host_token
-        log.info("registered with %s as host %s", self.server_url, reg.host_id)
+        """Reuse the host token kept on disk for this server, or register with the join token.
 
-    def _forget_identity(self) -> None:
-        path = self._identity_file()
-        ids = json.loads(path.read_text()) if path.is_file() else {}
-        ids.pop(self.server_url, None)
-        path.write_text(json.dumps(ids))
+        Downloads may then come from the scheduler, the volunteer's allowed origins, and the object
+        store the scheduler named when this host registered.
+        """
+        known = self.identities.get(self.server_url)
+        if known is None:
+            self.api.token = None
+            reg = self.api.register(self.join_token, self.name, self.resources)
+            known = self.identities.save(self.server_url, reg.host_id, reg.host_token,
+                                         learned_origins(reg.download_origins))
+            log.info("registered with %s as host %s", self.server_url, reg.host_id)
+        self.api.token = known["host_token"]
+        learned = frozenset(learned_origins(known.get("download_origins", [])))
+        self.api.origins = Origins(self.origins.scheduler, self.origins.others | learned)
+        if learned:
+            log.info("downloads allowed from %s and %s", self.origins.scheduler,
+                     ", ".join(sorted(self.api.origins.others)))
 
     # -- stopping -------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -203,22 +200,36 @@ class VolunteerClient:
                 self.slot_freed.clear()
                 continue
             try:
-                reply = self.api.request_work(want, self.shards.holds(), self.resources)
+                reply = self.api.request_work(want, self.shards.holds(), self.resources, give_up=self.draining)
             except Refused as exc:
                 if exc.status == 401:
                     log.warning("host token refused (%s); registering again", exc.message)
-                    self._forget_identity()
+                    self.identities.forget(self.server_url)
                     self.ensure_registered()
                     continue
                 raise
-            except httpx.TransportError:
+            except httpx.HTTPError:
                 continue  # retries ended because we are stopping
+            except BadReply as exc:
+                self._refuse_reply(exc)
+                continue
             self.heartbeat_interval = reply.heartbeat_interval
             for a in reply.assignments:
                 self._start(a)
             if not reply.assignments:
                 self.slot_freed.clear()
-                self.slot_freed.wait(reply.retry_after)
+                if not self.draining.is_set():  # a notice that came during the request has set slot_freed
+                    self.slot_freed.wait(reply.retry_after)
+
+    def _refuse_reply(self, exc: BadReply) -> None:
+        """A work reply that cannot be used: hand its assignments back as errors, wait, ask again."""
+        log.warning("work reply refused: %s; asking again in %.0fs", exc, BAD_REPLY_WAIT)
+        for aid in exc.assignment_ids:
+            try:
+                self.api.report_error(aid, f"client refused the assignment: {exc}")
+            except Exception as report_exc:
+                log.warning("assignment %s: could not report the refusal (%s); it will time out", aid, report_exc)
+        self.draining.wait(BAD_REPLY_WAIT)
 
     def _resume_journaled(self) -> None:
         """Take up the assignments an earlier run of this client left behind, if still wanted."""
@@ -232,6 +243,8 @@ class VolunteerClient:
                     keep, reason = reply.keep_going, reply.reason
                 except Refused as exc:
                     keep, reason = False, exc.message
+                except BadReply as exc:
+                    keep, reason = False, str(exc)
             if not keep:
                 log.info("assignment %s: left by an earlier run, not resumed (%s)", a.assignment_id, reason)
                 self.journal.forget(a.assignment_id)
@@ -355,10 +368,8 @@ class VolunteerClient:
         transfer, reservation = self.restraints.transfer, None
         try:
             reservation = self.restraints.reserve(a)
-            snap = self.snapshots.fetch(a.snapshot.sha256, counted(lambda p: self.api.download(a.snapshot.url, p),
-                                                                   transfer, reservation), a.snapshot.size)
-            shard = self.shards.fetch(a.shard.sha256, counted(lambda p: self.api.download(a.shard.url, p),
-                                                              transfer, reservation), a.shard.size)
+            snap = self._fetch(self.snapshots, a.snapshot, transfer, reservation)
+            shard = self._fetch(self.shards, a.shard, transfer, reservation)
             x, y = decode_shard(shard.read_bytes())
             params = decode(snap.read_bytes())
             framework = fw.pick(a.recipe.model, self.resources.frameworks)
@@ -420,6 +431,11 @@ class VolunteerClient:
             self._prune_snapshots()
             self.slot_freed.set()
             self.status.changed()
+
+    def _fetch(self, cache: FileCache, ref: FileRef, transfer: DailyTransfer, reservation: Reservation | None) -> Path:
+        """The verified local copy of `ref`, downloaded (no more than its declared size) if not cached."""
+        download = counted(lambda p: self.api.download(ref.url, p, ref.size), transfer, reservation)
+        return cache.fetch(ref.sha256, download, ref.size)
 
     def _prune_snapshots(self) -> None:
         """Keep the newest few snapshots: each merge publishes a new one, so old ones are never reused."""

@@ -47,14 +47,21 @@ def server(
     run_migrations: Annotated[bool, typer.Option("--migrate/--no-migrate",
                                                  help="Run `alembic upgrade head` before serving")] = True,
 ) -> None:
-    """Run the scheduler."""
+    """Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is optional)."""
     import uvicorn
 
+    from crowdtrain.settings import InsecureSettings, check_secrets, get_settings
+
+    try:
+        check_secrets(get_settings())
+    except InsecureSettings as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
     if run_migrations:
         migrate()
     else:
         _logging()
-    uvicorn.run("server.app:app", host=host, port=port, workers=workers, log_level="warning")
+    uvicorn.run("server.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
 
 
 @app.command()
@@ -105,6 +112,32 @@ def transitioner() -> None:
                 settings.stuck_upload_seconds, enqueue_merge, stop)
 
 
+# The join token is a secret: from the environment or a file, it stays out of `ps`.
+JOIN_TOKEN_ENV = "CROWDTRAIN_CLIENT_JOIN_TOKEN"
+JoinTokenOpt = Annotated[str | None, typer.Option(envvar=JOIN_TOKEN_ENV, show_envvar=True, show_default=False,
+                                                  help="Join token from the project operator (visible in `ps`: "
+                                                       f"prefer {JOIN_TOKEN_ENV} or --join-token-file)")]
+JoinTokenFileOpt = Annotated[Path | None, typer.Option(help="File holding the join token", show_default=False)]
+
+
+def _join_token(token: str | None, token_file: Path | None) -> str:
+    """The join token from --join-token / CROWDTRAIN_CLIENT_JOIN_TOKEN or --join-token-file (exactly one)."""
+    if token and token_file is not None:
+        raise typer.BadParameter(f"give the join token once: --join-token (or {JOIN_TOKEN_ENV}) or "
+                                 "--join-token-file", param_hint="--join-token-file")
+    if token_file is not None:
+        try:
+            token = token_file.expanduser().read_text().strip()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {token_file}: {exc.strerror}", param_hint="--join-token-file")
+        if not token:
+            raise typer.BadParameter(f"{token_file} is empty", param_hint="--join-token-file")
+    if not token:
+        raise typer.BadParameter(f"required: --join-token-file, {JOIN_TOKEN_ENV} or --join-token",
+                                 param_hint="--join-token")
+    return token
+
+
 client_app = typer.Typer(help="The volunteer client: run it, or see what it is doing.")
 app.add_typer(client_app, name="client")
 DEFAULT_CACHE = Path("~/.cache/crowdtrain")
@@ -117,7 +150,8 @@ RateOpt = Annotated[str | None, typer.Option(help="Bytes per second, e.g. 2MB", 
 def client(
     ctx: typer.Context,
     server: Annotated[str | None, typer.Option(help="Scheduler URL")] = None,
-    join_token: Annotated[str | None, typer.Option(help="Join token from the project operator")] = None,
+    join_token: JoinTokenOpt = None,
+    join_token_file: JoinTokenFileOpt = None,
     config: Annotated[Path | None, typer.Option(help="Preferences file (default ~/.config/crowdtrain/client.toml)",
                                                 show_default=False)] = None,
     cache: CacheOpt = DEFAULT_CACHE,
@@ -135,6 +169,9 @@ def client(
     daily_upload_bytes: SizeOpt = None,
     max_download_rate: RateOpt = None,
     max_upload_rate: RateOpt = None,
+    allow_origin: Annotated[list[str] | None, typer.Option(
+        help="Object store (scheme://host:port) to download shards and snapshots from, besides the scheduler "
+             "and the store it names at registration; repeat for more", show_default=False)] = None,
     name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
     max_assignments: Annotated[int | None, typer.Option(help="Exit after this many assignments")] = None,
     prefetch: Annotated[bool, typer.Option(help="Fetch the next assignment's files while training")] = True,
@@ -151,17 +188,19 @@ def client(
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly).
 
-    Preferences (tasks through max-upload-rate) come from the --config file; each one given here
+    Preferences (tasks through allow-origin) come from the --config file; each one given here
     overrides the file.
     """
     if ctx.invoked_subcommand is not None:
         return
-    if not server or not join_token:
-        raise typer.BadParameter("--server and --join-token are required to run the client")
+    if not server:
+        raise typer.BadParameter("required to run the client", param_hint="--server")
+    join_token = _join_token(join_token, join_token_file)
     prefs, resolved = _client_preferences(config, dict(
         tasks=tasks, device=device, threads=threads, idle_only=idle_only, idle_minutes=idle_minutes,
         idle_cpu_percent=idle_cpu_percent, cache_max_bytes=cache_max_bytes, daily_download_bytes=daily_download_bytes,
-        daily_upload_bytes=daily_upload_bytes, max_download_rate=max_download_rate, max_upload_rate=max_upload_rate))
+        daily_upload_bytes=daily_upload_bytes, max_download_rate=max_download_rate, max_upload_rate=max_upload_rate,
+        download_origins=allow_origin or None))
     from client.trainers import limit_threads
     from client.worker import VolunteerClient
 
@@ -227,8 +266,9 @@ def _client_frameworks(option: str | None) -> list[str]:
 @app.command()
 def peer(
     server: Annotated[str, typer.Option(help="Scheduler URL")],
-    join_token: Annotated[str, typer.Option(help="Join token from the project operator")],
     job: Annotated[int, typer.Option(help="The dedloc job to train")],
+    join_token: JoinTokenOpt = None,
+    join_token_file: JoinTokenFileOpt = None,
     name: Annotated[str, typer.Option(help="Host name shown to the operator")] = "dedloc-peer",
     relayed: Annotated[bool, typer.Option(help="This peer cannot accept connections (NAT): the server "
                                                "reduces for it")] = False,
@@ -241,6 +281,7 @@ def peer(
     kill_at: Annotated[str | None, typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT")] = None,
 ) -> None:
     """Run a peer of a synchronous DeDLOC job until the job finishes."""
+    join_token = _join_token(join_token, join_token_file)
     import torch
 
     from client.dedloc.api import PeerAPI
@@ -286,16 +327,26 @@ def _check(resp) -> dict:
 
 @job_app.command("submit")
 def job_submit(spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
-    """Submit a job spec (YAML or JSON); prints the new job's id."""
+    """Submit a job spec (YAML or JSON); prints the new job's id.
+
+    A relative `npz:PATH` dataset is resolved against the spec file's folder and sent as an
+    absolute path, which the scheduler reads on its own machine."""
     from pydantic import ValidationError
 
     from crowdtrain.jobspec import load_job_spec
+    from crowdtrain.specfile import SpecFileError
 
+    notes: list[str] = []
     try:
-        parsed = load_job_spec(spec)
+        parsed = load_job_spec(spec, notes)
+    except SpecFileError as exc:  # its one line names the file
+        typer.echo(f"invalid job spec: {exc}", err=True)
+        raise typer.Exit(2) from None
     except (OSError, ValueError, ValidationError) as exc:
         typer.echo(f"invalid job spec {spec}: {exc}", err=True)
         raise typer.Exit(2) from None
+    for note in notes:
+        typer.echo(note, err=True)
     with _admin(server, admin_token) as http:
         created = _check(http.post("/v1/jobs", json=parsed.model_dump(mode="json")))
     typer.echo(json.dumps(created))

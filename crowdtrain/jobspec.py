@@ -1,19 +1,70 @@
 """The job spec: what an operator submits (YAML or JSON), validated with clear errors."""
 
 import json
-from pathlib import Path
-from typing import Any, Literal
+from pathlib import Path, PurePath
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from crowdtrain.frameworks import KERAS_MODEL, ZOO_PORTS
+from crowdtrain.specfile import SpecFileError, load_yaml, read_bounded
 
 ZOO_MODELS = ("mlp", "cnn1d", "resnet")
+VC_ASGD = "vc-asgd"  # the one job mode whose work is epochs of workunits
+DEDLOC = "dedloc"  # synchronous rounds of peers (server.dedloc); never workunits
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Bounds that keep a zoo model buildable at all; whether it fits the upload limit is checked at
+# submission by building it without memory (crowdtrain.zoo.check_model).
+MAX_WIDTH = 65_536
+MAX_DEPTH = 64
+# Builder arguments the scheduler sets itself, never options, and where each comes from.
+BUILDER_ARGUMENTS = {"seed": "the job's top-level seed", "name": "model.name",
+                     "input_shape": "the dataset's examples", "num_classes": "the dataset's labels (dataset.classes)"}
+MAX_KERAS_JSON_BYTES = 8 * 1024 * 1024
+
+
+class MLPOptions(_Strict):
+    hidden: list[Annotated[StrictInt, Field(ge=1, le=MAX_WIDTH)]] = Field([256, 256], max_length=MAX_DEPTH,
+                                                                          description="Hidden layer widths")
+
+
+class CNN1DOptions(_Strict):
+    channels: StrictInt = Field(32, ge=1, le=MAX_WIDTH)
+    kernel_size: StrictInt = Field(5, ge=1, le=4096)
+    layers: StrictInt = Field(3, ge=1, le=MAX_DEPTH, description="Each but the last halves the length")
+
+
+class ResNetOptions(_Strict):
+    width: StrictInt = Field(16, ge=1, le=MAX_WIDTH)
+    blocks: StrictInt = Field(2, ge=1, le=MAX_DEPTH)
+
+
+# The keyword options of each zoo builder (crowdtrain.zoo, crowdtrain.zoo_keras); a test keeps
+# these in step with the builders' signatures.
+ZOO_OPTIONS: dict[str, type[_Strict]] = {"mlp": MLPOptions, "cnn1d": CNN1DOptions, "resnet": ResNetOptions}
+
+
+def check_zoo_options(model: str, options: dict[str, Any]) -> None:
+    """Raise ValueError naming `model.options.KEY` and the problem, for options the builder of
+    `model` cannot take: an argument the scheduler sets itself, an unknown key, a bad value."""
+    schema = ZOO_OPTIONS[model]
+    for key in options:
+        if key in BUILDER_ARGUMENTS:
+            raise ValueError(f"model.options.{key}: not an option of {model!r}: the scheduler sets it "
+                             f"from {BUILDER_ARGUMENTS[key]}")
+        if key not in schema.model_fields:
+            raise ValueError(f"model.options.{key}: not an option of {model!r}; it takes "
+                             f"{', '.join(schema.model_fields)}")
+    try:
+        schema.model_validate(options)
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"model.options.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                   for e in exc.errors(include_url=False))) from None
 
 
 class ModelSpec(_Strict):
@@ -30,19 +81,37 @@ class ModelSpec(_Strict):
             raise ValueError("model.keras (a Keras model JSON) is given exactly when model.name is 'keras'")
         if self.keras is not None and self.options:
             raise ValueError("model.options are for zoo models; a Keras JSON model has its settings inside")
+        if self.name in ZOO_OPTIONS:
+            check_zoo_options(self.name, self.options)
         return self
 
 
+MAX_CLASSES = 100_000
+
+
 class DatasetSpec(_Strict):
-    source: str = Field(..., description="builtin:mnist1d or npz:PATH")
+    source: str = Field(..., description="builtin:mnist1d, or npz:PATH with an absolute PATH on the scheduler's "
+                                         "machine (`crowdtrain job submit` resolves a relative one against the "
+                                         "spec file's folder)")
     subsets: int = Field(10, ge=1, le=100_000, description="Number of training shards")
     validation_fraction: float = Field(0.2, gt=0, lt=1, description="Used when the npz has no x_val/y_val")
+    classes: int | None = Field(None, ge=2, le=MAX_CLASSES, description="Number of classes; labels must lie in "
+                                                                        "[0, classes). Default: largest label + 1")
 
     @model_validator(mode="after")
     def _known_source(self) -> "DatasetSpec":
         if self.source != "builtin:mnist1d" and not self.source.startswith("npz:"):
             raise ValueError(f"dataset.source must be 'builtin:mnist1d' or 'npz:PATH', got {self.source!r}")
+        path = self.npz_path
+        if path is not None and not PurePath(path).is_absolute():
+            raise ValueError(f"dataset.source: {path!r} is a relative path, but the scheduler reads dataset files "
+                             "on its own machine: give an absolute path (`crowdtrain job submit` resolves a "
+                             "relative one against the spec file's folder)")
         return self
+
+    @property
+    def npz_path(self) -> str | None:
+        return self.source[len("npz:"):] if self.source.startswith("npz:") else None
 
 
 class TrainingSpec(_Strict):
@@ -59,7 +128,16 @@ class AssimilationSpec(_Strict):
     schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
     alpha: float = Field(0.7, ge=0, lt=1)
     max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
-    max_update_norm: float | None = Field(None, gt=0, description="Reject results with ||W_c - W_s|| above this")
+    max_update_norm: float | None = Field(None, gt=0, description="Reject results whose update ||W_c - W_base|| "
+                                                                  "(against the snapshot the host started from) "
+                                                                  "is above this")
+    update_norm_factor: float | None = Field(
+        10.0, gt=1, description="Reject results whose update ||W_c - W_base|| exceeds this many times the median "
+                                "norm of the job's recently accepted updates (or, until update_norm_warmup updates "
+                                "are accepted, this many times max(||W_base||, 1)); null turns the relative bound "
+                                "off. Honest updates of one job vary by a factor of 2-3; a hostile one is larger")
+    update_norm_warmup: int = Field(5, ge=1, le=1000, description="Accepted updates needed before the bound follows "
+                                                                  "their median")
 
 
 class StopSpec(_Strict):
@@ -106,7 +184,7 @@ class DedlocSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=200)
-    mode: Literal["vc-asgd", "dedloc"] = "vc-asgd"
+    mode: Literal["vc-asgd", "dedloc"] = VC_ASGD
     framework: Literal["pytorch", "tensorflow"] = Field(
         "pytorch", description="The framework the job is written for; clients with another framework that "
                                "ports the zoo model may train it too (the parameter layout is shared)")
@@ -149,20 +227,31 @@ class JobSpec(_Strict):
         return self
 
 
-def load_job_spec(path: Path) -> JobSpec:
-    """Read a YAML or JSON job spec file; raises pydantic.ValidationError or ValueError.
+def load_job_spec(path: Path, notes: list[str] | None = None) -> JobSpec:
+    """Read a YAML or JSON job spec file; raises pydantic.ValidationError or ValueError (one line
+    for a file that cannot be read or parsed: see crowdtrain.specfile for the bounds).
 
-    `model.keras_file: PATH` (relative to the spec file) is read into `model.keras`.
+    `model.keras_file: PATH` (relative to the spec file) is read into `model.keras`. A relative
+    `dataset.source: npz:PATH` is resolved against the spec file's folder, since the scheduler
+    reads it on its own machine; that is said in `notes`.
     """
     path = Path(path)
-    data = yaml.safe_load(path.read_text())
+    data = load_yaml(path)
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a job spec is a mapping, got {type(data).__name__}")
+        raise SpecFileError(f"{path}: a job spec is a mapping, got {type(data).__name__}")
     model = data.get("model")
     if isinstance(model, dict) and "keras_file" in model:
         keras_path = path.parent / str(model.pop("keras_file"))
         try:
-            model["keras"] = json.loads(keras_path.read_text())
+            model["keras"] = json.loads(read_bounded(keras_path, MAX_KERAS_JSON_BYTES))
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{keras_path}: not JSON: {exc}") from None
+            raise SpecFileError(f"{keras_path}: not JSON: {exc}") from None
+    dataset = data.get("dataset")
+    source = dataset.get("source") if isinstance(dataset, dict) else None
+    if isinstance(source, str) and source.startswith("npz:") and not Path(source[4:]).is_absolute():
+        resolved = (path.parent / Path(source[4:]).expanduser()).resolve()
+        dataset["source"] = f"npz:{resolved}"
+        if notes is not None:
+            notes.append(f"dataset.source: {source!r} is read relative to the spec file, as {resolved} "
+                         "(the scheduler reads that path on its own machine)")
     return JobSpec.model_validate(data)

@@ -29,10 +29,24 @@ def merge_log(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:merge-log"
 
 
+def update_norms(job_id: int) -> str:
+    """List of the norms ||W_c - W_base|| of recently merged updates, newest first (assimilator.policy)."""
+    return f"{PREFIX}:job:{job_id}:update-norms"
+
+
+def merge_failures(job_id: int) -> str:
+    """Count of merges in a row that failed for a reason that will not go away (reset by a merge)."""
+    return f"{PREFIX}:job:{job_id}:merge-failures"
+
 
 def snapshots(job_id: int) -> str:
     """List of published snapshot versions, newest first (for retention)."""
     return f"{PREFIX}:job:{job_id}:snapshots"
+
+
+def auth_failures(address: str) -> str:
+    """Counter of failed authentications from one client address in the current window (server.throttle)."""
+    return f"{PREFIX}:auth-failures:{address}"
 
 
 METRIC_COUNTERS = f"{PREFIX}:metrics:counters"  # hash: event name -> count, shared by every process

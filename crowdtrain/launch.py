@@ -2,6 +2,7 @@
 parameter servers and clients. Used by `crowdtrain demo` and by the integration tests."""
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -148,8 +149,9 @@ class Cluster:
     assimilator_concurrency: int = 2
     server_workers: int = 1
     redis_appendonly: bool = False
-    admin_token: str = "demo-admin"
-    join_token: str = "demo-join"
+    # Random per cluster: the scheduler refuses published tokens, and a demo's must not be guessable either.
+    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    join_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     extra_env: dict[str, str] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
     clients: list[Service] = field(default_factory=list)
@@ -203,24 +205,31 @@ class Cluster:
         except httpx.HTTPError:
             return False
 
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a client or peer process gets: the join token in its environment (not its argv, which
+        `ps` shows), and none of the scheduler's secrets."""
+        env = {k: v for k, v in self.env.items() if k not in ("CROWDTRAIN_ADMIN_TOKEN", "CROWDTRAIN_JOIN_TOKEN")}
+        return env | {"CROWDTRAIN_CLIENT_JOIN_TOKEN": self.join_token}
+
     def start_client(self, name: str, tasks: int = 2, *extra: str) -> Service:
         cache = self.var_dir / "clients" / name
         # An empty preferences file of its own: the user's ~/.config/crowdtrain/client.toml must not apply.
         config = self.var_dir / "clients" / f"{name}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.touch()
-        svc = Service(name, crowdtrain_argv("client", "--server", self.url, "--join-token", self.join_token,
-                                            "--tasks", str(tasks), "--cache", str(cache), "--name", name,
-                                            "--threads", "1", "--config", str(config), *extra),
-                      self.env, self.var_dir / "logs" / f"{name}.log").start()
+        svc = Service(name, crowdtrain_argv("client", "--server", self.url, "--tasks", str(tasks), "--cache",
+                                            str(cache), "--name", name, "--threads", "1", "--config", str(config),
+                                            *extra),
+                      self.client_env, self.var_dir / "logs" / f"{name}.log").start()
         self.clients.append(svc)
         return svc
 
     def start_peer(self, name: str, job_id: int, *extra: str) -> Service:
         """A DeDLOC peer process (`crowdtrain peer`) for `job_id`."""
-        svc = Service(name, crowdtrain_argv("peer", "--server", self.url, "--join-token", self.join_token,
-                                            "--job", str(job_id), "--name", name, "--threads", "1", *extra),
-                      self.env, self.var_dir / "logs" / f"{name}.log").start()
+        svc = Service(name, crowdtrain_argv("peer", "--server", self.url, "--job", str(job_id), "--name", name,
+                                            "--threads", "1", *extra),
+                      self.client_env, self.var_dir / "logs" / f"{name}.log").start()
         self.clients.append(svc)
         return svc
 
@@ -239,7 +248,12 @@ class Cluster:
         return next(s for s in self.services + self.clients if s.name == name)
 
     def stop(self) -> None:
-        for svc in reversed(self.clients + self.services):
+        """Clients (and peers) first, all at once, while the scheduler can still take back their work;
+        then the services, last started first. A client stopped after the scheduler would retry
+        against it until killed."""
+        for client in self.clients:
+            client.signal(signal.SIGTERM)
+        for svc in reversed(self.services + self.clients):
             svc.stop()
 
 

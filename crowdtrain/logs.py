@@ -7,9 +7,29 @@ fields, so a log pipeline can follow one workunit or assignment across every pro
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 
 ID_FIELDS = ("job_id", "epoch", "workunit_id", "assignment_id", "host_id")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+# Control characters (CR, LF, ESC, ...) and the Unicode line separators, as visible escapes: text
+# from clients (names, messages, paths) must not start a forged line or drive the terminal.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f]} | {0x0a: "\\n", 0x0d: "\\r", 0x09: "\\t"} \
+    | {c: f"\\u{c:04x}" for c in (0x85, 0x2028, 0x2029)}
+
+
+def escape(text: str) -> str:
+    """`text` on one line: control characters become visible escapes."""
+    return text.translate(_ESCAPES)
+
+
+class TextFormatter(logging.Formatter):
+    """TEXT_FORMAT lines whose message is escaped; the traceback after it keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.message)
+        return super().formatMessage(record)
 
 
 def ids(**fields: int | None) -> dict:
@@ -19,7 +39,8 @@ def ids(**fields: int | None) -> dict:
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+        ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        out = {"ts": ts, "level": record.levelname,
                "logger": record.name, "message": record.getMessage()}
         out.update({k: getattr(record, k) for k in ID_FIELDS if hasattr(record, k)})
         if record.exc_info:
@@ -29,7 +50,7 @@ class JsonFormatter(logging.Formatter):
 
 def configure(fmt: str = "text", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -1,14 +1,51 @@
-"""Wire schemas: one pydantic model per request and per response of the `/v1` API."""
+"""Wire schemas: one pydantic model per request and per response of the `/v1` API.
 
-from datetime import datetime
-from typing import Any, Literal
+Untrusted input is typed here once: request bodies are strict (no `false` for 0, no "3" for 3),
+floats are finite, and every integer that reaches the database is bounded to its column, so that no
+value a client sends can overflow a driver. Datetimes leave the server as UTC with an offset.
+"""
 
-from pydantic import BaseModel, Field
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+import annotated_types as at
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Database ids (path parameters, body fields): non-negative and within a 64-bit column, so that a
+# larger value is a 422 instead of an OverflowError from the driver.
+Id = Annotated[int, at.Interval(ge=0, le=INT64_MAX)]
+Count = Annotated[int, at.Interval(ge=0, le=INT32_MAX)]
+Bytes = Annotated[int, at.Interval(ge=0, le=INT64_MAX)]
+Finite = Annotated[float, AllowInfNan(False)]
+# A file's content address; clients name cache files by it, so nothing else may pass for one.
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
-class Resources(BaseModel):
-    cpus: int = Field(0, ge=0)
-    ram_bytes: int = Field(0, ge=0)
+def _as_utc(value: datetime) -> datetime:
+    # The database stores naive UTC; the wire always says so.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+
+
+class WireRequest(BaseModel):
+    """A JSON request body: strict types and finite floats."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class ErrorOut(BaseModel):
+    """Every 4xx/5xx answer of the API."""
+
+    detail: str = Field(..., description="What was wrong, naming the field or resource")
+
+
+class Resources(WireRequest):
+    cpus: Count = 0
+    ram_bytes: Bytes = 0
     gpu: str = Field("", max_length=200)
     device: str = Field("cpu", max_length=50)
     frameworks: list[Literal["pytorch", "tensorflow"]] = Field(
@@ -16,7 +53,7 @@ class Resources(BaseModel):
         description="Frameworks the client trains with (clients from before this field had PyTorch only)")
 
 
-class HostRegister(BaseModel):
+class HostRegister(WireRequest):
     join_token: str = Field(..., min_length=1, max_length=500)
     name: str = Field(..., min_length=1, max_length=200)
     resources: Resources = Field(default_factory=Resources)
@@ -24,10 +61,14 @@ class HostRegister(BaseModel):
 
 class HostRegistered(BaseModel):
     host_id: int
-    host_token: str
+    host_token: str = Field(..., max_length=500)
+    download_origins: list[Annotated[str, Field(max_length=300)]] = Field(
+        default_factory=list, max_length=8,
+        description="Origins (scheme://host:port) of the object store that presigned shard and snapshot URLs "
+                    "name; the client pins them at registration")
 
 
-class JoinTokenCreate(BaseModel):
+class JoinTokenCreate(WireRequest):
     label: str = Field(..., min_length=1, max_length=200, description="Who the token is for")
 
 
@@ -40,7 +81,7 @@ class JoinTokenCreated(BaseModel):
 class JoinTokenPublic(BaseModel):
     id: int
     label: str
-    created_at: datetime
+    created_at: UtcDatetime
     revoked: bool
     hosts_registered: int
 
@@ -51,8 +92,8 @@ class HostPublic(BaseModel):
     device: str
     cpus: int
     gpu: str
-    created_at: datetime
-    last_seen: datetime
+    created_at: UtcDatetime
+    last_seen: UtcDatetime
     revoked: bool
     results_valid: int
     results_failed: int
@@ -60,17 +101,17 @@ class HostPublic(BaseModel):
     mean_turnaround: float | None
 
 
-class WorkRequest(BaseModel):
+class WorkRequest(WireRequest):
     free_slots: int = Field(..., ge=0, le=256)
     resources: Resources | None = None
-    cached_shards: list[str] = Field(default_factory=list, max_length=100_000,
+    cached_shards: list[Sha256] = Field(default_factory=list, max_length=100_000,
                                      description="sha256 of the shards in the host's cache")
 
 
 class FileRef(BaseModel):
-    url: str
-    sha256: str
-    size: int
+    url: str = Field(..., max_length=4096, description="Relative to the scheduler, or presigned on the object store")
+    sha256: Sha256
+    size: int = Field(..., ge=0, description="Bytes; a client stops a download that runs past it")
 
 
 class Recipe(BaseModel):
@@ -89,7 +130,7 @@ class AssignmentOut(BaseModel):
     epoch: int
     shard_index: int
     base_version: int
-    deadline: datetime
+    deadline: UtcDatetime
     recipe: Recipe
     shard: FileRef
     snapshot: FileRef
@@ -107,8 +148,12 @@ class HeartbeatReply(BaseModel):
 
 
 class ResultMetrics(BaseModel):
+    """Metrics of an upload; they ride in its query string (so not strict: query values are text)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
     train_loss: float | None = None
-    examples: int | None = Field(None, ge=0)
+    examples: Count | None = None
     seconds: float | None = Field(None, ge=0)
 
 
@@ -117,7 +162,7 @@ class ResultAccepted(BaseModel):
     status: str
 
 
-class ClientError(BaseModel):
+class ClientError(WireRequest):
     message: str = Field(..., max_length=1000)
 
 

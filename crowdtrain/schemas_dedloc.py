@@ -4,10 +4,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from crowdtrain.schemas import INT32_MAX, INT64_MAX, WireRequest
+
 PEER_ID = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class PeerJoin(BaseModel):
+class PeerJoin(WireRequest):
     relayed: bool = Field(False, description="The peer cannot accept connections (NAT): the server reduces for it")
 
 
@@ -20,7 +22,7 @@ class ShardRef(BaseModel):
 
 
 class PeerJoined(BaseModel):
-    peer_id: str
+    peer_id: str = Field(..., pattern=PEER_ID, description="The peer names its parts and rounds with it in URLs")
     job_id: int
     recipe: dict[str, Any] = Field(..., description="model config, dedloc spec, seed, max_steps")
     shards: list[ShardRef]
@@ -28,11 +30,11 @@ class PeerJoined(BaseModel):
     state_step: int = Field(..., description="The newest uploaded state: parameters at the start of this step")
 
 
-class Progress(BaseModel):
+class Progress(WireRequest):
     peer_id: str = Field(..., pattern=PEER_ID)
-    step: int = Field(..., ge=-1, description="The step the peer accumulates for; -1 before its first state")
+    step: int = Field(..., ge=-1, le=INT32_MAX, description="The step the peer accumulates for; -1 before its first state")
     examples: int = Field(0, ge=0, le=1_000_000_000, description="Examples accumulated for `step`")
-    attempt: int | None = Field(None, ge=0, description="The attempt the peer last reduced in, if any")
+    attempt: int | None = Field(None, ge=0, le=INT32_MAX, description="The attempt the peer last reduced in, if any")
     params_digest: str | None = Field(None, max_length=64, description="sha256 of the peer's parameters at `step`")
 
 
@@ -65,20 +67,20 @@ class ProgressReply(BaseModel):
     message: str = ""
 
 
-class RoundReport(BaseModel):
+class RoundReport(WireRequest):
     peer_id: str = Field(..., pattern=PEER_ID)
     ok: bool
     result_digest: str = Field("", max_length=64)
     message: str = Field("", max_length=1000)
 
 
-class StoreOp(BaseModel):
+class StoreOp(WireRequest):
     """One torch.distributed Store call (values base64-encoded)."""
 
     peer_id: str = Field(..., pattern=PEER_ID)
     key: str = Field("", max_length=500)
     value: str | None = Field(None, max_length=1_000_000)
-    amount: int = 0
+    amount: int = Field(0, ge=-INT64_MAX, le=INT64_MAX, description="add: the increment (a 64-bit counter)")
     expected: str | None = Field(None, max_length=1_000_000)
     keys: list[str] = Field(default_factory=list, max_length=10_000)
     wait: float = Field(0.0, ge=0, le=5, description="get/check: seconds the server may wait for the key(s)")

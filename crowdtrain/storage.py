@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 
 class ObjectNotFound(KeyError):
@@ -119,6 +119,19 @@ class S3Storage:
         """A short-lived GET URL: clients download from S3 directly, not through the scheduler."""
         return self.public.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": self._key(key)},
                                                   ExpiresIn=expires_seconds)
+
+
+def download_origin(storage: Storage) -> str | None:
+    """`scheme://host[:port]` of the presigned URLs `storage` hands out (None: it hands out none).
+
+    Clients learn it at registration and download only from it and the scheduler. Presigning is
+    local (no request), and one URL tells the origin of all: the bucket is part of it, not the key.
+    """
+    url = storage.presigned_url("origin", 60)
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def open_storage(url: str, endpoint_url: str | None = None, public_endpoint_url: str | None = None) -> Storage:

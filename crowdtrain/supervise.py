@@ -20,7 +20,11 @@ STABLE_AFTER_SECONDS = 60.0  # a child that ran this long resets the backoff
 
 
 def supervise(argv: list[str], name: str) -> int:
-    """Run `argv` until it exits 0 or we get SIGTERM/SIGINT (passed on to it); returns its exit code."""
+    """Run `argv` until we get SIGTERM/SIGINT (passed on to it); returns its last exit code.
+
+    A child that exits by itself is started again whatever its status: a Celery worker that hit an
+    unrecoverable broker error has been seen to exit 0, and a merge service must not stay down.
+    """
     stopping = threading.Event()
     child: subprocess.Popen | None = None
 
@@ -36,7 +40,7 @@ def supervise(argv: list[str], name: str) -> int:
         started = time.monotonic()
         child = subprocess.Popen(argv)
         rc = child.wait()
-        if stopping.is_set() or rc == 0:
+        if stopping.is_set():
             return rc
         backoff = 1.0 if time.monotonic() - started > STABLE_AFTER_SECONDS else min(backoff * 2, MAX_BACKOFF_SECONDS)
         log.warning("%s exited with status %s; starting it again in %.0fs", name, rc, backoff)

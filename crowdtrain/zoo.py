@@ -119,6 +119,40 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, seed: i
         raise ValueError(f"bad options for model {name!r}: {exc}") from exc
 
 
+def check_model(name: str, input_shape: Sequence[int], num_classes: int, options: dict,
+                max_bytes: int) -> int:
+    """The bytes of a zoo model's parameters (its state_dict as float32), after checking that they
+    are at most `max_bytes` and that the model maps a batch of `input_shape` examples to
+    `num_classes` logits; raises ValueError naming the problem.
+
+    Built on PyTorch's meta device: shapes without memory, so a model of a terabyte is refused
+    without allocating it, and the forward pass computes nothing.
+    """
+    try:
+        with torch.device("meta"):
+            model = build_model(name, input_shape, num_classes, **options)
+    except ValueError:
+        raise
+    except Exception as exc:  # a builder's own refusal of its arguments
+        raise ValueError(f"model: {name!r} cannot be built with options {options}: {_first_line(exc)}") from None
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if nbytes > max_bytes:
+        raise ValueError(f"model: {name!r} with options {options} has {nbytes:,} bytes of parameters, more than "
+                         f"the scheduler accepts in one upload ({max_bytes:,} bytes, upload_max_bytes)")
+    try:
+        out = model(torch.zeros((2, *input_shape), device="meta"))
+    except Exception as exc:
+        raise ValueError(f"model: {name!r} with options {options} cannot take the dataset's examples shaped "
+                         f"{tuple(input_shape)}: {_first_line(exc)}") from None
+    if tuple(out.shape) != (2, num_classes):
+        raise ValueError(f"model: {name!r} outputs shape {tuple(out.shape)[1:]}, the dataset needs ({num_classes},)")
+    return nbytes
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def state_to_numpy(model: nn.Module) -> Params:
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
 

@@ -1,15 +1,27 @@
-"""The FastAPI scheduler application."""
+"""The FastAPI scheduler application.
+
+Served as `uvicorn --factory server.app:create_app` (what `crowdtrain server` runs) or as
+`uvicorn server.app:app`; either way the app is built only once it is served, and refuses to be
+built with missing or published tokens (crowdtrain.settings.check_secrets).
+"""
 
 from fastapi import FastAPI
 
 from crowdtrain import logs
-from crowdtrain.settings import get_settings
+from crowdtrain.settings import Settings, check_secrets, get_settings
 
+from server import boundary
 from server.routes import admin, dedloc, files, hosts, jobs, metrics, work
 
 
-def create_app() -> FastAPI:
-    app = FastAPI(title="crowdtrain scheduler", version="0.1.0")
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The scheduler; `settings` replace the environment's (tests). Raises InsecureSettings."""
+    settings = settings or get_settings()
+    check_secrets(settings)
+    logs.configure(settings.log_format)
+    app = FastAPI(title="crowdtrain scheduler", version="0.1.0", responses=boundary.ERROR_RESPONSES)
+    boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
+    app.dependency_overrides[get_settings] = lambda: settings
     for module in (hosts, work, files, jobs, admin, metrics):
         app.include_router(module.router)
     app.include_router(dedloc.router)
@@ -22,5 +34,9 @@ def create_app() -> FastAPI:
     return app
 
 
-logs.configure(get_settings().log_format)
-app = create_app()
+def __getattr__(name: str) -> FastAPI:
+    # `server.app:app` is built on first access (PEP 562), not on import: importing this module for
+    # create_app must not need the scheduler's secrets.
+    if name == "app":
+        return create_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ from crowdtrain.jobspec import DedlocSpec
 from crowdtrain.schemas_dedloc import PeerJoined, Progress, ProgressReply, RoundPlanOut, ShardRef, StoreOp, StoreReply
 from crowdtrain.storage import Storage
 from crowdtrain.tensors import check_against_manifest, decode, decode_shard, encode, sha256
-from server import dedloc, states
+from server import access, dedloc, states
 from server.dedloc import NotAMember, Round, RoundGone
 from server.models import Job, Metric, Shard, utcnow
 from server.states import JobStatus
@@ -353,10 +353,11 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
     return "stored"
 
 
-def latest_state(r: redis.Redis, storage: Storage, job_id: int) -> tuple[int, bytes]:
+def latest_state(r: redis.Redis, storage: Storage, job_id: int, host_id: int) -> tuple[int, bytes]:
+    """The newest state, for members of the job's collaboration only (others get the missing job's 404)."""
     rnd = dedloc.load(r, job_id)
-    if rnd is None:
-        raise DedlocProblem(404, f"job {job_id} has no DeDLOC state")
+    if rnd is None or not access.is_collaboration_member(r, job_id, host_id):
+        raise DedlocProblem(404, f"the DeDLOC state of job {job_id} does not exist or you have not joined the job")
     return rnd.state_step, storage.get(state_key(job_id, rnd.state_step))
 
 

@@ -1,4 +1,5 @@
-"""FastAPI dependencies: settings, database, storage, Redis, and the two kinds of caller."""
+"""FastAPI dependencies: settings, database, storage, Redis, and the two kinds of caller (failed
+authentication is throttled per client address: server.throttle)."""
 
 import hmac
 import threading
@@ -7,7 +8,7 @@ from functools import wraps
 from typing import Annotated
 
 import redis
-from fastapi import Depends, HTTPException, status
+from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -16,6 +17,7 @@ from crowdtrain.settings import Settings, get_settings
 from crowdtrain.storage import Storage, open_storage
 from server.db import session_factory
 from server.hosts import NotAuthorized, authenticate_host
+from server.throttle import FailureBudget, Throttled
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
@@ -68,17 +70,36 @@ def _unauthorized(message: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
 
 
-def current_host(creds: BearerDep, db: DbDep) -> int:
+def failure_budget(request: Request, r: RedisDep, settings: SettingsDep) -> FailureBudget:
+    """The caller's address's budget of failed authentications; answers 429 at once if it is used up."""
+    address = request.client.host if request.client else "unknown"
+    budget = FailureBudget(r, address, settings.auth_failures_per_minute)
+    try:
+        budget.check()
+    except Throttled as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc),
+                            headers={"Retry-After": str(exc.retry_after)}) from None
+    return budget
+
+
+FailureBudgetDep = Annotated[FailureBudget, Depends(failure_budget)]
+
+
+def current_host(creds: BearerDep, db: DbDep, budget: FailureBudgetDep) -> int:
     if creds is None:
         raise _unauthorized("missing host token (Authorization: Bearer ...)")
     try:
         return authenticate_host(db, creds.credentials)
     except NotAuthorized as exc:
+        budget.spend()
         raise _unauthorized(str(exc)) from None
 
 
-def require_admin(creds: BearerDep, settings: SettingsDep) -> None:
-    if creds is None or not hmac.compare_digest(creds.credentials.encode(), settings.admin_token.encode()):
+def require_admin(creds: BearerDep, settings: SettingsDep, budget: FailureBudgetDep) -> None:
+    if creds is None:
+        raise _unauthorized("admin token required")
+    if not settings.admin_token or not hmac.compare_digest(creds.credentials.encode(), settings.admin_token.encode()):
+        budget.spend()
         raise _unauthorized("admin token required")
 
 

@@ -7,6 +7,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain import frameworks
+from crowdtrain.jobspec import VC_ASGD
 from crowdtrain.logs import ids
 from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
 from crowdtrain.storage import Storage
@@ -80,7 +81,9 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
                 host.frameworks = declared
         if free_slots == 0:
             return []
-        jobs = [job for job in s.scalars(select(Job).where(Job.status == JobStatus.running.value).order_by(Job.id))
+        # Only VC-ASGD jobs have workunits; DeDLOC peers join their job through server.dedloc.
+        jobs = [job for job in s.scalars(select(Job).where(Job.status == JobStatus.running.value,
+                                                           Job.mode == VC_ASGD).order_by(Job.id))
                 if host_can_run(host, job)]
         out: list[AssignmentOut] = []
         for job in jobs:

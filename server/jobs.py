@@ -1,6 +1,6 @@
 """Operator-facing job services: status with per-epoch figures, cancellation."""
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -9,6 +9,7 @@ from assimilator.epochs import cancel_open_workunits
 from crowdtrain.schemas import EpochFigures, JobStatusOut, MetricPoint
 from server import states
 from server.models import Assignment, Job, Metric, Workunit, utcnow
+from server.results import end_assignment
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
 
 ACTIVE_HOST_WINDOW = timedelta(seconds=60)
@@ -72,16 +73,31 @@ def list_jobs(db: sessionmaker[Session]) -> list[dict]:
 
 
 def cancel_job(db: sessionmaker[Session], job_id: int) -> str:
-    """Cancel a pending or running job; its open workunits are cancelled, hosts are told at heartbeat."""
+    """Cancel a pending or running job; its open workunits are cancelled, hosts are told at heartbeat,
+    and its uploaded results are rejected (not charged) so that no merge of it is queued again."""
     with db.begin() as s:
         job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
         if job is None:
             raise JobNotFound(f"job {job_id} does not exist")
         states.move(job, JobStatus.cancelled)
         cancel_open_workunits(s, job_id)
+        end_unmerged_uploads(s, job_id, "job cancelled by the operator before this result was merged")
         job.status_message = "cancelled by the operator"
         job.finished_at = utcnow()
         return job.status
+
+
+def end_unmerged_uploads(s: Session, job_id: int, message: str, uploaded_before: datetime | None = None) -> int:
+    """Reject, without charging anyone, the job's uploaded results not yet merged (optionally only
+    those uploaded before `uploaded_before`); for a job that no longer runs. Returns how many."""
+    query = select(Assignment).where(Assignment.job_id == job_id,
+                                     Assignment.status == AssignmentStatus.uploaded.value).with_for_update()
+    if uploaded_before is not None:
+        query = query.where(Assignment.uploaded_at < uploaded_before)
+    unmerged = s.scalars(query.order_by(Assignment.id)).all()
+    for a in unmerged:
+        end_assignment(s, a, AssignmentStatus.rejected, message, charge=False)
+    return len(unmerged)
 
 
 def final_model_key(db: sessionmaker[Session], job_id: int) -> str | None:

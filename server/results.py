@@ -1,6 +1,7 @@
 """What hosts report about their assignments: uploads, heartbeats, abandonments and errors."""
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -9,7 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.logs import ids
 from crowdtrain.schemas import ResultMetrics
 from crowdtrain.storage import Storage
-from crowdtrain.tensors import TensorFormatError, check_against_manifest, views
+from crowdtrain.tensors import TensorFormatError, check_against_manifest, header_limits, views
 from server import states
 from server.models import Assignment, Host, Job, Workunit, utcnow
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -38,27 +39,74 @@ def _own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
     return a
 
 
-def upload_result(db: sessionmaker[Session], storage: Storage, host_id: int, assignment_id: int, body: bytes,
-                  metrics: ResultMetrics, enqueue: Callable[[int, float], None]) -> str:
-    """Store a result once and queue its merge. Bad bodies raise ResultProblem and change nothing.
-    """
-    received_at = time.time()
+class ResultRefused(ResultProblem):
+    """The upload's content is not an acceptable result: the assignment ends `rejected`."""
+
+    def __init__(self, message: str, status: int = 422):
+        super().__init__(status, message)
+
+
+def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict]:
+    """(job id, parameter manifest) a result must match, checked before the body is read: the
+    assignment exists, is the caller's and is in progress (else ResultProblem 404/409). Read only."""
+    with db.begin() as s:
+        a = s.get(Assignment, assignment_id)
+        if a is None or a.host_id != host_id:
+            raise ResultProblem(404, f"assignment {assignment_id} does not exist or is not yours")
+        _check_in_progress(a)
+        return a.job_id, s.get_one(Job, a.job_id).param_manifest
+
+
+def _check_in_progress(a: Assignment) -> None:
+    if a.status != AssignmentStatus.in_progress.value:
+        raise ResultProblem(409, f"assignment {a.id} is {a.status}; a result can be uploaded once, "
+                                 "while the assignment is in progress")
+
+
+def check_result(body: bytes, manifest: dict) -> None:
+    """Raise ResultRefused unless `body` is safetensors matching `manifest` (names, shapes, dtypes,
+    finite values). The header is bounded by the manifest before it is parsed. No I/O."""
+    try:
+        check_against_manifest(views(body, *header_limits(manifest)), manifest)
+    except (TensorFormatError, ValueError) as exc:
+        raise ResultRefused(f"result rejected: {exc}") from exc
+
+
+def refuse_result(db: sessionmaker[Session], host_id: int, assignment_id: int,
+                  reason: str) -> tuple[int, int] | None:
+    """End the assignment `rejected` (charged to the host) for an unacceptable upload; its workunit is
+    ready again at once, or failed after `max_errors`. Returns (job id, epoch) when it failed, so the
+    caller can close the epoch. Nothing happens if the assignment is no longer in progress."""
     with db.begin() as s:
         a = _own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
-            raise ResultProblem(409, f"assignment {assignment_id} is {a.status}; a result can be uploaded once, "
-                                     "while the assignment is in progress")
-        job = s.get_one(Job, a.job_id)
-        try:
-            check_against_manifest(views(body), job.param_manifest)
-        except (TensorFormatError, ValueError) as exc:
-            raise ResultProblem(422, f"result for assignment {assignment_id} rejected: {exc}") from exc
-        a.upload_key = f"jobs/{job.id}/uploads/{assignment_id}.safetensors"
-        storage.put(a.upload_key, body)
-        states.move(a, AssignmentStatus.uploaded)
-        a.uploaded_at = utcnow()
-        a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
-        s.get_one(Host, host_id).last_seen = a.uploaded_at
+            return None
+        wu = end_assignment(s, a, AssignmentStatus.rejected, f"upload refused: {reason}")
+        return (wu.job_id, wu.epoch) if wu.status == WorkunitStatus.failed.value else None
+
+
+def store_result(db: sessionmaker[Session], storage: Storage, host_id: int, job_id: int, assignment_id: int,
+                 body: bytes, metrics: ResultMetrics, enqueue: Callable[[int, float], None]) -> str:
+    """Store a checked result once and queue its merge (ResultProblem 404/409 otherwise).
+
+    The body is written to storage under a key of its own before the (short) transaction, so the
+    database's write lock is never held over the transfer; a losing concurrent upload deletes its copy.
+    """
+    received_at = time.time()
+    key = f"jobs/{job_id}/uploads/{assignment_id}-{secrets.token_hex(4)}.safetensors"
+    storage.put(key, body)
+    try:
+        with db.begin() as s:
+            a = _own_assignment(s, assignment_id, host_id)
+            _check_in_progress(a)
+            a.upload_key = key
+            states.move(a, AssignmentStatus.uploaded)
+            a.uploaded_at = utcnow()
+            a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
+            s.get_one(Host, host_id).last_seen = a.uploaded_at
+    except BaseException:
+        storage.delete(key)
+        raise
     log.info("assignment %s: result uploaded (%d bytes, loss %s), merge queued", assignment_id, len(body),
              metrics.train_loss, extra=ids(assignment_id=assignment_id, host_id=host_id))
     # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the

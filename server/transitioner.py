@@ -1,5 +1,5 @@
-"""The transitioner: times out assignments past their deadline, re-queues merges that stalled, and
-closes epochs whose closing was lost."""
+"""The transitioner: times out assignments past their deadline, re-queues merges that stalled (or
+ends them, once their job no longer runs), and closes epochs whose closing was lost."""
 
 import logging
 import threading
@@ -11,9 +11,11 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.jobspec import VC_ASGD
 from crowdtrain.logs import ids
 from crowdtrain.storage import Storage
 from server import telemetry
+from server.jobs import end_unmerged_uploads
 from server.models import Assignment, Job, utcnow
 from server.results import end_assignment
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -45,11 +47,13 @@ def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: red
 
 def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> None:
     """Close epochs whose last workunit finished but whose closing was lost (a crash or a database
-    race in the parameter server that did the last merge). Closing is idempotent."""
+    race in the parameter server that did the last merge). Closing is idempotent. DeDLOC jobs have no
+    epochs of workunits: their rounds end their steps, not this sweep."""
     from assimilator.epochs import close_epoch_if_complete
 
     with db.begin() as s:
-        jobs = s.execute(select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value)).all()
+        jobs = s.execute(select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value,
+                                                               Job.mode == VC_ASGD)).all()
     for job_id, current in jobs:
         for epoch in (current - 1, current):
             if epoch >= 1:
@@ -58,16 +62,32 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
 
 def requeue_stalled_merges(db: sessionmaker[Session], stalled_after: float,
                            enqueue: Callable[[int, float], None]) -> int:
-    """Queue again the merge of results uploaded long ago and still not merged (a lost task)."""
+    """Queue again the merge of results uploaded long ago and still not merged (a lost task), for
+    running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads)."""
     with db.begin() as s:
-        rows = s.execute(select(Assignment.id, Assignment.uploaded_at).where(
-            Assignment.status == AssignmentStatus.uploaded.value,
+        rows = s.execute(select(Assignment.id, Assignment.uploaded_at).join(Job, Job.id == Assignment.job_id).where(
+            Job.status == JobStatus.running.value, Assignment.status == AssignmentStatus.uploaded.value,
             Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after)).limit(500)).all()
     for aid, uploaded_at in rows:
         log.warning("assignment %s: uploaded at %s and still not merged; queueing its merge again", aid,
                     uploaded_at.isoformat(timespec="seconds"))
         enqueue(aid, uploaded_at.replace(tzinfo=UTC).timestamp())
     return len(rows)
+
+
+def end_stalled_uploads(db: sessionmaker[Session], stalled_after: float) -> int:
+    """Reject (uncharged) results that stayed unmerged long after upload while their job stopped
+    running: their merge task was lost, and no merge will be queued for them any more."""
+    ended = 0
+    with db.begin() as s:
+        jobs = s.scalars(select(Assignment.job_id).distinct().join(Job, Job.id == Assignment.job_id).where(
+            Job.status != JobStatus.running.value, Assignment.status == AssignmentStatus.uploaded.value)).all()
+        for job_id in jobs:
+            ended += end_unmerged_uploads(s, job_id, "the job ended before this result was merged",
+                                          uploaded_before=utcnow() - timedelta(seconds=stalled_after))
+    if ended:
+        log.warning("%d results of jobs no longer running were never merged; rejected them", ended)
+    return ended
 
 
 def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, interval: float, stalled_after: float,
@@ -80,6 +100,7 @@ def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, int
             close_finished_epochs(db, storage, r)
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)
+                end_stalled_uploads(db, stalled_after)
                 last_requeue = time.monotonic()
         except Exception:
             log.exception("transitioner sweep failed; retrying in %ss", interval)

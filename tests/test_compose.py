@@ -88,6 +88,14 @@ def example_values() -> dict[str, str]:
     return {k: v for k, v in env_example().items() if v is not None}
 
 
+SECRETS = ("POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "CROWDTRAIN_ADMIN_TOKEN", "CROWDTRAIN_JOIN_TOKEN")
+
+
+def filled_in() -> dict[str, str]:
+    """.env.example with every secret set, as the operator leaves it."""
+    return example_values() | {name: f"{name.lower()}-secret" for name in SECRETS}
+
+
 def environment(service: dict) -> dict[str, str]:
     env = service.get("environment") or {}
     if isinstance(env, list):
@@ -110,7 +118,7 @@ def dockerfile_entrypoint(path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    return load_compose(example_values())
+    return load_compose(filled_in())
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +197,27 @@ def test_the_assimilator_scales_by_replicas(services: dict) -> None:
     assert "container_name" not in services["assimilator"], "a fixed container name cannot be replicated"
 
 
-def test_every_crowdtrain_variable_is_a_settings_field(services: dict) -> None:
+def test_every_server_crowdtrain_variable_is_a_settings_field(services: dict) -> None:
     fields = {f"CROWDTRAIN_{name.upper()}" for name in Settings.model_fields}
-    used = {k for s in services.values() for k in environment(s) if k.startswith("CROWDTRAIN_")}
+    used = {k for name in SERVER_SERVICES for k in environment(services[name]) if k.startswith("CROWDTRAIN_")}
     assert used, "no CROWDTRAIN_* variable at all"
     assert used - fields == set(), f"not fields of crowdtrain.settings.Settings: {sorted(used - fields)}"
+
+
+def test_the_client_takes_its_join_token_from_the_environment_not_its_command_line(services: dict) -> None:
+    client = typer.main.get_command(app).get_command(click.Context(typer.main.get_command(app)), "client")
+    envvars = {p.envvar for p in client.params if p.envvar}
+    env = environment(services["client"])
+    assert set(env) <= envvars, f"not read by `crowdtrain client`: {sorted(set(env) - envvars)}"
+    assert env["CROWDTRAIN_CLIENT_JOIN_TOKEN"] == "crowdtrain_join_token-secret"
+    assert "--join-token" not in argv(services["client"])
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_env_example_ships_no_secret_and_compose_refuses_to_run_without_it(secret: str) -> None:
+    assert env_example()[secret] == "", f".env.example ships a value for {secret}"
+    with pytest.raises(KeyError, match=secret):
+        load_compose(filled_in() | {secret: ""})
 
 
 def test_server_processes_share_one_environment_and_image(services: dict) -> None:

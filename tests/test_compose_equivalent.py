@@ -179,7 +179,7 @@ def test_the_compose_services_train_the_example_job_as_local_processes(postgres_
 
         job_id = submit(cluster)
         probe_presigned_work(cluster.url, cluster.join_token, moto_endpoint)
-        client_env = base_environment()  # the client service sets no environment of its own
+        client_env = base_environment() | environment(services["client"])  # its join token
         for i in range(2):
             cluster.clients.append(Service(f"client{i}", client_process(services, addresses, tmp_path / f"cache{i}"),
                                            client_env, logs / f"client{i}.log").start())

@@ -44,6 +44,10 @@ def keep_killing(cluster, name: str, stop: threading.Event, kills: list[float]) 
         service.proc.wait(10)
         kills.append(time.time())
         service.start()
+        if name == "server":
+            # A restarted scheduler takes about 5 s to answer on 2 busy cores: the next kill comes
+            # KILL_EVERY_S after it is back, or it would be killed again before ever serving.
+            wait_for(cluster._healthy, 60, "the restarted scheduler did not come back", service)
 
 
 @pytest.mark.parametrize("component", ["assimilator", "transitioner", "server", "scheduler-worker", "redis"])

@@ -39,10 +39,9 @@ def submit(cluster: Cluster, spec: dict) -> int:
 
 
 def start_peer(cluster: Cluster, job_id: int, name: str, *extra: str) -> Service:
-    argv = crowdtrain_argv("peer", "--server", cluster.url, "--join-token", cluster.join_token, "--job", str(job_id),
-                           "--name", name, "--threads", "1",
+    argv = crowdtrain_argv("peer", "--server", cluster.url, "--job", str(job_id), "--name", name, "--threads", "1",
                            "--trace", str(cluster.var_dir / f"{name}.trace"), *extra)
-    svc = Service(name, argv, cluster.env, cluster.var_dir / "logs" / f"{name}.log").start()
+    svc = Service(name, argv, cluster.client_env, cluster.var_dir / "logs" / f"{name}.log").start()
     cluster.clients.append(svc)
     return svc
 

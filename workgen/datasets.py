@@ -1,9 +1,17 @@
-"""Training datasets a job can name: `builtin:mnist1d` (generated locally) and `npz:PATH`."""
+"""Training datasets a job can name: `builtin:mnist1d` (generated locally) and `npz:PATH`.
 
+Every dataset is checked before a job is made of it (`make_dataset`): a problem that would leave
+a job stuck or silently wrong (NaN inputs, labels the model has no logit for, validation arrays
+that disagree with the training ones) raises ValueError naming the array and the problem.
+"""
+
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from crowdtrain.jobspec import MAX_CLASSES
 
 
 @dataclass(frozen=True)
@@ -12,6 +20,7 @@ class Dataset:
     y: np.ndarray
     x_val: np.ndarray
     y_val: np.ndarray
+    classes: int | None = None  # declared in the spec; else the largest label + 1
 
     @property
     def input_shape(self) -> list[int]:
@@ -19,48 +28,117 @@ class Dataset:
 
     @property
     def num_classes(self) -> int:
-        return int(max(self.y.max(), self.y_val.max())) + 1
+        return self.classes or int(max(self.y.max(), self.y_val.max())) + 1
+
+
+def _check_shapes(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> None:
+    if x.dtype.kind not in "biuf":
+        raise ValueError(f"dataset {x_name}: must hold numbers, it is {x.dtype}")
+    if x.ndim < 2 or 0 in x.shape[1:]:
+        raise ValueError(f"dataset {x_name}: must be shaped (examples, features...), got {x.shape}")
+    if y.dtype.kind not in "iu":
+        raise ValueError(f"dataset {y_name}: must hold integer class labels, it is {y.dtype}")
+    if y.ndim != 1:
+        raise ValueError(f"dataset {y_name}: must be one class index per example, shaped (examples,), "
+                         f"got {y.shape}")
+    if len(x) != len(y):
+        raise ValueError(f"dataset: {x_name} has {len(x)} examples but {y_name} has {len(y)}")
+    if len(x) == 0:
+        raise ValueError(f"dataset {x_name}: has no examples")
+
+
+def _check_finite(x: np.ndarray, name: str) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        first = int(np.argmax(bad.reshape(len(x), -1).any(axis=1)))
+        raise ValueError(f"dataset {name}: {int(bad.sum())} values are NaN or infinite as float32 "
+                         f"(the first in example {first})")
+
+
+def _check_labels(y: np.ndarray, y_val: np.ndarray, classes: int | None) -> None:
+    lowest = min(int(y.min()), int(y_val.min()))
+    if lowest < 0:
+        name = "y" if int(y.min()) < 0 else "y_val"
+        raise ValueError(f"dataset {name}: labels must be class indices >= 0, found {lowest}")
+    highest = max(int(y.max()), int(y_val.max()))
+    if classes is not None and highest >= classes:
+        name = "y" if int(y.max()) >= classes else "y_val"
+        raise ValueError(f"dataset {name}: label {highest} is outside [0, {classes}) (dataset.classes)")
+    if classes is None and highest + 1 > MAX_CLASSES:
+        raise ValueError(f"dataset y: label {highest} implies {highest + 1} classes, more than {MAX_CLASSES}")
+    trained = np.unique(y)
+    if len(trained) < 2:
+        raise ValueError(f"dataset y: every training label is {int(trained[0])}; there is nothing to learn")
+    unseen = np.setdiff1d(np.unique(y_val), trained)
+    if len(unseen):
+        raise ValueError(f"dataset y_val: classes {unseen[:10].tolist()} never occur in the training labels y")
+
+
+def make_dataset(x: np.ndarray, y: np.ndarray, x_val: np.ndarray | None, y_val: np.ndarray | None,
+                 validation_fraction: float = 0.2, classes: int | None = None) -> Dataset:
+    """Check arrays and convert them (float32 inputs, int64 labels); without `x_val`/`y_val` the last
+    `validation_fraction` of the examples validates. Raises ValueError naming the array and problem."""
+    _check_shapes(x, y, "x", "y")
+    if (x_val is None) != (y_val is None):
+        raise ValueError("dataset: give both x_val and y_val, or neither (then validation_fraction applies)")
+    if x_val is None:
+        n_val = max(1, int(len(x) * validation_fraction))
+        if n_val >= len(x):
+            raise ValueError(f"dataset x: {len(x)} examples leave none for training after validation_fraction "
+                             f"{validation_fraction}")
+        x, x_val, y, y_val = x[:-n_val], x[-n_val:], y[:-n_val], y[-n_val:]
+    _check_shapes(x_val, y_val, "x_val", "y_val")
+    if x_val.shape[1:] != x.shape[1:]:
+        raise ValueError(f"dataset x_val: examples are shaped {x_val.shape[1:]}, but x's are {x.shape[1:]}")
+    _check_labels(y, y_val, classes)
+    with np.errstate(over="ignore"):  # values beyond float32 become inf, refused just below
+        data = Dataset(x.astype(np.float32), y.astype(np.int64), x_val.astype(np.float32),
+                       y_val.astype(np.int64), classes)
+    _check_finite(data.x, "x")
+    _check_finite(data.x_val, "x_val")
+    return data
 
 
 def _mnist1d() -> Dataset:
     """4,000 train / 1,000 test examples, generated deterministically by the mnist1d package."""
-    from mnist1d.data import get_dataset_args, make_dataset
+    from mnist1d.data import get_dataset_args, make_dataset as make_mnist1d
 
-    d = make_dataset(get_dataset_args())
+    d = make_mnist1d(get_dataset_args())
     return Dataset(d["x"].astype(np.float32), d["y"].astype(np.int64),
                    d["x_test"].astype(np.float32), d["y_test"].astype(np.int64))
 
 
-def _npz(path: Path, validation_fraction: float) -> Dataset:
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The arrays x, y and, if present, x_val and y_val of an .npz file (never unpickling)."""
     if not path.is_file():
-        raise ValueError(f"dataset file {path} does not exist")
-    with np.load(path, allow_pickle=False) as f:
-        if "x" not in f or "y" not in f:
-            raise ValueError(f"{path}: an npz dataset needs arrays 'x' and 'y', it has {sorted(f.files)}")
-        x, y = f["x"], f["y"]
-        has_val = "x_val" in f and "y_val" in f
-        x_val, y_val = (f["x_val"], f["y_val"]) if has_val else (None, None)
-    if len(x) != len(y):
-        raise ValueError(f"{path}: x has {len(x)} examples but y has {len(y)}")
-    if not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"{path}: y must hold integer class labels, it is {y.dtype}")
-    if x_val is None:
-        n_val = max(1, int(len(x) * validation_fraction))
-        x, x_val, y, y_val = x[:-n_val], x[-n_val:], y[:-n_val], y[-n_val:]
-    return Dataset(x.astype(np.float32), y.astype(np.int64), x_val.astype(np.float32), y_val.astype(np.int64))
+        raise ValueError(f"dataset.source: file {path} does not exist on the scheduler")
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError("it holds one array; an npz with named arrays x and y is needed")
+        with loaded as f:
+            if "x" not in f or "y" not in f:
+                raise ValueError(f"an npz dataset needs arrays 'x' and 'y', it has {sorted(f.files)}")
+            return {name: f[name] for name in ("x", "y", "x_val", "y_val") if name in f}
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        problem = str(exc) or type(exc).__name__
+    raise ValueError(f"dataset.source: {path} is not a readable npz dataset: {problem}")
 
 
-def load_dataset(source: str, validation_fraction: float = 0.2) -> Dataset:
+def load_dataset(source: str, validation_fraction: float = 0.2, classes: int | None = None) -> Dataset:
+    """The checked dataset of a spec's `dataset.source`; raises ValueError naming the problem."""
     if source == "builtin:mnist1d":
-        return _mnist1d()
+        d = _mnist1d()
+        return make_dataset(d.x, d.y, d.x_val, d.y_val, classes=classes)
     if source.startswith("npz:"):
-        return _npz(Path(source[4:]), validation_fraction)
+        a = _read_npz(Path(source[4:]))
+        return make_dataset(a["x"], a["y"], a.get("x_val"), a.get("y_val"), validation_fraction, classes)
     raise ValueError(f"unknown dataset source {source!r}")
 
 
 def split_shards(n_examples: int, subsets: int) -> list[slice]:
     """Contiguous, near-equal slices; the first `n % subsets` shards get one extra example."""
     if subsets > n_examples:
-        raise ValueError(f"cannot split {n_examples} examples into {subsets} shards")
+        raise ValueError(f"dataset.subsets: cannot split {n_examples} training examples into {subsets} shards")
     bounds = np.linspace(0, n_examples, subsets + 1).round().astype(int)
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]

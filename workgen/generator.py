@@ -10,10 +10,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from assimilator import paramstore
 from crowdtrain.frameworks import KERAS_MODEL
-from crowdtrain.jobspec import JobSpec
+from crowdtrain.jobspec import VC_ASGD, JobSpec
 from crowdtrain.storage import Storage
 from crowdtrain.tensors import Params, encode, encode_shard, manifest_of, sha256
-from crowdtrain.zoo import build_model, count_parameters, state_to_numpy
+from crowdtrain.zoo import build_model, check_model, count_parameters, state_to_numpy
 from server import states
 from server.models import Job, Shard, Workunit, utcnow
 from server.states import JobStatus, WorkunitStatus
@@ -33,16 +33,25 @@ class PreparedJob:
     parameters: int
 
 
-def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec: JobSpec) -> PreparedJob:
-    """Create a job and its first epoch. Bad specs raise ValueError before anything is stored."""
-    data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction)
+def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec: JobSpec,
+               upload_max_bytes: int) -> PreparedJob:
+    """Create a job and its first epoch.
+
+    A spec that could only give a stuck or silently wrong job (a bad dataset, a model that cannot
+    take its examples or whose parameters exceed `upload_max_bytes`, the largest upload the
+    scheduler accepts) raises ValueError naming the field and the problem, before anything is stored.
+    """
+    data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
     slices = split_shards(len(data.x), spec.dataset.subsets)
     model_config = {"name": spec.model.name, "framework": spec.framework, "input_shape": data.input_shape,
                     "num_classes": data.num_classes, "options": spec.model.options}
     if spec.model.keras is not None:
         model_config["keras"] = spec.model.keras
-    params, n_parameters = initial_parameters(model_config, spec.seed)
+    params, n_parameters = initial_parameters(model_config, spec.seed, upload_max_bytes)
     initial = encode(params)
+    if len(initial) > upload_max_bytes:
+        raise ValueError(f"model: its parameters take {len(initial):,} bytes, more than the scheduler accepts in "
+                         f"one upload ({upload_max_bytes:,} bytes, upload_max_bytes)")
 
     with db.begin() as s:
         job = Job(name=spec.name, mode=spec.mode, status=JobStatus.pending.value, spec=spec.model_dump(mode="json"),
@@ -79,20 +88,24 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         job.snapshot_at = job.started_at = utcnow()
         states.move(job, JobStatus.running)
         s.flush()
-        if spec.mode == "vc-asgd":  # dedloc peers need no workunits: server.dedloc runs their rounds
+        if spec.mode == VC_ASGD:  # dedloc peers need no workunits: server.dedloc runs their rounds
             release_epoch(s, job, 1)
     log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(slices),
              n_parameters)
     return PreparedJob(job_id, len(slices), n_parameters)
 
 
-def initial_parameters(model_config: dict, seed: int) -> tuple[Params, int]:
+def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[Params, int]:
     """W_s version 0 in the canonical layout, and the number of trainable parameters.
 
-    Zoo models start from the PyTorch zoo whatever the job's framework (its layout is canonical);
-    a Keras JSON model is built in safe mode, which refuses Lambda layers and other code.
+    Zoo models start from the PyTorch zoo whatever the job's framework (its layout is canonical),
+    once `check_model` has seen, without allocating them, that they take the dataset's examples
+    and fit in `max_bytes`. A Keras JSON model is built in safe mode, which refuses Lambda layers
+    and other code, and checked for its input and output shapes.
     """
     if model_config["name"] != KERAS_MODEL:
+        check_model(model_config["name"], model_config["input_shape"], model_config["num_classes"],
+                    model_config["options"], max_bytes)
         model = build_model(model_config["name"], model_config["input_shape"], model_config["num_classes"],
                             seed=seed, **model_config["options"])
         return state_to_numpy(model), count_parameters(model)
@@ -107,7 +120,13 @@ def initial_parameters(model_config: dict, seed: int) -> tuple[Params, int]:
 
 
 def release_epoch(s: Session, job: Job, epoch: int) -> bool:
-    """Create one ready workunit per shard for `epoch`; idempotent (False if already released)."""
+    """Create one ready workunit per shard for `epoch`; idempotent (False if already released).
+
+    Only VC-ASGD jobs have workunits: releasing an epoch of another mode raises ValueError, so that
+    no path (dispatch, epoch closing, a repair) can hand a DeDLOC job's shards out as VC-ASGD work.
+    """
+    if job.mode != VC_ASGD:
+        raise ValueError(f"job {job.id} runs in mode {job.mode!r}: only {VC_ASGD} jobs have epochs of workunits")
     if job.current_epoch >= epoch:
         return False
     shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id).order_by(Shard.index)).all()
@@ -122,7 +141,10 @@ def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> b
     """Early release: the current epoch has nothing left to dispatch and no older epoch is still open.
 
     `ignore_ready` is for a caller that has already seen every ready workunit claimed by others.
+    Never for a job of another mode than VC-ASGD (see `release_epoch`).
     """
+    if job.mode != VC_ASGD:
+        return False
     if job.status != JobStatus.running.value or job.current_epoch >= job.spec["stop"]["max_epochs"]:
         return False
     ready = 0 if ignore_ready else s.scalar(select(func.count()).select_from(Workunit).where(

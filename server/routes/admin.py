@@ -3,6 +3,7 @@ from fastapi import APIRouter, HTTPException, status
 from assimilator.epochs import close_epoch_if_complete
 from crowdtrain.schemas import HostPublic, JoinTokenCreate, JoinTokenCreated, JoinTokenPublic
 from server import hosts
+from crowdtrain.schemas import Id
 from server.deps import AdminDep, DbDep, RedisDep, StorageDep
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[AdminDep])
@@ -24,7 +25,7 @@ def list_join_tokens(db: DbDep) -> list[JoinTokenPublic]:
 
 
 @router.post("/join-tokens/{token_id}/revoke", response_model=JoinTokenPublic)
-def revoke_join_token(token_id: int, db: DbDep) -> JoinTokenPublic:
+def revoke_join_token(token_id: Id, db: DbDep) -> JoinTokenPublic:
     try:
         return hosts.revoke_join_token(db, token_id)
     except LookupError as exc:
@@ -37,7 +38,7 @@ def list_hosts(db: DbDep) -> list[HostPublic]:
 
 
 @router.post("/hosts/{host_id}/revoke", response_model=HostPublic)
-def revoke_host(host_id: int, db: DbDep, storage: StorageDep, r: RedisDep) -> HostPublic:
+def revoke_host(host_id: Id, db: DbDep, storage: StorageDep, r: RedisDep) -> HostPublic:
     """Refuse a host from now on; its running assignments are dispatched again at once."""
     try:
         host, failed = hosts.revoke_host(db, host_id)

@@ -4,12 +4,13 @@ from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from crowdtrain.schemas import Finite, Id
 from crowdtrain.schemas_dedloc import PeerJoin, PeerJoined, Progress, ProgressReply, ReplyOk, RoundReport, StoreOp, \
     StoreReply
 from server import dedloc_jobs as svc
 from server.dedloc_jobs import DedlocProblem
 from server.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
-from server.routes.work import _read_body
+from server.boundary import UPLOAD_RESPONSES, octet_stream_body, upload_body
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
 admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "admin"], dependencies=[AdminDep])
@@ -21,7 +22,7 @@ def _problem(exc: DedlocProblem) -> HTTPException:
 
 
 @router.post("/join", response_model=PeerJoined)
-def join(job_id: int, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep) -> PeerJoined:
+def join(job_id: Id, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep) -> PeerJoined:
     """Join the collaboration; the answer names the recipe, the shards and the step to sync to."""
     try:
         return svc.join(db, r, job_id, host_id, req.relayed)
@@ -30,7 +31,7 @@ def join(job_id: int, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep) -
 
 
 @router.post("/progress", response_model=ProgressReply)
-def progress(job_id: int, req: Progress, host_id: HostDep, db: DbDep, r: RedisDep) -> ProgressReply:
+def progress(job_id: Id, req: Progress, host_id: HostDep, db: DbDep, r: RedisDep) -> ProgressReply:
     """Report the examples accumulated for the current step; the answer says what to do next."""
     try:
         return svc.progress(db, r, job_id, host_id, req)
@@ -39,7 +40,7 @@ def progress(job_id: int, req: Progress, host_id: HostDep, db: DbDep, r: RedisDe
 
 
 @router.post("/rounds/{step}/{attempt}/report", response_model=ReplyOk)
-def report(job_id: int, step: int, attempt: int, req: RoundReport, host_id: HostDep, db: DbDep,
+def report(job_id: Id, step: Id, attempt: Id, req: RoundReport, host_id: HostDep, db: DbDep,
            r: RedisDep) -> ReplyOk:
     """A member's outcome of its reduction; a failure aborts the attempt for every member."""
     try:
@@ -50,7 +51,7 @@ def report(job_id: int, step: int, attempt: int, req: RoundReport, host_id: Host
 
 
 @router.post("/rounds/{step}/{attempt}/store/{op}", response_model=StoreReply)
-def store(job_id: int, step: int, attempt: int, op: str, req: StoreOp, host_id: HostDep, r: RedisDep) -> StoreReply:
+def store(job_id: Id, step: Id, attempt: Id, op: str, req: StoreOp, host_id: HostDep, r: RedisDep) -> StoreReply:
     """The torch.distributed Store of the caller's all-reduce group (a prefix per job, step, attempt, group)."""
     if op not in STORE_OPS:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown store operation {op!r}; known: {STORE_OPS}")
@@ -60,21 +61,23 @@ def store(job_id: int, step: int, attempt: int, op: str, req: StoreOp, host_id: 
         raise _problem(exc) from None
 
 
-@router.put("/rounds/{step}/{attempt}/parts/{part}", response_model=ReplyOk)
-async def put_part(job_id: int, step: int, attempt: int, part: str, peer_id: str, request: Request,
+@router.put("/rounds/{step}/{attempt}/parts/{part}", response_model=ReplyOk, responses=UPLOAD_RESPONSES,
+            openapi_extra=octet_stream_body("One float32 tensor 'g' (safetensors)"))
+async def put_part(job_id: Id, step: Id, attempt: Id, part: str, peer_id: str, request: Request,
                    host_id: HostDep, r: RedisDep, settings: SettingsDep) -> ReplyOk:
     """A group's sum or a relayed member's weighted gradient (safetensors, one float32 tensor 'g')."""
-    body = await _read_body(request, settings.upload_max_bytes)
     try:
-        return ReplyOk(status=await run_in_threadpool(svc.put_part, r, job_id, host_id, peer_id, step, attempt,
-                                                      part, body))
+        async with upload_body(request, settings.upload_max_bytes) as body:
+            return ReplyOk(status=await run_in_threadpool(svc.put_part, r, job_id, host_id, peer_id, step, attempt,
+                                                          part, body))
     except DedlocProblem as exc:
         raise _problem(exc) from None
 
 
-@router.get("/rounds/{step}/{attempt}/total", response_class=Response)
-def get_total(job_id: int, step: int, attempt: int, peer_id: str, host_id: HostDep, r: RedisDep,
-              wait: float = 2.0) -> Response:
+@router.get("/rounds/{step}/{attempt}/total", response_class=Response,
+            responses={204: {"description": "Parts of the round are still missing: ask again"}})
+def get_total(job_id: Id, step: Id, attempt: Id, peer_id: str, host_id: HostDep, r: RedisDep,
+              wait: Finite = 2.0) -> Response:
     """The sum of every part of the round: 200 with safetensors, or 204 while parts are missing."""
     try:
         blob = svc.get_total(r, job_id, host_id, peer_id, step, attempt, min(max(wait, 0.0), 5.0))
@@ -85,41 +88,42 @@ def get_total(job_id: int, step: int, attempt: int, peer_id: str, host_id: HostD
     return Response(blob, media_type="application/octet-stream")
 
 
-@router.put("/states/{step}", response_model=ReplyOk)
-async def put_state(job_id: int, step: int, peer_id: str, request: Request, host_id: HostDep, db: DbDep,
+@router.put("/states/{step}", response_model=ReplyOk, responses=UPLOAD_RESPONSES,
+            openapi_extra=octet_stream_body("Parameters and optimizer state (safetensors)"))
+async def put_state(job_id: Id, step: Id, peer_id: str, request: Request, host_id: HostDep, db: DbDep,
                     r: RedisDep, storage: StorageDep, settings: SettingsDep) -> ReplyOk:
     """Parameters and optimizer state at the start of `step` (safetensors); evaluated and recorded."""
-    body = await _read_body(request, settings.upload_max_bytes)
     try:
-        return ReplyOk(status=await run_in_threadpool(svc.put_state, db, r, storage, job_id, host_id, peer_id,
-                                                      step, body))
+        async with upload_body(request, settings.upload_max_bytes) as body:
+            return ReplyOk(status=await run_in_threadpool(svc.put_state, db, r, storage, job_id, host_id, peer_id,
+                                                          step, body))
     except DedlocProblem as exc:
         raise _problem(exc) from None
 
 
 @router.get("/states/latest", response_class=Response)
-def latest_state(job_id: int, _host: HostDep, r: RedisDep, storage: StorageDep) -> Response:
-    """The newest state; its step is in the `X-Crowdtrain-Step` header."""
+def latest_state(job_id: Id, host_id: HostDep, r: RedisDep, storage: StorageDep) -> Response:
+    """The newest state, for members of the collaboration; its step is in the `X-Crowdtrain-Step` header."""
     try:
-        step, blob = svc.latest_state(r, storage, job_id)
+        step, blob = svc.latest_state(r, storage, job_id, host_id)
     except DedlocProblem as exc:
         raise _problem(exc) from None
     return Response(blob, media_type="application/octet-stream", headers={"X-Crowdtrain-Step": str(step)})
 
 
 @admin_router.get("/digests/{step}", response_model=dict[str, str])
-def digests(job_id: int, step: int, r: RedisDep) -> dict[str, str]:
+def digests(job_id: Id, step: Id, r: RedisDep) -> dict[str, str]:
     """Peer id -> sha256 of the parameters that peer held at the start of `step`."""
     return svc.digests(r, job_id, step)
 
 
 @admin_router.get("/commits", response_model=dict[int, dict])
-def commits(job_id: int, r: RedisDep) -> dict[int, dict]:
+def commits(job_id: Id, r: RedisDep) -> dict[int, dict]:
     """Step -> how it was committed (attempt, members, examples, result digest)."""
     return svc.commits(r, job_id)
 
 
 @admin_router.get("/aborts", response_model=dict[str, dict])
-def aborts(job_id: int, r: RedisDep) -> dict[str, dict]:
+def aborts(job_id: Id, r: RedisDep) -> dict[str, dict]:
     """"step:attempt" -> the members of each aborted attempt and why it was aborted."""
     return svc.aborts(r, job_id)

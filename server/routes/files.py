@@ -1,9 +1,12 @@
+"""Shards and snapshots served by the scheduler (when object storage cannot presign), to the hosts
+that need them: see server.access for who may read what."""
+
 from fastapi import APIRouter, HTTPException, status
 from fastapi.responses import FileResponse, Response
-from sqlalchemy import select
 
-from server.deps import DbDep, HostDep, StorageDep
-from server.models import Job, Shard
+from crowdtrain.schemas import Id
+from server import access
+from server.deps import DbDep, HostDep, RedisDep, StorageDep
 from workgen.generator import snapshot_key
 
 router = APIRouter(prefix="/v1", tags=["files"])
@@ -17,19 +20,20 @@ def _serve(storage, key: str) -> Response:
 
 
 @router.get("/shards/{shard_id}", response_class=Response)
-def get_shard(shard_id: int, _host: HostDep, db: DbDep, storage: StorageDep) -> Response:
-    with db.begin() as s:
-        key = s.scalar(select(Shard.key).where(Shard.id == shard_id))
+def get_shard(shard_id: Id, host_id: HostDep, db: DbDep, r: RedisDep, storage: StorageDep) -> Response:
+    """A shard of training data, for a host whose running assignment (or DeDLOC collaboration) uses it."""
+    key = access.readable_shard_key(db, r, host_id, shard_id)
     if key is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"shard {shard_id} does not exist")
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            f"shard {shard_id} does not exist or none of your assignments needs it")
     return _serve(storage, key)
 
 
 @router.get("/jobs/{job_id}/snapshots/{version}", response_class=Response)
-def get_snapshot(job_id: int, version: int, _host: HostDep, db: DbDep, storage: StorageDep) -> Response:
-    with db.begin() as s:
-        exists = s.scalar(select(Job.id).where(Job.id == job_id)) is not None
+def get_snapshot(job_id: Id, version: Id, host_id: HostDep, db: DbDep, storage: StorageDep) -> Response:
+    """A published W_s snapshot, for a host whose running assignment of the job starts from it."""
     key = snapshot_key(job_id, version)
-    if not exists or not storage.exists(key):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} has no snapshot v{version}")
+    if not access.may_read_snapshot(db, host_id, job_id, version) or not storage.exists(key):
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            f"snapshot v{version} of job {job_id} does not exist or none of your assignments needs it")
     return _serve(storage, key)

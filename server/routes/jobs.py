@@ -3,9 +3,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from crowdtrain.jobspec import JobSpec
-from crowdtrain.schemas import JobCreated, JobStatusOut
+from crowdtrain.schemas import Id, JobCreated, JobStatusOut
 from server import dedloc_jobs, jobs
-from server.deps import AdminDep, DbDep, RedisDep, StorageDep
+from server.deps import AdminDep, DbDep, RedisDep, SettingsDep, StorageDep
 from server.states import IllegalTransition, JobStatus
 from workgen.generator import submit_job
 
@@ -17,10 +17,13 @@ def _not_found(exc: Exception) -> HTTPException:
 
 
 @router.post("", response_model=JobCreated, status_code=status.HTTP_201_CREATED)
-async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep) -> JobCreated:
-    """Submit a job spec: shards are made and stored, W_s v0 initialised, epoch 1 released."""
+async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep) -> JobCreated:
+    """Submit a job spec: shards are made and stored, W_s v0 initialised, epoch 1 released.
+
+    422 names the field and the problem of a spec that could not train (a bad dataset, a model
+    that cannot take it or whose upload would exceed the limit); nothing is stored then."""
     try:
-        prepared = await run_in_threadpool(submit_job, db, storage, r, spec)
+        prepared = await run_in_threadpool(submit_job, db, storage, r, spec, settings.upload_max_bytes)
     except ValueError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
     if spec.mode == "dedloc":
@@ -35,7 +38,7 @@ def list_all(db: DbDep) -> list[dict]:
 
 
 @router.get("/{job_id}", response_model=JobStatusOut)
-def status_of(job_id: int, db: DbDep, metrics: bool = False) -> JobStatusOut:
+def status_of(job_id: Id, db: DbDep, metrics: bool = False) -> JobStatusOut:
     """Job status with per-epoch figures; `?metrics=true` adds every validation point."""
     try:
         return jobs.job_status(db, job_id, with_metrics=metrics)
@@ -44,7 +47,7 @@ def status_of(job_id: int, db: DbDep, metrics: bool = False) -> JobStatusOut:
 
 
 @router.post("/{job_id}/cancel", response_model=dict)
-def cancel(job_id: int, db: DbDep) -> dict:
+def cancel(job_id: Id, db: DbDep) -> dict:
     try:
         return {"job_id": job_id, "status": jobs.cancel_job(db, job_id)}
     except jobs.JobNotFound as exc:
@@ -54,7 +57,7 @@ def cancel(job_id: int, db: DbDep) -> dict:
 
 
 @router.get("/{job_id}/model", response_class=Response)
-def download_model(job_id: int, db: DbDep, storage: StorageDep) -> Response:
+def download_model(job_id: Id, db: DbDep, storage: StorageDep) -> Response:
     """The final model (safetensors) once the job has finished."""
     try:
         key = jobs.final_model_key(db, job_id)

@@ -1,14 +1,15 @@
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 
 from assimilator.celery_app import enqueue_merge
 from assimilator.epochs import close_epoch_if_complete
-from crowdtrain.schemas import ClientError, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
+from crowdtrain.schemas import ClientError, Id, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
 from server import dispatch, results, telemetry
 from server.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
-from server.results import ResultProblem
+from server.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
+from server.results import ResultProblem, ResultRefused
 from server.states import AssignmentStatus
 
 router = APIRouter(prefix="/v1", tags=["work"])
@@ -34,7 +35,7 @@ def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: Storage
 
 
 @router.post("/assignments/{assignment_id}/heartbeat", response_model=HeartbeatReply)
-def heartbeat(assignment_id: int, host_id: HostDep, db: DbDep) -> HeartbeatReply:
+def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
     try:
         keep_going, reason = results.heartbeat(db, host_id, assignment_id)
     except ResultProblem as exc:
@@ -42,28 +43,29 @@ def heartbeat(assignment_id: int, host_id: HostDep, db: DbDep) -> HeartbeatReply
     return HeartbeatReply(keep_going=keep_going, reason=reason)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"upload of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"upload exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-@router.put("/assignments/{assignment_id}/result", response_model=ResultAccepted, status_code=status.HTTP_202_ACCEPTED)
-async def upload_result(assignment_id: int, request: Request, metrics: Annotated[ResultMetrics, Depends()],
+@router.put("/assignments/{assignment_id}/result", response_model=ResultAccepted, status_code=status.HTTP_202_ACCEPTED,
+            responses=UPLOAD_RESPONSES, openapi_extra=octet_stream_body("The trained parameters (safetensors)"))
+async def upload_result(assignment_id: Id, request: Request, metrics: Annotated[ResultMetrics, Query()],
                         host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep,
                         settings: SettingsDep) -> ResultAccepted:
-    """Upload the trained parameters (safetensors body); metrics ride in the query string."""
-    body = await _read_body(request, settings.upload_max_bytes)
+    """Upload the trained parameters (safetensors body); metrics ride in the query string.
+
+    The assignment is checked before the body is read, and the body before any transaction; a body
+    refused for its content ends the assignment `rejected`, so its workunit is dispatched again at once.
+    """
     try:
-        status_ = await run_in_threadpool(results.upload_result, db, storage, host_id, assignment_id, body,
-                                          metrics, enqueue_merge)
+        job_id, manifest = await run_in_threadpool(results.upload_target, db, host_id, assignment_id)
+        try:
+            async with upload_body(request, settings.upload_max_bytes) as body:
+                await run_in_threadpool(results.check_result, body, manifest)
+                status_ = await run_in_threadpool(results.store_result, db, storage, host_id, job_id, assignment_id,
+                                                  body, metrics, enqueue_merge)
+        except (ResultRefused, BodyTooLarge) as exc:
+            reason = exc.message if isinstance(exc, ResultRefused) else str(exc.detail)
+            failed = await run_in_threadpool(results.refuse_result, db, host_id, assignment_id, reason)
+            if failed is not None:
+                await run_in_threadpool(close_epoch_if_complete, db, storage, r, *failed)
+            raise
     except ResultProblem as exc:
         raise _problem(exc) from None
     telemetry.count(r, "uploads")
@@ -71,7 +73,7 @@ async def upload_result(assignment_id: int, request: Request, metrics: Annotated
 
 
 @router.post("/assignments/{assignment_id}/abandon", response_model=ResultAccepted)
-def abandon(assignment_id: int, host_id: HostDep, db: DbDep) -> ResultAccepted:
+def abandon(assignment_id: Id, host_id: HostDep, db: DbDep) -> ResultAccepted:
     """Give the assignment back now (shutdown, preemption) so it is re-dispatched without waiting."""
     try:
         results.give_up(db, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host")
@@ -81,7 +83,7 @@ def abandon(assignment_id: int, host_id: HostDep, db: DbDep) -> ResultAccepted:
 
 
 @router.post("/assignments/{assignment_id}/error", response_model=ResultAccepted)
-def report_error(assignment_id: int, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep,
+def report_error(assignment_id: Id, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep,
                  r: RedisDep) -> ResultAccepted:
     """Report that the assignment failed on this host; it counts toward the workunit's error limit."""
     try:

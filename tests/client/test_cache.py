@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from client.cache import CacheBudget, CacheFull, FileCache, HashMismatch
+from client.cache import BadHash, CacheBudget, CacheFull, FileCache, HashMismatch
 
 
 def test_a_cached_file_is_downloaded_once_even_by_concurrent_slots(tmp_path: Path) -> None:
@@ -111,3 +111,25 @@ def test_without_a_limit_nothing_is_evicted(tmp_path: Path) -> None:
     cache = FileCache(tmp_path)
     digests = {put(cache, blob(i, 10_000)) for i in range(5)}
     assert set(cache.holds()) == digests
+
+
+@pytest.mark.parametrize("name", ["../victim/file", "/etc/passwd", "../" * 3 + "a" * 55, "A" * 64, "a" * 63,
+                                  "a" * 65, "g" * 64, "a" * 63 + "\n"])
+def test_a_name_that_is_not_a_sha256_never_names_a_path(tmp_path: Path, name: str) -> None:
+    cache = FileCache(tmp_path / "cache")
+    with pytest.raises(BadHash):
+        cache.path_for(name)
+    with pytest.raises(BadHash):
+        cache.fetch(name, lambda dest: dest.write_bytes(b"x"))
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]
+
+
+def test_a_link_inside_the_cache_cannot_lead_out_of_it(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    digest = hashlib.sha256(b"x").hexdigest()
+    (outside / digest).write_bytes(b"x")
+    cache = FileCache(tmp_path / "cache")
+    (cache.root / digest[:2]).symlink_to(outside)
+    with pytest.raises(BadHash):
+        cache.fetch(digest, lambda dest: dest.write_bytes(b"x"))

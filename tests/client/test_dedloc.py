@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from client.dedloc.allreduce import reduce_round
 from client.dedloc.api import PeerAPI
 from client.dedloc.state import encode_state, load_state, make_optimizer
 from crowdtrain import dedloc
 from crowdtrain.launch import free_port
-from crowdtrain.schemas_dedloc import RoundPlanOut
+from crowdtrain.schemas_dedloc import PeerJoined, RoundPlanOut
 from crowdtrain.zoo import build_model, state_to_numpy
 
 
@@ -52,3 +53,10 @@ def test_a_state_restores_parameters_and_optimizer_so_the_next_step_is_identical
         step(m, opt, 1)
     assert dedloc.digest(state_to_numpy(a)) == dedloc.digest(state_to_numpy(b))
     assert dedloc.digest(state_to_numpy(a)) != dedloc.digest(state_to_numpy(params_only))
+
+
+@pytest.mark.parametrize("peer_id", ["../../v1/admin/hosts", "h1/x", "h1?x=1", ""])
+def test_a_peer_id_that_would_change_the_peers_urls_is_refused(peer_id: str) -> None:
+    with pytest.raises(ValidationError, match="peer_id"):
+        PeerJoined.model_validate({"peer_id": peer_id, "job_id": 1, "recipe": {}, "shards": [], "step": 0,
+                                   "state_step": 0})

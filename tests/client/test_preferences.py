@@ -62,6 +62,9 @@ def test_the_default_file_is_read_from_the_users_config_directory(home: Path) ->
     ("tasks = 0\n", {}, "invalid preference `tasks`"),
     ("idel_only = true\n", {}, "invalid preference `idel_only` (from {file}): unknown preference"),
     ("tasks = \n", {}, "is not valid TOML"),
+    ("download_origins = ['https://s3.example.org/bucket']\n", {},
+     "invalid preference `download_origins` (from {file})"),
+    ("", {"download_origins": ["ftp://s3.example.org"]}, "invalid preference `download_origins` (from --allow-origin)"),
 ])
 def test_a_bad_file_or_value_names_the_field_and_its_source(tmp_path: Path, text: str, overrides: dict,
                                                            says: str) -> None:
@@ -69,6 +72,11 @@ def test_a_bad_file_or_value_names_the_field_and_its_source(tmp_path: Path, text
     with pytest.raises(PreferencesError) as err:
         load_preferences(path, overrides)
     assert says.format(file=path) in str(err.value)
+
+
+def test_allowed_download_origins_are_read_as_origins(tmp_path: Path) -> None:
+    prefs = load_preferences(write(tmp_path, "download_origins = ['HTTPS://S3.example.org']\n"), {})
+    assert prefs.download_origins == ["https://s3.example.org:443"]
 
 
 def test_a_named_file_that_does_not_exist_is_an_error(tmp_path: Path) -> None:

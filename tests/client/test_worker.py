@@ -1,6 +1,7 @@
 """The client process against a real cluster: clean exit on SIGTERM, patience while the server is down."""
 
 import os
+import secrets
 import signal
 import time
 
@@ -49,16 +50,16 @@ def test_sigterm_abandons_running_assignments_and_exits_cleanly(make_cluster, sq
 
 
 def test_client_waits_for_an_unreachable_server_and_then_works(make_cluster, sqlite_url: str, tmp_path) -> None:
-    port = free_port()
-    client = Service("early-bird", crowdtrain_argv("client", "--server", f"http://127.0.0.1:{port}", "--join-token",
-                                                   "demo-join", "--cache", str(tmp_path / "cache"), "--name",
-                                                   "early-bird"),
-                     dict(os.environ), tmp_path / "early-bird.log").start()
+    port, join_token = free_port(), secrets.token_urlsafe(32)
+    client = Service("early-bird", crowdtrain_argv("client", "--server", f"http://127.0.0.1:{port}", "--cache",
+                                                   str(tmp_path / "cache"), "--name", "early-bird"),
+                     dict(os.environ, CROWDTRAIN_CLIENT_JOIN_TOKEN=join_token), tmp_path / "early-bird.log").start()
     try:
-        time.sleep(6)
+        # Retrying, and still alive a while later (the first attempt waits for the client's imports).
+        wait_for(lambda: "server unreachable" in client.tail(), 60, "the client should be retrying", client)
+        time.sleep(3)
         assert client.alive, client.tail()
-        assert "server unreachable" in client.tail(), "the client should be retrying"
-        cluster = make_cluster(sqlite_url, port=port)
+        cluster = make_cluster(sqlite_url, port=port, join_token=join_token)
         submit_slow_job(cluster)
         wait_for(lambda: any(st == AssignmentStatus.in_progress.value
                              for _, st, _ in host_assignments(sqlite_url, "early-bird")),

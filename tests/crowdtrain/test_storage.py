@@ -9,7 +9,7 @@ import boto3
 import pytest
 
 from crowdtrain.launch import free_port, wait_for
-from crowdtrain.storage import ObjectNotFound, open_storage
+from crowdtrain.storage import ObjectNotFound, download_origin, open_storage
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,17 @@ def test_presigned_urls_serve_the_object_without_credentials(storage) -> None:
         return
     assert "Signature" in url or "X-Amz-Signature" in url
     assert httpx.get(url).content == b"weights"
+
+
+def test_the_download_origin_is_that_of_every_presigned_url(storage) -> None:
+    storage.put("jobs/1/shards/0000.npz", b"shard")
+    url = storage.presigned_url("jobs/1/shards/0000.npz", 60)
+    if url is None:  # local storage: clients download from the scheduler alone
+        assert download_origin(storage) is None
+        return
+    assert url.startswith(f"{download_origin(storage)}/"), (url, download_origin(storage))
+
+
+def test_the_download_origin_names_the_public_endpoint_clients_reach(aws_env) -> None:
+    storage = open_storage("s3://crowdtrain/data", "http://minio:9000", "https://s3.example.org:9443")
+    assert download_origin(storage) == "https://s3.example.org:9443"

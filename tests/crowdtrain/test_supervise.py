@@ -6,16 +6,18 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from crowdtrain.launch import wait_for
 
-# Dies with status 3 on its first two runs, then runs until SIGTERM and exits 0.
+# Exits with status sys.argv[2] on its first two runs, then runs until SIGTERM and exits 0.
 CHILD = """
 import pathlib, signal, sys, time
 runs = pathlib.Path(sys.argv[1])
 n = int(runs.read_text() or 0) + 1 if runs.exists() else 1
 runs.write_text(str(n))
 if n <= 2:
-    sys.exit(3)
+    sys.exit(int(sys.argv[2]))
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 while True:
     time.sleep(0.1)
@@ -24,13 +26,15 @@ while True:
 SUPERVISOR = """
 import sys
 from crowdtrain.supervise import supervise
-sys.exit(supervise([sys.executable, "-c", sys.argv[1], sys.argv[2]], "child"))
+sys.exit(supervise([sys.executable, "-c", *sys.argv[1:]], "child"))
 """
 
 
-def test_a_dying_child_is_started_again_and_sigterm_stops_both(tmp_path: Path) -> None:
+@pytest.mark.parametrize("status", [3, 0], ids=["failed", "exited-0-by-itself"])
+def test_a_dying_child_is_started_again_and_sigterm_stops_both(tmp_path: Path, status: int) -> None:
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, CHILD, str(runs)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, CHILD, str(runs), str(status)], stderr=subprocess.PIPE,
+                            text=True)
     try:
         wait_for(lambda: runs.exists() and runs.read_text() == "3", 30, "the child was not restarted twice")
         time.sleep(0.5)  # the third run is up and waiting for SIGTERM
@@ -40,4 +44,4 @@ def test_a_dying_child_is_started_again_and_sigterm_stops_both(tmp_path: Path) -
     finally:
         proc.kill()
     assert runs.read_text() == "3", "started again after SIGTERM"
-    assert proc.stderr.read().count("exited with status 3; starting it again") == 2
+    assert proc.stderr.read().count(f"exited with status {status}; starting it again") == 2

@@ -7,11 +7,15 @@ import pytest
 from sqlalchemy import func, select
 
 from crowdtrain.jobspec import load_job_spec
+from crowdtrain.storage import open_storage
 from server.db import session_factory
-from server.models import Assignment, Workunit
-from server.states import AssignmentStatus, WorkunitStatus
+from server.models import Assignment, Job, Workunit
+from server.states import AssignmentStatus, JobStatus, WorkunitStatus
+from server.transitioner import close_finished_epochs
+from workgen.generator import next_epoch_releasable, release_epoch
 
 from tests.conftest import EXAMPLE_SPEC
+from tests.scheduler_app import scheduler_app
 
 pytestmark = pytest.mark.integration
 HOSTS = 200
@@ -128,3 +132,36 @@ def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, 
         bad = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": "x",
                                            "resources": {"frameworks": ["jax"]}})
     assert bad.status_code == 422 and "frameworks" in bad.text
+
+
+@pytest.fixture
+def scheduler(tmp_path, private_redis):
+    with scheduler_app(tmp_path, private_redis) as app:
+        yield app
+
+
+def test_a_dedloc_job_never_produces_workunits(scheduler) -> None:
+    spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-dedloc.yaml")
+    created = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin)
+    assert created.status_code == 201, created.text
+    host = scheduler.register_host()
+    # With no VC-ASGD work anywhere, a work request must not release an epoch of the dedloc job.
+    for _ in range(2):
+        reply = scheduler.http.post("/v1/work", json={"free_slots": 4}, headers=host)
+        assert reply.status_code == 200 and reply.json()["assignments"] == []
+    assert scheduler.count(Workunit) == 0
+
+
+def test_epoch_release_and_closing_leave_a_dedloc_job_alone(scheduler, private_redis) -> None:
+    spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-dedloc.yaml")
+    job_id = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin).json()["job_id"]
+    with scheduler.db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert not next_epoch_releasable(s, job)
+        with pytest.raises(ValueError, match="dedloc"):
+            release_epoch(s, job, 1)
+        job.current_epoch = 1  # as the VC-ASGD dispatcher used to leave them
+    close_finished_epochs(scheduler.db, open_storage(scheduler.settings.resolved_storage_url), private_redis)
+    with scheduler.db.begin() as s:
+        assert s.get_one(Job, job_id).status == JobStatus.running.value
+    assert scheduler.count(Workunit) == 0

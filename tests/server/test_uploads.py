@@ -12,11 +12,18 @@ from crowdtrain.jobspec import load_job_spec
 from crowdtrain.launch import Cluster
 from crowdtrain.tensors import decode, encode
 from server.db import session_factory
-from server.models import Assignment
+from server.models import Assignment, Workunit
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
 LIMIT = 1_000_000
+
+
+def _spec() -> dict:
+    """The example job, where one charged failure fails a workunit and no deadline passes during the tests."""
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    spec["scheduling"].update(max_errors=1, deadline_seconds=600)
+    return spec
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +32,36 @@ def setup(tmp_path_factory):
     cluster = Cluster(var_dir=var, extra_env={"CROWDTRAIN_UPLOAD_MAX_BYTES": str(LIMIT)}).start()
     try:
         with cluster.admin() as http:
-            job_id = http.post("/v1/jobs", json=load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")).json()["job_id"]
+            job_id = http.post("/v1/jobs", json=_spec()).json()["job_id"]
         hosts = {}
         for name in ("alice", "mallory"):
             token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": name}
                                ).json()["host_token"]
             hosts[name] = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"},
                                        timeout=60)
-        work = hosts["alice"].post("/v1/work", json={"free_slots": 1}).json()["assignments"][0]
-        snapshot = decode(hosts["alice"].get(work["snapshot"]["url"]).content)
-        yield cluster, job_id, hosts, work, snapshot
+        first = hosts["alice"].post("/v1/work", json={"free_slots": 1}).json()["assignments"][0]
+        snapshot = decode(hosts["alice"].get(first["snapshot"]["url"]).content)
+        hosts["alice"].post(f"/v1/assignments/{first['assignment_id']}/abandon").raise_for_status()
+        yield cluster, job_id, hosts, snapshot
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def work(setup) -> dict:
+    """A fresh assignment of alice's for each case."""
+    _, _, hosts, _ = setup
+    return hosts["alice"].post("/v1/work", json={"free_slots": 1}).json()["assignments"][0]
+
+
+def _db(cluster):
+    return session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
 
 
 def _state(cluster, job_id: int, assignment_id: int) -> tuple[int, str, list]:
     r = redis.Redis.from_url(cluster.redis_url)
     version, _ = paramstore.read_blob(r, job_id)
-    with session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}").begin() as s:
+    with _db(cluster).begin() as s:
         status = s.get_one(Assignment, assignment_id).status
     uploads = list((cluster.var_dir / "storage" / "jobs" / str(job_id)).glob("uploads/*"))
     return version, status, uploads
@@ -74,18 +93,35 @@ def _variant(snapshot: dict, kind: str) -> bytes:
     ("NaN", 422, "NaN"),
     ("too large", 413, "limit"),
 ])
-def test_a_bad_body_is_refused_and_changes_nothing(setup, kind: str, status: int, words: str) -> None:
-    cluster, job_id, hosts, work, snapshot = setup
+def test_a_bad_body_is_refused_and_its_workunit_goes_back_at_once(setup, work, kind: str, status: int,
+                                                                   words: str) -> None:
+    """The assignment ends rejected (charged to the host) instead of waiting for its deadline; with
+    max_errors=1 its workunit fails at once. W_s and storage are untouched."""
+    cluster, job_id, hosts, snapshot = setup
     aid = work["assignment_id"]
-    before = _state(cluster, job_id, aid)
     resp = hosts["alice"].put(f"/v1/assignments/{aid}/result", content=_variant(snapshot, kind))
     assert resp.status_code == status, resp.text
     assert words in resp.json()["detail"]
-    assert _state(cluster, job_id, aid) == before == (0, "in_progress", [])
+    assert _state(cluster, job_id, aid) == (0, "rejected", [])
+    with _db(cluster).begin() as s:
+        a = s.get_one(Assignment, aid)
+        wu = s.get_one(Workunit, a.workunit_id)
+        assert (wu.status, wu.error_count) == ("failed", 1)
+        assert words in a.message
 
 
-def test_unknown_and_foreign_assignments_are_not_found(setup) -> None:
-    cluster, job_id, hosts, work, snapshot = setup
+def test_an_epoch_whose_uploads_are_all_refused_closes_without_waiting(setup) -> None:
+    """After the bad-body cases above (more refusals than the job has shards), epoch 1 is over."""
+    cluster, job_id, hosts, _ = setup
+    with cluster.admin() as http:
+        epochs = http.get(f"/v1/jobs/{job_id}").json()["epochs"]
+    first = next(e for e in epochs if e["epoch"] == 1)
+    assert (first["failed"], first["done"], first["workunits"]) == (4, 0, 4)
+    assert any(e["epoch"] == 2 for e in epochs)
+
+
+def test_unknown_and_foreign_assignments_are_not_found(setup, work) -> None:
+    cluster, job_id, hosts, snapshot = setup
     body = encode(snapshot)
     unknown = hosts["alice"].put("/v1/assignments/999999/result", content=body)
     foreign = hosts["mallory"].put(f"/v1/assignments/{work['assignment_id']}/result", content=body)
@@ -95,11 +131,11 @@ def test_unknown_and_foreign_assignments_are_not_found(setup) -> None:
     assert foreign.status_code == 404 and "not yours" in foreign.json()["detail"]
     assert anonymous.status_code == 401
     assert _state(cluster, job_id, work["assignment_id"]) == (0, "in_progress", [])
+    hosts["alice"].post(f"/v1/assignments/{work['assignment_id']}/abandon").raise_for_status()
 
 
-def test_a_result_is_accepted_once(setup) -> None:
-    """Runs last in this module: the good upload is merged, the repeat is refused."""
-    cluster, job_id, hosts, work, snapshot = setup
+def test_a_result_is_accepted_once(setup, work) -> None:
+    cluster, job_id, hosts, snapshot = setup
     aid = work["assignment_id"]
     first = hosts["alice"].put(f"/v1/assignments/{aid}/result", content=encode(snapshot))
     assert first.status_code == 202, first.text

@@ -1,0 +1,79 @@
+"""Policy that applies to every merge rule: the update-norm bound and the staleness bound.
+
+A result is judged by its update Δ = W_c − W_base, measured against the snapshot the host started
+from, not against the current W_s: an honest result that is a few merges stale would otherwise look
+as large as the distance W_s has moved since. The default bound is relative, so it needs no tuning
+per model: ||Δ|| may be at most `factor` times the median norm of the job's recently accepted
+updates; until `warmup` updates have been accepted, at most `factor` times ||W_base|| (or `factor`
+when ||W_base|| < 1, so that a model initialised near zero can still learn). The median moves
+little when a few hosts upload huge updates, which is the point; an operator's absolute
+`max_update_norm` applies as well.
+
+Pure functions over named arrays and plain numbers; no I/O.
+"""
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from crowdtrain.tensors import Params
+
+
+@dataclass(frozen=True)
+class UpdateBound:
+    """The bound on ||W_c − W_base|| (see AssimilationSpec for the meaning and defaults)."""
+
+    factor: float | None
+    warmup: int
+    max_update_norm: float | None = None
+
+    @classmethod
+    def from_spec(cls, assimilation: dict) -> "UpdateBound":
+        return cls(factor=assimilation.get("update_norm_factor", 10.0),
+                   warmup=assimilation.get("update_norm_warmup", 5),
+                   max_update_norm=assimilation.get("max_update_norm"))
+
+
+def params_norm(params: Params) -> float:
+    """L2 norm over all floating-point tensors (integer counters are not parameters)."""
+    total = 0.0
+    for v in params.values():
+        if v.dtype.kind == "f":
+            flat = v.astype(np.float64).ravel()
+            total += float(np.dot(flat, flat))
+    return total ** 0.5
+
+
+def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> tuple[float, str]:
+    """The largest acceptable ||Δ||, and what it was derived from (for the refusal message)."""
+    limits: list[tuple[float, str]] = []
+    if bound.factor is not None:
+        if len(recent_norms) >= bound.warmup:
+            median = statistics.median(recent_norms)
+            limits.append((bound.factor * median,
+                           f"{bound.factor:g} x the median {median:.3g} of {len(recent_norms)} accepted update norms"))
+        else:
+            reference = max(base_norm, 1.0)
+            limits.append((bound.factor * reference,
+                           f"{bound.factor:g} x max(||W_base||, 1) = {bound.factor:g} x {reference:.3g} "
+                           f"(warm-up: {len(recent_norms)} of {bound.warmup} accepted updates)"))
+    if bound.max_update_norm is not None:
+        limits.append((bound.max_update_norm, f"max_update_norm {bound.max_update_norm:g}"))
+    return min(limits, default=(float("inf"), "no bound"))
+
+
+def norm_refusal(norm: float, bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> str | None:
+    """Why an update of norm `norm` must not be merged, or None when it may be."""
+    limit, why = norm_limit(bound, recent_norms, base_norm)
+    if not norm <= limit:  # also refuses a NaN norm
+        return f"update norm ||W_c - W_base|| = {norm:.3g} exceeds {limit:.3g} ({why})"
+    return None
+
+
+def staleness_refusal(base_version: int, version: int, max_staleness: int | None) -> str | None:
+    """Why a result based on `base_version` must not be merged into W_s `version`, or None."""
+    if max_staleness is not None and version - base_version > max_staleness:
+        return f"stale result: based on v{base_version}, W_s is v{version} (max_staleness {max_staleness})"
+    return None

@@ -1,0 +1,57 @@
+"""The update-norm and staleness bounds that wrap every merge rule."""
+
+import math
+
+import numpy as np
+import pytest
+
+from assimilator.policy import UpdateBound, norm_limit, norm_refusal, params_norm, staleness_refusal
+from crowdtrain.jobspec import AssimilationSpec
+
+DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
+
+
+def test_the_default_bound_is_on_and_relative() -> None:
+    assert DEFAULT == UpdateBound(factor=10.0, warmup=5, max_update_norm=None)
+
+
+def test_params_norm_skips_integer_counters() -> None:
+    assert params_norm({"w": np.array([3.0, 4.0], np.float32), "n": np.array(1000, np.int64)}) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize(("base_norm", "limit"), [(6.0, 60.0), (0.0, 10.0), (0.5, 10.0)])
+def test_during_warm_up_the_bound_follows_the_base_norm(base_norm: float, limit: float) -> None:
+    assert norm_limit(DEFAULT, [1.0] * 4, base_norm)[0] == pytest.approx(limit)
+
+
+def test_after_warm_up_the_bound_follows_the_median_of_accepted_norms() -> None:
+    recent = [5.0, 5.2, 4.8, 900.0, 5.1]  # one huge accepted update moves the median little
+    limit, why = norm_limit(DEFAULT, recent, base_norm=1000.0)
+    assert limit == pytest.approx(51.0)
+    assert "median" in why
+
+
+def test_the_operators_absolute_bound_still_applies() -> None:
+    bound = UpdateBound(factor=10.0, warmup=5, max_update_norm=3.0)
+    assert norm_limit(bound, [5.0] * 10, 6.0)[0] == 3.0
+    assert "max_update_norm 3" in norm_refusal(4.0, bound, [5.0] * 10, 6.0)
+
+
+def test_without_any_bound_everything_finite_passes() -> None:
+    bound = UpdateBound(factor=None, warmup=5, max_update_norm=None)
+    assert norm_refusal(1e300, bound, [], 1.0) is None
+
+
+@pytest.mark.parametrize(("norm", "refused"), [(9.0, False), (50.0, False), (53.0, True), (1e32, True),
+                                               (math.inf, True), (math.nan, True)])
+def test_updates_beyond_the_bound_are_refused(norm: float, refused: bool) -> None:
+    reason = norm_refusal(norm, DEFAULT, [5.2] * 10, base_norm=15.0)
+    assert (reason is not None) == refused
+    if refused:
+        assert "exceeds 52" in reason
+
+
+def test_staleness() -> None:
+    assert staleness_refusal(3, 10, None) is None
+    assert staleness_refusal(3, 10, 7) is None
+    assert "stale result: based on v3, W_s is v11" in staleness_refusal(3, 11, 7)
