@@ -3,7 +3,7 @@
 import logging
 
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from assimilator import paramstore
@@ -78,7 +78,9 @@ def fail_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id
 
 
 def _finish(s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, message: str) -> None:
-    """Export W_s and report the validation accuracy of exactly the version exported."""
+    """Close the job's merges, export W_s and report the validation accuracy of exactly the version
+    exported. If the transaction does not commit, the job still runs and its merges reopen."""
+    close_merges(s, r, job.id)
     version, blob = paramstore.read_blob(r, job.id)
     storage.put(final_key(job.id), blob)
     job.final_key = final_key(job.id)
@@ -89,6 +91,13 @@ def _finish(s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: Job
     job.status_message = message
     job.finished_at = utcnow()
     log.info("job %s %s: %s; final model v%d exported to %s", job.id, outcome.value, message, version, job.final_key)
+
+
+def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
+    """Close the job's merges (paramstore.close_merges) as part of the transaction `s` that ends it:
+    reopened if `s` rolls back. Returns the assignment ids W_s holds, final once `s` commits."""
+    event.listen(s, "after_rollback", lambda _: paramstore.reopen_merges(r, job_id), once=True)
+    return paramstore.close_merges(r, job_id)
 
 
 def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes) -> float | None:

@@ -7,6 +7,10 @@ A merge is an optimistic transaction: WATCH the version and the merged-set, comp
 MULTI/EXEC the new chunks, the new version and the assignment id together. Two parameter
 servers racing on one job retry; a redelivered task finds its id in the merged-set and does
 nothing. So every assignment is merged exactly once, however often its task runs.
+
+When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
+it, the merged-set is final, and the ledger can end the job's other results knowing that none of
+them will land in W_s later.
 """
 
 import json
@@ -21,6 +25,10 @@ from crowdtrain.tensors import Params, decode, encode, views
 
 CHUNK_BYTES = 1 << 20
 NORMS_KEPT = 50  # accepted update norms remembered per job: the window of the norm bound's median
+
+
+class MergesClosed(RuntimeError):
+    """The job stopped running: its W_s takes no more merges."""
 
 
 class NoServerModel(RuntimeError):
@@ -127,18 +135,23 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
     """Apply `merge(W_s, version)` exactly once for `assignment_id`.
 
     `merge` updates W_s in place (and returns it), or raises to refuse the result; either way
-    nothing is written unless the whole transaction commits. The merge also records
+    nothing is written unless the whole transaction commits. Raises MergesClosed once the job's
+    merges are closed. The merge also records
     `update_norm` among the recent ones and resets the job's count of failed merges. The norms
     change only together with the version, which is watched: `merge` may read them consistently.
     """
     vkey, mkey, lkey, member = keys.version(job_id), keys.merged(job_id), keys.merge_log(job_id), str(assignment_id)
+    ckey = keys.closed(job_id)
     with r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(vkey, mkey)
+                pipe.watch(vkey, mkey, ckey)
                 if pipe.sismember(mkey, member):
                     pipe.unwatch()
                     return MergeOutcome(merged_version(r, job_id, assignment_id) or 0, applied_now=False)
+                if pipe.exists(ckey):
+                    pipe.unwatch()
+                    raise MergesClosed(f"job {job_id} is no longer running")
                 raw_version = pipe.get(vkey)
                 if raw_version is None:
                     raise NoServerModel(f"job {job_id} has no server model in Redis")
@@ -172,6 +185,20 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                 return MergeOutcome(version + 1, applied_now=True)
             except redis.WatchError:
                 continue
+
+
+def close_merges(r: redis.Redis, job_id: int) -> set[int]:
+    """Stop the job's merges for good; returns the assignment ids W_s holds, final from now on."""
+    with r.pipeline() as pipe:  # MULTI: the flag and the read of the set are one step
+        pipe.set(keys.closed(job_id), 1)
+        pipe.smembers(keys.merged(job_id))
+        _, merged = pipe.execute()
+    return {int(m) for m in merged}
+
+
+def reopen_merges(r: redis.Redis, job_id: int) -> None:
+    """Undo close_merges when the job's end could not be recorded (it still runs)."""
+    r.delete(keys.closed(job_id))
 
 
 def count_merge_failure(r: redis.Redis, job_id: int) -> int:

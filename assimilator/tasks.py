@@ -19,7 +19,7 @@ from assimilator.celery_app import ASSIMILATE_TASK, celery_app
 from assimilator.epochs import close_epoch_if_complete, fail_job
 from assimilator.evaluate import evaluate
 from assimilator.policy import UpdateBound, norm_refusal, params_norm, staleness_refusal
-from assimilator.rules import alpha_for_epoch, merge_vc_asgd, update_norm
+from assimilator.rules import Rule, Update, make_rule, update_norm
 from crowdtrain.logs import ids
 from crowdtrain.settings import get_settings
 from crowdtrain.storage import ObjectNotFound, Storage, open_storage
@@ -145,12 +145,14 @@ def _merge_result(assignment_id: int, epoch: int, received_at: float | None) -> 
                                       "update cannot be checked; the workunit will be dispatched again",
                        charge=False)
     norm = update_norm(base, client)
-    merge = _guarded(_vc_asgd(spec["assimilation"], epoch, client), r, job_id, spec["assimilation"],
+    merge = _guarded(make_rule(spec["assimilation"]), client, base, epoch, r, job_id, spec["assimilation"],
                      base_version, norm, base_norm)
     try:
         outcome = paramstore.merge_once(r, job_id, assignment_id, merge, received_at, update_norm=norm)
     except Refused as exc:
         return _reject(assignment_id, str(exc), charge=True)
+    except paramstore.MergesClosed:
+        return _reject(assignment_id, "job is no longer running", charge=False)
     if outcome.applied_now:
         telemetry.count(r, "merges")
         if received_at:
@@ -197,14 +199,8 @@ def restore_server_model(db, storage: Storage, r, job_id: int) -> None:
                     job_id, snap_version, version, version - snap_version)
 
 
-def _vc_asgd(assimilation: dict, epoch: int, client: Params) -> Callable[[Params], Params]:
-    """The merge rule: W_s <- alpha_e * W_s + (1 - alpha_e) * W_c, in place."""
-    alpha = alpha_for_epoch(assimilation["schedule"], assimilation["alpha"], epoch)
-    return lambda server: merge_vc_asgd(server, client, alpha, out=server)
-
-
-def _guarded(rule: Callable[[Params], Params], r, job_id: int, assimilation: dict, base_version: int,
-             norm: float, base_norm: float) -> Callable[[Params, int], Params]:
+def _guarded(rule: Rule, client: Params, base: Params, epoch: int, r, job_id: int, assimilation: dict,
+             base_version: int, norm: float, base_norm: float) -> Callable[[Params, int], Params]:
     """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates."""
     bound = UpdateBound.from_spec(assimilation)
 
@@ -213,7 +209,9 @@ def _guarded(rule: Callable[[Params], Params], r, job_id: int, assimilation: dic
                    or norm_refusal(norm, bound, paramstore.recent_update_norms(r, job_id), base_norm))
         if refusal:
             raise Refused(refusal)
-        return rule(server)
+        delta = {k: client[k] - v for k, v in base.items() if v.dtype.kind == "f"}
+        rule.apply(server, {}, Update(client, delta, version - base_version, epoch))
+        return server
 
     return merge
 

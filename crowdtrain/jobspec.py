@@ -97,6 +97,10 @@ class DatasetSpec(_Strict):
     validation_fraction: float = Field(0.2, gt=0, lt=1, description="Used when the npz has no x_val/y_val")
     classes: int | None = Field(None, ge=2, le=MAX_CLASSES, description="Number of classes; labels must lie in "
                                                                         "[0, classes). Default: largest label + 1")
+    shuffle: Literal["stratified", "random", "none"] = Field(
+        "stratified", description="How examples are dealt to shards: shuffled with every class spread evenly "
+                                  "over the shards (stratified), shuffled (random), or contiguous slices (none)")
+    reshuffle_each_epoch: bool = Field(False, description="Deal the examples to shards anew for every epoch")
 
     @model_validator(mode="after")
     def _known_source(self) -> "DatasetSpec":
@@ -121,10 +125,61 @@ class TrainingSpec(_Strict):
     lr: float = Field(0.001, gt=0, le=10)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    dynamic_local_work: bool = Field(False, description="Scale each host's local steps with its measured speed, "
+                                                        "so that slow hosts' updates are about as stale as fast "
+                                                        "hosts' (Async Local-SGD's dynamic local updates)")
+    min_local_fraction: float = Field(0.25, gt=0, le=1, description="With dynamic_local_work: the fewest local "
+                                                                     "steps, as a fraction of local_epochs' steps")
+
+
+class UploadSpec(_Strict):
+    """What a client sends back: its weights W_c, or its update Δ = W_c − W_base, encoded."""
+
+    send: Literal["weights", "delta"] = "weights"
+    dtype: Literal["float32", "bfloat16", "int8"] = Field("float32", description="Encoding of Δ (weights are "
+                                                                                 "always float32)")
+    block_size: int | None = Field(None, ge=16, le=1 << 24, description="int8: one scale per this many values "
+                                                                         "(null: one per tensor)")
+
+    @model_validator(mode="after")
+    def _weights_are_float32(self) -> "UploadSpec":
+        if self.send == "weights" and self.dtype != "float32":
+            raise ValueError(f"assimilation.upload.dtype {self.dtype!r} needs send: delta (weights are sent "
+                             "as float32)")
+        if self.block_size is not None and self.dtype != "int8":
+            raise ValueError("assimilation.upload.block_size applies to dtype int8 only")
+        return self
+
+
+MERGE_RULES = ("vc-asgd", "delta", "fedbuff")
+OUTER_OPTIMIZERS = ("none", "nesterov", "delayed-nesterov", "adam")
 
 
 class AssimilationSpec(_Strict):
-    rule: Literal["vc-asgd"] = "vc-asgd"
+    rule: Literal["vc-asgd", "delta", "fedbuff"] = Field(
+        "vc-asgd", description="vc-asgd: W_s <- a*W_s + (1-a)*W_c; delta: W_s <- W_s + server_lr * s(tau) * Δ; "
+                               "fedbuff: buffer buffer_size updates, combine, apply once")
+    server_lr: float = Field(1.0, gt=0, le=100, description="delta/fedbuff: the server step η on the (combined) "
+                                                            "update, or the outer optimizer's learning rate")
+    staleness_weight: Literal["constant", "polynomial", "hinge"] = Field(
+        "constant", description="delta/fedbuff: s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, "
+                                "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync)")
+    staleness_a: float = Field(0.5, ge=0, le=100)
+    staleness_b: int = Field(4, ge=0, le=1_000_000)
+    buffer_size: int = Field(4, ge=1, le=1024, description="fedbuff: updates combined per step of W_s")
+    combiner: Literal["mean", "median", "trimmed-mean"] = Field(
+        "mean", description="fedbuff: how buffered updates combine (median and trimmed-mean resist outliers)")
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="fedbuff trimmed-mean: fraction cut at each end")
+    outer_optimizer: Literal["none", "nesterov", "delayed-nesterov", "adam"] = Field(
+        "none", description="delta/fedbuff: an optimizer over the combined update taken as a pseudo-gradient: "
+                            "SGD with Nesterov momentum (DiLoCo), delayed Nesterov (Async Local-SGD), or Adam "
+                            "with staleness-gated input")
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov_delay: int = Field(4, ge=1, le=1024, description="delayed-nesterov: updates between momentum steps")
+    adam_betas: tuple[float, float] = Field((0.9, 0.99))
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_norm: float | None = Field(None, gt=0, description="Scale any update whose norm is above this down to it")
+    upload: UploadSpec = Field(default_factory=UploadSpec)
     schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
     alpha: float = Field(0.7, ge=0, lt=1)
     max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
@@ -138,6 +193,15 @@ class AssimilationSpec(_Strict):
                                 "off. Honest updates of one job vary by a factor of 2-3; a hostile one is larger")
     update_norm_warmup: int = Field(5, ge=1, le=1000, description="Accepted updates needed before the bound follows "
                                                                   "their median")
+
+    @model_validator(mode="after")
+    def _options_of_the_rule(self) -> "AssimilationSpec":
+        if self.rule == "vc-asgd" and self.outer_optimizer != "none":
+            raise ValueError(f"assimilation.outer_optimizer {self.outer_optimizer!r} needs rule delta or fedbuff "
+                             "(vc-asgd mixes weights; it has no update to optimize)")
+        if any(not 0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"assimilation.adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
+        return self
 
 
 class StopSpec(_Strict):

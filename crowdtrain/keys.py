@@ -24,6 +24,11 @@ def merged(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:merged"
 
 
+def closed(job_id: int) -> str:
+    """Set once the job stops running: no merge commits after it (paramstore.close_merges)."""
+    return f"{PREFIX}:job:{job_id}:closed"
+
+
 def merge_log(job_id: int) -> str:
     """Hash assignment id -> JSON {version, merged_at, received_at}: when each merge landed."""
     return f"{PREFIX}:job:{job_id}:merge-log"

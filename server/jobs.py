@@ -2,10 +2,11 @@
 
 from datetime import datetime, timedelta
 
+import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from assimilator.epochs import cancel_open_workunits
+from assimilator.epochs import cancel_open_workunits, close_merges
 from crowdtrain.schemas import EpochFigures, JobStatusOut, MetricPoint
 from server import states
 from server.models import Assignment, Job, Metric, Workunit, utcnow
@@ -72,32 +73,40 @@ def list_jobs(db: sessionmaker[Session]) -> list[dict]:
                 for j in s.scalars(select(Job).order_by(Job.id)).all()]
 
 
-def cancel_job(db: sessionmaker[Session], job_id: int) -> str:
+def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> str:
     """Cancel a pending or running job; its open workunits are cancelled, hosts are told at heartbeat,
-    and its uploaded results are rejected (not charged) so that no merge of it is queued again."""
+    its merges are closed, and its uploaded results not in W_s are rejected (not charged) so that no
+    merge of them is queued again. Those W_s already holds are recorded by their merge task."""
     with db.begin() as s:
         job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
         if job is None:
             raise JobNotFound(f"job {job_id} does not exist")
         states.move(job, JobStatus.cancelled)
         cancel_open_workunits(s, job_id)
-        end_unmerged_uploads(s, job_id, "job cancelled by the operator before this result was merged")
+        merged = close_merges(s, r, job_id)
+        end_unmerged_uploads(s, job_id, "job cancelled by the operator before this result was merged", merged)
         job.status_message = "cancelled by the operator"
         job.finished_at = utcnow()
         return job.status
 
 
-def end_unmerged_uploads(s: Session, job_id: int, message: str, uploaded_before: datetime | None = None) -> int:
-    """Reject, without charging anyone, the job's uploaded results not yet merged (optionally only
-    those uploaded before `uploaded_before`); for a job that no longer runs. Returns how many."""
+def end_unmerged_uploads(s: Session, job_id: int, message: str, merged: set[int],
+                         uploaded_before: datetime | None = None) -> list[int]:
+    """Reject, without charging anyone, the job's uploaded results (optionally only those uploaded
+    before `uploaded_before`) that are not among `merged`, the final set of assignments W_s holds
+    (the job's merges are closed). Returns the ids of the uploaded results W_s does hold: their
+    merge is to be recorded, not refused."""
     query = select(Assignment).where(Assignment.job_id == job_id,
                                      Assignment.status == AssignmentStatus.uploaded.value).with_for_update()
     if uploaded_before is not None:
         query = query.where(Assignment.uploaded_at < uploaded_before)
-    unmerged = s.scalars(query.order_by(Assignment.id)).all()
-    for a in unmerged:
-        end_assignment(s, a, AssignmentStatus.rejected, message, charge=False)
-    return len(unmerged)
+    held = []
+    for a in s.scalars(query.order_by(Assignment.id)).all():
+        if a.id in merged:
+            held.append(a.id)
+        else:
+            end_assignment(s, a, AssignmentStatus.rejected, message, charge=False)
+    return held
 
 
 def final_model_key(db: sessionmaker[Session], job_id: int) -> str | None:

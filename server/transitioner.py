@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, timedelta
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.jobspec import VC_ASGD
@@ -75,16 +75,33 @@ def requeue_stalled_merges(db: sessionmaker[Session], stalled_after: float,
     return len(rows)
 
 
-def end_stalled_uploads(db: sessionmaker[Session], stalled_after: float) -> int:
-    """Reject (uncharged) results that stayed unmerged long after upload while their job stopped
-    running: their merge task was lost, and no merge will be queued for them any more."""
-    ended = 0
+def end_stalled_uploads(db: sessionmaker[Session], r: redis.Redis, stalled_after: float,
+                        enqueue: Callable[[int, float], None]) -> int:
+    """End the results that stayed unmerged long after upload while their job stopped running: their
+    merge task was lost. The job's merges are closed first, so the set W_s holds is final: a result
+    in it has its merge queued again (the task records it), any other is rejected, uncharged.
+    Returns how many were rejected."""
+    from assimilator.epochs import close_merges
+
+    ended, held = 0, []
     with db.begin() as s:
         jobs = s.scalars(select(Assignment.job_id).distinct().join(Job, Job.id == Assignment.job_id).where(
             Job.status != JobStatus.running.value, Assignment.status == AssignmentStatus.uploaded.value)).all()
+        before = utcnow() - timedelta(seconds=stalled_after)
         for job_id in jobs:
-            ended += end_unmerged_uploads(s, job_id, "the job ended before this result was merged",
-                                          uploaded_before=utcnow() - timedelta(seconds=stalled_after))
+            stalled = s.scalar(select(func.count()).select_from(Assignment).where(
+                Assignment.job_id == job_id, Assignment.status == AssignmentStatus.uploaded.value,
+                Assignment.uploaded_at < before))
+            if not stalled:
+                continue
+            merged = close_merges(s, r, job_id)
+            in_ws = end_unmerged_uploads(s, job_id, "the job ended before this result was merged", merged,
+                                         uploaded_before=before)
+            held += in_ws
+            ended += stalled - len(in_ws)
+    for aid in held:
+        log.warning("assignment %s: W_s holds it but the ledger does not yet; queueing its merge again", aid)
+        enqueue(aid, time.time())
     if ended:
         log.warning("%d results of jobs no longer running were never merged; rejected them", ended)
     return ended
@@ -100,7 +117,7 @@ def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, int
             close_finished_epochs(db, storage, r)
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)
-                end_stalled_uploads(db, stalled_after)
+                end_stalled_uploads(db, r, stalled_after, enqueue)
                 last_requeue = time.monotonic()
         except Exception:
             log.exception("transitioner sweep failed; retrying in %ss", interval)

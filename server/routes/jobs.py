@@ -47,9 +47,9 @@ def status_of(job_id: Id, db: DbDep, metrics: bool = False) -> JobStatusOut:
 
 
 @router.post("/{job_id}/cancel", response_model=dict)
-def cancel(job_id: Id, db: DbDep) -> dict:
+def cancel(job_id: Id, db: DbDep, r: RedisDep) -> dict:
     try:
-        return {"job_id": job_id, "status": jobs.cancel_job(db, job_id)}
+        return {"job_id": job_id, "status": jobs.cancel_job(db, r, job_id)}
     except jobs.JobNotFound as exc:
         raise _not_found(exc) from None
     except IllegalTransition as exc:

@@ -13,6 +13,8 @@ from crowdtrain.settings import Settings
 from crowdtrain.storage import open_storage
 from crowdtrain.tensors import encode
 from assimilator import paramstore
+from assimilator.epochs import close_merges
+from crowdtrain import keys
 from migrations import upgrade
 from server import states
 from server.db import session_factory
@@ -56,7 +58,7 @@ def uploaded(services):
     with db.begin() as s:
         earlier = s.scalars(select(Job.id).where(Job.status == JobStatus.running.value)).all()
     for job_id in earlier:  # out of the way (and their results with them)
-        cancel_job(db, job_id)
+        cancel_job(db, r, job_id)
     job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
     with db.begin() as s:
         host = Host(name="alice", token_hash=f"{job_id:064d}")
@@ -66,7 +68,12 @@ def uploaded(services):
     work = request_work(db, storage, host_id, 1, [], None)[0]
     body = encode(paramstore.read(r, job_id)[1])
     store_result(db, storage, host_id, job_id, work.assignment_id, body, ResultMetrics(), enqueue=lambda *a: None)
-    return db, job_id, work.assignment_id, host_id
+    return db, r, job_id, work.assignment_id, host_id
+
+
+def _merge(r, job_id: int, assignment_id: int) -> paramstore.MergeOutcome:
+    """What a parameter server does to W_s for one result (the rule itself does not matter here)."""
+    return paramstore.merge_once(r, job_id, assignment_id, lambda params, _version: params)
 
 
 def _requeued(db) -> list[int]:
@@ -83,23 +90,55 @@ def _ended_uncharged(db, assignment_id: int, host_id: int) -> str:
         return a.message
 
 
+def _end_stalled(db, r) -> tuple[int, list[int]]:
+    queued: list[int] = []
+    ended = end_stalled_uploads(db, r, stalled_after=0, enqueue=lambda aid, _t: queued.append(aid))
+    return ended, queued
+
+
 def test_a_stalled_merge_of_a_running_job_is_queued_again(uploaded) -> None:
-    db, _, aid, _ = uploaded
+    db, _, _, aid, _ = uploaded
     assert _requeued(db) == [aid]
 
 
-def test_cancel_ends_unmerged_results_and_nothing_is_queued_again(uploaded) -> None:
-    db, job_id, aid, host_id = uploaded
-    cancel_job(db, job_id)
+def test_cancel_ends_unmerged_results_closes_merges_and_nothing_is_queued_again(uploaded) -> None:
+    db, r, job_id, aid, host_id = uploaded
+    version = int(r.get(keys.version(job_id)))
+    cancel_job(db, r, job_id)
     assert "cancelled" in _ended_uncharged(db, aid, host_id)
     assert _requeued(db) == []
+    with pytest.raises(paramstore.MergesClosed):  # a merge task still in flight cannot land now
+        _merge(r, job_id, aid)
+    assert int(r.get(keys.version(job_id))) == version and not r.sismember(keys.merged(job_id), aid)
 
 
 def test_a_finished_jobs_stalled_results_are_ended_not_queued(uploaded) -> None:
-    db, job_id, aid, host_id = uploaded
+    db, r, job_id, aid, host_id = uploaded
     with db.begin() as s:
         states.move(s.get_one(Job, job_id), JobStatus.succeeded)
     assert _requeued(db) == []
-    assert end_stalled_uploads(db, stalled_after=0) == 1
+    assert _end_stalled(db, r) == (1, [])
     assert "ended before this result was merged" in _ended_uncharged(db, aid, host_id)
-    assert end_stalled_uploads(db, stalled_after=0) == 0
+    assert _end_stalled(db, r) == (0, [])
+
+
+def test_a_finished_jobs_result_that_w_s_holds_is_recorded_not_rejected(uploaded) -> None:
+    """The parameter server merged it into W_s and died before the ledger said so; meanwhile the job
+    ended. The result is queued again (its task records the merge), never rejected: DB and W_s agree."""
+    db, r, job_id, aid, host_id = uploaded
+    assert _merge(r, job_id, aid).applied_now
+    with db.begin() as s:
+        states.move(s.get_one(Job, job_id), JobStatus.succeeded)
+    assert _end_stalled(db, r) == (0, [aid])
+    with db.begin() as s:
+        assert s.get_one(Assignment, aid).status == AssignmentStatus.uploaded.value
+
+
+def test_a_job_end_that_does_not_commit_reopens_its_merges(uploaded) -> None:
+    db, r, job_id, aid, _ = uploaded
+    with pytest.raises(RuntimeError, match="commit failed"), db.begin() as s:
+        close_merges(s, r, job_id)
+        with pytest.raises(paramstore.MergesClosed):
+            _merge(r, job_id, aid)
+        raise RuntimeError("commit failed")
+    assert _merge(r, job_id, aid).applied_now
