@@ -5,6 +5,7 @@ import io
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
@@ -28,8 +29,9 @@ def decode(blob: bytes) -> Params:
         raise TensorFormatError(f"not a safetensors file: {exc}") from exc
 
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+# numpy has no bfloat16; ml_dtypes' is the one safetensors writes (crowdtrain.updates sends Δ in it).
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_RANK = 8
 
