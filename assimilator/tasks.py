@@ -23,8 +23,8 @@ from assimilator.rules import Rule, Update, make_rule, update_norm
 from crowdtrain.logs import ids
 from crowdtrain.settings import get_settings
 from crowdtrain.storage import ObjectNotFound, Storage, open_storage
-from crowdtrain.tensors import (Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256,
-                                views)
+from crowdtrain.tensors import Params, TensorFormatError, decode, decode_shard, sha256
+from crowdtrain.updates import decode_result, upload_of
 from server import states, telemetry
 from server.db import session_factory
 from server.models import Assignment, Host, Job, Metric, Workunit, utcnow
@@ -134,16 +134,15 @@ def _merge_result(assignment_id: int, epoch: int, received_at: float | None) -> 
         return _reject(assignment_id, f"the upload {upload_key} is missing from storage; the workunit "
                                       "will be dispatched again", charge=False)
     try:
-        client = views(blob)
-        check_against_manifest(client, manifest)
-    except (TensorFormatError, ValueError) as exc:
-        return _reject(assignment_id, f"invalid result: {exc}", charge=True)
-    try:
         base, base_norm = _base_snapshot(storage, snapshot_key(job_id, base_version))
     except ObjectNotFound:
         return _reject(assignment_id, f"the snapshot v{base_version} this result started from is gone, so its "
                                       "update cannot be checked; the workunit will be dispatched again",
                        charge=False)
+    try:
+        client = decode_result(blob, manifest, upload_of(spec["assimilation"]), base)  # W_c, also from a Δ
+    except (TensorFormatError, ValueError) as exc:
+        return _reject(assignment_id, f"invalid result: {exc}", charge=True)
     norm = update_norm(base, client)
     merge = _guarded(make_rule(spec["assimilation"]), client, base, epoch, r, job_id, spec["assimilation"],
                      base_version, norm, base_norm)

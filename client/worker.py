@@ -32,7 +32,8 @@ from client.status import AssignmentStatus, ClientState, ClientStatus, StatusWri
 from client.trainers import Cancelled, TrainControl, available_frameworks, train
 from crowdtrain import frameworks as fw
 from crowdtrain.schemas import AssignmentOut, FileRef, Resources, ResultMetrics
-from crowdtrain.tensors import decode, decode_shard, encode
+from crowdtrain.tensors import decode, decode_shard
+from crowdtrain.updates import encode_result
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +397,7 @@ class VolunteerClient:
             r.phase = "uploading"
             self.status.changed()
             t0 = time.monotonic()
-            blob = encode(result.params)
+            blob = encode_result(result.params, params, a.recipe.upload)  # W_c, or Δ from the snapshot
             self.api.upload(a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples,
                                                    seconds=result.seconds))
             transfer.record("upload", len(blob), reservation)

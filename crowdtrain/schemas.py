@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 import annotated_types as at
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints
 
+from crowdtrain.jobspec import UploadSpec
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 # Database ids (path parameters, body fields): non-negative and within a 64-bit column, so that a
@@ -116,11 +118,13 @@ class FileRef(BaseModel):
 
 class Recipe(BaseModel):
     """Everything a client needs to train: model (zoo name or Keras JSON, the job's framework, shapes,
-    options) and training settings."""
+    options) and training settings, and how to send the result back (crowdtrain.updates)."""
 
     model: dict[str, Any]
     training: dict[str, Any]
     seed: int
+    upload: UploadSpec = Field(default_factory=UploadSpec, description="The job's assimilation.upload: weights "
+                                                                       "or the update Δ, and its encoding")
 
 
 class AssignmentOut(BaseModel):

@@ -141,6 +141,9 @@ def encode_result(params: Params, base: Params, upload: UploadSpec | dict | None
     if u.send == "weights":
         return encode(params)
     floats = {k for k, v in params.items() if v.dtype.kind == "f"}
+    for k in floats:  # the snapshot came from the server: never broadcast a mismatch into a larger array
+        if k not in base or np.shape(base[k]) != np.shape(params[k]):
+            raise ValueError(f"tensor {k!r}: the snapshot has no tensor of shape {list(np.shape(params[k]))}")
     delta = {k: np.asarray(params[k], np.float32) - np.asarray(base[k], np.float32) for k in floats}
     wire = {**{k: v for k, v in params.items() if k not in floats}, **encode_update(delta, u)}
     return _st_save({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in wire.items()})

@@ -11,6 +11,7 @@ from crowdtrain.jobspec import VC_ASGD
 from crowdtrain.logs import ids
 from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
 from crowdtrain.storage import Storage
+from crowdtrain.updates import upload_of
 from server import states
 from server.models import Assignment, Host, Job, Shard, Workunit, utcnow
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -61,7 +62,8 @@ def _assignment_out(a: Assignment, wu: Workunit, shard: Shard, job: Job, storage
     return AssignmentOut(
         assignment_id=a.id, job_id=job.id, workunit_id=wu.id, epoch=wu.epoch, shard_index=shard.index,
         base_version=a.base_version, deadline=a.deadline,
-        recipe=Recipe(model=job.model_config_, training=job.spec["training"], seed=job.spec["seed"] + a.id),
+        recipe=Recipe(model=job.model_config_, training=job.spec["training"], seed=job.spec["seed"] + a.id,
+                      upload=upload_of(job.spec.get("assimilation", {}))),
         shard=FileRef(url=shard_url, sha256=shard.sha256, size=shard.size),
         snapshot=FileRef(url=snapshot_url, sha256=job.snapshot_sha256, size=job.param_bytes))
 

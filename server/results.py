@@ -10,7 +10,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.logs import ids
 from crowdtrain.schemas import ResultMetrics
 from crowdtrain.storage import Storage
-from crowdtrain.tensors import TensorFormatError, check_against_manifest, header_limits, views
+from crowdtrain.jobspec import UploadSpec
+from crowdtrain.tensors import TensorFormatError
+from crowdtrain.updates import decode_update, upload_of
 from server import states
 from server.models import Assignment, Host, Job, Workunit, utcnow
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -46,15 +48,16 @@ class ResultRefused(ResultProblem):
         super().__init__(status, message)
 
 
-def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict]:
-    """(job id, parameter manifest) a result must match, checked before the body is read: the
-    assignment exists, is the caller's and is in progress (else ResultProblem 404/409). Read only."""
+def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict, UploadSpec]:
+    """(job id, parameter manifest, upload encoding) a result must match, checked before the body is
+    read: the assignment exists, is the caller's and is in progress (else ResultProblem 404/409). Read only."""
     with db.begin() as s:
         a = s.get(Assignment, assignment_id)
         if a is None or a.host_id != host_id:
             raise ResultProblem(404, f"assignment {assignment_id} does not exist or is not yours")
         _check_in_progress(a)
-        return a.job_id, s.get_one(Job, a.job_id).param_manifest
+        job = s.get_one(Job, a.job_id)
+        return a.job_id, job.param_manifest, upload_of(job.spec.get("assimilation", {}))
 
 
 def _check_in_progress(a: Assignment) -> None:
@@ -63,11 +66,12 @@ def _check_in_progress(a: Assignment) -> None:
                                  "while the assignment is in progress")
 
 
-def check_result(body: bytes, manifest: dict) -> None:
-    """Raise ResultRefused unless `body` is safetensors matching `manifest` (names, shapes, dtypes,
-    finite values). The header is bounded by the manifest before it is parsed. No I/O."""
+def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> None:
+    """Raise ResultRefused unless `body` is a result encoded as `upload` says (default: weights as
+    float32) for a model with `manifest`: names, shapes, the encoding's dtypes, scales, finite decoded
+    values (crowdtrain.updates.decode_update). The header is bounded before it is parsed. No I/O."""
     try:
-        check_against_manifest(views(body, *header_limits(manifest)), manifest)
+        decode_update(body, manifest, upload)
     except (TensorFormatError, ValueError) as exc:
         raise ResultRefused(f"result rejected: {exc}") from exc
 

@@ -21,6 +21,7 @@ EVENTS = {
     "work_requests": "Work requests served",
     "dispatches": "Assignments handed to hosts",
     "uploads": "Results accepted",
+    "upload_bytes": "Bytes of the results accepted (weights, or updates as encoded)",
     "merges": "Results merged into W_s",
     "rejections": "Results refused by a parameter server",
     "timeouts": "Assignments timed out by the transitioner",

@@ -11,9 +11,10 @@ from sqlalchemy import func, select
 
 from assimilator.evaluate import evaluate
 from crowdtrain import keys
-from crowdtrain.jobspec import load_job_spec
+from crowdtrain.jobspec import UploadSpec, load_job_spec
 from crowdtrain.launch import Cluster, wait_for
 from crowdtrain.tensors import decode
+from crowdtrain.updates import upload_sizes
 from server.db import session_factory
 from server.models import Assignment, Host, Job, Workunit
 from server.states import AssignmentStatus, WorkunitStatus
@@ -165,3 +166,27 @@ def test_sigkilled_client_work_is_redispatched_after_its_deadline(make_cluster, 
             assert retry is not None, f"workunit {wu_id} was never dispatched again"
             assert retry.sent_at >= deadline, "re-dispatched before the lost assignment's deadline"
             assert s.get_one(Workunit, wu_id).status in (WorkunitStatus.done.value, WorkunitStatus.failed.value)
+
+
+def test_int8_delta_uploads_train_the_example_job_to_its_target(make_cluster, sqlite_url: str) -> None:
+    """Clients upload Δ = W_c − W_base as int8 with a scale per 64 values, and the parameter servers
+    merge W_base + Δ̂ (vc-asgd): the job reaches its target, every upload taking under 0.3 of the
+    float32 weights' bytes (counted by /metrics as received)."""
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.assimilation.upload = UploadSpec(send="delta", dtype="int8", block_size=64)
+    job_id = cluster.submit(spec.model_dump(mode="json"))["job_id"]
+    cluster.start_client("alice", tasks=2)
+    cluster.start_client("bob", tasks=2)
+    st = wait_finished(cluster, job_id)
+    assert st["status"] == "succeeded", st["status_message"]
+    assert_exact_accounting(cluster, job_id)
+    with session_factory(sqlite_url).begin() as s:
+        job = s.get_one(Job, job_id)
+        manifest, weights_bytes = job.param_manifest, job.param_bytes
+    with cluster.admin() as http:
+        samples = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text)
+                   for s in fam.samples}
+    per_upload = samples["crowdtrain_upload_bytes_total"] / samples["crowdtrain_uploads_total"]
+    assert per_upload == upload_sizes(manifest, (spec.assimilation.upload.model_dump(),))["delta/int8/block64"]
+    assert per_upload <= 0.3 * weights_bytes

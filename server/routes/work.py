@@ -44,22 +44,26 @@ def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
 
 
 @router.put("/assignments/{assignment_id}/result", response_model=ResultAccepted, status_code=status.HTTP_202_ACCEPTED,
-            responses=UPLOAD_RESPONSES, openapi_extra=octet_stream_body("The trained parameters (safetensors)"))
+            responses=UPLOAD_RESPONSES,
+            openapi_extra=octet_stream_body("The result (safetensors): the trained parameters, or their update "
+                                            "encoded as the job's assimilation.upload says"))
 async def upload_result(assignment_id: Id, request: Request, metrics: Annotated[ResultMetrics, Query()],
                         host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep,
                         settings: SettingsDep) -> ResultAccepted:
-    """Upload the trained parameters (safetensors body); metrics ride in the query string.
+    """Upload the result (safetensors body: W_c, or Δ as the job's assimilation.upload says); metrics
+    ride in the query string.
 
     The assignment is checked before the body is read, and the body before any transaction; a body
     refused for its content ends the assignment `rejected`, so its workunit is dispatched again at once.
     """
     try:
-        job_id, manifest = await run_in_threadpool(results.upload_target, db, host_id, assignment_id)
+        job_id, manifest, upload = await run_in_threadpool(results.upload_target, db, host_id, assignment_id)
         try:
             async with upload_body(request, settings.upload_max_bytes) as body:
-                await run_in_threadpool(results.check_result, body, manifest)
+                await run_in_threadpool(results.check_result, body, manifest, upload)
                 status_ = await run_in_threadpool(results.store_result, db, storage, host_id, job_id, assignment_id,
                                                   body, metrics, enqueue_merge)
+                size = len(body)
         except (ResultRefused, BodyTooLarge) as exc:
             reason = exc.message if isinstance(exc, ResultRefused) else str(exc.detail)
             failed = await run_in_threadpool(results.refuse_result, db, host_id, assignment_id, reason)
@@ -68,7 +72,7 @@ async def upload_result(assignment_id: Id, request: Request, metrics: Annotated[
             raise
     except ResultProblem as exc:
         raise _problem(exc) from None
-    telemetry.count(r, "uploads")
+    telemetry.count(r, "uploads", upload_bytes=size)
     return ResultAccepted(assignment_id=assignment_id, status=status_)
 
 
