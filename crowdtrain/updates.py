@@ -79,6 +79,8 @@ def wire_manifest(manifest: dict, upload: UploadSpec | dict | None) -> Manifest:
             continue
         out[name] = (list(shape), u.dtype)  # the dtype names are numpy's
         if u.dtype == "int8":
+            if name + SCALE_SUFFIX in manifest:
+                raise ValueError(f"the model has a tensor {name + SCALE_SUFFIX!r}, the name of {name!r}'s scales")
             out[name + SCALE_SUFFIX] = ([_blocks(shape, u.block_size)], "float32")
     return out
 
