@@ -121,6 +121,10 @@ CASES: dict[str, tuple[Callable[[Path, str], bytes], str | None]] = {
         lambda tmp, other: work_reply(file_ref(f"{other}/internal", sha256(b"secret"))), "refusing to download"),
     "download longer than announced": (
         lambda tmp, other: work_reply(file_ref("/files/snapshot", sha256(SNAPSHOT), size=5)), "larger than"),
+    "upload encoding the client does not know": (
+        lambda tmp, other: work_reply(file_ref("/files/shard", "0" * 64)).replace(
+            b'"seed": 0}', b'"seed": 0, "upload": {"send": "delta", "dtype": "int4", "block_size": 1}}'),
+        "recipe.upload"),
     "reply larger than the client reads": (
         lambda tmp, other: work_reply(file_ref("/files/shard", "0" * 64), file_ref("/files/snapshot", "0" * 64)
                                       ).replace(b'"mlp"', b'"' + b"x" * 9000 + b'"'), None),
