@@ -40,7 +40,7 @@ import numpy as np
 
 from crowdtrain.jobspec import VC_ASGD, JobSpec
 from crowdtrain.simjob import IN_PROGRESS, Assignment, Metric, SimJob
-from crowdtrain.tensors import Params
+from crowdtrain.tensors import Params, encode
 from workgen.datasets import Dataset, load_dataset, split_shards
 
 ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
@@ -119,6 +119,8 @@ class SimResult:
     refusals: dict[str, int]
     failed_workunits: int
     examples: int  # examples trained into merged results
+    uploads: int  # results that reached the scheduler (merged, refused or late)
+    upload_bytes: int  # bytes of one upload: W_c as safetensors float32
     sim_seconds: float  # simulated wall time until the job ended
     real_seconds: float  # time the simulation took
     final_accuracy: float | None
@@ -152,7 +154,9 @@ class SimResult:
                 "compute": self.compute, "outcome": self.outcome, "message": self.message, "epochs": self.epochs,
                 "merges": self.merges, "dispatched": self.dispatched, "preemptions": self.preemptions,
                 "timeouts": self.timeouts, "late_results": self.late_results, "refusals": self.refusals,
-                "failed_workunits": self.failed_workunits, "examples": self.examples,
+                "failed_workunits": self.failed_workunits, "examples": self.examples, "uploads": self.uploads,
+                "bytes_uploaded_per_merge": round(self.uploads * self.upload_bytes / self.merges) if self.merges
+                else None,
                 "sim_seconds": round(self.sim_seconds, 3), "real_seconds": round(self.real_seconds, 2),
                 "final_accuracy": self.final_accuracy, "best_accuracy": self.best_accuracy,
                 "staleness": self.staleness_summary(),
@@ -180,6 +184,7 @@ def simulate_training(spec: JobSpec | dict, hosts: int = 8, slots: int = 1, p: f
         raise ValueError(f"mode: the simulator runs {VC_ASGD} jobs, not {spec.mode!r}")
     if spec.model.name == "keras":
         raise ValueError("model.name: the simulator trains zoo models with PyTorch, not Keras JSON models")
+    timeout = spec.scheduling.deadline_seconds if timeout is None else timeout
     fleet = Fleet(hosts, slots, p, timeout, network_seconds, speed_sigma, example_seconds, workunit_seconds,
                   restart_seconds)
     data = data if data is not None else load_dataset(spec.dataset.source, spec.dataset.validation_fraction,
@@ -218,7 +223,8 @@ class _Simulation:
         self.seq = itertools.count()
         self.idle: deque[int] = deque()  # one entry per idle slot: its host
         self.now = 0.0
-        self.late = 0
+        self.late = self.uploads = 0
+        self.upload_bytes = len(encode(params))
         self.trace: list[Dispatch] = []
 
     def run(self) -> None:
@@ -280,6 +286,7 @@ class _Simulation:
                         framework="pytorch")
 
     def _arrive(self, a: Assignment) -> None:
+        self.uploads += 1
         if a.status != IN_PROGRESS:
             self.late += 1  # timed out on its way: the scheduler refuses the upload
         else:
@@ -292,8 +299,8 @@ class _Simulation:
         return SimResult(self.spec["name"], self.spec["assimilation"]["rule"], self.fleet, seed, self.compute,
                          job.status, job.message, job.current_epoch, job.version, len(self.trace),
                          sum(d.preempted for d in self.trace), job.timeouts, self.late, dict(job.refusals),
-                         job.failed_workunits, job.examples, float(self.now), real_seconds, job.final_accuracy,
-                         job.staleness, job.metrics, job.epoch_figures, self.trace)
+                         job.failed_workunits, job.examples, self.uploads, self.upload_bytes, float(self.now),
+                         real_seconds, job.final_accuracy, job.staleness, job.metrics, job.epoch_figures, self.trace)
 
 
 def print_table(result: SimResult) -> None:

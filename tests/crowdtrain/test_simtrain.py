@@ -107,7 +107,7 @@ def test_training_a_real_model_improves_its_accuracy(blobs: Dataset) -> None:
     spec = job(4, 6, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5})
     r = simulate_training(spec, hosts=2, slots=2, seed=0, data=blobs)
     assert r.metrics[0].accuracy < 0.9 and r.best_accuracy >= 0.97, [m.accuracy for m in r.metrics]
-    assert r.outcome == "succeeded" and r.final_accuracy is not None
+    assert r.outcome == "succeeded" and r.final_accuracy is not None and r.uploads == r.merges
     assert r.examples == r.merges * 640 // 4  # one local epoch over a 160-example shard per merge
     reached = r.first_reaching(0.97)
     assert reached is not None and 0 < reached.examples <= r.examples and reached.time > 0
