@@ -26,7 +26,7 @@ import numpy as np
 
 from assimilator.paramstore import NORMS_KEPT
 from assimilator.policy import UpdateBound, norm_refusal, params_norm, staleness_refusal
-from assimilator.rules import Update, make_rule, update_norm
+from assimilator.rules import Rule, Update, make_rule, update_norm
 from crowdtrain.tensors import Params
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
@@ -159,21 +159,19 @@ class SimJob:
         """Validate and merge an uploaded result; the refusal, or None when it was merged."""
         if not self.running or a.status != IN_PROGRESS:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
-        asm = self.spec["assimilation"]
         norm = update_norm(a.base, a.client)
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
-        refusal = (staleness_refusal(a.base_version, self.version, asm.get("max_staleness"))
-                   or norm_refusal(norm, self.bound, list(self.recent_norms), base_norm))
+        delta = {k: a.client[k] - v for k, v in a.base.items() if v.dtype.kind == "f"}
+        update = Update(a.client, delta, self.version - a.base_version, a.wu.epoch)
+        refusal = _apply_with_policy(self.spec["assimilation"], self.bound, self.rule, self.params, self.state,
+                                     update, self.version, norm, list(self.recent_norms), base_norm)
         if refusal:
             self.refusals["stale" if refusal.startswith("stale") else "update norm"] += 1
             self._end_assignment(a, "rejected", now)
             return refusal
-        delta = {k: a.client[k] - v for k, v in a.base.items() if v.dtype.kind == "f"}
-        staleness = self.version - a.base_version
-        self.rule.apply(self.params, self.state, Update(a.client, delta, staleness, a.wu.epoch))
         self.version += 1
         self.recent_norms.appendleft(norm)  # paramstore.merge_once: newest first, NORMS_KEPT kept
-        self.staleness.append(staleness)
+        self.staleness.append(update.staleness)
         self.examples += a.examples
         a.status = "merged"
         self._settle(a.wu, DONE)
@@ -240,6 +238,18 @@ class SimJob:
         if self.evaluate is not None:
             recorded = [m.accuracy for m in self.metrics if m.version == self.version]
             self.final_accuracy = recorded[0] if recorded else self.evaluate(self.params)[1]
+
+
+def _apply_with_policy(assimilation: dict, bound: UpdateBound, rule: Rule, server: Params, state: Params,
+                       update: Update, version: int, norm: float, recent_norms: list[float],
+                       base_norm: float) -> str | None:
+    """Merge `update` into W_s `version` unless the policy refuses it, as assimilator.tasks._guarded
+    does: the refusal, or None once merged. (When assimilator.policy gains apply_with_policy, call it.)"""
+    refusal = (staleness_refusal(version - update.staleness, version, assimilation.get("max_staleness"))
+               or norm_refusal(norm, bound, recent_norms, base_norm))
+    if refusal is None:
+        rule.apply(server, state, update)
+    return refusal
 
 
 def _copy(params: Params) -> Params:
