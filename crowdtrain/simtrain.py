@@ -37,10 +37,16 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
 
+from assimilator.evaluate import evaluate
+from client.trainers.pytorch import train
 from crowdtrain.jobspec import VC_ASGD, JobSpec
 from crowdtrain.simjob import IN_PROGRESS, Assignment, Metric, SimJob
 from crowdtrain.tensors import Params, encode
+from crowdtrain.zoo import build_model, state_to_numpy
 from workgen.datasets import Dataset, load_dataset, split_shards
 
 ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
@@ -160,7 +166,7 @@ class SimResult:
                 "sim_seconds": round(self.sim_seconds, 3), "real_seconds": round(self.real_seconds, 2),
                 "final_accuracy": self.final_accuracy, "best_accuracy": self.best_accuracy,
                 "staleness": self.staleness_summary(),
-                "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items()},
+                "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items() if f is not None},
                 "curve": [{"merges": m.version, "examples": m.examples, "sim_seconds": round(m.time, 3),
                            "accuracy": round(m.accuracy, 4)} for m in curve]}
 
@@ -189,8 +195,6 @@ def simulate_training(spec: JobSpec | dict, hosts: int = 8, slots: int = 1, p: f
                   restart_seconds)
     data = data if data is not None else load_dataset(spec.dataset.source, spec.dataset.validation_fraction,
                                                       spec.dataset.classes)
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -204,16 +208,15 @@ def simulate_training(spec: JobSpec | dict, hosts: int = 8, slots: int = 1, p: f
 
 class _Simulation:
     def __init__(self, spec: dict, fleet: Fleet, data: Dataset, rng: np.random.Generator, compute: bool) -> None:
-        from crowdtrain.zoo import build_model, state_to_numpy
-
         self.spec, self.fleet, self.data, self.rng, self.compute = spec, fleet, data, rng, compute
         m = spec["model"]
         self.model_config = {"name": m["name"], "framework": "pytorch", "input_shape": data.input_shape,
                              "num_classes": data.num_classes, "options": m["options"]}
         params = state_to_numpy(build_model(m["name"], data.input_shape, data.num_classes, seed=spec["seed"],
                                             **m["options"]))
-        self.slices = split_shards(len(data.x), spec["dataset"]["subsets"])
-        self.job = SimJob(spec, params, len(self.slices), self._evaluate if compute else None)
+        # The examples of each shard, as the work generator deals them.
+        self.shards = [np.arange(sl.start, sl.stop) for sl in split_shards(len(data.x), spec["dataset"]["subsets"])]
+        self.job = SimJob(spec, params, len(self.shards), self._evaluate if compute else None)
         self.job_id = next(_sim_ids)
         self.timeout = fleet.timeout if fleet.timeout is not None else spec["scheduling"]["deadline_seconds"]
         self.restart = fleet.restart_seconds if fleet.restart_seconds is not None else self.timeout
@@ -262,26 +265,22 @@ class _Simulation:
         if preempted:
             self._at(self.now + self.restart, BACK, a.host)
             return
-        sl = self.slices[a.wu.shard]
+        size = len(self.shards[a.wu.shard])
         transfers = 2 + (a.wu.shard not in self.caches[a.host])
         self.caches[a.host].add(a.wu.shard)
         local_epochs = self.spec["training"]["local_epochs"]
         work = (self.fleet.workunit_seconds if self.fleet.workunit_seconds is not None
-                else self.fleet.example_seconds * (sl.stop - sl.start) * local_epochs)
-        a.client, a.examples = self._train(a) if self.compute else (a.base, (sl.stop - sl.start) * local_epochs)
+                else self.fleet.example_seconds * size * local_epochs)
+        a.client, a.examples = self._train(a) if self.compute else (a.base, size * local_epochs)
         self._at(self.now + transfers * self.fleet.network_seconds + work / self.speeds[a.host], ARRIVE, a)
 
     def _train(self, a: Assignment) -> tuple[Params, int]:
-        from client.trainers.pytorch import train
-
-        sl = self.slices[a.wu.shard]
+        examples = self.shards[a.wu.shard]
         recipe = {"model": self.model_config, "training": self.spec["training"], "seed": self.spec["seed"] + a.id}
-        result = train(recipe, a.base, self.data.x[sl], self.data.y[sl])
+        result = train(recipe, a.base, self.data.x[examples], self.data.y[examples])
         return result.params, result.examples
 
     def _evaluate(self, params: Params) -> tuple[float, float]:
-        from assimilator.evaluate import evaluate
-
         return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val,
                         framework="pytorch")
 
@@ -305,9 +304,6 @@ class _Simulation:
 
 def print_table(result: SimResult) -> None:
     """The run's main figures as a rich table on the terminal."""
-    from rich.console import Console
-    from rich.table import Table
-
     s = result.summary()
     table = Table(title=f"{result.name}: {result.fleet.hosts} hosts x {result.fleet.slots} slots, "
                         f"rule {result.rule}, p={result.fleet.p}")
