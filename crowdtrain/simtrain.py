@@ -7,11 +7,11 @@ trainer (client.trainers.pytorch.train, same recipe and seed as dispatch gives),
 result is exactly what a real host would upload from the same snapshot; only time is simulated.
 So 8, 64 or 256 slots can be studied on 2 cores.
 
-Timing model. Host i has a speed factor s_i ~ lognormal(0, speed_sigma), seeded. An assignment
-takes a transfer for the snapshot, one for the shard unless the host has it cached, the compute
-time (`workunit_seconds`, or else `example_seconds` x shard examples x local_epochs) divided by
-s_i, and a transfer for the upload; each transfer takes `network_seconds`. Parameter servers
-merge instantly, and an idle slot gets work the moment some is ready (no polling delay).
+Timing model. Host i has a speed factor s_i ~ lognormal(0, speed_sigma), seeded, the factors
+scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment takes a transfer for
+the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
+or else `example_seconds` x shard examples x local_epochs) divided by s_i, and a transfer for the
+upload; each transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot gets work the moment some is ready (no polling delay).
 Preemption: each assignment is preempted with probability `p`, drawn at dispatch; it vanishes
 without a result, the scheduler notices at its deadline (`timeout` t_o after dispatch) and the
 workunit is ready again (or failed after max_errors). The preempted slot comes back
@@ -220,7 +220,10 @@ class _Simulation:
         self.job_id = next(_sim_ids)
         self.timeout = fleet.timeout if fleet.timeout is not None else spec["scheduling"]["deadline_seconds"]
         self.restart = fleet.restart_seconds if fleet.restart_seconds is not None else self.timeout
-        self.speeds = rng.lognormal(0.0, fleet.speed_sigma, fleet.hosts) if fleet.speed_sigma else np.ones(fleet.hosts)
+        # Scaled to mean 1: N hosts have N times the throughput of one speed-1 host, whatever the draw,
+        # so a speedup over one slot measures the protocol, not the luck of the draw.
+        speeds = rng.lognormal(0.0, fleet.speed_sigma, fleet.hosts)
+        self.speeds = speeds / speeds.mean()
         self.caches: list[set[int]] = [set() for _ in range(fleet.hosts)]
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()

@@ -64,6 +64,17 @@ def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetc
     assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + 4 * 0.25)
 
 
+def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
+    """Heterogeneous speeds stretch some hosts' work and shorten others'; one host alone has speed 1,
+    so a speedup over one slot does not depend on the seed's draw."""
+    def wall(hosts: int, sigma: float) -> float:
+        return simulate_training(job(8, 2), hosts=hosts, speed_sigma=sigma, seed=3, workunit_seconds=1.0,
+                                 compute=False, data=blobs).sim_seconds
+
+    assert wall(1, 0.8) == wall(1, 0.0) == 16.0
+    assert wall(4, 0.8) > wall(4, 0.0) == 4.0  # the slowest host holds each epoch's release back
+
+
 def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset) -> None:
     t_o = 5.0
     r = simulate_training(job(2, 20), hosts=4, p=0.3, timeout=t_o, seed=1, speed_sigma=0, workunit_seconds=1.0,
