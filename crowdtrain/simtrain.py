@@ -11,9 +11,11 @@ Timing model. Host i has a speed factor s_i ~ lognormal(0, speed_sigma), seeded,
 scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment takes a transfer for
 the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
 or else `example_seconds` x shard examples x local_epochs) divided by s_i, and a transfer for the
-upload; each transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot gets work the moment some is ready (no polling delay).
-Preemption: each assignment is preempted with probability `p`, drawn at dispatch; it vanishes
-without a result, the scheduler notices at its deadline (`timeout` t_o after dispatch) and the
+upload; each transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot
+gets work the moment some is ready (no polling delay).
+
+Preemption: each assignment is preempted with probability `p`, drawn at dispatch. It vanishes
+without a result; the scheduler notices at its deadline (`timeout` t_o after dispatch) and the
 workunit is ready again (or failed after max_errors). The preempted slot comes back
 `restart_seconds` after dispatch; by default t_o, the VC-ASGD paper's model, in which a slot
 loses t_o per preemption. A result that arrives after its deadline is refused, as the scheduler
