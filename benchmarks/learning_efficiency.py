@@ -10,14 +10,14 @@ What it measures
     as much as one machine's; with T slots the speedup over one machine is about T / ratio.
 
 How
-    Baseline: the clients' PyTorch trainer (client/trainers/pytorch.py) runs `--budget` passes
-    over the whole training set in one call (one optimizer, never reset), and W is evaluated on
-    the validation set with the parameter servers' code (assimilator/evaluate.py) every shard's
-    worth of examples, through the trainer's checkpoint hook.
+    Baseline: the clients' PyTorch trainer (client/trainers/pytorch.py) runs the task's budget
+    (12 passes, or `--budget-passes`) over the whole training set in one call (one optimizer,
+    never reset), and W is evaluated on the validation set with the parameter servers' code
+    (assimilator/evaluate.py) every shard's worth of examples, through the trainer's checkpoint hook.
     Real system: one `Cluster` (private redis-server, scheduler on SQLite, transitioner, Celery
     parameter servers) for the whole run; per (task, rule, slots, seed) a job is submitted and
-    clients with `--slots-per-client` task slots each are started; the job runs `--budget` x
-    `--system-budget` passes' worth of epochs (or stops at its target with `--stop-at-target`).
+    clients with `--slots-per-client` task slots each are started; the job runs the baseline's
+    budget x `--system-budget` in epochs (or stops at its target with `--stop-at-target`).
     Per-merge validation accuracy (table `metrics`) is paired with the examples of the results
     merged so far (`assignments.examples` of merged assignments with `merged_version` <= the
     metric's version). Upload sizes come from the scheduler's "result uploaded (N bytes" log lines.
@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
 DEFAULT_RULE = "default"
 TERMINAL = ("succeeded", "failed", "cancelled")
-console = Console(stderr=True)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 # Named assimilation sections (fields of crowdtrain.jobspec.AssimilationSpec). `default` is filled
 # in from EXAMPLE_SPEC. Add a configuration here and it is benchmarked; one the code does not
@@ -135,18 +135,19 @@ def example_spec() -> dict:
     return JobSpec.model_validate(yaml.safe_load(EXAMPLE_SPEC.read_text())).model_dump(mode="json")
 
 
-def make_task(name: str, folder: Path) -> Task:
+def make_task(name: str, folder: Path, budget_passes: int | None = None) -> Task:
     """The task `name` ('mnist1d' or 'tabular'); the tabular data is written to `folder`."""
+    budget = budget_passes or 12
     base = example_spec()
     if name == "mnist1d":
-        return Task("mnist1d", base, base["stop"]["target_accuracy"], budget_passes=12)
+        return Task("mnist1d", base, base["stop"]["target_accuracy"], budget)
     if name == "tabular":
         path = folder / "tabular.npz"
         np.savez(path, **tabular_arrays(0))
         spec = base | {"name": "tabular-mlp", "model": {"name": "mlp", "options": {"hidden": [64, 64]}},
                        "dataset": {"source": f"npz:{path.resolve()}", "subsets": 4},
                        "training": base["training"] | {"lr": 0.001}}
-        return Task("tabular", JobSpec.model_validate(spec).model_dump(mode="json"), 0.88, budget_passes=12)
+        return Task("tabular", JobSpec.model_validate(spec).model_dump(mode="json"), 0.88, budget)
     raise ValueError(f"--tasks: unknown task {name!r}; known: mnist1d, tabular")
 
 
@@ -155,6 +156,12 @@ def assimilation_for(rule: str) -> dict:
     if rule not in RULE_CONFIGS:
         raise ValueError(f"--rules: unknown rule configuration {rule!r}; known: {', '.join(RULE_CONFIGS)}")
     return example_spec()["assimilation"] if rule == DEFAULT_RULE else RULE_CONFIGS[rule]
+
+
+def _max_epochs(task: Task, args) -> int:
+    """The system's budget: `--system-budget` times the baseline's examples, in job epochs
+    (one epoch trains every shard `local_epochs` times)."""
+    return math.ceil(task.budget_passes * args.system_budget / task.spec["training"]["local_epochs"])
 
 
 def job_spec(task: Task, rule: str, seed: int, max_epochs: int, stop_at_target: bool) -> dict:
@@ -298,8 +305,9 @@ def _wait_for_job(cluster: Cluster, job_id: int, clients: list, timeout: float, 
                 raise RuntimeError(f"processes exited: {dead}\n" + "\n".join(s.tail(10) for s in clients))
             if time.monotonic() - shown > 15:
                 shown = time.monotonic()
-                say(f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, "
-                    f"best epoch accuracy {st['best_epoch_accuracy']}")
+                best = st["best_epoch_accuracy"]
+                say(f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
+                    + ("-" if best is None else f"{best:.4f}"))
             time.sleep(1.0)
 
 
@@ -330,15 +338,14 @@ def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
 
 def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
     """One job through the real system with `slots` task slots; its row of figures."""
-    max_epochs = math.ceil(task.budget_passes * args.system_budget / task.spec["training"]["local_epochs"])
-    spec = job_spec(task, rule, seed, max_epochs, args.stop_at_target)
+    spec = job_spec(task, rule, seed, _max_epochs(task, args), args.stop_at_target)
     row = {"task": task.name, "rule": rule, "mode": "real", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:
         return row | {"status": "unsupported", "note": reason}
     label = f"[{task.name}] {rule} real {slots} slots seed {seed}"
     job_id = cluster.submit(spec)["job_id"]
-    say(f"{label}: job {job_id}, up to {max_epochs} epochs")
+    say(f"{label}: job {job_id}, up to {spec['stop']['max_epochs']} epochs")
     clients = [cluster.start_client(f"j{job_id}-c{i}", n) for i, n in enumerate(client_slots(slots,
                                                                                                args.slots_per_client))]
     try:
@@ -381,34 +388,44 @@ class SimulatorUnavailable(Exception):
     pass
 
 
+_sim_data: dict[str, object] = {}  # dataset source -> Dataset, loaded once for every simulation
+
+
 def simulate(spec: dict, slots: int, seed: int, args) -> list[tuple[int, float, float]]:
     """The simulator's curve for `spec` at `slots` slots: (examples, accuracy, simulated seconds)
-    per evaluation. The one adapter to crowdtrain.simtrain; raises SimulatorUnavailable while it
-    is missing or its interface differs from the one assumed here."""
+    per validation of W_s. The one adapter to crowdtrain.simtrain; raises SimulatorUnavailable
+    while it is missing or its interface differs from the one used here."""
     try:
         from crowdtrain.simtrain import simulate_training  # type: ignore[import-not-found]
     except ImportError as exc:
         raise SimulatorUnavailable(f"crowdtrain.simtrain: {exc}") from None
+    source = spec["dataset"]["source"]
+    if source not in _sim_data:
+        _sim_data[source] = load_dataset(source, spec["dataset"]["validation_fraction"], spec["dataset"]["classes"])
     per_host = min(slots, args.sim_slots_per_host)
     try:
         out = simulate_training(spec, hosts=math.ceil(slots / per_host), slots=per_host, p=args.sim_p,
-                                timeout=spec["scheduling"]["deadline_seconds"],
-                                network_seconds=args.sim_network_seconds, seed=seed)
-        return [(int(e), float(a), float(t)) for e, a, t in out.points]
+                                network_seconds=args.sim_network_seconds, seed=seed, data=_sim_data[source])
+        return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics]
     except (TypeError, AttributeError) as exc:
         raise SimulatorUnavailable(f"simulate_training's interface: {exc}") from None
 
 
+_one_slot: dict[tuple, list] = {}
+
+
 def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
-    max_epochs = math.ceil(task.budget_passes * args.system_budget / task.spec["training"]["local_epochs"])
-    spec = job_spec(task, rule, seed, max_epochs, args.stop_at_target)
+    spec = job_spec(task, rule, seed, _max_epochs(task, args), args.stop_at_target)
     row = {"task": task.name, "rule": rule, "mode": "sim", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:
         return row | {"status": "unsupported", "note": reason}
     try:
         curve = simulate(spec, slots, seed, args)
-        one = simulate(spec, 1, seed, args) if slots > 1 else curve
+        key = (task.name, rule, seed)
+        if key not in _one_slot:  # the speedup's reference, shared by every slot count
+            _one_slot[key] = curve if slots == 1 else simulate(spec, 1, seed, args)
+        one = _one_slot[key]
     except SimulatorUnavailable as exc:
         return row | {"status": "unavailable", "note": str(exc)}
     t_slots, t_one = _seconds_to_target(curve, task.target), _seconds_to_target(one, task.target)
@@ -446,15 +463,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (task, rule, mode, slots), rs in groups.items():
         ran = [r for r in rs if r["status"] in ("ok", "not reached")]
         reached = [r for r in ran if r["status"] == "ok"]
-        s = {"task": task, "rule": rule, "mode": mode, "slots": slots, "seeds": len(rs),
-             "reached": len(reached), "ratio": _mean([r["ratio"] for r in reached]) if ran and len(reached) ==
-             len(ran) else None, **{k: _mean([r.get(k) for r in ran]) for k in SUMMED}}
-        if not ran:
+        every = bool(ran) and len(reached) == len(ran)
+        s = {"task": task, "rule": rule, "mode": mode, "slots": slots, "seeds": len(rs), "reached": len(reached),
+             "ratio": _mean([r["ratio"] for r in reached]) if every else None,
+             **{k: _mean([r.get(k) for r in ran]) for k in SUMMED}}
+        if not ran:  # unsupported, unavailable or failed: say why
             s |= {"status": rs[0]["status"], "note": rs[0]["note"]}
+        elif every:
+            s |= {"status": "ok", "note": ""}
         else:
-            s |= {"status": "ok" if len(reached) == len(ran) else "not reached",
-                  "note": "" if len(reached) == len(ran) else f"target reached in {len(reached)} of {len(ran)} "
-                                                               "seeds: " + "; ".join(r["note"] for r in ran if r["note"])}
+            s |= {"status": "not reached", "note": f"target reached in {len(reached)} of {len(ran)} seeds: "
+                                                   + "; ".join(r["note"] for r in ran if r["note"])}
         out.append(s)
     return out
 
@@ -465,10 +484,13 @@ def _cell(v) -> str:
 
 def print_table(summary: list[dict]) -> None:
     t = Table(title="learning efficiency: examples to target / single-process examples")
-    cols = ["task", "rule", "mode", "slots", "ratio", "examples_to_target", "baseline_examples", "best_accuracy",
-            "baseline_best_accuracy", "merges", "wall_seconds", "bytes_per_merge", "simulated_speedup", "status"]
-    for c in cols:
-        t.add_column(c.replace("_", " "))
+    cols = {"task": "task", "rule": "rule", "mode": "mode", "slots": "slots", "ratio": "ratio",
+            "examples_to_target": "examples", "baseline_examples": "1-process", "best_accuracy": "best acc",
+            "best_accuracy_within_baseline_budget": "best in 1-p budget", "baseline_best_accuracy": "1-p best",
+            "merges": "merges", "wall_seconds": "wall s", "bytes_per_merge": "B/merge",
+            "simulated_speedup": "sim speedup", "status": "status"}
+    for title in cols.values():
+        t.add_column(title)
     for s in summary:
         t.add_row(*(_cell(s.get(c)) for c in cols))
     console.print(t)
@@ -504,6 +526,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=_ints, default=[0], help="comma-separated seeds (model init and job seed)")
     ap.add_argument("--out", type=Path, help="write every run's figures and curves (JSON) to this file")
     ap.add_argument("--slots-per-client", type=int, default=4, help="task slots per client process")
+    ap.add_argument("--budget-passes", type=int, help="the single process's passes over the training set "
+                                                      "(default: the task's, 12)")
     ap.add_argument("--system-budget", type=float, default=3.0,
                     help="the system's example budget as a multiple of the baseline's")
     ap.add_argument("--stop-at-target", action="store_true", help="end jobs at their target (shorter; best "
@@ -563,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     limit_threads(1)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ct-efficiency-") as tmp:
-        tasks = [make_task(name, Path(tmp)) for name in args.tasks]
+        tasks = [make_task(name, Path(tmp), args.budget_passes) for name in args.tasks]
         rows, baselines = run(args, tasks, Path(tmp))
     summary = summarize(rows)
     print_table(summary)
