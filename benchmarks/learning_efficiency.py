@@ -391,9 +391,9 @@ class SimulatorUnavailable(Exception):
 _sim_data: dict[str, object] = {}  # dataset source -> Dataset, loaded once for every simulation
 
 
-def simulate(spec: dict, slots: int, seed: int, args) -> list[tuple[int, float, float]]:
-    """The simulator's curve for `spec` at `slots` slots: (examples, accuracy, simulated seconds)
-    per validation of W_s. The one adapter to crowdtrain.simtrain; raises SimulatorUnavailable
+def simulate(spec: dict, slots: int, seed: int, args) -> tuple[list[tuple[int, float, float]], int]:
+    """The simulator's curve for `spec` at `slots` slots, (examples, accuracy, simulated seconds)
+    per validation of W_s, and its merges. The one adapter to crowdtrain.simtrain; raises SimulatorUnavailable
     while it is missing or its interface differs from the one used here."""
     try:
         from crowdtrain.simtrain import simulate_training  # type: ignore[import-not-found]
@@ -406,7 +406,7 @@ def simulate(spec: dict, slots: int, seed: int, args) -> list[tuple[int, float, 
     try:
         out = simulate_training(spec, hosts=math.ceil(slots / per_host), slots=per_host, p=args.sim_p,
                                 network_seconds=args.sim_network_seconds, seed=seed, data=_sim_data[source])
-        return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics]
+        return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics], int(out.merges)
     except (TypeError, AttributeError) as exc:
         raise SimulatorUnavailable(f"simulate_training's interface: {exc}") from None
 
@@ -415,22 +415,24 @@ _one_slot: dict[tuple, list] = {}
 
 
 def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
+    """One simulated job at `slots` slots (and, once per task, rule and seed, at one slot for the
+    speedup's reference); its row of figures."""
     spec = job_spec(task, rule, seed, _max_epochs(task, args), args.stop_at_target)
     row = {"task": task.name, "rule": rule, "mode": "sim", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:
         return row | {"status": "unsupported", "note": reason}
     try:
-        curve = simulate(spec, slots, seed, args)
+        curve, merges = simulate(spec, slots, seed, args)
         key = (task.name, rule, seed)
         if key not in _one_slot:  # the speedup's reference, shared by every slot count
-            _one_slot[key] = curve if slots == 1 else simulate(spec, 1, seed, args)
+            _one_slot[key] = curve if slots == 1 else simulate(spec, 1, seed, args)[0]
         one = _one_slot[key]
     except SimulatorUnavailable as exc:
         return row | {"status": "unavailable", "note": str(exc)}
     t_slots, t_one = _seconds_to_target(curve, task.target), _seconds_to_target(one, task.target)
     row |= _compare([(e, a) for e, a, _ in curve], task, base)
-    row |= {"merges": len(curve), "curve": curve, "simulated_seconds_to_target": t_slots,
+    row |= {"merges": merges, "curve": curve, "simulated_seconds_to_target": t_slots,
             "simulated_speedup": round(t_one / t_slots, 2) if t_one and t_slots else None}
     say(f"[{task.name}] {rule} simulated {slots} slots seed {seed}: {_describe(row)}")
     return row
