@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
 DEFAULT_RULE = "default"
 TERMINAL = ("succeeded", "failed", "cancelled")
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 # Named assimilation sections (fields of crowdtrain.jobspec.AssimilationSpec). `default` is filled
 # in from EXAMPLE_SPEC. Add a configuration here and it is benchmarked; one the code does not
