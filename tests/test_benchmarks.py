@@ -1,0 +1,118 @@
+"""The pure parts of the benchmarks (no benchmark runs here): benchmarks/learning_efficiency.py."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client.trainers import train
+from crowdtrain.zoo import build_model, state_to_numpy
+from workgen.datasets import make_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+eff = _load("learning_efficiency")
+
+
+def test_examples_to_target_is_the_first_point_at_or_above_the_target_in_order_of_examples():
+    points = [(3000, 0.91), (1000, 0.5), (2000, 0.90), (4000, 0.95)]
+    assert eff.examples_to_target(points, 0.90) == 2000
+    assert eff.examples_to_target(points, 0.95) == 4000
+    assert eff.examples_to_target(points, 0.96) is None
+    assert eff.examples_to_target([], 0.5) is None
+
+
+def test_best_accuracy_within_a_budget_of_examples():
+    points = [(1000, 0.5), (2000, 0.8), (3000, 0.7), (4000, 0.9)]
+    assert eff.best_accuracy(points) == 0.9
+    assert eff.best_accuracy(points, max_examples=3000) == 0.8
+    assert eff.best_accuracy(points, max_examples=500) is None
+
+
+def test_merge_curve_pairs_each_evaluation_with_the_examples_merged_up_to_its_version():
+    merged = [(2, 2000), (1, 2000), (3, 1500), (5, 2000)]  # (merged_version, examples), any order
+    metrics = [(1, 0.4), (3, 0.6), (2, 0.5), (5, 0.8)]  # version 4 was not evaluated
+    assert eff.merge_curve(merged, metrics) == [(2000, 0.4), (4000, 0.5), (5500, 0.6), (7500, 0.8)]
+    assert eff.merge_curve(merged, [(0, 0.1)]) == [(0, 0.1)]
+    assert eff.merge_curve([], []) == []
+
+
+@pytest.mark.parametrize(("examples", "baseline", "expected"),
+                         [(9000, 6000, 1.5), (None, 6000, None), (9000, None, None), (6000, 6000, 1.0)])
+def test_ratio_is_null_unless_both_reached(examples, baseline, expected):
+    assert eff.ratio(examples, baseline) == expected
+
+
+def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_dataset():
+    a, b, c = eff.tabular_arrays(0), eff.tabular_arrays(0), eff.tabular_arrays(1)
+    for key in ("x", "y", "x_val", "y_val"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert not np.array_equal(a["x"], c["x"])
+    assert a["x"].shape == (4000, 24) and a["x_val"].shape == (1000, 24)
+    assert set(np.unique(a["y"])) == set(range(5)) == set(np.unique(a["y_val"]))
+    data = make_dataset(a["x"], a["y"], a["x_val"], a["y_val"])  # the checks a job's dataset passes
+    assert data.num_classes == 5
+
+
+def test_upload_sizes_read_from_scheduler_log_lines():
+    log = ("2026-11-23 11:00:00 INFO server.results: assignment 7: result uploaded (43960 bytes, loss 0.5), "
+           "merge queued\nunrelated line\n"
+           "2026-11-23 11:00:01 INFO server.results: assignment 12: result uploaded (11000 bytes, loss None), "
+           "merge queued\n")
+    assert eff.upload_sizes(log) == {7: 43960, 12: 11000}
+
+
+@pytest.mark.parametrize(("slots", "per_client", "expected"), [(1, 4, [1]), (4, 4, [4]), (8, 4, [4, 4]),
+                                                               (6, 4, [4, 2])])
+def test_client_slots_add_up(slots, per_client, expected):
+    assert eff.client_slots(slots, per_client) == expected
+
+
+def test_a_rule_the_code_does_not_know_is_unsupported_not_a_crash():
+    task = eff.Task("mnist1d", eff.example_spec(), 0.9, budget_passes=1)
+    assert eff.unsupported_reason(eff.job_spec(task, "vc-asgd", 0, 5, False)) is None
+    bad = eff.job_spec(task, "vc-asgd", 0, 5, False)
+    bad["assimilation"] = {"rule": "no-such-rule"}
+    assert "assimilation.rule" in eff.unsupported_reason(bad)
+    with pytest.raises(ValueError, match="--rules"):
+        eff.assimilation_for("no-such-configuration")
+
+
+def test_default_rule_is_the_example_jobs_assimilation():
+    assert eff.assimilation_for(eff.DEFAULT_RULE) == eff.example_spec()["assimilation"]
+
+
+def test_summary_ratio_is_null_and_says_so_when_a_seed_misses_the_target():
+    ok = {"task": "t", "rule": "r", "mode": "real", "slots": 8, "status": "ok", "note": "", "ratio": 2.0}
+    missed = ok | {"seed": 1, "status": "not reached", "note": "target 0.9 not reached in 80000 examples",
+                   "ratio": None}
+    unsupported = {"task": "t", "rule": "u", "mode": "real", "slots": 8, "seed": 0, "status": "unsupported",
+                   "note": "merge rule: unknown merge rule 'u'"}
+    both = {s["rule"]: s for s in eff.summarize([ok | {"seed": 0}, missed, unsupported])}
+    assert both["r"]["ratio"] is None and both["r"]["reached"] == 1 and "1 of 2" in both["r"]["note"]
+    assert both["u"]["status"] == "unsupported" and both["u"]["ratio"] is None
+    assert eff.summarize([ok | {"seed": 0}, ok | {"seed": 1, "ratio": 3.0}])[0]["ratio"] == 2.5
+    assert eff.headline(eff.summarize([ok | {"seed": 0, "rule": eff.DEFAULT_RULE}]), "t", "real", 8) == 2.0
+
+
+def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(100, 4)).astype(np.float32), rng.integers(0, 2, 100)
+    config = {"name": "mlp", "input_shape": [4], "num_classes": 2, "options": {"hidden": [8]}}
+    recipe = {"model": config, "seed": 0, "training": {"local_epochs": 3, "batch_size": 10, "optimizer": "adam",
+                                                       "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}}
+    seen = []
+    hook = eff._EvaluateEvery(25, len(x), lambda params: seen.append(sorted(params)) or 0.5)
+    train("pytorch", recipe, state_to_numpy(build_model("mlp", [4], 2, **config["options"])), x, y, checkpoint=hook)
+    # every 25 examples, at the first batch boundary at or after it (an epoch's first batch is never one)
+    assert [e for e, _ in hook.points] == [30, 50, 80, 110, 130, 150, 180, 210, 230, 250, 280]
+    assert all(names == sorted(state_to_numpy(build_model("mlp", [4], 2, hidden=[8]))) for names in seen)
