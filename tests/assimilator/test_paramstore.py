@@ -17,7 +17,7 @@ def _w(value: float) -> dict[str, np.ndarray]:
 
 def test_a_redelivered_merge_is_applied_once(private_redis) -> None:
     paramstore.initialise(private_redis, 1, _w(0.0))
-    merge = lambda ws, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws)  # noqa: E731
+    merge = lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws)  # noqa: E731
     first = paramstore.merge_once(private_redis, 1, 42, merge)
     again = paramstore.merge_once(private_redis, 1, 42, merge)
     assert (first.version, first.applied_now) == (1, True)
@@ -29,7 +29,7 @@ def test_a_redelivered_merge_is_applied_once(private_redis) -> None:
 
 def test_initialise_does_not_overwrite_a_live_model(private_redis) -> None:
     paramstore.initialise(private_redis, 1, _w(0.0))
-    paramstore.merge_once(private_redis, 1, 1, lambda ws, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws))
+    paramstore.merge_once(private_redis, 1, 1, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws))
     paramstore.initialise(private_redis, 1, _w(9.0))
     version, params = paramstore.read(private_redis, 1)
     assert version == 1 and params["w"][0] == pytest.approx(0.5)
@@ -38,7 +38,7 @@ def test_initialise_does_not_overwrite_a_live_model(private_redis) -> None:
 def test_a_refused_merge_writes_nothing(private_redis) -> None:
     paramstore.initialise(private_redis, 1, _w(0.0))
 
-    def refuse(ws, v):
+    def refuse(ws, _state, v):
         ws["w"] += 100  # even an in-place change must not leak out of a refused merge
         raise ValueError("stale")
 
@@ -47,7 +47,7 @@ def test_a_refused_merge_writes_nothing(private_redis) -> None:
     version, params = paramstore.read(private_redis, 1)
     assert version == 0 and params["w"][0] == 0.0
     assert not private_redis.sismember(keys.merged(1), "7")
-    ok = paramstore.merge_once(private_redis, 1, 8, lambda ws, v: merge_vc_asgd(ws, _w(2.0), 0.5, out=ws))
+    ok = paramstore.merge_once(private_redis, 1, 8, lambda ws, _state, v: merge_vc_asgd(ws, _w(2.0), 0.5, out=ws))
     assert ok.version == 1
     np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1.0)
 
@@ -63,7 +63,7 @@ def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_red
         conn = paramstore.connect(f"redis://127.0.0.1:{private_redis.connection_pool.connection_kwargs['port']}/0")
         try:
             for aid in chunk:
-                paramstore.merge_once(conn, 3, aid, lambda ws, v: merge_vc_asgd(ws, _w(1.0), alpha, out=ws))
+                paramstore.merge_once(conn, 3, aid, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), alpha, out=ws))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
