@@ -73,16 +73,17 @@ class Nesterov:
 
 @dataclass(frozen=True)
 class DelayedNesterov:
-    """Delayed Nesterov momentum of Async Local-SGD (Liu et al. 2024, arXiv 2401.09135, §4 and its
-    algorithm "Delayed Nesterov Update"): the momentum changes only once every `delay` updates, from
-    the average of the pseudo-gradients buffered since, and the steps in between are plain SGD, so
-    stale updates arriving back to back are not amplified by momentum. With step t (1-based):
+    """Delayed Nesterov momentum of Async Local-SGD (Liu et al. 2024, arXiv 2401.09135, Algorithm 3):
+    the momentum changes only once every N = `delay` updates, from the average of the pseudo-gradients
+    buffered since, and the steps in between are plain SGD steps scaled by 1/N, so stale updates
+    arriving back to back are not amplified by momentum. With step t (1-based) and g_t = −u_t:
 
         Δ <- Δ + g_t
-        t mod N = 0:  m <- β·m + Δ/N;  W <- W − lr·(β·m + g_t);  Δ <- 0
-        otherwise:    W <- W − lr·g_t
+        t mod N = 0:  m <- β·m + Δ/N;  W <- W − lr·(g_t/N + β·m);  Δ <- 0
+        otherwise:    W <- W − lr·g_t/N
 
-    With N = 1 this is the Nesterov step above.
+    Over N updates W moves by −lr·(mean g + β·m): one Nesterov step on their mean. With N = 1 this
+    is the Nesterov step above.
     """
 
     lr: float
@@ -99,14 +100,13 @@ class DelayedNesterov:
         for name, u in update.items():
             pending = state[f"pending.{name}"]
             pending -= u  # Δ accumulates g = −u
+            server[name] += (self.lr / self.delay) * u
             if momentum_step:
                 m = state[f"momentum.{name}"]
                 m *= self.momentum
                 m += pending / self.delay
                 pending[...] = 0
-                server[name] -= self.lr * (self.momentum * m - u)
-            else:
-                server[name] += self.lr * u
+                server[name] -= (self.lr * self.momentum) * m
 
 
 @dataclass(frozen=True)

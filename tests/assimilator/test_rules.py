@@ -223,16 +223,16 @@ def test_outer_adam_equals_torch_adam_on_the_staleness_weighted_negated_update()
 
 
 def _delayed_nesterov_reference(w0: np.ndarray, gs: list[np.ndarray], lr: float, beta: float, n: int) -> np.ndarray:
-    """Liu et al. 2024's delayed Nesterov update written out plainly, in float64."""
+    """Liu et al. 2024's delayed Nesterov update (Algorithm 3) written out plainly, in float64."""
     w, m, pending = w0.astype(np.float64), np.zeros(w0.shape), np.zeros(w0.shape)
     for t, g in enumerate(gs, start=1):
         pending = pending + g
         if t % n == 0:
             m = beta * m + pending / n
-            w = w - lr * (beta * m + g)
+            w = w - lr * (g / n + beta * m)
             pending = np.zeros(w0.shape)
         else:
-            w = w - lr * g
+            w = w - lr * g / n
     return w
 
 
@@ -281,3 +281,15 @@ def test_a_job_spec_with_fedbuff_and_outer_nesterov_validates_and_builds_its_rul
     rule = make_rule(spec.model_dump(mode="json")["assimilation"])  # as the job table stores it
     assert isinstance(rule, FedBuff) and rule.size == 3 and rule.combiner == "trimmed-mean"
     assert rule.outer == Nesterov(lr=0.7, momentum=0.9)
+
+
+def test_delayed_nesterov_over_n_updates_is_one_nesterov_step_on_their_mean() -> None:
+    rng = np.random.default_rng(11)
+    w0, deltas = _params(rng), _deltas(rng, 3)
+    spec = {"rule": "delta", "server_lr": 0.5, "outer_momentum": 0.8}
+    delayed, _ = _run(make_rule(spec | {"outer_optimizer": "delayed-nesterov", "nesterov_delay": 3}), w0,
+                      [_update(d) for d in deltas])
+    mean = {k: np.mean([d[k] for d in deltas], axis=0) for k in ("w", "b")}
+    once, _ = _run(make_rule(spec | {"outer_optimizer": "nesterov"}), w0, [_update(mean)])
+    for name in ("w", "b"):
+        np.testing.assert_allclose(delayed[name], once[name], rtol=1e-5, atol=1e-6)
