@@ -1,12 +1,17 @@
-"""W_s in Redis: initialise, read, and merge exactly once per assignment.
+"""W_s and its merge rule's state in Redis: initialise, read, and merge exactly once per assignment.
 
 W_s is one safetensors blob stored as fixed-size chunks (`keys.params_chunk`): Redis writes a
-20 MB model about 4x faster as twenty 1 MB values than as one (benchmarks/merge_latency.py).
+20 MB model about 4x faster as twenty 1 MB values than as one (benchmarks/merge_latency.py). The
+rule's state (an outer optimizer's momentum, FedBuff's buffer: named arrays of fixed shapes) is a
+second blob stored the same way (`keys.rule_state_chunk`), created from the rule's
+`initial_state(W_s)` by the first merge that finds none.
 
 A merge is an optimistic transaction: WATCH the version and the merged-set, compute, then
-MULTI/EXEC the new chunks, the new version and the assignment id together. Two parameter
-servers racing on one job retry; a redelivered task finds its id in the merged-set and does
-nothing. So every assignment is merged exactly once, however often its task runs.
+MULTI/EXEC the new chunks of W_s and of the rule's state, the new version and the assignment id
+together. Two parameter servers racing on one job retry; a redelivered task finds its id in the
+merged-set and does nothing. So every assignment is merged exactly once, however often its task
+runs, and its effect on the rule's state (one momentum step, one buffered update) too. The state
+is written only together with the version, so watching the version covers it.
 
 When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
 it, the merged-set is final, and the ledger can end the job's other results knowing that none of
@@ -26,6 +31,8 @@ from crowdtrain.tensors import Params, decode, encode, views
 CHUNK_BYTES = 1 << 20
 NORMS_KEPT = 50  # accepted update norms remembered per job: the window of the norm bound's median
 
+Merge = Callable[[Params, Params, int], Params]  # (W_s, rule state, version) -> W_s, both changed in place
+
 
 class MergesClosed(RuntimeError):
     """The job stopped running: its W_s takes no more merges."""
@@ -43,14 +50,16 @@ class MergeOutcome:
 
 @dataclass
 class _Cached:
-    """The W_s this process wrote last: one safetensors buffer and numpy views into it.
+    """The W_s and rule state this process wrote last: safetensors buffers and numpy views into them.
 
-    A merge updates the views in place, so the buffer is the new blob: no decode, no encode.
+    A merge updates the views in place, so the buffers are the new blobs: no decode, no encode.
     """
 
     version: int
     blob: bytearray
     params: Params
+    state_blob: bytearray
+    state: Params
 
 
 # A parameter-server process runs one merge at a time; keeping its last W_s saves a 20 MB read.
@@ -65,33 +74,50 @@ def _chunk_count(size: int) -> int:
     return max(1, -(-size // CHUNK_BYTES))
 
 
-def _queue_blob_write(pipe: redis.client.Pipeline, job_id: int, blob: bytes | bytearray) -> None:
+def _queue_blob_write(pipe: redis.client.Pipeline, job_id: int, blob: bytes | bytearray,
+                      chunk_key: Callable[[int, int], str] = keys.params_chunk) -> None:
     view = memoryview(blob)
     for i in range(_chunk_count(len(view))):
-        pipe.set(keys.params_chunk(job_id, i), view[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+        pipe.set(chunk_key(job_id, i), view[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
 
 
-def initialise(r: redis.Redis, job_id: int, params: Params, version: int = 0) -> None:
-    """Set W_s and its version; does nothing if the job already has a server model."""
-    initialise_blob(r, job_id, encode(params), version)
+def _queue_state_write(pipe: redis.client.Pipeline, job_id: int, blob: bytes | bytearray) -> None:
+    _queue_blob_write(pipe, job_id, blob, keys.rule_state_chunk)
+    pipe.set(keys.rule_state_size(job_id), len(blob))
+
+
+def initialise(r: redis.Redis, job_id: int, params: Params, version: int = 0, state: Params | None = None) -> None:
+    """Set W_s, its version and (when given) the rule's state; does nothing if the job already has a
+    server model. Without `state`, the first merge creates it from the rule's initial_state(W_s)."""
+    initialise_blob(r, job_id, encode(params), version, None if state is None else encode(state))
 
 
 def has_server_model(r: redis.Redis, job_id: int) -> bool:
     return bool(r.exists(keys.version(job_id)))
 
 
-def initialise_blob(r: redis.Redis, job_id: int, blob: bytes, version: int) -> bool:
-    """Set W_s from safetensors bytes unless the job already has one; True if it was set."""
+def initialise_blob(r: redis.Redis, job_id: int, blob: bytes, version: int, state_blob: bytes | None = None) -> bool:
+    """Set W_s from safetensors bytes unless the job already has one; True if it was set.
+
+    The rule's state is set to `state_blob`, or, without one, removed: a state left from an older
+    W_s (Redis lost the version but not everything) would not belong to this one.
+    """
     with r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(keys.version(job_id))
+                pipe.watch(keys.version(job_id), keys.rule_state_size(job_id))
                 if pipe.exists(keys.version(job_id)):
                     pipe.unwatch()
                     return False
+                old_state_size = pipe.get(keys.rule_state_size(job_id))
                 pipe.multi()
                 _queue_blob_write(pipe, job_id, blob)
                 pipe.set(keys.params_size(job_id), len(blob))
+                if old_state_size is not None:
+                    pipe.delete(*(keys.rule_state_chunk(job_id, i) for i in range(_chunk_count(int(old_state_size)))))
+                    pipe.delete(keys.rule_state_size(job_id))
+                if state_blob is not None:
+                    _queue_state_write(pipe, job_id, state_blob)
                 pipe.set(keys.version(job_id), version)
                 pipe.execute()
                 return True
@@ -101,22 +127,39 @@ def initialise_blob(r: redis.Redis, job_id: int, blob: bytes, version: int) -> b
 
 def read_blob(r: redis.Redis, job_id: int) -> tuple[int, bytes]:
     """A consistent (version, safetensors blob) of W_s."""
-    size = r.get(keys.params_size(job_id))
-    if size is None:
-        raise NoServerModel(f"job {job_id} has no server model in Redis")
-    with r.pipeline(transaction=True) as pipe:
-        pipe.get(keys.version(job_id))
-        for i in range(_chunk_count(int(size))):
-            pipe.get(keys.params_chunk(job_id, i))
-        version, *chunks = pipe.execute()
-    if version is None or any(c is None for c in chunks):
-        raise NoServerModel(f"job {job_id} has an incomplete server model in Redis")
-    return int(version), b"".join(chunks)
+    version, blob, _ = _read_blobs(r, job_id, with_state=False)
+    return version, blob
 
 
 def read(r: redis.Redis, job_id: int) -> tuple[int, Params]:
     version, blob = read_blob(r, job_id)
     return version, decode(blob)
+
+
+def read_state(r: redis.Redis, job_id: int) -> tuple[int, Params | None]:
+    """A consistent (version, rule state) of the job; the state is None until a merge created it."""
+    version, _, state_blob = _read_blobs(r, job_id, with_state=True)
+    return version, None if state_blob is None else decode(state_blob)
+
+
+def _read_blobs(r: redis.Redis, job_id: int, with_state: bool) -> tuple[int, bytes, bytes | None]:
+    """(version, W_s blob, rule-state blob or None) read in one MULTI, so all three belong together
+    (the sizes, read first, change only when the version does: a caller comparing versions sees it)."""
+    size, state_size = r.mget(keys.params_size(job_id), keys.rule_state_size(job_id))
+    if size is None:
+        raise NoServerModel(f"job {job_id} has no server model in Redis")
+    n = _chunk_count(int(size))
+    n_state = _chunk_count(int(state_size)) if with_state and state_size is not None else 0
+    with r.pipeline(transaction=True) as pipe:
+        pipe.get(keys.version(job_id))
+        for i in range(n):
+            pipe.get(keys.params_chunk(job_id, i))
+        for i in range(n_state):
+            pipe.get(keys.rule_state_chunk(job_id, i))
+        version, *chunks = pipe.execute()
+    if version is None or any(c is None for c in chunks):
+        raise NoServerModel(f"job {job_id} has an incomplete server model in Redis")
+    return int(version), b"".join(chunks[:n]), b"".join(chunks[n:]) if n_state else None
 
 
 def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | None:
@@ -129,16 +172,18 @@ def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:
     return [float(v) for v in r.lrange(keys.update_norms(job_id), 0, -1)]
 
 
-def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
-               merge: Callable[[Params, int], Params], received_at: float | None = None,
-               update_norm: float | None = None) -> MergeOutcome:
-    """Apply `merge(W_s, version)` exactly once for `assignment_id`.
+def merge_once(r: redis.Redis, job_id: int, assignment_id: int, merge: Merge, received_at: float | None = None,
+               update_norm: float | None = None,
+               initial_state: Callable[[Params], Params] | None = None) -> MergeOutcome:
+    """Apply `merge(W_s, state, version)` exactly once for `assignment_id`.
 
-    `merge` updates W_s in place (and returns it), or raises to refuse the result; either way
-    nothing is written unless the whole transaction commits. Raises MergesClosed once the job's
-    merges are closed. The merge also records
-    `update_norm` among the recent ones and resets the job's count of failed merges. The norms
-    change only together with the version, which is watched: `merge` may read them consistently.
+    `merge` updates W_s and the rule's state in place (and returns W_s), or raises to refuse the
+    result; either way nothing is written unless the whole transaction commits, and W_s, the
+    state, the version and the merged-set change together. When Redis holds no state yet, it
+    starts as `initial_state(W_s)` (empty without one). Raises MergesClosed once the job's merges
+    are closed. The merge also records `update_norm` among the recent ones and resets the job's
+    count of failed merges. The norms change only together with the version, which is watched:
+    `merge` may read them consistently.
     """
     vkey, mkey, lkey, member = keys.version(job_id), keys.merged(job_id), keys.merge_log(job_id), str(assignment_id)
     ckey = keys.closed(job_id)
@@ -157,18 +202,19 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                     raise NoServerModel(f"job {job_id} has no server model in Redis")
                 version = int(raw_version)
                 # Taken out of the cache while it is modified: a failed attempt must not leave it stale.
-                state = _cache.pop(job_id, None)
-                if state is None or state.version != version:
-                    read_version, blob = read_blob(r, job_id)
-                    if read_version != version:
+                cached = _cache.pop(job_id, None)
+                if cached is None or cached.version != version:
+                    cached = _load(r, job_id, initial_state)
+                    if cached.version != version:
                         continue  # another merge landed in between; start over
-                    state = _Cached(version, bytearray(blob), {})
-                    state.params = views(state.blob)
-                new = merge(state.params, version)
-                if any(new[k] is not state.params[k] for k in state.params):
-                    raise ValueError("merge functions must update W_s in place")
+                params, state = dict(cached.params), dict(cached.state)
+                new = merge(cached.params, cached.state, version)
+                if any(new[k] is not params[k] for k in params) or cached.state.keys() != state.keys() or any(
+                        cached.state[k] is not state[k] for k in state):
+                    raise ValueError("merge functions must update W_s and the rule's state in place")
                 pipe.multi()
-                _queue_blob_write(pipe, job_id, state.blob)
+                _queue_blob_write(pipe, job_id, cached.blob)
+                _queue_state_write(pipe, job_id, cached.state_blob)
                 pipe.set(vkey, version + 1)
                 pipe.sadd(mkey, member)
                 pipe.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at}))
@@ -180,11 +226,24 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int,
                 merged_at = time.time()
                 r.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at,
                                                  "merged_at": merged_at}))
-                state.version = version + 1
-                _cache[job_id] = state
+                cached.version = version + 1
+                _cache[job_id] = cached
                 return MergeOutcome(version + 1, applied_now=True)
             except redis.WatchError:
                 continue
+
+
+def _load(r: redis.Redis, job_id: int, initial_state: Callable[[Params], Params] | None) -> _Cached:
+    """W_s and the rule's state as Redis holds them, as writable views; a state Redis lacks is made
+    from `initial_state(W_s)` (and written by the merge that made it)."""
+    version, blob, state_blob = _read_blobs(r, job_id, with_state=True)
+    cached = _Cached(version, bytearray(blob), {}, bytearray(), {})
+    cached.params = views(cached.blob)
+    if state_blob is None:
+        state_blob = encode(initial_state(cached.params) if initial_state is not None else {})
+    cached.state_blob = bytearray(state_blob)
+    cached.state = views(cached.state_blob)
+    return cached
 
 
 def close_merges(r: redis.Redis, job_id: int) -> set[int]:

@@ -1,4 +1,7 @@
-"""Policy that applies to every merge rule: the update-norm bound and the staleness bound.
+"""Policy that applies to every merge rule: the staleness bound, the update-norm bound and clipping.
+
+It wraps the rule (`apply_with_policy`) instead of living inside one, as Flower's clipping and
+differential-privacy strategies wrap an inner strategy: a rule never refuses, the policy does.
 
 A result is judged by its update Δ = W_c − W_base, measured against the snapshot the host started
 from, not against the current W_s: an honest result that is a few merges stale would otherwise look
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from assimilator.rules.update import Rule, Update
 from crowdtrain.tensors import Params
 
 
@@ -77,3 +81,51 @@ def staleness_refusal(base_version: int, version: int, max_staleness: int | None
     if max_staleness is not None and version - base_version > max_staleness:
         return f"stale result: based on v{base_version}, W_s is v{version} (max_staleness {max_staleness})"
     return None
+
+
+def clipped(update: Update, clip_norm: float | None) -> Update:
+    """`update` with Δ scaled down to norm `clip_norm` when it is longer (and W_c moved with it, for
+    the rules that read W_c: W_c' = W_base + c·Δ = W_c − (1 − c)·Δ); otherwise `update` itself.
+
+    Unlike the norm bound, which refuses a result, clipping keeps every honest result and only
+    limits how far one can move W_s.
+    """
+    if clip_norm is None:
+        return update
+    norm = params_norm(update.delta)
+    if norm <= clip_norm:
+        return update
+    scale = clip_norm / norm
+    delta = {k: d * np.asarray(scale, d.dtype) for k, d in update.delta.items()}
+    client = {k: (w - (update.delta[k] - delta[k]) if k in delta else w) for k, w in update.client.items()}
+    return Update(client, delta, update.staleness, update.epoch)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything every merge obeys, from the job spec's `assimilation` section."""
+
+    bound: UpdateBound
+    max_staleness: int | None = None
+    clip_norm: float | None = None
+
+    @classmethod
+    def from_spec(cls, assimilation: dict) -> "Policy":
+        return cls(UpdateBound.from_spec(assimilation), assimilation.get("max_staleness"),
+                   assimilation.get("clip_norm"))
+
+    def refusal(self, update: Update, version: int, norm: float, recent_norms: Sequence[float],
+                base_norm: float) -> str | None:
+        """Why `update` (norm ||W_c − W_base|| = `norm`) must not be merged into W_s `version`, or None."""
+        return (staleness_refusal(version - update.staleness, version, self.max_staleness)
+                or norm_refusal(norm, self.bound, recent_norms, base_norm))
+
+
+def apply_with_policy(policy: Policy, rule: Rule, server: Params, state: Params, update: Update, version: int,
+                      norm: float, recent_norms: Sequence[float], base_norm: float) -> str | None:
+    """Merge `update` into W_s `version` (`server`, and the rule's `state`, in place) unless the policy
+    refuses it: the refusal, or None once merged. A refused update changes nothing."""
+    refusal = policy.refusal(update, version, norm, recent_norms, base_norm)
+    if refusal is None:
+        rule.apply(server, state, clipped(update, policy.clip_norm))
+    return refusal

@@ -6,7 +6,6 @@ once per assignment (paramstore.merge_once), and every database step below is id
 
 import logging
 import time
-from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -18,7 +17,7 @@ from assimilator import paramstore
 from assimilator.celery_app import ASSIMILATE_TASK, celery_app
 from assimilator.epochs import close_epoch_if_complete, fail_job
 from assimilator.evaluate import evaluate
-from assimilator.policy import UpdateBound, norm_refusal, params_norm, staleness_refusal
+from assimilator.policy import Policy, apply_with_policy, params_norm
 from assimilator.rules import Rule, Update, make_rule, update_norm
 from crowdtrain.logs import ids
 from crowdtrain.settings import get_settings
@@ -144,10 +143,11 @@ def _merge_result(assignment_id: int, epoch: int, received_at: float | None) -> 
     except (TensorFormatError, ValueError) as exc:
         return _reject(assignment_id, f"invalid result: {exc}", charge=True)
     norm = update_norm(base, client)
-    merge = _guarded(make_rule(spec["assimilation"]), client, base, epoch, r, job_id, spec["assimilation"],
-                     base_version, norm, base_norm)
+    rule = make_rule(spec["assimilation"])
+    merge = _guarded(rule, client, base, epoch, r, job_id, spec["assimilation"], base_version, norm, base_norm)
     try:
-        outcome = paramstore.merge_once(r, job_id, assignment_id, merge, received_at, update_norm=norm)
+        outcome = paramstore.merge_once(r, job_id, assignment_id, merge, received_at, update_norm=norm,
+                                        initial_state=rule.initial_state)
     except Refused as exc:
         return _reject(assignment_id, str(exc), charge=True)
     except paramstore.MergesClosed:
@@ -187,7 +187,8 @@ def restore_server_model(db, storage: Storage, r, job_id: int) -> None:
     """Redis lost W_s: put back the newest published snapshot. Merges after it are lost.
 
     The version continues from the highest one the database has seen, so versions (and snapshot
-    keys) are never reused.
+    keys) are never reused. The merge rule's state (momentum, FedBuff's buffer) is not in the
+    snapshot: it is reset, and the next merge starts it again from the rule's initial state.
     """
     with db.begin() as s:
         job = s.get_one(Job, job_id)
@@ -199,17 +200,17 @@ def restore_server_model(db, storage: Storage, r, job_id: int) -> None:
 
 
 def _guarded(rule: Rule, client: Params, base: Params, epoch: int, r, job_id: int, assimilation: dict,
-             base_version: int, norm: float, base_norm: float) -> Callable[[Params, int], Params]:
-    """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates."""
-    bound = UpdateBound.from_spec(assimilation)
+             base_version: int, norm: float, base_norm: float) -> paramstore.Merge:
+    """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates, clip."""
+    policy = Policy.from_spec(assimilation)
 
-    def merge(server: Params, version: int) -> Params:
-        refusal = (staleness_refusal(base_version, version, assimilation["max_staleness"])
-                   or norm_refusal(norm, bound, paramstore.recent_update_norms(r, job_id), base_norm))
+    def merge(server: Params, state: Params, version: int) -> Params:
+        delta = {k: client[k] - v for k, v in base.items() if v.dtype.kind == "f"}
+        update = Update(client, delta, version - base_version, epoch)
+        refusal = apply_with_policy(policy, rule, server, state, update, version, norm,
+                                    paramstore.recent_update_norms(r, job_id), base_norm)
         if refusal:
             raise Refused(refusal)
-        delta = {k: client[k] - v for k, v in base.items() if v.dtype.kind == "f"}
-        rule.apply(server, {}, Update(client, delta, version - base_version, epoch))
         return server
 
     return merge

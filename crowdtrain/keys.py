@@ -14,6 +14,17 @@ def params_size(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:params-size"
 
 
+def rule_state_chunk(job_id: int, index: int) -> str:
+    """One fixed-size chunk of the merge rule's state (momentum, buffers, ...) as safetensors bytes,
+    written together with W_s (see assimilator.paramstore)."""
+    return f"{PREFIX}:job:{job_id}:rule-state:{index}"
+
+
+def rule_state_size(job_id: int) -> str:
+    """Byte length of the rule state's safetensors blob; absent until the first merge creates it."""
+    return f"{PREFIX}:job:{job_id}:rule-state-size"
+
+
 def version(job_id: int) -> str:
     """Integer version of W_s: the number of merges applied."""
     return f"{PREFIX}:job:{job_id}:version"

@@ -22,7 +22,7 @@ from workgen.generator import submit_job
 
 def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
     return paramstore.merge_once(r, job_id, assignment_id,
-                                 lambda ws, v: merge_vc_asgd(ws, client, 0.6, out=ws)).version
+                                 lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)).version
 
 
 def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tmp_path) -> None:

@@ -1,11 +1,13 @@
-"""The update-norm and staleness bounds that wrap every merge rule."""
+"""The update-norm and staleness bounds and the clipping that wrap every merge rule."""
 
 import math
 
 import numpy as np
 import pytest
 
-from assimilator.policy import UpdateBound, norm_limit, norm_refusal, params_norm, staleness_refusal
+from assimilator.policy import (Policy, UpdateBound, apply_with_policy, clipped, norm_limit, norm_refusal, params_norm,
+                                staleness_refusal)
+from assimilator.rules import Update, make_rule
 from crowdtrain.jobspec import AssimilationSpec
 
 DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
@@ -55,3 +57,36 @@ def test_staleness() -> None:
     assert staleness_refusal(3, 10, None) is None
     assert staleness_refusal(3, 10, 7) is None
     assert "stale result: based on v3, W_s is v11" in staleness_refusal(3, 11, 7)
+
+
+def _update(delta_value: list[float]) -> Update:
+    base = np.array([1.0, 1.0], np.float32)
+    delta = np.array(delta_value, np.float32)
+    return Update(client={"w": base + delta, "n": np.array(3)}, delta={"w": delta}, staleness=2, epoch=1)
+
+
+def test_clipping_scales_a_long_update_down_to_the_clip_norm_and_moves_w_c_with_it() -> None:
+    update = clipped(_update([3.0, 4.0]), clip_norm=1.0)
+    np.testing.assert_allclose(update.delta["w"], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(update.client["w"], [1.6, 1.8], rtol=1e-6)
+    assert update.client["n"] == 3 and update.staleness == 2
+
+
+def test_clipping_leaves_a_short_update_alone() -> None:
+    update = _update([0.3, 0.4])
+    assert clipped(update, clip_norm=1.0) is update
+    assert clipped(update, clip_norm=None) is update
+
+
+def test_the_policy_wraps_any_rule_refusing_before_the_rule_sees_the_update() -> None:
+    policy = Policy.from_spec(AssimilationSpec(rule="delta", max_staleness=1, clip_norm=1.0).model_dump())
+    rule = make_rule({"rule": "delta"})
+    server = {"w": np.zeros(2, np.float32), "n": np.array(0)}
+    refusal = apply_with_policy(policy, rule, server, {}, _update([3.0, 4.0]), version=10, norm=5.0,
+                                recent_norms=[], base_norm=1.4)
+    assert "stale result: based on v8, W_s is v10 (max_staleness 1)" == refusal
+    np.testing.assert_array_equal(server["w"], [0, 0])
+    fresh = Update(**{**_update([3.0, 4.0]).__dict__, "staleness": 1})
+    assert apply_with_policy(policy, rule, server, {}, fresh, 10, 5.0, [], 1.4) is None
+    np.testing.assert_allclose(server["w"], [0.6, 0.8], rtol=1e-6)  # clipped to norm 1 by the policy
+    assert "exceeds" in apply_with_policy(policy, rule, server, {}, fresh, 10, 1e6, [], 1.4)

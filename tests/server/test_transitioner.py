@@ -73,7 +73,7 @@ def uploaded(services):
 
 def _merge(r, job_id: int, assignment_id: int) -> paramstore.MergeOutcome:
     """What a parameter server does to W_s for one result (the rule itself does not matter here)."""
-    return paramstore.merge_once(r, job_id, assignment_id, lambda params, _version: params)
+    return paramstore.merge_once(r, job_id, assignment_id, lambda params, _state, _version: params)
 
 
 def _requeued(db) -> list[int]:

@@ -1,43 +1,16 @@
-"""Merge rules and alpha schedules: pure functions over dicts of named numpy arrays.
-
-A rule is picked by `assimilation.rule` (`make_rule`). It sees one result at a time as an `Update`
-and changes W_s, and its own state (named arrays kept beside W_s in Redis and written in the same
-exactly-once transaction: assimilator.paramstore), in place. Policy that applies to every rule
-(staleness bound, update-norm bound, clipping, refusals) lives in assimilator.policy and wraps the
-rule; a rule never refuses. No I/O.
-"""
+"""VC-ASGD, the paper's rule: W_s <- alpha_e * W_s + (1 - alpha_e) * W_c, with its alpha schedule. No I/O."""
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from assimilator.rules.update import Update
 from crowdtrain.tensors import Params
 
 
 @dataclass(frozen=True)
-class Update:
-    """One result as a rule sees it."""
-
-    client: Params  # W_c, the host's weights (every tensor of the manifest)
-    delta: Params  # Δ = W_c − W_base over the floating-point tensors
-    staleness: int  # τ = W_s version at merge − the version the host started from
-    epoch: int  # the workunit's epoch (1-based)
-
-
-class Rule(Protocol):
-    def initial_state(self, server: Params) -> Params:
-        """The state the rule keeps beside W_s (empty for a stateless rule)."""
-        ...
-
-    def apply(self, server: Params, state: Params, update: Update) -> None:
-        """Merge `update` into `server` and `state`, both in place."""
-        ...
-
-
-@dataclass(frozen=True)
 class VcAsgd:
-    """The paper's rule: W_s <- alpha_e * W_s + (1 - alpha_e) * W_c."""
+    """The paper's rule: W_s <- alpha_e * W_s + (1 - alpha_e) * W_c. Stateless."""
 
     schedule: str
     alpha: float
@@ -47,14 +20,6 @@ class VcAsgd:
 
     def apply(self, server: Params, state: Params, update: Update) -> None:
         merge_vc_asgd(server, update.client, alpha_for_epoch(self.schedule, self.alpha, update.epoch), out=server)
-
-
-def make_rule(assimilation: dict) -> Rule:
-    """The merge rule a job's `assimilation` section (as stored: a dict) selects."""
-    name = assimilation.get("rule", "vc-asgd")
-    if name == "vc-asgd":
-        return VcAsgd(assimilation.get("schedule", "constant"), assimilation.get("alpha", 0.7))
-    raise ValueError(f"unknown merge rule {name!r}")
 
 
 def alpha_for_epoch(schedule: str, alpha: float, epoch: int) -> float:

@@ -1,0 +1,42 @@
+"""Merge rules: pure functions and small classes over dicts of named numpy arrays. No I/O.
+
+A rule is picked by `assimilation.rule` (`make_rule`). It sees one result at a time as an `Update`
+and changes W_s, and its own state (named arrays kept beside W_s in Redis and written in the same
+exactly-once transaction: assimilator.paramstore), in place. Policy that applies to every rule
+(staleness bound, update-norm bound, clipping, refusals) lives in assimilator.policy and wraps the
+rule; a rule never refuses.
+
+- `vc-asgd` (vc_asgd.py): the paper's W_s <- α·W_s + (1 − α)·W_c.
+- `delta`, `fedbuff` (delta.py): updates Δ weighted by staleness (staleness.py), buffered and
+  combined (combiners.py), applied by an outer optimizer (outer.py).
+"""
+
+from assimilator.rules.delta import Delta, FedBuff
+from assimilator.rules.outer import make_outer
+from assimilator.rules.staleness import StalenessWeight
+from assimilator.rules.update import Rule, Update
+from assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_vc_asgd, update_norm
+from crowdtrain.jobspec import AssimilationSpec
+
+
+def make_rule(assimilation: dict) -> Rule:
+    """The merge rule a job's `assimilation` section (as stored: a dict) selects.
+
+    The dict is read through AssimilationSpec, so missing fields take the spec's defaults and a bad
+    value raises a pydantic ValidationError (a ValueError) that names the field.
+    """
+    spec = AssimilationSpec.model_validate(assimilation)
+    if spec.rule == "vc-asgd":
+        return VcAsgd(spec.schedule, spec.alpha)
+    weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
+    outer = make_outer(spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay,
+                       spec.adam_betas, spec.adam_eps)
+    if spec.rule == "delta":
+        return Delta(weight, outer)
+    if spec.rule == "fedbuff":
+        return FedBuff(weight, outer, spec.buffer_size, spec.combiner, spec.trim_fraction)
+    raise ValueError(f"unknown merge rule {spec.rule!r}")
+
+
+__all__ = ["Delta", "FedBuff", "Rule", "StalenessWeight", "Update", "VcAsgd", "alpha_for_epoch", "make_rule",
+           "make_outer", "merge_vc_asgd", "update_norm"]
