@@ -97,9 +97,9 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         s.flush()
         if spec.mode == VC_ASGD:  # dedloc peers need no workunits: server.dedloc runs their rounds
             release_epoch(s, job, 1)
-    log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(slices),
+    log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(dealt),
              n_parameters)
-    return PreparedJob(job_id, len(slices), n_parameters)
+    return PreparedJob(job_id, len(dealt), n_parameters)
 
 
 def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[Params, int]:
