@@ -1,4 +1,5 @@
-"""Handing workunits to hosts: atomic claims, locality, reliability, early epoch release."""
+"""Handing workunits to hosts: atomic claims, locality, reliability, early epoch release, and the
+share of the local epochs each host trains (dynamic local work, server.local_work)."""
 
 import logging
 from datetime import timedelta
@@ -103,8 +104,9 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
                 s.add(a)
                 s.flush()
                 out.append(_assignment_out(a, wu, shard, job, storage, presign_seconds))
-                log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, deadline %s)", a.id, job.id,
-                         wu.epoch, shard.index, host.id, a.base_version, deadline.isoformat(timespec="seconds"),
+                log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, local fraction %.2f, "
+                         "deadline %s)", a.id, job.id, wu.epoch, shard.index, host.id, a.base_version,
+                         a.local_fraction, deadline.isoformat(timespec="seconds"),
                          extra=ids(job_id=job.id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id,
                                    host_id=host.id))
             if len(out) >= free_slots:

@@ -37,10 +37,11 @@ def upgrade() -> None:
 def downgrade() -> None:
     with op.batch_alter_table('assignments', schema=None) as batch_op:
         batch_op.drop_column('local_fraction')
-    # Re-dealt shards of later epochs have no place in the old schema: their workunits go with them.
-    op.execute("DELETE FROM assignments WHERE workunit_id IN (SELECT w.id FROM workunits w "
-               "JOIN shards s ON s.id = w.shard_id WHERE s.epoch > 0)")
-    op.execute("DELETE FROM workunits WHERE shard_id IN (SELECT id FROM shards WHERE epoch > 0)")
+    # The old schema has one deal per job: workunits on a re-dealt shard move to the submission's
+    # shard of the same index (one per epoch, so still unique), and the re-dealt rows go.
+    op.execute('UPDATE workunits SET shard_id = (SELECT s0.id FROM shards s0 JOIN shards se '
+               'ON s0.job_id = se.job_id AND s0."index" = se."index" AND s0.epoch = 0 '
+               'WHERE se.id = workunits.shard_id) WHERE shard_id IN (SELECT id FROM shards WHERE epoch > 0)')
     op.execute("DELETE FROM shards WHERE epoch > 0")
     with op.batch_alter_table('shards', schema=None, naming_convention=_UNNAMED) as batch_op:
         batch_op.drop_constraint('uq_shards_job_epoch_index', type_='unique')

@@ -84,3 +84,33 @@ def test_a_resumed_partial_run_stops_where_an_uninterrupted_one_does(tmp_path: P
     assert control.batches == 28 - done_before
     for name in params:
         np.testing.assert_array_equal(again.params[name], whole.params[name])
+
+
+def test_a_journaled_assignment_resumes_with_its_local_fraction(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from client.journal import AssignmentJournal
+    from crowdtrain.schemas import AssignmentOut
+
+    ref = {"url": "/x", "sha256": "0" * 64, "size": 1}
+    a = AssignmentOut(assignment_id=7, job_id=1, workunit_id=3, epoch=2, shard_index=0, base_version=4,
+                      deadline=datetime.now(UTC), local_fraction=0.4, recipe={"model": {}, "training": {}, "seed": 1},
+                      shard=ref, snapshot=ref)
+    journal = AssignmentJournal(tmp_path, "http://scheduler")
+    journal.record(a)
+    (resumed,) = journal.pending()
+    assert resumed.local_fraction == 0.4
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.01, float("nan")])
+def test_a_local_fraction_outside_0_1_from_the_scheduler_is_refused(fraction: float) -> None:
+    from pydantic import ValidationError
+
+    from crowdtrain.schemas import AssignmentOut
+
+    with pytest.raises(ValidationError, match="local_fraction"):
+        AssignmentOut.model_validate({"assignment_id": 1, "job_id": 1, "workunit_id": 1, "epoch": 1, "shard_index": 0,
+                                      "base_version": 0, "deadline": "2026-01-01T00:00:00Z",
+                                      "local_fraction": fraction, "recipe": {"model": {}, "training": {}, "seed": 1},
+                                      "shard": {"url": "/x", "sha256": "0" * 64, "size": 1},
+                                      "snapshot": {"url": "/x", "sha256": "0" * 64, "size": 1}})
