@@ -388,7 +388,8 @@ class VolunteerClient:
                 checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid, framework), self.checkpoint_seconds)
                 if checkpoint.resumed is not None:
                     log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
-                result = train(framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint)
+                result = train(framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint,
+                               a.local_fraction)
             finally:
                 self.compute.release()
                 self.slot_freed.set()

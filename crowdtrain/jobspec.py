@@ -113,6 +113,13 @@ class DatasetSpec(_Strict):
                              "relative one against the spec file's folder)")
         return self
 
+    @model_validator(mode="after")
+    def _reshuffle_needs_a_shuffle(self) -> "DatasetSpec":
+        if self.reshuffle_each_epoch and self.shuffle == "none":
+            raise ValueError("dataset.reshuffle_each_epoch needs dataset.shuffle 'stratified' or 'random': "
+                             "contiguous slices ('none') are the same every epoch")
+        return self
+
     @property
     def npz_path(self) -> str | None:
         return self.source[len("npz:"):] if self.source.startswith("npz:") else None

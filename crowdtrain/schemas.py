@@ -135,6 +135,9 @@ class AssignmentOut(BaseModel):
     shard_index: int
     base_version: int
     deadline: UtcDatetime
+    local_fraction: float = Field(1.0, gt=0, le=1, description="Train this share of the recipe's local epochs' "
+                                                               "steps (at least one step): training."
+                                                               "dynamic_local_work gives slower hosts less")
     recipe: Recipe
     shard: FileRef
     snapshot: FileRef

@@ -82,7 +82,8 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     dedloc.join(r, job_id, peer_id, host_id, relayed)
     with db.begin() as s:
         shards = [ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples)
-                  for x in s.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.index))]
+                  for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0)
+                                                    .order_by(Shard.index))]
     log.info("job %s: peer %s joined (host %s%s) at step %d", job_id, peer_id, host_id,
              ", relayed" if relayed else "", rnd.step)
     recipe = {"model": view.model_config, "dedloc": view.spec.model_dump(), "seed": view.seed,

@@ -1,4 +1,5 @@
-"""Handing workunits to hosts: atomic claims, locality, reliability, early epoch release."""
+"""Handing workunits to hosts: atomic claims, locality, reliability, early epoch release, and the
+share of the local epochs each host trains (dynamic local work, server.local_work)."""
 
 import logging
 from datetime import timedelta
@@ -12,10 +13,10 @@ from crowdtrain.logs import ids
 from crowdtrain.schemas import AssignmentOut, FileRef, Recipe, Resources
 from crowdtrain.storage import Storage
 from crowdtrain.updates import upload_of
-from server import states
+from server import local_work, states
 from server.models import Assignment, Host, Job, Shard, Workunit, utcnow
 from server.states import AssignmentStatus, JobStatus, WorkunitStatus
-from workgen.generator import next_epoch_releasable, release_epoch
+from workgen.generator import next_epoch_releasable, release_epoch, write_epoch_shards
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _assignment_out(a: Assignment, wu: Workunit, shard: Shard, job: Job, storage
                     or f"/v1/jobs/{job.id}/snapshots/{job.snapshot_version}")
     return AssignmentOut(
         assignment_id=a.id, job_id=job.id, workunit_id=wu.id, epoch=wu.epoch, shard_index=shard.index,
-        base_version=a.base_version, deadline=a.deadline,
+        base_version=a.base_version, deadline=a.deadline, local_fraction=a.local_fraction,
         recipe=Recipe(model=job.model_config_, training=job.spec["training"], seed=job.spec["seed"] + a.id,
                       upload=upload_of(job.spec.get("assimilation", {}))),
         shard=FileRef(url=shard_url, sha256=shard.sha256, size=shard.size),
@@ -92,21 +93,33 @@ def request_work(db: sessionmaker[Session], storage: Storage, host_id: int, free
             claimed = _take(s, _claim_ready(s, job, host, free_slots - len(out), cached))
             if len(claimed) < free_slots - len(out) and _release_next_epoch(s, job):
                 claimed += _take(s, _claim_ready(s, job, host, free_slots - len(out) - len(claimed), cached))
+            if not claimed:
+                continue
+            _write_unwritten_shards(s, storage, job, [shard for _, shard in claimed])
+            fraction = local_work.fraction_for(s, job, host.id)
             now = utcnow()
             deadline = now + timedelta(seconds=job.spec["scheduling"]["deadline_seconds"])
             for wu, shard in claimed:
                 a = Assignment(workunit_id=wu.id, job_id=job.id, host_id=host.id, base_version=job.snapshot_version,
-                               status=AssignmentStatus.in_progress.value, sent_at=now, deadline=deadline)
+                               local_fraction=fraction, status=AssignmentStatus.in_progress.value, sent_at=now,
+                               deadline=deadline)
                 s.add(a)
                 s.flush()
                 out.append(_assignment_out(a, wu, shard, job, storage, presign_seconds))
-                log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, deadline %s)", a.id, job.id,
-                         wu.epoch, shard.index, host.id, a.base_version, deadline.isoformat(timespec="seconds"),
+                log.info("assignment %s: job %s epoch %d shard %d -> host %s (base v%d, local fraction %.2f, "
+                         "deadline %s)", a.id, job.id, wu.epoch, shard.index, host.id, a.base_version,
+                         a.local_fraction, deadline.isoformat(timespec="seconds"),
                          extra=ids(job_id=job.id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id,
                                    host_id=host.id))
             if len(out) >= free_slots:
                 break
         return out
+
+
+def _write_unwritten_shards(s: Session, storage: Storage, job: Job, shards: list[Shard]) -> None:
+    """Write the re-dealt shards of an epoch (dataset.reshuffle_each_epoch) before handing one out."""
+    for epoch in sorted({sh.epoch for sh in shards if sh.sha256 is None}):
+        write_epoch_shards(s, storage, job, epoch)
 
 
 def host_can_run(host: Host, job: Job) -> bool:

@@ -43,14 +43,23 @@ class Job(Base):
 
 
 class Shard(Base):
+    """One shard of a job's training data.
+
+    Epoch 0 holds the deal made at submission, which every epoch uses unless the job re-deals its
+    examples each epoch (`dataset.reshuffle_each_epoch`): then epochs from 2 on have shards of their
+    own, created with the epoch and written to storage when first dispatched; until then `sha256`
+    is None and `size` and `examples` are 0 (see workgen.generator.write_epoch_shards).
+    """
+
     __tablename__ = "shards"
-    __table_args__ = (UniqueConstraint("job_id", "index"),)
+    __table_args__ = (UniqueConstraint("job_id", "epoch", "index", name="uq_shards_job_epoch_index"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     index: Mapped[int] = mapped_column(Integer)
     key: Mapped[str] = mapped_column(String(500))
-    sha256: Mapped[str] = mapped_column(String(64))
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     size: Mapped[int] = mapped_column(BigInteger)
     examples: Mapped[int] = mapped_column(Integer)
 
@@ -119,6 +128,8 @@ class Assignment(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
     host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id"), index=True)
     base_version: Mapped[int] = mapped_column(Integer)
+    # The share of the recipe's local epochs this host trains (training.dynamic_local_work); 1 = all.
+    local_fraction: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
     status: Mapped[str] = mapped_column(String(20))
     sent_at: Mapped[datetime] = mapped_column(default=utcnow)
     deadline: Mapped[datetime]

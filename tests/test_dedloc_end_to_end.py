@@ -11,7 +11,7 @@ import torch
 
 from crowdtrain import dedloc
 from crowdtrain.launch import Cluster, Service, crowdtrain_argv
-from crowdtrain.tensors import decode
+from crowdtrain.tensors import decode, decode_shard
 from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
 from workgen.datasets import load_dataset
 
@@ -85,7 +85,11 @@ def commits(cluster: Cluster, job_id: int) -> dict[int, dict]:
 def single_process_reference(cluster: Cluster, job_id: int, spec: dict, batches: list[list[int]]) -> list[dict]:
     """Plain large-batch SGD from the same initial parameters on the same global batches."""
     data = load_dataset(spec["dataset"]["source"])
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    # Peers index the job's shards concatenated in index order (the examples as dealt at submission).
+    shards = sorted((cluster.var_dir / "storage" / "jobs" / str(job_id) / "shards").glob("*.npz"))
+    parts = [decode_shard(p.read_bytes()) for p in shards]
+    x = torch.from_numpy(np.concatenate([p[0] for p in parts]))
+    y = torch.from_numpy(np.concatenate([p[1] for p in parts]))
     m = spec["model"]
     model = build_model(m["name"], data.input_shape, data.num_classes, **m["options"])
     load_numpy_state(model, stored_state(cluster, job_id, 0))

@@ -190,3 +190,35 @@ def test_int8_delta_uploads_train_the_example_job_to_its_target(make_cluster, sq
     per_upload = samples["crowdtrain_upload_bytes_total"] / samples["crowdtrain_uploads_total"]
     assert per_upload == upload_sizes(manifest, (spec.assimilation.upload.model_dump(),))["delta/int8/block64"]
     assert per_upload <= 0.3 * weights_bytes
+
+
+def test_class_sorted_data_dealt_anew_each_epoch_trains_with_dynamic_local_work(make_cluster, sqlite_url: str,
+                                                                                tmp_path) -> None:
+    """mnist1d sorted by class, as a file may be: contiguous slices (shuffle none) stay near 0.27
+    accuracy after 10 epochs; stratified shards, re-dealt every epoch, pass 0.7 by epoch 3."""
+    import numpy as np
+
+    from server.models import Shard
+
+    data = load_dataset("builtin:mnist1d")
+    order = np.argsort(data.y, kind="stable")
+    np.savez(tmp_path / "sorted.npz", x=data.x[order], y=data.y[order], x_val=data.x_val, y_val=data.y_val)
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    spec["dataset"].update(source=f"npz:{tmp_path / 'sorted.npz'}", shuffle="stratified", reshuffle_each_epoch=True)
+    spec["training"].update(dynamic_local_work=True, min_local_fraction=0.5)
+    spec["stop"].update(target_accuracy=0.7, max_epochs=8)
+    cluster = make_cluster(sqlite_url)
+    job_id = cluster.submit(spec)["job_id"]
+    cluster.start_client("alice", tasks=2)
+    cluster.start_client("bob", tasks=2)
+    st = wait_finished(cluster, job_id)
+    assert st["status"] == "succeeded", st["status_message"]
+    with session_factory(sqlite_url).begin() as s:
+        shard_epochs = s.execute(select(Shard.epoch, func.count(), func.count(Shard.sha256)).where(
+            Shard.job_id == job_id).group_by(Shard.epoch)).all()
+        fractions = s.scalars(select(Assignment.local_fraction).where(
+            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value)).all()
+    # Epoch 1 trains on the deal made at submission; each later epoch on its own, all written.
+    assert {e for e, _, _ in shard_epochs} == {0} | set(range(2, max(e for e, _, _ in shard_epochs) + 1))
+    assert all(n == written == 4 for e, n, written in shard_epochs if e <= st["current_epoch"] - 1)
+    assert all(0.5 <= f <= 1.0 for f in fractions) and 1.0 in fractions

@@ -142,3 +142,39 @@ def split_shards(n_examples: int, subsets: int) -> list[slice]:
         raise ValueError(f"dataset.subsets: cannot split {n_examples} training examples into {subsets} shards")
     bounds = np.linspace(0, n_examples, subsets + 1).round().astype(int)
     return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+SHUFFLES = ("stratified", "random", "none")
+
+
+def deal_shards(y: np.ndarray, shards: int, how: str, seed: int, epoch: int = 0) -> list[np.ndarray]:
+    """The example indices of each of `shards` shards: every example in exactly one, sizes within 1.
+
+    - `none`: today's contiguous slices (`split_shards`), whatever the seed;
+    - `random`: a permutation seeded by (seed, epoch), cut into those sizes;
+    - `stratified`: every class spread evenly: each shard holds floor or ceil of (class count ÷
+      shards) examples of each class. Within a shard the order is random too.
+
+    Deterministic in (y, shards, how, seed, epoch); a new `epoch` deals anew. No I/O.
+    """
+    if how not in SHUFFLES:
+        raise ValueError(f"dataset.shuffle: {how!r} is not one of {', '.join(SHUFFLES)}")
+    n = len(y)
+    slices = split_shards(n, shards)
+    if how == "none":
+        return [np.arange(sl.start, sl.stop) for sl in slices]
+    # A job seed may be any integer; a SeedSequence takes non-negative ones.
+    rng = np.random.default_rng([seed % 2**64, epoch])
+    if how == "random":
+        order = rng.permutation(n)
+        return [order[sl] for sl in slices]
+    # Line the examples up class by class (classes and the examples within each in random order),
+    # then deal the line round-robin: a class's run of c examples gives each shard floor or ceil
+    # of c / shards. Relabelling the shards at random spreads the remainders' extra examples.
+    _, class_of = np.unique(y, return_inverse=True)
+    class_rank = rng.permutation(int(class_of.max()) + 1)[class_of]
+    line = np.lexsort((rng.random(n), class_rank))
+    owner = np.empty(n, dtype=np.int64)
+    owner[line] = rng.permutation(shards)[np.arange(n) % shards]
+    grouped = np.lexsort((rng.random(n), owner))  # by shard, in random order within each
+    return np.split(grouped, np.cumsum(np.bincount(owner, minlength=shards))[:-1])

@@ -12,18 +12,25 @@ from assimilator import paramstore
 from crowdtrain.frameworks import KERAS_MODEL
 from crowdtrain.jobspec import VC_ASGD, JobSpec
 from crowdtrain.storage import Storage
-from crowdtrain.tensors import Params, encode, encode_shard, manifest_of, sha256
+from crowdtrain.tensors import Params, decode_shard, encode, encode_shard, manifest_of, sha256
 from crowdtrain.zoo import build_model, check_model, count_parameters, state_to_numpy
 from server import states
 from server.models import Job, Shard, Workunit, utcnow
 from server.states import JobStatus, WorkunitStatus
-from workgen.datasets import load_dataset, split_shards
+from workgen.datasets import deal_shards, load_dataset
 
 log = logging.getLogger(__name__)
 
 
 def snapshot_key(job_id: int, version: int) -> str:
     return f"jobs/{job_id}/snapshots/v{version:08d}.safetensors"
+
+
+def shard_key(job_id: int, epoch: int, index: int) -> str:
+    """Epoch 0 (the deal every epoch shares) keeps the layout of jobs from before re-dealing."""
+    if epoch == 0:
+        return f"jobs/{job_id}/shards/{index:05d}.npz"
+    return f"jobs/{job_id}/shards/e{epoch:05d}/{index:05d}.npz"
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
     scheduler accepts) raises ValueError naming the field and the problem, before anything is stored.
     """
     data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
-    slices = split_shards(len(data.x), spec.dataset.subsets)
+    dealt = deal_shards(data.y, spec.dataset.subsets, spec.dataset.shuffle, spec.seed)
     model_config = {"name": spec.model.name, "framework": spec.framework, "input_shape": data.input_shape,
                     "num_classes": data.num_classes, "options": spec.model.options}
     if spec.model.keras is not None:
@@ -62,12 +69,12 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
 
     try:
         shard_rows = []
-        for index, sl in enumerate(slices):
-            blob = encode_shard(data.x[sl], data.y[sl])
-            key = f"jobs/{job_id}/shards/{index:05d}.npz"
+        for index, picked in enumerate(dealt):
+            blob = encode_shard(data.x[picked], data.y[picked])
+            key = shard_key(job_id, 0, index)
             storage.put(key, blob)
-            shard_rows.append(Shard(job_id=job_id, index=index, key=key, sha256=sha256(blob), size=len(blob),
-                                    examples=sl.stop - sl.start))
+            shard_rows.append(Shard(job_id=job_id, epoch=0, index=index, key=key, sha256=sha256(blob),
+                                    size=len(blob), examples=len(picked)))
         validation_key = f"jobs/{job_id}/validation.npz"
         storage.put(validation_key, encode_shard(data.x_val, data.y_val))
         storage.put(snapshot_key(job_id, 0), initial)
@@ -90,9 +97,9 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         s.flush()
         if spec.mode == VC_ASGD:  # dedloc peers need no workunits: server.dedloc runs their rounds
             release_epoch(s, job, 1)
-    log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(slices),
+    log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(dealt),
              n_parameters)
-    return PreparedJob(job_id, len(slices), n_parameters)
+    return PreparedJob(job_id, len(dealt), n_parameters)
 
 
 def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[Params, int]:
@@ -122,6 +129,10 @@ def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[P
 def release_epoch(s: Session, job: Job, epoch: int) -> bool:
     """Create one ready workunit per shard for `epoch`; idempotent (False if already released).
 
+    A job that re-deals its examples each epoch (`dataset.reshuffle_each_epoch`) gets shard rows of
+    its own for every epoch from 2 on (epoch 1 uses the deal made at submission); their bytes are
+    written when first dispatched (`write_epoch_shards`), not here, in the job's locked transaction.
+
     Only VC-ASGD jobs have workunits: releasing an epoch of another mode raises ValueError, so that
     no path (dispatch, epoch closing, a repair) can hand a DeDLOC job's shards out as VC-ASGD work.
     """
@@ -129,12 +140,48 @@ def release_epoch(s: Session, job: Job, epoch: int) -> bool:
         raise ValueError(f"job {job.id} runs in mode {job.mode!r}: only {VC_ASGD} jobs have epochs of workunits")
     if job.current_epoch >= epoch:
         return False
-    shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id).order_by(Shard.index)).all()
+    shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id, Shard.epoch == 0)
+                          .order_by(Shard.index)).all()
+    if epoch >= 2 and job.spec["dataset"].get("reshuffle_each_epoch"):
+        own = [Shard(job_id=job.id, epoch=epoch, index=i, key=shard_key(job.id, epoch, i), sha256=None, size=0,
+                     examples=0) for i in range(len(shard_ids))]
+        s.add_all(own)
+        s.flush()
+        shard_ids = [sh.id for sh in own]
     s.add_all(Workunit(job_id=job.id, epoch=epoch, shard_id=sid, status=WorkunitStatus.ready.value)
               for sid in shard_ids)
     job.current_epoch = epoch
     log.info("job %s: epoch %d released (%d workunits)", job.id, epoch, len(shard_ids))
     return True
+
+
+def write_epoch_shards(s: Session, storage: Storage, job: Job, epoch: int) -> int:
+    """Write the re-dealt shards of `epoch` to storage and record their hashes; 0 if already written.
+
+    The examples are those of the job's epoch-0 shards, dealt anew with the job's
+    `dataset.shuffle` and the seed (job seed, epoch). Call it in the transaction that hands one of
+    them out: the shard rows are locked and checked again first, so concurrent dispatchers write
+    them once (a rolled-back writer leaves only bytes that the next one overwrites). Returns the
+    number of shards written.
+    """
+    # populate_existing: rows this session loaded before the lock may have been written since.
+    rows = s.scalars(select(Shard).where(Shard.job_id == job.id, Shard.epoch == epoch).order_by(Shard.index)
+                     .with_for_update().execution_options(populate_existing=True)).all()
+    if not rows or all(sh.sha256 is not None for sh in rows):
+        return 0
+    shared = s.scalars(select(Shard).where(Shard.job_id == job.id, Shard.epoch == 0).order_by(Shard.index)).all()
+    parts = [decode_shard(storage.get(sh.key)) for sh in shared]
+    x, y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    dataset = job.spec["dataset"]
+    # A job submitted before dataset.shuffle existed has no such field: it gets the default.
+    for sh, picked in zip(rows, deal_shards(y, len(rows), dataset.get("shuffle", "stratified"),
+                                                 job.spec["seed"], epoch)):
+        blob = encode_shard(x[picked], y[picked])
+        storage.put(sh.key, blob)
+        sh.sha256, sh.size, sh.examples = sha256(blob), len(blob), len(picked)
+    s.flush()
+    log.info("job %s: epoch %d's %d shards dealt anew and written", job.id, epoch, len(rows))
+    return len(rows)
 
 
 def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> bool:

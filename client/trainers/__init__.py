@@ -7,12 +7,15 @@ shapes for zoo models), so parameter servers never see which framework trained a
 The contract every trainer keeps:
 - it calls `control.between_batches()` between batches: that raises `Cancelled` once the
   assignment is cancelled and blocks while the client is paused (the machine is not idle);
+- it trains `local_steps(...)` batches: the recipe's `local_epochs` passes over the shard, cut to
+  `local_fraction` of their steps (dynamic local work), and reports the examples it trained;
 - with a `checkpoint`, it calls `checkpoint.due()` between batches and, when it is true,
   `checkpoint.save(tensors, progress)` with everything needed to continue (model and optimizer
   state as named arrays, the position in the data as JSON-able values); when
   `checkpoint.resumed` is not None it starts from that state instead of from `params`.
 """
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,6 +37,22 @@ class TrainResult:
     train_loss: float
     examples: int
     seconds: float
+
+
+def local_steps(examples: int, batch_size: int, local_epochs: int, local_fraction: float = 1.0) -> int:
+    """Batches to train: `local_fraction` of `local_epochs` passes over `examples` in batches of
+    `batch_size`, rounded up, and at least one."""
+    if not 0 < local_fraction <= 1:
+        raise ValueError(f"local_fraction must lie in (0, 1], got {local_fraction}")
+    per_epoch = math.ceil(examples / batch_size)
+    return max(1, math.ceil(per_epoch * local_epochs * local_fraction - 1e-9))
+
+
+def examples_in(steps: int, examples: int, batch_size: int) -> int:
+    """Examples in the first `steps` batches of passes over `examples` (each pass ends in a short batch)."""
+    per_epoch = math.ceil(examples / batch_size)
+    full, rest = divmod(steps, per_epoch)
+    return full * examples + min(rest * batch_size, examples)
 
 
 class TrainControl:
@@ -95,12 +114,15 @@ def limit_threads(n: int, frameworks: list[str] | None = None) -> None:
 
 
 def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          control: TrainControl | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
-    """Train with `framework` from `params` on (x, y); see the module docstring for the contract."""
+          control: TrainControl | None = None, checkpoint: Checkpoint | None = None,
+          local_fraction: float = 1.0) -> TrainResult:
+    """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
+    epochs' steps; see the module docstring for the contract."""
     if framework == "pytorch":
         from client.trainers.pytorch import train as run
     elif framework == "tensorflow":
         from client.trainers.tensorflow import train as run
     else:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
-    return run(recipe, params, x, y, device=device, control=control or TrainControl(), checkpoint=checkpoint)
+    return run(recipe, params, x, y, device=device, control=control or TrainControl(), checkpoint=checkpoint,
+               local_fraction=local_fraction)

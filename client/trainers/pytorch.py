@@ -5,7 +5,7 @@ import time
 import numpy as np
 import torch
 
-from client.trainers import Checkpoint, TrainControl, TrainResult
+from client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
 from crowdtrain.tensors import Params
 from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
 
@@ -42,8 +42,10 @@ def _load_optimizer(opt: torch.optim.Optimizer, tensors: Params) -> None:
 
 
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          control: TrainControl | None = None, checkpoint: Checkpoint | None = None) -> TrainResult:
-    """Run `training.local_epochs` passes over (x, y) from `params`; see client.trainers for the contract."""
+          control: TrainControl | None = None, checkpoint: Checkpoint | None = None,
+          local_fraction: float = 1.0) -> TrainResult:
+    """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
+    rounded up); see client.trainers for the contract."""
     start = time.monotonic()
     control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]
@@ -70,11 +72,14 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
                 st[k] = v.to(device)
     xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y)).long()
     bs = t["batch_size"]
-    for epoch in range(first_epoch, t["local_epochs"]):
+    steps = local_steps(len(xt), bs, t["local_epochs"], local_fraction)
+    per_epoch = -(-len(xt) // bs)
+    for epoch in range(first_epoch, -(-steps // per_epoch)):
         if order is None:
             order = torch.randperm(len(xt), generator=gen)
             loss_sum, seen = 0.0, 0
-        for i in range(first_batch, len(order), bs):
+        # The step count is positional, so a resumed run stops where an uninterrupted one would.
+        for i in range(first_batch, min(len(order), (steps - epoch * per_epoch) * bs), bs):
             control.between_batches()
             if checkpoint is not None and i > first_batch and checkpoint.due():
                 _save(checkpoint, model, opt, gen, order, epoch, i, loss_sum, seen)
@@ -88,7 +93,7 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
             seen += len(idx)
         order, first_batch = None, 0
     model.to("cpu")
-    return TrainResult(state_to_numpy(model), loss_sum / max(seen, 1), len(xt) * t["local_epochs"],
+    return TrainResult(state_to_numpy(model), loss_sum / max(seen, 1), examples_in(steps, len(xt), bs),
                        time.monotonic() - start)
 
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from client.trainers import Checkpoint, TrainControl, TrainResult
+from client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
 from crowdtrain.tensors import Params
 from crowdtrain.zoo_keras import KerasModel, build_model, keras_module
 
@@ -111,8 +111,9 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
 
 
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu", *,
-          control: TrainControl, checkpoint: Checkpoint | None = None) -> TrainResult:
-    """Run `training.local_epochs` passes over (x, y) from `params`; see client.trainers for the contract."""
+          control: TrainControl, checkpoint: Checkpoint | None = None, local_fraction: float = 1.0) -> TrainResult:
+    """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
+    rounded up); see client.trainers for the contract."""
     start = time.monotonic()
     keras, tf = keras_module(), _tensorflow()
     t, seed = recipe["training"], int(recipe["seed"])
@@ -125,12 +126,14 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
         start_at = (pos["epoch"], pos["batch"])
         step = _train_step(tf, km.model, opt, float(t["weight_decay"]), x.shape[1:])
         bs = t["batch_size"]
-        for epoch in range(start_at[0], t["local_epochs"]):
+        steps = local_steps(len(x), bs, t["local_epochs"], local_fraction)
+        per_epoch = -(-len(x) // bs)
+        for epoch in range(start_at[0], -(-steps // per_epoch)):
             order = epoch_order(seed, epoch, len(x))
             first = start_at[1] if epoch == start_at[0] else 0
             if first == 0:
                 pos["loss_sum"], pos["seen"] = 0.0, 0
-            for i in range(first, len(order), bs):
+            for i in range(first, min(len(order), (steps - epoch * per_epoch) * bs), bs):
                 control.between_batches()
                 # Not at the position this run started from: that state is the snapshot or the checkpoint.
                 if checkpoint is not None and (epoch, i) != start_at and checkpoint.due():
@@ -140,5 +143,5 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
                 loss = step(x[idx], y[idx])
                 pos["loss_sum"] += float(loss) * len(idx)
                 pos["seen"] += len(idx)
-    return TrainResult(km.get_params(), pos["loss_sum"] / max(pos["seen"], 1), len(x) * t["local_epochs"],
+    return TrainResult(km.get_params(), pos["loss_sum"] / max(pos["seen"], 1), examples_in(steps, len(x), bs),
                        time.monotonic() - start)

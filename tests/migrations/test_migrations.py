@@ -24,3 +24,38 @@ def test_upgrade_is_idempotent_and_reversible(database_url: str) -> None:
     upgrade(database_url)
     command.downgrade(alembic_config(database_url), "base")
     assert set(inspect(create_engine(database_url)).get_table_names()) <= {"alembic_version"}
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+def test_0005_downgrade_moves_re_dealt_epochs_onto_the_submission_shards(database_url: str) -> None:
+    """Shards gained an epoch in 0005; going back, workunits on an epoch's own shards keep their
+    history on the submission's shard of the same index."""
+    from sqlalchemy import text
+
+    from server.db import session_factory
+    from server.models import Job, Shard, Workunit
+
+    upgrade(database_url)
+    db = session_factory(database_url)
+    with db.begin() as s:
+        job = Job(name="j", mode="vc-asgd", status="running", spec={}, model_config_={}, param_manifest={})
+        s.add(job)
+        s.flush()
+        shards = {(e, i): Shard(job_id=job.id, epoch=e, index=i, key=f"k{e}{i}", sha256=None if e else "0" * 64,
+                                size=0, examples=0) for e in (0, 2) for i in range(2)}
+        s.add_all(shards.values())
+        s.flush()
+        s.add_all(Workunit(job_id=job.id, epoch=e or 1, shard_id=sh.id, status="done") for (e, i), sh in shards.items())
+        submitted = {i: shards[0, i].id for i in range(2)}
+    db.kw["bind"].dispose()
+    command.downgrade(alembic_config(database_url), "0004")
+    from server.db import normalize_url
+
+    engine = create_engine(normalize_url(database_url))
+    with engine.begin() as conn:
+        assert conn.execute(text('SELECT id, "index" FROM shards ORDER BY "index"')).all() == [
+            (submitted[0], 0), (submitted[1], 1)]
+        moved = conn.execute(text("SELECT epoch, shard_id FROM workunits ORDER BY epoch, shard_id")).all()
+    engine.dispose()
+    assert moved == [(1, submitted[0]), (1, submitted[1]), (2, submitted[0]), (2, submitted[1])]
+    upgrade(database_url)

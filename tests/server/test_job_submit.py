@@ -62,6 +62,9 @@ def spec(datasets: Path, source: str = "good.npz", model: dict | None = None, su
     ({"source": "npz:data/good.npz"}, "'data/good.npz' is a relative path, but the scheduler reads dataset files "
                                       "on its own machine"),
     ({"subsets": 61}, "dataset.subsets: cannot split 60 training examples into 61 shards"),
+    ({"shuffle": "none", "reshuffle_each_epoch": True}, "dataset.reshuffle_each_epoch needs dataset.shuffle "
+                                                        "'stratified' or 'random'"),
+    ({"shuffle": "sorted"}, "dataset.shuffle"),
     ({"source": "images.npz"}, "model: 'cnn1d' with options {'channels': 8} cannot take the dataset's examples "
                                "shaped (3, 8, 8)"),
     ({"model": {"name": "cnn1d", "options": {"channels": 8, "layers": 6}}}, "cannot take the dataset's examples "

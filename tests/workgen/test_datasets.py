@@ -4,7 +4,7 @@ refused with a message naming the array and the problem."""
 import numpy as np
 import pytest
 
-from workgen.datasets import load_dataset, make_dataset, split_shards
+from workgen.datasets import deal_shards, load_dataset, make_dataset, split_shards
 
 RNG = np.random.default_rng(0)
 
@@ -81,3 +81,50 @@ def test_an_unreadable_npz_file_is_refused(tmp_path, content: bytes | None, word
 def test_more_shards_than_examples_is_refused() -> None:
     with pytest.raises(ValueError, match="dataset.subsets: cannot split 3 training examples into 4 shards"):
         split_shards(3, 4)
+
+
+# 1,003 examples of 7 classes of unequal sizes, sorted by class as many files are.
+SORTED_Y = np.sort(np.random.default_rng(1).choice(7, 1003, p=[.3, .2, .15, .15, .1, .05, .05]))
+
+
+def _check_partition(parts: list[np.ndarray], n: int, shards: int) -> None:
+    assert len(parts) == shards
+    assert sorted(np.concatenate(parts).tolist()) == list(range(n)), "every example in exactly one shard"
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("shards", [1, 4, 10, 13, 300])
+def test_stratified_shards_of_class_sorted_data_hold_every_class_evenly(shards: int) -> None:
+    parts = deal_shards(SORTED_Y, shards, "stratified", seed=3)
+    _check_partition(parts, len(SORTED_Y), shards)
+    totals = np.bincount(SORTED_Y)
+    for part in parts:
+        counts = np.bincount(SORTED_Y[part], minlength=7)
+        assert np.all(np.abs(counts - totals / shards) < 1), "a class is off its share by a whole example"
+
+
+def test_random_shards_mix_classes_and_none_keeps_todays_slices() -> None:
+    parts = deal_shards(SORTED_Y, 10, "random", seed=3)
+    _check_partition(parts, len(SORTED_Y), 10)
+    # Contiguous slices of class-sorted data have one or two classes; random ones nearly all seven.
+    assert min(len(np.unique(SORTED_Y[p])) for p in parts) >= 5
+    sliced = deal_shards(SORTED_Y, 10, "none", seed=3)
+    assert [(p[0], p[-1] + 1) for p in sliced] == [(sl.start, sl.stop) for sl in split_shards(len(SORTED_Y), 10)]
+    assert all(np.array_equal(p, np.arange(p[0], p[-1] + 1)) for p in sliced)
+    assert max(len(np.unique(SORTED_Y[p])) for p in sliced) <= 2
+
+
+@pytest.mark.parametrize("how", ["stratified", "random"])
+def test_a_deal_is_a_function_of_seed_and_epoch(how: str) -> None:
+    def deal(seed: int, epoch: int) -> list[list[int]]:
+        return [p.tolist() for p in deal_shards(SORTED_Y, 8, how, seed, epoch)]
+
+    assert deal(5, 0) == deal(5, 0) and deal(-5, 2) == deal(-5, 2)
+    assert deal(5, 0) != deal(6, 0)
+    assert deal(5, 1) != deal(5, 0)
+
+
+def test_an_unknown_shuffle_is_refused() -> None:
+    with pytest.raises(ValueError, match="dataset.shuffle: 'sorted' is not one of"):
+        deal_shards(SORTED_Y, 4, "sorted", seed=0)
