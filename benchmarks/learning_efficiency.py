@@ -78,20 +78,21 @@ console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 RULE_CONFIGS: dict[str, dict] = {
     "default": {},
     "vc-asgd": {"rule": "vc-asgd", "schedule": "constant", "alpha": 0.6},
-    "vc-asgd-a0.3": {"rule": "vc-asgd", "schedule": "constant", "alpha": 0.3},
-    "delta": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "polynomial", "staleness_a": 0.5},
-    "delta-const": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "constant"},
-    "fedbuff": {"rule": "fedbuff", "buffer_size": 4, "combiner": "mean", "server_lr": 1.0},
-    "delta+nesterov": {"rule": "delta", "outer_optimizer": "nesterov", "server_lr": 0.7, "outer_momentum": 0.9},
-    "fedbuff+nesterov": {"rule": "fedbuff", "buffer_size": 4, "outer_optimizer": "nesterov", "server_lr": 0.7,
-                         "outer_momentum": 0.9},
-    "delta+delayed-nesterov": {"rule": "delta", "outer_optimizer": "delayed-nesterov", "server_lr": 0.7,
-                               "outer_momentum": 0.9, "nesterov_delay": 4},
-    "delta+adam": {"rule": "delta", "outer_optimizer": "adam", "server_lr": 0.01,
+    "delta": {"rule": "delta", "server_lr": 0.2, "staleness_weight": "constant"},
+    "delta-poly": {"rule": "delta", "server_lr": 0.5, "staleness_weight": "polynomial", "staleness_a": 0.5},
+    "fedbuff": {"rule": "fedbuff", "buffer_size": 2, "combiner": "mean", "server_lr": 0.5},
+    "fedbuff-median": {"rule": "fedbuff", "buffer_size": 3, "combiner": "median", "server_lr": 0.5},
+    "delta+nesterov": {"rule": "delta", "outer_optimizer": "nesterov", "server_lr": 0.1, "outer_momentum": 0.5},
+    "fedbuff+nesterov": {"rule": "fedbuff", "buffer_size": 2, "outer_optimizer": "nesterov", "server_lr": 0.2,
+                         "outer_momentum": 0.5},
+    "delta+delayed-nesterov": {"rule": "delta", "outer_optimizer": "delayed-nesterov", "server_lr": 0.4,
+                               "outer_momentum": 0.5, "nesterov_delay": 4},
+    "delta+adam": {"rule": "delta", "outer_optimizer": "adam", "server_lr": 0.01, "adam_betas": [0.5, 0.9],
                    "staleness_weight": "polynomial", "staleness_a": 0.5},
-    "delta-int8": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "polynomial", "staleness_a": 0.5,
-                   "upload": {"send": "delta", "dtype": "int8"}},
+    "delta-bf16": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "bfloat16"}},
+    "delta-int8": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "int8"}},
 }
+
 
 
 def say(msg: str) -> None:
