@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from assimilator.paramstore import NORMS_KEPT
-from assimilator.policy import UpdateBound, norm_refusal, params_norm, staleness_refusal
-from assimilator.rules import Rule, Update, make_rule, update_norm
+from assimilator.policy import Policy, apply_with_policy, params_norm
+from assimilator.rules import Update, make_rule, update_norm
 from crowdtrain.tensors import Params
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
@@ -52,8 +52,11 @@ class Assignment:
     sent: float
     deadline: float
     status: str = IN_PROGRESS  # in_progress -> merged | rejected | timed_out
-    client: Params | None = None  # W_c once trained
+    client: Params | None = None  # W_c once trained (decoded from its upload)
     examples: int = 0
+    local_fraction: float = 1.0  # of the recipe's local epochs (dynamic local work)
+    train_seconds: float = 0.0  # simulated compute time, as the host reports it
+    upload_bytes: int = 0  # the size of its result on the wire
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class SimJob:
     examples: int = 0
     metrics: list[Metric] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
+    merged_hosts: list[int] = field(default_factory=list)  # the host of each merge, beside `staleness`
     refusals: Counter = field(default_factory=Counter)
     timeouts: int = 0
     failed_workunits: int = 0
@@ -96,7 +100,7 @@ class SimJob:
     def __post_init__(self) -> None:
         asm = self.spec["assimilation"]
         self.rule = make_rule(asm)
-        self.bound = UpdateBound.from_spec(asm)
+        self.policy = Policy.from_spec(asm)
         self.state = self.rule.initial_state(self.params)
         self.recent_norms: deque[float] = deque(maxlen=NORMS_KEPT)
         self.snapshot_version, self.snapshot, self.snapshot_at = 0, _copy(self.params), 0.0
@@ -113,15 +117,22 @@ class SimJob:
 
     # --- dispatch (server.dispatch) -------------------------------------------------------------
 
-    def dispatch(self, host: int, cached: set[int], now: float, timeout: float) -> Assignment | None:
-        """Claim one workunit for `host`, preferring a shard it has cached; None when nothing is ready."""
+    def shard_key(self, wu: Workunit) -> tuple[int, int]:
+        """(deal, shard index) of the shard `wu` trains on: deal 0 is the deal made at submission, which
+        every epoch shares unless `dataset.reshuffle_each_epoch` gives epochs from 2 on their own."""
+        own = wu.epoch >= 2 and self.spec["dataset"].get("reshuffle_each_epoch")
+        return (wu.epoch if own else 0, wu.shard)
+
+    def dispatch(self, host: int, cached: set[tuple[int, int]], now: float, timeout: float) -> Assignment | None:
+        """Claim one workunit for `host`, preferring a shard it has cached (keys as `shard_key`); None
+        when nothing is ready."""
         if not self.running:
             return None
         if not self.ready and self._next_epoch_releasable():
             self._release_epoch(self.current_epoch + 1)
         if not self.ready:
             return None
-        i = next((i for i, (_, _, wu) in enumerate(self.ready) if wu.shard in cached), 0)
+        i = next((i for i, (_, _, wu) in enumerate(self.ready) if self.shard_key(wu) in cached), 0)
         wu = self.ready.pop(i)[2]
         wu.status = IN_PROGRESS
         self._next_ids["a"] += 1
@@ -163,8 +174,8 @@ class SimJob:
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
         delta = {k: a.client[k] - v for k, v in a.base.items() if v.dtype.kind == "f"}
         update = Update(a.client, delta, self.version - a.base_version, a.wu.epoch)
-        refusal = _apply_with_policy(self.spec["assimilation"], self.bound, self.rule, self.params, self.state,
-                                     update, self.version, norm, list(self.recent_norms), base_norm)
+        refusal = apply_with_policy(self.policy, self.rule, self.params, self.state, update, self.version, norm,
+                                    list(self.recent_norms), base_norm)
         if refusal:
             self.refusals["stale" if refusal.startswith("stale") else "update norm"] += 1
             self._end_assignment(a, "rejected", now)
@@ -172,6 +183,7 @@ class SimJob:
         self.version += 1
         self.recent_norms.appendleft(norm)  # paramstore.merge_once: newest first, NORMS_KEPT kept
         self.staleness.append(update.staleness)
+        self.merged_hosts.append(a.host)
         self.examples += a.examples
         a.status = "merged"
         self._settle(a.wu, DONE)
@@ -238,18 +250,6 @@ class SimJob:
         if self.evaluate is not None:
             recorded = [m.accuracy for m in self.metrics if m.version == self.version]
             self.final_accuracy = recorded[0] if recorded else self.evaluate(self.params)[1]
-
-
-def _apply_with_policy(assimilation: dict, bound: UpdateBound, rule: Rule, server: Params, state: Params,
-                       update: Update, version: int, norm: float, recent_norms: list[float],
-                       base_norm: float) -> str | None:
-    """Merge `update` into W_s `version` unless the policy refuses it, as assimilator.tasks._guarded
-    does: the refusal, or None once merged. (When assimilator.policy gains apply_with_policy, call it.)"""
-    refusal = (staleness_refusal(version - update.staleness, version, assimilation.get("max_staleness"))
-               or norm_refusal(norm, bound, recent_norms, base_norm))
-    if refusal is None:
-        rule.apply(server, state, update)
-    return refusal
 
 
 def _copy(params: Params) -> Params:

@@ -7,11 +7,20 @@ trainer (client.trainers.pytorch.train, same recipe and seed as dispatch gives),
 result is exactly what a real host would upload from the same snapshot; only time is simulated.
 So 8, 64 or 256 slots can be studied on 2 cores.
 
+The rest is the real system's code too: shards are dealt by workgen.datasets.deal_shards (anew
+each epoch from 2 on with `dataset.reshuffle_each_epoch`, as workgen.generator.write_epoch_shards
+deals them); each result goes through crowdtrain.updates' encode_result and decode_result, so an
+int8 or bfloat16 delta upload costs what it costs in accuracy, and its bytes are counted; with
+`training.dynamic_local_work` each assignment's local fraction comes from server.local_work's
+host_speeds and local_fraction over the simulated hosts' recent (examples, seconds) reports. In
+the compute-free mode nothing is encoded: an upload's size is crowdtrain.updates.upload_sizes'.
+
 Timing model. Host i has a speed factor s_i ~ lognormal(0, speed_sigma), seeded, the factors
 scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment takes a transfer for
 the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
-or else `example_seconds` x shard examples x local_epochs) divided by s_i, and a transfer for the
-upload; each transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot
+or else `example_seconds` x shard examples x local_epochs) times the assignment's local fraction
+(1 unless `training.dynamic_local_work`) divided by s_i, and a transfer for the upload; each
+transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot
 gets work the moment some is ready (no polling delay).
 
 Preemption: each assignment is preempted with probability `p`, drawn at dispatch. It vanishes
@@ -34,6 +43,7 @@ workunits per slot and epoch). tests/crowdtrain/test_simtrain.py measures both.
 
 import heapq
 import itertools
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -44,12 +54,15 @@ from rich.console import Console
 from rich.table import Table
 
 from assimilator.evaluate import evaluate
+from client.trainers import examples_in, local_steps
 from client.trainers.pytorch import train
 from crowdtrain.jobspec import VC_ASGD, JobSpec
 from crowdtrain.simjob import IN_PROGRESS, Assignment, Metric, SimJob
-from crowdtrain.tensors import Params, encode
+from crowdtrain.tensors import Params, manifest_of
+from crowdtrain.updates import decode_result, encode_result, upload_label, upload_of, upload_sizes
 from crowdtrain.zoo import build_model, state_to_numpy
-from workgen.datasets import Dataset, load_dataset, split_shards
+from server.local_work import WINDOW, host_speeds, local_fraction
+from workgen.datasets import Dataset, deal_shards, load_dataset
 
 ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
@@ -105,6 +118,24 @@ class Dispatch:
     shard: int
     host: int
     preempted: bool
+    local_fraction: float = 1.0
+
+
+class ShardDeals:
+    """The example indices of each shard, per deal (see SimJob.shard_key): deal 0 as
+    workgen.generator.submit_job deals the training set; deal e >= 2 as write_epoch_shards deals
+    the examples of deal 0's shards, laid end to end, anew for epoch e."""
+
+    def __init__(self, y: np.ndarray, dataset: dict, seed: int) -> None:
+        self.y, self.subsets, self.shuffle, self.seed = y, dataset["subsets"], dataset["shuffle"], seed
+        self._deals = {0: deal_shards(y, self.subsets, self.shuffle, seed)}
+
+    def of(self, deal: int) -> list[np.ndarray]:
+        if deal not in self._deals:
+            line = np.concatenate(self._deals[0])
+            self._deals[deal] = [line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed,
+                                                              deal)]
+        return self._deals[deal]
 
 
 @dataclass
@@ -128,7 +159,9 @@ class SimResult:
     failed_workunits: int
     examples: int  # examples trained into merged results
     uploads: int  # results that reached the scheduler (merged, refused or late)
-    upload_bytes: int  # bytes of one upload: W_c as safetensors float32
+    upload: str  # the encoding (crowdtrain.updates.upload_label)
+    upload_bytes: int  # bytes per upload (the mean of those that reached the scheduler)
+    bytes_uploaded: int  # in all
     sim_seconds: float  # simulated wall time until the job ended
     real_seconds: float  # time the simulation took
     final_accuracy: float | None
@@ -136,6 +169,15 @@ class SimResult:
     metrics: list[Metric] = field(repr=False)
     epoch_figures: dict[int, float | None] = field(repr=False)
     trace: list[Dispatch] = field(repr=False)
+    merged_hosts: list[int] = field(repr=False, default_factory=list)  # the host of each merge
+    host_speeds: list[float] = field(repr=False, default_factory=list)  # s_i of each host
+
+    def staleness_by_host(self) -> dict[int, float]:
+        """Each host's mean staleness over its merged results."""
+        per: dict[int, list[int]] = {}
+        for host, s in zip(self.merged_hosts, self.staleness):
+            per.setdefault(host, []).append(s)
+        return {h: statistics.fmean(v) for h, v in sorted(per.items())}
 
     @property
     def best_accuracy(self) -> float | None:
@@ -163,8 +205,10 @@ class SimResult:
                 "merges": self.merges, "dispatched": self.dispatched, "preemptions": self.preemptions,
                 "timeouts": self.timeouts, "late_results": self.late_results, "refusals": self.refusals,
                 "failed_workunits": self.failed_workunits, "examples": self.examples, "uploads": self.uploads,
-                "bytes_uploaded_per_merge": round(self.uploads * self.upload_bytes / self.merges) if self.merges
-                else None,
+                "upload": self.upload, "upload_bytes": self.upload_bytes,
+                "bytes_uploaded_per_merge": round(self.bytes_uploaded / self.merges) if self.merges else None,
+                "mean_local_fraction": round(statistics.fmean(d.local_fraction for d in self.trace), 4)
+                if self.trace else None,
                 "sim_seconds": round(self.sim_seconds, 3), "real_seconds": round(self.real_seconds, 2),
                 "final_accuracy": self.final_accuracy, "best_accuracy": self.best_accuracy,
                 "staleness": self.staleness_summary(),
@@ -216,9 +260,8 @@ class _Simulation:
                              "num_classes": data.num_classes, "options": m["options"]}
         params = state_to_numpy(build_model(m["name"], data.input_shape, data.num_classes, seed=spec["seed"],
                                             **m["options"]))
-        # The examples of each shard, as the work generator deals them.
-        self.shards = [np.arange(sl.start, sl.stop) for sl in split_shards(len(data.x), spec["dataset"]["subsets"])]
-        self.job = SimJob(spec, params, len(self.shards), self._evaluate if compute else None)
+        self.deals = ShardDeals(data.y, spec["dataset"], spec["seed"])
+        self.job = SimJob(spec, params, spec["dataset"]["subsets"], self._evaluate if compute else None)
         self.job_id = next(_sim_ids)
         self.timeout = fleet.timeout if fleet.timeout is not None else spec["scheduling"]["deadline_seconds"]
         self.restart = fleet.restart_seconds if fleet.restart_seconds is not None else self.timeout
@@ -226,13 +269,16 @@ class _Simulation:
         # so a speedup over one slot measures the protocol, not the luck of the draw.
         speeds = rng.lognormal(0.0, fleet.speed_sigma, fleet.hosts)
         self.speeds = speeds / speeds.mean()
-        self.caches: list[set[int]] = [set() for _ in range(fleet.hosts)]
+        self.caches: list[set[tuple[int, int]]] = [set() for _ in range(fleet.hosts)]
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
         self.idle: deque[int] = deque()  # one entry per idle slot: its host
         self.now = 0.0
-        self.late = self.uploads = 0
-        self.upload_bytes = len(encode(params))
+        self.late = self.uploads = self.bytes_uploaded = 0
+        self.manifest = manifest_of(params)
+        self.upload = upload_of(spec["assimilation"])
+        self.upload_size = next(iter(upload_sizes(self.manifest, (self.upload,)).values()))
+        self.reports: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (host, examples, seconds)
         self.trace: list[Dispatch] = []
 
     def run(self) -> None:
@@ -266,24 +312,44 @@ class _Simulation:
     def _start(self, a: Assignment) -> None:
         self._at(a.deadline, DEADLINE, a)
         preempted = bool(self.fleet.p) and self.rng.random() < self.fleet.p
-        self.trace.append(Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted))
+        a.local_fraction = self._local_fraction(a.host)
+        self.trace.append(Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted,
+                                   a.local_fraction))
         if preempted:
             self._at(self.now + self.restart, BACK, a.host)
             return
-        size = len(self.shards[a.wu.shard])
-        transfers = 2 + (a.wu.shard not in self.caches[a.host])
-        self.caches[a.host].add(a.wu.shard)
-        local_epochs = self.spec["training"]["local_epochs"]
+        key = self.job.shard_key(a.wu)
+        size = len(self.deals.of(key[0])[key[1]])
+        transfers = 2 + (key not in self.caches[a.host])
+        self.caches[a.host].add(key)
+        t = self.spec["training"]
         work = (self.fleet.workunit_seconds if self.fleet.workunit_seconds is not None
-                else self.fleet.example_seconds * size * local_epochs)
-        a.client, a.examples = self._train(a) if self.compute else (a.base, size * local_epochs)
-        self._at(self.now + transfers * self.fleet.network_seconds + work / self.speeds[a.host], ARRIVE, a)
+                else self.fleet.example_seconds * size * t["local_epochs"])
+        a.train_seconds = work * a.local_fraction / self.speeds[a.host]
+        if self.compute:
+            self._train(a, self.deals.of(key[0])[key[1]])
+        else:
+            a.client, a.upload_bytes = a.base, self.upload_size
+            steps = local_steps(size, t["batch_size"], t["local_epochs"], a.local_fraction)
+            a.examples = examples_in(steps, size, t["batch_size"])
+        self._at(self.now + transfers * self.fleet.network_seconds + a.train_seconds, ARRIVE, a)
 
-    def _train(self, a: Assignment) -> tuple[Params, int]:
-        examples = self.shards[a.wu.shard]
+    def _local_fraction(self, host: int) -> float:
+        """server.local_work.fraction_for over the simulated hosts' recent reports."""
+        t = self.spec["training"]
+        if not t["dynamic_local_work"]:
+            return 1.0
+        speeds = host_speeds(self.reports)
+        return local_fraction(speeds.get(host), speeds.values(), t["min_local_fraction"])
+
+    def _train(self, a: Assignment, examples: np.ndarray) -> None:
+        """Train as the client does, and set W_c to what the server decodes from its upload."""
         recipe = {"model": self.model_config, "training": self.spec["training"], "seed": self.spec["seed"] + a.id}
-        result = train(recipe, a.base, self.data.x[examples], self.data.y[examples])
-        return result.params, result.examples
+        result = train(recipe, a.base, self.data.x[examples], self.data.y[examples],
+                       local_fraction=a.local_fraction)
+        blob = encode_result(result.params, a.base, self.upload)
+        a.client = decode_result(blob, self.manifest, self.upload, a.base)
+        a.examples, a.upload_bytes = result.examples, len(blob)
 
     def _evaluate(self, params: Params) -> tuple[float, float]:
         return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val,
@@ -291,9 +357,11 @@ class _Simulation:
 
     def _arrive(self, a: Assignment) -> None:
         self.uploads += 1
+        self.bytes_uploaded += a.upload_bytes
         if a.status != IN_PROGRESS:
             self.late += 1  # timed out on its way: the scheduler refuses the upload
         else:
+            self.reports.append((a.host, a.examples, a.train_seconds))
             self.job.merge(a, self.now)
         a.client = None
         self.idle.append(a.host)
@@ -303,8 +371,11 @@ class _Simulation:
         return SimResult(self.spec["name"], self.spec["assimilation"]["rule"], self.fleet, seed, self.compute,
                          job.status, job.message, job.current_epoch, job.version, len(self.trace),
                          sum(d.preempted for d in self.trace), job.timeouts, self.late, dict(job.refusals),
-                         job.failed_workunits, job.examples, self.uploads, self.upload_bytes, float(self.now),
-                         real_seconds, job.final_accuracy, job.staleness, job.metrics, job.epoch_figures, self.trace)
+                         job.failed_workunits, job.examples, self.uploads, upload_label(self.upload),
+                         round(self.bytes_uploaded / self.uploads) if self.uploads else self.upload_size,
+                         self.bytes_uploaded, float(self.now), real_seconds, job.final_accuracy, job.staleness,
+                         job.metrics, job.epoch_figures, self.trace, job.merged_hosts,
+                         self.speeds.tolist())
 
 
 def print_table(result: SimResult) -> None:
@@ -315,7 +386,8 @@ def print_table(result: SimResult) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key in ("outcome", "epochs", "merges", "examples", "sim_seconds", "real_seconds", "final_accuracy",
-                "best_accuracy", "dispatched", "preemptions", "timeouts", "late_results", "failed_workunits"):
+                "best_accuracy", "dispatched", "preemptions", "timeouts", "late_results", "failed_workunits",
+                "upload", "upload_bytes", "mean_local_fraction"):
         table.add_row(key, str(s[key]))
     table.add_row("refusals", ", ".join(f"{k}: {v}" for k, v in s["refusals"].items()) or "0")
     table.add_row("staleness", " ".join(f"{k} {v}" for k, v in s["staleness"].items()))

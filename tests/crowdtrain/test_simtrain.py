@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from crowdtrain.cli import app
-from crowdtrain.simtrain import Fleet, expected_wall_time, paper_wall_time, simulate_training
-from workgen.datasets import Dataset, make_dataset
+from crowdtrain.simtrain import Fleet, ShardDeals, expected_wall_time, paper_wall_time, simulate_training
+from workgen.datasets import Dataset, deal_shards, make_dataset
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,85 @@ def test_training_a_real_model_improves_its_accuracy(blobs: Dataset) -> None:
     assert r.examples == r.merges * 640 // 4  # one local epoch over a 160-example shard per merge
     reached = r.first_reaching(0.97)
     assert reached is not None and 0 < reached.examples <= r.examples and reached.time > 0
+
+
+@pytest.mark.parametrize("compute", [False, True])
+def test_upload_bytes_are_those_of_the_jobs_encoding(blobs: Dataset, compute: bool) -> None:
+    """int8 deltas take about 0.27 of float32 weights' bytes (one byte a value, plus scales and the
+    header), bfloat16 about half; the compute-free mode counts what a real upload would weigh."""
+    def per_upload(upload: dict) -> int:
+        spec = job(4, 2, model={"options": {"hidden": [128, 128]}}, assimilation={"upload": upload})
+        s = simulate_training(spec, hosts=2, seed=0, compute=compute, data=blobs).summary()
+        assert s["bytes_uploaded_per_merge"] == s["upload_bytes"]  # every upload merged
+        return s["upload_bytes"]
+
+    weights = per_upload({"send": "weights"})
+    assert weights > 4 * 17_000  # float32 values of a 17,924-parameter MLP
+    assert 0.24 <= per_upload({"send": "delta", "dtype": "int8"}) / weights <= 0.30
+    assert 0.48 <= per_upload({"send": "delta", "dtype": "bfloat16"}) / weights <= 0.52
+
+
+def test_an_int8_upload_is_decoded_as_the_server_decodes_it(blobs: Dataset) -> None:
+    """The merged W_c is W_base + the int8-rounded Δ: the run differs from a float32 one, and still learns."""
+    def run(upload: dict):
+        spec = job(4, 4, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5, "upload": upload})
+        return simulate_training(spec, hosts=2, seed=0, data=blobs)
+
+    exact, int8 = run({"send": "weights"}), run({"send": "delta", "dtype": "int8"})
+    assert [m.loss for m in int8.metrics] != [m.loss for m in exact.metrics]
+    assert int8.best_accuracy >= 0.97 and int8.upload == "delta/int8"
+
+
+def test_dynamic_local_work_gives_slow_hosts_less_work_and_less_staleness(blobs: Dataset) -> None:
+    """16 hosts of widely spread speeds: with dynamic local work the hosts below the reference speed
+    train a fraction < 1 of the local epochs once measured, so their results are less stale."""
+    def run(dynamic: bool):
+        spec = job(64, 6, training={"dynamic_local_work": dynamic})
+        return simulate_training(spec, hosts=16, seed=0, speed_sigma=0.8, compute=False, data=blobs)
+
+    fixed, dynamic = run(False), run(True)
+    speeds = np.asarray(dynamic.host_speeds)
+    slow = set(np.flatnonzero(speeds < np.median(speeds)).tolist())
+    assert all(d.local_fraction == 1.0 for d in fixed.trace)
+    measured = [d for d in dynamic.trace if d.host in slow and d.time > 0]
+    assert measured and all(d.local_fraction < 1.0 for d in measured)
+    assert max(d.local_fraction for d in dynamic.trace if d.host == int(speeds.argmax())) == 1.0
+
+    def slow_mean(r) -> float:
+        return statistics.fmean(s for h, s in r.staleness_by_host().items() if h in slow)
+
+    assert slow_mean(dynamic) < slow_mean(fixed)
+    assert statistics.pstdev(dynamic.staleness_by_host().values()) < statistics.pstdev(
+        fixed.staleness_by_host().values())
+
+
+def test_dynamic_local_work_trains_fewer_examples_on_slow_hosts(blobs: Dataset) -> None:
+    spec = job(4, 3, training={"dynamic_local_work": True})
+    r = simulate_training(spec, hosts=4, seed=0, speed_sigma=0.8, data=blobs)
+    assert any(d.local_fraction < 1.0 for d in r.trace)
+    assert 0 < r.examples < r.merges * 640 // 4  # some results trained part of the shard's local epoch
+
+
+def test_shards_are_dealt_stratified_as_the_work_generator_deals_them(blobs: Dataset) -> None:
+    deals = ShardDeals(blobs.y, {"subsets": 4, "shuffle": "stratified"}, seed=7)
+    first = deals.of(0)
+    assert all(np.array_equal(a, b) for a, b in zip(first, deal_shards(blobs.y, 4, "stratified", 7)))
+    counts = np.bincount(blobs.y)
+    for shard in first:
+        assert np.all(np.abs(np.bincount(blobs.y[shard], minlength=4) - counts / 4) < 1)
+    again = deals.of(2)
+    assert sorted(np.concatenate(again).tolist()) == list(range(len(blobs.y)))
+    assert not np.array_equal(again[0], first[0])
+
+
+@pytest.mark.parametrize("reshuffle", [False, True])
+def test_a_reshuffled_epoch_has_new_shards_to_download(blobs: Dataset, reshuffle: bool) -> None:
+    """One slot: each shard is fetched once, or once per epoch when every epoch deals anew."""
+    spec = job(4, 3, dataset={"reshuffle_each_epoch": reshuffle})
+    r = simulate_training(spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0,
+                          compute=False, data=blobs)
+    fetches = 12 if reshuffle else 4
+    assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + fetches * 0.25)
 
 
 def test_bad_settings_are_refused_naming_the_field(blobs: Dataset) -> None:
