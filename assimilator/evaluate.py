@@ -6,23 +6,20 @@ computed here from the model's logits, the same arithmetic for every framework.
 """
 
 import numpy as np
+import torch
 
-from crowdtrain import frameworks
-from crowdtrain.tensors import Params
+from crowdtrain.core import frameworks, zoo, zoo_keras
+from crowdtrain.core.tensors import Params
 
 _models: dict[tuple[int, str], object] = {}
 
 
 def _torch_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray, batch_size: int) -> np.ndarray:
-    import torch
-
-    from crowdtrain.zoo import build_model, load_numpy_state
-
     model = _models.get((job_id, "pytorch"))
     if model is None:
-        model = _models[(job_id, "pytorch")] = build_model(model_config["name"], model_config["input_shape"],
-                                                           model_config["num_classes"], **model_config["options"])
-    load_numpy_state(model, params)
+        model = _models[(job_id, "pytorch")] = zoo.build_model(model_config["name"], model_config["input_shape"],
+                                                               model_config["num_classes"], **model_config["options"])
+    zoo.load_numpy_state(model, params)
     model.eval()
     with torch.inference_mode():
         return np.concatenate([model(torch.from_numpy(x[i:i + batch_size])).numpy()
@@ -31,11 +28,9 @@ def _torch_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray
 
 def _tensorflow_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray,
                        batch_size: int) -> np.ndarray:
-    from crowdtrain.zoo_keras import build_model
-
     model = _models.get((job_id, "tensorflow"))
     if model is None:
-        model = _models[(job_id, "tensorflow")] = build_model(model_config)
+        model = _models[(job_id, "tensorflow")] = zoo_keras.build_model(model_config)
     model.set_params(params)
     return np.concatenate([np.asarray(model.model(x[i:i + batch_size], training=False))
                            for i in range(0, len(x), batch_size)])

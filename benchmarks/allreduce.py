@@ -61,9 +61,9 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
     import torch
     import torch.distributed as dist
 
-    from client.dedloc.allreduce import reduce_round, result_digest
-    from client.dedloc.api import PeerAPI
-    from client.dedloc.store import RoundStore
+    from crowdtrain.client.dedloc.allreduce import reduce_round, result_digest
+    from crowdtrain.client.dedloc.api import PeerAPI
+    from crowdtrain.client.dedloc.store import RoundStore
 
     torch.set_num_threads(1)
     api = PeerAPI(url)
@@ -149,7 +149,7 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    from crowdtrain.launch import Cluster
+    from crowdtrain.launch.cluster import Cluster
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)

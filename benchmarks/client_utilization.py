@@ -34,13 +34,13 @@ from pathlib import Path
 import numpy as np
 from sqlalchemy import select
 
-from client.trainers import limit_threads, train
-from crowdtrain.jobspec import JobSpec
-from crowdtrain.launch import Cluster, wait_for
-from crowdtrain.zoo import build_model, state_to_numpy
-from server.db import session_factory
-from server.models import Assignment, Host
-from workgen.datasets import load_dataset, split_shards
+from crowdtrain.client.trainers import limit_threads, train
+from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host
+from crowdtrain.workgen.datasets import load_dataset, split_shards
 
 HIDDEN = [2048, 2048]
 

@@ -20,7 +20,7 @@ How
     run (epoch 1 holds one workunit per shard; early release adds epoch 2 once it is all handed
     out, and no more, since nothing is ever uploaded).
 
-    Setup inserts the 10,000 hosts as rows (`server.models.Host` with the sha256 of a random
+    Setup inserts the 10,000 hosts as rows (`crowdtrain.server.ledger.models.Host` with the sha256 of a random
     token, in one transaction) rather than making 10,000 HTTP registrations; only the measured
     work requests go over HTTP.
 
@@ -56,10 +56,10 @@ import numpy as np
 from sqlalchemy import create_engine, insert
 from sqlalchemy.orm import Session
 
-from crowdtrain.launch import Cluster, fresh_postgres_database
-from server.db import normalize_url
-from server.hosts import hash_token
-from server.models import Host
+from crowdtrain.launch.cluster import Cluster, fresh_postgres_database
+from crowdtrain.server.ledger.db import normalize_url
+from crowdtrain.server.services.hosts import hash_token
+from crowdtrain.server.ledger.models import Host
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEDULER_WORKERS = 3

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from crowdtrain.launch import Cluster
-from server.db import session_factory
-from server.models import Assignment
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment
 from tests.test_adversarial_host import run_example_job
 
 

@@ -21,7 +21,7 @@ How
     Per-merge validation accuracy (table `metrics`) is paired with the examples of the results
     merged so far (`assignments.examples` of merged assignments with `merged_version` <= the
     metric's version). Upload sizes come from the scheduler's "result uploaded (N bytes" log lines.
-    Simulator: `crowdtrain.simtrain.simulate_training` (see `simulate` below, the one adapter to
+    Simulator: `crowdtrain.sim.training.simulate_training` (see `simulate` below, the one adapter to
     change when its interface settles); reported "unavailable" while it does not exist.
     Tasks: `mnist1d` (examples/mnist1d-cnn.yaml) and `tabular`, a 5-class nonlinear Gaussian-
     mixture task generated here (`tabular_arrays`) and trained with an MLP.
@@ -56,15 +56,15 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import select
 
-from assimilator.evaluate import evaluate
-from assimilator.rules import make_rule
-from client.trainers import limit_threads, train
-from crowdtrain.jobspec import JobSpec
-from crowdtrain.launch import Cluster
-from server.db import session_factory
-from server.models import Assignment, Job, Metric
-from workgen.datasets import load_dataset
-from workgen.generator import initial_parameters
+from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.rules import make_rule
+from crowdtrain.client.trainers import limit_threads, train
+from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Job, Metric
+from crowdtrain.workgen.datasets import load_dataset
+from crowdtrain.workgen.generator import initial_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
@@ -72,7 +72,7 @@ DEFAULT_RULE = "default"
 TERMINAL = ("succeeded", "failed", "cancelled")
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
-# Named assimilation sections (fields of crowdtrain.jobspec.AssimilationSpec). `default` is filled
+# Named assimilation sections (fields of crowdtrain.core.jobspec.AssimilationSpec). `default` is filled
 # in from EXAMPLE_SPEC. Add a configuration here and it is benchmarked; one the code does not
 # know yet is reported "unsupported".
 RULE_CONFIGS: dict[str, dict] = {
@@ -394,12 +394,12 @@ _sim_data: dict[str, object] = {}  # dataset source -> Dataset, loaded once for 
 
 def simulate(spec: dict, slots: int, seed: int, args) -> tuple[list[tuple[int, float, float]], int]:
     """The simulator's curve for `spec` at `slots` slots, (examples, accuracy, simulated seconds)
-    per validation of W_s, and its merges. The one adapter to crowdtrain.simtrain; raises SimulatorUnavailable
+    per validation of W_s, and its merges. The one adapter to crowdtrain.sim.training; raises SimulatorUnavailable
     while it is missing or its interface differs from the one used here."""
     try:
-        from crowdtrain.simtrain import simulate_training  # type: ignore[import-not-found]
+        from crowdtrain.sim.training import simulate_training  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise SimulatorUnavailable(f"crowdtrain.simtrain: {exc}") from None
+        raise SimulatorUnavailable(f"crowdtrain.sim.training: {exc}") from None
     source = spec["dataset"]["source"]
     if source not in _sim_data:
         _sim_data[source] = load_dataset(source, spec["dataset"]["validation_fraction"], spec["dataset"]["classes"])

@@ -38,10 +38,10 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from crowdtrain.jobspec import JobSpec
-from crowdtrain.launch import Cluster, SpotNoticeServer, wait_for
-from server.db import session_factory
-from server.models import Assignment, Host
+from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.launch.cluster import Cluster, SpotNoticeServer, wait_for
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host
 
 
 def say(msg: str) -> None:

@@ -1,7 +1,7 @@
 """The scheduler's HTTP API as the client sees it, with retries while the server is unreachable.
 
 Replies are untrusted: a reply is read up to MAX_REPLY_BYTES and must fit its schema, or it is
-refused as a whole (BadReply); a download comes only from an allowed origin (see client.origins)
+refused as a whole (BadReply); a download comes only from an allowed origin (see crowdtrain.client.origins)
 and stops at the size the assignment declared.
 """
 
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
 from tenacity.stop import stop_base
 
-from client.origins import Origins, check_url_text
-from crowdtrain.schemas import (AssignmentOut, HeartbeatReply, HostRegister, HostRegistered, Resources, ResultMetrics,
+from crowdtrain.client.origins import Origins, check_url_text
+from crowdtrain.core.schemas import (AssignmentOut, HeartbeatReply, HostRegister, HostRegistered, Resources, ResultMetrics,
                                 WorkReply, WorkRequest)
 
 log = logging.getLogger(__name__)

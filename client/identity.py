@@ -1,6 +1,6 @@
 """What a client keeps about its registration with each scheduler, in `identity.json` in its cache:
 the host id, the host token, and the download origins the scheduler named when the host registered
-(pinned: a later reply cannot add one; see client.origins). The file is readable by its owner only.
+(pinned: a later reply cannot add one; see crowdtrain.client.origins). The file is readable by its owner only.
 """
 
 import json

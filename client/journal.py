@@ -15,8 +15,8 @@ from pathlib import Path
 
 from safetensors.numpy import load_file, save_file
 
-from crowdtrain.schemas import AssignmentOut
-from crowdtrain.tensors import Params
+from crowdtrain.core.schemas import AssignmentOut
+from crowdtrain.core.tensors import Params
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from client.origins import parse_origin
+from crowdtrain.client.origins import parse_origin
 
 DEFAULT_PATH = Path("~/.config/crowdtrain/client.toml")
 

@@ -9,12 +9,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from client.cache import CacheBudget, FileCache
-from client.idle import IdleMonitor, IdlePolicy, InputActivity, linux_input_activity
-from client.preferences import Preferences
-from client.quota import DailyTransfer, Reservation
-from client.status import ClientState
-from crowdtrain.schemas import AssignmentOut
+from crowdtrain.client.cache import CacheBudget, FileCache
+from crowdtrain.client.idle import IdleMonitor, IdlePolicy, InputActivity, linux_input_activity
+from crowdtrain.client.preferences import Preferences
+from crowdtrain.client.quota import DailyTransfer, Reservation
+from crowdtrain.client.status import ClientState
+from crowdtrain.core.schemas import AssignmentOut
 
 
 class Restraints:

@@ -19,21 +19,21 @@ from pathlib import Path
 
 import httpx
 
-from client.api import BadReply, Refused, SchedulerAPI
-from client.cache import CacheFull, FileCache
-from client.identity import Identities
-from client.journal import AssignmentJournal, FileCheckpoint
-from client.origins import Origins, learned_origins
-from client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
-from client.preferences import Preferences
-from client.quota import DailyTransfer, OverDailyCap, Reservation, counted
-from client.restraints import Restraints
-from client.status import AssignmentStatus, ClientState, ClientStatus, StatusWriter
-from client.trainers import Cancelled, TrainControl, available_frameworks, train
-from crowdtrain import frameworks as fw
-from crowdtrain.schemas import AssignmentOut, FileRef, Resources, ResultMetrics
-from crowdtrain.tensors import decode, decode_shard
-from crowdtrain.updates import encode_result
+from crowdtrain.client.api import BadReply, Refused, SchedulerAPI
+from crowdtrain.client.cache import CacheFull, FileCache
+from crowdtrain.client.identity import Identities
+from crowdtrain.client.journal import AssignmentJournal, FileCheckpoint
+from crowdtrain.client.origins import Origins, learned_origins
+from crowdtrain.client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
+from crowdtrain.client.preferences import Preferences
+from crowdtrain.client.quota import DailyTransfer, OverDailyCap, Reservation, counted
+from crowdtrain.client.restraints import Restraints
+from crowdtrain.client.status import AssignmentStatus, ClientState, ClientStatus, StatusWriter
+from crowdtrain.client.trainers import Cancelled, TrainControl, available_frameworks, train
+from crowdtrain.core import frameworks as fw
+from crowdtrain.core.schemas import AssignmentOut, FileRef, Resources, ResultMetrics
+from crowdtrain.core.tensors import decode, decode_shard
+from crowdtrain.core.updates import encode_result
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from crowdtrain.server.ledger.db import normalize_url
+
 HERE = Path(__file__).resolve().parent
 
 
 def alembic_config(database_url: str) -> Config:
-    from server.db import normalize_url
-
     cfg = Config()
     cfg.set_main_option("script_location", str(HERE))
     cfg.set_main_option("sqlalchemy.url", normalize_url(database_url).replace("%", "%%"))

@@ -1,7 +1,7 @@
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from server.models import Base
+from crowdtrain.server.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata

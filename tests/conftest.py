@@ -8,8 +8,8 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from crowdtrain.launch import Cluster, free_port, fresh_postgres_database, start_redis
-from server.db import normalize_url, session_factory
+from crowdtrain.launch.cluster import Cluster, free_port, fresh_postgres_database, start_redis
+from crowdtrain.server.ledger.db import normalize_url, session_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"

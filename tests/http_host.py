@@ -4,7 +4,7 @@ import time
 
 import httpx
 
-from crowdtrain.tensors import Params, decode, encode
+from crowdtrain.core.tensors import Params, decode, encode
 
 
 class ScriptedHost:

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from assimilator.policy import params_norm
-from crowdtrain.jobspec import load_job_spec
-from crowdtrain.launch import Cluster, wait_for
-from crowdtrain.tensors import Params
-from server.db import session_factory
-from server.models import Assignment, Host, Job
-from server.states import AssignmentStatus
+from crowdtrain.assimilator.policy import params_norm
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.tensors import Params
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host, Job
+from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 from tests.http_host import ScriptedHost
 

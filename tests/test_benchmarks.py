@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.trainers import train
-from crowdtrain.zoo import build_model, state_to_numpy
-from workgen.datasets import make_dataset
+from crowdtrain.client.trainers import train
+from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.workgen.datasets import make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,9 +64,9 @@ def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_data
 
 
 def test_upload_sizes_read_from_scheduler_log_lines():
-    log = ("2026-11-23 11:00:00 INFO server.results: assignment 7: result uploaded (43960 bytes, loss 0.5), "
+    log = ("2026-11-23 11:00:00 INFO crowdtrain.server.ledger.assignments: assignment 7: result uploaded (43960 bytes, loss 0.5), "
            "merge queued\nunrelated line\n"
-           "2026-11-23 11:00:01 INFO server.results: assignment 12: result uploaded (11000 bytes, loss None), "
+           "2026-11-23 11:00:01 INFO crowdtrain.server.ledger.assignments: assignment 12: result uploaded (11000 bytes, loss None), "
            "merge queued\n")
     assert eff.upload_sizes(log) == {7: 43960, 12: 11000}
 

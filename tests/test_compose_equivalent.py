@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from crowdtrain.launch import Cluster, Service, free_port, redis_server_binary, wait_for
+from crowdtrain.launch.cluster import Cluster, Service, free_port, redis_server_binary, wait_for
 from tests.test_compose import ROOT, argv, dockerfile_entrypoint, environment, load_compose
 from tests.test_training_end_to_end import assert_exact_accounting, submit, wait_finished
 

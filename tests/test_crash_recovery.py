@@ -13,10 +13,10 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from crowdtrain import keys
-from crowdtrain.launch import wait_for
-from server.db import session_factory
-from server.models import Assignment, Workunit
+from crowdtrain.core import keys
+from crowdtrain.launch.cluster import wait_for
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Workunit
 from tests.test_training_end_to_end import assert_exact_accounting, settle, submit, wait_finished
 
 pytestmark = pytest.mark.integration

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain import dedloc
-from crowdtrain.launch import Cluster, Service, crowdtrain_argv
-from crowdtrain.tensors import decode, decode_shard
-from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
-from workgen.datasets import load_dataset
+from crowdtrain.core import dedloc
+from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv
+from crowdtrain.core.tensors import decode, decode_shard
+from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
+from crowdtrain.workgen.datasets import load_dataset
 
 pytestmark = pytest.mark.integration
 JOB_TIMEOUT = 300
@@ -214,7 +214,7 @@ def peer_ids(cluster: Cluster, name: str) -> set[str]:
 
 
 def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(make_cluster) -> None:
-    from crowdtrain.jobspec import load_job_spec
+    from crowdtrain.core.jobspec import load_job_spec
 
     spec = load_job_spec(Path(__file__).parents[1] / "examples" / "mnist1d-dedloc.yaml")
     assert spec.stop.target_accuracy == 0.90  # the target of examples/mnist1d-cnn.yaml (VC-ASGD)

@@ -11,11 +11,11 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from crowdtrain.jobspec import load_job_spec
-from crowdtrain.launch import Cluster, crowdtrain_argv
-from server.db import session_factory
-from server.models import Assignment, Host
-from server.states import AssignmentStatus
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster, crowdtrain_argv
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host
+from crowdtrain.core.states import AssignmentStatus
 
 from tests.conftest import ROOT
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
@@ -96,7 +96,7 @@ def test_a_keras_json_job_trains_on_tensorflow_clients_only(make_cluster) -> Non
 
 
 def test_a_keras_json_model_with_a_lambda_layer_is_refused_and_nothing_is_stored(make_cluster, tmp_path) -> None:
-    from crowdtrain.zoo_keras import keras_module
+    from crowdtrain.core.zoo_keras import keras_module
 
     keras = keras_module()
     model = keras.Sequential([keras.Input((40,)), keras.layers.Lambda(lambda t: t * 2.0, name="double"),

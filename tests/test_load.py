@@ -10,10 +10,10 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from crowdtrain import keys
-from crowdtrain.jobspec import load_job_spec
-from server.db import session_factory
-from server.models import Assignment, Job, Workunit
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Job, Workunit
 from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import settle
 

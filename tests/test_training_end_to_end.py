@@ -9,16 +9,16 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from assimilator.evaluate import evaluate
-from crowdtrain import keys
-from crowdtrain.jobspec import UploadSpec, load_job_spec
-from crowdtrain.launch import Cluster, wait_for
-from crowdtrain.tensors import decode
-from crowdtrain.updates import upload_sizes
-from server.db import session_factory
-from server.models import Assignment, Host, Job, Workunit
-from server.states import AssignmentStatus, WorkunitStatus
-from workgen.datasets import load_dataset
+from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import UploadSpec, load_job_spec
+from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.tensors import decode
+from crowdtrain.core.updates import upload_sizes
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.workgen.datasets import load_dataset
 
 from tests.conftest import EXAMPLE_SPEC
 
@@ -198,7 +198,7 @@ def test_class_sorted_data_dealt_anew_each_epoch_trains_with_dynamic_local_work(
     accuracy after 10 epochs; stratified shards, re-dealt every epoch, pass 0.7 by epoch 3."""
     import numpy as np
 
-    from server.models import Shard
+    from crowdtrain.server.ledger.models import Shard
 
     data = load_dataset("builtin:mnist1d")
     order = np.argsort(data.y, kind="stable")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crowdtrain.jobspec import MAX_CLASSES
+from crowdtrain.core.jobspec import MAX_CLASSES
 
 
 @dataclass(frozen=True)

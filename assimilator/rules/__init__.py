@@ -2,8 +2,8 @@
 
 A rule is picked by `assimilation.rule` (`make_rule`). It sees one result at a time as an `Update`
 and changes W_s, and its own state (named arrays kept beside W_s in Redis and written in the same
-exactly-once transaction: assimilator.paramstore), in place. Policy that applies to every rule
-(staleness bound, update-norm bound, clipping, refusals) lives in assimilator.policy and wraps the
+exactly-once transaction: crowdtrain.server.ledger.paramstore), in place. Policy that applies to every rule
+(staleness bound, update-norm bound, clipping, refusals) lives in crowdtrain.assimilator.policy and wraps the
 rule; a rule never refuses.
 
 - `vc-asgd` (vc_asgd.py): the paper's W_s <- α·W_s + (1 − α)·W_c.
@@ -11,12 +11,12 @@ rule; a rule never refuses.
   combined (combiners.py), applied by an outer optimizer (outer.py).
 """
 
-from assimilator.rules.delta import Delta, FedBuff
-from assimilator.rules.outer import make_outer
-from assimilator.rules.staleness import StalenessWeight
-from assimilator.rules.update import Rule, Update
-from assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_vc_asgd, update_norm
-from crowdtrain.jobspec import AssimilationSpec
+from crowdtrain.assimilator.rules.delta import Delta, FedBuff
+from crowdtrain.assimilator.rules.outer import make_outer
+from crowdtrain.assimilator.rules.staleness import StalenessWeight
+from crowdtrain.assimilator.rules.update import Rule, Update, make_update
+from crowdtrain.assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_vc_asgd, update_norm
+from crowdtrain.core.jobspec import AssimilationSpec
 
 
 def make_rule(assimilation: dict) -> Rule:
@@ -39,4 +39,4 @@ def make_rule(assimilation: dict) -> Rule:
 
 
 __all__ = ["Delta", "FedBuff", "Rule", "StalenessWeight", "Update", "VcAsgd", "alpha_for_epoch", "make_rule",
-           "make_outer", "merge_vc_asgd", "update_norm"]
+           "make_outer", "make_update", "merge_vc_asgd", "update_norm"]

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from assimilator.rules.combiners import combine
-from assimilator.rules.outer import OuterOptimizer
-from assimilator.rules.staleness import StalenessWeight
-from assimilator.rules.update import Update
-from crowdtrain.tensors import Params
+from crowdtrain.assimilator.rules.combiners import combine
+from crowdtrain.assimilator.rules.outer import OuterOptimizer
+from crowdtrain.assimilator.rules.staleness import StalenessWeight
+from crowdtrain.assimilator.rules.update import Update
+from crowdtrain.core.tensors import Params
 
 BUFFERED = "buffer.count"  # FedBuff: how many slots of the buffer hold an update (0-d int64)
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from crowdtrain.tensors import Params
+from crowdtrain.core.tensors import Params
 
 STEP = "step"
 

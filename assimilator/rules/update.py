@@ -3,7 +3,9 @@
 from dataclasses import dataclass
 from typing import Protocol
 
-from crowdtrain.tensors import Params
+import numpy as np
+
+from crowdtrain.core.tensors import Params
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,23 @@ class Rule(Protocol):
     def apply(self, server: Params, state: Params, update: Update) -> None:
         """Merge `update` into `server` and `state`, both in place (never replacing an array)."""
         ...
+
+
+def make_update(base: Params, carried: Params, send: str, staleness: int, epoch: int) -> Update:
+    """The `Update` of a result that started from `base` (W_base, read-only).
+
+    `carried` is what the result carries, as crowdtrain.core.updates.decode_update returns it: W_c
+    when `send` is "weights"; otherwise Δ (float32) for each floating-point tensor and the client's
+    own value of every other tensor. Whichever is missing of W_c and Δ is computed here, once:
+    Δ = W_c − W_base, or W_c = W_base + Δ rounded to the model's dtypes. Both are in the model's
+    dtypes. W_c may hold NaN or infinity when W_base + Δ overflows: the caller checks it.
+    """
+    floats = {k: v for k, v in base.items() if v.dtype.kind == "f"}
+    if send == "weights":
+        return Update(carried, {k: carried[k] - v for k, v in floats.items()}, staleness, epoch)
+    client = dict(carried)
+    with np.errstate(over="ignore"):
+        for k, v in floats.items():
+            client[k] = (np.asarray(v, np.float32) + carried[k]).astype(v.dtype, copy=False)
+    delta = {k: np.asarray(carried[k]).astype(v.dtype, copy=False) for k, v in floats.items()}
+    return Update(client, delta, staleness, epoch)

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from assimilator.rules.update import Update
-from crowdtrain.tensors import Params
+from crowdtrain.assimilator.rules.update import Update
+from crowdtrain.core.tensors import Params
 
 
 @dataclass(frozen=True)

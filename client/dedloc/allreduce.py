@@ -9,10 +9,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from client.dedloc.api import PeerAPI
-from client.dedloc.store import RoundStore
-from crowdtrain.schemas_dedloc import RoundPlanOut
-from crowdtrain.tensors import decode, encode
+from crowdtrain.client.dedloc.api import PeerAPI
+from crowdtrain.client.dedloc.store import RoundStore
+from crowdtrain.core.schemas_dedloc import RoundPlanOut
+from crowdtrain.core.tensors import decode, encode
 
 
 def result_digest(t: torch.Tensor) -> str:

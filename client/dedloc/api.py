@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from crowdtrain.schemas_dedloc import PeerJoined, Progress, ProgressReply, StoreOp, StoreReply
+from crowdtrain.core.schemas_dedloc import PeerJoined, Progress, ProgressReply, StoreOp, StoreReply
 
 
 class Refused(Exception):

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.dedloc.allreduce import reduce_round, result_digest
-from client.dedloc.api import PeerAPI, Refused
-from client.dedloc.state import encode_state, load_state, make_optimizer
-from crowdtrain import dedloc as math
-from crowdtrain.schemas_dedloc import PeerJoined, ProgressReply
-from crowdtrain.tensors import decode_shard, sha256
-from crowdtrain.zoo import build_model, state_to_numpy
+from crowdtrain.client.dedloc.allreduce import reduce_round, result_digest
+from crowdtrain.client.dedloc.api import PeerAPI, Refused
+from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
+from crowdtrain.core import dedloc as math
+from crowdtrain.core.schemas_dedloc import PeerJoined, ProgressReply
+from crowdtrain.core.tensors import decode_shard, sha256
+from crowdtrain.core.zoo import build_model, state_to_numpy
 
 log = logging.getLogger(__name__)
 ROUND_POLL = 0.1
@@ -226,7 +226,7 @@ class DedlocPeer:
 
         import torch.distributed as dist
 
-        from client.dedloc.store import RoundStore
+        from crowdtrain.client.dedloc.store import RoundStore
 
         # Connect to the group like any member, so the others enter the all-reduce and wait on this
         # peer, then die without a word: SIGKILL, no clean-up, no report.

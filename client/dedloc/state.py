@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from crowdtrain.tensors import Params, decode, encode
-from crowdtrain.zoo import load_numpy_state, state_to_numpy
+from crowdtrain.core.tensors import Params, decode, encode
+from crowdtrain.core.zoo import load_numpy_state, state_to_numpy
 
 _OPT = "__opt__"
 

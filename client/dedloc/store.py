@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from client.dedloc.api import PeerAPI, b64
+from crowdtrain.client.dedloc.api import PeerAPI, b64
 
 
 class RoundStore(dist.Store):

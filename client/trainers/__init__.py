@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from crowdtrain.tensors import Params
+from crowdtrain.core.tensors import Params
 
 FRAMEWORKS = ("pytorch", "tensorflow")
 
@@ -95,7 +95,7 @@ class Checkpoint(Protocol):
 
 def available_frameworks() -> list[str]:
     """The frameworks importable in this environment, PyTorch first."""
-    from crowdtrain.frameworks import installed
+    from crowdtrain.core.frameworks import installed
 
     return installed()
 
@@ -108,7 +108,7 @@ def limit_threads(n: int, frameworks: list[str] | None = None) -> None:
 
         torch.set_num_threads(n)
     if "tensorflow" in frameworks:
-        from client.trainers.tensorflow import limit_threads as limit_tf
+        from crowdtrain.client.trainers.tensorflow import limit_threads as limit_tf
 
         limit_tf(n)
 
@@ -119,9 +119,9 @@ def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.nda
     """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
     epochs' steps; see the module docstring for the contract."""
     if framework == "pytorch":
-        from client.trainers.pytorch import train as run
+        from crowdtrain.client.trainers.pytorch import train as run
     elif framework == "tensorflow":
-        from client.trainers.tensorflow import train as run
+        from crowdtrain.client.trainers.tensorflow import train as run
     else:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
     return run(recipe, params, x, y, device=device, control=control or TrainControl(), checkpoint=checkpoint,

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import torch
 
-from client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
-from crowdtrain.tensors import Params
-from crowdtrain.zoo import build_model, load_numpy_state, state_to_numpy
+from crowdtrain.client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
+from crowdtrain.core.tensors import Params
+from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
 
 # Checkpoint tensor names beside the model's own (which never start with "__").
 _OPT = "__opt__"
@@ -45,7 +45,7 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
           control: TrainControl | None = None, checkpoint: Checkpoint | None = None,
           local_fraction: float = 1.0) -> TrainResult:
     """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
-    rounded up); see client.trainers for the contract."""
+    rounded up); see crowdtrain.client.trainers for the contract."""
     start = time.monotonic()
     control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]

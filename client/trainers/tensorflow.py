@@ -1,6 +1,6 @@
 """Local training with TensorFlow/Keras: start from the snapshot, train on the shard, return W_c.
 
-Takes and returns the canonical layout (crowdtrain.zoo_keras maps it to Keras weights). The
+Takes and returns the canonical layout (crowdtrain.core.zoo_keras maps it to Keras weights). The
 optimizer follows PyTorch's semantics, so that a job trains alike on either framework: weight
 decay is L2 added to the gradient (not Keras's decoupled decay) and Adam's epsilon is 1e-8.
 """
@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
-from crowdtrain.tensors import Params
-from crowdtrain.zoo_keras import KerasModel, build_model, keras_module
+from crowdtrain.client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
+from crowdtrain.core.tensors import Params
+from crowdtrain.core.zoo_keras import KerasModel, build_model, keras_module
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
 def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu", *,
           control: TrainControl, checkpoint: Checkpoint | None = None, local_fraction: float = 1.0) -> TrainResult:
     """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
-    rounded up); see client.trainers for the contract."""
+    rounded up); see crowdtrain.client.trainers for the contract."""
     start = time.monotonic()
     keras, tf = keras_module(), _tensorflow()
     t, seed = recipe["training"], int(recipe["seed"])

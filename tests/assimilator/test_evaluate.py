@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from assimilator.evaluate import evaluate, evaluation_framework  # noqa: E402
-from crowdtrain.zoo import build_model, state_to_numpy  # noqa: E402
+from crowdtrain.assimilator.evaluate import evaluate, evaluation_framework  # noqa: E402
+from crowdtrain.core.zoo import build_model, state_to_numpy  # noqa: E402
 
 
 OPTIONS = {"channels": 32, "kernel_size": 5, "layers": 3}
@@ -16,7 +16,7 @@ CONFIG = {"name": "cnn1d", "framework": "tensorflow", "input_shape": [40], "num_
 
 @pytest.fixture(scope="module")
 def data():
-    from workgen.datasets import load_dataset
+    from crowdtrain.workgen.datasets import load_dataset
 
     return load_dataset("builtin:mnist1d")
 
@@ -24,7 +24,7 @@ def data():
 def canonical_weights(data, trained: bool) -> dict[str, np.ndarray]:
     params = state_to_numpy(build_model("cnn1d", [40], 10, seed=0, **OPTIONS))
     if trained:  # weights that classify well, so that accuracy is a real test of agreement
-        from client.trainers import train
+        from crowdtrain.client.trainers import train
 
         recipe = {"model": CONFIG, "seed": 0, "training": {"local_epochs": 2, "batch_size": 32, "optimizer": "adam",
                                                            "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}}

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from assimilator.policy import (Policy, UpdateBound, apply_with_policy, clipped, norm_limit, norm_refusal, params_norm,
+from crowdtrain.assimilator.policy import (Policy, UpdateBound, apply_with_policy, clipped, norm_limit, norm_refusal, params_norm,
                                 staleness_refusal)
-from assimilator.rules import Update, make_rule
-from crowdtrain.jobspec import AssimilationSpec
+from crowdtrain.assimilator.rules import Update, make_rule
+from crowdtrain.core.jobspec import AssimilationSpec
 
 DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
 

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import torch
 
-from assimilator.rules import (Delta, FedBuff, StalenessWeight, Update, VcAsgd, alpha_for_epoch, make_rule,
+from crowdtrain.assimilator.rules import (Delta, FedBuff, StalenessWeight, Update, VcAsgd, alpha_for_epoch, make_rule,
                                merge_vc_asgd, update_norm)
-from assimilator.rules.combiners import combine
-from assimilator.rules.outer import Nesterov
-from crowdtrain.jobspec import JobSpec, load_job_spec
+from crowdtrain.assimilator.rules.combiners import combine
+from crowdtrain.assimilator.rules.outer import Nesterov
+from crowdtrain.core.jobspec import JobSpec, load_job_spec
 from tests.conftest import EXAMPLE_SPEC
 
 

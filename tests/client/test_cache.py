@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from client.cache import BadHash, CacheBudget, CacheFull, FileCache, HashMismatch
+from crowdtrain.client.cache import BadHash, CacheBudget, CacheFull, FileCache, HashMismatch
 
 
 def test_a_cached_file_is_downloaded_once_even_by_concurrent_slots(tmp_path: Path) -> None:

@@ -10,14 +10,14 @@ import pytest
 from safetensors import safe_open
 from sqlalchemy import select
 
-from client.journal import AssignmentJournal, FileCheckpoint
-from client.trainers import Cancelled, train
-from crowdtrain.jobspec import load_job_spec
-from crowdtrain.launch import wait_for
-from crowdtrain.zoo import build_model, state_to_numpy
-from server.db import session_factory
-from server.models import Assignment, Host
-from server.states import AssignmentStatus
+from crowdtrain.client.journal import AssignmentJournal, FileCheckpoint
+from crowdtrain.client.trainers import Cancelled, train
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import wait_for
+from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host
+from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 
 RECIPE = {"model": {"name": "cnn1d", "input_shape": [40], "num_classes": 10, "options": {}},

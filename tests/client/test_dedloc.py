@@ -4,13 +4,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from client.dedloc.allreduce import reduce_round
-from client.dedloc.api import PeerAPI
-from client.dedloc.state import encode_state, load_state, make_optimizer
-from crowdtrain import dedloc
-from crowdtrain.launch import free_port
-from crowdtrain.schemas_dedloc import PeerJoined, RoundPlanOut
-from crowdtrain.zoo import build_model, state_to_numpy
+from crowdtrain.client.dedloc.allreduce import reduce_round
+from crowdtrain.client.dedloc.api import PeerAPI
+from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
+from crowdtrain.core import dedloc
+from crowdtrain.launch.cluster import free_port
+from crowdtrain.core.schemas_dedloc import PeerJoined, RoundPlanOut
+from crowdtrain.core.zoo import build_model, state_to_numpy
 
 
 @pytest.mark.parametrize("relayed", [True, False], ids=["relayed", "gloo-group"])

@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from client.devices import Accelerators, DeviceUnavailable, detect_accelerators, resolve_device
-from crowdtrain.launch import crowdtrain_argv, wait_for
+from crowdtrain.client.devices import Accelerators, DeviceUnavailable, detect_accelerators, resolve_device
+from crowdtrain.launch.cluster import crowdtrain_argv, wait_for
 
 NOTHING = Accelerators()
 TWO_GPUS = Accelerators(cuda_devices=2)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-import client.api
-import client.worker
-from client.preemption import Notice
-from client.worker import VolunteerClient
-from crowdtrain.tensors import sha256
+import crowdtrain.client.api
+import crowdtrain.client.worker
+from crowdtrain.client.preemption import Notice
+from crowdtrain.client.worker import VolunteerClient
+from crowdtrain.core.tensors import sha256
 
 AID = 41
 SNAPSHOT = b"not really a snapshot"
@@ -153,8 +153,8 @@ def run_client_until(scheduler: FakeScheduler, cache: Path, work_requests: int) 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_client_refuses_a_hostile_work_reply_and_keeps_working(case: str, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client.worker, "BAD_REPLY_WAIT", 0.2)
-    monkeypatch.setattr(client.api, "MAX_REPLY_BYTES", 8192)
+    monkeypatch.setattr(crowdtrain.client.worker, "BAD_REPLY_WAIT", 0.2)
+    monkeypatch.setattr(crowdtrain.client.api, "MAX_REPLY_BYTES", 8192)
     make_reply, expected = CASES[case]
     victim = tmp_path / "victim" / "file"
     victim.parent.mkdir()

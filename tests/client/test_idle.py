@@ -8,10 +8,10 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from client.idle import IdleMonitor, IdlePolicy, ProcessTreeCPU, Sample, is_idle, linux_input_activity
-from client.status import ClientState, read_status
-from crowdtrain.jobspec import load_job_spec
-from crowdtrain.launch import Cluster, wait_for
+from crowdtrain.client.idle import IdleMonitor, IdlePolicy, ProcessTreeCPU, Sample, is_idle, linux_input_activity
+from crowdtrain.client.status import ClientState, read_status
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster, wait_for
 from tests.client.test_worker import host_assignments
 from tests.conftest import EXAMPLE_SPEC
 

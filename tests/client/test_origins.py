@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from client.origins import ForbiddenURL, Origins, check_url_text, learned_origins, parse_origin
+from crowdtrain.client.origins import ForbiddenURL, Origins, check_url_text, learned_origins, parse_origin
 
 
 @pytest.mark.parametrize("text, origin", [

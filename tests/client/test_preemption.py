@@ -6,12 +6,12 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import select
 
-from client.preemption import RunningEstimate, parse_notice, plan_preemption
-from crowdtrain.jobspec import load_job_spec
-from crowdtrain.launch import Cluster, SpotNoticeServer, wait_for
-from server.db import session_factory
-from server.models import Assignment, Host
-from server.states import AssignmentStatus
+from crowdtrain.client.preemption import RunningEstimate, parse_notice, plan_preemption
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster, SpotNoticeServer, wait_for
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host
+from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from client.preferences import Preferences, PreferencesError, load_preferences
-from crowdtrain.launch import crowdtrain_argv
+from crowdtrain.client.preferences import Preferences, PreferencesError, load_preferences
+from crowdtrain.launch.cluster import crowdtrain_argv
 
 FILE = """
 tasks = 3

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from client.cache import FileCache
-from client.quota import DailyTransfer, OverDailyCap, counted
-from client.status import ClientState, read_status
-from crowdtrain.launch import wait_for
-from server.states import AssignmentStatus
+from crowdtrain.client.cache import FileCache
+from crowdtrain.client.quota import DailyTransfer, OverDailyCap, counted
+from crowdtrain.client.status import ClientState, read_status
+from crowdtrain.launch.cluster import wait_for
+from crowdtrain.core.states import AssignmentStatus
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 DAY1, DAY2 = date(2026, 11, 22), date(2026, 11, 23)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from client.status import ClientState, ClientStatus, is_running, now_utc, read_status
-from crowdtrain.launch import Cluster, Service, crowdtrain_argv, wait_for
+from crowdtrain.client.status import ClientState, ClientStatus, is_running, now_utc, read_status
+from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 

@@ -8,11 +8,11 @@ import time
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.jobspec import load_job_spec
-from crowdtrain.launch import Cluster, Service, crowdtrain_argv, free_port, wait_for
-from server.db import session_factory
-from server.models import Assignment, Host, Workunit
-from server.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, wait_for
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host, Workunit
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,7 @@ def test_client_waits_for_an_unreachable_server_and_then_works(make_cluster, sql
 @pytest.mark.parametrize("prefetch, held", [(True, 2), (False, 1)])
 def test_prefetch_holds_the_next_assignment_with_its_files_while_training(make_cluster, sqlite_url: str,
                                                                          prefetch: bool, held: int) -> None:
-    from client.cache import FileCache
+    from crowdtrain.client.cache import FileCache
 
     cluster = make_cluster(sqlite_url)
     submit_slow_job(cluster)
@@ -82,7 +82,7 @@ def test_prefetch_holds_the_next_assignment_with_its_files_while_training(make_c
     assert len(rows) == held
     assert {status for _, status, _ in rows} == {AssignmentStatus.in_progress.value}
     with session_factory(sqlite_url).begin() as s:
-        from server.models import Shard
+        from crowdtrain.server.ledger.models import Shard
 
         shas = {s.scalar(select(Shard.sha256).join(Workunit, Workunit.shard_id == Shard.id)
                          .where(Workunit.id == wu_id)) for _, _, wu_id in rows}

@@ -4,15 +4,15 @@ import pytest
 from alembic import command
 from sqlalchemy import create_engine, inspect
 
-from migrations import alembic_config, upgrade
-from server.models import Base
+from crowdtrain.migrations import alembic_config, upgrade
+from crowdtrain.server.ledger.models import Base
 
 
 @pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
 def test_upgrade_head_matches_the_models(database_url: str) -> None:
     upgrade(database_url)
     command.check(alembic_config(database_url))  # raises if models and migrations drift apart
-    from server.db import normalize_url
+    from crowdtrain.server.ledger.db import normalize_url
 
     tables = set(inspect(create_engine(normalize_url(database_url))).get_table_names())
     assert set(Base.metadata.tables) <= tables
@@ -32,8 +32,8 @@ def test_0005_downgrade_moves_re_dealt_epochs_onto_the_submission_shards(databas
     history on the submission's shard of the same index."""
     from sqlalchemy import text
 
-    from server.db import session_factory
-    from server.models import Job, Shard, Workunit
+    from crowdtrain.server.ledger.db import session_factory
+    from crowdtrain.server.ledger.models import Job, Shard, Workunit
 
     upgrade(database_url)
     db = session_factory(database_url)
@@ -49,7 +49,7 @@ def test_0005_downgrade_moves_re_dealt_epochs_onto_the_submission_shards(databas
         submitted = {i: shards[0, i].id for i in range(2)}
     db.kw["bind"].dispose()
     command.downgrade(alembic_config(database_url), "0004")
-    from server.db import normalize_url
+    from crowdtrain.server.ledger.db import normalize_url
 
     engine = create_engine(normalize_url(database_url))
     with engine.begin() as conn:

@@ -1,52 +1,91 @@
 """The scheduler app inside the test process (FastAPI TestClient): a real SQLite file, file storage and
-a real Redis, without the seconds a Cluster's processes take to start. For API-level checks."""
+a real private Redis, without the seconds a Cluster's processes take to start. For API-level checks.
 
-import secrets
+Callers come in two styles: a TestClient per caller (`client`, `admin`, `register`, which can also
+name the caller's address), or the shared `http` client with an Authorization header per request
+(`admin_headers`, `register_host`).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.settings import Settings
-from migrations import upgrade
-from server.app import create_app
+from crowdtrain.core.settings import Settings
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.api.app import create_app
+from crowdtrain.server.ledger.db import session_factory
+
+ADMIN_TOKEN = "test-admin"
+JOIN_TOKEN = "test-join"
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 @dataclass
 class Scheduler:
     app: FastAPI
+    http: TestClient
+    db: sessionmaker[Session]
+    storage_dir: Path
     settings: Settings
 
     def client(self, token: str | None = None, address: str = "testclient") -> TestClient:
         """A caller from `address`, with `token` as its bearer token (none if None)."""
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        return TestClient(self.app, headers=headers, client=(address, 50000))
+        return TestClient(self.app, headers=bearer(token) if token is not None else {}, client=(address, 50000))
 
     def admin(self, address: str = "testclient") -> TestClient:
         return self.client(self.settings.admin_token, address)
 
     def register(self, name: str, address: str = "testclient") -> TestClient:
         """A newly registered host, as a client carrying its host token."""
+        return self.client(self.register_token(name, address), address)
+
+    def register_token(self, name: str = "h1", address: str = "testclient") -> str:
+        """A newly registered host's token."""
         resp = self.client(address=address).post("/v1/hosts", json={"join_token": self.settings.join_token,
                                                                       "name": name})
         assert resp.status_code == 201, resp.text
-        return self.client(resp.json()["host_token"], address)
+        return resp.json()["host_token"]
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return bearer(self.settings.admin_token)
+
+    def register_host(self, name: str = "h1") -> dict[str, str]:
+        """A new host's Authorization header, for `http`."""
+        return bearer(self.register_token(name))
+
+    def count(self, model) -> int:
+        with self.db.begin() as s:
+            return s.scalar(select(func.count()).select_from(model))
+
+    def stored_files(self) -> list[Path]:
+        return [p for p in self.storage_dir.rglob("*") if p.is_file()]
 
 
-def start_scheduler(var_dir: Path, redis_url: str, **settings) -> Scheduler:
-    """The app on a migrated SQLite database under `var_dir`, with random tokens unless given."""
-    config = Settings(var_dir=var_dir, redis_url=redis_url, admin_token=secrets.token_urlsafe(32),
-                      join_token=secrets.token_urlsafe(32), database_url="", storage_url="", **settings)
+@contextmanager
+def scheduler_app(var_dir: Path, r: redis.Redis, **settings) -> Iterator[Scheduler]:
+    """The app on a migrated SQLite file and a storage directory under `var_dir`, and the private Redis `r`."""
     var_dir.mkdir(parents=True, exist_ok=True)
-    upgrade(config.resolved_database_url)
-    return Scheduler(create_app(config), config)
-
-
-def redis_url_of(r) -> str:
-    kw = r.connection_pool.connection_kwargs
-    return f"redis://{kw.get('host', '127.0.0.1')}:{kw['port']}/0"
+    port = r.connection_pool.connection_kwargs["port"]
+    configured = Settings(var_dir=var_dir, database_url=f"sqlite:///{var_dir / 'crowdtrain.db'}",
+                          redis_url=f"redis://127.0.0.1:{port}/0", storage_url=(var_dir / "storage").as_uri(),
+                          admin_token=ADMIN_TOKEN, join_token=JOIN_TOKEN, **settings)
+    upgrade(configured.resolved_database_url)
+    app = create_app(configured)
+    with TestClient(app) as http:
+        yield Scheduler(app, http, session_factory(configured.resolved_database_url), var_dir / "storage",
+                        configured)
 
 
 def ok(resp: httpx.Response) -> httpx.Response:

@@ -4,7 +4,7 @@ refused with a message naming the array and the problem."""
 import numpy as np
 import pytest
 
-from workgen.datasets import deal_shards, load_dataset, make_dataset, split_shards
+from crowdtrain.workgen.datasets import deal_shards, load_dataset, make_dataset, split_shards
 
 RNG = np.random.default_rng(0)
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.storage import open_storage
-from crowdtrain.tensors import decode_shard, sha256
-from server.models import Job, Shard
-from server.states import JobStatus
-from workgen.generator import write_epoch_shards
+from crowdtrain.core.storage import open_storage
+from crowdtrain.core.tensors import decode_shard, sha256
+from crowdtrain.server.ledger.models import Job, Shard
+from crowdtrain.core.states import JobStatus
+from crowdtrain.workgen.generator import write_epoch_shards
 
-from tests.scheduler_app import Scheduler, scheduler_app
+from tests.server.inprocess import Scheduler, scheduler_app
 
 CLASSES, EXAMPLES, SHARDS = 5, 400, 4
 
@@ -41,7 +41,7 @@ def submit(scheduler: Scheduler, npz: Path, **dataset) -> int:
     spec = {"name": "t", "model": {"name": "mlp", "options": {"hidden": [8]}},
             "dataset": {"source": f"npz:{npz}", "subsets": SHARDS, **dataset},
             "stop": {"target_accuracy": 0.99, "max_epochs": 5}}
-    resp = scheduler.http.post("/v1/jobs", json=spec, headers=scheduler.admin)
+    resp = scheduler.http.post("/v1/jobs", json=spec, headers=scheduler.admin_headers)
     assert resp.status_code == 201, resp.text
     return resp.json()["job_id"]
 

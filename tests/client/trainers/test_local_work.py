@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.journal import FileCheckpoint
-from client.trainers import Cancelled, TrainControl, examples_in, local_steps, train
-from crowdtrain.zoo import build_model, state_to_numpy
+from crowdtrain.client.journal import FileCheckpoint
+from crowdtrain.client.trainers import Cancelled, TrainControl, examples_in, local_steps, train
+from crowdtrain.core.zoo import build_model, state_to_numpy
 from tests.client.test_checkpoint import RECIPE, _StopAtSave
 
 
@@ -89,8 +89,8 @@ def test_a_resumed_partial_run_stops_where_an_uninterrupted_one_does(tmp_path: P
 def test_a_journaled_assignment_resumes_with_its_local_fraction(tmp_path: Path) -> None:
     from datetime import UTC, datetime
 
-    from client.journal import AssignmentJournal
-    from crowdtrain.schemas import AssignmentOut
+    from crowdtrain.client.journal import AssignmentJournal
+    from crowdtrain.core.schemas import AssignmentOut
 
     ref = {"url": "/x", "sha256": "0" * 64, "size": 1}
     a = AssignmentOut(assignment_id=7, job_id=1, workunit_id=3, epoch=2, shard_index=0, base_version=4,
@@ -106,7 +106,7 @@ def test_a_journaled_assignment_resumes_with_its_local_fraction(tmp_path: Path) 
 def test_a_local_fraction_outside_0_1_from_the_scheduler_is_refused(fraction: float) -> None:
     from pydantic import ValidationError
 
-    from crowdtrain.schemas import AssignmentOut
+    from crowdtrain.core.schemas import AssignmentOut
 
     with pytest.raises(ValidationError, match="local_fraction"):
         AssignmentOut.model_validate({"assignment_id": 1, "job_id": 1, "workunit_id": 1, "epoch": 1, "shard_index": 0,

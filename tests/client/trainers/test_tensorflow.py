@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from client.journal import FileCheckpoint  # noqa: E402
-from client.trainers import Cancelled, TrainControl, train  # noqa: E402
-from crowdtrain.zoo import build_model, state_to_numpy  # noqa: E402
+from crowdtrain.client.journal import FileCheckpoint  # noqa: E402
+from crowdtrain.client.trainers import Cancelled, TrainControl, train  # noqa: E402
+from crowdtrain.core.zoo import build_model, state_to_numpy  # noqa: E402
 
 CNN = {"name": "cnn1d", "framework": "tensorflow", "input_shape": [40], "num_classes": 10,
        "options": {"channels": 8, "kernel_size": 5, "layers": 2}}
@@ -115,7 +115,7 @@ def test_limit_threads_before_tensorflow_starts_does_not_import_it() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, os; from client.trainers.tensorflow import limit_threads; limit_threads(3); "
+    code = ("import sys, os; from crowdtrain.client.trainers.tensorflow import limit_threads; limit_threads(3); "
             "print('tensorflow' in sys.modules, os.environ['TF_NUM_INTRAOP_THREADS'], "
             "os.environ['TF_NUM_INTEROP_THREADS'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,32 @@
+"""The Celery task of a parameter server: merge one uploaded result into W_s.
+
+A shell around crowdtrain.assimilator.merge.assimilate, which holds the whole procedure and its
+guarantee (merged exactly once; may be delivered twice). Delivery is at least once (late acks,
+redelivery when a worker dies). A transient failure (a lost database race or connection, Redis
+unreachable) runs the task again, with backoff; any other failure the merge itself records.
+"""
+
+import logging
+from functools import lru_cache
+
+from crowdtrain.assimilator import merge
+from crowdtrain.assimilator.worker.celery_app import ASSIMILATE_TASK, celery_app
+from crowdtrain.core.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache
+def _services() -> merge.MergeServices:
+    """Built once per worker process: its database engine, storage client and Redis connection pool."""
+    return merge.MergeServices.from_settings(get_settings())
+
+
+@celery_app.task(name=ASSIMILATE_TASK, acks_late=True, reject_on_worker_lost=True,
+                 autoretry_for=merge.TRANSIENT, retry_backoff=0.5, max_retries=10)
+def assimilate(assignment_id: int, received_at: float | None = None) -> None:
+    result = merge.assimilate(_services(), assignment_id, received_at)
+    log.debug("assignment %s: %s (v%s) %s", assignment_id, result.outcome, result.version, result.reason)
+
+
+__all__ = ["assimilate"]

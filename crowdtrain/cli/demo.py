@@ -1,0 +1,176 @@
+"""`crowdtrain demo`: the whole system on one machine, trained to the example job's target."""
+
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.cli.plot import plot_accuracy
+from crowdtrain.cli.progress import watch
+from crowdtrain.core.schemas import JobStatusOut
+
+DEMO_TIMEOUT = 600
+
+
+def locality_figures(http) -> dict[str, float]:
+    """Shard-locality counters from the scheduler's /metrics: what clients' caches saved."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"crowdtrain_dispatches_total", "crowdtrain_dispatches_cached_shard_total",
+              "crowdtrain_shard_bytes_saved_total", "crowdtrain_shard_bytes_sent_total"}
+    resp = http.get("/metrics")
+    resp.raise_for_status()
+    return {s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples
+            if s.name in wanted}
+
+
+def _locality_row(f: dict[str, float]) -> str:
+    saved, sent = f.get("crowdtrain_shard_bytes_saved_total", 0), f.get("crowdtrain_shard_bytes_sent_total", 0)
+    return (f"{int(f.get('crowdtrain_dispatches_cached_shard_total', 0))} of "
+            f"{int(f.get('crowdtrain_dispatches_total', 0))} assignments had their shard cached: "
+            f"{saved / 1e6:.2f} MB not downloaded, {sent / 1e6:.2f} MB downloaded")
+
+
+def summary_table(st: JobStatusOut, wall: float, locality: dict[str, float] | None = None) -> Table:
+    t = Table(title="crowdtrain demo summary", show_header=False)
+    best = max((e for e in st.epochs if e.mean_accuracy is not None), key=lambda e: e.mean_accuracy, default=None)
+    rows = [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
+            ("epochs", str(st.current_epoch)), ("merges", str(st.merges)),
+            ("best epoch mean accuracy", f"{best.mean_accuracy:.4f} (epoch {best.epoch})" if best else "-"),
+            ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
+            ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
+            ("wall time", f"{wall:.1f}s")]
+    if locality is not None:
+        rows.append(("shard locality", _locality_row(locality)))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM is handled like Ctrl-C: the demo stops every process it started."""
+    raise KeyboardInterrupt
+
+
+def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter_servers: int) -> int:
+    console = Console()
+    spec = load_job_spec(spec_path)
+    if var_dir.exists():
+        shutil.rmtree(var_dir)
+    start = time.monotonic()
+    cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=parameter_servers)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        console.print(f"starting Redis, scheduler, transitioner, {parameter_servers} parameter servers ...")
+        cluster.start()
+        console.print(f"scheduler at {cluster.url}; submitting {spec_path} ({spec.name})")
+        with cluster.admin() as http:
+            resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+            if resp.status_code >= 400:
+                console.print(f"[red]job rejected: {resp.text}")
+                return 2
+            job_id = resp.json()["job_id"]
+            console.print(f"starting {clients} clients with {tasks} task slots each")
+            for i in range(clients):
+                cluster.start_client(f"client-{i + 1}", tasks)
+            st = watch(http, job_id, timeout=DEMO_TIMEOUT,
+                       alive=lambda: all(s.alive for s in cluster.services)
+                       and any(c.alive for c in cluster.clients))
+            final = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
+            locality = locality_figures(http)
+        png = plot_accuracy(final, var_dir / "accuracy.png")
+        console.print()
+        console.print(summary_table(final, time.monotonic() - start, locality))
+        console.print(f"accuracy plot: {png}; logs: {var_dir / 'logs'}")
+        if st.status != "succeeded":
+            dead = [s.name for s in cluster.services if not s.alive]
+            console.print(f"[red]the job did not reach its target ({st.status})"
+                          + (f"; stopped processes: {dead}" if dead else ""))
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping every process")
+        return 130
+    finally:
+        cluster.stop()
+
+
+def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
+    """`crowdtrain demo --mode dedloc`: the scheduler and `peers` DeDLOC peers, the last one relayed
+    (it declares that it cannot accept connections, so the scheduler reduces for it)."""
+    console = Console()
+    spec = load_job_spec(spec_path)
+    if spec.mode != "dedloc":
+        console.print(f"[red]{spec_path} is a {spec.mode} job; --mode dedloc needs a dedloc spec")
+        return 2
+    if var_dir.exists():
+        shutil.rmtree(var_dir)
+    start = time.monotonic()
+    cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=1)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        console.print("starting Redis and the scheduler ...")
+        cluster.start()
+        with cluster.admin() as http:
+            resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
+            if resp.status_code >= 400:
+                console.print(f"[red]job rejected: {resp.text}")
+                return 2
+            job_id = resp.json()["job_id"]
+            console.print(f"job {job_id} ({spec.name}): {peers} peers, target batch {spec.dedloc.target_batch_size}, "
+                          f"target accuracy {spec.stop.target_accuracy}")
+            for i in range(peers):
+                relayed = ["--relayed"] if i == peers - 1 else []
+                cluster.start_peer(f"peer-{i + 1}", job_id, "--data-rank", str(i), "--data-world", str(peers),
+                                   *relayed)
+            st = _follow_steps(console, http, job_id, cluster)
+            # The job ends with the first upload of its final state; the other members still apply
+            # that step and report their parameters' digest before they learn that it has ended.
+            for peer in cluster.clients:
+                if peer.alive:
+                    peer.proc.wait(timeout=60)
+            commits = http.get(f"/v1/dedloc/jobs/{job_id}/commits").json()
+            digests = http.get(f"/v1/dedloc/jobs/{job_id}/digests/{st.param_version}").json()
+        t = Table(title="crowdtrain dedloc demo summary", show_header=False)
+        sizes = [len(c["members"]) for c in commits.values()]
+        examples = [sum(c["examples"].values()) for c in commits.values()]
+        for k, v in [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
+                     ("global steps", str(st.param_version)),
+                     ("final accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
+                     ("members per step", f"min {min(sizes, default=0)}, max {max(sizes, default=0)}"),
+                     ("examples per step", f"min {min(examples, default=0)}, max {max(examples, default=0)}"),
+                     ("retried steps", str(sum(1 for c in commits.values() if c["attempt"] > 0))),
+                     ("peers' final parameters", f"{len(digests)} peers, {len(set(digests.values()))} distinct "
+                                                 "digest(s)"),
+                     ("wall time", f"{time.monotonic() - start:.1f}s")]:
+            t.add_row(k, v)
+        console.print(t)
+        console.print(f"logs: {var_dir / 'logs'}")
+        return 0 if st.status == "succeeded" else 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; stopping every process")
+        return 130
+    finally:
+        cluster.stop()
+
+
+def _follow_steps(console: Console, http, job_id: int, cluster: Cluster) -> JobStatusOut:
+    shown = 0
+    deadline = time.monotonic() + DEMO_TIMEOUT
+    while True:
+        st = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
+        for m in st.metrics[shown:]:
+            console.print(f"step {m.param_version:4d}  validation accuracy {m.val_accuracy:.4f}  "
+                          f"loss {m.val_loss:.4f}  t {m.t:6.1f}s")
+        shown = len(st.metrics)
+        if st.status in ("succeeded", "failed", "cancelled") or time.monotonic() > deadline:
+            return st
+        if not any(p.alive for p in cluster.clients):
+            console.print("[red]every peer has exited")
+            return st
+        time.sleep(1.0)

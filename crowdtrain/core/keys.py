@@ -1,0 +1,159 @@
+"""Every Redis key, object-storage key and Celery queue name crowdtrain uses."""
+
+PREFIX = "ct"
+ASSIMILATE_QUEUE = "crowdtrain.assimilate"
+
+
+def params_chunk(job_id: int, index: int) -> str:
+    """One fixed-size chunk of W_s's safetensors bytes (see crowdtrain.server.ledger.paramstore)."""
+    return f"{PREFIX}:job:{job_id}:params:{index}"
+
+
+def params_size(job_id: int) -> str:
+    """Byte length of W_s's safetensors blob (fixed for the life of a job)."""
+    return f"{PREFIX}:job:{job_id}:params-size"
+
+
+def rule_state_chunk(job_id: int, index: int) -> str:
+    """One fixed-size chunk of the merge rule's state (momentum, buffers, ...) as safetensors bytes,
+    written together with W_s (see crowdtrain.server.ledger.paramstore)."""
+    return f"{PREFIX}:job:{job_id}:rule-state:{index}"
+
+
+def rule_state_size(job_id: int) -> str:
+    """Byte length of the rule state's safetensors blob; absent until the first merge creates it."""
+    return f"{PREFIX}:job:{job_id}:rule-state-size"
+
+
+def version(job_id: int) -> str:
+    """Integer version of W_s: the number of merges applied."""
+    return f"{PREFIX}:job:{job_id}:version"
+
+
+def merged(job_id: int) -> str:
+    """Set of assignment ids already merged into W_s (the exactly-once ledger)."""
+    return f"{PREFIX}:job:{job_id}:merged"
+
+
+def closed(job_id: int) -> str:
+    """Set once the job stops running: no merge commits after it (paramstore.close_merges)."""
+    return f"{PREFIX}:job:{job_id}:closed"
+
+
+def merge_log(job_id: int) -> str:
+    """Hash assignment id -> JSON {version, merged_at, received_at}: when each merge landed."""
+    return f"{PREFIX}:job:{job_id}:merge-log"
+
+
+def update_norms(job_id: int) -> str:
+    """List of the norms ||W_c - W_base|| of recently merged updates, newest first (crowdtrain.assimilator.policy)."""
+    return f"{PREFIX}:job:{job_id}:update-norms"
+
+
+def merge_failures(job_id: int) -> str:
+    """Count of merges in a row that failed for a reason that will not go away (reset by a merge)."""
+    return f"{PREFIX}:job:{job_id}:merge-failures"
+
+
+def snapshots(job_id: int) -> str:
+    """List of published snapshot versions, newest first (for retention)."""
+    return f"{PREFIX}:job:{job_id}:snapshots"
+
+
+def auth_failures(address: str) -> str:
+    """Counter of failed authentications from one client address in the current window (crowdtrain.server.services.throttle)."""
+    return f"{PREFIX}:auth-failures:{address}"
+
+
+METRIC_COUNTERS = f"{PREFIX}:metrics:counters"  # hash: event name -> count, shared by every process
+MERGE_LATENCY = f"{PREFIX}:metrics:merge-latency"  # hash: histogram buckets, sum and count
+
+
+# Synchronous DeDLOC mode (server/dedloc.py): the rendezvous of one job's peers.
+def dedloc_lock(job_id: int) -> str:
+    """Lock held while a request moves the job's round from one phase to the next."""
+    return f"{PREFIX}:job:{job_id}:dedloc:lock"
+
+
+def dedloc_round(job_id: int) -> str:
+    """JSON: the step being accumulated and the phase of its round (see crowdtrain.server.services.dedloc.Coordinator)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:round"
+
+
+def dedloc_peers(job_id: int) -> str:
+    """Hash peer id -> JSON {host_id, relayed, last_seen}."""
+    return f"{PREFIX}:job:{job_id}:dedloc:peers"
+
+
+def dedloc_progress(job_id: int, step: int) -> str:
+    """Hash peer id -> examples the peer has accumulated for `step`."""
+    return f"{PREFIX}:job:{job_id}:dedloc:progress:{step}"
+
+
+def dedloc_commits(job_id: int) -> str:
+    """Hash step -> JSON {attempt, members, digest}: how each step was committed."""
+    return f"{PREFIX}:job:{job_id}:dedloc:commits"
+
+
+def dedloc_digests(job_id: int, step: int) -> str:
+    """Hash peer id -> sha256 of the parameters the peer holds at the start of `step`."""
+    return f"{PREFIX}:job:{job_id}:dedloc:digests:{step}"
+
+
+def dedloc_store(job_id: int, step: int, attempt: int, group: int) -> str:
+    """Prefix of the rendezvous store of one all-reduce group (torch.distributed Store keys follow)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:store:{step}:{attempt}:{group}:"
+
+
+def dedloc_part(job_id: int, step: int, attempt: int, part: str) -> str:
+    """One part of a round's sum (a group's all-reduce result or a relayed peer's gradient)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:part:{step}:{attempt}:{part}"
+
+
+def dedloc_total(job_id: int, step: int, attempt: int) -> str:
+    """The combined sum of a round's parts, as every member downloads it."""
+    return f"{PREFIX}:job:{job_id}:dedloc:total:{step}:{attempt}"
+
+
+def dedloc_state_claim(job_id: int, step: int) -> str:
+    """SET NX by the first upload of the state of `step`: later uploads change nothing."""
+    return f"{PREFIX}:job:{job_id}:dedloc:state-claim:{step}"
+
+
+def dedloc_aborts(job_id: int) -> str:
+    """Hash "step:attempt" -> JSON {members, reason}: every aborted attempt, for the operator."""
+    return f"{PREFIX}:job:{job_id}:dedloc:aborts"
+
+
+# Object storage: every key a job's bytes are stored under.
+def shard_key(job_id: int, epoch: int, index: int) -> str:
+    """One shard of training data. Epoch 0 is the deal every epoch shares (it keeps the layout of jobs
+    from before re-dealing); epoch e >= 2 is the deal of a job with `dataset.reshuffle_each_epoch`."""
+    if epoch == 0:
+        return f"jobs/{job_id}/shards/{index:05d}.npz"
+    return f"jobs/{job_id}/shards/e{epoch:05d}/{index:05d}.npz"
+
+
+def validation_key(job_id: int) -> str:
+    """The job's server-side validation split."""
+    return f"jobs/{job_id}/validation.npz"
+
+
+def snapshot_key(job_id: int, version: int) -> str:
+    """A published W_s snapshot of `version`, what hosts start their assignments from."""
+    return f"jobs/{job_id}/snapshots/v{version:08d}.safetensors"
+
+
+def upload_key(job_id: int, assignment_id: int, nonce: str) -> str:
+    """An uploaded result, under a key of its own per upload (`nonce`) until it is merged or refused."""
+    return f"jobs/{job_id}/uploads/{assignment_id}-{nonce}.safetensors"
+
+
+def final_key(job_id: int) -> str:
+    """The model a finished job exports."""
+    return f"jobs/{job_id}/final.safetensors"
+
+
+def dedloc_state_key(job_id: int, step: int) -> str:
+    """A DeDLOC job's parameters and optimizer state at the start of `step`."""
+    return f"jobs/{job_id}/dedloc/state-{step:08d}.safetensors"

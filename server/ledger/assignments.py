@@ -1,0 +1,301 @@
+"""Assignments from claim to end: claiming workunits for a host, what hosts report (uploads,
+heartbeats, abandonments, errors), time-outs and revocations. Ending an assignment returns its
+workunit to the pool, or fails it after `max_errors`; the epochs whose workunits failed are then
+closed by crowdtrain.server.ledger.epochs.close_epochs_after_failure."""
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+import redis
+from crowdtrain.server.ledger import states
+from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
+from crowdtrain.server.ledger.models import (
+    Assignment,
+    Host,
+    Job,
+    Shard,
+    Workunit,
+    utcnow,
+)
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import UploadSpec
+from crowdtrain.core.logs import ids
+from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
+from crowdtrain.core.schemas import HostPublic, ResultMetrics
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
+from crowdtrain.core.storage import Storage
+from crowdtrain.core.tensors import TensorFormatError
+from crowdtrain.core.updates import decode_update, upload_of
+
+log = logging.getLogger(__name__)
+
+
+class ResultProblem(Refusal):
+    """A request about an assignment that cannot be honoured, and why (`kind`)."""
+
+    def __init__(self, kind: RefusalKind, message: str):
+        super().__init__(message, kind)
+
+
+# Row locks are always taken in one order, assignment -> host -> workunit -> job, so that
+# concurrent transitions on PostgreSQL cannot deadlock.
+
+
+def _own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
+    a = s.get(Assignment, assignment_id, with_for_update=True)
+    # Someone else's assignment is reported exactly like a missing one: ids are not secrets to probe.
+    if a is None or a.host_id != host_id:
+        raise ResultProblem(RefusalKind.not_found, f"assignment {assignment_id} does not exist or is not yours")
+    return a
+
+
+class ResultRefused(ResultProblem):
+    """The upload's content is not an acceptable result: the assignment ends `rejected`."""
+
+    def __init__(self, message: str, kind: RefusalKind = RefusalKind.unacceptable):
+        super().__init__(kind, message)
+
+
+def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict, UploadSpec]:
+    """(job id, parameter manifest, upload encoding) a result must match, checked before the body is
+    read: the assignment exists, is the caller's and is in progress (else ResultProblem not_found/conflict). Read only."""
+    with db.begin() as s:
+        a = s.get(Assignment, assignment_id)
+        if a is None or a.host_id != host_id:
+            raise ResultProblem(RefusalKind.not_found, f"assignment {assignment_id} does not exist or is not yours")
+        _check_in_progress(a)
+        job = s.get_one(Job, a.job_id)
+        return a.job_id, job.param_manifest, upload_of(job.spec.get("assimilation", {}))
+
+
+def _check_in_progress(a: Assignment) -> None:
+    if a.status != AssignmentStatus.in_progress.value:
+        raise ResultProblem(RefusalKind.conflict, f"assignment {a.id} is {a.status}; a result can be uploaded once, "
+                                 "while the assignment is in progress")
+
+
+def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> None:
+    """Raise ResultRefused unless `body` is a result encoded as `upload` says (default: weights as
+    float32) for a model with `manifest`: names, shapes, the encoding's dtypes, scales, finite decoded
+    values (crowdtrain.core.updates.decode_update). The header is bounded before it is parsed. No I/O."""
+    try:
+        decode_update(body, manifest, upload)
+    except (TensorFormatError, ValueError) as exc:
+        raise ResultRefused(f"result rejected: {exc}") from exc
+
+
+def refuse_result(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, assignment_id: int,
+                  reason: str, evaluate: Evaluate) -> None:
+    """End the assignment `rejected` (charged to the host) for an unacceptable upload; its workunit is
+    ready again at once, or failed after `max_errors`, and then its epoch is closed if complete
+    (`evaluate` scores the final model if that ends the job). Nothing happens if the assignment is
+    no longer in progress."""
+    with db.begin() as s:
+        a = _own_assignment(s, assignment_id, host_id)
+        if a.status != AssignmentStatus.in_progress.value:
+            return
+        failed = _failed(end_assignment(s, a, AssignmentStatus.rejected, f"upload refused: {reason}"))
+    close_epochs_after_failure(db, storage, r, failed, evaluate)
+
+
+def _failed(wu: Workunit) -> list[tuple[int, int]]:
+    """[(job id, epoch)] of `wu` if it failed for good, else []."""
+    return [(wu.job_id, wu.epoch)] if wu.status == WorkunitStatus.failed.value else []
+
+
+def store_result(db: sessionmaker[Session], storage: Storage, host_id: int, job_id: int, assignment_id: int,
+                 body: bytes, metrics: ResultMetrics, enqueue: Callable[[int, float], None]) -> str:
+    """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
+
+    The body is written to storage under a key of its own before the (short) transaction, so the
+    database's write lock is never held over the transfer; a losing concurrent upload deletes its copy.
+    """
+    received_at = time.time()
+    key = keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
+    storage.put(key, body)
+    try:
+        with db.begin() as s:
+            a = _own_assignment(s, assignment_id, host_id)
+            _check_in_progress(a)
+            a.upload_key = key
+            states.move(a, AssignmentStatus.uploaded)
+            a.uploaded_at = utcnow()
+            a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
+            s.get_one(Host, host_id).last_seen = a.uploaded_at
+    except BaseException:
+        storage.delete(key)
+        raise
+    log.info("assignment %s: result uploaded (%d bytes, loss %s), merge queued", assignment_id, len(body),
+             metrics.train_loss, extra=ids(assignment_id=assignment_id, host_id=host_id))
+    # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
+    # transitioner re-queues merges that stay uploaded too long.
+    enqueue(assignment_id, received_at)
+    return AssignmentStatus.uploaded.value
+
+
+def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str]:
+    """Record that the host is still working; tells it whether the work is still wanted."""
+    with db.begin() as s:
+        a = _own_assignment(s, assignment_id, host_id)
+        now = utcnow()
+        s.get_one(Host, host_id).last_seen = now
+        if a.status != AssignmentStatus.in_progress.value:
+            return False, f"assignment is {a.status}"
+        job = s.get_one(Job, a.job_id)
+        if job.status != JobStatus.running.value:
+            return False, f"job is {job.status}"
+        a.last_heartbeat = now
+        return True, ""
+
+
+def give_up(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, assignment_id: int,
+            outcome: AssignmentStatus, message: str, evaluate: Evaluate) -> None:
+    """The host abandons an assignment or reports that it failed (ResultProblem not_found/conflict when it is
+    not the host's or no longer in progress); the workunit goes back to ready, or fails after
+    `max_errors`, and then its epoch is closed if complete (`evaluate` as in `refuse_result`)."""
+    with db.begin() as s:
+        a = _own_assignment(s, assignment_id, host_id)
+        if a.status != AssignmentStatus.in_progress.value:
+            raise ResultProblem(RefusalKind.conflict, f"assignment {assignment_id} is {a.status}, not in progress")
+        failed = _failed(end_assignment(s, a, outcome, message))
+    close_epochs_after_failure(db, storage, r, failed, evaluate)
+
+
+def time_out_expired(db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluate: Evaluate,
+                     limit: int = 500) -> int:
+    """End `timed_out` up to `limit` in-progress assignments past their deadline (rows other
+    transactions hold are skipped); their workunits retry or fail, and the epochs of those that
+    failed are closed if complete. Returns how many timed out."""
+    failed: list[tuple[int, int]] = []
+    with db.begin() as s:
+        expired = s.scalars(select(Assignment).where(
+            Assignment.status == AssignmentStatus.in_progress.value, Assignment.deadline < utcnow())
+            .order_by(Assignment.deadline).limit(limit).with_for_update(skip_locked=True)).all()
+        for a in expired:
+            wu = end_assignment(s, a, AssignmentStatus.timed_out, f"no result by the deadline {a.deadline}")
+            log.warning("assignment %s (host %s): timed out; workunit %s is now %s", a.id, a.host_id, wu.id,
+                        wu.status, extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id,
+                                             assignment_id=a.id, host_id=a.host_id))
+            failed += _failed(wu)
+    close_epochs_after_failure(db, storage, r, failed, evaluate)
+    return len(expired)
+
+
+def revoke_host(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int,
+                evaluate: Evaluate) -> HostPublic:
+    """Refuse the host from now on and give its running assignments back to the pool at once (ended
+    `abandoned`); the epochs of workunits that failed for good are then closed if complete.
+    NotFound if there is no such host."""
+    with db.begin() as s:
+        # Lock order assignment -> host (see above).
+        running = s.scalars(select(Assignment).where(Assignment.host_id == host_id,
+                                                     Assignment.status == AssignmentStatus.in_progress.value)
+                            .with_for_update()).all()
+        host = s.get(Host, host_id, with_for_update=True)
+        if host is None:
+            raise NotFound(f"host {host_id} does not exist")
+        host.revoked = True
+        failed = []
+        for a in running:
+            failed += _failed(end_assignment(s, a, AssignmentStatus.abandoned, "host revoked by the operator"))
+        s.flush()
+        public = HostPublic.model_validate(host, from_attributes=True)
+    close_epochs_after_failure(db, storage, r, failed, evaluate)
+    return public
+
+
+def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message: str,
+                   charge: bool | None = None) -> Workunit:
+    """Close a failed/abandoned/timed-out/rejected assignment and return its workunit to the pool.
+
+    The workunit becomes ready again, or failed after `max_errors` charged failures (`charge`
+    defaults to whether the outcome is the host's fault). Returns it so the caller can close the
+    epoch when that was its last open workunit.
+    """
+    charge = outcome.counts_as_error if charge is None else charge
+    host = s.get_one(Host, a.host_id, with_for_update=True) if charge else None
+    states.move(a, outcome)
+    a.finished_at = utcnow()
+    a.message = message[:1000]
+    wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
+    if wu.status != WorkunitStatus.in_progress.value:
+        return wu  # already done by a duplicate, or cancelled with its job: nobody is charged
+    if host is not None:
+        host.results_failed += 1
+        host.consecutive_valid = 0
+    # A duplicate of this workunit may still be running elsewhere: then it stays in progress.
+    others = s.query(Assignment).filter(Assignment.workunit_id == wu.id, Assignment.id != a.id,
+                                        Assignment.status.in_([AssignmentStatus.in_progress.value,
+                                                               AssignmentStatus.uploaded.value])).count()
+    if charge:
+        wu.error_count += 1
+    if others:
+        return wu
+    job = s.get_one(Job, a.job_id)
+    if wu.error_count >= job.spec["scheduling"]["max_errors"]:
+        states.move(wu, WorkunitStatus.failed)
+        wu.finished_at = utcnow()
+        log.warning("workunit %s (job %s epoch %d): failed after %d errors; the epoch goes on without it",
+                    wu.id, wu.job_id, wu.epoch, wu.error_count)
+    else:
+        states.move(wu, WorkunitStatus.ready)
+        log.info("workunit %s: ready again after assignment %s %s (%s)", wu.id, a.id, outcome.value, message,
+                 extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id))
+    return wu
+
+
+RELIABLE_AFTER = 3  # consecutive valid results before a host gets retried workunits first
+
+
+def claim_workunits(s: Session, job: Job, host: Host, limit: int, cached: list[str]) -> list[tuple[Workunit, Shard]]:
+    """Claim up to `limit` ready workunits of `job` for `host` in the transaction `s`: locked
+    (concurrent claimers skip each other's rows) and moved to in progress at once, with their shards.
+
+    Preferences are tried as separate queries, each an index range scan on (job, status, epoch, id):
+    first workunits whose shard the host has cached (sha256 in `cached`), then retried workunits if
+    the host is reliable (fresh ones if it is not), then any. One query ordering by all the
+    preferences at once would sort every ready workunit of the job on each request.
+    """
+    reliable = host.consecutive_valid >= RELIABLE_AFTER
+    filters = []
+    if cached:
+        filters.append(Workunit.shard_id.in_(select(Shard.id).where(Shard.job_id == job.id,
+                                                                    Shard.sha256.in_(cached))))
+    filters += [Workunit.error_count > 0 if reliable else Workunit.error_count == 0, None]
+    claimed: list[Workunit] = []
+    for extra in filters:
+        if len(claimed) >= limit:
+            break
+        query = (select(Workunit).where(Workunit.job_id == job.id, Workunit.status == WorkunitStatus.ready.value)
+                 .order_by(Workunit.epoch, Workunit.id).limit(limit - len(claimed))
+                 .with_for_update(skip_locked=True))
+        if extra is not None:
+            query = query.where(extra)
+        if claimed:
+            query = query.where(Workunit.id.not_in([wu.id for wu in claimed]))
+        claimed += s.scalars(query).all()
+    # In progress at once: SKIP LOCKED does not skip rows this same transaction already holds, so a
+    # second claim must not see them ready.
+    for wu in claimed:
+        states.move(wu, WorkunitStatus.in_progress)
+    s.flush()
+    shards = {sh.id: sh for sh in s.scalars(select(Shard).where(Shard.id.in_({wu.shard_id for wu in claimed})))}
+    return [(wu, shards[wu.shard_id]) for wu in claimed]
+
+
+def open_assignment(s: Session, wu: Workunit, job: Job, host: Host, local_fraction: float, sent_at: datetime,
+                    deadline: datetime) -> Assignment:
+    """Create the in-progress assignment of a workunit `claim_workunits` gave `host`, starting from
+    the job's published snapshot; flushed, so it has its id."""
+    a = Assignment(workunit_id=wu.id, job_id=job.id, host_id=host.id, base_version=job.snapshot_version,
+                   local_fraction=local_fraction, status=AssignmentStatus.in_progress.value, sent_at=sent_at,
+                   deadline=deadline)
+    s.add(a)
+    s.flush()
+    return a

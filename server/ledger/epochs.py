@@ -1,0 +1,225 @@
+"""Epochs of a job's workunits: releasing them, closing them with the stop rule, and ending the job
+with its final model exported."""
+
+import logging
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import redis
+from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.logs import ids
+from crowdtrain.core.states import JobStatus, WorkunitStatus
+from crowdtrain.core.storage import Storage
+from crowdtrain.core.tensors import Params, decode, decode_shard
+
+log = logging.getLogger(__name__)
+
+Evaluate = Callable[[int, dict, Params, np.ndarray, np.ndarray], tuple[float, float]]
+"""Scores parameters on a validation split: (job id, model config, params, x, y) -> (loss, accuracy).
+The services pass crowdtrain.assimilator.evaluate.evaluate; the ledger only calls what it is given."""
+
+_OPEN = [WorkunitStatus.ready.value, WorkunitStatus.in_progress.value]
+
+
+def lock_job(s: Session, job_id: int) -> Job:
+    """The job's row, locked for the rest of the transaction `s`."""
+    return s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+
+
+def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
+    """An epoch's figure: the mean validation accuracy over its merges."""
+    return s.scalar(select(func.avg(Metric.val_accuracy)).where(Metric.job_id == job_id, Metric.epoch == epoch))
+
+
+def _open_workunits(s: Session, job_id: int, epoch: int) -> int:
+    return s.scalar(select(func.count()).select_from(Workunit).where(
+        Workunit.job_id == job_id, Workunit.epoch == epoch, Workunit.status.in_(_OPEN)))
+
+
+def release_epoch(s: Session, job: Job, epoch: int) -> bool:
+    """Create one ready workunit per shard for `epoch` in the transaction `s`; idempotent (False if
+    already released).
+
+    A job that re-deals its examples each epoch (`dataset.reshuffle_each_epoch`) gets shard rows of
+    its own for every epoch from 2 on (epoch 1 uses the deal made at submission), with no bytes yet:
+    the work generator writes them when one is first dispatched
+    (crowdtrain.workgen.generator.write_epoch_shards), not here, in the job's locked transaction.
+
+    Only VC-ASGD jobs have workunits: releasing an epoch of another mode raises ValueError, so that
+    no path (dispatch, epoch closing, a repair) can hand a DeDLOC job's shards out as VC-ASGD work.
+    """
+    if job.mode != VC_ASGD:
+        raise ValueError(f"job {job.id} runs in mode {job.mode!r}: only {VC_ASGD} jobs have epochs of workunits")
+    if job.current_epoch >= epoch:
+        return False
+    shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id, Shard.epoch == 0)
+                          .order_by(Shard.index)).all()
+    if epoch >= 2 and job.spec["dataset"].get("reshuffle_each_epoch"):
+        own = [Shard(job_id=job.id, epoch=epoch, index=i, key=keys.shard_key(job.id, epoch, i), sha256=None, size=0,
+                     examples=0) for i in range(len(shard_ids))]
+        s.add_all(own)
+        s.flush()
+        shard_ids = [sh.id for sh in own]
+    s.add_all(Workunit(job_id=job.id, epoch=epoch, shard_id=sid, status=WorkunitStatus.ready.value)
+              for sid in shard_ids)
+    job.current_epoch = epoch
+    log.info("job %s: epoch %d released (%d workunits)", job.id, epoch, len(shard_ids))
+    return True
+
+
+def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> bool:
+    """Early release: the current epoch has nothing left to dispatch and no older epoch is still open.
+
+    `ignore_ready` is for a caller that has already seen every ready workunit claimed by others.
+    Never for a job of another mode than VC-ASGD (see `release_epoch`). Read only.
+    """
+    if job.mode != VC_ASGD:
+        return False
+    if job.status != JobStatus.running.value or job.current_epoch >= job.spec["stop"]["max_epochs"]:
+        return False
+    ready = 0 if ignore_ready else s.scalar(select(func.count()).select_from(Workunit).where(
+        Workunit.job_id == job.id, Workunit.epoch == job.current_epoch, Workunit.status == WorkunitStatus.ready.value))
+    older_open = s.scalar(select(func.count()).select_from(Workunit).where(
+        Workunit.job_id == job.id, Workunit.epoch < job.current_epoch, Workunit.status.in_(_OPEN)))
+    return ready == 0 and older_open == 0
+
+
+def release_next_epoch_early(s: Session, job: Job) -> bool:
+    """For a dispatcher that found nothing ready to claim: release the next epoch in `s` if the
+    current one has nothing left to dispatch (`next_epoch_releasable`).
+
+    True when a newer epoch is now available to claim from, whoever released it. Takes the job's row
+    lock only when a release looks possible, so idle hosts asking for work do not queue on it.
+    """
+    seen_epoch = job.current_epoch
+    if not next_epoch_releasable(s, job, ignore_ready=True):
+        s.refresh(job)
+        return job.current_epoch > seen_epoch
+    # Serialise on the job row so that two schedulers cannot both release the same epoch.
+    s.execute(select(Job.id).where(Job.id == job.id).with_for_update())
+    s.refresh(job)
+    if job.current_epoch > seen_epoch:
+        return True
+    # Ready rows locked by other claims in flight are as good as taken; an unlocked one is claimable.
+    unlocked_ready = s.scalar(select(Workunit.id).where(
+        Workunit.job_id == job.id, Workunit.epoch == job.current_epoch,
+        Workunit.status == WorkunitStatus.ready.value).limit(1).with_for_update(skip_locked=True))
+    if unlocked_ready is not None:
+        return True
+    if not next_epoch_releasable(s, job, ignore_ready=True):
+        return False
+    release_epoch(s, job, job.current_epoch + 1)
+    s.flush()
+    return True
+
+
+def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int,
+                            epoch: int, evaluate: Evaluate) -> None:
+    """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
+    accuracy reached) or fails (max_epochs reached), its model exported (`evaluate` scores it when
+    no metric of that version is recorded); else the next epoch is released. Safe to call repeatedly.
+    One transaction."""
+    # Most calls find the epoch still open: answer those without queueing on the job row's lock.
+    with db.begin() as s:
+        if _open_workunits(s, job_id, epoch):
+            return
+    with db.begin() as s:
+        job = lock_job(s, job_id)
+        if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
+            return
+        figure = epoch_accuracy(s, job_id, epoch)
+        stop = job.spec["stop"]
+        shown = "n/a" if figure is None else f"{figure:.4f}"
+        if figure is not None and figure >= stop["target_accuracy"]:
+            _finish(s, storage, r, job, JobStatus.succeeded, evaluate,
+                    f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}")
+        elif epoch >= stop["max_epochs"]:
+            _finish(s, storage, r, job, JobStatus.failed, evaluate,
+                    f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
+                    f"< target {stop['target_accuracy']}")
+        else:
+            log.info("job %s: epoch %d closed with accuracy %s (target %s)", job_id, epoch, shown,
+                     stop["target_accuracy"], extra=ids(job_id=job_id, epoch=epoch))
+            if epoch == job.current_epoch or next_epoch_releasable(s, job):
+                release_epoch(s, job, job.current_epoch + 1)
+
+
+def close_epochs_after_failure(db: sessionmaker[Session], storage: Storage, r: redis.Redis,
+                               failed: Iterable[tuple[int, int]], evaluate: Evaluate) -> None:
+    """The one way to go on after assignments ended and some workunits failed for good (max_errors):
+    close each distinct epoch (job id, epoch) of `failed`, as `close_epoch_if_complete` does, once
+    the transaction that ended them has committed. An empty `failed` does nothing."""
+    for job_id, epoch in sorted(set(failed)):
+        close_epoch_if_complete(db, storage, r, job_id, epoch, evaluate)
+
+
+def fail_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str,
+             evaluate: Evaluate) -> bool:
+    """End a running job as failed with `message`, its model exported as it stands (scored by
+    `evaluate` when no metric of that version is recorded); False if it was no longer running.
+    One transaction."""
+    with db.begin() as s:
+        job = lock_job(s, job_id)
+        if job.status != JobStatus.running.value:
+            return False
+        _finish(s, storage, r, job, JobStatus.failed, evaluate, message)
+        return True
+
+
+def _finish(s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, evaluate: Evaluate,
+            message: str) -> None:
+    """Close the job's merges, export W_s and report the validation accuracy of exactly the version
+    exported. If the transaction does not commit, the job still runs and its merges reopen."""
+    close_merges(s, r, job.id)
+    version, blob = paramstore.read_blob(r, job.id)
+    storage.put(keys.final_key(job.id), blob)
+    job.final_key = keys.final_key(job.id)
+    job.param_version = max(job.param_version, version)
+    job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
+    cancel_open_workunits(s, job.id)
+    states.move(job, outcome)
+    job.status_message = message
+    job.finished_at = utcnow()
+    log.info("job %s %s: %s; final model v%d exported to %s", job.id, outcome.value, message, version, job.final_key)
+
+
+def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
+    """Close the job's merges (paramstore.close_merges) as part of the transaction `s` that ends it:
+    reopened if `s` rolls back. Returns the assignment ids W_s holds, final once `s` commits."""
+    event.listen(s, "after_rollback", lambda _: paramstore.reopen_merges(r, job_id), once=True)
+    return paramstore.close_merges(r, job_id)
+
+
+def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes,
+                 evaluate: Evaluate) -> float | None:
+    """Validation accuracy of W_s `version` (`blob`): its recorded metric, else evaluated now.
+
+    A merge may land after the last recorded metric (or eval_every may skip versions), so the
+    newest metric is not necessarily the exported model's. None if it cannot be evaluated.
+    """
+    recorded = s.scalar(select(Metric.val_accuracy).where(Metric.job_id == job.id, Metric.param_version == version)
+                        .limit(1))
+    if recorded is not None:
+        return recorded
+    try:
+        x, y = decode_shard(storage.get(job.validation_key))
+        return evaluate(job.id, job.model_config_, decode(blob), x, y)[1]
+    except Exception as exc:  # the job ends either way; a missing figure is logged, not fatal
+        log.warning("job %s: the exported W_s v%d could not be evaluated: %s: %s", job.id, version,
+                    type(exc).__name__, exc, extra=ids(job_id=job.id))
+        return None
+
+
+def cancel_open_workunits(s: Session, job_id: int) -> int:
+    """Cancel the job's ready and in-progress workunits in `s` (its end); returns how many."""
+    wus = s.scalars(select(Workunit).where(Workunit.job_id == job_id, Workunit.status.in_(_OPEN))).all()
+    for wu in wus:
+        states.move(wu, WorkunitStatus.cancelled)
+        wu.finished_at = utcnow()
+    return len(wus)

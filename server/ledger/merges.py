@@ -1,0 +1,212 @@
+"""The ledger's side of a parameter server's merge: the result waiting to be merged, and each outcome.
+
+A merge task is delivered at least once (late acks, redelivery when a worker dies), while W_s
+takes each result exactly once (paramstore.merge_once). So every procedure here is idempotent:
+run twice for the same assignment, it records the outcome once. The outcomes:
+- merged: the assignment is `merged` at the W_s version that holds it, its workunit done, its host
+  credited (`record_merge`), and a validation metric per merge when due (`record_metric`);
+- rejected: the assignment ends `rejected`, charged to its workunit and host or not, and the
+  workunit is ready again or, at `max_errors`, failed (`reject_result`);
+- failed on the server: a merge that retrying cannot mend ends its assignment, and fails the job
+  when the cause is the job's own or when merges keep failing (`end_failed_merge`).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core.logs import ids
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
+from crowdtrain.core.storage import Storage
+from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
+from crowdtrain.server.ledger.assignments import end_assignment
+
+log = logging.getLogger(__name__)
+
+MERGE_FAILURES_BEFORE_JOB_FAILS = 3
+
+
+@dataclass(frozen=True)
+class PendingMerge:
+    """An uploaded result as the ledger knows it when its merge task starts."""
+
+    assignment_id: int
+    job_id: int
+    epoch: int
+    base_version: int  # the W_s snapshot the host started from
+    upload_key: str
+    spec: dict  # the job's spec (a JobSpec as a dict)
+    manifest: dict  # the model's tensors: name -> (shape, dtype)
+    model_config: dict
+    job_running: bool
+    workunit_open: bool  # no other assignment finished the workunit
+    already_merged: bool  # the ledger recorded the merge (a redelivered task)
+
+
+def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge | None:
+    """The result of `assignment_id` when it is uploaded (or already merged); None when the assignment
+    is unknown or has ended otherwise, so that there is nothing to merge."""
+    with db.begin() as s:
+        a = s.get(Assignment, assignment_id)
+        if a is None or a.status not in (AssignmentStatus.uploaded.value, AssignmentStatus.merged.value):
+            log.info("assignment %s: nothing to merge (%s)", assignment_id, "unknown" if a is None else a.status)
+            return None
+        job = s.get_one(Job, a.job_id)
+        wu = s.get_one(Workunit, a.workunit_id)
+        return PendingMerge(
+            assignment_id=a.id, job_id=job.id, epoch=wu.epoch, base_version=a.base_version,
+            upload_key=a.upload_key, spec=job.spec, manifest=job.param_manifest, model_config=job.model_config_,
+            job_running=job.status == JobStatus.running.value,
+            workunit_open=wu.status == WorkunitStatus.in_progress.value,
+            already_merged=a.status == AssignmentStatus.merged.value)
+
+
+def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) -> None:
+    """The result is in W_s `version`: the assignment is merged, its workunit done, its host credited.
+
+    Does nothing when already recorded; an assignment ended meanwhile (its job was cancelled or
+    finished) stays ended, with a warning: W_s holds it, the ledger cannot say so any more.
+    """
+    with db.begin() as s:
+        a = s.get_one(Assignment, assignment_id, with_for_update=True)
+        if a.status == AssignmentStatus.merged.value:
+            return
+        if a.status != AssignmentStatus.uploaded.value:
+            log.warning("assignment %s: merged into W_s v%d after it was ended (%s)", assignment_id, version,
+                        a.status, extra=ids(job_id=a.job_id, assignment_id=assignment_id))
+            return
+        host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see ledger/assignments.py
+        states.move(a, AssignmentStatus.merged)
+        a.merged_version, a.finished_at = version, utcnow()
+        wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
+        if wu.status == WorkunitStatus.in_progress.value:
+            states.move(wu, WorkunitStatus.done)
+            wu.finished_at = a.finished_at
+        job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
+        job.param_version = max(job.param_version, version)
+        _credit(host, (a.finished_at - a.sent_at).total_seconds())
+        job_id, workunit_id = a.job_id, a.workunit_id
+    log.info("assignment %s: merged into W_s v%d", assignment_id, version,
+             extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id))
+
+
+def _credit(host: Host, turnaround: float) -> None:
+    """A valid result: the host's counts and its mean turnaround (an exponential average)."""
+    host.results_valid += 1
+    host.consecutive_valid += 1
+    host.mean_turnaround = turnaround if host.mean_turnaround is None else (
+        0.8 * host.mean_turnaround + 0.2 * turnaround)
+
+
+def reject_result(db: sessionmaker[Session], storage: Storage, r: redis.Redis, assignment_id: int, message: str,
+                  charge: bool, evaluate: Evaluate) -> bool:
+    """Refuse an uploaded result: the assignment ends `rejected` with `message`, its upload is deleted,
+    and its workunit is ready again, or failed when `charge` brings it to `max_errors` (closing the
+    epoch when that was its last open workunit). False, and nothing done, when the assignment is no
+    longer uploaded (a redelivered task)."""
+    with db.begin() as s:
+        a = s.get_one(Assignment, assignment_id, with_for_update=True)
+        if a.status != AssignmentStatus.uploaded.value:
+            return False
+        wu = end_assignment(s, a, AssignmentStatus.rejected, message, charge=charge)
+        job_id, epoch, failed = a.job_id, wu.epoch, wu.status == WorkunitStatus.failed.value
+        upload_key = a.upload_key
+    if upload_key:
+        storage.delete(upload_key)
+    log.warning("assignment %s: rejected, %s", assignment_id, message,
+                extra=ids(job_id=job_id, epoch=epoch, assignment_id=assignment_id))
+    close_epochs_after_failure(db, storage, r, [(job_id, epoch)] if failed else [], evaluate)
+    return True
+
+
+def end_failed_merge(db: sessionmaker[Session], storage: Storage, r: redis.Redis, assignment_id: int, cause: str,
+                     job_broken: bool, evaluate: Evaluate) -> bool:
+    """A merge failed for a reason that retrying will not remove: end the assignment, uncharged, so
+    that nothing queues it again (or record it merged, when W_s holds it after all), and fail the
+    job when the cause is the job's own (`job_broken`) or when MERGE_FAILURES_BEFORE_JOB_FAILS merges
+    in a row have failed. True when the result was rejected."""
+    with db.begin() as s:
+        a = s.get(Assignment, assignment_id)
+        job_id = None if a is None else a.job_id
+    if job_id is None:
+        return False
+    rejected = False
+    version = paramstore.merged_version(r, job_id, assignment_id)
+    if version is not None:
+        record_merge(db, assignment_id, version)
+    else:
+        rejected = reject_result(db, storage, r, assignment_id, f"merge failed on the server: {cause}", charge=False,
+                                 evaluate=evaluate)
+    if job_broken:
+        fail_job(db, storage, r, job_id, cause, evaluate)
+    elif (failures := paramstore.count_merge_failure(r, job_id)) >= MERGE_FAILURES_BEFORE_JOB_FAILS:
+        fail_job(db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}",
+                 evaluate)
+    return rejected
+
+
+def unmeasured_validation_key(db: sessionmaker[Session], job_id: int, assignment_id: int) -> str | None:
+    """The job's validation set, when the merge of `assignment_id` has no metric yet; else None."""
+    with db.begin() as s:
+        if s.scalar(select(Metric.id).where(Metric.assignment_id == assignment_id)) is not None:
+            return None
+        return s.get_one(Job, job_id).validation_key
+
+
+def record_metric(db: sessionmaker[Session], job_id: int, epoch: int, assignment_id: int, version: int,
+                  loss: float, accuracy: float) -> None:
+    """The validation figure of W_s `version`, right after the merge of `assignment_id` (once)."""
+    with db.begin() as s:
+        if s.scalar(select(Metric.id).where(Metric.assignment_id == assignment_id)) is None:
+            s.add(Metric(job_id=job_id, epoch=epoch, assignment_id=assignment_id, param_version=version,
+                         val_loss=loss, val_accuracy=accuracy))
+
+
+def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:
+    """Redis lost W_s: put back the newest published snapshot. Merges after it are lost.
+
+    The version continues from the highest one the database has seen, so versions (and snapshot
+    keys) are never reused. The merge rule's state (momentum, FedBuff's buffer) is not in the
+    snapshot: it is reset, and the next merge starts it again from the rule's initial state.
+    """
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        key, snap_version, seen = job.snapshot_key, job.snapshot_version, job.param_version
+    version = max(snap_version, seen)
+    if paramstore.initialise_blob(r, job_id, storage.get(key), version):
+        log.warning("job %s: W_s was missing from Redis; restored snapshot v%d as v%d (%d merges lost)",
+                    job_id, snap_version, version, version - snap_version)
+
+
+def last_snapshot(db: sessionmaker[Session], job_id: int) -> tuple[int, float | None]:
+    """(version, seconds since it was published, or None) of the job's newest published snapshot."""
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        last_v, last_at = job.snapshot_version or 0, job.snapshot_at
+    return last_v, None if last_at is None else (utcnow() - last_at).total_seconds()
+
+
+def record_snapshot(db: sessionmaker[Session], job_id: int, version: int, key: str, sha256: str) -> bool:
+    """The snapshot of W_s `version` at `key` is the one to dispatch; False when a newer one already
+    is (another parameter server published it meanwhile)."""
+    with db.begin() as s:
+        job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
+        if (job.snapshot_version or 0) >= version:
+            return False
+        job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = version, key, sha256
+        job.snapshot_at = utcnow()
+    return True
+
+
+def snapshots_in_use(db: sessionmaker[Session], job_id: int, versions: list[int]) -> set[int]:
+    """Those of `versions` that an unmerged assignment started from: its update is measured against it."""
+    with db.begin() as s:
+        return set(s.scalars(select(Assignment.base_version).distinct().where(
+            Assignment.job_id == job_id,
+            Assignment.status.in_([AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value]),
+            Assignment.base_version.in_(versions))))

@@ -1,0 +1,159 @@
+"""SQLAlchemy models shared by the scheduler, the transitioner and the parameter servers."""
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    """Naive UTC: stored identically by SQLite and PostgreSQL."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime()}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    mode: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), index=True)
+    status_message: Mapped[str] = mapped_column(String(1000), default="")
+    spec: Mapped[dict[str, Any]]
+    model_config_: Mapped[dict[str, Any]] = mapped_column("model_config")
+    param_manifest: Mapped[dict[str, Any]]
+    param_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    validation_key: Mapped[str] = mapped_column(String(500), default="")
+    current_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    param_version: Mapped[int] = mapped_column(Integer, default=0)
+    snapshot_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    snapshot_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    snapshot_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    snapshot_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    final_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    final_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class Shard(Base):
+    """One shard of a job's training data.
+
+    Epoch 0 holds the deal made at submission, which every epoch uses unless the job re-deals its
+    examples each epoch (`dataset.reshuffle_each_epoch`): then epochs from 2 on have shards of their
+    own, created with the epoch and written to storage when first dispatched; until then `sha256`
+    is None and `size` and `examples` are 0 (see crowdtrain.workgen.generator.write_epoch_shards).
+    """
+
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("job_id", "epoch", "index", name="uq_shards_job_epoch_index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    index: Mapped[int] = mapped_column(Integer)
+    key: Mapped[str] = mapped_column(String(500))
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    examples: Mapped[int] = mapped_column(Integer)
+
+
+class Workunit(Base):
+    __tablename__ = "workunits"
+    __table_args__ = (
+        UniqueConstraint("job_id", "epoch", "shard_id"),
+        Index("ix_workunits_claim", "job_id", "status", "epoch", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"))
+    epoch: Mapped[int] = mapped_column(Integer)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id"))
+    status: Mapped[str] = mapped_column(String(20))
+    error_count: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class Host(Base):
+    __tablename__ = "hosts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    cpus: Mapped[int] = mapped_column(Integer, default=0)
+    ram_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    gpu: Mapped[str] = mapped_column(String(200), default="")
+    device: Mapped[str] = mapped_column(String(50), default="cpu")
+    # Comma-separated frameworks the client trains with; dispatch gives it only jobs one of them runs.
+    frameworks: Mapped[str] = mapped_column(String(100), default="pytorch", server_default="pytorch")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked: Mapped[bool] = mapped_column(default=False)
+    join_token_id: Mapped[int | None] = mapped_column(ForeignKey("join_tokens.id", name="fk_hosts_join_token_id"),
+                                                      nullable=True)
+    results_valid: Mapped[int] = mapped_column(Integer, default=0)
+    results_failed: Mapped[int] = mapped_column(Integer, default=0)
+    consecutive_valid: Mapped[int] = mapped_column(Integer, default=0)
+    mean_turnaround: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class JoinToken(Base):
+    """An operator-issued token that lets a client register; only its sha256 is stored."""
+
+    __tablename__ = "join_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    label: Mapped[str] = mapped_column(String(200))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked: Mapped[bool] = mapped_column(default=False)
+    hosts_registered: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Assignment(Base):
+    """One workunit sent to one host (BOINC's 'result')."""
+
+    __tablename__ = "assignments"
+    __table_args__ = (Index("ix_assignments_status_deadline", "status", "deadline"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    workunit_id: Mapped[int] = mapped_column(ForeignKey("workunits.id"), index=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id"), index=True)
+    base_version: Mapped[int] = mapped_column(Integer)
+    # The share of the recipe's local epochs this host trains (training.dynamic_local_work); 1 = all.
+    local_fraction: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
+    status: Mapped[str] = mapped_column(String(20))
+    sent_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deadline: Mapped[datetime]
+    last_heartbeat: Mapped[datetime | None] = mapped_column(nullable=True)
+    uploaded_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    upload_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    merged_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    examples: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    train_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str] = mapped_column(String(1000), default="")
+
+
+class Metric(Base):
+    """Validation of W_s after one merge."""
+
+    __tablename__ = "metrics"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    assignment_id: Mapped[int | None] = mapped_column(ForeignKey("assignments.id"), unique=True, nullable=True)
+    param_version: Mapped[int] = mapped_column(Integer)
+    val_loss: Mapped[float] = mapped_column(Float)
+    val_accuracy: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,262 @@
+"""One parameter-server merge, without Celery: a real SQLite ledger, file storage and a private Redis.
+
+Each test submits the demo job, registers a host, claims work and uploads results as the scheduler
+does, then calls crowdtrain.assimilator.merge.assimilate the way the Celery task does.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.core.schemas import HostRegister, ResultMetrics
+from crowdtrain.core.settings import Settings
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.storage import open_storage
+from crowdtrain.core.tensors import Params
+from crowdtrain.core.updates import encode_result
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host, Metric, Workunit
+from crowdtrain.server.ledger.assignments import store_result
+from crowdtrain.server.services.dispatch import request_work
+from crowdtrain.server.services.hosts import register_host
+from crowdtrain.workgen.generator import submit_job
+from tests.conftest import EXAMPLE_SPEC
+
+ALPHA = 0.6  # the demo job's constant VC-ASGD alpha
+
+
+@pytest.fixture(autouse=True)
+def _no_cached_models() -> None:
+    """Each test's Redis is new, but job ids repeat: W_s cached by an earlier test must not be taken for this one's."""
+    paramstore._cache.clear()
+
+
+@pytest.fixture
+def services(sqlite_url, private_redis, tmp_path) -> MergeServices:
+    upgrade(sqlite_url)
+    return MergeServices(session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis,
+                         snapshots_kept=3)
+
+
+@dataclass
+class Job:
+    """The demo job with one host holding `assignments` (all started from W_s v0, `w0`)."""
+
+    svc: MergeServices
+    job_id: int
+    host_id: int
+    assignments: list[int]
+    w0: Params
+    upload_spec: dict  # the job's assimilation.upload
+
+    def upload(self, assignment_id: int, body: bytes) -> None:
+        store_result(self.svc.db, self.svc.storage, self.host_id, self.job_id, assignment_id, body, ResultMetrics(),
+                     enqueue=lambda *_: None)
+
+    def upload_weights(self, assignment_id: int, client: Params) -> None:
+        self.upload(assignment_id, encode_result(client, self.w0, self.upload_spec))
+
+    def w_s(self) -> tuple[int, Params]:
+        return paramstore.read(self.svc.r, self.job_id)
+
+    def assignment(self, assignment_id: int) -> tuple[str, int | None, str]:
+        """(status, merged W_s version, message)"""
+        with self.svc.db.begin() as s:
+            a = s.get_one(Assignment, assignment_id)
+            return a.status, a.merged_version, a.message
+
+    def workunit(self, assignment_id: int) -> tuple[str, int]:
+        with self.svc.db.begin() as s:
+            wu = s.get_one(Workunit, s.get_one(Assignment, assignment_id).workunit_id)
+            return wu.status, wu.error_count
+
+    def host(self) -> tuple[int, int]:
+        with self.svc.db.begin() as s:
+            host = s.get_one(Host, self.host_id)
+            return host.results_valid, host.results_failed
+
+    def metrics(self) -> int:
+        with self.svc.db.begin() as s:
+            return s.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == self.job_id))
+
+
+def _job(svc: MergeServices, assignments: int = 1, **assimilation) -> Job:
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.assimilation = AssimilationSpec.model_validate({**spec.assimilation.model_dump(), **assimilation})
+    settings = Settings()
+    job_id = submit_job(svc.db, svc.storage, svc.r, spec, settings.upload_max_bytes).job_id
+    token = "join-token-for-this-test"
+    host_id = register_host(svc.db, HostRegister(join_token=token, name="alice"), token).host_id
+    given = request_work(svc.db, svc.storage, host_id, assignments, [], None)
+    assert len(given) == assignments
+    return Job(svc, job_id, host_id, [a.assignment_id for a in given], paramstore.read(svc.r, job_id)[1],
+               spec.assimilation.upload.model_dump())
+
+
+def _moved(params: Params, step: float, seed: int = 0) -> Params:
+    """W_c: `params` with every float tensor moved by noise of scale `step`."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + step * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+            for k, v in params.items()}
+
+
+def _vc_asgd(server: Params, client: Params) -> Params:
+    return {k: ALPHA * v + (1 - ALPHA) * client[k] if v.dtype.kind == "f" else v for k, v in server.items()}
+
+
+def _assert_params_equal(actual: Params, expected: Params) -> None:
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        np.testing.assert_allclose(actual[k], expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _assert_refused_unchanged(job: Job, result: MergeResult, reason: str, charged: bool) -> None:
+    """Refused for `reason`, recorded as such, W_s still v0; charged to the workunit and host or not."""
+    a = job.assignments[-1]
+    assert result.outcome is Outcome.refused and reason in result.reason, result
+    status, merged_version, message = job.assignment(a)
+    assert (status, merged_version) == (AssignmentStatus.rejected.value, None) and reason in message
+    assert job.workunit(a) == (WorkunitStatus.ready.value, 1 if charged else 0)
+    assert job.host()[1] == (1 if charged else 0)
+    assert not job.svc.r.sismember(keys.merged(job.job_id), str(a))
+
+
+@pytest.mark.parametrize("upload", [{"send": "weights"}, {"send": "delta", "dtype": "float32"}],
+                         ids=["weights", "delta"])
+def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
+    job = _job(services, upload=upload)
+    [a] = job.assignments
+    client = _moved(job.w0, 0.01)
+    job.upload_weights(a, client)
+
+    result = assimilate(services, a, received_at=time.time())
+
+    assert result == MergeResult(Outcome.merged, 1)
+    version, w_s = job.w_s()
+    assert version == 1
+    _assert_params_equal(w_s, _vc_asgd(job.w0, client))
+    assert job.assignment(a) == (AssignmentStatus.merged.value, 1, "")
+    assert job.workunit(a) == (WorkunitStatus.done.value, 0)
+    assert job.host() == (1, 0)
+    assert job.metrics() == 1  # eval_every 1
+    assert paramstore.recent_update_norms(services.r, job.job_id) == [pytest.approx(
+        np.sqrt(sum(float(np.sum((client[k].astype(np.float64) - v) ** 2))
+                    for k, v in job.w0.items() if v.dtype.kind == "f")), rel=1e-4)]
+
+
+def test_a_redelivered_merge_is_applied_once(services) -> None:
+    job = _job(services)
+    [a] = job.assignments
+    client = _moved(job.w0, 0.01)
+    job.upload_weights(a, client)
+
+    first = assimilate(services, a)
+    _, after_first = job.w_s()
+    again = assimilate(services, a)
+
+    assert first == MergeResult(Outcome.merged, 1)
+    assert again == MergeResult(Outcome.already_merged, 1)
+    version, w_s = job.w_s()
+    assert version == 1
+    _assert_params_equal(w_s, after_first)
+    assert job.assignment(a)[1] == 1 and job.host() == (1, 0) and job.metrics() == 1
+
+
+def test_a_delivery_that_died_after_merging_is_completed_by_the_next(services) -> None:
+    """W_s holds the merge, the ledger does not yet: the next delivery records it and merges nothing."""
+    job = _job(services)
+    [a] = job.assignments
+    client = _moved(job.w0, 0.01)
+    job.upload_weights(a, client)
+    paramstore.merge_once(services.r, job.job_id, a, lambda ws, _state, v: _merge_in_place(ws, client))
+    _, merged_once = job.w_s()
+
+    result = assimilate(services, a)
+
+    assert result == MergeResult(Outcome.already_merged, 1)
+    version, w_s = job.w_s()
+    assert version == 1
+    _assert_params_equal(w_s, merged_once)
+    assert job.assignment(a) == (AssignmentStatus.merged.value, 1, "")
+    assert job.workunit(a) == (WorkunitStatus.done.value, 0)
+    assert job.metrics() == 1
+
+
+def _merge_in_place(server: Params, client: Params) -> Params:
+    for k, v in server.items():
+        if v.dtype.kind == "f":
+            v *= ALPHA
+            v += (1 - ALPHA) * client[k]
+    return server
+
+
+def test_a_result_over_the_staleness_bound_is_refused(services) -> None:
+    job = _job(services, assignments=2, max_staleness=0)
+    first, stale = job.assignments
+    job.upload_weights(first, _moved(job.w0, 0.01, seed=1))
+    job.upload_weights(stale, _moved(job.w0, 0.01, seed=2))
+    assert assimilate(services, first).outcome is Outcome.merged
+    _, w_s_v1 = job.w_s()
+
+    result = assimilate(services, stale)
+
+    _assert_refused_unchanged(job, result, "stale result", charged=True)
+    version, w_s = job.w_s()
+    assert version == 1
+    _assert_params_equal(w_s, w_s_v1)
+
+
+def test_a_result_over_the_update_bound_is_refused(services) -> None:
+    job = _job(services, max_update_norm=1.0)
+    [a] = job.assignments
+    job.upload_weights(a, _moved(job.w0, 1.0))  # ||Δ|| ≈ sqrt(10.8k parameters) ≈ 100
+
+    result = assimilate(services, a)
+
+    _assert_refused_unchanged(job, result, "exceeds", charged=True)
+    version, w_s = job.w_s()
+    assert version == 0
+    _assert_params_equal(w_s, job.w0)
+    assert job.metrics() == 0
+
+
+@pytest.mark.parametrize("body", [b"not a safetensors blob", None], ids=["not-safetensors", "nan-delta"])
+def test_a_malformed_result_is_refused(services, body) -> None:
+    job = _job(services, upload={"send": "delta", "dtype": "float32"})
+    [a] = job.assignments
+    if body is None:  # the model's tensors, but a NaN in Δ
+        client = _moved(job.w0, 0.01)
+        name = next(k for k, v in client.items() if v.dtype.kind == "f")
+        client[name].flat[0] = np.nan
+        body = encode_result(client, job.w0, job.upload_spec)
+    job.upload(a, body)
+
+    result = assimilate(services, a)
+
+    _assert_refused_unchanged(job, result, "invalid result", charged=True)
+    version, w_s = job.w_s()
+    assert version == 0
+    _assert_params_equal(w_s, job.w0)
+
+
+def test_a_merge_after_the_job_ended_is_refused_uncharged(services) -> None:
+    """The job's merges were closed (it ended in Redis) before the ledger shows it: MergesClosed."""
+    job = _job(services)
+    [a] = job.assignments
+    job.upload_weights(a, _moved(job.w0, 0.01))
+    paramstore.close_merges(services.r, job.job_id)
+
+    result = assimilate(services, a)
+
+    _assert_refused_unchanged(job, result, "job is no longer running", charged=False)
+    version, w_s = job.w_s()
+    assert version == 0
+    _assert_params_equal(w_s, job.w0)

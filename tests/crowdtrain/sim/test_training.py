@@ -1,0 +1,236 @@
+"""The training simulator: its timing model against the VC-ASGD paper's, its protocol, and real learning.
+
+Fast: a tiny synthetic dataset, and the compute-free mode wherever training does not matter.
+"""
+
+import json
+import statistics
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from crowdtrain.cli import app
+from crowdtrain.sim.training import Fleet, ShardDeals, expected_wall_time, paper_wall_time, simulate_training
+from crowdtrain.workgen.datasets import Dataset, deal_shards, make_dataset
+
+
+@pytest.fixture(scope="module")
+def blobs() -> Dataset:
+    """Four separable Gaussian blobs in 8 dimensions: 640 training and 160 validation examples."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(scale=3.0, size=(4, 8))
+    y = rng.integers(0, 4, 800)
+    x = centers[y] + rng.normal(size=(800, 8))
+    return make_dataset(x, y, None, None, validation_fraction=0.2)
+
+
+def job(subsets: int, max_epochs: int, **sections) -> dict:
+    spec = {"name": "blobs", "model": {"name": "mlp", "options": {"hidden": [16]}},
+            "dataset": {"source": "builtin:mnist1d", "subsets": subsets},  # the data is passed in instead
+            "training": {"local_epochs": 1, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
+            "stop": {"target_accuracy": 0.999, "max_epochs": max_epochs}, "scheduling": {"max_errors": 1000}}
+    for name, values in sections.items():
+        spec[name] = {**spec.get(name, {}), **values}
+    return spec
+
+
+def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
+    """8 slots of identical speed, 10 epochs of 32 workunits of t_e = 1 s: n = 40 workunits per slot."""
+    return statistics.fmean(
+        simulate_training(job(32, 10), hosts=4, slots=2, p=p, timeout=t_o, seed=seed, speed_sigma=0,
+                          workunit_seconds=1.0, compute=False, data=data).sim_seconds for seed in range(seeds))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.05, 0.2])
+def test_wall_time_is_the_vc_asgd_papers_within_10_percent(blobs: Dataset, p: float) -> None:
+    """n*t_e + n*p*t_o, averaged over 6 seeds, with a deadline t_o = 1.2 t_e."""
+    model = paper_wall_time(40, 1.0, p, 1.2)
+    assert abs(mean_wall_time(blobs, p, 1.2, seeds=6) - model) <= 0.10 * model
+
+
+def test_wall_time_with_a_long_timeout_is_the_exact_expectation(blobs: Dataset) -> None:
+    """With t_o = 3 t_e re-runs preempted again matter: n*t_e + n*p/(1-p)*t_o, 9.4% above the
+    paper's first-order figure for p = 0.2, is what the simulation gives (epoch stragglers add a few %)."""
+    wall = mean_wall_time(blobs, 0.2, 3.0, seeds=8)
+    assert 0.97 * expected_wall_time(40, 1.0, 0.2, 3.0) <= wall <= 1.08 * expected_wall_time(40, 1.0, 0.2, 3.0)
+
+
+def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetched(blobs: Dataset) -> None:
+    """One slot, no preemption: every workunit downloads the snapshot and uploads its result; a
+    shard is downloaded once, then found in the host's cache."""
+    r = simulate_training(job(4, 3), hosts=1, p=0.0, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0,
+                          compute=False, data=blobs)
+    assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + 4 * 0.25)
+
+
+def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
+    """Heterogeneous speeds stretch some hosts' work and shorten others'; one host alone has speed 1,
+    so a speedup over one slot does not depend on the seed's draw."""
+    def wall(hosts: int, sigma: float) -> float:
+        return simulate_training(job(8, 2), hosts=hosts, speed_sigma=sigma, seed=3, workunit_seconds=1.0,
+                                 compute=False, data=blobs).sim_seconds
+
+    assert wall(1, 0.8) == wall(1, 0.0) == 16.0
+    assert wall(4, 0.8) > wall(4, 0.0) == 4.0  # the slowest host holds each epoch's release back
+
+
+def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset) -> None:
+    t_o = 5.0
+    r = simulate_training(job(2, 20), hosts=4, p=0.3, timeout=t_o, seed=1, speed_sigma=0, workunit_seconds=1.0,
+                          restart_seconds=0.0, compute=False, data=blobs)
+    # The job ends with its last epoch; a workunit of the epoch before may still wait for its deadline.
+    preempted = [d for d in r.trace if d.preempted and d.time + t_o <= r.sim_seconds]
+    assert len(preempted) >= 5 and r.timeouts == len(preempted)
+    for d in preempted:
+        again = next(e for e in r.trace if e.workunit == d.workunit and e.time > d.time)
+        # Idle slots are always there (2 workunits per epoch, 4 slots): the scheduler re-dispatches it
+        # the moment it notices, at the deadline, and not before.
+        assert again.time == pytest.approx(d.time + t_o)
+    assert r.epochs == 20 and r.outcome == "failed"  # every epoch ran; the target is unreachable
+
+
+def test_the_next_epoch_is_released_once_the_current_one_has_nothing_left_to_dispatch(blobs: Dataset) -> None:
+    r = simulate_training(job(4, 3), hosts=3, slots=2, speed_sigma=0, workunit_seconds=1.0, compute=False,
+                          data=blobs)
+    first_of_epoch_2 = min(d.time for d in r.trace if d.epoch == 2)
+    last_of_epoch_1 = max(d.time for d in r.trace if d.epoch == 1)
+    assert first_of_epoch_2 == last_of_epoch_1 == 0.0  # 6 slots, 4 workunits: epoch 2 starts at once
+    assert not [d for d in r.trace if d.epoch == 3 and d.time < 1.0]  # not before epoch 1 closes
+
+
+def test_staleness_grows_with_slots(blobs: Dataset) -> None:
+    mean = {}
+    for slots in (2, 8, 32):
+        r = simulate_training(job(64, 3), hosts=slots, seed=0, compute=False, data=blobs)
+        mean[slots] = r.staleness_summary()["mean"]
+    assert mean[2] < mean[8] < mean[32]
+    assert mean[32] > 16  # about slots - 1 merges land while one workunit runs
+
+
+def test_the_staleness_bound_of_the_policy_refuses_stale_results(blobs: Dataset) -> None:
+    r = simulate_training(job(8, 2, assimilation={"max_staleness": 1}), hosts=8, seed=0, compute=False, data=blobs)
+    assert r.refusals.get("stale", 0) > 0
+    assert max(r.staleness) <= 1  # only results within the bound were merged
+
+
+def test_training_a_real_model_improves_its_accuracy(blobs: Dataset) -> None:
+    spec = job(4, 6, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5})
+    r = simulate_training(spec, hosts=2, slots=2, seed=0, data=blobs)
+    assert r.metrics[0].accuracy < 0.9 and r.best_accuracy >= 0.97, [m.accuracy for m in r.metrics]
+    assert r.outcome == "succeeded" and r.final_accuracy is not None and r.uploads == r.merges
+    assert r.examples == r.merges * 640 // 4  # one local epoch over a 160-example shard per merge
+    reached = r.first_reaching(0.97)
+    assert reached is not None and 0 < reached.examples <= r.examples and reached.time > 0
+
+
+@pytest.mark.parametrize("compute", [False, True])
+def test_upload_bytes_are_those_of_the_jobs_encoding(blobs: Dataset, compute: bool) -> None:
+    """int8 deltas take about 0.27 of float32 weights' bytes (one byte a value, plus scales and the
+    header), bfloat16 about half; the compute-free mode counts what a real upload would weigh."""
+    def per_upload(upload: dict) -> int:
+        spec = job(4, 2, model={"options": {"hidden": [128, 128]}}, assimilation={"upload": upload})
+        s = simulate_training(spec, hosts=2, seed=0, compute=compute, data=blobs).summary()
+        assert s["bytes_uploaded_per_merge"] == s["upload_bytes"]  # every upload merged
+        return s["upload_bytes"]
+
+    weights = per_upload({"send": "weights"})
+    assert weights > 4 * 17_000  # float32 values of a 17,924-parameter MLP
+    assert 0.24 <= per_upload({"send": "delta", "dtype": "int8"}) / weights <= 0.30
+    assert 0.48 <= per_upload({"send": "delta", "dtype": "bfloat16"}) / weights <= 0.52
+
+
+def test_an_int8_upload_is_decoded_as_the_server_decodes_it(blobs: Dataset) -> None:
+    """The merged W_c is W_base + the int8-rounded Δ: the run differs from a float32 one, and still learns."""
+    def run(upload: dict):
+        spec = job(4, 4, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5, "upload": upload})
+        return simulate_training(spec, hosts=2, seed=0, data=blobs)
+
+    exact, int8 = run({"send": "weights"}), run({"send": "delta", "dtype": "int8"})
+    assert [m.loss for m in int8.metrics] != [m.loss for m in exact.metrics]
+    assert int8.best_accuracy >= 0.97 and int8.upload == "delta/int8"
+
+
+def test_dynamic_local_work_gives_slow_hosts_less_work_and_less_staleness(blobs: Dataset) -> None:
+    """16 hosts of widely spread speeds: with dynamic local work the hosts below the reference speed
+    train a fraction < 1 of the local epochs once measured, so their results are less stale."""
+    def run(dynamic: bool):
+        spec = job(64, 6, training={"dynamic_local_work": dynamic})
+        return simulate_training(spec, hosts=16, seed=0, speed_sigma=0.8, compute=False, data=blobs)
+
+    fixed, dynamic = run(False), run(True)
+    speeds = np.asarray(dynamic.host_speeds)
+    slow = set(np.flatnonzero(speeds < np.median(speeds)).tolist())
+    assert all(d.local_fraction == 1.0 for d in fixed.trace)
+    measured = [d for d in dynamic.trace if d.host in slow and d.time > 0]
+    assert measured and all(d.local_fraction < 1.0 for d in measured)
+    assert max(d.local_fraction for d in dynamic.trace if d.host == int(speeds.argmax())) == 1.0
+
+    def slow_mean(r) -> float:
+        return statistics.fmean(s for h, s in r.staleness_by_host().items() if h in slow)
+
+    assert slow_mean(dynamic) < slow_mean(fixed)
+    assert statistics.pstdev(dynamic.staleness_by_host().values()) < statistics.pstdev(
+        fixed.staleness_by_host().values())
+
+
+def test_dynamic_local_work_trains_fewer_examples_on_slow_hosts(blobs: Dataset) -> None:
+    spec = job(4, 3, training={"dynamic_local_work": True})
+    r = simulate_training(spec, hosts=4, seed=0, speed_sigma=0.8, data=blobs)
+    assert any(d.local_fraction < 1.0 for d in r.trace)
+    assert 0 < r.examples < r.merges * 640 // 4  # some results trained part of the shard's local epoch
+
+
+def test_shards_are_dealt_stratified_as_the_work_generator_deals_them(blobs: Dataset) -> None:
+    deals = ShardDeals(blobs.y, {"subsets": 4, "shuffle": "stratified"}, seed=7)
+    first = deals.of(0)
+    assert all(np.array_equal(a, b) for a, b in zip(first, deal_shards(blobs.y, 4, "stratified", 7)))
+    counts = np.bincount(blobs.y)
+    for shard in first:
+        assert np.all(np.abs(np.bincount(blobs.y[shard], minlength=4) - counts / 4) < 1)
+    again = deals.of(2)
+    assert sorted(np.concatenate(again).tolist()) == list(range(len(blobs.y)))
+    assert not np.array_equal(again[0], first[0])
+
+
+@pytest.mark.parametrize("reshuffle", [False, True])
+def test_a_reshuffled_epoch_has_new_shards_to_download(blobs: Dataset, reshuffle: bool) -> None:
+    """One slot: each shard is fetched once, or once per epoch when every epoch deals anew."""
+    spec = job(4, 3, dataset={"reshuffle_each_epoch": reshuffle})
+    r = simulate_training(spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0,
+                          compute=False, data=blobs)
+    fetches = 12 if reshuffle else 4
+    assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + fetches * 0.25)
+
+
+def test_bad_settings_are_refused_naming_the_field(blobs: Dataset) -> None:
+    with pytest.raises(ValueError, match="p \\(preemption probability\\)"):
+        Fleet(p=1.0)
+    with pytest.raises(ValueError, match="slots"):
+        simulate_training(job(4, 1), slots=0, compute=False, data=blobs)
+    with pytest.raises(ValueError, match="max_epochs"):
+        simulate_training(job(4, 0), compute=False, data=blobs)
+
+
+def test_cli_simulates_training_and_prints_one_json_line(tmp_path, blobs: Dataset) -> None:
+    np.savez(tmp_path / "blobs.npz", x=blobs.x, y=blobs.y, x_val=blobs.x_val, y_val=blobs.y_val)
+    spec = job(4, 2)
+    spec["dataset"]["source"] = f"npz:{tmp_path / 'blobs.npz'}"
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = CliRunner().invoke(app, ["simulate", "training", str(tmp_path / "spec.json"), "--hosts", "2",
+                                   "--no-compute", "--workunit-seconds", "1", "--speed-sigma", "0"])
+    assert out.exit_code == 0, out.output
+    summary = json.loads(out.output.strip().splitlines()[-1])
+    assert summary["merges"] == 8 and summary["sim_seconds"] == 4.0 and summary["compute"] is False
+
+
+def test_cli_refuses_a_bad_spec_naming_the_field(tmp_path) -> None:
+    spec = job(0, 2)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = CliRunner().invoke(app, ["simulate", "training", str(tmp_path / "spec.json"), "--no-compute"])
+    assert out.exit_code == 2 and "dataset.subsets" in out.output
+
+
+def test_cli_simulate_without_subcommand_is_still_the_load_generator() -> None:
+    out = CliRunner().invoke(app, ["simulate", "--hosts", "3"])
+    assert out.exit_code == 2 and "--server" in out.output

@@ -1,0 +1,63 @@
+"""Closing epochs against a real SQLite ledger and a private Redis: what a finished job reports."""
+
+import numpy as np
+import pytest
+from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.rules import merge_vc_asgd
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.models import Job, Metric, Workunit
+from crowdtrain.workgen.generator import submit_job
+from sqlalchemy import update
+
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.keys import final_key
+from crowdtrain.core.settings import Settings
+from crowdtrain.core.states import JobStatus
+from crowdtrain.core.storage import open_storage
+from crowdtrain.core.tensors import decode, decode_shard
+from tests.conftest import EXAMPLE_SPEC
+
+
+def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
+    return paramstore.merge_once(r, job_id, assignment_id,
+                                 lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)).version
+
+
+def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tmp_path) -> None:
+    """A merge lands after the last recorded metric: the job exports that newer W_s, and must report
+    its accuracy, not the older metric's."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy = 0.01
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        model_config, validation_key = job.model_config_, job.validation_key
+    x, y = decode_shard(storage.get(validation_key))
+    _, w0 = paramstore.read(r, job_id)
+    rng = np.random.default_rng(0)
+    v1 = _merge(r, job_id, 1, w0)
+    acc_v1 = evaluate(job_id, model_config, paramstore.read(r, job_id)[1], x, y)[1]
+    with db.begin() as s:
+        s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=2.0, val_accuracy=acc_v1))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+    noise = {k: (rng.standard_normal(v.shape) * 3).astype(v.dtype) if v.dtype.kind == "f" else v
+             for k, v in w0.items()}
+    assert _merge(r, job_id, 2, noise) == 2  # no metric for v2 (as with eval_every > 1, or a late merge)
+
+    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        status, final_accuracy = job.status, job.final_accuracy
+    exported = decode(storage.get(final_key(job_id)))
+    for name, value in paramstore.read(r, job_id)[1].items():
+        np.testing.assert_array_equal(exported[name], value)  # the exported model is W_s v2
+    acc_exported = evaluate(job_id, model_config, exported, x, y)[1]
+    assert acc_exported != pytest.approx(acc_v1), "the test needs v1 and v2 to score differently"
+    assert status == JobStatus.succeeded.value
+    assert final_accuracy == pytest.approx(acc_exported, abs=1e-9)

@@ -1,0 +1,264 @@
+"""The exactly-once merge of W_s and of its rule's state against a real (private) Redis."""
+
+import json
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
+from crowdtrain.core import keys
+from crowdtrain.core.tensors import encode
+
+
+@pytest.fixture(autouse=True)
+def _no_cached_models() -> None:
+    """Each test's Redis is new, but job ids repeat: W_s cached by an earlier test must not be taken for this one's."""
+    paramstore._cache.clear()
+
+
+def _w(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full(1000, value, np.float32), "steps": np.array(0, np.int64)}
+
+
+def test_a_redelivered_merge_is_applied_once(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    merge = lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws)  # noqa: E731
+    first = paramstore.merge_once(private_redis, 1, 42, merge)
+    again = paramstore.merge_once(private_redis, 1, 42, merge)
+    assert (first.version, first.applied_now) == (1, True)
+    assert (again.version, again.applied_now) == (1, False)
+    version, params = paramstore.read(private_redis, 1)
+    assert version == 1
+    np.testing.assert_allclose(params["w"], 0.5)
+
+
+def test_initialise_does_not_overwrite_a_live_model(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    paramstore.merge_once(private_redis, 1, 1, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws))
+    paramstore.initialise(private_redis, 1, _w(9.0))
+    version, params = paramstore.read(private_redis, 1)
+    assert version == 1 and params["w"][0] == pytest.approx(0.5)
+
+
+def test_a_refused_merge_writes_nothing(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+
+    def refuse(ws, _state, v):
+        ws["w"] += 100  # even an in-place change must not leak out of a refused merge
+        raise ValueError("stale")
+
+    with pytest.raises(ValueError):
+        paramstore.merge_once(private_redis, 1, 7, refuse)
+    version, params = paramstore.read(private_redis, 1)
+    assert version == 0 and params["w"][0] == 0.0
+    assert not private_redis.sismember(keys.merged(1), "7")
+    ok = paramstore.merge_once(private_redis, 1, 8, lambda ws, _state, v: merge_vc_asgd(ws, _w(2.0), 0.5, out=ws))
+    assert ok.version == 1
+    np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1.0)
+
+
+def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_redis) -> None:
+    """8 threads deliver 40 assignments, each twice: 40 merges, and W_s is what 40 merges give."""
+    paramstore.initialise(private_redis, 3, _w(0.0))
+    alpha = 0.9
+    ids = list(range(100, 140)) * 2
+    errors: list[BaseException] = []
+
+    def deliver(chunk: list[int]) -> None:
+        conn = paramstore.connect(f"redis://127.0.0.1:{private_redis.connection_pool.connection_kwargs['port']}/0")
+        try:
+            for aid in chunk:
+                paramstore.merge_once(conn, 3, aid, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), alpha, out=ws))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=deliver, args=(ids[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    version, params = paramstore.read(private_redis, 3)
+    assert version == 40
+    assert private_redis.scard(keys.merged(3)) == 40
+    versions = sorted(json.loads(x)["version"] for x in private_redis.hgetall(keys.merge_log(3)).values())
+    assert versions == list(range(1, 41))
+    # Every client sends 1.0, so after n merges W_s = 1 - alpha^n whatever the order.
+    np.testing.assert_allclose(params["w"], 1 - alpha ** 40, rtol=1e-5)
+
+
+def test_snapshot_retention_returns_the_versions_beyond_the_newest_few(private_redis) -> None:
+    expired = [paramstore.note_snapshot(private_redis, 5, v, keep=3) for v in range(6)]
+    assert expired == [[], [], [], [0], [1], [2]]
+    assert [int(v) for v in private_redis.lrange(keys.snapshots(5), 0, -1)] == [5, 4, 3]
+
+
+# ---- the merge rule's state beside W_s ----------------------------------------------------------------------
+
+NESTEROV = {"rule": "delta", "outer_optimizer": "nesterov", "server_lr": 0.5, "outer_momentum": 0.9}
+STEP = {"w": np.full(1000, 0.01, np.float32)}  # every result's update Δ in these tests
+
+
+def _rule_merge(rule, delta: dict[str, np.ndarray] = STEP):
+    def merge(ws, state, version):
+        rule.apply(ws, state, Update({}, delta, 0, 1))
+        return ws
+
+    return merge
+
+
+def _merge_with(r, job_id: int, assignment_id: int, spec: dict) -> paramstore.MergeOutcome:
+    rule = make_rule(spec)
+    return paramstore.merge_once(r, job_id, assignment_id, _rule_merge(rule), initial_state=rule.initial_state)
+
+
+def _reference(spec: dict, merges: int) -> tuple[dict, dict]:
+    """W_s and the rule's state after `merges` merges, applied in one process without Redis."""
+    rule = make_rule(spec)
+    ws = _w(0.0)
+    state = rule.initial_state(ws)
+    for _ in range(merges):
+        _rule_merge(rule)(ws, state, 0)
+    return ws, state
+
+
+def _assert_same(actual: dict, expected: dict) -> None:
+    assert set(actual) == set(expected)
+    for k, v in expected.items():
+        np.testing.assert_allclose(actual[k], v, rtol=1e-6)
+
+
+def test_the_rule_state_is_created_by_the_first_merge_and_written_with_w_s(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    assert paramstore.read_state(private_redis, 1) == (0, None)
+    _merge_with(private_redis, 1, 10, NESTEROV)
+    _merge_with(private_redis, 1, 11, NESTEROV)
+    version, state = paramstore.read_state(private_redis, 1)
+    ws, expected = _reference(NESTEROV, 2)
+    assert version == 2 and int(state["step"]) == 2
+    _assert_same(state, expected)
+    _assert_same(paramstore.read(private_redis, 1)[1], ws)
+
+
+def test_a_redelivered_merge_takes_one_momentum_step(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    first = _merge_with(private_redis, 1, 42, NESTEROV)
+    paramstore._cache.clear()  # the redelivery may reach another parameter server
+    again = _merge_with(private_redis, 1, 42, NESTEROV)
+    assert (first.applied_now, again.applied_now, again.version) == (True, False, 1)
+    version, state = paramstore.read_state(private_redis, 1)
+    assert version == 1 and int(state["step"]) == 1
+    ws, expected = _reference(NESTEROV, 1)
+    _assert_same(state, expected)
+    _assert_same(paramstore.read(private_redis, 1)[1], ws)
+
+
+def test_a_refused_merge_leaves_the_rule_state_alone(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    _merge_with(private_redis, 1, 1, NESTEROV)
+    rule = make_rule(NESTEROV)
+
+    def refuse(ws, state, version):
+        rule.apply(ws, state, Update({}, STEP, 0, 1))  # even an in-place change must not leak out
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError):
+        paramstore.merge_once(private_redis, 1, 2, refuse, initial_state=rule.initial_state)
+    _merge_with(private_redis, 1, 3, NESTEROV)
+    version, state = paramstore.read_state(private_redis, 1)
+    assert version == 2 and int(state["step"]) == 2
+    _assert_same(state, _reference(NESTEROV, 2)[1])
+
+
+def test_a_merge_that_replaces_a_state_array_is_an_error(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    rule = make_rule(NESTEROV)
+
+    def replace(ws, state, version):
+        state["step"] = state["step"] + 1
+        return ws
+
+    with pytest.raises(ValueError, match="in place"):
+        paramstore.merge_once(private_redis, 1, 1, replace, initial_state=rule.initial_state)
+    assert paramstore.read_state(private_redis, 1) == (0, None)
+
+
+def _deliver(port: int, job_id: int, assignment_ids: list[int], spec: dict) -> None:
+    conn = paramstore.connect(f"redis://127.0.0.1:{port}/0")
+    for aid in assignment_ids:
+        _merge_with(conn, job_id, aid, spec)
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_racing_parameter_servers_take_one_optimizer_step_per_assignment(private_redis, workers: str) -> None:
+    """4 workers, each with its own Redis connection, deliver 24 assignments twice each: 24 merges, 24
+    momentum steps, and W_s and the momentum are what 24 merges in one process give."""
+    paramstore.initialise(private_redis, 3, _w(0.0))
+    port = private_redis.connection_pool.connection_kwargs["port"]
+    ids = list(range(100, 124)) * 2
+    chunks = [ids[i::4] for i in range(4)]
+    if workers == "threads":
+        errors: list[BaseException] = []
+
+        def run(chunk: list[int]) -> None:
+            try:
+                _deliver(port, 3, chunk, NESTEROV)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        pool = [threading.Thread(target=run, args=(c,)) for c in chunks]
+    else:
+        ctx = multiprocessing.get_context("fork")  # no re-import: the children only need redis and numpy
+        pool = [ctx.Process(target=_deliver, args=(port, 3, c, NESTEROV)) for c in chunks]
+    for w in pool:
+        w.start()
+    for w in pool:
+        w.join()
+    if workers == "threads":
+        assert not errors
+    else:
+        assert [p.exitcode for p in pool] == [0] * 4
+    version, state = paramstore.read_state(private_redis, 3)
+    assert version == 24 and private_redis.scard(keys.merged(3)) == 24
+    assert int(state["step"]) == 24, "one momentum step per merged assignment"
+    ws, expected = _reference(NESTEROV, 24)
+    _assert_same(state, expected)
+    _assert_same(paramstore.read(private_redis, 3)[1], ws)
+
+
+def test_fedbuff_versions_count_merges_while_w_s_moves_once_per_buffer(private_redis) -> None:
+    spec = {"rule": "fedbuff", "buffer_size": 2, "outer_optimizer": "nesterov"}
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    outcomes = [_merge_with(private_redis, 1, aid, spec).version for aid in (1, 2, 3)]
+    assert outcomes == [1, 2, 3]
+    version, state = paramstore.read_state(private_redis, 1)
+    assert version == 3 and int(state["buffer.count"]) == 1 and int(state["step"]) == 1
+    ws, expected = _reference(spec, 3)
+    _assert_same(state, expected)
+    _assert_same(paramstore.read(private_redis, 1)[1], ws)
+
+
+def test_a_state_given_at_initialisation_is_used(private_redis) -> None:
+    rule = make_rule(NESTEROV)
+    state = rule.initial_state(_w(0.0))
+    state["step"][...] = 7
+    paramstore.initialise(private_redis, 1, _w(0.0), state=state)
+    _merge_with(private_redis, 1, 1, NESTEROV)
+    assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 8
+
+
+def test_restoring_w_s_resets_the_rule_state(private_redis) -> None:
+    """Redis lost the version (and so W_s): the restored snapshot starts with a fresh rule state."""
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    for aid in (1, 2, 3):
+        _merge_with(private_redis, 1, aid, NESTEROV)
+    private_redis.delete(keys.version(1))
+    paramstore._cache.clear()
+    assert paramstore.initialise_blob(private_redis, 1, encode(_w(0.0)), 3)
+    assert paramstore.read_state(private_redis, 1) == (3, None)
+    assert not private_redis.keys(keys.rule_state_chunk(1, 0))
+    _merge_with(private_redis, 1, 4, NESTEROV)
+    assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 1

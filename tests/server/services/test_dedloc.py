@@ -1,0 +1,185 @@
+"""The DeDLOC rendezvous: round phases on a real Redis, and the `/v1/dedloc` API's refusals."""
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.core.tensors import encode
+from crowdtrain.server.services import dedloc
+from tests.conftest import EXAMPLE_SPEC
+
+SPEC = DedlocSpec(target_batch_size=100, micro_batch_size=10, matchmaking_timeout=0.3, averaging_timeout=0.3,
+                  max_group_size=2)
+
+
+def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
+    from crowdtrain.core import keys
+
+    for peer, n in examples.items():
+        r.hset(keys.dedloc_progress(1, rnd.step), peer, n)
+
+
+def _joined(r: redis.Redis, *peers: str, relayed: tuple[str, ...] = ()) -> dedloc.Round:
+    dedloc.open_job(r, 1)
+    for i, p in enumerate(peers):
+        dedloc.join(r, 1, p, i + 1, p in relayed)
+    return dedloc.load(r, 1)
+
+
+def test_a_step_closes_at_the_target_and_waits_for_every_live_peer(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a", "b", "c", relayed=("c",))
+    _report(r, rnd, a=40, b=50)
+    assert dedloc.advance(r, 1, rnd, SPEC, 10).phase == "accumulating"
+    _report(r, rnd, b=60)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.phase == "matchmaking" and rnd.candidates == ["a", "b", "c"]
+    rnd.ready.update(a=40, b=60, c=5)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.phase == "reducing" and rnd.members == ["a", "b", "c"] and rnd.total == 105
+    assert rnd.groups == [["a", "b"]] and rnd.relayed == ["c"] and rnd.plan.needs_combining
+
+
+def test_a_peer_not_ready_by_the_matchmaking_deadline_is_left_for_the_next_step(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a", "b", "c")
+    _report(r, rnd, a=60, b=60)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    rnd.ready.update(a=60, b=60)
+    assert dedloc.advance(r, 1, rnd, SPEC, 10).phase == "matchmaking"  # c is live: awaited
+    time.sleep(SPEC.matchmaking_timeout + 0.1)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.phase == "reducing" and rnd.members == ["a", "b"]
+    assert dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1") is None
+    commit = dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d1")
+    assert commit["members"] == ["a", "b"] and rnd.step == 1 and rnd.phase == "accumulating"
+    assert dedloc.commit_of(r, 1, 0)["attempt"] == 0
+
+
+def test_a_failed_attempt_is_retried_without_the_peer_that_does_not_come_back(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a", "b", "c")
+    _report(r, rnd, a=50, b=50, c=50)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    rnd.ready.update(a=50, b=50, c=50)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1")
+    time.sleep(SPEC.averaging_timeout + 0.1)  # c never reports: the attempt times out for everyone
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.phase == "matchmaking" and rnd.attempt == 1 and rnd.done == {}
+    assert r.hexists(keys.dedloc_aborts(1), "0:0")
+    with pytest.raises(dedloc.RoundGone):
+        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d1")  # a late report of the aborted attempt changes nothing
+    assert dedloc.commit_of(r, 1, 0) is None
+    rnd.ready.update(a=50, b=50)
+    time.sleep(SPEC.matchmaking_timeout + 0.1)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.members == ["a", "b"] and rnd.attempt == 1
+
+
+def test_members_that_disagree_on_the_result_abort_instead_of_forking(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a", "b")
+    _report(r, rnd, a=50, b=50)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    rnd.ready.update(a=50, b=50)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1")
+    assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d2") is None
+    assert rnd.phase == "matchmaking" and rnd.step == 0 and dedloc.commit_of(r, 1, 0) is None
+    with pytest.raises(dedloc.NotAMember):
+        rnd.phase, rnd.members = "reducing", ["a"]
+        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 1, "d1")
+
+
+def test_no_step_closes_past_max_steps(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a")
+    rnd.step = 3
+    _report(r, rnd, a=500)
+    assert dedloc.advance(r, 1, rnd, SPEC, 3).phase == "accumulating"
+
+
+def _dedloc_job(**changes) -> dict:
+    data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
+    data.pop("assimilation")
+    return data | {"mode": "dedloc", "stop": {"target_accuracy": 0.9, "max_steps": 10},
+                   "dedloc": {"target_batch_size": 64, "micro_batch_size": 16}} | changes
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    cluster = Cluster(var_dir=tmp_path_factory.mktemp("dedloc-api"), assimilator_concurrency=1).start()
+    try:
+        with cluster.admin() as http:
+            dedloc_job = http.post("/v1/jobs", json=_dedloc_job()).json()["job_id"]
+            vc_job = http.post("/v1/jobs", json=load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")).json()["job_id"]
+        hosts = {}
+        for name in ("alice", "mallory"):
+            token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": name}
+                               ).json()["host_token"]
+            hosts[name] = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"},
+                                       timeout=60)
+        peer = hosts["alice"].post(f"/v1/dedloc/jobs/{dedloc_job}/join", json={}).json()["peer_id"]
+        yield cluster, dedloc_job, vc_job, hosts, peer
+    finally:
+        cluster.stop()
+
+
+def _round_doc(cluster: Cluster, job_id: int) -> bytes:
+    from crowdtrain.core import keys
+
+    return redis.Redis.from_url(cluster.redis_url).get(keys.dedloc_round(job_id))
+
+
+@pytest.mark.integration
+def test_a_dedloc_spec_without_its_section_is_refused_and_nothing_stored(api) -> None:
+    cluster, *_ = api
+    with cluster.admin() as http:
+        before = http.get("/v1/jobs").json()
+        resp = http.post("/v1/jobs", json=_dedloc_job(dedloc=None) | {"dedloc": None})
+        assert resp.status_code == 422 and "dedloc" in resp.text
+        assert http.get("/v1/jobs").json() == before
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("who", "path", "body", "status", "message"), [
+    ("mallory", "progress", {"step": 0, "examples": 5}, 403, "belongs to another host"),
+    ("alice", "progress", {"step": 0, "examples": -5}, 422, "examples"),
+    ("alice", "rounds/0/0/report", {"ok": True, "result_digest": "x"}, 409, "is not running"),
+    ("alice", "rounds/0/0/store/set", {"key": "k", "value": "eA=="}, 409, "is not running"),
+    ("alice", "rounds/0/0/store/format", {"key": "k"}, 404, "unknown store operation"),
+])
+def test_bad_requests_are_refused_and_change_nothing(api, who, path, body, status, message) -> None:
+    cluster, job_id, _, hosts, peer = api
+    before = _round_doc(cluster, job_id)
+    resp = hosts[who].post(f"/v1/dedloc/jobs/{job_id}/{path}", json={"peer_id": peer} | body)
+    assert resp.status_code == status and message in resp.text, resp.text
+    assert _round_doc(cluster, job_id) == before
+
+
+@pytest.mark.integration
+def test_join_names_a_missing_job_or_the_wrong_mode(api) -> None:
+    cluster, job_id, vc_job, hosts, _ = api
+    assert hosts["alice"].post("/v1/dedloc/jobs/999/join", json={}).status_code == 404
+    resp = hosts["alice"].post(f"/v1/dedloc/jobs/{vc_job}/join", json={})
+    assert resp.status_code == 409 and "not 'dedloc'" in resp.text
+    assert httpx.post(f"{cluster.url}/v1/dedloc/jobs/{job_id}/join", json={}).status_code == 401
+
+
+@pytest.mark.integration
+def test_parts_and_states_only_from_members(api) -> None:
+    cluster, job_id, _, hosts, peer = api
+    blob = encode({"g": np.zeros(4, np.float32)})
+    resp = hosts["alice"].put(f"/v1/dedloc/jobs/{job_id}/rounds/0/0/parts/group-0", params={"peer_id": peer},
+                              content=blob)
+    assert resp.status_code == 409
+    resp = hosts["alice"].put(f"/v1/dedloc/jobs/{job_id}/states/1", params={"peer_id": peer}, content=blob)
+    assert resp.status_code == 403 and "did not commit step 0" in resp.text
+    assert not (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / "state-00000001.safetensors").exists()

@@ -1,0 +1,166 @@
+"""Claiming work is atomic: simultaneous requests never get the same workunit."""
+
+import threading
+
+import httpx
+import pytest
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
+from crowdtrain.server.ledger.models import Assignment, Job, Workunit
+from crowdtrain.server.services.transitioner import close_finished_epochs
+from sqlalchemy import func, select
+
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
+from crowdtrain.core.storage import open_storage
+from tests.conftest import EXAMPLE_SPEC
+from tests.server.inprocess import scheduler_app
+
+pytestmark = pytest.mark.integration
+HOSTS = 200
+SHARDS = 100
+
+
+def register_hosts(cluster, n: int) -> list[str]:
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        return [http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": f"h{i}"}).json()["host_token"]
+                for i in range(n)]
+
+
+def test_200_simultaneous_work_requests_on_postgresql_never_share_a_workunit(make_cluster, postgres_url) -> None:
+    cluster = make_cluster(postgres_url, server_workers=2)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.dataset.subsets = SHARDS
+    with cluster.admin() as http:
+        job_id = http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
+    tokens = register_hosts(cluster, HOSTS)
+    barrier = threading.Barrier(HOSTS)
+    replies: list[list[dict]] = [[] for _ in range(HOSTS)]
+    errors: list[str] = []
+
+    def ask(i: int) -> None:
+        with httpx.Client(base_url=cluster.url, timeout=120,
+                          headers={"Authorization": f"Bearer {tokens[i]}"}) as http:
+            barrier.wait()
+            resp = http.post("/v1/work", json={"free_slots": 1})
+            if resp.status_code != 200:
+                errors.append(f"{resp.status_code} {resp.text}")
+            else:
+                replies[i] = resp.json()["assignments"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(HOSTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+    given = [a["workunit_id"] for r in replies for a in r]
+    # Epoch 1's 100 workunits all go out; once none is ready, epoch 2 is released early and the
+    # remaining requests draw from it. No epoch 3: epoch 1 is still open.
+    assert len(given) == HOSTS
+    assert len(set(given)) == len(given), "a workunit was given to two hosts"
+    assert sorted({a["epoch"] for r in replies for a in r}) == [1, 2]
+    db = session_factory(postgres_url)
+    with db.begin() as s:
+        per_wu = s.execute(select(Assignment.workunit_id, func.count()).where(Assignment.job_id == job_id)
+                           .group_by(Assignment.workunit_id)).all()
+        assert len(per_wu) == HOSTS and all(n == 1 for _, n in per_wu)
+        assert s.scalar(select(func.count()).select_from(Workunit).where(Workunit.job_id == job_id)) == 2 * SHARDS
+        assert s.scalar(select(func.count()).select_from(Workunit).where(
+            Workunit.job_id == job_id, Workunit.status == WorkunitStatus.in_progress.value)) == HOSTS
+        assert s.scalar(select(func.count()).select_from(Assignment).where(
+            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value)) == HOSTS
+
+
+def _counters(cluster) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with cluster.admin() as http:
+        text = http.get("/metrics").text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_a_host_gets_the_workunit_whose_shard_it_has_cached(make_cluster, sqlite_url) -> None:
+    from crowdtrain.server.ledger.models import Shard
+
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.dataset.subsets = 8
+    job_id = cluster.submit(spec.model_dump(mode="json"))["job_id"]
+    with session_factory(sqlite_url).begin() as s:
+        shards = {sh.index: (sh.sha256, sh.size) for sh in s.scalars(select(Shard).where(Shard.job_id == job_id))}
+    (token,) = register_hosts(cluster, 1)
+    with httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"}) as http:
+        cached = http.post("/v1/work", json={"free_slots": 2, "cached_shards": [shards[5][0], shards[6][0]]}).json()
+        after = _counters(cluster)
+        fresh = http.post("/v1/work", json={"free_slots": 1, "cached_shards": [shards[5][0]]}).json()
+    # Cached shards first, though lower-numbered workunits are ready; then the lowest fresh one.
+    assert sorted(a["shard_index"] for a in cached["assignments"]) == [5, 6]
+    assert [a["shard_index"] for a in fresh["assignments"]] == [0]
+    assert after["crowdtrain_dispatches_cached_shard_total"] == 2
+    assert after["crowdtrain_shard_bytes_saved_total"] == shards[5][1] + shards[6][1]
+    final = _counters(cluster)
+    assert final["crowdtrain_shard_bytes_sent_total"] == shards[0][1]
+    assert final["crowdtrain_shard_bytes_saved_total"] == after["crowdtrain_shard_bytes_saved_total"]
+
+
+def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, sqlite_url) -> None:
+    pytest.importorskip("tensorflow")
+    cluster = make_cluster(sqlite_url, assimilator_concurrency=1)
+    zoo_job = cluster.submit(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json"))["job_id"]
+    keras_job = cluster.submit(load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-keras.yaml").model_dump(mode="json"))[
+        "job_id"]
+
+    def ask(name: str, frameworks: list[str], slots: int) -> list[int]:
+        resources = {"frameworks": frameworks}
+        with httpx.Client(base_url=cluster.url, timeout=60) as http:
+            token = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": name,
+                                                 "resources": resources}).json()["host_token"]
+            reply = http.post("/v1/work", json={"free_slots": slots, "resources": resources},
+                              headers={"Authorization": f"Bearer {token}"}).json()
+        return [a["job_id"] for a in reply["assignments"]]
+
+    # Jobs are offered in id order. The zoo job (a PyTorch job) goes to a TensorFlow-only host too:
+    # TensorFlow has a port of cnn1d.
+    assert ask("tf", ["tensorflow"], 2) == [zoo_job] * 2
+    # The rest of epoch 1 and the early-released epoch 2 (4 shards each); the Keras job is skipped.
+    assert ask("torch", ["pytorch"], 12) == [zoo_job] * 6
+    assert ask("tf-2", ["tensorflow"], 2) == [keras_job] * 2
+    with httpx.Client(base_url=cluster.url, timeout=60) as http:
+        bad = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": "x",
+                                           "resources": {"frameworks": ["jax"]}})
+    assert bad.status_code == 422 and "frameworks" in bad.text
+
+
+@pytest.fixture
+def scheduler(tmp_path, private_redis):
+    with scheduler_app(tmp_path, private_redis) as app:
+        yield app
+
+
+def test_a_dedloc_job_never_produces_workunits(scheduler) -> None:
+    spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-dedloc.yaml")
+    created = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers)
+    assert created.status_code == 201, created.text
+    host = scheduler.register_host()
+    # With no VC-ASGD work anywhere, a work request must not release an epoch of the dedloc job.
+    for _ in range(2):
+        reply = scheduler.http.post("/v1/work", json={"free_slots": 4}, headers=host)
+        assert reply.status_code == 200 and reply.json()["assignments"] == []
+    assert scheduler.count(Workunit) == 0
+
+
+def test_epoch_release_and_closing_leave_a_dedloc_job_alone(scheduler, private_redis) -> None:
+    spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-dedloc.yaml")
+    job_id = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers).json()["job_id"]
+    with scheduler.db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert not next_epoch_releasable(s, job)
+        with pytest.raises(ValueError, match="dedloc"):
+            release_epoch(s, job, 1)
+        job.current_epoch = 1  # as the VC-ASGD dispatcher used to leave them
+    close_finished_epochs(scheduler.db, open_storage(scheduler.settings.resolved_storage_url), private_redis)
+    with scheduler.db.begin() as s:
+        assert s.get_one(Job, job_id).status == JobStatus.running.value
+    assert scheduler.count(Workunit) == 0
