@@ -70,8 +70,8 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
     api.register(join_token, f"bench-{os.getpid()}")
     api.join(job_id, relayed)
     vec = torch.full((n,), 1.0 + os.getpid() % 7)
-    step, rows = 0, []
-    for _ in range(repeats):
+    rows = []
+    for step in range(repeats):
         while (reply := api.progress(step, 1, None, None)).action != "reduce":
             time.sleep(0.01)
         plan = reply.round
@@ -92,7 +92,6 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
         rows.append({"round_s": t2 - t0, "rendezvous_s": t1 - t0, "allreduce_s": t2 - t1})
         while api.progress(step, 0, plan.attempt, None).action != "apply":
             time.sleep(0.01)
-        step += 1
     out.put(rows)
 
 

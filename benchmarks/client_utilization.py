@@ -28,16 +28,14 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 from sqlalchemy import select
 
 from crowdtrain.client.trainers import limit_threads, train
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.launch.cluster import Cluster, wait_for
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
 from crowdtrain.workgen.datasets import load_dataset, split_shards

@@ -58,8 +58,8 @@ from sqlalchemy.orm import Session
 
 from crowdtrain.launch.cluster import Cluster, fresh_postgres_database
 from crowdtrain.server.ledger.db import normalize_url
-from crowdtrain.server.services.hosts import hash_token
 from crowdtrain.server.ledger.models import Host
+from crowdtrain.server.services.hosts import hash_token
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEDULER_WORKERS = 3

@@ -325,7 +325,7 @@ def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
     db.kw["bind"].dispose()
     curve = merge_curve([(m.merged_version, m.examples or 0) for m in merged],
                         [(m.param_version, m.val_accuracy) for m in metrics])
-    hit = next((m for m, (_, a) in zip(metrics, curve) if a >= target), None)
+    hit = next((m for m, (_, a) in zip(metrics, curve, strict=True) if a >= target), None)
     log = cluster.var_dir / "logs" / "server.log"
     sizes = upload_sizes(log.read_text(errors="replace")) if log.exists() else {}
     uploaded = [sizes[m.id] for m in merged if m.id in sizes]

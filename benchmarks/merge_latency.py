@@ -43,10 +43,10 @@ import httpx
 import numpy as np
 import redis
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core import keys
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import Params, decode, encode
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger import paramstore
 
 MODEL = {"name": "resnet", "options": {"width": 86, "blocks": 2}}
 IMAGE_SHAPE = (32, 32, 3)

@@ -14,11 +14,11 @@ from sqlalchemy import select
 
 from crowdtrain.assimilator.policy import params_norm
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params
+from crowdtrain.launch.cluster import Cluster, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 from tests.http_host import ScriptedHost
 
@@ -60,7 +60,7 @@ def attack(cluster: Cluster, job_id: int, rounds: int = 2, seed: int = 0) -> lis
     sent: list[tuple[int, str]] = []
     for r in range(rounds):
         if r:
-            wait_for(lambda: _job(cluster, job_id).param_version >= 6 * r or _job(cluster, job_id).status != "running",
+            wait_for(lambda r=r: _job(cluster, job_id).param_version >= 6 * r or _job(cluster, job_id).status != "running",
                      JOB_TIMEOUT, "the honest client's merges stopped")
         for kind in ATTACKS:
             if _job(cluster, job_id).status != "running":

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from crowdtrain.core import dedloc
-from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv
 from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
+from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv
 from crowdtrain.workgen.datasets import load_dataset
 
 pytestmark = pytest.mark.integration

@@ -12,11 +12,10 @@ import yaml
 from sqlalchemy import func, select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, crowdtrain_argv
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
-from crowdtrain.core.states import AssignmentStatus
-
 from tests.conftest import ROOT
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
 

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
+from itertools import pairwise
 
 import pytest
 import redis
@@ -49,7 +50,7 @@ def test_500_simulated_hosts_on_postgresql(make_cluster, postgres_url: str) -> N
     by_wu = defaultdict(list)
     for a in assignments:
         by_wu[a.workunit_id].append(a)
-    double_dispatch = sum(1 for runs in by_wu.values() for prev, nxt in zip(runs, runs[1:])
+    double_dispatch = sum(1 for runs in by_wu.values() for prev, nxt in pairwise(runs)
                           if prev.finished_at is None or nxt.sent_at < prev.finished_at)
     double_merge = sum(1 for runs in by_wu.values() if sum(a.status == "merged" for a in runs) > 1)
     lost = sum(1 for a in assignments if a.uploaded_at is not None and a.status not in ("merged", "rejected"))

@@ -8,10 +8,10 @@ import pytest
 from sqlalchemy import select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import encode_shard
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 from tests.http_host import ScriptedHost
 

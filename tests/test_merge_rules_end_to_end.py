@@ -5,8 +5,8 @@ the rule's state in Redis shows exactly one optimizer step per merged result."""
 import pytest
 import redis
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.server.ledger import paramstore
 from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
 

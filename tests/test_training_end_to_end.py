@@ -12,14 +12,13 @@ from sqlalchemy import func, select
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import UploadSpec, load_job_spec
-from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.updates import upload_sizes
+from crowdtrain.launch.cluster import Cluster, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.workgen.datasets import load_dataset
-
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration

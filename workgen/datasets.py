@@ -7,6 +7,7 @@ that disagree with the training ones) raises ValueError naming the array and the
 
 import zipfile
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +102,8 @@ def make_dataset(x: np.ndarray, y: np.ndarray, x_val: np.ndarray | None, y_val: 
 
 def _mnist1d() -> Dataset:
     """4,000 train / 1,000 test examples, generated deterministically by the mnist1d package."""
-    from mnist1d.data import get_dataset_args, make_dataset as make_mnist1d
+    from mnist1d.data import get_dataset_args
+    from mnist1d.data import make_dataset as make_mnist1d
 
     d = make_mnist1d(get_dataset_args())
     return Dataset(d["x"].astype(np.float32), d["y"].astype(np.int64),
@@ -141,7 +143,7 @@ def split_shards(n_examples: int, subsets: int) -> list[slice]:
     if subsets > n_examples:
         raise ValueError(f"dataset.subsets: cannot split {n_examples} training examples into {subsets} shards")
     bounds = np.linspace(0, n_examples, subsets + 1).round().astype(int)
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [slice(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
 SHUFFLES = ("stratified", "random", "none")

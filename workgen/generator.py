@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import redis
-from crowdtrain.server.ledger import jobs, paramstore
-from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.workgen.datasets import deal_shards, load_dataset
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +28,9 @@ from crowdtrain.core.zoo import (
     state_to_numpy,
 )
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
+from crowdtrain.server.ledger import jobs, paramstore
+from crowdtrain.server.ledger.models import Job, Shard
+from crowdtrain.workgen.datasets import deal_shards, load_dataset
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def write_epoch_shards(s: Session, storage: Storage, job: Job, epoch: int) -> in
     dataset = job.spec["dataset"]
     # A job submitted before dataset.shuffle existed has no such field: it gets the default.
     for sh, picked in zip(rows, deal_shards(y, len(rows), dataset.get("shuffle", "stratified"),
-                                                 job.spec["seed"], epoch)):
+                                                 job.spec["seed"], epoch), strict=True):
         blob = encode_shard(x[picked], y[picked])
         storage.put(sh.key, blob)
         sh.sha256, sh.size, sh.examples = sha256(blob), len(blob), len(picked)

@@ -25,8 +25,15 @@ import numpy as np
 from safetensors.numpy import save as _st_save
 
 from crowdtrain.core.jobspec import UploadSpec
-from crowdtrain.core.tensors import (Manifest, Params, TensorFormatError, check_against_manifest, encode, header_limits,
-                                views)
+from crowdtrain.core.tensors import (
+    Manifest,
+    Params,
+    TensorFormatError,
+    check_against_manifest,
+    encode,
+    header_limits,
+    views,
+)
 
 SCALE_SUFFIX = ".__scale__"
 INT8_MAX = 127

@@ -9,8 +9,16 @@ import base64
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from crowdtrain.fleet.spec import (FLEET_TAG, SERVER_TAG, FleetInstance, FleetSpec, fleet_request, launch_template_data,
-                              template_name, user_data)
+from crowdtrain.fleet.spec import (
+    FLEET_TAG,
+    SERVER_TAG,
+    FleetInstance,
+    FleetSpec,
+    fleet_request,
+    launch_template_data,
+    template_name,
+    user_data,
+)
 
 GONE_STATES = {"shutting-down", "terminated"}
 LIVE_REQUEST_STATES = ["open", "active"]

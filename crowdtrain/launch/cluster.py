@@ -1,6 +1,7 @@
 """Start crowdtrain's processes locally: a private Redis, the scheduler, the transitioner, the
 parameter servers and clients. Used by `crowdtrain demo` and by the integration tests."""
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -63,10 +64,8 @@ class Service:
 
     def signal(self, sig: int) -> None:
         if self.alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crowdtrain.server.ledger.paramstore import NORMS_KEPT
 from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
 from crowdtrain.assimilator.rules import make_rule, make_update
 from crowdtrain.core.tensors import Params
+from crowdtrain.server.ledger.paramstore import NORMS_KEPT
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
 RUNNING, SUCCEEDED = "running", "succeeded"

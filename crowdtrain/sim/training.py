@@ -57,11 +57,11 @@ from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.client.trainers import examples_in, local_steps
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core.jobspec import VC_ASGD, JobSpec
-from crowdtrain.sim.job import IN_PROGRESS, Assignment, Metric, SimJob
 from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import decode_result, encode_result, upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fraction
+from crowdtrain.sim.job import IN_PROGRESS, Assignment, Metric, SimJob
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 
 ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
@@ -175,7 +175,7 @@ class SimResult:
     def staleness_by_host(self) -> dict[int, float]:
         """Each host's mean staleness over its merged results."""
         per: dict[int, list[int]] = {}
-        for host, s in zip(self.merged_hosts, self.staleness):
+        for host, s in zip(self.merged_hosts, self.staleness, strict=True):
             per.setdefault(host, []).append(s)
         return {h: statistics.fmean(v) for h, v in sorted(per.items())}
 

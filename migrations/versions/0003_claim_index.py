@@ -5,8 +5,6 @@ Revises: 0002
 Create Date: 2026-11-22 08:10:51.124558
 """
 from alembic import op
-import sqlalchemy as sa
-
 
 revision = '0003'
 down_revision = '0002'

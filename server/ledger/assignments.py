@@ -10,16 +10,6 @@ from collections.abc import Callable
 from datetime import datetime
 
 import redis
-from crowdtrain.server.ledger import states
-from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
-from crowdtrain.server.ledger.models import (
-    Assignment,
-    Host,
-    Job,
-    Shard,
-    Workunit,
-    utcnow,
-)
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -32,6 +22,16 @@ from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_of
+from crowdtrain.server.ledger import states
+from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
+from crowdtrain.server.ledger.models import (
+    Assignment,
+    Host,
+    Job,
+    Shard,
+    Workunit,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,6 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import redis
-from crowdtrain.server.ledger import paramstore, states
-from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
 from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -17,6 +15,8 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import Params, decode, decode_shard
+from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
 
 log = logging.getLogger(__name__)
 

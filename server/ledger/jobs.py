@@ -5,6 +5,12 @@ ends a VC-ASGD job, are in crowdtrain.server.ledger.epochs."""
 from datetime import datetime
 
 import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.epochs import (
@@ -14,12 +20,6 @@ from crowdtrain.server.ledger.epochs import (
     release_epoch,
 )
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Shard, utcnow
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session, sessionmaker
-
-from crowdtrain.core import keys
-from crowdtrain.core.jobspec import VC_ASGD
-from crowdtrain.core.states import AssignmentStatus, JobStatus
 
 
 def create_job(db: sessionmaker[Session], name: str, mode: str, spec: dict, model_config: dict, manifest: dict,

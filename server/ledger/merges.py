@@ -22,9 +22,9 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
-from crowdtrain.server.ledger.assignments import end_assignment
 
 log = logging.getLogger(__name__)
 

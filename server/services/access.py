@@ -11,9 +11,9 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.server.services import dedloc
-from crowdtrain.server.ledger.models import Assignment, Shard, Workunit
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.ledger.models import Assignment, Shard, Workunit
+from crowdtrain.server.services import dedloc
 
 _RUNNING = AssignmentStatus.in_progress.value
 

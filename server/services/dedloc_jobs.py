@@ -9,14 +9,10 @@ import time
 
 import numpy as np
 import redis
-from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.server.ledger import jobs as ledger_jobs
-from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.server.services import access, dedloc
-from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec
@@ -39,6 +35,10 @@ from crowdtrain.core.tensors import (
     encode,
     sha256,
 )
+from crowdtrain.server.ledger import jobs as ledger_jobs
+from crowdtrain.server.ledger.models import Job, Shard
+from crowdtrain.server.services import access, dedloc
+from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 
 log = logging.getLogger(__name__)
 

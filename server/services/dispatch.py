@@ -4,6 +4,16 @@ share of the local epochs each host trains (dynamic local work, crowdtrain.serve
 import logging
 from datetime import timedelta
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import frameworks
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.logs import ids
+from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources
+from crowdtrain.core.states import JobStatus
+from crowdtrain.core.storage import Storage
+from crowdtrain.core.updates import upload_of
 from crowdtrain.server.ledger.assignments import claim_workunits, open_assignment
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import (
@@ -16,16 +26,6 @@ from crowdtrain.server.ledger.models import (
 )
 from crowdtrain.server.services import local_work
 from crowdtrain.workgen.generator import write_epoch_shards
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
-
-from crowdtrain.core import frameworks
-from crowdtrain.core.jobspec import VC_ASGD
-from crowdtrain.core.logs import ids
-from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources
-from crowdtrain.core.states import JobStatus
-from crowdtrain.core.storage import Storage
-from crowdtrain.core.updates import upload_of
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,10 @@ import hmac
 import secrets
 
 import redis
-from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.server.ledger import assignments
-from crowdtrain.server.ledger.models import Host, JoinToken
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.schemas import (
     HostPublic,
@@ -20,6 +18,8 @@ from crowdtrain.core.schemas import (
     JoinTokenPublic,
 )
 from crowdtrain.core.storage import Storage
+from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger.models import Host, JoinToken
 
 
 class NotAuthorized(Refusal):

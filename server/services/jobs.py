@@ -3,14 +3,14 @@
 from datetime import timedelta
 
 import redis
-from crowdtrain.server.ledger import jobs as ledger_jobs
-from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.refusals import NotFound
 from crowdtrain.core.schemas import EpochFigures, JobStatusOut, MetricPoint
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.server.ledger import jobs as ledger_jobs
+from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
 
 ACTIVE_HOST_WINDOW = timedelta(seconds=60)
 

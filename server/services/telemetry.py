@@ -12,8 +12,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
-from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
 from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
 
 log = logging.getLogger(__name__)
 

@@ -8,18 +8,18 @@ from collections.abc import Callable
 from datetime import UTC, timedelta
 
 import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
 from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.assignments import time_out_expired
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete
 from crowdtrain.server.ledger.models import Assignment, Job, utcnow
 from crowdtrain.server.services import telemetry
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
-
-from crowdtrain.core.jobspec import VC_ASGD
-from crowdtrain.core.states import AssignmentStatus, JobStatus
-from crowdtrain.core.storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ pytest.importorskip("tensorflow")
 from crowdtrain.assimilator.evaluate import evaluate, evaluation_framework  # noqa: E402
 from crowdtrain.core.zoo import build_model, state_to_numpy  # noqa: E402
 
-
 OPTIONS = {"channels": 32, "kernel_size": 5, "layers": 3}
 CONFIG = {"name": "cnn1d", "framework": "tensorflow", "input_shape": [40], "num_classes": 10, "options": OPTIONS}
 

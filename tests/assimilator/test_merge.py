@@ -22,9 +22,9 @@ from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Workunit
-from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job

@@ -5,8 +5,16 @@ import math
 import numpy as np
 import pytest
 
-from crowdtrain.assimilator.policy import (Policy, UpdateBound, apply_with_policy, clipped, norm_limit, norm_refusal, params_norm,
-                                staleness_refusal)
+from crowdtrain.assimilator.policy import (
+    Policy,
+    UpdateBound,
+    apply_with_policy,
+    clipped,
+    norm_limit,
+    norm_refusal,
+    params_norm,
+    staleness_refusal,
+)
 from crowdtrain.assimilator.rules import Update, make_rule
 from crowdtrain.core.jobspec import AssimilationSpec
 
@@ -14,7 +22,7 @@ DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
 
 
 def test_the_default_bound_is_on_and_relative() -> None:
-    assert DEFAULT == UpdateBound(factor=10.0, warmup=5, max_update_norm=None)
+    assert UpdateBound(factor=10.0, warmup=5, max_update_norm=None) == DEFAULT
 
 
 def test_params_norm_skips_integer_counters() -> None:
@@ -84,7 +92,7 @@ def test_the_policy_wraps_any_rule_refusing_before_the_rule_sees_the_update() ->
     server = {"w": np.zeros(2, np.float32), "n": np.array(0)}
     refusal = apply_with_policy(policy, rule, server, {}, _update([3.0, 4.0]), version=10, norm=5.0,
                                 recent_norms=[], base_norm=1.4)
-    assert "stale result: based on v8, W_s is v10 (max_staleness 1)" == refusal
+    assert refusal == "stale result: based on v8, W_s is v10 (max_staleness 1)"
     np.testing.assert_array_equal(server["w"], [0, 0])
     fresh = Update(**{**_update([3.0, 4.0]).__dict__, "staleness": 1})
     assert apply_with_policy(policy, rule, server, {}, fresh, 10, 5.0, [], 1.4) is None

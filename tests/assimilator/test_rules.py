@@ -2,8 +2,17 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain.assimilator.rules import (Delta, FedBuff, StalenessWeight, Update, VcAsgd, alpha_for_epoch, make_rule,
-                               merge_vc_asgd, update_norm)
+from crowdtrain.assimilator.rules import (
+    Delta,
+    FedBuff,
+    StalenessWeight,
+    Update,
+    VcAsgd,
+    alpha_for_epoch,
+    make_rule,
+    merge_vc_asgd,
+    update_norm,
+)
 from crowdtrain.assimilator.rules.combiners import combine
 from crowdtrain.assimilator.rules.outer import Nesterov
 from crowdtrain.core.jobspec import JobSpec, load_job_spec

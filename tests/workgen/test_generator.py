@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode_shard, sha256
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.core.states import JobStatus
 from crowdtrain.workgen.generator import write_epoch_shards
-
 from tests.server.inprocess import Scheduler, scheduler_app
 
 CLASSES, EXAMPLES, SHARDS = 5, 400, 4
@@ -119,7 +118,7 @@ def _keys(scheduler: Scheduler, job_id: int, epoch: int) -> list[str]:
 
 
 def test_a_job_without_reshuffling_shares_its_shards_across_epochs(scheduler, sorted_npz) -> None:
-    job_id = submit(scheduler, sorted_npz)
+    submit(scheduler, sorted_npz)
     host = scheduler.register_host()
     given = work(scheduler, host, 2 * SHARDS)
     assert sorted(a["epoch"] for a in given) == [1] * SHARDS + [2] * SHARDS

@@ -5,11 +5,22 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from crowdtrain.core.schemas import Finite, Id
-from crowdtrain.core.schemas_dedloc import AbortOut, CommitOut, PeerJoin, PeerJoined, Progress, ProgressReply, \
-    ReplyOk, RoundReport, StoreOp, StoreOpName, StoreReply
-from crowdtrain.server.services import dedloc_jobs as svc
-from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.core.schemas_dedloc import (
+    AbortOut,
+    CommitOut,
+    PeerJoin,
+    PeerJoined,
+    Progress,
+    ProgressReply,
+    ReplyOk,
+    RoundReport,
+    StoreOp,
+    StoreOpName,
+    StoreReply,
+)
 from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, octet_stream_body, upload_body
+from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.services import dedloc_jobs as svc
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
 admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "admin"], dependencies=[AdminDep])

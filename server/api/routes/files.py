@@ -6,8 +6,8 @@ from fastapi.responses import FileResponse, Response
 
 from crowdtrain.core import keys
 from crowdtrain.core.schemas import Id
-from crowdtrain.server.services import access
 from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, StorageDep
+from crowdtrain.server.services import access
 
 router = APIRouter(prefix="/v1", tags=["files"])
 

@@ -5,13 +5,21 @@ from fastapi.concurrency import run_in_threadpool
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
-from crowdtrain.core.schemas import ClientError, Id, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
-from crowdtrain.server.services import dispatch, telemetry
-from crowdtrain.server.ledger import assignments
-from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
-from crowdtrain.server.ledger.assignments import ResultRefused
+from crowdtrain.core.schemas import (
+    ClientError,
+    HeartbeatReply,
+    Id,
+    ResultAccepted,
+    ResultMetrics,
+    WorkReply,
+    WorkRequest,
+)
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
+from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger.assignments import ResultRefused
+from crowdtrain.server.services import dispatch, telemetry
 
 router = APIRouter(prefix="/v1", tags=["work"])
 

@@ -116,7 +116,7 @@ def test_a_spec_file_resolves_a_relative_dataset_path_and_says_so(tmp_path) -> N
 
 
 BOMB = "\n".join(["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-                 + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+                 + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi", strict=True)]
                  + ["name: x"])
 
 

@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from crowdtrain.launch.cluster import crowdtrain_argv, free_port
 from crowdtrain.core.settings import InsecureSettings, Settings, check_secrets, get_settings, secrets_problems
+from crowdtrain.launch.cluster import crowdtrain_argv, free_port
 
 GOOD = "Zx1r3FQ0d0kP2w9yq2m8sQ"
 
@@ -58,6 +58,6 @@ def test_the_uvicorn_app_refuses_to_be_built_without_a_token(monkeypatch) -> Non
     get_settings.cache_clear()
     try:
         with pytest.raises(InsecureSettings, match="CROWDTRAIN_JOIN_TOKEN is the published example value"):
-            crowdtrain.server.api.app.app  # what `uvicorn crowdtrain.server.api.app:app` loads
+            _ = crowdtrain.server.api.app.app  # what `uvicorn crowdtrain.server.api.app:app` loads
     finally:
         get_settings.cache_clear()

@@ -8,8 +8,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from crowdtrain.launch.cluster import free_port, wait_for
 from crowdtrain.core.storage import ObjectNotFound, download_origin, open_storage
+from crowdtrain.launch.cluster import free_port, wait_for
 
 
 @pytest.fixture(scope="module")

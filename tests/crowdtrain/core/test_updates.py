@@ -8,9 +8,19 @@ from safetensors.numpy import save
 from safetensors.torch import load as torch_load
 
 from crowdtrain.core.tensors import TensorFormatError, encode, header_limits, manifest_of
-from crowdtrain.core.updates import (SCALE_SUFFIX, decode_result, decode_update, encode_result, encode_update,
-                                expected_upload_bytes, quantize_int8, upload_label, upload_sizes, upload_spec,
-                                wire_manifest)
+from crowdtrain.core.updates import (
+    SCALE_SUFFIX,
+    decode_result,
+    decode_update,
+    encode_result,
+    encode_update,
+    expected_upload_bytes,
+    quantize_int8,
+    upload_label,
+    upload_sizes,
+    upload_spec,
+    wire_manifest,
+)
 from crowdtrain.core.zoo import build_model, state_to_numpy
 
 INT8 = {"send": "delta", "dtype": "int8"}

@@ -18,8 +18,15 @@ import boto3
 import httpx
 import pytest
 
-from crowdtrain.fleet.spec import (FLEET_TAG, SPOT_NOTICE_URL, FleetInstance, FleetSpec, attach_hosts, fleet_request,
-                              user_data)
+from crowdtrain.fleet.spec import (
+    FLEET_TAG,
+    SPOT_NOTICE_URL,
+    FleetInstance,
+    FleetSpec,
+    attach_hosts,
+    fleet_request,
+    user_data,
+)
 from crowdtrain.launch.cluster import Service, free_port, wait_for
 
 REGION = "us-east-1"

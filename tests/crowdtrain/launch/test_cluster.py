@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from crowdtrain.cli import _join_token, app
-from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
 from crowdtrain.core.settings import Settings, secrets_problems
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 

@@ -184,7 +184,7 @@ def test_dynamic_local_work_trains_fewer_examples_on_slow_hosts(blobs: Dataset) 
 def test_shards_are_dealt_stratified_as_the_work_generator_deals_them(blobs: Dataset) -> None:
     deals = ShardDeals(blobs.y, {"subsets": 4, "shuffle": "stratified"}, seed=7)
     first = deals.of(0)
-    assert all(np.array_equal(a, b) for a, b in zip(first, deal_shards(blobs.y, 4, "stratified", 7)))
+    assert all(np.array_equal(a, b) for a, b in zip(first, deal_shards(blobs.y, 4, "stratified", 7), strict=True))
     counts = np.bincount(blobs.y)
     for shard in first:
         assert np.all(np.abs(np.bincount(blobs.y[shard], minlength=4) - counts / 4) < 1)

@@ -10,11 +10,11 @@ import pytest
 import redis
 from safetensors.numpy import save
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import decode, encode, manifest_of
 from crowdtrain.core.updates import SCALE_SUFFIX, decode_update, encode_result, encode_update
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment
 from tests.conftest import EXAMPLE_SPEC

@@ -10,7 +10,6 @@ import redis
 
 from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.ledger.models import Job, Shard, Workunit
-
 from tests.server.inprocess import scheduler_app
 
 UPLOAD_LIMIT = 200_000  # bytes: cnn1d at the defaults (43 kB) fits, mlp hidden [256, 256] (0.3 MB) does not

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import redis
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import decode, encode
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Workunit
 from tests.conftest import EXAMPLE_SPEC

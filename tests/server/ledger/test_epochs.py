@@ -2,22 +2,22 @@
 
 import numpy as np
 import pytest
-from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.assimilator.rules import merge_vc_asgd
-from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore
-from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete
-from crowdtrain.server.ledger.models import Job, Metric, Workunit
-from crowdtrain.workgen.generator import submit_job
 from sqlalchemy import update
 
+from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.rules import merge_vc_asgd
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.keys import final_key
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode, decode_shard
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.models import Job, Metric, Workunit
+from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
 

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import encode
+from crowdtrain.server.ledger import paramstore
 
 
 @pytest.fixture(autouse=True)

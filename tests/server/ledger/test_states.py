@@ -2,6 +2,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.states import AssignmentStatus as A
 from crowdtrain.server.ledger.states import IllegalTransition

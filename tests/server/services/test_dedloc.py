@@ -9,8 +9,8 @@ import redis
 
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import encode
+from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.services import dedloc
 from tests.conftest import EXAMPLE_SPEC
 

@@ -4,15 +4,15 @@ import threading
 
 import httpx
 import pytest
-from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
-from crowdtrain.server.ledger.models import Assignment, Job, Workunit
-from crowdtrain.server.services.transitioner import close_finished_epochs
 from sqlalchemy import func, select
 
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import open_storage
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
+from crowdtrain.server.ledger.models import Assignment, Job, Workunit
+from crowdtrain.server.services.transitioner import close_finished_epochs
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.server.services.local_work import REFERENCE_QUANTILE, host_speeds, local_fraction
 from crowdtrain.server.ledger.models import Assignment
-
+from crowdtrain.server.services.local_work import REFERENCE_QUANTILE, host_speeds, local_fraction
 from tests.server.inprocess import Scheduler, scheduler_app
 
 SHARD_EXAMPLES, LOCAL_EPOCHS = 50, 2
