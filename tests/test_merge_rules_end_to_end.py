@@ -16,10 +16,21 @@ TARGET = 0.85  # below the example's 0.90: four jobs must fit in about two minut
 RULES = {
     "delta": {"rule": "delta", "server_lr": 0.2},
     "fedbuff": {"rule": "fedbuff", "buffer_size": 2, "server_lr": 0.5},
-    "fedbuff-nesterov": {"rule": "fedbuff", "buffer_size": 2, "outer_optimizer": "nesterov", "server_lr": 0.2,
-                         "outer_momentum": 0.5},
-    "delta-adam": {"rule": "delta", "outer_optimizer": "adam", "server_lr": 0.01, "adam_betas": (0.5, 0.9),
-                   "staleness_weight": "polynomial", "staleness_a": 0.5},
+    "fedbuff-nesterov": {
+        "rule": "fedbuff",
+        "buffer_size": 2,
+        "outer_optimizer": "nesterov",
+        "server_lr": 0.2,
+        "outer_momentum": 0.5,
+    },
+    "delta-adam": {
+        "rule": "delta",
+        "outer_optimizer": "adam",
+        "server_lr": 0.01,
+        "adam_betas": (0.5, 0.9),
+        "staleness_weight": "polynomial",
+        "staleness_a": 0.5,
+    },
 }
 
 

@@ -29,8 +29,9 @@ def make_rule(assimilation: dict) -> Rule:
     if spec.rule == "vc-asgd":
         return VcAsgd(spec.schedule, spec.alpha)
     weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
-    outer = make_outer(spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay,
-                       spec.adam_betas, spec.adam_eps)
+    outer = make_outer(
+        spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay, spec.adam_betas, spec.adam_eps
+    )
     if spec.rule == "delta":
         return Delta(weight, outer)
     if spec.rule == "fedbuff":
@@ -38,5 +39,17 @@ def make_rule(assimilation: dict) -> Rule:
     raise ValueError(f"unknown merge rule {spec.rule!r}")
 
 
-__all__ = ["Delta", "FedBuff", "Rule", "StalenessWeight", "Update", "VcAsgd", "alpha_for_epoch", "make_rule",
-           "make_outer", "make_update", "merge_vc_asgd", "update_norm"]
+__all__ = [
+    "Delta",
+    "FedBuff",
+    "Rule",
+    "StalenessWeight",
+    "Update",
+    "VcAsgd",
+    "alpha_for_epoch",
+    "make_rule",
+    "make_outer",
+    "make_update",
+    "merge_vc_asgd",
+    "update_norm",
+]

@@ -25,7 +25,7 @@ def trimmed_mean(arrays: Sequence[np.ndarray], trim_fraction: float) -> np.ndarr
     n = len(arrays)
     cut = int(trim_fraction * n)
     ordered = np.sort(np.stack(arrays), axis=0)
-    return np.mean(ordered[cut:n - cut], axis=0, dtype=arrays[0].dtype)
+    return np.mean(ordered[cut : n - cut], axis=0, dtype=arrays[0].dtype)
 
 
 def combine(kind: str, arrays: Sequence[np.ndarray], trim_fraction: float = 0.2) -> np.ndarray:

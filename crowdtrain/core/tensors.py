@@ -30,8 +30,18 @@ def decode(blob: bytes) -> Params:
 
 
 # numpy has no bfloat16; ml_dtypes' is the one safetensors writes (crowdtrain.core.updates sends Δ in it).
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_RANK = 8
 
@@ -51,7 +61,7 @@ def _read_header(buf: memoryview, max_header_bytes: int, max_tensors: int | None
         raise ValueError(f"header length {n} exceeds the file")
     if n > max_header_bytes:
         raise ValueError(f"header of {n} bytes exceeds the limit of {max_header_bytes}")
-    raw = bytes(buf[8:8 + n])
+    raw = bytes(buf[8 : 8 + n])
     if max_tensors is not None and raw.count(b'"data_offsets"') > max_tensors:
         raise ValueError(f"header lists more than {max_tensors} tensors")
     try:
@@ -98,8 +108,9 @@ def _layout(header: dict, data_size: int) -> list[tuple[str, np.dtype, tuple[int
     return out
 
 
-def views(blob: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEADER_BYTES,
-          max_tensors: int | None = None) -> Params:
+def views(
+    blob: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEADER_BYTES, max_tensors: int | None = None
+) -> Params:
     """Parse safetensors without copying: numpy arrays that view `blob` (writable if it is).
 
     The hot path of a merge: decoding a 20 MB model with copies costs more than the merge itself.
@@ -109,9 +120,11 @@ def views(blob: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEAD
     buf = memoryview(blob)
     try:
         header, n = _read_header(buf, max_header_bytes, max_tensors)
-        data = buf[8 + n:]
-        return {name: np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
-                for name, dtype, shape, start, end in _layout(header, len(data))}
+        data = buf[8 + n :]
+        return {
+            name: np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
+            for name, dtype, shape, start, end in _layout(header, len(data))
+        }
     except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise TensorFormatError(f"not a safetensors file: {exc}") from exc
 

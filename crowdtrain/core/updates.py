@@ -106,25 +106,26 @@ def _np_dtype(dtype: str) -> np.dtype:
 
 # -- encoding (the client) -------------------------------------------------------------------------
 
+
 def quantize_int8(x: np.ndarray, block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
     """(q, scales): int8 q of x's shape and float32 scales, one per block of the flattened x."""
     flat = np.asarray(x, np.float32).ravel()
     nb = _blocks(list(x.shape), block_size)
     size = flat.size if block_size is None else block_size
     padded = np.zeros(nb * size, np.float32)
-    padded[:flat.size] = flat
+    padded[: flat.size] = flat
     blocks = padded.reshape(nb, size)
     scales = (np.abs(blocks).max(axis=1, initial=0.0) / INT8_MAX).astype(np.float32)
     safe = np.where(scales > 0, scales, 1.0).astype(np.float32)[:, None]
     q = np.clip(np.rint(blocks / safe), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q.ravel()[:flat.size].reshape(x.shape), scales
+    return q.ravel()[: flat.size].reshape(x.shape), scales
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray, block_size: int | None) -> np.ndarray:
     """float32 q · scale, each value with its block's scale."""
     if block_size is None:
         return q.astype(np.float32) * scales[0]
-    per_value = np.repeat(scales, block_size)[:q.size].reshape(q.shape)
+    per_value = np.repeat(scales, block_size)[: q.size].reshape(q.shape)
     return q.astype(np.float32) * per_value
 
 
@@ -160,12 +161,12 @@ def encode_result(params: Params, base: Params, upload: UploadSpec | dict | None
 
 # -- decoding (the scheduler and the parameter servers) ----------------------------------------------
 
+
 def _check_layout(tensors: Params, wire: Manifest, what: str) -> None:
     missing = sorted(set(wire) - set(tensors))
     extra = sorted(set(tensors) - set(wire))
     if missing or extra:
-        raise ValueError(f"{what}: tensor names differ from the model's: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}")
+        raise ValueError(f"{what}: tensor names differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, (shape, dtype) in wire.items():
         arr = tensors[name]
         if list(arr.shape) != list(shape):
@@ -174,8 +175,7 @@ def _check_layout(tensors: Params, wire: Manifest, what: str) -> None:
             raise ValueError(f"{what}: tensor {name!r} has dtype {arr.dtype}, expected {dtype}")
 
 
-def decode_update(blob: bytes | bytearray | memoryview, manifest: dict,
-                  upload: UploadSpec | dict | None) -> Params:
+def decode_update(blob: bytes | bytearray | memoryview, manifest: dict, upload: UploadSpec | dict | None) -> Params:
     """What a result carries, validated and widened: W_c for weights uploads; for delta uploads Δ as
     float32 for each float tensor and the client's own value of each other tensor.
 
@@ -217,8 +217,9 @@ def decode_update(blob: bytes | bytearray | memoryview, manifest: dict,
     return out
 
 
-def decode_result(blob: bytes | bytearray | memoryview, manifest: dict, upload: UploadSpec | dict | None,
-                  base: Params) -> Params:
+def decode_result(
+    blob: bytes | bytearray | memoryview, manifest: dict, upload: UploadSpec | dict | None, base: Params
+) -> Params:
     """W_c from a result: the weights themselves, or W_base + Δ in the model's dtypes, where `base` is
     the snapshot the host started from. Raises like `decode_update`, and ValueError when W_base + Δ
     is not finite."""
@@ -230,8 +231,9 @@ def decode_result(blob: bytes | bytearray | memoryview, manifest: dict, upload: 
     with np.errstate(over="ignore"):  # an overflow is refused just below, by name
         for name, (_, dtype) in manifest.items():
             arr = carried[name]
-            client[name] = (np.asarray(base[name], np.float32) + arr).astype(dtype, copy=False) if _floating(
-                dtype) else arr
+            client[name] = (
+                (np.asarray(base[name], np.float32) + arr).astype(dtype, copy=False) if _floating(dtype) else arr
+            )
     check_against_manifest(client, manifest)
     return client
 

@@ -35,14 +35,17 @@ class CNN1D(nn.Module):
     global pool learns far faster from small shards than flattening does.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5,
-                 layers: int = 3):
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5, layers: int = 3
+    ):
         super().__init__()
         in_ch = 1 if len(input_shape) == 1 else int(input_shape[0])
         convs: list[nn.Module] = []
         for i in range(layers):
-            convs += [nn.Conv1d(in_ch if i == 0 else channels, channels, kernel_size, padding=kernel_size // 2),
-                      nn.ReLU()]
+            convs += [
+                nn.Conv1d(in_ch if i == 0 else channels, channels, kernel_size, padding=kernel_size // 2),
+                nn.ReLU(),
+            ]
             if i < layers - 1:
                 convs.append(nn.MaxPool1d(2))
         self.features = nn.Sequential(*convs)
@@ -61,8 +64,7 @@ class PreActBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
-        self.shortcut = (nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
-                         if stride != 1 or in_ch != out_ch else None)
+        self.shortcut = nn.Conv2d(in_ch, out_ch, 1, stride, bias=False) if stride != 1 or in_ch != out_ch else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(x))
@@ -106,8 +108,9 @@ class PreActResNet(nn.Module):
 _BUILDERS = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet}
 
 
-def build_model(name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None,
-                **options) -> nn.Module:
+def build_model(
+    name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None, **options
+) -> nn.Module:
     """Instantiate a zoo model; with `seed`, its initial weights are reproducible."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; the zoo has {sorted(_BUILDERS)}")
@@ -119,8 +122,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, seed: i
         raise ValueError(f"bad options for model {name!r}: {exc}") from exc
 
 
-def check_model(name: str, input_shape: Sequence[int], num_classes: int, options: dict,
-                max_bytes: int) -> int:
+def check_model(name: str, input_shape: Sequence[int], num_classes: int, options: dict, max_bytes: int) -> int:
     """The bytes of a zoo model's parameters (its state_dict as float32), after checking that they
     are at most `max_bytes` and that the model maps a batch of `input_shape` examples to
     `num_classes` logits; raises ValueError naming the problem.
@@ -137,13 +139,17 @@ def check_model(name: str, input_shape: Sequence[int], num_classes: int, options
         raise ValueError(f"model: {name!r} cannot be built with options {options}: {_first_line(exc)}") from None
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if nbytes > max_bytes:
-        raise ValueError(f"model: {name!r} with options {options} has {nbytes:,} bytes of parameters, more than "
-                         f"the scheduler accepts in one upload ({max_bytes:,} bytes, upload_max_bytes)")
+        raise ValueError(
+            f"model: {name!r} with options {options} has {nbytes:,} bytes of parameters, more than "
+            f"the scheduler accepts in one upload ({max_bytes:,} bytes, upload_max_bytes)"
+        )
     try:
         out = model(torch.zeros((2, *input_shape), device="meta"))
     except Exception as exc:
-        raise ValueError(f"model: {name!r} with options {options} cannot take the dataset's examples shaped "
-                         f"{tuple(input_shape)}: {_first_line(exc)}") from None
+        raise ValueError(
+            f"model: {name!r} with options {options} cannot take the dataset's examples shaped "
+            f"{tuple(input_shape)}: {_first_line(exc)}"
+        ) from None
     if tuple(out.shape) != (2, num_classes):
         raise ValueError(f"model: {name!r} outputs shape {tuple(out.shape)[1:]}, the dataset needs ({num_classes},)")
     return nbytes

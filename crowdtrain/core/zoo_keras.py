@@ -56,8 +56,10 @@ class KerasModel:
     def set_params(self, params: Params) -> None:
         expected = {name for name, _, _ in self.slots}
         if set(params) != expected:
-            raise ValueError(f"parameter names differ: missing {sorted(expected - set(params))}, "
-                             f"unexpected {sorted(set(params) - expected)}")
+            raise ValueError(
+                f"parameter names differ: missing {sorted(expected - set(params))}, "
+                f"unexpected {sorted(set(params) - expected)}"
+            )
         for name, var, perm in self.slots:
             value = np.asarray(params[name])
             var.assign(value.transpose(perm) if perm else value)
@@ -84,8 +86,9 @@ def build_mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int
     return KerasModel(model, slots)
 
 
-def build_cnn1d(input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5,
-                layers: int = 3) -> KerasModel:
+def build_cnn1d(
+    input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5, layers: int = 3
+) -> KerasModel:
     keras = keras_module()
     inputs = keras.Input(tuple(input_shape))
     if len(input_shape) == 1:

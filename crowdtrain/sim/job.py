@@ -173,8 +173,17 @@ class SimJob:
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
         norm = params_norm(update.delta)
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
-        refusal = apply_with_policy(self.policy, self.rule, self.params, self.state, update, self.version, norm,
-                                    list(self.recent_norms), base_norm)
+        refusal = apply_with_policy(
+            self.policy,
+            self.rule,
+            self.params,
+            self.state,
+            update,
+            self.version,
+            norm,
+            list(self.recent_norms),
+            base_norm,
+        )
         if refusal:
             self.refusals["stale" if refusal.startswith("stale") else "update norm"] += 1
             self._end_assignment(a, "rejected", now)
@@ -195,8 +204,10 @@ class SimJob:
 
     def _publish_snapshot_if_due(self, now: float) -> None:
         sched = self.spec["scheduling"]
-        if (self.version - self.snapshot_version >= sched["snapshot_every_merges"]
-                or now - self.snapshot_at >= sched["snapshot_every_seconds"]):
+        if (
+            self.version - self.snapshot_version >= sched["snapshot_every_merges"]
+            or now - self.snapshot_at >= sched["snapshot_every_seconds"]
+        ):
             self.snapshot_version, self.snapshot, self.snapshot_at = self.version, _copy(self.params), now
             self._snapshot_norm = params_norm(self.snapshot)
 
@@ -234,11 +245,15 @@ class SimJob:
         stop = self.spec["stop"]
         shown = "n/a" if figure is None else f"{figure:.4f}"
         if figure is not None and figure >= stop["target_accuracy"]:
-            self._finish(SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= "
-                                    f"{stop['target_accuracy']}")
+            self._finish(
+                SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}"
+            )
         elif epoch >= stop["max_epochs"]:
-            self._finish("failed", f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
-                                   f"< target {stop['target_accuracy']}")
+            self._finish(
+                "failed",
+                f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
+                f"< target {stop['target_accuracy']}",
+            )
         elif epoch == self.current_epoch or (not self.ready and self._next_epoch_releasable()):
             self._release_epoch(self.current_epoch + 1)
 

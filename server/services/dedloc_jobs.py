@@ -91,25 +91,46 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared; join again in a moment")
     dedloc.join(r, job_id, peer_id, host_id, relayed)
     with db.begin() as s:
-        shards = [ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples)
-                  for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0)
-                                                    .order_by(Shard.index))]
-    log.info("job %s: peer %s joined (host %s%s) at step %d", job_id, peer_id, host_id,
-             ", relayed" if relayed else "", rnd.step)
-    recipe = {"model": view.model_config, "dedloc": view.spec.model_dump(), "seed": view.seed,
-              "max_steps": view.max_steps}
-    return PeerJoined(peer_id=peer_id, job_id=job_id, recipe=recipe, shards=shards, step=rnd.step,
-                      state_step=rnd.state_step)
+        shards = [
+            ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples)
+            for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0).order_by(Shard.index))
+        ]
+    log.info(
+        "job %s: peer %s joined (host %s%s) at step %d",
+        job_id,
+        peer_id,
+        host_id,
+        ", relayed" if relayed else "",
+        rnd.step,
+    )
+    recipe = {
+        "model": view.model_config,
+        "dedloc": view.spec.model_dump(),
+        "seed": view.seed,
+        "max_steps": view.max_steps,
+    }
+    return PeerJoined(
+        peer_id=peer_id, job_id=job_id, recipe=recipe, shards=shards, step=rnd.step, state_step=rnd.state_step
+    )
 
 
 def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
     group = dedloc.group_of(rnd, peer_id)
     members = rnd.groups[group] if group is not None else []
-    return RoundPlanOut(step=rnd.step, attempt=rnd.attempt, members=rnd.members, examples=rnd.examples,
-                        total=rnd.total, relayed=group is None, group=group, group_members=members,
-                        rank=members.index(peer_id) if group is not None else None,
-                        needs_combining=rnd.plan.needs_combining, parts=rnd.plan.parts,
-                        averaging_timeout=spec.averaging_timeout)
+    return RoundPlanOut(
+        step=rnd.step,
+        attempt=rnd.attempt,
+        members=rnd.members,
+        examples=rnd.examples,
+        total=rnd.total,
+        relayed=group is None,
+        group=group,
+        group_members=members,
+        rank=members.index(peer_id) if group is not None else None,
+        needs_combining=rnd.plan.needs_combining,
+        parts=rnd.plan.parts,
+        averaging_timeout=spec.averaging_timeout,
+    )
 
 
 def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress) -> ProgressReply:
@@ -162,12 +183,25 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         return answer("matchmaking")
     live = dedloc.live_peers(r, view.id, view.spec)
     reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
-    return answer("accumulate", accumulated=sum(int(v) for k, v in reported.items() if k.decode() in live),
-                  peers=max(1, len(live)))
+    return answer(
+        "accumulate",
+        accumulated=sum(int(v) for k, v in reported.items() if k.decode() in live),
+        peers=max(1, len(live)),
+    )
 
 
-def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
-           peer_id: str, ok: bool, result_digest: str, message: str) -> str:
+def report(
+    db: sessionmaker[Session],
+    r: redis.Redis,
+    job_id: int,
+    host_id: int,
+    step: int,
+    attempt: int,
+    peer_id: str,
+    ok: bool,
+    result_digest: str,
+    message: str,
+) -> str:
     """A member's outcome of its reduction: done (with the digest of its result) or failed."""
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
@@ -267,16 +301,19 @@ def _wait_for(fetch, seconds: float):
         time.sleep(0.005)
 
 
-def put_part(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str,
-             body: bytes) -> str:
+def put_part(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, body: bytes
+) -> str:
     """A group's sum (from its rank 0) or a relayed member's weighted gradient. When every part of
     the round is in, their sum is computed once, in the plan's order, for every member to download."""
     rnd = _running_member(r, job_id, host_id, peer_id, step, attempt)
     group = dedloc.group_of(rnd, peer_id)
     mine = f"relay-{peer_id}" if group is None else f"group-{group}"
     if part != mine or (group is not None and rnd.groups[group][0] != peer_id):
-        raise DedlocProblem(RefusalKind.forbidden, f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, "
-                                 "uploaded by the group's rank 0)")
+        raise DedlocProblem(
+            RefusalKind.forbidden,
+            f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, uploaded by the group's rank 0)",
+        )
     try:
         tensors = decode(body)
     except ValueError as exc:
@@ -297,15 +334,24 @@ def put_part(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int,
     return "stored"
 
 
-def get_total(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int,
-              wait: float) -> bytes | None:
+def get_total(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, wait: float
+) -> bytes | None:
     """The round's combined sum, or None if not every part is in yet (after up to `wait` seconds)."""
     _running_member(r, job_id, host_id, peer_id, step, attempt)
     return _wait_for(lambda: r.get(keys.dedloc_total(job_id, step, attempt)), wait)
 
 
-def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_id: int, host_id: int,
-              peer_id: str, step: int, body: bytes) -> str:
+def put_state(
+    db: sessionmaker[Session],
+    r: redis.Redis,
+    storage: Storage,
+    job_id: int,
+    host_id: int,
+    peer_id: str,
+    step: int,
+    body: bytes,
+) -> str:
     """Parameters + optimizer state at the start of `step`, uploaded by a member of step - 1's commit.
 
     Stored once (a second upload of the same step changes nothing), evaluated on the validation set
@@ -318,7 +364,9 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
         raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
     commit = dedloc.commit_of(r, job_id, step - 1) if step >= 1 else None
     if commit is None or peer_id not in commit["members"]:
-        raise DedlocProblem(RefusalKind.forbidden, f"peer {peer_id} did not commit step {step - 1}: it may not upload state {step}")
+        raise DedlocProblem(
+            RefusalKind.forbidden, f"peer {peer_id} did not commit step {step - 1}: it may not upload state {step}"
+        )
     try:
         tensors = decode(body)
         params = {k: v for k, v in tensors.items() if not k.startswith("__")}
@@ -334,15 +382,25 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
         dedloc.save(r, job_id, rnd)
     x, y = decode_shard(storage.get(view.validation_key))
     loss, accuracy = evaluate(job_id, view.model_config, params, x, y)
-    log.info("job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f", job_id, step,
-             math.digest(params)[:12], accuracy, loss)
+    log.info(
+        "job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f",
+        job_id,
+        step,
+        math.digest(params)[:12],
+        accuracy,
+        loss,
+    )
     outcome = None
     if accuracy >= view.target_accuracy:
-        outcome = (JobStatus.succeeded, f"step {step} reached validation accuracy {accuracy:.4f} >= "
-                                        f"{view.target_accuracy}")
+        outcome = (
+            JobStatus.succeeded,
+            f"step {step} reached validation accuracy {accuracy:.4f} >= {view.target_accuracy}",
+        )
     elif step >= view.max_steps:
-        outcome = (JobStatus.failed, f"max_steps={view.max_steps} reached; accuracy {accuracy:.4f} < target "
-                                     f"{view.target_accuracy}")
+        outcome = (
+            JobStatus.failed,
+            f"max_steps={view.max_steps} reached; accuracy {accuracy:.4f} < target {view.target_accuracy}",
+        )
     if outcome is not None:
         storage.put(keys.final_key(job_id), encode(params))
     ledger_jobs.record_dedloc_state(db, job_id, step, loss, accuracy, sha256(body), outcome)
@@ -359,7 +417,9 @@ def latest_state(r: redis.Redis, storage: Storage, job_id: int, host_id: int) ->
     """The newest state, for members of the job's collaboration only (others get the missing job's 404)."""
     rnd = dedloc.load(r, job_id)
     if rnd is None or not access.is_collaboration_member(r, job_id, host_id):
-        raise DedlocProblem(RefusalKind.not_found, f"the DeDLOC state of job {job_id} does not exist or you have not joined the job")
+        raise DedlocProblem(
+            RefusalKind.not_found, f"the DeDLOC state of job {job_id} does not exist or you have not joined the job"
+        )
     return rnd.state_step, storage.get(keys.dedloc_state_key(job_id, rnd.state_step))
 
 

@@ -22,8 +22,9 @@ from tests.conftest import EXAMPLE_SPEC
 
 
 def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
-    return paramstore.merge_once(r, job_id, assignment_id,
-                                 lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)).version
+    return paramstore.merge_once(
+        r, job_id, assignment_id, lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)
+    ).version
 
 
 def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tmp_path) -> None:
@@ -45,8 +46,7 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=2.0, val_accuracy=acc_v1))
         s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
-    noise = {k: (rng.standard_normal(v.shape) * 3).astype(v.dtype) if v.dtype.kind == "f" else v
-             for k, v in w0.items()}
+    noise = {k: (rng.standard_normal(v.shape) * 3).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in w0.items()}
     assert _merge(r, job_id, 2, noise) == 2  # no metric for v2 (as with eval_every > 1, or a late merge)
 
     close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)

@@ -34,8 +34,13 @@ def _small_job(var) -> JobSpec:
     """The example job on a small random dataset: quick to prepare."""
     rng = np.random.default_rng(0)
     labels = lambda n: np.arange(n) % 10  # noqa: E731
-    np.savez(var / "small.npz", x=rng.standard_normal((200, 40)).astype(np.float32), y=labels(200),
-             x_val=rng.standard_normal((50, 40)).astype(np.float32), y_val=labels(50))
+    np.savez(
+        var / "small.npz",
+        x=rng.standard_normal((200, 40)).astype(np.float32),
+        y=labels(200),
+        x_val=rng.standard_normal((50, 40)).astype(np.float32),
+        y_val=labels(50),
+    )
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.dataset.source = f"npz:{var / 'small.npz'}"
     return spec
