@@ -61,7 +61,8 @@ def snapshots(job_id: int) -> str:
 
 
 def auth_failures(address: str) -> str:
-    """Counter of failed authentications from one client address in the current window (crowdtrain.server.services.throttle)."""
+    """Counter of failed authentications from one client address in the current window
+    (crowdtrain.server.services.throttle)."""
     return f"{PREFIX}:auth-failures:{address}"
 
 
@@ -76,7 +77,8 @@ def dedloc_lock(job_id: int) -> str:
 
 
 def dedloc_round(job_id: int) -> str:
-    """JSON: the step being accumulated and the phase of its round (see crowdtrain.server.services.dedloc.Coordinator)."""
+    """JSON: the step being accumulated and the phase of its round
+    (see crowdtrain.server.services.dedloc.Coordinator)."""
     return f"{PREFIX}:job:{job_id}:dedloc:round"
 
 

@@ -8,7 +8,8 @@ clock, and merges with the very rule and policy code the parameter servers run
   `_release_next_epoch`: early release once the current epoch has nothing left to dispatch);
 - merge: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm bound, then the rule;
   a refusal is charged to the workunit; metrics every `eval_every` merges; snapshots);
-- time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed at max_errors);
+- time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed
+  at max_errors);
 - close an epoch: crowdtrain.server.ledger.epochs.close_epoch_if_complete (the stop rule) and
   crowdtrain.workgen.generator.next_epoch_releasable.
 

@@ -64,7 +64,8 @@ class ResultRefused(ResultProblem):
 
 def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict, UploadSpec]:
     """(job id, parameter manifest, upload encoding) a result must match, checked before the body is
-    read: the assignment exists, is the caller's and is in progress (else ResultProblem not_found/conflict). Read only."""
+    read: the assignment exists, is the caller's and is in progress (else ResultProblem not_found/conflict).
+    Read only."""
     with db.begin() as s:
         a = s.get(Assignment, assignment_id)
         if a is None or a.host_id != host_id:

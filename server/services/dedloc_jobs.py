@@ -1,5 +1,6 @@
 """Service layer of the DeDLOC mode: what each `/v1/dedloc` request does to Redis, storage and the
-database. The round's phases themselves are in crowdtrain.server.services.dedloc; the routes only move data in and out."""
+database. The round's phases themselves are in crowdtrain.server.services.dedloc; the routes only move data
+in and out."""
 
 import base64
 import json

@@ -17,7 +17,10 @@ def test_json_lines_carry_the_domain_ids() -> None:
 
 
 def test_text_lines_cannot_be_forged_by_client_text() -> None:
-    forged = "alice\n2024-01-01 00:00:00 INFO crowdtrain.server.ledger.assignments: assignment 9: result uploaded\r\x1b[2J\u2028"
+    forged = (
+        "alice\n2024-01-01 00:00:00 INFO crowdtrain.server.ledger.assignments: assignment 9: result uploaded"
+        "\r\x1b[2J\u2028"
+    )
     record = logging.LogRecord(
         "crowdtrain.server.services.hosts", logging.INFO, __file__, 1, "host %s registered", (forged,), None
     )
