@@ -7,17 +7,20 @@ computed here from the model's logits, the same arithmetic for every framework.
 
 import numpy as np
 import torch
+from torch import nn
 
 from crowdtrain.core import frameworks, zoo, zoo_keras
 from crowdtrain.core.tensors import Params
 
-_models: dict[tuple[int, str], object] = {}
+# Each job's model, built once per process and framework.
+_torch_models: dict[int, nn.Module] = {}
+_keras_models: dict[int, zoo_keras.KerasModel] = {}
 
 
 def _torch_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray, batch_size: int) -> np.ndarray:
-    model = _models.get((job_id, "pytorch"))
+    model = _torch_models.get(job_id)
     if model is None:
-        model = _models[(job_id, "pytorch")] = zoo.build_model(
+        model = _torch_models[job_id] = zoo.build_model(
             model_config["name"], model_config["input_shape"], model_config["num_classes"], **model_config["options"]
         )
     zoo.load_numpy_state(model, params)
@@ -29,9 +32,9 @@ def _torch_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray
 
 
 def _tensorflow_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray, batch_size: int) -> np.ndarray:
-    model = _models.get((job_id, "tensorflow"))
+    model = _keras_models.get(job_id)
     if model is None:
-        model = _models[(job_id, "tensorflow")] = zoo_keras.build_model(model_config)
+        model = _keras_models[job_id] = zoo_keras.build_model(model_config)
     model.set_params(params)
     return np.concatenate(
         [np.asarray(model.model(x[i : i + batch_size], training=False)) for i in range(0, len(x), batch_size)]

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import redis
@@ -138,6 +139,7 @@ def _assimilate(svc: MergeServices, assignment_id: int, received_at: float | Non
             result = _merge_new(svc, pending, received_at)
         except Refused as exc:
             return _refuse(svc, assignment_id, exc)
+    assert result.version is not None  # a merged or already merged result names the W_s version holding it
     _record(svc, pending, result.version)
     return result
 
@@ -254,7 +256,7 @@ def _record_metric(svc: MergeServices, p: merges.PendingMerge) -> None:
     log.info("job %s: W_s v%d validation accuracy %.4f loss %.4f (epoch %d)", p.job_id, version, acc, loss, p.epoch)
 
 
-def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict, version: int) -> None:
+def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, Any], version: int) -> None:
     """Publish W_s for dispatch at most once per `snapshot_every_merges` merges or seconds."""
     last_v, age = merges.last_snapshot(svc.db, job_id)
     due = version - last_v >= sched["snapshot_every_merges"] or (

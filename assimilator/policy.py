@@ -18,6 +18,7 @@ Pure functions over named arrays and plain numbers; no I/O.
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class UpdateBound:
     max_update_norm: float | None = None
 
     @classmethod
-    def from_spec(cls, assimilation: dict) -> "UpdateBound":
+    def from_spec(cls, assimilation: dict[str, Any]) -> "UpdateBound":
         return cls(
             factor=assimilation.get("update_norm_factor", 10.0),
             warmup=assimilation.get("update_norm_warmup", 5),
@@ -49,7 +50,7 @@ def params_norm(params: Params) -> float:
         if v.dtype.kind == "f":
             flat = v.astype(np.float64).ravel()
             total += float(np.dot(flat, flat))
-    return total**0.5
+    return float(total**0.5)
 
 
 def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> tuple[float, str]:
@@ -120,7 +121,7 @@ class Policy:
     clip_norm: float | None = None
 
     @classmethod
-    def from_spec(cls, assimilation: dict) -> "Policy":
+    def from_spec(cls, assimilation: dict[str, Any]) -> "Policy":
         return cls(
             UpdateBound.from_spec(assimilation), assimilation.get("max_staleness"), assimilation.get("clip_norm")
         )

@@ -88,7 +88,7 @@ def make_dataset(
     _check_shapes(x, y, "x", "y")
     if (x_val is None) != (y_val is None):
         raise ValueError("dataset: give both x_val and y_val, or neither (then validation_fraction applies)")
-    if x_val is None:
+    if x_val is None or y_val is None:  # both None (checked just above)
         n_val = max(1, int(len(x) * validation_fraction))
         if n_val >= len(x):
             raise ValueError(

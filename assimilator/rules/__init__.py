@@ -11,6 +11,8 @@ rule; a rule never refuses.
   combined (combiners.py), applied by an outer optimizer (outer.py).
 """
 
+from typing import Any
+
 from crowdtrain.assimilator.rules.delta import Delta, FedBuff
 from crowdtrain.assimilator.rules.outer import make_outer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
@@ -19,7 +21,7 @@ from crowdtrain.assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_
 from crowdtrain.core.jobspec import AssimilationSpec
 
 
-def make_rule(assimilation: dict) -> Rule:
+def make_rule(assimilation: dict[str, Any]) -> Rule:
     """The merge rule a job's `assimilation` section (as stored: a dict) selects.
 
     The dict is read through AssimilationSpec, so missing fields take the spec's defaults and a bad

@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path, PurePath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
@@ -10,8 +10,8 @@ from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS
 from crowdtrain.core.specfile import SpecFileError, load_yaml, read_bounded
 
 ZOO_MODELS = ("mlp", "cnn1d", "resnet")
-VC_ASGD = "vc-asgd"  # the one job mode whose work is epochs of workunits
-DEDLOC = "dedloc"  # synchronous rounds of peers (crowdtrain.server.services.dedloc); never workunits
+VC_ASGD: Final = "vc-asgd"  # the one job mode whose work is epochs of workunits
+DEDLOC: Final = "dedloc"  # synchronous rounds of peers (crowdtrain.server.services.dedloc); never workunits
 
 
 class _Strict(BaseModel):
@@ -388,7 +388,12 @@ def load_job_spec(path: Path, notes: list[str] | None = None) -> JobSpec:
             raise SpecFileError(f"{keras_path}: not JSON: {exc}") from None
     dataset = data.get("dataset")
     source = dataset.get("source") if isinstance(dataset, dict) else None
-    if isinstance(source, str) and source.startswith("npz:") and not Path(source[4:]).is_absolute():
+    if (
+        isinstance(dataset, dict)
+        and isinstance(source, str)
+        and source.startswith("npz:")
+        and not Path(source[4:]).is_absolute()
+    ):
         resolved = (path.parent / Path(source[4:]).expanduser()).resolve()
         dataset["source"] = f"npz:{resolved}"
         if notes is not None:

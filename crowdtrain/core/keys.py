@@ -159,3 +159,9 @@ def final_key(job_id: int) -> str:
 def dedloc_state_key(job_id: int, step: int) -> str:
     """A DeDLOC job's parameters and optimizer state at the start of `step`."""
     return f"jobs/{job_id}/dedloc/state-{step:08d}.safetensors"
+
+
+def text(reply: bytes | str) -> str:
+    """A hash field or value read back from Redis, as str. redis-py types replies `bytes | str`;
+    ours are bytes, since no client of ours sets `decode_responses`."""
+    return reply.decode() if isinstance(reply, bytes) else reply

@@ -35,7 +35,7 @@ class TextFormatter(logging.Formatter):
         return super().formatMessage(record)
 
 
-def ids(**fields: int | None) -> dict:
+def ids(**fields: int | None) -> dict[str, int]:
     """`extra=` for a log call: the domain ids it concerns."""
     return {k: v for k, v in fields.items() if v is not None}
 

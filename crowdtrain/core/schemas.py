@@ -47,13 +47,17 @@ class ErrorOut(BaseModel):
     detail: str = Field(..., description="What was wrong, naming the field or resource")
 
 
+def _pytorch_only() -> list[Literal["pytorch", "tensorflow"]]:
+    return ["pytorch"]
+
+
 class Resources(WireRequest):
     cpus: Count = 0
     ram_bytes: Bytes = 0
     gpu: str = Field("", max_length=200)
     device: str = Field("cpu", max_length=50)
     frameworks: list[Literal["pytorch", "tensorflow"]] = Field(
-        default_factory=lambda: ["pytorch"],
+        default_factory=_pytorch_only,
         min_length=1,
         max_length=8,
         description="Frameworks the client trains with (clients from before this field had PyTorch only)",

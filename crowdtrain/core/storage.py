@@ -20,6 +20,7 @@ class Storage(Protocol):
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def local_path(self, key: str) -> Path | None: ...
+    def __hash__(self) -> int: ...  # a storage keys caches (crowdtrain.assimilator.merge)
     def presigned_url(self, key: str, expires_seconds: int) -> str | None: ...
 
 
@@ -102,7 +103,8 @@ class S3Storage:
 
     def get(self, key: str) -> bytes:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            body: bytes = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            return body
         except self.client.exceptions.NoSuchKey:
             raise ObjectNotFound(key) from None
 
@@ -121,9 +123,10 @@ class S3Storage:
 
     def presigned_url(self, key: str, expires_seconds: int) -> str | None:
         """A short-lived GET URL: clients download from S3 directly, not through the scheduler."""
-        return self.public.generate_presigned_url(
+        url: str = self.public.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_seconds
         )
+        return url
 
 
 def download_origin(storage: Storage) -> str | None:

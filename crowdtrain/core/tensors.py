@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -50,7 +51,7 @@ def _no_floats(text: str) -> float:
     raise ValueError(f"number {text[:20]} is not an integer")
 
 
-def _read_header(buf: memoryview, max_header_bytes: int, max_tensors: int | None) -> tuple[dict, int]:
+def _read_header(buf: memoryview, max_header_bytes: int, max_tensors: int | None) -> tuple[dict[str, Any], int]:
     """The header object and its length, bounded before it is parsed: its byte length, the tensors it
     can list (counted as `"data_offsets"` keys), integer-only numbers, and no nesting past JSON's
     recursion limit."""
@@ -84,7 +85,7 @@ def _ints(value: object, what: str, length: int | None = None) -> list[int]:
     return value
 
 
-def _layout(header: dict, data_size: int) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
+def _layout(header: dict[str, Any], data_size: int) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
     """Each tensor's (name, dtype, shape, start, end), checked to tile the data exactly, as the safetensors
     library requires: no gap, no overlap, nothing after the last tensor."""
     out = []
@@ -129,7 +130,7 @@ def views(
         raise TensorFormatError(f"not a safetensors file: {exc}") from exc
 
 
-def header_limits(manifest: dict) -> tuple[int, int]:
+def header_limits(manifest: dict[str, Any]) -> tuple[int, int]:
     """(header bytes, tensors) that a result for a model with this manifest may have: room for every
     tensor's entry with its name escaped, and nothing more."""
     entries = sum(6 * len(name) + 160 for name in manifest)
@@ -148,7 +149,7 @@ def manifest_of(params: Params) -> Manifest:
     return {k: (list(v.shape), str(v.dtype)) for k, v in params.items()}
 
 
-def check_against_manifest(params: Params, manifest: dict) -> None:
+def check_against_manifest(params: Params, manifest: dict[str, Any]) -> None:
     """Raise ValueError naming the first mismatch of names, shapes, dtypes or non-finite values."""
     missing = sorted(set(manifest) - set(params))
     extra = sorted(set(params) - set(manifest))

@@ -19,6 +19,7 @@ into the next (the server applies each Δ once), so an unbiased but twice as lar
 """
 
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -40,7 +41,7 @@ INT8_MAX = 127
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 # The encodings `upload_sizes` compares by default (benchmarks report bytes per upload for each).
-STANDARD_UPLOADS: tuple[dict, ...] = (
+STANDARD_UPLOADS: tuple[dict[str, Any], ...] = (
     {"send": "weights", "dtype": "float32"},
     {"send": "delta", "dtype": "float32"},
     {"send": "delta", "dtype": "bfloat16"},
@@ -49,18 +50,18 @@ STANDARD_UPLOADS: tuple[dict, ...] = (
 )
 
 
-def upload_spec(upload: UploadSpec | dict | None) -> UploadSpec:
+def upload_spec(upload: UploadSpec | dict[str, Any] | None) -> UploadSpec:
     """The upload spec from a job spec's `assimilation.upload` (None or {}: weights as float32, as
     jobs stored before the field had); ValueError (pydantic's) names a bad field."""
     return upload if isinstance(upload, UploadSpec) else UploadSpec.model_validate(upload or {})
 
 
-def upload_of(assimilation: dict) -> UploadSpec:
+def upload_of(assimilation: dict[str, Any]) -> UploadSpec:
     """The upload spec of a stored job spec's `assimilation` section."""
     return upload_spec(assimilation.get("upload"))
 
 
-def upload_label(upload: UploadSpec | dict | None) -> str:
+def upload_label(upload: UploadSpec | dict[str, Any] | None) -> str:
     """A short name for an encoding: weights/float32, delta/int8, delta/int8/block64, ..."""
     u = upload_spec(upload)
     return f"{u.send}/{u.dtype}" + (f"/block{u.block_size}" if u.block_size else "")
@@ -74,7 +75,7 @@ def _blocks(shape: list[int], block_size: int | None) -> int:
     return 1 if block_size is None else -(-math.prod(shape) // block_size)
 
 
-def wire_manifest(manifest: dict, upload: UploadSpec | dict | None) -> Manifest:
+def wire_manifest(manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None) -> Manifest:
     """Name -> (shape, dtype name) of every tensor a result encoded per `upload` has: no more, no fewer."""
     u = upload_spec(upload)
     if u.send == "weights":
@@ -92,7 +93,7 @@ def wire_manifest(manifest: dict, upload: UploadSpec | dict | None) -> Manifest:
     return out
 
 
-def expected_upload_bytes(manifest: dict, upload: UploadSpec | dict | None) -> int:
+def expected_upload_bytes(manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None) -> int:
     """The largest blob that can be a valid result: 8 length bytes, the header bound the decoder
     enforces (crowdtrain.core.tensors.header_limits) and the tensors' data. An honest result is smaller."""
     wire = wire_manifest(manifest, upload)
@@ -123,13 +124,12 @@ def quantize_int8(x: np.ndarray, block_size: int | None) -> tuple[np.ndarray, np
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray, block_size: int | None) -> np.ndarray:
     """float32 q · scale, each value with its block's scale."""
-    if block_size is None:
-        return q.astype(np.float32) * scales[0]
-    per_value = np.repeat(scales, block_size)[: q.size].reshape(q.shape)
-    return q.astype(np.float32) * per_value
+    per_value = scales[0] if block_size is None else np.repeat(scales, block_size)[: q.size].reshape(q.shape)
+    out: np.ndarray = q.astype(np.float32) * per_value
+    return out
 
 
-def encode_update(delta: Params, upload: UploadSpec | dict | None) -> Params:
+def encode_update(delta: Params, upload: UploadSpec | dict[str, Any] | None) -> Params:
     """The tensors that carry `delta` (float tensors only) per `upload`'s dtype, scales included."""
     u = upload_spec(upload)
     out: Params = {}
@@ -144,7 +144,7 @@ def encode_update(delta: Params, upload: UploadSpec | dict | None) -> Params:
     return out
 
 
-def encode_result(params: Params, base: Params, upload: UploadSpec | dict | None) -> bytes:
+def encode_result(params: Params, base: Params, upload: UploadSpec | dict[str, Any] | None) -> bytes:
     """The upload body for a client that trained `base` (the snapshot it decoded) into `params`:
     W_c itself, or Δ = W_c − W_base for every float tensor plus the others as they are."""
     u = upload_spec(upload)
@@ -175,7 +175,9 @@ def _check_layout(tensors: Params, wire: Manifest, what: str) -> None:
             raise ValueError(f"{what}: tensor {name!r} has dtype {arr.dtype}, expected {dtype}")
 
 
-def decode_update(blob: bytes | bytearray | memoryview, manifest: dict, upload: UploadSpec | dict | None) -> Params:
+def decode_update(
+    blob: bytes | bytearray | memoryview, manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None
+) -> Params:
     """What a result carries, validated and widened: W_c for weights uploads; for delta uploads Δ as
     float32 for each float tensor and the client's own value of each other tensor.
 
@@ -218,7 +220,10 @@ def decode_update(blob: bytes | bytearray | memoryview, manifest: dict, upload: 
 
 
 def decode_result(
-    blob: bytes | bytearray | memoryview, manifest: dict, upload: UploadSpec | dict | None, base: Params
+    blob: bytes | bytearray | memoryview,
+    manifest: dict[str, Any],
+    upload: UploadSpec | dict[str, Any] | None,
+    base: Params,
 ) -> Params:
     """W_c from a result: the weights themselves, or W_base + Δ in the model's dtypes, where `base` is
     the snapshot the host started from. Raises like `decode_update`, and ValueError when W_base + Δ
@@ -238,7 +243,9 @@ def decode_result(
     return client
 
 
-def upload_sizes(manifest: dict, uploads: tuple[dict, ...] = STANDARD_UPLOADS) -> dict[str, int]:
+def upload_sizes(
+    manifest: dict[str, Any], uploads: tuple[UploadSpec | dict[str, Any], ...] = STANDARD_UPLOADS
+) -> dict[str, int]:
     """Bytes of one upload for each encoding (label -> bytes), for a model with this manifest. Exact:
     a blob's size depends on the names, shapes and encoding only, not on the values."""
     zeros = {name: np.zeros(shape, _np_dtype(dtype)) for name, (shape, dtype) in manifest.items()}

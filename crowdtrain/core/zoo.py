@@ -5,6 +5,7 @@ plus its own keyword options from the job spec's `model.options`.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        logits: torch.Tensor = self.net(x)  # a Module's __call__ is typed Any
+        return logits
 
 
 class CNN1D(nn.Module):
@@ -54,7 +56,8 @@ class CNN1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             x = x.unsqueeze(1)
-        return self.head(self.features(x).amax(dim=2))
+        logits: torch.Tensor = self.head(self.features(x).amax(dim=2))
+        return logits
 
 
 class PreActBlock(nn.Module):
@@ -71,7 +74,8 @@ class PreActBlock(nn.Module):
         skip = self.shortcut(out) if self.shortcut is not None else x
         out = self.conv1(out)
         out = self.conv2(torch.relu(self.bn2(out)))
-        return out + skip
+        summed: torch.Tensor = out + skip
+        return summed
 
 
 class PreActResNet(nn.Module):
@@ -102,14 +106,15 @@ class PreActResNet(nn.Module):
         if x.dim() == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
             x = x.permute(0, 3, 1, 2)  # NHWC arrays from npz files
         out = torch.relu(self.bn(self.stages(self.stem(x))))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+        logits: torch.Tensor = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+        return logits
 
 
-_BUILDERS = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet}
+_BUILDERS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet}
 
 
 def build_model(
-    name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None, **options
+    name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None, **options: Any
 ) -> nn.Module:
     """Instantiate a zoo model; with `seed`, its initial weights are reproducible."""
     if name not in _BUILDERS:
@@ -122,7 +127,9 @@ def build_model(
         raise ValueError(f"bad options for model {name!r}: {exc}") from exc
 
 
-def check_model(name: str, input_shape: Sequence[int], num_classes: int, options: dict, max_bytes: int) -> int:
+def check_model(
+    name: str, input_shape: Sequence[int], num_classes: int, options: dict[str, Any], max_bytes: int
+) -> int:
     """The bytes of a zoo model's parameters (its state_dict as float32), after checking that they
     are at most `max_bytes` and that the model maps a batch of `input_shape` examples to
     `num_classes` logits; raises ValueError naming the problem.
@@ -137,7 +144,7 @@ def check_model(name: str, input_shape: Sequence[int], num_classes: int, options
         raise
     except Exception as exc:  # a builder's own refusal of its arguments
         raise ValueError(f"model: {name!r} cannot be built with options {options}: {_first_line(exc)}") from None
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes: int = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if nbytes > max_bytes:
         raise ValueError(
             f"model: {name!r} with options {options} has {nbytes:,} bytes of parameters, more than "

@@ -285,7 +285,8 @@ def fleet_request(spec: FleetSpec, template_id: str) -> dict:
     (instance type, subnet). `maintain` makes EC2 replace preempted instances by itself."""
     overrides = []
     for instance_type in spec.instance_types:
-        for subnet in spec.subnet_ids or [None]:
+        subnets: list[str | None] = [*spec.subnet_ids] or [None]  # None: an override without SubnetId
+        for subnet in subnets:
             override: dict = {"InstanceType": instance_type}
             if subnet:
                 override["SubnetId"] = subnet

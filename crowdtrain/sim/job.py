@@ -171,6 +171,7 @@ class SimJob:
         """Validate and merge an uploaded result; the refusal, or None when it was merged."""
         if not self.running or a.status != IN_PROGRESS:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
+        assert a.client is not None  # set when its training ended, before it arrived
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
         norm = params_norm(update.delta)
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)

@@ -47,6 +47,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -327,7 +328,7 @@ class _Simulation:
         speeds = rng.lognormal(0.0, fleet.speed_sigma, fleet.hosts)
         self.speeds = speeds / speeds.mean()
         self.caches: list[set[tuple[int, int]]] = [set() for _ in range(fleet.hosts)]
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, str, Any]] = []  # payload: the Assignment, or the idle slot's host
         self.seq = itertools.count()
         self.idle: deque[int] = deque()  # one entry per idle slot: its host
         self.now = 0.0

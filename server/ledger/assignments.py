@@ -10,7 +10,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
@@ -128,7 +128,7 @@ def store_result(
     body: bytes,
     metrics: ResultMetrics,
     enqueue: Callable[[int, float], None],
-) -> str:
+) -> AssignmentStatus:
     """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
 
     The body is written to storage under a key of its own before the (short) transaction, so the
@@ -159,7 +159,7 @@ def store_result(
     # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
     # transitioner re-queues merges that stay uploaded too long.
     enqueue(assignment_id, received_at)
-    return AssignmentStatus.uploaded.value
+    return AssignmentStatus.uploaded
 
 
 def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str]:
@@ -325,7 +325,7 @@ def claim_workunits(s: Session, job: Job, host: Host, limit: int, cached: list[s
     preferences at once would sort every ready workunit of the job on each request.
     """
     reliable = host.consecutive_valid >= RELIABLE_AFTER
-    filters = []
+    filters: list[ColumnElement[bool] | None] = []  # None: no extra filter
     if cached:
         filters.append(Workunit.shard_id.in_(select(Shard.id).where(Shard.job_id == job.id, Shard.sha256.in_(cached))))
     filters += [Workunit.error_count > 0 if reliable else Workunit.error_count == 0, None]

@@ -38,11 +38,11 @@ def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
 
 
 def _open_workunits(s: Session, job_id: int, epoch: int) -> int:
-    return s.scalar(
+    return s.execute(
         select(func.count())
         .select_from(Workunit)
         .where(Workunit.job_id == job_id, Workunit.epoch == epoch, Workunit.status.in_(_OPEN))
-    )
+    ).scalar_one()
 
 
 def release_epoch(s: Session, job: Job, epoch: int) -> bool:

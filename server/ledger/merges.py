@@ -58,6 +58,7 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
             return None
         job = s.get_one(Job, a.job_id)
         wu = s.get_one(Workunit, a.workunit_id)
+        assert a.upload_key is not None  # set with the status uploaded (assignments.store_result)
         return PendingMerge(
             assignment_id=a.id,
             job_id=job.id,
@@ -223,6 +224,7 @@ def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.R
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         key, snap_version, seen = job.snapshot_key, job.snapshot_version, job.param_version
+    assert key is not None and snap_version is not None  # every job publishes v0 when it is created
     version = max(snap_version, seen)
     if paramstore.initialise_blob(r, job_id, storage.get(key), version):
         log.warning(

@@ -96,7 +96,7 @@ def lock(r: redis.Redis, job_id: int):
 
 
 def peers(r: redis.Redis, job_id: int) -> dict[str, Peer]:
-    return {k.decode(): Peer(**json.loads(v)) for k, v in r.hgetall(keys.dedloc_peers(job_id)).items()}
+    return {keys.text(k): Peer(**json.loads(v)) for k, v in r.hgetall(keys.dedloc_peers(job_id)).items()}
 
 
 def join(r: redis.Redis, job_id: int, peer_id: str, host_id: int, relayed: bool) -> None:
@@ -130,9 +130,9 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
     if rnd.phase == "accumulating" and rnd.step < max_steps:
         live = live_peers(r, job_id, spec)
         reported = {
-            k.decode(): int(v)
+            keys.text(k): int(v)
             for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
-            if k.decode() in live
+            if keys.text(k) in live
         }
         if dedloc.step_is_full(reported, spec.target_batch_size):
             rnd.phase, rnd.attempt, rnd.ready = "matchmaking", 0, {}

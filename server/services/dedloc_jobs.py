@@ -7,6 +7,7 @@ import json
 import logging
 import secrets
 import time
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -19,6 +20,8 @@ from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.core.refusals import Refusal, RefusalKind
 from crowdtrain.core.schemas_dedloc import (
+    Outcome,
+    PeerAction,
     PeerJoined,
     Progress,
     ProgressReply,
@@ -91,11 +94,11 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     if rnd is None:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared; join again in a moment")
     dedloc.join(r, job_id, peer_id, host_id, relayed)
+    shards = []
     with db.begin() as s:
-        shards = [
-            ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples)
-            for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0).order_by(Shard.index))
-        ]
+        for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0).order_by(Shard.index)):
+            assert x.sha256 is not None  # epoch 0's shards are written at submission
+            shards.append(ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples))
     log.info(
         "job %s: peer %s joined (host %s%s) at step %d",
         job_id,
@@ -154,7 +157,7 @@ def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: in
 
 
 def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> ProgressReply:
-    def answer(action: str, **kw) -> ProgressReply:
+    def answer(action: PeerAction, **kw: Any) -> ProgressReply:
         return ProgressReply(action=action, step=rnd.step, state_step=rnd.state_step, **kw)
 
     # A committed step is applied by each of its members, even when it was the job's last.
@@ -162,11 +165,11 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         commit = dedloc.commit_of(r, view.id, req.step)
         if commit and commit["attempt"] == req.attempt and req.peer_id in commit["members"]:
             last = req.step + 1 >= view.max_steps  # every member uploads the final state: it ends the job
-            return answer("apply", upload_state=last or commit["uploader"] == req.peer_id)
+            return answer(PeerAction.apply, upload_state=last or commit["uploader"] == req.peer_id)
     if rnd.finished or not view.running:
-        return answer("stop", message="the job has finished")
+        return answer(PeerAction.stop, message="the job has finished")
     if req.step != rnd.step:
-        return answer("resync", message=f"the collaboration is at step {rnd.step}")
+        return answer(PeerAction.resync, message=f"the collaboration is at step {rnd.step}")
     dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
     if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
         r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
@@ -178,15 +181,15 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
     if rnd.phase == "reducing" and req.peer_id in rnd.members:
         if req.peer_id in rnd.done:
-            return answer("wait")
-        return answer("reduce", round=_plan_for(rnd, req.peer_id, view.spec))
+            return answer(PeerAction.wait)
+        return answer(PeerAction.reduce, round=_plan_for(rnd, req.peer_id, view.spec))
     if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
-        return answer("matchmaking")
+        return answer(PeerAction.matchmaking)
     live = dedloc.live_peers(r, view.id, view.spec)
     reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
     return answer(
-        "accumulate",
-        accumulated=sum(int(v) for k, v in reported.items() if k.decode() in live),
+        PeerAction.accumulate,
+        accumulated=sum(int(v) for k, v in reported.items() if keys.text(k) in live),
         peers=max(1, len(live)),
     )
 
@@ -202,7 +205,7 @@ def report(
     ok: bool,
     result_digest: str,
     message: str,
-) -> str:
+) -> Outcome:
     """A member's outcome of its reduction: done (with the digest of its result) or failed."""
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
@@ -210,7 +213,7 @@ def report(
             dedloc.touch(r, job_id, peer_id, host_id)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
-        rnd = dedloc.load(r, job_id)
+        rnd = _joined_round(r, job_id)
         try:
             if ok:
                 commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
@@ -227,14 +230,22 @@ def report(
         with db.begin() as s:
             job = s.get_one(Job, job_id)
             job.param_version = max(job.param_version, step + 1)
-        return "committed"
-    return "recorded" if ok else "aborted"
+        return Outcome.committed
+    return Outcome.recorded if ok else Outcome.aborted
+
+
+def _joined_round(r: redis.Redis, job_id: int) -> Round:
+    """The round of a job that peers have joined: it exists (open_job wrote it before anyone could
+    join, and nothing deletes it)."""
+    rnd = dedloc.load(r, job_id)
+    assert rnd is not None, f"job {job_id} has peers but no round"
+    return rnd
 
 
 def _running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
     try:
         dedloc.touch(r, job_id, peer_id, host_id)
-        rnd = dedloc.load(r, job_id)
+        rnd = _joined_round(r, job_id)
         dedloc.check_member(rnd, peer_id, step, attempt)
         return rnd
     except RoundGone as exc:
@@ -278,7 +289,8 @@ def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
             while True:
                 try:
                     pipe.watch(prefix + req.key)
-                    current = pipe.get(prefix + req.key)
+                    # redis-py types replies `bytes | str`; ours are bytes (no `decode_responses`).
+                    current = cast(bytes | None, pipe.get(prefix + req.key))
                     pipe.multi()
                     if (current is None and not expected) or current == expected:
                         pipe.set(prefix + req.key, value or b"", ex=dedloc.ARTIFACT_TTL)
@@ -304,7 +316,7 @@ def _wait_for(fetch, seconds: float):
 
 def put_part(
     r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, body: bytes
-) -> str:
+) -> Outcome:
     """A group's sum (from its rank 0) or a relayed member's weighted gradient. When every part of
     the round is in, their sum is computed once, in the plan's order, for every member to download."""
     rnd = _running_member(r, job_id, host_id, peer_id, step, attempt)
@@ -324,15 +336,15 @@ def put_part(
     r.set(keys.dedloc_part(job_id, step, attempt, part), body, ex=dedloc.ARTIFACT_TTL)
     with dedloc.lock(r, job_id):
         names = [keys.dedloc_part(job_id, step, attempt, p) for p in rnd.plan.parts]
-        blobs = r.mget(names)
-        if all(b is not None for b in blobs) and not r.exists(keys.dedloc_total(job_id, step, attempt)):
+        blobs = [b for b in r.mget(names) if isinstance(b, bytes)]  # a missing part is None
+        if len(blobs) == len(names) and not r.exists(keys.dedloc_total(job_id, step, attempt)):
             parts = [decode(b) for b in blobs]
             if len({p["g"].shape for p in parts}) != 1:
                 raise DedlocProblem(RefusalKind.malformed, "parts of this round differ in size")
             total = math.combine_parts(parts)
             r.set(keys.dedloc_total(job_id, step, attempt), encode(total), ex=dedloc.ARTIFACT_TTL)
-            return "combined"
-    return "stored"
+            return Outcome.combined
+    return Outcome.stored
 
 
 def get_total(
@@ -352,7 +364,7 @@ def put_state(
     peer_id: str,
     step: int,
     body: bytes,
-) -> str:
+) -> Outcome:
     """Parameters + optimizer state at the start of `step`, uploaded by a member of step - 1's commit.
 
     Stored once (a second upload of the same step changes nothing), evaluated on the validation set
@@ -375,10 +387,10 @@ def put_state(
     except ValueError as exc:
         raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
     if not r.set(keys.dedloc_state_claim(job_id, step), peer_id, nx=True):
-        return "duplicate"
+        return Outcome.duplicate
     storage.put(keys.dedloc_state_key(job_id, step), body)
     with dedloc.lock(r, job_id):
-        rnd = dedloc.load(r, job_id)
+        rnd = _joined_round(r, job_id)
         rnd.state_step = max(rnd.state_step, step)
         dedloc.save(r, job_id, rnd)
     x, y = decode_shard(storage.get(view.validation_key))
@@ -407,11 +419,11 @@ def put_state(
     ledger_jobs.record_dedloc_state(db, job_id, step, loss, accuracy, sha256(body), outcome)
     if outcome is not None:
         with dedloc.lock(r, job_id):
-            rnd = dedloc.load(r, job_id)
+            rnd = _joined_round(r, job_id)
             rnd.finished = True
             dedloc.save(r, job_id, rnd)
         log.info("job %s %s: %s", job_id, outcome[0].value, outcome[1])
-    return "stored"
+    return Outcome.stored
 
 
 def latest_state(r: redis.Redis, storage: Storage, job_id: int, host_id: int) -> tuple[int, bytes]:
@@ -425,11 +437,11 @@ def latest_state(r: redis.Redis, storage: Storage, job_id: int, host_id: int) ->
 
 
 def digests(r: redis.Redis, job_id: int, step: int) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in r.hgetall(keys.dedloc_digests(job_id, step)).items()}
+    return {keys.text(k): keys.text(v) for k, v in r.hgetall(keys.dedloc_digests(job_id, step)).items()}
 
 
 def aborts(r: redis.Redis, job_id: int) -> dict[str, dict]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.dedloc_aborts(job_id)).items()}
+    return {keys.text(k): json.loads(v) for k, v in r.hgetall(keys.dedloc_aborts(job_id)).items()}
 
 
 def commits(r: redis.Redis, job_id: int) -> dict[int, dict]:

@@ -35,6 +35,8 @@ LAST_SEEN_RESOLUTION = timedelta(seconds=15)
 def _assignment_out(
     a: Assignment, wu: Workunit, shard: Shard, job: Job, storage: Storage, presign_seconds: int
 ) -> AssignmentOut:
+    # Written at submission, or (a re-dealt epoch's shard) before its first dispatch; v0 is published at submission.
+    assert shard.sha256 is not None and job.snapshot_key is not None and job.snapshot_sha256 is not None
     # Object storage that can presign serves the bytes itself; otherwise the scheduler does.
     shard_url = storage.presigned_url(shard.key, presign_seconds) or f"/v1/shards/{shard.id}"
     snapshot_url = (

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.refusals import NotFound
 from crowdtrain.core.schemas import EpochFigures, JobStatusOut, MetricPoint
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
 
@@ -79,7 +79,7 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
         return JobStatusOut(
             job_id=job.id,
             name=job.name,
-            status=job.status,
+            status=JobStatus(job.status),
             status_message=job.status_message,
             current_epoch=job.current_epoch,
             param_version=job.param_version,
@@ -90,7 +90,7 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             final_accuracy=job.final_accuracy,
             merges=a_counts.get(AssignmentStatus.merged.value, 0),
             active_hosts=active or 0,
-            assignments=a_counts,
+            assignments={AssignmentStatus(k): n for k, n in a_counts.items()},
             epochs=figures,
             metrics=[
                 MetricPoint(
@@ -116,13 +116,13 @@ def list_jobs(db: sessionmaker[Session]) -> list[dict]:
         ]
 
 
-def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> str:
+def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> JobStatus:
     """Cancel a pending or running job (crowdtrain.server.ledger.jobs.cancel_job); JobNotFound if
     there is no such job. Returns its new status."""
     status = ledger_jobs.cancel_job(db, r, job_id)
     if status is None:
         raise JobNotFound(f"job {job_id} does not exist")
-    return status
+    return JobStatus(status)
 
 
 def final_model_key(db: sessionmaker[Session], job_id: int) -> str | None:

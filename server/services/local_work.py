@@ -61,7 +61,11 @@ def recent_speeds(s: Session, job_id: int, local_epochs: int) -> dict[int, float
         .order_by(Assignment.id.desc())
         .limit(WINDOW)
     ).all()
-    return host_speeds((host, min(n, shard_examples * local_epochs), t) for host, n, t, shard_examples in rows)
+    reports = []
+    for host, n, t, shard_examples in rows:
+        assert n is not None and t is not None  # the query selects reported figures only
+        reports.append((host, min(n, shard_examples * local_epochs), t))
+    return host_speeds(reports)
 
 
 def fraction_for(s: Session, job: Job, host_id: int) -> float:

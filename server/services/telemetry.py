@@ -64,10 +64,10 @@ class CrowdtrainCollector(Collector):
         self.r, self.db, self.queue = r, db, queue
 
     def collect(self):
-        counters = {k.decode(): int(v) for k, v in self.r.hgetall(keys.METRIC_COUNTERS).items()}
+        counters = {keys.text(k): int(v) for k, v in self.r.hgetall(keys.METRIC_COUNTERS).items()}
         for event, help_text in EVENTS.items():
             yield CounterMetricFamily(f"crowdtrain_{event}", help_text, value=counters.get(event, 0))
-        hist = {k.decode(): float(v) for k, v in self.r.hgetall(keys.MERGE_LATENCY).items()}
+        hist = {keys.text(k): float(v) for k, v in self.r.hgetall(keys.MERGE_LATENCY).items()}
         buckets = [(str(b), hist.get(str(b), 0.0)) for b in MERGE_BUCKETS] + [("+Inf", hist.get("+Inf", 0.0))]
         yield HistogramMetricFamily(
             "crowdtrain_merge_latency_seconds",

@@ -63,6 +63,7 @@ def requeue_stalled_merges(
             .limit(500)
         ).all()
     for aid, uploaded_at in rows:
+        assert uploaded_at is not None  # the query selects uploaded assignments only
         log.warning(
             "assignment %s: uploaded at %s and still not merged; queueing its merge again",
             aid,
