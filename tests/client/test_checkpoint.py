@@ -13,11 +13,11 @@ from sqlalchemy import select
 from crowdtrain.client.journal import AssignmentJournal, FileCheckpoint
 from crowdtrain.client.trainers import Cancelled, train
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import wait_for
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.launch.cluster import wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 
 RECIPE = {"model": {"name": "cnn1d", "input_shape": [40], "num_classes": 10, "options": {}},

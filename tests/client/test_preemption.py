@@ -1,6 +1,5 @@
 """Spot-interruption notices: the decision rule, and a real client against a local notice endpoint."""
 
-import time
 from datetime import UTC, datetime
 
 import pytest
@@ -8,10 +7,10 @@ from sqlalchemy import select
 
 from crowdtrain.client.preemption import RunningEstimate, parse_notice, plan_preemption
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, SpotNoticeServer, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 
 

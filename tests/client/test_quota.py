@@ -9,8 +9,8 @@ import pytest
 from crowdtrain.client.cache import FileCache
 from crowdtrain.client.quota import DailyTransfer, OverDailyCap, counted
 from crowdtrain.client.status import ClientState, read_status
-from crowdtrain.launch.cluster import wait_for
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.launch.cluster import wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 DAY1, DAY2 = date(2026, 11, 22), date(2026, 11, 23)

@@ -9,10 +9,10 @@ import pytest
 from sqlalchemy import select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,6 @@ from crowdtrain.core.zoo import build_model, state_to_numpy
 from tests.client.test_checkpoint import RECIPE, _StopAtSave
 
 
-
 class CountingControl(TrainControl):
     def __init__(self) -> None:
         super().__init__()
