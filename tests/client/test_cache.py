@@ -113,8 +113,10 @@ def test_without_a_limit_nothing_is_evicted(tmp_path: Path) -> None:
     assert set(cache.holds()) == digests
 
 
-@pytest.mark.parametrize("name", ["../victim/file", "/etc/passwd", "../" * 3 + "a" * 55, "A" * 64, "a" * 63,
-                                  "a" * 65, "g" * 64, "a" * 63 + "\n"])
+@pytest.mark.parametrize(
+    "name",
+    ["../victim/file", "/etc/passwd", "../" * 3 + "a" * 55, "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 63 + "\n"],
+)
 def test_a_name_that_is_not_a_sha256_never_names_a_path(tmp_path: Path, name: str) -> None:
     cache = FileCache(tmp_path / "cache")
     with pytest.raises(BadHash):
