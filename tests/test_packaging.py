@@ -21,30 +21,8 @@ SERVER_ONLY = ("fastapi", "sqlalchemy", "celery", "redis", "uvicorn", "alembic",
 TORCH = "torch==2.13.0"
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    (built,) = out.glob("crowdtrain-*.whl")
-    return built
-
-
-@pytest.fixture(scope="module")
-def unpacked(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = tmp_path_factory.mktemp("tree")
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(tree)
-    return tree
-
-
-def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(wheel: Path) -> None:
-    with zipfile.ZipFile(wheel) as zf:
+def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(built_wheel: Path) -> None:
+    with zipfile.ZipFile(built_wheel) as zf:
         names = zf.namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"crowdtrain"}
@@ -67,14 +45,14 @@ def test_the_packages_list_names_every_package_folder() -> None:
     assert found == listed, f"missing from pyproject: {sorted(found - listed)}; stale: {sorted(listed - found)}"
 
 
-def test_the_import_contract_holds_on_the_installed_layout(unpacked: Path) -> None:
+def test_the_import_contract_holds_on_the_installed_layout(installed_tree: Path) -> None:
     """.importlinter's layers, the client's isolation and acyclic packages, checked on the wheel's tree
     (the editable install maps folders with an import hook, which import-linter cannot follow)."""
     lint = Path(sys.executable).with_name("lint-imports")
-    env = {**os.environ, "PYTHONPATH": str(unpacked)}
+    env = {**os.environ, "PYTHONPATH": str(installed_tree)}
     done = subprocess.run(
         [str(lint), "--config", str(ROOT / ".importlinter"), "--no-cache"],
-        cwd=unpacked,
+        cwd=installed_tree,
         env=env,
         capture_output=True,
         text=True,
@@ -113,14 +91,14 @@ def test_no_function_imports_one_of_our_modules() -> None:
 
 
 @pytest.mark.integration
-def test_the_client_extra_runs_the_client_without_the_server_packages(wheel: Path, tmp_path: Path) -> None:
+def test_the_client_extra_runs_the_client_without_the_server_packages(built_wheel: Path, tmp_path: Path) -> None:
     """`pip install 'crowdtrain[client]'` in a fresh venv: the client imports and its CLI answers, and none
     of the server's packages is there."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
     subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH, f"{wheel}[client]"],
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH, f"{built_wheel}[client]"],
         check=True,
         capture_output=True,
         text=True,
