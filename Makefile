@@ -1,4 +1,5 @@
-# crowdtrain: `make demo` runs the example job; `make test` runs the whole suite.
+# crowdtrain: `make demo` runs the example job; `make test` runs the whole suite, ruff and mypy included
+# (tests/test_code_health.py), and lists its 15 slowest tests.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -23,10 +24,10 @@ demo: $(STAMP)
 	$(PY) -m crowdtrain demo
 
 test: $(STAMP)
-	$(PY) -m pytest -ra -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_latency.py
 
 clean:
-	rm -rf var .pytest_cache
+	rm -rf var .pytest_cache .mypy_cache .ruff_cache

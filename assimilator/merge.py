@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import redis
@@ -86,9 +87,12 @@ class MergeServices:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "MergeServices":
-        return cls(session_factory(settings.resolved_database_url),
-                   open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
-                   paramstore.connect(settings.redis_url), settings.snapshots_kept)
+        return cls(
+            session_factory(settings.resolved_database_url),
+            open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+            paramstore.connect(settings.redis_url),
+            settings.snapshots_kept,
+        )
 
 
 @lru_cache(maxsize=8)
@@ -135,6 +139,7 @@ def _assimilate(svc: MergeServices, assignment_id: int, received_at: float | Non
             result = _merge_new(svc, pending, received_at)
         except Refused as exc:
             return _refuse(svc, assignment_id, exc)
+    assert result.version is not None  # a merged or already merged result names the W_s version holding it
     _record(svc, pending, result.version)
     return result
 
@@ -151,8 +156,9 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
     rule = make_rule(assimilation)
     merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), update, norm, base_norm)
     try:
-        outcome = paramstore.merge_once(svc.r, p.job_id, p.assignment_id, merge, received_at, update_norm=norm,
-                                        initial_state=rule.initial_state)
+        outcome = paramstore.merge_once(
+            svc.r, p.job_id, p.assignment_id, merge, received_at, update_norm=norm, initial_state=rule.initial_state
+        )
     except paramstore.MergesClosed:
         raise Refused("job is no longer running", charge=False) from None
     if not outcome.applied_now:
@@ -172,13 +178,17 @@ def _checked_update(storage: Storage, p: merges.PendingMerge) -> tuple[Update, f
     try:
         blob = storage.get(p.upload_key)
     except ObjectNotFound:
-        raise Refused(f"the upload {p.upload_key} is missing from storage; the workunit will be dispatched again",
-                      charge=False) from None
+        raise Refused(
+            f"the upload {p.upload_key} is missing from storage; the workunit will be dispatched again", charge=False
+        ) from None
     try:
         base, base_norm = _base_snapshot(storage, snapshot_key(p.job_id, p.base_version))
     except ObjectNotFound:
-        raise Refused(f"the snapshot v{p.base_version} this result started from is gone, so its update cannot be "
-                      "checked; the workunit will be dispatched again", charge=False) from None
+        raise Refused(
+            f"the snapshot v{p.base_version} this result started from is gone, so its update cannot be "
+            "checked; the workunit will be dispatched again",
+            charge=False,
+        ) from None
     upload = upload_of(p.spec["assimilation"])
     try:
         update = make_update(base, decode_update(blob, p.manifest, upload), upload.send, 0, p.epoch)
@@ -189,16 +199,18 @@ def _checked_update(storage: Storage, p: merges.PendingMerge) -> tuple[Update, f
     return update, base_norm
 
 
-def _guarded(r: redis.Redis, p: merges.PendingMerge, rule: Rule, policy: Policy, update: Update, norm: float,
-             base_norm: float) -> paramstore.Merge:
+def _guarded(
+    r: redis.Redis, p: merges.PendingMerge, rule: Rule, policy: Policy, update: Update, norm: float, base_norm: float
+) -> paramstore.Merge:
     """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates,
     clip. Run inside merge_once's transaction, perhaps more than once: only the staleness, which
     depends on the version W_s has then, and the recent norms are taken anew each time."""
 
     def merge(server: Params, state: Params, version: int) -> Params:
         now = replace(update, staleness=version - p.base_version)
-        refusal = apply_with_policy(policy, rule, server, state, now, version, norm,
-                                    paramstore.recent_update_norms(r, p.job_id), base_norm)
+        refusal = apply_with_policy(
+            policy, rule, server, state, now, version, norm, paramstore.recent_update_norms(r, p.job_id), base_norm
+        )
         if refusal:
             raise Refused(refusal, charge=True)
         return server
@@ -208,8 +220,7 @@ def _guarded(r: redis.Redis, p: merges.PendingMerge, rule: Rule, policy: Policy,
 
 def _refuse(svc: MergeServices, assignment_id: int, refused: Refused) -> MergeResult:
     """Reject the result: its workunit is ready again (or failed, when charged up to max_errors)."""
-    if merges.reject_result(svc.db, svc.storage, svc.r, assignment_id, refused.reason, refused.charge,
-                           evaluate):
+    if merges.reject_result(svc.db, svc.storage, svc.r, assignment_id, refused.reason, refused.charge, evaluate):
         telemetry.count(svc.r, "rejections")
     return MergeResult(Outcome.refused, reason=refused.reason)
 
@@ -238,17 +249,19 @@ def _record_metric(svc: MergeServices, p: merges.PendingMerge) -> None:
     except TRANSIENT:
         raise
     except Exception as exc:
-        raise JobBroken(f"evaluating W_s v{version} on the job's validation set failed: "
-                        f"{type(exc).__name__}: {exc}") from exc
+        raise JobBroken(
+            f"evaluating W_s v{version} on the job's validation set failed: {type(exc).__name__}: {exc}"
+        ) from exc
     merges.record_metric(svc.db, p.job_id, p.epoch, p.assignment_id, version, loss, acc)
     log.info("job %s: W_s v%d validation accuracy %.4f loss %.4f (epoch %d)", p.job_id, version, acc, loss, p.epoch)
 
 
-def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict, version: int) -> None:
+def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, Any], version: int) -> None:
     """Publish W_s for dispatch at most once per `snapshot_every_merges` merges or seconds."""
     last_v, age = merges.last_snapshot(svc.db, job_id)
-    due = (version - last_v >= sched["snapshot_every_merges"]
-           or (age is not None and age >= sched["snapshot_every_seconds"]))
+    due = version - last_v >= sched["snapshot_every_merges"] or (
+        age is not None and age >= sched["snapshot_every_seconds"]
+    )
     if version <= last_v or not due:
         return
     current, blob = paramstore.read_blob(svc.r, job_id)
@@ -272,9 +285,9 @@ def _failed(svc: MergeServices, assignment_id: int, exc: Exception) -> MergeResu
     """A merge failed for a reason that retrying will not remove: end the assignment, so that nothing
     queues it again, and fail the job when the cause is its own (crowdtrain.server.ledger.merges)."""
     cause = str(exc) if isinstance(exc, JobBroken) else f"{type(exc).__name__}: {exc}"
-    log.error("assignment %s: merge failed: %s", assignment_id, cause, exc_info=exc,
-              extra=ids(assignment_id=assignment_id))
-    if merges.end_failed_merge(svc.db, svc.storage, svc.r, assignment_id, cause, isinstance(exc, JobBroken),
-                              evaluate):
+    log.error(
+        "assignment %s: merge failed: %s", assignment_id, cause, exc_info=exc, extra=ids(assignment_id=assignment_id)
+    )
+    if merges.end_failed_merge(svc.db, svc.storage, svc.r, assignment_id, cause, isinstance(exc, JobBroken), evaluate):
         telemetry.count(svc.r, "rejections")
     return MergeResult(Outcome.failed, reason=cause)

@@ -18,6 +18,7 @@ Pure functions over named arrays and plain numbers; no I/O.
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,10 +35,12 @@ class UpdateBound:
     max_update_norm: float | None = None
 
     @classmethod
-    def from_spec(cls, assimilation: dict) -> "UpdateBound":
-        return cls(factor=assimilation.get("update_norm_factor", 10.0),
-                   warmup=assimilation.get("update_norm_warmup", 5),
-                   max_update_norm=assimilation.get("max_update_norm"))
+    def from_spec(cls, assimilation: dict[str, Any]) -> "UpdateBound":
+        return cls(
+            factor=assimilation.get("update_norm_factor", 10.0),
+            warmup=assimilation.get("update_norm_warmup", 5),
+            max_update_norm=assimilation.get("max_update_norm"),
+        )
 
 
 def params_norm(params: Params) -> float:
@@ -47,7 +50,7 @@ def params_norm(params: Params) -> float:
         if v.dtype.kind == "f":
             flat = v.astype(np.float64).ravel()
             total += float(np.dot(flat, flat))
-    return total ** 0.5
+    return float(total**0.5)
 
 
 def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> tuple[float, str]:
@@ -56,13 +59,21 @@ def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: flo
     if bound.factor is not None:
         if len(recent_norms) >= bound.warmup:
             median = statistics.median(recent_norms)
-            limits.append((bound.factor * median,
-                           f"{bound.factor:g} x the median {median:.3g} of {len(recent_norms)} accepted update norms"))
+            limits.append(
+                (
+                    bound.factor * median,
+                    f"{bound.factor:g} x the median {median:.3g} of {len(recent_norms)} accepted update norms",
+                )
+            )
         else:
             reference = max(base_norm, 1.0)
-            limits.append((bound.factor * reference,
-                           f"{bound.factor:g} x max(||W_base||, 1) = {bound.factor:g} x {reference:.3g} "
-                           f"(warm-up: {len(recent_norms)} of {bound.warmup} accepted updates)"))
+            limits.append(
+                (
+                    bound.factor * reference,
+                    f"{bound.factor:g} x max(||W_base||, 1) = {bound.factor:g} x {reference:.3g} "
+                    f"(warm-up: {len(recent_norms)} of {bound.warmup} accepted updates)",
+                )
+            )
     if bound.max_update_norm is not None:
         limits.append((bound.max_update_norm, f"max_update_norm {bound.max_update_norm:g}"))
     return min(limits, default=(float("inf"), "no bound"))
@@ -110,19 +121,31 @@ class Policy:
     clip_norm: float | None = None
 
     @classmethod
-    def from_spec(cls, assimilation: dict) -> "Policy":
-        return cls(UpdateBound.from_spec(assimilation), assimilation.get("max_staleness"),
-                   assimilation.get("clip_norm"))
+    def from_spec(cls, assimilation: dict[str, Any]) -> "Policy":
+        return cls(
+            UpdateBound.from_spec(assimilation), assimilation.get("max_staleness"), assimilation.get("clip_norm")
+        )
 
-    def refusal(self, update: Update, version: int, norm: float, recent_norms: Sequence[float],
-                base_norm: float) -> str | None:
+    def refusal(
+        self, update: Update, version: int, norm: float, recent_norms: Sequence[float], base_norm: float
+    ) -> str | None:
         """Why `update` (norm ||W_c − W_base|| = `norm`) must not be merged into W_s `version`, or None."""
-        return (staleness_refusal(version - update.staleness, version, self.max_staleness)
-                or norm_refusal(norm, self.bound, recent_norms, base_norm))
+        return staleness_refusal(version - update.staleness, version, self.max_staleness) or norm_refusal(
+            norm, self.bound, recent_norms, base_norm
+        )
 
 
-def apply_with_policy(policy: Policy, rule: Rule, server: Params, state: Params, update: Update, version: int,
-                      norm: float, recent_norms: Sequence[float], base_norm: float) -> str | None:
+def apply_with_policy(
+    policy: Policy,
+    rule: Rule,
+    server: Params,
+    state: Params,
+    update: Update,
+    version: int,
+    norm: float,
+    recent_norms: Sequence[float],
+    base_norm: float,
+) -> str | None:
     """Merge `update` into W_s `version` (`server`, and the rule's `state`, in place) unless the policy
     refuses it: the refusal, or None once merged. A refused update changes nothing."""
     refusal = policy.refusal(update, version, norm, recent_norms, base_norm)

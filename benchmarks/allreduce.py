@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SPEC = {
-    "name": "allreduce-bench", "mode": "dedloc", "seed": 0,
+    "name": "allreduce-bench",
+    "mode": "dedloc",
+    "seed": 0,
     "model": {"name": "mlp", "options": {"hidden": [8]}},
     "dataset": {"source": "builtin:mnist1d", "subsets": 1},
     "stop": {"target_accuracy": 1.0, "max_steps": 1000},
@@ -70,8 +72,8 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
     api.register(join_token, f"bench-{os.getpid()}")
     api.join(job_id, relayed)
     vec = torch.full((n,), 1.0 + os.getpid() % 7)
-    step, rows = 0, []
-    for _ in range(repeats):
+    rows = []
+    for step in range(repeats):
         while (reply := api.progress(step, 1, None, None)).action != "reduce":
             time.sleep(0.01)
         plan = reply.round
@@ -81,8 +83,9 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
             t1 = t0
         else:
             store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
-            pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members),
-                                       timedelta(seconds=plan.averaging_timeout))
+            pg = dist.ProcessGroupGloo(
+                store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout)
+            )
             t1 = time.perf_counter()
             average = vec.clone().mul_(1.0 / plan.total)
             pg.allreduce([average]).wait()
@@ -92,7 +95,6 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
         rows.append({"round_s": t2 - t0, "rendezvous_s": t1 - t0, "allreduce_s": t2 - t1})
         while api.progress(step, 0, plan.attempt, None).action != "apply":
             time.sleep(0.01)
-        step += 1
     out.put(rows)
 
 
@@ -128,14 +130,24 @@ def tcp_once(nbytes: int) -> float:
 
 
 def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
-    spec = SPEC | {"name": f"bench-{n}-{peers}-{relayed}",
-                   "dedloc": {"target_batch_size": peers, "micro_batch_size": 1, "matchmaking_timeout": 60,
-                              "averaging_timeout": 300, "max_group_size": 16, "report_interval": 0.1}}
+    spec = SPEC | {
+        "name": f"bench-{n}-{peers}-{relayed}",
+        "dedloc": {
+            "target_batch_size": peers,
+            "micro_batch_size": 1,
+            "matchmaking_timeout": 60,
+            "averaging_timeout": 300,
+            "max_group_size": 16,
+            "report_interval": 0.1,
+        },
+    }
     job_id = cluster.submit(spec)["job_id"]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=peer_process, args=(cluster.url, cluster.join_token, job_id, i < relayed, n,
-                                                     repeats, out)) for i in range(peers)]
+    procs = [
+        ctx.Process(target=peer_process, args=(cluster.url, cluster.join_token, job_id, i < relayed, n, repeats, out))
+        for i in range(peers)
+    ]
     for p in procs:
         p.start()
     results = [out.get(timeout=1800) for _ in procs]
@@ -144,8 +156,12 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
     per_round = [max(r[i]["round_s"] for r in results) for i in range(repeats)]
     rendezvous = [max(r[i]["rendezvous_s"] for r in results) for i in range(repeats)]
     allreduce = [max(r[i]["allreduce_s"] for r in results) for i in range(repeats)]
-    return {"round_s": statistics.median(per_round), "rendezvous_s": statistics.median(rendezvous),
-            "allreduce_s": statistics.median(allreduce), "rounds": per_round}
+    return {
+        "round_s": statistics.median(per_round),
+        "rendezvous_s": statistics.median(rendezvous),
+        "allreduce_s": statistics.median(allreduce),
+        "rounds": per_round,
+    }
 
 
 def main() -> None:
@@ -160,8 +176,9 @@ def main() -> None:
     peer_counts = [int(x) for x in args.peers.split(",")]
     figures: dict = {"machine_cpus": os.cpu_count(), "repeats": args.repeats, "configs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(var_dir=Path(tmp), assimilator_concurrency=1,
-                          extra_env={"CROWDTRAIN_UPLOAD_MAX_BYTES": str(1 << 30)}).start()
+        cluster = Cluster(
+            var_dir=Path(tmp), assimilator_concurrency=1, extra_env={"CROWDTRAIN_UPLOAD_MAX_BYTES": str(1 << 30)}
+        ).start()
         try:
             for n in sizes:
                 nbytes = 4 * n
@@ -169,13 +186,14 @@ def main() -> None:
                 _log(f"{n} floats ({nbytes / 1e6:.0f} MB): raw loopback TCP once {bound:.3f}s")
                 for k in peer_counts:
                     row = run_config(cluster, n, k, 0, args.repeats)
-                    _log(f"  {k} peers: round {row['round_s']:.3f}s (rendezvous {row['rendezvous_s']:.3f}s, "
-                         f"all-reduce {row['allreduce_s']:.3f}s)")
+                    _log(
+                        f"  {k} peers: round {row['round_s']:.3f}s (rendezvous {row['rendezvous_s']:.3f}s, "
+                        f"all-reduce {row['allreduce_s']:.3f}s)"
+                    )
                     figures["configs"].append({"parameters": n, "peers": k, "relayed": 0, "tcp_once_s": bound, **row})
                 relayed = run_config(cluster, n, 3, 1, args.repeats)
                 _log(f"  3 peers, 1 relayed: round {relayed['round_s']:.3f}s")
-                figures["configs"].append({"parameters": n, "peers": 3, "relayed": 1, "tcp_once_s": bound,
-                                           **relayed})
+                figures["configs"].append({"parameters": n, "peers": 3, "relayed": 1, "tcp_once_s": bound, **relayed})
         finally:
             cluster.stop()
     print(json.dumps(figures))

@@ -28,16 +28,14 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 from sqlalchemy import select
 
 from crowdtrain.client.trainers import limit_threads, train
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.launch.cluster import Cluster, wait_for
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
 from crowdtrain.workgen.datasets import load_dataset, split_shards
@@ -55,24 +53,45 @@ def calibrate_local_epochs(task_seconds: float) -> tuple[int, float]:
     data = load_dataset("builtin:mnist1d")
     shard = split_shards(len(data.x), 4)[0]
     params = state_to_numpy(build_model("mlp", data.input_shape, data.num_classes, hidden=HIDDEN))
-    recipe = {"model": {"name": "mlp", "input_shape": data.input_shape, "num_classes": data.num_classes,
-                        "options": {"hidden": HIDDEN}},
-              "training": {"local_epochs": 2, "batch_size": 32, "optimizer": "sgd", "lr": 0.01, "momentum": 0.9,
-                           "weight_decay": 0.0}, "seed": 0}
+    recipe = {
+        "model": {
+            "name": "mlp",
+            "input_shape": data.input_shape,
+            "num_classes": data.num_classes,
+            "options": {"hidden": HIDDEN},
+        },
+        "training": {
+            "local_epochs": 2,
+            "batch_size": 32,
+            "optimizer": "sgd",
+            "lr": 0.01,
+            "momentum": 0.9,
+            "weight_decay": 0.0,
+        },
+        "seed": 0,
+    }
     train("pytorch", recipe, params, data.x[shard], data.y[shard])  # warm-up
     seconds_per_epoch = train("pytorch", recipe, params, data.x[shard], data.y[shard]).seconds / 2
     return max(1, round(task_seconds / seconds_per_epoch)), seconds_per_epoch
 
 
 def job_spec(name: str, local_epochs: int) -> dict:
-    return JobSpec.model_validate({
-        "name": name, "model": {"name": "mlp", "options": {"hidden": HIDDEN}},
-        "dataset": {"source": "builtin:mnist1d", "subsets": 4},
-        "training": {"local_epochs": local_epochs, "batch_size": 32, "optimizer": "sgd", "lr": 0.01,
-                     "momentum": 0.9},
-        "stop": {"target_accuracy": 1.0, "max_epochs": 1000},
-        "scheduling": {"deadline_seconds": 3600},
-    }).model_dump(mode="json")
+    return JobSpec.model_validate(
+        {
+            "name": name,
+            "model": {"name": "mlp", "options": {"hidden": HIDDEN}},
+            "dataset": {"source": "builtin:mnist1d", "subsets": 4},
+            "training": {
+                "local_epochs": local_epochs,
+                "batch_size": 32,
+                "optimizer": "sgd",
+                "lr": 0.01,
+                "momentum": 0.9,
+            },
+            "stop": {"target_accuracy": 1.0, "max_epochs": 1000},
+            "scheduling": {"deadline_seconds": 3600},
+        }
+    ).model_dump(mode="json")
 
 
 def run_mode(cluster: Cluster, prefetch: bool, assignments: int, local_epochs: int, rate: float) -> dict:
@@ -89,15 +108,23 @@ def run_mode(cluster: Cluster, prefetch: bool, assignments: int, local_epochs: i
         http.post(f"/v1/jobs/{job_id}/cancel")
     db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
     with db.begin() as s:
-        rows = s.execute(select(Assignment.sent_at, Assignment.uploaded_at, Assignment.train_seconds)
-                         .join(Host).where(Host.name == name, Assignment.uploaded_at.is_not(None))).all()
+        rows = s.execute(
+            select(Assignment.sent_at, Assignment.uploaded_at, Assignment.train_seconds)
+            .join(Host)
+            .where(Host.name == name, Assignment.uploaded_at.is_not(None))
+        ).all()
     if len(rows) != assignments:
         raise RuntimeError(f"{name}: {len(rows)} results uploaded, expected {assignments}")
     wall = (max(r.uploaded_at for r in rows) - min(r.sent_at for r in rows)).total_seconds()
     training = sum(r.train_seconds for r in rows)
-    figures = {"assignments": len(rows), "wall_seconds": round(wall, 2), "training_seconds": round(training, 2),
-               "mean_task_seconds": round(training / len(rows), 2), "utilization": round(training / wall, 4),
-               "overhead_seconds_per_assignment": round((wall - training) / len(rows), 3)}
+    figures = {
+        "assignments": len(rows),
+        "wall_seconds": round(wall, 2),
+        "training_seconds": round(training, 2),
+        "mean_task_seconds": round(training / len(rows), 2),
+        "utilization": round(training / wall, 4),
+        "overhead_seconds_per_assignment": round((wall - training) / len(rows), 3),
+    }
     say(f"{name}: {figures}")
     return figures
 
@@ -118,14 +145,24 @@ def main() -> None:
             without = run_mode(cluster, False, args.assignments, local_epochs, args.rate)
         finally:
             cluster.stop()
-    print(json.dumps({
-        "benchmark": "client_utilization", "model": "mlp 2048x2048 (4.3M parameters)", "local_epochs": local_epochs,
-        "rate_bytes_per_s": args.rate, "prefetch": with_prefetch, "no_prefetch": without,
-        "utilization_prefetch": with_prefetch["utilization"], "utilization_no_prefetch": without["utilization"],
-        "goal_prefetch": 0.95,
-        "overhead_ratio_prefetch_vs_none": round(with_prefetch["overhead_seconds_per_assignment"]
-                                                 / without["overhead_seconds_per_assignment"], 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "client_utilization",
+                "model": "mlp 2048x2048 (4.3M parameters)",
+                "local_epochs": local_epochs,
+                "rate_bytes_per_s": args.rate,
+                "prefetch": with_prefetch,
+                "no_prefetch": without,
+                "utilization_prefetch": with_prefetch["utilization"],
+                "utilization_no_prefetch": without["utilization"],
+                "goal_prefetch": 0.95,
+                "overhead_ratio_prefetch_vs_none": round(
+                    with_prefetch["overhead_seconds_per_assignment"] / without["overhead_seconds_per_assignment"], 3
+                ),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ from sqlalchemy.orm import Session
 
 from crowdtrain.launch.cluster import Cluster, fresh_postgres_database
 from crowdtrain.server.ledger.db import normalize_url
-from crowdtrain.server.services.hosts import hash_token
 from crowdtrain.server.ledger.models import Host
+from crowdtrain.server.services.hosts import hash_token
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEDULER_WORKERS = 3
@@ -68,8 +68,9 @@ NUM_CLASSES = 2
 VALIDATION_EXAMPLES = 16
 MODEL = {"name": "mlp", "options": {"hidden": [8]}}
 BOINC_JOBS_PER_S = 100  # ~8.8M jobs/day
-BOINC_CITATION = ("BOINC: ~8.8M jobs/day, ~100/s (Anderson, 'BOINC: A Platform for Volunteer Computing', "
-                  "J. Grid Computing 2020)")
+BOINC_CITATION = (
+    "BOINC: ~8.8M jobs/day, ~100/s (Anderson, 'BOINC: A Platform for Volunteer Computing', J. Grid Computing 2020)"
+)
 PROGRESS_EVERY_S = 5.0
 
 
@@ -79,19 +80,23 @@ def log(message: str) -> None:
 
 # --- setup -------------------------------------------------------------------------------------
 
+
 def admin_database_url() -> str:
-    return normalize_url(os.environ.get("CROWDTRAIN_BENCH_DATABASE_URL")
-                         or os.environ.get("CROWDTRAIN_TEST_DATABASE_URL") or DEFAULT_PG)
+    return normalize_url(
+        os.environ.get("CROWDTRAIN_BENCH_DATABASE_URL") or os.environ.get("CROWDTRAIN_TEST_DATABASE_URL") or DEFAULT_PG
+    )
 
 
 def write_dataset(path: Path, shards: int, seed: int = 0) -> None:
     """Random features, one example per shard, plus a tiny validation split."""
     rng = np.random.default_rng(seed)
-    np.savez(path,
-             x=rng.standard_normal((shards, FEATURES), dtype=np.float32),
-             y=np.arange(shards, dtype=np.int64) % NUM_CLASSES,
-             x_val=rng.standard_normal((VALIDATION_EXAMPLES, FEATURES), dtype=np.float32),
-             y_val=np.arange(VALIDATION_EXAMPLES, dtype=np.int64) % NUM_CLASSES)
+    np.savez(
+        path,
+        x=rng.standard_normal((shards, FEATURES), dtype=np.float32),
+        y=np.arange(shards, dtype=np.int64) % NUM_CLASSES,
+        x_val=rng.standard_normal((VALIDATION_EXAMPLES, FEATURES), dtype=np.float32),
+        y_val=np.arange(VALIDATION_EXAMPLES, dtype=np.int64) % NUM_CLASSES,
+    )
 
 
 def job_spec(dataset: Path, shards: int) -> dict:
@@ -111,14 +116,17 @@ def insert_hosts(database_url: str, count: int) -> list[str]:
     engine = create_engine(database_url)
     try:
         with Session(engine) as s, s.begin():
-            s.execute(insert(Host), [{"name": f"bench-{i}", "token_hash": hash_token(t), "device": "cpu"}
-                                     for i, t in enumerate(tokens)])
+            s.execute(
+                insert(Host),
+                [{"name": f"bench-{i}", "token_hash": hash_token(t), "device": "cpu"} for i, t in enumerate(tokens)],
+            )
     finally:
         engine.dispose()
     return tokens
 
 
 # --- load --------------------------------------------------------------------------------------
+
 
 @dataclass
 class Window:
@@ -176,8 +184,10 @@ class Load:
             await asyncio.sleep(PROGRESS_EVERY_S)
             now = time.monotonic()
             phase = "warm-up" if now < w.start else "measuring"
-            log(f"{phase}: {(self.total - last_n) / (now - last_t):.0f} requests/s over the last "
-                f"{now - last_t:.1f}s ({self.total} in all)")
+            log(
+                f"{phase}: {(self.total - last_n) / (now - last_t):.0f} requests/s over the last "
+                f"{now - last_t:.1f}s ({self.total} in all)"
+            )
             last_n, last_t = self.total, now
 
 
@@ -192,15 +202,22 @@ async def drive(url: str, tokens: list[str], concurrency: int, warmup: float, se
 
 # --- main --------------------------------------------------------------------------------------
 
+
 def run(var_dir: Path, hosts: int, shards: int, concurrency: int, warmup: float, seconds: float) -> dict:
     dataset = var_dir / "bench.npz"
     write_dataset(dataset, shards)
     with fresh_postgres_database(admin_database_url()) as database_url:
-        cluster = Cluster(var_dir=var_dir / "cluster", database_url=database_url,
-                          server_workers=SCHEDULER_WORKERS, assimilator_concurrency=1)
+        cluster = Cluster(
+            var_dir=var_dir / "cluster",
+            database_url=database_url,
+            server_workers=SCHEDULER_WORKERS,
+            assimilator_concurrency=1,
+        )
         try:
-            log(f"starting redis, the scheduler ({SCHEDULER_WORKERS} workers), the transitioner and one "
-                "parameter server on PostgreSQL ...")
+            log(
+                f"starting redis, the scheduler ({SCHEDULER_WORKERS} workers), the transitioner and one "
+                "parameter server on PostgreSQL ..."
+            )
             cluster.start()
             started = time.monotonic()
             # tens of thousands of shards are written one file each
@@ -255,8 +272,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
     parser.add_argument("--concurrency", type=int, default=64, help="work requests in flight at once")
     parser.add_argument("--hosts", type=int, default=10_000, help="registered hosts")
-    parser.add_argument("--shards", type=int, default=20_000,
-                        help="one-example shards of the job (epoch 1 and 2 together hold twice as many workunits)")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=20_000,
+        help="one-example shards of the job (epoch 1 and 2 together hold twice as many workunits)",
+    )
     args = parser.parse_args()
     if args.seconds <= 0 or args.warmup < 0 or args.concurrency < 1 or args.hosts < 1 or args.shards < 1:
         parser.error("--seconds, --concurrency, --hosts and --shards must be positive, --warmup not negative")
@@ -265,8 +286,10 @@ def main() -> None:
         figures = run(Path(tmp), args.hosts, args.shards, args.concurrency, args.warmup, args.seconds)
     figures["wall_s"] = round(time.monotonic() - started, 1)
     log(BOINC_CITATION)
-    log(f"ours: {figures['dispatches_per_s']} dispatches/s ({figures['requests_per_s']} requests/s), "
-        f"p50 {figures['p50_ms']} ms, p95 {figures['p95_ms']} ms: {figures['ratio_to_boinc']}x BOINC's rate")
+    log(
+        f"ours: {figures['dispatches_per_s']} dispatches/s ({figures['requests_per_s']} requests/s), "
+        f"p50 {figures['p50_ms']} ms, p95 {figures['p95_ms']} ms: {figures['ratio_to_boinc']}x BOINC's rate"
+    )
     print(json.dumps(figures))
 
 

@@ -38,12 +38,18 @@ def one_run(hostile: bool, seed: int) -> dict:
             run = run_example_job(cluster, hostile, seed)
             db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
             with db.begin() as s:
-                run["attacks"] = [(kind, s.scalar(select(Assignment.status).where(Assignment.id == aid)))
-                                  for aid, kind in run["attacks"]]
+                run["attacks"] = [
+                    (kind, s.scalar(select(Assignment.status).where(Assignment.id == aid)))
+                    for aid, kind in run["attacks"]
+                ]
         finally:
             cluster.stop()
-    print(f"hostile={hostile} seed={seed}: {run['status']} in {run['seconds']:.0f}s, final accuracy "
-          f"{run['final_accuracy']:.3f}, attacks {run['attacks']}", file=sys.stderr, flush=True)
+    print(
+        f"hostile={hostile} seed={seed}: {run['status']} in {run['seconds']:.0f}s, final accuracy "
+        f"{run['final_accuracy']:.3f}, attacks {run['attacks']}",
+        file=sys.stderr,
+        flush=True,
+    )
     return run
 
 
@@ -51,10 +57,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=1)
     args = parser.parse_args()
-    runs = {name: [one_run(hostile, seed) for seed in range(args.seeds)]
-            for name, hostile in (("without", False), ("with", True))}
-    print(json.dumps({name: [{k: r[k] for k in ("status", "final_accuracy", "seconds", "attacks")} for r in rs]
-                      for name, rs in runs.items()}))
+    runs = {
+        name: [one_run(hostile, seed) for seed in range(args.seeds)]
+        for name, hostile in (("without", False), ("with", True))
+    }
+    print(
+        json.dumps(
+            {
+                name: [{k: r[k] for k in ("status", "final_accuracy", "seconds", "attacks")} for r in rs]
+                for name, rs in runs.items()
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

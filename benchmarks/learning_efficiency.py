@@ -83,16 +83,31 @@ RULE_CONFIGS: dict[str, dict] = {
     "fedbuff": {"rule": "fedbuff", "buffer_size": 2, "combiner": "mean", "server_lr": 0.5},
     "fedbuff-median": {"rule": "fedbuff", "buffer_size": 3, "combiner": "median", "server_lr": 0.5},
     "delta+nesterov": {"rule": "delta", "outer_optimizer": "nesterov", "server_lr": 0.1, "outer_momentum": 0.5},
-    "fedbuff+nesterov": {"rule": "fedbuff", "buffer_size": 2, "outer_optimizer": "nesterov", "server_lr": 0.2,
-                         "outer_momentum": 0.5},
-    "delta+delayed-nesterov": {"rule": "delta", "outer_optimizer": "delayed-nesterov", "server_lr": 0.4,
-                               "outer_momentum": 0.5, "nesterov_delay": 4},
-    "delta+adam": {"rule": "delta", "outer_optimizer": "adam", "server_lr": 0.01, "adam_betas": [0.5, 0.9],
-                   "staleness_weight": "polynomial", "staleness_a": 0.5},
+    "fedbuff+nesterov": {
+        "rule": "fedbuff",
+        "buffer_size": 2,
+        "outer_optimizer": "nesterov",
+        "server_lr": 0.2,
+        "outer_momentum": 0.5,
+    },
+    "delta+delayed-nesterov": {
+        "rule": "delta",
+        "outer_optimizer": "delayed-nesterov",
+        "server_lr": 0.4,
+        "outer_momentum": 0.5,
+        "nesterov_delay": 4,
+    },
+    "delta+adam": {
+        "rule": "delta",
+        "outer_optimizer": "adam",
+        "server_lr": 0.01,
+        "adam_betas": [0.5, 0.9],
+        "staleness_weight": "polynomial",
+        "staleness_a": 0.5,
+    },
     "delta-bf16": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "bfloat16"}},
     "delta-int8": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "int8"}},
 }
-
 
 
 def say(msg: str) -> None:
@@ -110,8 +125,17 @@ class Task:
     budget_passes: int  # the baseline's passes over the training set
 
 
-def tabular_arrays(seed: int = 0, n_train: int = 4000, n_val: int = 1000, classes: int = 5, features: int = 24,
-                   latent: int = 8, clusters: int = 8, spread: float = 2.5, noise: float = 0.2) -> dict:
+def tabular_arrays(
+    seed: int = 0,
+    n_train: int = 4000,
+    n_val: int = 1000,
+    classes: int = 5,
+    features: int = 24,
+    latent: int = 8,
+    clusters: int = 8,
+    spread: float = 2.5,
+    noise: float = 0.2,
+) -> dict:
     """A 5-class tabular task, deterministic in `seed`: each class is a mixture of `clusters`
     Gaussians in a `latent`-dimensional space, seen through a random linear map followed by sin
     (even features) or tanh (odd features), plus noise. One MLP process reaches about 0.91."""
@@ -145,9 +169,12 @@ def make_task(name: str, folder: Path, budget_passes: int | None = None) -> Task
     if name == "tabular":
         path = folder / "tabular.npz"
         np.savez(path, **tabular_arrays(0))
-        spec = base | {"name": "tabular-mlp", "model": {"name": "mlp", "options": {"hidden": [64, 64]}},
-                       "dataset": {"source": f"npz:{path.resolve()}", "subsets": 4},
-                       "training": base["training"] | {"lr": 0.001}}
+        spec = base | {
+            "name": "tabular-mlp",
+            "model": {"name": "mlp", "options": {"hidden": [64, 64]}},
+            "dataset": {"source": f"npz:{path.resolve()}", "subsets": 4},
+            "training": base["training"] | {"lr": 0.001},
+        }
         return Task("tabular", JobSpec.model_validate(spec).model_dump(mode="json"), 0.88, budget)
     raise ValueError(f"--tasks: unknown task {name!r}; known: mnist1d, tabular")
 
@@ -168,9 +195,12 @@ def _max_epochs(task: Task, args) -> int:
 def job_spec(task: Task, rule: str, seed: int, max_epochs: int, stop_at_target: bool) -> dict:
     """The job to submit: the task's spec with the rule's assimilation section and this run's stop rule."""
     target = task.target if stop_at_target else 1.0  # 1.0: run the whole budget, the target is read here
-    return task.spec | {"name": f"efficiency-{task.name}-{rule}-s{seed}", "seed": seed,
-                        "assimilation": assimilation_for(rule),
-                        "stop": {"target_accuracy": target, "max_epochs": max_epochs}}
+    return task.spec | {
+        "name": f"efficiency-{task.name}-{rule}-s{seed}",
+        "seed": seed,
+        "assimilation": assimilation_for(rule),
+        "stop": {"target_accuracy": target, "max_epochs": max_epochs},
+    }
 
 
 def unsupported_reason(spec: dict) -> str | None:
@@ -259,11 +289,19 @@ def baseline(task: Task, seed: int) -> dict:
     """One process: the job's model, initial W (seed), training recipe, over the whole training set."""
     spec = JobSpec.model_validate(task.spec)
     data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
-    model_config = {"name": spec.model.name, "framework": spec.framework, "input_shape": data.input_shape,
-                    "num_classes": data.num_classes, "options": spec.model.options}
+    model_config = {
+        "name": spec.model.name,
+        "framework": spec.framework,
+        "input_shape": data.input_shape,
+        "num_classes": data.num_classes,
+        "options": spec.model.options,
+    }
     params, _ = initial_parameters(model_config, seed, 1 << 40)
-    recipe = {"model": model_config, "seed": seed,
-              "training": task.spec["training"] | {"local_epochs": task.budget_passes}}
+    recipe = {
+        "model": model_config,
+        "seed": seed,
+        "training": task.spec["training"] | {"local_epochs": task.budget_passes},
+    }
 
     cache_key = -next(_BASELINE_IDS)  # evaluate() caches one model per job id: one id per baseline
 
@@ -276,10 +314,18 @@ def baseline(task: Task, seed: int) -> dict:
     result = train("pytorch", recipe, params, data.x, data.y, checkpoint=hook)
     points = [*hook.points, (result.examples, score(result.params))]
     reached = examples_to_target(points, task.target)
-    out = {"examples_to_target": reached, "best_accuracy": best_accuracy(points), "budget_examples": result.examples,
-           "eval_every_examples": shard, "seconds": round(time.monotonic() - start, 1), "curve": points}
-    say(f"[{task.name}] baseline seed {seed}: target {task.target} at {reached} examples, best "
-        f"{out['best_accuracy']:.4f} in {result.examples} examples ({out['seconds']}s)")
+    out = {
+        "examples_to_target": reached,
+        "best_accuracy": best_accuracy(points),
+        "budget_examples": result.examples,
+        "eval_every_examples": shard,
+        "seconds": round(time.monotonic() - start, 1),
+        "curve": points,
+    }
+    say(
+        f"[{task.name}] baseline seed {seed}: target {task.target} at {reached} examples, best "
+        f"{out['best_accuracy']:.4f} in {result.examples} examples ({out['seconds']}s)"
+    )
     return out
 
 
@@ -307,8 +353,10 @@ def _wait_for_job(cluster: Cluster, job_id: int, clients: list, timeout: float, 
             if time.monotonic() - shown > 15:
                 shown = time.monotonic()
                 best = st["best_epoch_accuracy"]
-                say(f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
-                    + ("-" if best is None else f"{best:.4f}"))
+                say(
+                    f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
+                    + ("-" if best is None else f"{best:.4f}")
+                )
             time.sleep(1.0)
 
 
@@ -318,23 +366,35 @@ def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         started, finished, param_bytes = job.started_at, job.finished_at, job.param_bytes
-        merged = s.execute(select(Assignment.id, Assignment.merged_version, Assignment.examples).where(
-            Assignment.job_id == job_id, Assignment.merged_version.is_not(None))).all()
-        metrics = s.execute(select(Metric.param_version, Metric.val_accuracy, Metric.created_at)
-                            .where(Metric.job_id == job_id).order_by(Metric.param_version)).all()
+        merged = s.execute(
+            select(Assignment.id, Assignment.merged_version, Assignment.examples).where(
+                Assignment.job_id == job_id, Assignment.merged_version.is_not(None)
+            )
+        ).all()
+        metrics = s.execute(
+            select(Metric.param_version, Metric.val_accuracy, Metric.created_at)
+            .where(Metric.job_id == job_id)
+            .order_by(Metric.param_version)
+        ).all()
     db.kw["bind"].dispose()
-    curve = merge_curve([(m.merged_version, m.examples or 0) for m in merged],
-                        [(m.param_version, m.val_accuracy) for m in metrics])
-    hit = next((m for m, (_, a) in zip(metrics, curve) if a >= target), None)
+    curve = merge_curve(
+        [(m.merged_version, m.examples or 0) for m in merged], [(m.param_version, m.val_accuracy) for m in metrics]
+    )
+    hit = next((m for m, (_, a) in zip(metrics, curve, strict=True) if a >= target), None)
     log = cluster.var_dir / "logs" / "server.log"
     sizes = upload_sizes(log.read_text(errors="replace")) if log.exists() else {}
     uploaded = [sizes[m.id] for m in merged if m.id in sizes]
     end = finished or max((m.created_at for m in metrics), default=started)
-    return {"curve": curve, "merges": len(merged), "param_bytes": param_bytes,
-            "bytes_per_merge": round(statistics.mean(uploaded)) if uploaded else None,
-            "wall_seconds": round((end - started).total_seconds(), 1) if started and end else None,
-            "wall_seconds_to_target": round((hit.created_at - started).total_seconds(), 1)
-            if hit is not None and started else None}
+    return {
+        "curve": curve,
+        "merges": len(merged),
+        "param_bytes": param_bytes,
+        "bytes_per_merge": round(statistics.mean(uploaded)) if uploaded else None,
+        "wall_seconds": round((end - started).total_seconds(), 1) if started and end else None,
+        "wall_seconds_to_target": round((hit.created_at - started).total_seconds(), 1)
+        if hit is not None and started
+        else None,
+    }
 
 
 def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
@@ -347,8 +407,9 @@ def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, bas
     label = f"[{task.name}] {rule} real {slots} slots seed {seed}"
     job_id = cluster.submit(spec)["job_id"]
     say(f"{label}: job {job_id}, up to {spec['stop']['max_epochs']} epochs")
-    clients = [cluster.start_client(f"j{job_id}-c{i}", n) for i, n in enumerate(client_slots(slots,
-                                                                                               args.slots_per_client))]
+    clients = [
+        cluster.start_client(f"j{job_id}-c{i}", n) for i, n in enumerate(client_slots(slots, args.slots_per_client))
+    ]
     try:
         status = _wait_for_job(cluster, job_id, clients, args.job_timeout, label)
     finally:
@@ -365,21 +426,30 @@ def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, bas
 def _compare(curve: list[tuple[int, float]], task: Task, base: dict) -> dict:
     """A run's curve against its baseline: examples to target, ratio, best accuracies."""
     reached = examples_to_target(curve, task.target)
-    row = {"examples_to_target": reached, "baseline_examples": base["examples_to_target"],
-           "ratio": ratio(reached, base["examples_to_target"]), "best_accuracy": best_accuracy(curve),
-           "best_accuracy_within_baseline_budget": best_accuracy(curve, base["budget_examples"]),
-           "baseline_best_accuracy": base["best_accuracy"], "examples_seen": curve[-1][0] if curve else 0}
+    row = {
+        "examples_to_target": reached,
+        "baseline_examples": base["examples_to_target"],
+        "ratio": ratio(reached, base["examples_to_target"]),
+        "best_accuracy": best_accuracy(curve),
+        "best_accuracy_within_baseline_budget": best_accuracy(curve, base["budget_examples"]),
+        "baseline_best_accuracy": base["best_accuracy"],
+        "examples_seen": curve[-1][0] if curve else 0,
+    }
     if base["examples_to_target"] is None:
         return row | {"status": "not reached", "note": "the single process did not reach the target"}
     if reached is None:
-        return row | {"status": "not reached", "note": f"target {task.target} not reached in "
-                                                       f"{row['examples_seen']} examples"}
+        return row | {
+            "status": "not reached",
+            "note": f"target {task.target} not reached in {row['examples_seen']} examples",
+        }
     return row | {"status": "ok", "note": ""}
 
 
 def _describe(row: dict) -> str:
-    return (f"{row['status']}; ratio {row.get('ratio')}, best {row.get('best_accuracy')}, "
-            f"{row.get('merges', '-')} merges, {row.get('bytes_per_merge', '-')} B/merge {row.get('note', '')}")
+    return (
+        f"{row['status']}; ratio {row.get('ratio')}, best {row.get('best_accuracy')}, "
+        f"{row.get('merges', '-')} merges, {row.get('bytes_per_merge', '-')} B/merge {row.get('note', '')}"
+    )
 
 
 # ---------------------------------------------------------------- the simulator
@@ -405,8 +475,15 @@ def simulate(spec: dict, slots: int, seed: int, args) -> tuple[list[tuple[int, f
         _sim_data[source] = load_dataset(source, spec["dataset"]["validation_fraction"], spec["dataset"]["classes"])
     per_host = min(slots, args.sim_slots_per_host)
     try:
-        out = simulate_training(spec, hosts=math.ceil(slots / per_host), slots=per_host, p=args.sim_p,
-                                network_seconds=args.sim_network_seconds, seed=seed, data=_sim_data[source])
+        out = simulate_training(
+            spec,
+            hosts=math.ceil(slots / per_host),
+            slots=per_host,
+            p=args.sim_p,
+            network_seconds=args.sim_network_seconds,
+            seed=seed,
+            data=_sim_data[source],
+        )
         return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics], int(out.merges)
     except (TypeError, AttributeError) as exc:
         raise SimulatorUnavailable(f"simulate_training's interface: {exc}") from None
@@ -433,8 +510,12 @@ def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args
         return row | {"status": "unavailable", "note": str(exc)}
     t_slots, t_one = _seconds_to_target(curve, task.target), _seconds_to_target(one, task.target)
     row |= _compare([(e, a) for e, a, _ in curve], task, base)
-    row |= {"merges": merges, "curve": curve, "simulated_seconds_to_target": t_slots,
-            "simulated_speedup": round(t_one / t_slots, 2) if t_one and t_slots else None}
+    row |= {
+        "merges": merges,
+        "curve": curve,
+        "simulated_seconds_to_target": t_slots,
+        "simulated_speedup": round(t_one / t_slots, 2) if t_one and t_slots else None,
+    }
     say(f"[{task.name}] {rule} simulated {slots} slots seed {seed}: {_describe(row)}")
     return row
 
@@ -446,9 +527,20 @@ def _seconds_to_target(curve: list[tuple[int, float, float]], target: float) -> 
 # ---------------------------------------------------------------- report
 
 
-SUMMED = ("examples_to_target", "baseline_examples", "best_accuracy", "best_accuracy_within_baseline_budget",
-          "baseline_best_accuracy", "merges", "wall_seconds", "wall_seconds_to_target", "bytes_per_merge",
-          "param_bytes", "simulated_seconds_to_target", "simulated_speedup")
+SUMMED = (
+    "examples_to_target",
+    "baseline_examples",
+    "best_accuracy",
+    "best_accuracy_within_baseline_budget",
+    "baseline_best_accuracy",
+    "merges",
+    "wall_seconds",
+    "wall_seconds_to_target",
+    "bytes_per_merge",
+    "param_bytes",
+    "simulated_seconds_to_target",
+    "simulated_speedup",
+)
 
 
 def _mean(values: list) -> float | None:
@@ -467,16 +559,26 @@ def summarize(rows: list[dict]) -> list[dict]:
         ran = [r for r in rs if r["status"] in ("ok", "not reached")]
         reached = [r for r in ran if r["status"] == "ok"]
         every = bool(ran) and len(reached) == len(ran)
-        s = {"task": task, "rule": rule, "mode": mode, "slots": slots, "seeds": len(rs), "reached": len(reached),
-             "ratio": _mean([r["ratio"] for r in reached]) if every else None,
-             **{k: _mean([r.get(k) for r in ran]) for k in SUMMED}}
+        s = {
+            "task": task,
+            "rule": rule,
+            "mode": mode,
+            "slots": slots,
+            "seeds": len(rs),
+            "reached": len(reached),
+            "ratio": _mean([r["ratio"] for r in reached]) if every else None,
+            **{k: _mean([r.get(k) for r in ran]) for k in SUMMED},
+        }
         if not ran:  # unsupported, unavailable or failed: say why
             s |= {"status": rs[0]["status"], "note": rs[0]["note"]}
         elif every:
             s |= {"status": "ok", "note": ""}
         else:
-            s |= {"status": "not reached", "note": f"target reached in {len(reached)} of {len(ran)} seeds: "
-                                                   + "; ".join(r["note"] for r in ran if r["note"])}
+            s |= {
+                "status": "not reached",
+                "note": f"target reached in {len(reached)} of {len(ran)} seeds: "
+                + "; ".join(r["note"] for r in ran if r["note"]),
+            }
         out.append(s)
     return out
 
@@ -487,11 +589,23 @@ def _cell(v) -> str:
 
 def print_table(summary: list[dict]) -> None:
     t = Table(title="learning efficiency: examples to target / single-process examples")
-    cols = {"task": "task", "rule": "rule", "mode": "mode", "slots": "slots", "ratio": "ratio",
-            "examples_to_target": "examples", "baseline_examples": "1-process", "best_accuracy": "best acc",
-            "best_accuracy_within_baseline_budget": "best in 1-p budget", "baseline_best_accuracy": "1-p best",
-            "merges": "merges", "wall_seconds": "wall s", "bytes_per_merge": "B/merge",
-            "simulated_speedup": "sim speedup", "status": "status"}
+    cols = {
+        "task": "task",
+        "rule": "rule",
+        "mode": "mode",
+        "slots": "slots",
+        "ratio": "ratio",
+        "examples_to_target": "examples",
+        "baseline_examples": "1-process",
+        "best_accuracy": "best acc",
+        "best_accuracy_within_baseline_budget": "best in 1-p budget",
+        "baseline_best_accuracy": "1-p best",
+        "merges": "merges",
+        "wall_seconds": "wall s",
+        "bytes_per_merge": "B/merge",
+        "simulated_speedup": "sim speedup",
+        "status": "status",
+    }
     for title in cols.values():
         t.add_column(title)
     for s in summary:
@@ -504,8 +618,14 @@ def print_table(summary: list[dict]) -> None:
 
 def headline(summary: list[dict], task: str, mode: str, slots: int) -> float | None:
     """The default rule's ratio for `task` at `slots` slots in `mode` (None when not measured or not reached)."""
-    return next((s["ratio"] for s in summary if (s["task"], s["rule"], s["mode"], s["slots"])
-                 == (task, DEFAULT_RULE, mode, slots)), None)
+    return next(
+        (
+            s["ratio"]
+            for s in summary
+            if (s["task"], s["rule"], s["mode"], s["slots"]) == (task, DEFAULT_RULE, mode, slots)
+        ),
+        None,
+    )
 
 
 # ---------------------------------------------------------------- main
@@ -529,12 +649,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=_ints, default=[0], help="comma-separated seeds (model init and job seed)")
     ap.add_argument("--out", type=Path, help="write every run's figures and curves (JSON) to this file")
     ap.add_argument("--slots-per-client", type=int, default=4, help="task slots per client process")
-    ap.add_argument("--budget-passes", type=int, help="the single process's passes over the training set "
-                                                      "(default: the task's, 12)")
-    ap.add_argument("--system-budget", type=float, default=3.0,
-                    help="the system's example budget as a multiple of the baseline's")
-    ap.add_argument("--stop-at-target", action="store_true", help="end jobs at their target (shorter; best "
-                                                                  "accuracy then stops near the target)")
+    ap.add_argument(
+        "--budget-passes", type=int, help="the single process's passes over the training set (default: the task's, 12)"
+    )
+    ap.add_argument(
+        "--system-budget", type=float, default=3.0, help="the system's example budget as a multiple of the baseline's"
+    )
+    ap.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="end jobs at their target (shorter; best accuracy then stops near the target)",
+    )
     ap.add_argument("--job-timeout", type=float, default=900.0, help="seconds one real-system job may run")
     ap.add_argument("--sim-slots-per-host", type=int, default=4)
     ap.add_argument("--sim-p", type=float, default=0.0, help="simulated preemption probability")
@@ -562,8 +687,9 @@ def run(args: argparse.Namespace, tasks: list[Task], tmp: Path) -> tuple[list[di
                 for rule in args.rules:
                     for slots in args.slots:
                         for seed in args.seeds:
-                            rows.append(_guarded(run_real, cluster, t, rule, slots, seed, baselines[t.name, seed],
-                                                 args))
+                            rows.append(
+                                _guarded(run_real, cluster, t, rule, slots, seed, baselines[t.name, seed], args)
+                            )
         finally:
             cluster.stop()
     for t in tasks:
@@ -581,8 +707,15 @@ def _guarded(fn, *a) -> dict:
         return fn(*a)
     except Exception as exc:  # noqa: BLE001 -- reported in the row and on stderr
         say(f"[{task.name}] {rule} {slots} slots seed {seed}: error {exc}")
-        return {"task": task.name, "rule": rule, "mode": "real" if fn is run_real else "sim", "slots": slots,
-                "seed": seed, "status": "error", "note": str(exc)[:500]}
+        return {
+            "task": task.name,
+            "rule": rule,
+            "mode": "real" if fn is run_real else "sim",
+            "slots": slots,
+            "seed": seed,
+            "status": "error",
+            "note": str(exc)[:500],
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -595,8 +728,11 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(rows)
     print_table(summary)
     result = {
-        "benchmark": "learning_efficiency", "quick": args.quick, "default_rule": DEFAULT_RULE,
-        "default_assimilation": assimilation_for(DEFAULT_RULE), "seeds": args.seeds,
+        "benchmark": "learning_efficiency",
+        "quick": args.quick,
+        "default_rule": DEFAULT_RULE,
+        "default_assimilation": assimilation_for(DEFAULT_RULE),
+        "seeds": args.seeds,
         "targets": {t.name: t.target for t in tasks},
         "baseline": {k: {kk: v for kk, v in b.items() if kk != "curve"} for k, b in baselines.items()},
         "results": summary,

@@ -43,10 +43,10 @@ import httpx
 import numpy as np
 import redis
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core import keys
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import Params, decode, encode
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger import paramstore
 
 MODEL = {"name": "resnet", "options": {"width": 86, "blocks": 2}}
 IMAGE_SHAPE = (32, 32, 3)
@@ -70,15 +70,18 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 # --- setup -------------------------------------------------------------------------------------
 
+
 def write_dataset(path: Path, shards: int, seed: int = 0) -> None:
     """Random images, `EXAMPLES_PER_SHARD` per shard, plus a tiny validation split."""
     rng = np.random.default_rng(seed)
     n = shards * EXAMPLES_PER_SHARD
-    np.savez(path,
-             x=rng.standard_normal((n, *IMAGE_SHAPE), dtype=np.float32),
-             y=np.arange(n, dtype=np.int64) % NUM_CLASSES,
-             x_val=rng.standard_normal((VALIDATION_EXAMPLES, *IMAGE_SHAPE), dtype=np.float32),
-             y_val=np.arange(VALIDATION_EXAMPLES, dtype=np.int64) % NUM_CLASSES)
+    np.savez(
+        path,
+        x=rng.standard_normal((n, *IMAGE_SHAPE), dtype=np.float32),
+        y=np.arange(n, dtype=np.int64) % NUM_CLASSES,
+        x_val=rng.standard_normal((VALIDATION_EXAMPLES, *IMAGE_SHAPE), dtype=np.float32),
+        y_val=np.arange(VALIDATION_EXAMPLES, dtype=np.int64) % NUM_CLASSES,
+    )
 
 
 def job_spec(dataset: Path, shards: int) -> dict:
@@ -88,8 +91,12 @@ def job_spec(dataset: Path, shards: int) -> dict:
         "model": MODEL,
         "dataset": {"source": f"npz:{dataset}", "subsets": shards},
         "stop": {"target_accuracy": 1.0, "max_epochs": 1000},
-        "scheduling": {"deadline_seconds": 600, "eval_every": 100_000,
-                       "snapshot_every_merges": 100_000, "snapshot_every_seconds": 1e9},
+        "scheduling": {
+            "deadline_seconds": 600,
+            "eval_every": 100_000,
+            "snapshot_every_merges": 100_000,
+            "snapshot_every_seconds": 1e9,
+        },
     }
 
 
@@ -101,10 +108,14 @@ def check(resp: httpx.Response) -> dict:
 
 def register_host(cluster: Cluster) -> httpx.Client:
     """Register as a host; returns an HTTP client that authenticates with the host token."""
-    reply = check(httpx.post(f"{cluster.url}/v1/hosts", timeout=30,
-                             json={"join_token": cluster.join_token, "name": "merge-latency-bench"}))
-    return httpx.Client(base_url=cluster.url, timeout=120,
-                        headers={"Authorization": f"Bearer {reply['host_token']}"})
+    reply = check(
+        httpx.post(
+            f"{cluster.url}/v1/hosts",
+            timeout=30,
+            json={"join_token": cluster.join_token, "name": "merge-latency-bench"},
+        )
+    )
+    return httpx.Client(base_url=cluster.url, timeout=120, headers={"Authorization": f"Bearer {reply['host_token']}"})
 
 
 def perturbed(params: Params, scale: float = 1e-3, seed: int = 1) -> Params:
@@ -125,6 +136,7 @@ def client_result(snapshot: bytes) -> bytes:
 
 # --- one merge ---------------------------------------------------------------------------------
 
+
 def take_assignment(host: httpx.Client) -> dict:
     assignments = check(host.post("/v1/work", json={"free_slots": 1}))["assignments"]
     if not assignments:
@@ -133,9 +145,14 @@ def take_assignment(host: httpx.Client) -> dict:
 
 
 def upload(host: httpx.Client, assignment_id: int, body: bytes) -> None:
-    check(host.put(f"/v1/assignments/{assignment_id}/result", content=body,
-                   params={"train_loss": 1.0, "examples": EXAMPLES_PER_SHARD, "seconds": 0.1},
-                   headers={"Content-Type": "application/octet-stream"}))
+    check(
+        host.put(
+            f"/v1/assignments/{assignment_id}/result",
+            content=body,
+            params={"train_loss": 1.0, "examples": EXAMPLES_PER_SHARD, "seconds": 0.1},
+            headers={"Content-Type": "application/octet-stream"},
+        )
+    )
 
 
 def wait_until(condition: Callable[[], bool], what: str, cluster: Cluster) -> None:
@@ -163,8 +180,9 @@ class MergeTiming:
     observed_s: float  # received_at -> the committed merge-log entry was first seen in Redis
 
 
-def measure_merge(cluster: Cluster, host: httpx.Client, r: redis.Redis, job_id: int, assignment_id: int,
-                  body: bytes) -> MergeTiming:
+def measure_merge(
+    cluster: Cluster, host: httpx.Client, r: redis.Redis, job_id: int, assignment_id: int, body: bytes
+) -> MergeTiming:
     """Upload in a thread while polling the merge log, so the commit is seen within POLL_S.
 
     The log entry is written in the same MULTI/EXEC as W_s, so its first sighting bounds
@@ -185,8 +203,9 @@ def measure_merge(cluster: Cluster, host: httpx.Client, r: redis.Redis, job_id: 
     return MergeTiming(entry["merged_at"] - entry["received_at"], seen_at - entry["received_at"])
 
 
-def measure_merges(cluster: Cluster, host: httpx.Client, r: redis.Redis, job_id: int, first_assignment: int,
-                   body: bytes, samples: int) -> list[MergeTiming]:
+def measure_merges(
+    cluster: Cluster, host: httpx.Client, r: redis.Redis, job_id: int, first_assignment: int, body: bytes, samples: int
+) -> list[MergeTiming]:
     timings = []
     for i in range(WARMUP + samples):
         assignment_id = first_assignment if i == 0 else take_assignment(host)["assignment_id"]
@@ -199,6 +218,7 @@ def measure_merges(cluster: Cluster, host: httpx.Client, r: redis.Redis, job_id:
 
 
 # --- baseline ----------------------------------------------------------------------------------
+
 
 def measure_raw_redis(r: redis.Redis, blob: bytes, repetitions: int) -> list[float]:
     """GET + SET of `blob` on a scratch key: the floor for reading and writing W_s once."""
@@ -217,6 +237,7 @@ def measure_raw_redis(r: redis.Redis, blob: bytes, repetitions: int) -> list[flo
 
 
 # --- main --------------------------------------------------------------------------------------
+
 
 def run(samples: int, var_dir: Path) -> dict:
     shards = WARMUP + samples

@@ -49,13 +49,16 @@ def say(msg: str) -> None:
 
 
 def job_spec(trial: int, timeout: float) -> dict:
-    return JobSpec.model_validate({
-        "name": f"preemption-{trial}", "model": {"name": "cnn1d"},
-        "dataset": {"source": "builtin:mnist1d", "subsets": 1},
-        "training": {"local_epochs": 1000},
-        "stop": {"target_accuracy": 1.0, "max_epochs": 100},
-        "scheduling": {"deadline_seconds": timeout},
-    }).model_dump(mode="json")
+    return JobSpec.model_validate(
+        {
+            "name": f"preemption-{trial}",
+            "model": {"name": "cnn1d"},
+            "dataset": {"source": "builtin:mnist1d", "subsets": 1},
+            "training": {"local_epochs": 1000},
+            "stop": {"target_accuracy": 1.0, "max_epochs": 100},
+            "scheduling": {"deadline_seconds": timeout},
+        }
+    ).model_dump(mode="json")
 
 
 def _host_rows(db, host: str) -> list:
@@ -70,8 +73,9 @@ def _ts(dt) -> float:
 def trial(cluster: Cluster, db, n: int, args) -> dict:
     job_id = cluster.submit(job_spec(n, args.timeout))["job_id"]
     notices = SpotNoticeServer()
-    spot = cluster.start_client(f"spot-{n}", 1, "--no-prefetch", "--spot-notice-url", notices.url,
-                                "--spot-poll-seconds", str(args.poll))
+    spot = cluster.start_client(
+        f"spot-{n}", 1, "--no-prefetch", "--spot-notice-url", notices.url, "--spot-poll-seconds", str(args.poll)
+    )
     standby = None
     try:
         wait_for(lambda: any(a.status == "in_progress" for a in _host_rows(db, spot.name)), 120, "no work", spot)
@@ -82,15 +86,21 @@ def trial(cluster: Cluster, db, n: int, args) -> dict:
         announced = time.time()
         notices.announce(seconds_left=120)
         wait_for(lambda: notices.served_at is not None, 30, "notice never read", spot)
-        wait_for(lambda: any(a.workunit_id == lost.workunit_id for a in _host_rows(db, standby.name)), 60,
-                 "workunit not dispatched again", standby)
+        wait_for(
+            lambda: any(a.workunit_id == lost.workunit_id for a in _host_rows(db, standby.name)),
+            60,
+            "workunit not dispatched again",
+            standby,
+        )
         (lost,) = _host_rows(db, spot.name)
         retry = next(a for a in _host_rows(db, standby.name) if a.workunit_id == lost.workunit_id)
-        figures = {"abandoned_after_notice": _ts(lost.finished_at) - notices.served_at,
-                   "redispatched_after_notice": _ts(retry.sent_at) - notices.served_at,
-                   "redispatched_after_announce": _ts(retry.sent_at) - announced,
-                   "deadline_after_notice": _ts(lost.deadline) - notices.served_at,
-                   "status": lost.status}
+        figures = {
+            "abandoned_after_notice": _ts(lost.finished_at) - notices.served_at,
+            "redispatched_after_notice": _ts(retry.sent_at) - notices.served_at,
+            "redispatched_after_announce": _ts(retry.sent_at) - announced,
+            "deadline_after_notice": _ts(lost.deadline) - notices.served_at,
+            "status": lost.status,
+        }
         say(f"trial {n}: {figures}")
         return figures
     finally:
@@ -111,8 +121,11 @@ def main() -> None:
     ap.add_argument("--train-before", type=float, default=5.0, help="seconds of training before the notice")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="ct-preempt-") as tmp:
-        cluster = Cluster(var_dir=Path(tmp), assimilator_concurrency=1,
-                          extra_env={"CROWDTRAIN_WORK_RETRY_AFTER": str(args.retry_after)})
+        cluster = Cluster(
+            var_dir=Path(tmp),
+            assimilator_concurrency=1,
+            extra_env={"CROWDTRAIN_WORK_RETRY_AFTER": str(args.retry_after)},
+        )
         cluster.start()
         try:
             db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
@@ -121,19 +134,30 @@ def main() -> None:
             cluster.stop()
     redispatch = [r["redispatched_after_notice"] for r in results]
     waits = [r["deadline_after_notice"] for r in results]
-    print(json.dumps({
-        "benchmark": "preemption", "trials": len(results), "timeout_seconds": args.timeout,
-        "notice_poll_seconds": args.poll, "work_retry_after_seconds": args.retry_after,
-        "all_abandoned": all(r["status"] == "abandoned" for r in results),
-        "abandon_after_notice_p50": round(statistics.median(r["abandoned_after_notice"] for r in results), 3),
-        "redispatch_after_notice_p50": round(statistics.median(redispatch), 3),
-        "redispatch_after_notice_max": round(max(redispatch), 3),
-        # From the notice's first appearance: adds the wait for the client's next poll (<= --poll).
-        "redispatch_after_announce_p50": round(statistics.median(r["redispatched_after_announce"] for r in results), 3),
-        "redispatch_without_notice_p50": round(statistics.median(waits), 3),
-        "ratio_redispatch_to_timeout": round(statistics.median(redispatch) / args.timeout, 4),
-        "ratio_redispatch_to_wait_without_notice": round(statistics.median(redispatch) / statistics.median(waits), 4),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "preemption",
+                "trials": len(results),
+                "timeout_seconds": args.timeout,
+                "notice_poll_seconds": args.poll,
+                "work_retry_after_seconds": args.retry_after,
+                "all_abandoned": all(r["status"] == "abandoned" for r in results),
+                "abandon_after_notice_p50": round(statistics.median(r["abandoned_after_notice"] for r in results), 3),
+                "redispatch_after_notice_p50": round(statistics.median(redispatch), 3),
+                "redispatch_after_notice_max": round(max(redispatch), 3),
+                # From the notice's first appearance: adds the wait for the client's next poll (<= --poll).
+                "redispatch_after_announce_p50": round(
+                    statistics.median(r["redispatched_after_announce"] for r in results), 3
+                ),
+                "redispatch_without_notice_p50": round(statistics.median(waits), 3),
+                "ratio_redispatch_to_timeout": round(statistics.median(redispatch) / args.timeout, 4),
+                "ratio_redispatch_to_wait_without_notice": round(
+                    statistics.median(redispatch) / statistics.median(waits), 4
+                ),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

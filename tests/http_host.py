@@ -11,8 +11,9 @@ class ScriptedHost:
     """Registers with the cluster's join token, asks for work, reads snapshots and uploads results."""
 
     def __init__(self, url: str, join_token: str, name: str):
-        token = httpx.post(f"{url}/v1/hosts", json={"join_token": join_token, "name": name},
-                           timeout=60).json()["host_token"]
+        token = httpx.post(f"{url}/v1/hosts", json={"join_token": join_token, "name": name}, timeout=60).json()[
+            "host_token"
+        ]
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
 
     def next_assignment(self, timeout: float = 120) -> dict:

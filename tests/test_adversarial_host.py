@@ -14,11 +14,11 @@ from sqlalchemy import select
 
 from crowdtrain.assimilator.policy import params_norm
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params
+from crowdtrain.launch.cluster import Cluster, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 from tests.http_host import ScriptedHost
 
@@ -60,8 +60,11 @@ def attack(cluster: Cluster, job_id: int, rounds: int = 2, seed: int = 0) -> lis
     sent: list[tuple[int, str]] = []
     for r in range(rounds):
         if r:
-            wait_for(lambda: _job(cluster, job_id).param_version >= 6 * r or _job(cluster, job_id).status != "running",
-                     JOB_TIMEOUT, "the honest client's merges stopped")
+            wait_for(
+                lambda r=r: _job(cluster, job_id).param_version >= 6 * r or _job(cluster, job_id).status != "running",
+                JOB_TIMEOUT,
+                "the honest client's merges stopped",
+            )
         for kind in ATTACKS:
             if _job(cluster, job_id).status != "running":
                 return sent
@@ -80,8 +83,14 @@ def run_example_job(cluster: Cluster, hostile: bool, seed: int = 0) -> dict:
     sent = attack(cluster, job_id, seed=seed) if hostile else []
     wait_for(lambda: _job(cluster, job_id).status != "running", JOB_TIMEOUT, "the job did not finish")
     job = _job(cluster, job_id)
-    return {"job_id": job_id, "status": job.status, "message": job.status_message,
-            "final_accuracy": job.final_accuracy, "seconds": time.monotonic() - started, "attacks": sent}
+    return {
+        "job_id": job_id,
+        "status": job.status,
+        "message": job.status_message,
+        "final_accuracy": job.final_accuracy,
+        "seconds": time.monotonic() - started,
+        "attacks": sent,
+    }
 
 
 def test_a_hostile_host_cannot_keep_the_example_job_from_its_target(make_cluster, sqlite_url) -> None:
@@ -93,7 +102,9 @@ def test_a_hostile_host_cannot_keep_the_example_job_from_its_target(make_cluster
 
     def decided() -> bool:
         with db.begin() as s:
-            return all(s.get_one(Assignment, aid).status != AssignmentStatus.uploaded.value for aid, _ in run["attacks"])
+            return all(
+                s.get_one(Assignment, aid).status != AssignmentStatus.uploaded.value for aid, _ in run["attacks"]
+            )
 
     wait_for(decided, 60, "hostile uploads were never merged or refused")
     with db.begin() as s:
@@ -102,8 +113,10 @@ def test_a_hostile_host_cannot_keep_the_example_job_from_its_target(make_cluster
         refused = [(kind, a.message) for kind, a in outcomes if a.status == AssignmentStatus.rejected.value]
         merged = [kind for kind, a in outcomes if a.status == AssignmentStatus.merged.value]
         failed = mallory.results_failed
-    print(f"\nwith a hostile host: {run['status']} in {run['seconds']:.0f}s, final accuracy "
-          f"{run['final_accuracy']:.3f}; refused {[k for k, _ in refused]}, merged {merged}")
+    print(
+        f"\nwith a hostile host: {run['status']} in {run['seconds']:.0f}s, final accuracy "
+        f"{run['final_accuracy']:.3f}; refused {[k for k, _ in refused]}, merged {merged}"
+    )
     assert len(run["attacks"]) >= len(ATTACKS), run["attacks"]
     for kind, a in outcomes:
         if kind != "noise":  # huge updates are refused, during warm-up and after it

@@ -46,8 +46,9 @@ def test_merge_curve_pairs_each_evaluation_with_the_examples_merged_up_to_its_ve
     assert eff.merge_curve([], []) == []
 
 
-@pytest.mark.parametrize(("examples", "baseline", "expected"),
-                         [(9000, 6000, 1.5), (None, 6000, None), (9000, None, None), (6000, 6000, 1.0)])
+@pytest.mark.parametrize(
+    ("examples", "baseline", "expected"), [(9000, 6000, 1.5), (None, 6000, None), (9000, None, None), (6000, 6000, 1.0)]
+)
 def test_ratio_is_null_unless_both_reached(examples, baseline, expected):
     assert eff.ratio(examples, baseline) == expected
 
@@ -64,15 +65,19 @@ def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_data
 
 
 def test_upload_sizes_read_from_scheduler_log_lines():
-    log = ("2026-11-23 11:00:00 INFO crowdtrain.server.ledger.assignments: assignment 7: result uploaded (43960 bytes, loss 0.5), "
-           "merge queued\nunrelated line\n"
-           "2026-11-23 11:00:01 INFO crowdtrain.server.ledger.assignments: assignment 12: result uploaded (11000 bytes, loss None), "
-           "merge queued\n")
+    log = (
+        "2026-11-23 11:00:00 INFO crowdtrain.server.ledger.assignments: "
+        "assignment 7: result uploaded (43960 bytes, loss 0.5), merge queued\n"
+        "unrelated line\n"
+        "2026-11-23 11:00:01 INFO crowdtrain.server.ledger.assignments: "
+        "assignment 12: result uploaded (11000 bytes, loss None), merge queued\n"
+    )
     assert eff.upload_sizes(log) == {7: 43960, 12: 11000}
 
 
-@pytest.mark.parametrize(("slots", "per_client", "expected"), [(1, 4, [1]), (4, 4, [4]), (8, 4, [4, 4]),
-                                                               (6, 4, [4, 2])])
+@pytest.mark.parametrize(
+    ("slots", "per_client", "expected"), [(1, 4, [1]), (4, 4, [4]), (8, 4, [4, 4]), (6, 4, [4, 2])]
+)
 def test_client_slots_add_up(slots, per_client, expected):
     assert eff.client_slots(slots, per_client) == expected
 
@@ -93,10 +98,21 @@ def test_default_rule_is_the_example_jobs_assimilation():
 
 def test_summary_ratio_is_null_and_says_so_when_a_seed_misses_the_target():
     ok = {"task": "t", "rule": "r", "mode": "real", "slots": 8, "status": "ok", "note": "", "ratio": 2.0}
-    missed = ok | {"seed": 1, "status": "not reached", "note": "target 0.9 not reached in 80000 examples",
-                   "ratio": None}
-    unsupported = {"task": "t", "rule": "u", "mode": "real", "slots": 8, "seed": 0, "status": "unsupported",
-                   "note": "merge rule: unknown merge rule 'u'"}
+    missed = ok | {
+        "seed": 1,
+        "status": "not reached",
+        "note": "target 0.9 not reached in 80000 examples",
+        "ratio": None,
+    }
+    unsupported = {
+        "task": "t",
+        "rule": "u",
+        "mode": "real",
+        "slots": 8,
+        "seed": 0,
+        "status": "unsupported",
+        "note": "merge rule: unknown merge rule 'u'",
+    }
     both = {s["rule"]: s for s in eff.summarize([ok | {"seed": 0}, missed, unsupported])}
     assert both["r"]["ratio"] is None and both["r"]["reached"] == 1 and "1 of 2" in both["r"]["note"]
     assert both["u"]["status"] == "unsupported" and both["u"]["ratio"] is None
@@ -108,8 +124,18 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(100, 4)).astype(np.float32), rng.integers(0, 2, 100)
     config = {"name": "mlp", "input_shape": [4], "num_classes": 2, "options": {"hidden": [8]}}
-    recipe = {"model": config, "seed": 0, "training": {"local_epochs": 3, "batch_size": 10, "optimizer": "adam",
-                                                       "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}}
+    recipe = {
+        "model": config,
+        "seed": 0,
+        "training": {
+            "local_epochs": 3,
+            "batch_size": 10,
+            "optimizer": "adam",
+            "lr": 0.01,
+            "momentum": 0.0,
+            "weight_decay": 0.0,
+        },
+    }
     seen = []
     hook = eff._EvaluateEvery(25, len(x), lambda params: seen.append(sorted(params)) or 0.5)
     train("pytorch", recipe, state_to_numpy(build_model("mlp", [4], 2, **config["options"])), x, y, checkpoint=hook)

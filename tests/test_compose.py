@@ -161,13 +161,25 @@ def test_minio_serves_the_directory_its_volume_is_mounted_on(services: dict) -> 
     assert command[:2] == ["server", DATA_DIRS["minio"]]
 
 
-@pytest.mark.parametrize("name,dependencies", [
-    ("migrate", {"postgres": "service_healthy"}),
-    ("createbucket", {"minio": "service_healthy"}),
-    *[(name, {"migrate": "service_completed_successfully", "redis": "service_healthy",
-              "createbucket": "service_completed_successfully"}) for name in SERVER_SERVICES[1:]],
-    ("client", {"scheduler": "service_healthy"}),
-])
+@pytest.mark.parametrize(
+    "name,dependencies",
+    [
+        ("migrate", {"postgres": "service_healthy"}),
+        ("createbucket", {"minio": "service_healthy"}),
+        *[
+            (
+                name,
+                {
+                    "migrate": "service_completed_successfully",
+                    "redis": "service_healthy",
+                    "createbucket": "service_completed_successfully",
+                },
+            )
+            for name in SERVER_SERVICES[1:]
+        ],
+        ("client", {"scheduler": "service_healthy"}),
+    ],
+)
 def test_services_wait_for_what_they_need(services: dict, name: str, dependencies: dict) -> None:
     depends_on = services[name].get("depends_on") or {}
     assert isinstance(depends_on, dict), f"{name}: depends_on needs conditions"
@@ -259,8 +271,9 @@ def test_every_env_example_variable_has_a_comment() -> None:
     for i, line in enumerate(lines):
         if _LISTED.fullmatch(line.strip()):
             above = lines[i - 1] if i else ""
-            assert above.startswith("# ") and not _LISTED.fullmatch(above), \
+            assert above.startswith("# ") and not _LISTED.fullmatch(above), (
                 f".env.example line {i + 1} ({line}) has no comment line above it"
+            )
 
 
 def test_required_variables_fail_loudly_when_unset() -> None:
@@ -337,8 +350,11 @@ def test_each_image_copies_every_package_folder(dockerfile: str) -> None:
 
 
 def test_dockerignore_keeps_what_the_images_copy() -> None:
-    ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip().rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for dockerfile in ("Dockerfile", "Dockerfile.client"):
         for source in _copied(ROOT / dockerfile):
             assert source not in ignored, f"{dockerfile} copies {source}, which .dockerignore leaves out"

@@ -48,7 +48,7 @@ def crowdtrain_process(command: list[str]) -> list[str]:
 
 def replace_option(command: list[str], option: str, value: str) -> list[str]:
     i = command.index(option)
-    return [*command[:i + 1], value, *command[i + 2:]]
+    return [*command[: i + 1], value, *command[i + 2 :]]
 
 
 def localize(value: str, addresses: dict[str, str]) -> str:
@@ -68,19 +68,41 @@ def start_compose_redis(service: dict, directory: Path, port: int) -> Service:
     command = argv(service)
     assert command[0] == "redis-server"
     directory.mkdir(parents=True, exist_ok=True)
-    svc = Service("redis", [redis_server_binary(), *command[1:], "--bind", "127.0.0.1", "--port", str(port),
-                            "--dir", str(directory), "--save", ""], base_environment(),
-                  directory / "redis.log").start()
+    svc = Service(
+        "redis",
+        [
+            redis_server_binary(),
+            *command[1:],
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(directory),
+            "--save",
+            "",
+        ],
+        base_environment(),
+        directory / "redis.log",
+    ).start()
     wait_for(lambda: _answers(lambda: redis.Redis(port=port).ping()), 15, "redis-server did not answer", svc)
     return svc
 
 
 def start_moto(directory: Path, port: int) -> Service:
     """moto's standalone S3 server in MinIO's place; it logs every request, presigned GETs included."""
-    svc = Service("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                  base_environment(), directory / "moto.log").start()
-    wait_for(lambda: _answers(lambda: httpx.get(f"http://127.0.0.1:{port}", timeout=1).status_code < 500), 30,
-             "moto server did not start", svc)
+    svc = Service(
+        "moto",
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        base_environment(),
+        directory / "moto.log",
+    ).start()
+    wait_for(
+        lambda: _answers(lambda: httpx.get(f"http://127.0.0.1:{port}", timeout=1).status_code < 500),
+        30,
+        "moto server did not start",
+        svc,
+    )
     return svc
 
 
@@ -114,17 +136,25 @@ def server_environment(services: dict, addresses: dict[str, str], database_url: 
     """The server services' compose environment with the compose network's addresses made local."""
     compose_env = environment(services["scheduler"])
     assert urlparse(compose_env["CROWDTRAIN_DATABASE_URL"]).hostname == "postgres"
-    return base_environment() | {k: localize(v, addresses) for k, v in compose_env.items()} | {
-        "CROWDTRAIN_DATABASE_URL": database_url,  # the fixture's fresh database stands in for `postgres`
-        "CROWDTRAIN_VAR_DIR": str(var_dir),
-    }
+    return (
+        base_environment()
+        | {k: localize(v, addresses) for k, v in compose_env.items()}
+        | {
+            "CROWDTRAIN_DATABASE_URL": database_url,  # the fixture's fresh database stands in for `postgres`
+            "CROWDTRAIN_VAR_DIR": str(var_dir),
+        }
+    )
 
 
 def create_bucket(env: dict[str, str]) -> None:
     """What `createbucket` does: the bucket of CROWDTRAIN_STORAGE_URL, made with the MinIO root credentials."""
-    boto3.client("s3", endpoint_url=env["CROWDTRAIN_S3_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                 aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"]
-                 ).create_bucket(Bucket=urlparse(env["CROWDTRAIN_STORAGE_URL"]).netloc)
+    boto3.client(
+        "s3",
+        endpoint_url=env["CROWDTRAIN_S3_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    ).create_bucket(Bucket=urlparse(env["CROWDTRAIN_STORAGE_URL"]).netloc)
 
 
 def start_server_services(cluster: Cluster, services: dict, env: dict[str, str], logs: Path) -> None:
@@ -138,8 +168,12 @@ def start_server_services(cluster: Cluster, services: dict, env: dict[str, str],
             # Only the port changes: 8000 may be taken on this machine (compose publishes it the same way).
             command = replace_option(command, "--port", str(cluster.port))
         cluster.services.append(Service(name, crowdtrain_process(command), env, logs / f"{name}.log").start())
-    wait_for(lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health", timeout=2).status_code == 200), 180,
-             "the scheduler did not come up", cluster.service("scheduler"))
+    wait_for(
+        lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health", timeout=2).status_code == 200),
+        180,
+        "the scheduler did not come up",
+        cluster.service("scheduler"),
+    )
     # The scheduler's own healthcheck command, pointed at the local port, passes too.
     healthcheck = services["scheduler"]["healthcheck"]["test"]
     assert healthcheck[:2] == ["CMD", "python"]
@@ -160,15 +194,24 @@ def client_process(services: dict, addresses: dict[str, str], cache: Path) -> li
 def test_the_compose_services_train_the_example_job_as_local_processes(postgres_url: str, tmp_path: Path) -> None:
     services = load_compose(DOT_ENV)["services"]
     redis_port, moto_port, scheduler_port = free_port(), free_port(), free_port()
-    addresses = {"redis:6379": f"127.0.0.1:{redis_port}", "minio:9000": f"127.0.0.1:{moto_port}",
-                 "scheduler:8000": f"127.0.0.1:{scheduler_port}"}
+    addresses = {
+        "redis:6379": f"127.0.0.1:{redis_port}",
+        "minio:9000": f"127.0.0.1:{moto_port}",
+        "scheduler:8000": f"127.0.0.1:{scheduler_port}",
+    }
     env = server_environment(services, addresses, postgres_url, tmp_path / "var")
     moto_endpoint = env["CROWDTRAIN_S3_ENDPOINT_URL"]
     assert moto_endpoint == f"http://127.0.0.1:{moto_port}"
     logs = tmp_path / "logs"
-    cluster = Cluster(var_dir=tmp_path, database_url=postgres_url, redis_url=env["CROWDTRAIN_REDIS_URL"],
-                      storage_url=env["CROWDTRAIN_STORAGE_URL"], admin_token=env["CROWDTRAIN_ADMIN_TOKEN"],
-                      join_token=env["CROWDTRAIN_JOIN_TOKEN"], port=scheduler_port)
+    cluster = Cluster(
+        var_dir=tmp_path,
+        database_url=postgres_url,
+        redis_url=env["CROWDTRAIN_REDIS_URL"],
+        storage_url=env["CROWDTRAIN_STORAGE_URL"],
+        admin_token=env["CROWDTRAIN_ADMIN_TOKEN"],
+        join_token=env["CROWDTRAIN_JOIN_TOKEN"],
+        port=scheduler_port,
+    )
     try:
         cluster.services.append(start_compose_redis(services["redis"], tmp_path / "redis", redis_port))
         assert redis.Redis.from_url(cluster.redis_url).config_get("appendonly") == {"appendonly": "yes"}
@@ -181,16 +224,25 @@ def test_the_compose_services_train_the_example_job_as_local_processes(postgres_
         probe_presigned_work(cluster.url, cluster.join_token, moto_endpoint)
         client_env = base_environment() | environment(services["client"])  # its join token
         for i in range(2):
-            cluster.clients.append(Service(f"client{i}", client_process(services, addresses, tmp_path / f"cache{i}"),
-                                           client_env, logs / f"client{i}.log").start())
+            cluster.clients.append(
+                Service(
+                    f"client{i}",
+                    client_process(services, addresses, tmp_path / f"cache{i}"),
+                    client_env,
+                    logs / f"client{i}.log",
+                ).start()
+            )
 
         st = wait_finished(cluster, job_id, timeout=420)
         assert st["status"] == "succeeded", st["status_message"]
         assert max(e["mean_accuracy"] or 0 for e in st["epochs"]) >= 0.90
         assert_exact_accounting(cluster, job_id)
         # The clients fetched shards from S3 through presigned URLs, not through the scheduler.
-        presigned_gets = [line for line in moto.log_path.read_text(errors="replace").splitlines()
-                          if re.search(rf'"GET /[^ ]+/jobs/{job_id}/shards/', line) and PRESIGNED.search(line)]
+        presigned_gets = [
+            line
+            for line in moto.log_path.read_text(errors="replace").splitlines()
+            if re.search(rf'"GET /[^ ]+/jobs/{job_id}/shards/', line) and PRESIGNED.search(line)
+        ]
         assert len(presigned_gets) >= 3, moto.tail()  # the probe's, and at least one per client
     finally:
         cluster.stop()

@@ -53,12 +53,16 @@ def keep_killing(cluster, name: str, stop: threading.Event, kills: list[float]) 
 @pytest.mark.parametrize("component", ["assimilator", "transitioner", "server", "scheduler-worker", "redis"])
 def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqlite_url: str) -> None:
     # Redis restarts from its append-only file (fsync on every write), as in docker-compose.yml.
-    cluster = make_cluster(sqlite_url, redis_appendonly=True, server_workers=3 if component == "scheduler-worker" else 1,
-                           extra_env={
-        # A killed parameter server's unacknowledged merge comes back after this many seconds.
-        "CROWDTRAIN_BROKER_VISIBILITY_TIMEOUT": "5",
-        "CROWDTRAIN_STUCK_UPLOAD_SECONDS": "10",
-    })
+    cluster = make_cluster(
+        sqlite_url,
+        redis_appendonly=True,
+        server_workers=3 if component == "scheduler-worker" else 1,
+        extra_env={
+            # A killed parameter server's unacknowledged merge comes back after this many seconds.
+            "CROWDTRAIN_BROKER_VISIBILITY_TIMEOUT": "5",
+            "CROWDTRAIN_STUCK_UPLOAD_SECONDS": "10",
+        },
+    )
     job_id = submit(cluster, deadline_seconds=20)
     cluster.start_client("alice", tasks=2)
     cluster.start_client("bob", tasks=2)
@@ -101,6 +105,9 @@ def test_w_s_is_restored_from_its_snapshot_when_redis_loses_everything(make_clus
     with db.begin() as s:
         wus = s.scalars(select(Workunit).where(Workunit.job_id == job_id)).all()
         assert {wu.status for wu in wus} <= {"done", "failed", "cancelled"}
-        merged = s.execute(select(Assignment.workunit_id, func.count()).where(
-            Assignment.job_id == job_id, Assignment.status == "merged").group_by(Assignment.workunit_id)).all()
+        merged = s.execute(
+            select(Assignment.workunit_id, func.count())
+            .where(Assignment.job_id == job_id, Assignment.status == "merged")
+            .group_by(Assignment.workunit_id)
+        ).all()
         assert all(n == 1 for _, n in merged), "a workunit was merged twice"

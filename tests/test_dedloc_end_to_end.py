@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from crowdtrain.core import dedloc
-from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv
 from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
+from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv
 from crowdtrain.workgen.datasets import load_dataset
 
 pytestmark = pytest.mark.integration
@@ -21,12 +21,22 @@ JOB_TIMEOUT = 300
 
 def dedloc_spec(max_steps: int, target_accuracy: float = 0.99, **fields) -> dict:
     return {
-        "name": "dedloc-test", "mode": "dedloc", "seed": 3,
+        "name": "dedloc-test",
+        "mode": "dedloc",
+        "seed": 3,
         "model": {"name": "cnn1d", "options": {"channels": 16, "kernel_size": 5, "layers": 2}},
         "dataset": {"source": "builtin:mnist1d", "subsets": 4},
         "stop": {"target_accuracy": target_accuracy, "max_steps": max_steps},
-        "dedloc": {"target_batch_size": 96, "micro_batch_size": 16, "optimizer": "sgd", "lr": 0.05,
-                   "momentum": 0.9, "matchmaking_timeout": 4, "averaging_timeout": 20, "report_interval": 0.2}
+        "dedloc": {
+            "target_batch_size": 96,
+            "micro_batch_size": 16,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "momentum": 0.9,
+            "matchmaking_timeout": 4,
+            "averaging_timeout": 20,
+            "report_interval": 0.2,
+        }
         | fields,
     }
 
@@ -39,8 +49,20 @@ def submit(cluster: Cluster, spec: dict) -> int:
 
 
 def start_peer(cluster: Cluster, job_id: int, name: str, *extra: str) -> Service:
-    argv = crowdtrain_argv("peer", "--server", cluster.url, "--job", str(job_id), "--name", name, "--threads", "1",
-                           "--trace", str(cluster.var_dir / f"{name}.trace"), *extra)
+    argv = crowdtrain_argv(
+        "peer",
+        "--server",
+        cluster.url,
+        "--job",
+        str(job_id),
+        "--name",
+        name,
+        "--threads",
+        "1",
+        "--trace",
+        str(cluster.var_dir / f"{name}.trace"),
+        *extra,
+    )
     svc = Service(name, argv, cluster.client_env, cluster.var_dir / "logs" / f"{name}.log").start()
     cluster.clients.append(svc)
     return svc
@@ -68,7 +90,9 @@ def traces(cluster: Cluster) -> list[dict]:
 
 
 def stored_state(cluster: Cluster, job_id: int, step: int) -> dict[str, np.ndarray]:
-    blob = (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors").read_bytes()
+    blob = (
+        cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors"
+    ).read_bytes()
     return {k: v for k, v in decode(blob).items() if not k.startswith("__")}
 
 
@@ -110,18 +134,36 @@ def relative_error(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(b[k]), 1e-12)) for k in b)
 
 
-@pytest.mark.parametrize(("max_group_size", "relayed"), [
-    (16, ()),  # one Gloo group of 3
-    (2, (2,)),  # a Gloo group of 2 plus a relayed peer, combined by the scheduler
-    (1, (0,)),  # three parts: two single-peer groups and a relayed peer
-], ids=["one-group", "group-and-relayed", "three-parts"])
-def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(make_cluster, max_group_size: int,
-                                                                               relayed: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("max_group_size", "relayed"),
+    [
+        (16, ()),  # one Gloo group of 3
+        (2, (2,)),  # a Gloo group of 2 plus a relayed peer, combined by the scheduler
+        (1, (0,)),  # three parts: two single-peer groups and a relayed peer
+    ],
+    ids=["one-group", "group-and-relayed", "three-parts"],
+)
+def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(
+    make_cluster, max_group_size: int, relayed: tuple[int, ...]
+) -> None:
     cluster = make_cluster(assimilator_concurrency=1)
     spec = dedloc_spec(max_steps=5, max_group_size=max_group_size)
     job_id = submit(cluster, spec)
-    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
-                        "--examples-per-step", "32", *(["--relayed"] if i in relayed else [])) for i in range(3)]
+    peers = [
+        start_peer(
+            cluster,
+            job_id,
+            f"peer-{i}",
+            "--data-rank",
+            str(i),
+            "--data-world",
+            "3",
+            "--examples-per-step",
+            "32",
+            *(["--relayed"] if i in relayed else []),
+        )
+        for i in range(3)
+    ]
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed" and "max_steps=5" in st["status_message"], st
 
@@ -151,7 +193,7 @@ def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(m
 def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> None:
     """Every peer that reported parameters at a step holds the uploaded state of that step."""
     for step, by_peer in digests_per_step(cluster, job_id, steps).items():
-        stored = (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors")
+        stored = cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / f"state-{step:08d}.safetensors"
         assert by_peer, f"no peer reported parameters at step {step}"
         assert len(set(by_peer.values())) == 1, f"step {step}: peers differ: {by_peer}"
         if stored.exists():
@@ -161,8 +203,19 @@ def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> Non
 def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it(make_cluster) -> None:
     cluster = make_cluster(assimilator_concurrency=1)
     job_id = submit(cluster, dedloc_spec(max_steps=6, target_batch_size=480))
-    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
-                        *(["--kill-at", "2:0"] if i == 2 else [])) for i in range(3)]
+    peers = [
+        start_peer(
+            cluster,
+            job_id,
+            f"peer-{i}",
+            "--data-rank",
+            str(i),
+            "--data-world",
+            "3",
+            *(["--kill-at", "2:0"] if i == 2 else []),
+        )
+        for i in range(3)
+    ]
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed" and "max_steps=6" in st["status_message"], st
 
@@ -220,8 +273,12 @@ def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(m
     assert spec.stop.target_accuracy == 0.90  # the target of examples/mnist1d-cnn.yaml (VC-ASGD)
     cluster = make_cluster(assimilator_concurrency=1)
     job_id = submit(cluster, spec.model_dump(mode="json"))
-    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3",
-                        *(["--relayed"] if i == 2 else [])) for i in range(3)]
+    peers = [
+        start_peer(
+            cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3", *(["--relayed"] if i == 2 else [])
+        )
+        for i in range(3)
+    ]
     st = wait_finished(cluster, job_id, peers, timeout=600)
     assert st["status"] == "succeeded", st
     assert st["final_accuracy"] >= 0.90
@@ -230,7 +287,8 @@ def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(m
         full = http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json()
         model = http.get(f"/v1/jobs/{job_id}/model")
     assert model.status_code == 200 and dedloc.digest(decode(model.content)) == dedloc.digest(
-        stored_state(cluster, job_id, steps))
+        stored_state(cluster, job_id, steps)
+    )
     assert max(m["val_accuracy"] for m in full["metrics"]) >= 0.90
     relayed = peer_ids(cluster, "peer-2")
     relayed_in = [c for c in commits(cluster, job_id).values() if relayed & set(c["members"])]
@@ -241,8 +299,13 @@ def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(m
 def test_the_dedloc_demo_trains_three_peers_one_relayed_to_the_target(tmp_path) -> None:
     import subprocess
 
-    result = subprocess.run(crowdtrain_argv("demo", "--mode", "dedloc", "--var-dir", str(tmp_path / "demo")),
-                            capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    result = subprocess.run(
+        crowdtrain_argv("demo", "--mode", "dedloc", "--var-dir", str(tmp_path / "demo")),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).parents[1],
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in result.stdout and "3 peers, 1 distinct digest(s)" in result.stdout
     relayed_log = (tmp_path / "demo" / "logs" / "peer-3.log").read_text()

@@ -12,11 +12,10 @@ import yaml
 from sqlalchemy import func, select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, crowdtrain_argv
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
-from crowdtrain.core.states import AssignmentStatus
-
 from tests.conftest import ROOT
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
 
@@ -35,8 +34,12 @@ def assignments_by_host(cluster: Cluster, job_id: int) -> dict[str, dict[str, in
     """{host name: {assignment status: count}} for one job."""
     db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
     with db.begin() as s:
-        rows = s.execute(select(Host.name, Assignment.status, func.count()).join(Host)
-                         .where(Assignment.job_id == job_id).group_by(Host.name, Assignment.status)).all()
+        rows = s.execute(
+            select(Host.name, Assignment.status, func.count())
+            .join(Host)
+            .where(Assignment.job_id == job_id)
+            .group_by(Host.name, Assignment.status)
+        ).all()
     out: dict[str, dict[str, int]] = {}
     for name, status, n in rows:
         out.setdefault(name, {})[status] = n
@@ -68,8 +71,10 @@ def test_pytorch_and_tensorflow_clients_train_one_job_together(make_cluster) -> 
     st = wait_finished(cluster, job_id, JOB_TIMEOUT)
     assert_reached(st, 0.90)
     assert_exact_accounting(cluster, job_id)
-    merged = {host: counts.get(AssignmentStatus.merged.value, 0)
-              for host, counts in assignments_by_host(cluster, job_id).items()}
+    merged = {
+        host: counts.get(AssignmentStatus.merged.value, 0)
+        for host, counts in assignments_by_host(cluster, job_id).items()
+    }
     assert merged.get("torch-only", 0) >= 1 and merged.get("tf-only", 0) >= 1, merged
     # A TensorFlow job trained with PyTorch where the client has no TensorFlow, through the shared layout.
     assert "pytorch, loss" in cluster.service("torch-only").log_path.read_text()
@@ -77,9 +82,13 @@ def test_pytorch_and_tensorflow_clients_train_one_job_together(make_cluster) -> 
 
 
 def submit_with_cli(cluster: Cluster, spec_path) -> subprocess.CompletedProcess:
-    return subprocess.run(crowdtrain_argv("job", "submit", str(spec_path), "--server", cluster.url,
-                                          "--admin-token", cluster.admin_token),
-                          capture_output=True, text=True, env=cluster.env, timeout=120)
+    return subprocess.run(
+        crowdtrain_argv("job", "submit", str(spec_path), "--server", cluster.url, "--admin-token", cluster.admin_token),
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+        timeout=120,
+    )
 
 
 def test_a_keras_json_job_trains_on_tensorflow_clients_only(make_cluster) -> None:
@@ -99,8 +108,13 @@ def test_a_keras_json_model_with_a_lambda_layer_is_refused_and_nothing_is_stored
     from crowdtrain.core.zoo_keras import keras_module
 
     keras = keras_module()
-    model = keras.Sequential([keras.Input((40,)), keras.layers.Lambda(lambda t: t * 2.0, name="double"),
-                              keras.layers.Dense(10, name="logits")])
+    model = keras.Sequential(
+        [
+            keras.Input((40,)),
+            keras.layers.Lambda(lambda t: t * 2.0, name="double"),
+            keras.layers.Dense(10, name="logits"),
+        ]
+    )
     (tmp_path / "lambda.json").write_text(model.to_json())
     spec = yaml.safe_load((EXAMPLES / "mnist1d-keras.yaml").read_text())
     spec["model"]["keras_file"] = "lambda.json"

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
+from itertools import pairwise
 
 import pytest
 import redis
@@ -30,9 +31,28 @@ def test_500_simulated_hosts_on_postgresql(make_cluster, postgres_url: str) -> N
     spec.scheduling.deadline_seconds = 20  # a result lost to a refused request is re-dispatched soon
     with cluster.admin() as http:
         job_id = http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
-    sim = subprocess.run([sys.executable, "-m", "crowdtrain", "simulate", "--server", cluster.url, "--join-token",
-                          cluster.join_token, "--hosts", str(HOSTS), "--duration", "300", "--until-idle", "45"],
-                         capture_output=True, text=True, timeout=600, env=cluster.env)
+    sim = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crowdtrain",
+            "simulate",
+            "--server",
+            cluster.url,
+            "--join-token",
+            cluster.join_token,
+            "--hosts",
+            str(HOSTS),
+            "--duration",
+            "300",
+            "--until-idle",
+            "45",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cluster.env,
+    )
     assert sim.returncode == 0, sim.stderr[-3000:]
     figures = json.loads(sim.stdout.strip().splitlines()[-1])
     print("load:", json.dumps(figures))
@@ -44,13 +64,18 @@ def test_500_simulated_hosts_on_postgresql(make_cluster, postgres_url: str) -> N
         job = s.get_one(Job, job_id)
         assert job.status == "failed" and "max_epochs=3" in job.status_message, job.status_message
         assert {wu.status for wu in s.scalars(select(Workunit).where(Workunit.job_id == job_id))} <= {"done", "failed"}
-        assignments = s.scalars(select(Assignment).where(Assignment.job_id == job_id)
-                                .order_by(Assignment.sent_at)).all()
+        assignments = s.scalars(
+            select(Assignment).where(Assignment.job_id == job_id).order_by(Assignment.sent_at)
+        ).all()
     by_wu = defaultdict(list)
     for a in assignments:
         by_wu[a.workunit_id].append(a)
-    double_dispatch = sum(1 for runs in by_wu.values() for prev, nxt in zip(runs, runs[1:])
-                          if prev.finished_at is None or nxt.sent_at < prev.finished_at)
+    double_dispatch = sum(
+        1
+        for runs in by_wu.values()
+        for prev, nxt in pairwise(runs)
+        if prev.finished_at is None or nxt.sent_at < prev.finished_at
+    )
     double_merge = sum(1 for runs in by_wu.values() if sum(a.status == "merged" for a in runs) > 1)
     lost = sum(1 for a in assignments if a.uploaded_at is not None and a.status not in ("merged", "rejected"))
     print(f"double dispatch {double_dispatch}, double merge {double_merge}, lost uploads {lost}")

@@ -8,24 +8,24 @@ import pytest
 from sqlalchemy import select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import encode_shard
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 from tests.http_host import ScriptedHost
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_job_whose_validation_set_does_not_fit_its_model_fails_and_names_the_cause(make_cluster,
-                                                                                     sqlite_url) -> None:
+def test_a_job_whose_validation_set_does_not_fit_its_model_fails_and_names_the_cause(make_cluster, sqlite_url) -> None:
     cluster = make_cluster(sqlite_url, extra_env={"CROWDTRAIN_STUCK_UPLOAD_SECONDS": "2"})
     job_id = cluster.submit(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json"))["job_id"]
     # Submission checks the dataset; break it afterwards: 100 validation examples but 60 labels.
     rng = np.random.default_rng(0)
     (cluster.var_dir / "storage" / "jobs" / str(job_id) / "validation.npz").write_bytes(
-        encode_shard(rng.standard_normal((100, 40)).astype(np.float32), np.arange(60) % 10))
+        encode_shard(rng.standard_normal((100, 40)).astype(np.float32), np.arange(60) % 10)
+    )
     host = ScriptedHost(cluster.url, cluster.join_token, "alice")
     work = host.next_assignment()
     assert host.upload(work, host.snapshot(work)).status_code == 202  # a valid, harmless result

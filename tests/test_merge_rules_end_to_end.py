@@ -5,8 +5,8 @@ the rule's state in Redis shows exactly one optimizer step per merged result."""
 import pytest
 import redis
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.server.ledger import paramstore
 from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
 
@@ -16,10 +16,21 @@ TARGET = 0.85  # below the example's 0.90: four jobs must fit in about two minut
 RULES = {
     "delta": {"rule": "delta", "server_lr": 0.2},
     "fedbuff": {"rule": "fedbuff", "buffer_size": 2, "server_lr": 0.5},
-    "fedbuff-nesterov": {"rule": "fedbuff", "buffer_size": 2, "outer_optimizer": "nesterov", "server_lr": 0.2,
-                         "outer_momentum": 0.5},
-    "delta-adam": {"rule": "delta", "outer_optimizer": "adam", "server_lr": 0.01, "adam_betas": (0.5, 0.9),
-                   "staleness_weight": "polynomial", "staleness_a": 0.5},
+    "fedbuff-nesterov": {
+        "rule": "fedbuff",
+        "buffer_size": 2,
+        "outer_optimizer": "nesterov",
+        "server_lr": 0.2,
+        "outer_momentum": 0.5,
+    },
+    "delta-adam": {
+        "rule": "delta",
+        "outer_optimizer": "adam",
+        "server_lr": 0.01,
+        "adam_betas": (0.5, 0.9),
+        "staleness_weight": "polynomial",
+        "staleness_a": 0.5,
+    },
 }
 
 

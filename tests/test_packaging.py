@@ -21,25 +21,8 @@ SERVER_ONLY = ("fastapi", "sqlalchemy", "celery", "redis", "uvicorn", "alembic",
 TORCH = "torch==2.13.0"
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
-    (built,) = out.glob("crowdtrain-*.whl")
-    return built
-
-
-@pytest.fixture(scope="module")
-def unpacked(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tree = tmp_path_factory.mktemp("tree")
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(tree)
-    return tree
-
-
-def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(wheel: Path) -> None:
-    with zipfile.ZipFile(wheel) as zf:
+def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(built_wheel: Path) -> None:
+    with zipfile.ZipFile(built_wheel) as zf:
         names = zf.namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"crowdtrain"}
@@ -54,18 +37,27 @@ def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(whee
 
 def test_the_packages_list_names_every_package_folder() -> None:
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    found = {".".join((package, *init.parent.relative_to(ROOT / folder).parts))
-             for package, folder in PACKAGE_DIRS.items() for init in (ROOT / folder).rglob("__init__.py")}
+    found = {
+        ".".join((package, *init.parent.relative_to(ROOT / folder).parts))
+        for package, folder in PACKAGE_DIRS.items()
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
     assert found == listed, f"missing from pyproject: {sorted(found - listed)}; stale: {sorted(listed - found)}"
 
 
-def test_the_import_contract_holds_on_the_installed_layout(unpacked: Path) -> None:
+def test_the_import_contract_holds_on_the_installed_layout(installed_tree: Path) -> None:
     """.importlinter's layers, the client's isolation and acyclic packages, checked on the wheel's tree
     (the editable install maps folders with an import hook, which import-linter cannot follow)."""
     lint = Path(sys.executable).with_name("lint-imports")
-    env = {**os.environ, "PYTHONPATH": str(unpacked)}
-    done = subprocess.run([str(lint), "--config", str(ROOT / ".importlinter"), "--no-cache"], cwd=unpacked, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(installed_tree)}
+    done = subprocess.run(
+        [str(lint), "--config", str(ROOT / ".importlinter"), "--no-cache"],
+        cwd=installed_tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
 
@@ -75,8 +67,13 @@ def _imports_in_functions(path: Path) -> Iterator[str]:
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
             for node in ast.walk(fn):
-                names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
-                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else []
+                )
                 if any(n == "crowdtrain" or n.startswith("crowdtrain.") for n in names):
                     yield f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
 
@@ -84,29 +81,41 @@ def _imports_in_functions(path: Path) -> Iterator[str]:
 def test_no_function_imports_one_of_our_modules() -> None:
     """Layers import downward at the top of a module; an import hidden in a function is how a cycle
     used to be dodged. (Optional third-party frameworks may still be imported lazily.)"""
-    found = [hit for folder in PACKAGE_DIRS.values() for path in sorted((ROOT / folder).rglob("*.py"))
-             for hit in _imports_in_functions(path)]
+    found = [
+        hit
+        for folder in PACKAGE_DIRS.values()
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for hit in _imports_in_functions(path)
+    ]
     assert found == []
 
 
 @pytest.mark.integration
-def test_the_client_extra_runs_the_client_without_the_server_packages(wheel: Path, tmp_path: Path) -> None:
+def test_the_client_extra_runs_the_client_without_the_server_packages(built_wheel: Path, tmp_path: Path) -> None:
     """`pip install 'crowdtrain[client]'` in a fresh venv: the client imports and its CLI answers, and none
     of the server's packages is there."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH,
-                    f"{wheel}[client]"], check=True, capture_output=True, text=True, timeout=900)
-    probe = ("import importlib.util, sys\n"
-             f"absent = [m for m in {SERVER_ONLY!r} if importlib.util.find_spec(m) is not None]\n"
-             "assert not absent, f'server packages installed: {absent}'\n"
-             "import crowdtrain.client.worker, crowdtrain.client.trainers.pytorch\n"
-             "print('client ok')\n")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH, f"{built_wheel}[client]"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    probe = (
+        "import importlib.util, sys\n"
+        f"absent = [m for m in {SERVER_ONLY!r} if importlib.util.find_spec(m) is not None]\n"
+        "assert not absent, f'server packages installed: {absent}'\n"
+        "import crowdtrain.client.worker, crowdtrain.client.trainers.pytorch\n"
+        "print('client ok')\n"
+    )
     done = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "client ok" in done.stdout, done.stderr[-3000:]
     for args in (["--help"], ["client", "--help"]):
-        done = subprocess.run([str(env_dir / "bin" / "crowdtrain"), *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [str(env_dir / "bin" / "crowdtrain"), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, f"crowdtrain {' '.join(args)}: {done.stderr[-3000:]}"
     assert "--join-token" in done.stdout or "--server" in done.stdout

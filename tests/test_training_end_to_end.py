@@ -12,14 +12,13 @@ from sqlalchemy import func, select
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import UploadSpec, load_job_spec
-from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.updates import upload_sizes
+from crowdtrain.launch.cluster import Cluster, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.workgen.datasets import load_dataset
-
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -55,8 +54,9 @@ def settle(cluster: Cluster, db) -> None:
 
     def nothing_in_flight() -> bool:
         with db.begin() as s:
-            return not s.scalar(select(func.count()).select_from(Assignment).where(
-                Assignment.status == AssignmentStatus.uploaded.value))
+            return not s.scalar(
+                select(func.count()).select_from(Assignment).where(Assignment.status == AssignmentStatus.uploaded.value)
+            )
 
     # A lost merge is re-queued by the transitioner within 2 x stuck_upload_seconds (60 s by default).
     wait_for(nothing_in_flight, 150, "uploaded results were never merged or rejected")
@@ -76,9 +76,11 @@ def assert_exact_accounting(cluster: Cluster, job_id: int) -> None:
         open_epochs = {wu.epoch for wu in wus if wu.status == WorkunitStatus.cancelled.value}
         if job.status == "succeeded":
             assert int(job.status_message.split()[1]) not in open_epochs
-        merged_per_wu = s.execute(select(Assignment.workunit_id, func.count()).where(
-            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value)
-            .group_by(Assignment.workunit_id)).all()
+        merged_per_wu = s.execute(
+            select(Assignment.workunit_id, func.count())
+            .where(Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value)
+            .group_by(Assignment.workunit_id)
+        ).all()
         assert all(n == 1 for _, n in merged_per_wu), "a workunit was merged twice"
         done = {wu.id for wu in wus if wu.status == WorkunitStatus.done.value}
         merged_wus = {wu_id for wu_id, _ in merged_per_wu}
@@ -87,8 +89,14 @@ def assert_exact_accounting(cluster: Cluster, job_id: int) -> None:
         for wu in wus:
             if wu.id in merged_wus - done:
                 assert wu.status == WorkunitStatus.cancelled.value, (wu.id, wu.status)
-        merged_ids = {str(a) for a in s.scalars(select(Assignment.id).where(
-            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value))}
+        merged_ids = {
+            str(a)
+            for a in s.scalars(
+                select(Assignment.id).where(
+                    Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value
+                )
+            )
+        }
     r = redis.Redis.from_url(cluster.redis_url)
     assert {m.decode() for m in r.smembers(keys.merged(job_id))} == merged_ids
     assert int(r.get(keys.version(job_id))) == len(merged_ids), "W_s version != number of merged assignments"
@@ -127,9 +135,18 @@ def test_two_clients_train_the_example_job_to_its_target(make_cluster, database_
     # The exported model is the trained W_s: evaluated here, it is as good as the server said.
     data = load_dataset("builtin:mnist1d")
     spec = load_job_spec(EXAMPLE_SPEC)
-    _, accuracy = evaluate(0, {"name": spec.model.name, "input_shape": data.input_shape,
-                               "num_classes": data.num_classes, "options": spec.model.options},
-                           decode(model.content), data.x_val, data.y_val)
+    _, accuracy = evaluate(
+        0,
+        {
+            "name": spec.model.name,
+            "input_shape": data.input_shape,
+            "num_classes": data.num_classes,
+            "options": spec.model.options,
+        },
+        decode(model.content),
+        data.x_val,
+        data.y_val,
+    )
     assert accuracy >= 0.85
     assert accuracy == pytest.approx(job["final_accuracy"], abs=0.03)
 
@@ -143,14 +160,23 @@ def test_sigkilled_client_work_is_redispatched_after_its_deadline(make_cluster, 
 
     def victim_is_training() -> bool:
         with db.begin() as s:
-            return bool(s.scalar(select(func.count()).select_from(Assignment).join(Host).where(
-                Host.name == "victim", Assignment.status == AssignmentStatus.in_progress.value)))
+            return bool(
+                s.scalar(
+                    select(func.count())
+                    .select_from(Assignment)
+                    .join(Host)
+                    .where(Host.name == "victim", Assignment.status == AssignmentStatus.in_progress.value)
+                )
+            )
 
     wait_for(victim_is_training, 120, "the victim never got work", victim)
     victim.signal(signal.SIGKILL)
     with db.begin() as s:
-        lost = s.scalars(select(Assignment).join(Host).where(
-            Host.name == "victim", Assignment.status == AssignmentStatus.in_progress.value)).all()
+        lost = s.scalars(
+            select(Assignment)
+            .join(Host)
+            .where(Host.name == "victim", Assignment.status == AssignmentStatus.in_progress.value)
+        ).all()
         lost = [(a.id, a.workunit_id, a.deadline) for a in lost]
     assert lost
     cluster.start_client("survivor", tasks=2)
@@ -161,8 +187,9 @@ def test_sigkilled_client_work_is_redispatched_after_its_deadline(make_cluster, 
         for aid, wu_id, deadline in lost:
             a = s.get_one(Assignment, aid)
             assert a.status == AssignmentStatus.timed_out.value, (aid, a.status)
-            retry = s.scalars(select(Assignment).where(Assignment.workunit_id == wu_id, Assignment.id != aid)
-                              .order_by(Assignment.id)).first()
+            retry = s.scalars(
+                select(Assignment).where(Assignment.workunit_id == wu_id, Assignment.id != aid).order_by(Assignment.id)
+            ).first()
             assert retry is not None, f"workunit {wu_id} was never dispatched again"
             assert retry.sent_at >= deadline, "re-dispatched before the lost assignment's deadline"
             assert s.get_one(Workunit, wu_id).status in (WorkunitStatus.done.value, WorkunitStatus.failed.value)
@@ -185,15 +212,17 @@ def test_int8_delta_uploads_train_the_example_job_to_its_target(make_cluster, sq
         job = s.get_one(Job, job_id)
         manifest, weights_bytes = job.param_manifest, job.param_bytes
     with cluster.admin() as http:
-        samples = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text)
-                   for s in fam.samples}
+        samples = {
+            s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples
+        }
     per_upload = samples["crowdtrain_upload_bytes_total"] / samples["crowdtrain_uploads_total"]
     assert per_upload == upload_sizes(manifest, (spec.assimilation.upload.model_dump(),))["delta/int8/block64"]
     assert per_upload <= 0.3 * weights_bytes
 
 
-def test_class_sorted_data_dealt_anew_each_epoch_trains_with_dynamic_local_work(make_cluster, sqlite_url: str,
-                                                                                tmp_path) -> None:
+def test_class_sorted_data_dealt_anew_each_epoch_trains_with_dynamic_local_work(
+    make_cluster, sqlite_url: str, tmp_path
+) -> None:
     """mnist1d sorted by class, as a file may be: contiguous slices (shuffle none) stay near 0.27
     accuracy after 10 epochs; stratified shards, re-dealt every epoch, pass 0.7 by epoch 3."""
     import numpy as np
@@ -214,10 +243,16 @@ def test_class_sorted_data_dealt_anew_each_epoch_trains_with_dynamic_local_work(
     st = wait_finished(cluster, job_id)
     assert st["status"] == "succeeded", st["status_message"]
     with session_factory(sqlite_url).begin() as s:
-        shard_epochs = s.execute(select(Shard.epoch, func.count(), func.count(Shard.sha256)).where(
-            Shard.job_id == job_id).group_by(Shard.epoch)).all()
-        fractions = s.scalars(select(Assignment.local_fraction).where(
-            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value)).all()
+        shard_epochs = s.execute(
+            select(Shard.epoch, func.count(), func.count(Shard.sha256))
+            .where(Shard.job_id == job_id)
+            .group_by(Shard.epoch)
+        ).all()
+        fractions = s.scalars(
+            select(Assignment.local_fraction).where(
+                Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value
+            )
+        ).all()
     # Epoch 1 trains on the deal made at submission; each later epoch on its own, all written.
     assert {e for e, _, _ in shard_epochs} == {0} | set(range(2, max(e for e, _, _ in shard_epochs) + 1))
     assert all(n == written == 4 for e, n, written in shard_epochs if e <= st["current_epoch"] - 1)

@@ -7,6 +7,7 @@ that disagree with the training ones) raises ValueError naming the array and the
 
 import zipfile
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,7 @@ def _check_shapes(x: np.ndarray, y: np.ndarray, x_name: str, y_name: str) -> Non
     if y.dtype.kind not in "iu":
         raise ValueError(f"dataset {y_name}: must hold integer class labels, it is {y.dtype}")
     if y.ndim != 1:
-        raise ValueError(f"dataset {y_name}: must be one class index per example, shaped (examples,), "
-                         f"got {y.shape}")
+        raise ValueError(f"dataset {y_name}: must be one class index per example, shaped (examples,), got {y.shape}")
     if len(x) != len(y):
         raise ValueError(f"dataset: {x_name} has {len(x)} examples but {y_name} has {len(y)}")
     if len(x) == 0:
@@ -51,8 +51,9 @@ def _check_finite(x: np.ndarray, name: str) -> None:
     bad = ~np.isfinite(x)
     if bad.any():
         first = int(np.argmax(bad.reshape(len(x), -1).any(axis=1)))
-        raise ValueError(f"dataset {name}: {int(bad.sum())} values are NaN or infinite as float32 "
-                         f"(the first in example {first})")
+        raise ValueError(
+            f"dataset {name}: {int(bad.sum())} values are NaN or infinite as float32 (the first in example {first})"
+        )
 
 
 def _check_labels(y: np.ndarray, y_val: np.ndarray, classes: int | None) -> None:
@@ -74,26 +75,34 @@ def _check_labels(y: np.ndarray, y_val: np.ndarray, classes: int | None) -> None
         raise ValueError(f"dataset y_val: classes {unseen[:10].tolist()} never occur in the training labels y")
 
 
-def make_dataset(x: np.ndarray, y: np.ndarray, x_val: np.ndarray | None, y_val: np.ndarray | None,
-                 validation_fraction: float = 0.2, classes: int | None = None) -> Dataset:
+def make_dataset(
+    x: np.ndarray,
+    y: np.ndarray,
+    x_val: np.ndarray | None,
+    y_val: np.ndarray | None,
+    validation_fraction: float = 0.2,
+    classes: int | None = None,
+) -> Dataset:
     """Check arrays and convert them (float32 inputs, int64 labels); without `x_val`/`y_val` the last
     `validation_fraction` of the examples validates. Raises ValueError naming the array and problem."""
     _check_shapes(x, y, "x", "y")
     if (x_val is None) != (y_val is None):
         raise ValueError("dataset: give both x_val and y_val, or neither (then validation_fraction applies)")
-    if x_val is None:
+    if x_val is None or y_val is None:  # both None (checked just above)
         n_val = max(1, int(len(x) * validation_fraction))
         if n_val >= len(x):
-            raise ValueError(f"dataset x: {len(x)} examples leave none for training after validation_fraction "
-                             f"{validation_fraction}")
+            raise ValueError(
+                f"dataset x: {len(x)} examples leave none for training after validation_fraction {validation_fraction}"
+            )
         x, x_val, y, y_val = x[:-n_val], x[-n_val:], y[:-n_val], y[-n_val:]
     _check_shapes(x_val, y_val, "x_val", "y_val")
     if x_val.shape[1:] != x.shape[1:]:
         raise ValueError(f"dataset x_val: examples are shaped {x_val.shape[1:]}, but x's are {x.shape[1:]}")
     _check_labels(y, y_val, classes)
     with np.errstate(over="ignore"):  # values beyond float32 become inf, refused just below
-        data = Dataset(x.astype(np.float32), y.astype(np.int64), x_val.astype(np.float32),
-                       y_val.astype(np.int64), classes)
+        data = Dataset(
+            x.astype(np.float32), y.astype(np.int64), x_val.astype(np.float32), y_val.astype(np.int64), classes
+        )
     _check_finite(data.x, "x")
     _check_finite(data.x_val, "x_val")
     return data
@@ -101,11 +110,13 @@ def make_dataset(x: np.ndarray, y: np.ndarray, x_val: np.ndarray | None, y_val: 
 
 def _mnist1d() -> Dataset:
     """4,000 train / 1,000 test examples, generated deterministically by the mnist1d package."""
-    from mnist1d.data import get_dataset_args, make_dataset as make_mnist1d
+    from mnist1d.data import get_dataset_args
+    from mnist1d.data import make_dataset as make_mnist1d
 
     d = make_mnist1d(get_dataset_args())
-    return Dataset(d["x"].astype(np.float32), d["y"].astype(np.int64),
-                   d["x_test"].astype(np.float32), d["y_test"].astype(np.int64))
+    return Dataset(
+        d["x"].astype(np.float32), d["y"].astype(np.int64), d["x_test"].astype(np.float32), d["y_test"].astype(np.int64)
+    )
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -141,7 +152,7 @@ def split_shards(n_examples: int, subsets: int) -> list[slice]:
     if subsets > n_examples:
         raise ValueError(f"dataset.subsets: cannot split {n_examples} training examples into {subsets} shards")
     bounds = np.linspace(0, n_examples, subsets + 1).round().astype(int)
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [slice(int(a), int(b)) for a, b in pairwise(bounds)]
 
 
 SHUFFLES = ("stratified", "random", "none")

@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import redis
-from crowdtrain.server.ledger import jobs, paramstore
-from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.workgen.datasets import deal_shards, load_dataset
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -31,6 +28,9 @@ from crowdtrain.core.zoo import (
     state_to_numpy,
 )
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
+from crowdtrain.server.ledger import jobs, paramstore
+from crowdtrain.server.ledger.models import Job, Shard
+from crowdtrain.workgen.datasets import deal_shards, load_dataset
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class PreparedJob:
     parameters: int
 
 
-def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec: JobSpec,
-               upload_max_bytes: int) -> PreparedJob:
+def submit_job(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec: JobSpec, upload_max_bytes: int
+) -> PreparedJob:
     """Create a job and its first epoch.
 
     A spec that could only give a stuck or silently wrong job (a bad dataset, a model that cannot
@@ -52,26 +53,43 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
     """
     data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
     dealt = deal_shards(data.y, spec.dataset.subsets, spec.dataset.shuffle, spec.seed)
-    model_config = {"name": spec.model.name, "framework": spec.framework, "input_shape": data.input_shape,
-                    "num_classes": data.num_classes, "options": spec.model.options}
+    model_config = {
+        "name": spec.model.name,
+        "framework": spec.framework,
+        "input_shape": data.input_shape,
+        "num_classes": data.num_classes,
+        "options": spec.model.options,
+    }
     if spec.model.keras is not None:
         model_config["keras"] = spec.model.keras
     params, n_parameters = initial_parameters(model_config, spec.seed, upload_max_bytes)
     initial = encode(params)
     if len(initial) > upload_max_bytes:
-        raise ValueError(f"model: its parameters take {len(initial):,} bytes, more than the scheduler accepts in "
-                         f"one upload ({upload_max_bytes:,} bytes, upload_max_bytes)")
+        raise ValueError(
+            f"model: its parameters take {len(initial):,} bytes, more than the scheduler accepts in "
+            f"one upload ({upload_max_bytes:,} bytes, upload_max_bytes)"
+        )
 
-    job_id = jobs.create_job(db, spec.name, spec.mode, spec.model_dump(mode="json"), model_config,
-                             manifest_of(params), len(initial))
+    job_id = jobs.create_job(
+        db, spec.name, spec.mode, spec.model_dump(mode="json"), model_config, manifest_of(params), len(initial)
+    )
     try:
         shard_rows = []
         for index, picked in enumerate(dealt):
             blob = encode_shard(data.x[picked], data.y[picked])
             key = keys.shard_key(job_id, 0, index)
             storage.put(key, blob)
-            shard_rows.append(Shard(job_id=job_id, epoch=0, index=index, key=key, sha256=sha256(blob),
-                                    size=len(blob), examples=len(picked)))
+            shard_rows.append(
+                Shard(
+                    job_id=job_id,
+                    epoch=0,
+                    index=index,
+                    key=key,
+                    sha256=sha256(blob),
+                    size=len(blob),
+                    examples=len(picked),
+                )
+            )
         storage.put(keys.validation_key(job_id), encode_shard(data.x_val, data.y_val))
         storage.put(keys.snapshot_key(job_id, 0), initial)
         paramstore.initialise(r, job_id, params)
@@ -80,8 +98,9 @@ def submit_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec
         jobs.fail_preparation(db, job_id, f"preparing the job failed: {exc}")
         raise
     jobs.start_job(db, job_id, shard_rows, sha256(initial))
-    log.info("job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(dealt),
-             n_parameters)
+    log.info(
+        "job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(dealt), n_parameters
+    )
     return PreparedJob(job_id, len(dealt), n_parameters)
 
 
@@ -94,10 +113,20 @@ def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[P
     and other code, and checked for its input and output shapes.
     """
     if model_config["name"] != KERAS_MODEL:
-        check_model(model_config["name"], model_config["input_shape"], model_config["num_classes"],
-                    model_config["options"], max_bytes)
-        model = build_model(model_config["name"], model_config["input_shape"], model_config["num_classes"],
-                            seed=seed, **model_config["options"])
+        check_model(
+            model_config["name"],
+            model_config["input_shape"],
+            model_config["num_classes"],
+            model_config["options"],
+            max_bytes,
+        )
+        model = build_model(
+            model_config["name"],
+            model_config["input_shape"],
+            model_config["num_classes"],
+            seed=seed,
+            **model_config["options"],
+        )
         return state_to_numpy(model), count_parameters(model)
     try:
         keras_model = build_keras_model(model_config, seed=seed)
@@ -117,8 +146,13 @@ def write_epoch_shards(s: Session, storage: Storage, job: Job, epoch: int) -> in
     number of shards written.
     """
     # populate_existing: rows this session loaded before the lock may have been written since.
-    rows = s.scalars(select(Shard).where(Shard.job_id == job.id, Shard.epoch == epoch).order_by(Shard.index)
-                     .with_for_update().execution_options(populate_existing=True)).all()
+    rows = s.scalars(
+        select(Shard)
+        .where(Shard.job_id == job.id, Shard.epoch == epoch)
+        .order_by(Shard.index)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).all()
     if not rows or all(sh.sha256 is not None for sh in rows):
         return 0
     shared = s.scalars(select(Shard).where(Shard.job_id == job.id, Shard.epoch == 0).order_by(Shard.index)).all()
@@ -126,8 +160,9 @@ def write_epoch_shards(s: Session, storage: Storage, job: Job, epoch: int) -> in
     x, y = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     dataset = job.spec["dataset"]
     # A job submitted before dataset.shuffle existed has no such field: it gets the default.
-    for sh, picked in zip(rows, deal_shards(y, len(rows), dataset.get("shuffle", "stratified"),
-                                                 job.spec["seed"], epoch)):
+    for sh, picked in zip(
+        rows, deal_shards(y, len(rows), dataset.get("shuffle", "stratified"), job.spec["seed"], epoch), strict=True
+    ):
         blob = encode_shard(x[picked], y[picked])
         storage.put(sh.key, blob)
         sh.sha256, sh.size, sh.examples = sha256(blob), len(blob), len(picked)

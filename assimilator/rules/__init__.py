@@ -11,6 +11,8 @@ rule; a rule never refuses.
   combined (combiners.py), applied by an outer optimizer (outer.py).
 """
 
+from typing import Any
+
 from crowdtrain.assimilator.rules.delta import Delta, FedBuff
 from crowdtrain.assimilator.rules.outer import make_outer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
@@ -19,7 +21,7 @@ from crowdtrain.assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_
 from crowdtrain.core.jobspec import AssimilationSpec
 
 
-def make_rule(assimilation: dict) -> Rule:
+def make_rule(assimilation: dict[str, Any]) -> Rule:
     """The merge rule a job's `assimilation` section (as stored: a dict) selects.
 
     The dict is read through AssimilationSpec, so missing fields take the spec's defaults and a bad
@@ -29,8 +31,9 @@ def make_rule(assimilation: dict) -> Rule:
     if spec.rule == "vc-asgd":
         return VcAsgd(spec.schedule, spec.alpha)
     weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
-    outer = make_outer(spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay,
-                       spec.adam_betas, spec.adam_eps)
+    outer = make_outer(
+        spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay, spec.adam_betas, spec.adam_eps
+    )
     if spec.rule == "delta":
         return Delta(weight, outer)
     if spec.rule == "fedbuff":
@@ -38,5 +41,17 @@ def make_rule(assimilation: dict) -> Rule:
     raise ValueError(f"unknown merge rule {spec.rule!r}")
 
 
-__all__ = ["Delta", "FedBuff", "Rule", "StalenessWeight", "Update", "VcAsgd", "alpha_for_epoch", "make_rule",
-           "make_outer", "make_update", "merge_vc_asgd", "update_norm"]
+__all__ = [
+    "Delta",
+    "FedBuff",
+    "Rule",
+    "StalenessWeight",
+    "Update",
+    "VcAsgd",
+    "alpha_for_epoch",
+    "make_rule",
+    "make_outer",
+    "make_update",
+    "merge_vc_asgd",
+    "update_norm",
+]

@@ -11,11 +11,13 @@ import numpy as np
 
 
 def mean(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    return np.mean(np.stack(arrays), axis=0, dtype=arrays[0].dtype)
+    out: np.ndarray = np.mean(np.stack(arrays), axis=0, dtype=arrays[0].dtype)
+    return out
 
 
 def median(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    return np.median(np.stack(arrays), axis=0).astype(arrays[0].dtype, copy=False)
+    out: np.ndarray = np.median(np.stack(arrays), axis=0).astype(arrays[0].dtype, copy=False)
+    return out
 
 
 def trimmed_mean(arrays: Sequence[np.ndarray], trim_fraction: float) -> np.ndarray:
@@ -25,7 +27,8 @@ def trimmed_mean(arrays: Sequence[np.ndarray], trim_fraction: float) -> np.ndarr
     n = len(arrays)
     cut = int(trim_fraction * n)
     ordered = np.sort(np.stack(arrays), axis=0)
-    return np.mean(ordered[cut:n - cut], axis=0, dtype=arrays[0].dtype)
+    out: np.ndarray = np.mean(ordered[cut : n - cut], axis=0, dtype=arrays[0].dtype)
+    return out
 
 
 def combine(kind: str, arrays: Sequence[np.ndarray], trim_fraction: float = 0.2) -> np.ndarray:

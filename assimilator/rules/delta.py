@@ -63,8 +63,12 @@ class FedBuff:
             raise ValueError(f"buffer_size must be >= 1, got {self.size}")
 
     def initial_state(self, server: Params) -> Params:
-        slots = {_slot(i, name): np.zeros_like(w) for i in range(self.size)
-                 for name, w in server.items() if w.dtype.kind == "f"}
+        slots = {
+            _slot(i, name): np.zeros_like(w)
+            for i in range(self.size)
+            for name, w in server.items()
+            if w.dtype.kind == "f"
+        }
         return slots | {BUFFERED: np.zeros((), np.int64)} | self.outer.initial_state(server)
 
     def apply(self, server: Params, state: Params, update: Update) -> None:
@@ -75,8 +79,9 @@ class FedBuff:
         if filled < self.size:
             state[BUFFERED][...] = filled
             return
-        combined = {name: combine(self.combiner, [state[_slot(i, name)] for i in range(self.size)],
-                                  self.trim_fraction)
-                    for name in update.delta}
+        combined = {
+            name: combine(self.combiner, [state[_slot(i, name)] for i in range(self.size)], self.trim_fraction)
+            for name in update.delta
+        }
         self.outer.step(server, state, combined)
         state[BUFFERED][...] = 0

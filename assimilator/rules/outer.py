@@ -19,8 +19,7 @@ STEP = "step"
 
 
 class OuterOptimizer(Protocol):
-    def initial_state(self, server: Params) -> Params:
-        ...
+    def initial_state(self, server: Params) -> Params: ...
 
     def step(self, server: Params, state: Params, update: Params) -> None:
         """Move `server` (and `state`) in place by the update `update` (a descent direction)."""
@@ -29,8 +28,11 @@ class OuterOptimizer(Protocol):
 
 def _zeros_like_floats(server: Params, prefix: str) -> Params:
     # Moments of half-precision weights would lose most of their bits: keep them in float32 at least.
-    return {f"{prefix}{name}": np.zeros(w.shape, np.promote_types(w.dtype, np.float32))
-            for name, w in server.items() if w.dtype.kind == "f"}
+    return {
+        f"{prefix}{name}": np.zeros(w.shape, np.promote_types(w.dtype, np.float32))
+        for name, w in server.items()
+        if w.dtype.kind == "f"
+    }
 
 
 def _counter() -> np.ndarray:
@@ -91,8 +93,7 @@ class DelayedNesterov:
     delay: int
 
     def initial_state(self, server: Params) -> Params:
-        return (_zeros_like_floats(server, "momentum.") | _zeros_like_floats(server, "pending.")
-                | {STEP: _counter()})
+        return _zeros_like_floats(server, "momentum.") | _zeros_like_floats(server, "pending.") | {STEP: _counter()}
 
     def step(self, server: Params, state: Params, update: Params) -> None:
         state[STEP] += 1
@@ -129,7 +130,7 @@ class Adam:
         beta1, beta2 = self.betas
         state[STEP] += 1
         t = int(state[STEP])
-        correction1, correction2 = 1 - beta1 ** t, 1 - beta2 ** t
+        correction1, correction2 = 1 - beta1**t, 1 - beta2**t
         for name, u in update.items():
             m, v = state[f"adam.m.{name}"], state[f"adam.v.{name}"]
             m *= beta1
@@ -139,8 +140,14 @@ class Adam:
             server[name] -= (self.lr / correction1) * m / (np.sqrt(v) / np.sqrt(correction2) + self.eps)
 
 
-def make_outer(kind: str, lr: float, momentum: float = 0.9, delay: int = 4,
-               betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8) -> OuterOptimizer:
+def make_outer(
+    kind: str,
+    lr: float,
+    momentum: float = 0.9,
+    delay: int = 4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    eps: float = 1e-8,
+) -> OuterOptimizer:
     """The outer optimizer the job spec's `outer_optimizer` names (`none` is the plain step)."""
     if kind == "none":
         return PlainStep(lr)

@@ -11,7 +11,7 @@ def constant_weight(tau: int) -> float:
 
 def polynomial_weight(tau: int, a: float) -> float:
     """s(τ) = (1 + τ)^−a: decays smoothly; a = 0 is the constant weight."""
-    return (1.0 + tau) ** -a
+    return float((1.0 + tau) ** -a)  # float ** float is typed Any (a negative base gives a complex)
 
 
 def hinge_weight(tau: int, a: float, b: int) -> float:

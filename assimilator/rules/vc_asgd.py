@@ -67,4 +67,4 @@ def update_norm(reference: Params, client: Params) -> float:
         if ws.dtype.kind == "f":
             d = client[name].astype(np.float64) - ws
             total += float(np.dot(d.ravel(), d.ravel()))
-    return total ** 0.5
+    return float(total**0.5)

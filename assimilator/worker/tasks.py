@@ -22,8 +22,14 @@ def _services() -> merge.MergeServices:
     return merge.MergeServices.from_settings(get_settings())
 
 
-@celery_app.task(name=ASSIMILATE_TASK, acks_late=True, reject_on_worker_lost=True,
-                 autoretry_for=merge.TRANSIENT, retry_backoff=0.5, max_retries=10)
+@celery_app.task(
+    name=ASSIMILATE_TASK,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    autoretry_for=merge.TRANSIENT,
+    retry_backoff=0.5,
+    max_retries=10,
+)
 def assimilate(assignment_id: int, received_at: float | None = None) -> None:
     result = merge.assimilate(_services(), assignment_id, received_at)
     log.debug("assignment %s: %s (v%s) %s", assignment_id, result.outcome, result.version, result.reason)

@@ -53,7 +53,7 @@ def form_groups(direct: Sequence[str], max_group_size: int) -> list[list[str]]:
     groups, start = [], 0
     for g in range(count):
         size = base + (1 if g < extra else 0)
-        groups.append(peers[start:start + size])
+        groups.append(peers[start : start + size])
         start += size
     return groups
 

@@ -6,6 +6,7 @@ that ports a zoo model can train a job of either framework. A Keras-JSON model e
 """
 
 import importlib.util
+from typing import Any
 
 FRAMEWORKS = ("pytorch", "tensorflow")
 KERAS_MODEL = "keras"  # model.name of a job whose model is a Keras model JSON
@@ -19,12 +20,13 @@ def installed() -> list[str]:
     return [f for f in FRAMEWORKS if importlib.util.find_spec(_MODULES[f]) is not None]
 
 
-def job_framework(model_config: dict) -> str:
+def job_framework(model_config: dict[str, Any]) -> str:
     """The framework a job was submitted for (jobs from before frameworks existed are PyTorch)."""
-    return model_config.get("framework", "pytorch")
+    framework: str = model_config.get("framework", "pytorch")
+    return framework
 
 
-def able_to_run(model_config: dict) -> list[str]:
+def able_to_run(model_config: dict[str, Any]) -> list[str]:
     """Frameworks that can train `model_config`, the job's own framework first."""
     name, own = model_config["name"], job_framework(model_config)
     if name == KERAS_MODEL:
@@ -33,6 +35,6 @@ def able_to_run(model_config: dict) -> list[str]:
     return sorted(able, key=lambda f: f != own)
 
 
-def pick(model_config: dict, have: list[str]) -> str | None:
+def pick(model_config: dict[str, Any], have: list[str]) -> str | None:
     """The framework to train `model_config` with, among `have`: the job's own if possible."""
     return next((f for f in able_to_run(model_config) if f in have), None)

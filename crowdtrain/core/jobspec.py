@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path, PurePath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
@@ -10,8 +10,8 @@ from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS
 from crowdtrain.core.specfile import SpecFileError, load_yaml, read_bounded
 
 ZOO_MODELS = ("mlp", "cnn1d", "resnet")
-VC_ASGD = "vc-asgd"  # the one job mode whose work is epochs of workunits
-DEDLOC = "dedloc"  # synchronous rounds of peers (crowdtrain.server.services.dedloc); never workunits
+VC_ASGD: Final = "vc-asgd"  # the one job mode whose work is epochs of workunits
+DEDLOC: Final = "dedloc"  # synchronous rounds of peers (crowdtrain.server.services.dedloc); never workunits
 
 
 class _Strict(BaseModel):
@@ -23,14 +23,19 @@ class _Strict(BaseModel):
 MAX_WIDTH = 65_536
 MAX_DEPTH = 64
 # Builder arguments the scheduler sets itself, never options, and where each comes from.
-BUILDER_ARGUMENTS = {"seed": "the job's top-level seed", "name": "model.name",
-                     "input_shape": "the dataset's examples", "num_classes": "the dataset's labels (dataset.classes)"}
+BUILDER_ARGUMENTS = {
+    "seed": "the job's top-level seed",
+    "name": "model.name",
+    "input_shape": "the dataset's examples",
+    "num_classes": "the dataset's labels (dataset.classes)",
+}
 MAX_KERAS_JSON_BYTES = 8 * 1024 * 1024
 
 
 class MLPOptions(_Strict):
-    hidden: list[Annotated[StrictInt, Field(ge=1, le=MAX_WIDTH)]] = Field([256, 256], max_length=MAX_DEPTH,
-                                                                          description="Hidden layer widths")
+    hidden: list[Annotated[StrictInt, Field(ge=1, le=MAX_WIDTH)]] = Field(
+        [256, 256], max_length=MAX_DEPTH, description="Hidden layer widths"
+    )
 
 
 class CNN1DOptions(_Strict):
@@ -55,25 +60,33 @@ def check_zoo_options(model: str, options: dict[str, Any]) -> None:
     schema = ZOO_OPTIONS[model]
     for key in options:
         if key in BUILDER_ARGUMENTS:
-            raise ValueError(f"model.options.{key}: not an option of {model!r}: the scheduler sets it "
-                             f"from {BUILDER_ARGUMENTS[key]}")
+            raise ValueError(
+                f"model.options.{key}: not an option of {model!r}: the scheduler sets it from {BUILDER_ARGUMENTS[key]}"
+            )
         if key not in schema.model_fields:
-            raise ValueError(f"model.options.{key}: not an option of {model!r}; it takes "
-                             f"{', '.join(schema.model_fields)}")
+            raise ValueError(
+                f"model.options.{key}: not an option of {model!r}; it takes {', '.join(schema.model_fields)}"
+            )
     try:
         schema.model_validate(options)
     except ValidationError as exc:
-        raise ValueError("; ".join(f"model.options.{'.'.join(map(str, e['loc']))}: {e['msg']}"
-                                   for e in exc.errors(include_url=False))) from None
+        raise ValueError(
+            "; ".join(
+                f"model.options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+            )
+        ) from None
 
 
 class ModelSpec(_Strict):
     name: Literal["mlp", "cnn1d", "resnet", "keras"] = Field(
-        ..., description="A zoo model, or 'keras' for the Keras model JSON given in `keras`")
+        ..., description="A zoo model, or 'keras' for the Keras model JSON given in `keras`"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the zoo builder")
     keras: dict[str, Any] | None = Field(
-        None, description="A Keras model's JSON config (`model.to_json()`), loaded in safe mode: no Lambda layers "
-                          "or other code. It must output logits. In a spec file, `keras_file: PATH` reads it.")
+        None,
+        description="A Keras model's JSON config (`model.to_json()`), loaded in safe mode: no Lambda layers "
+        "or other code. It must output logits. In a spec file, `keras_file: PATH` reads it.",
+    )
 
     @model_validator(mode="after")
     def _keras_json_with_keras_name(self) -> "ModelSpec":
@@ -90,16 +103,25 @@ MAX_CLASSES = 100_000
 
 
 class DatasetSpec(_Strict):
-    source: str = Field(..., description="builtin:mnist1d, or npz:PATH with an absolute PATH on the scheduler's "
-                                         "machine (`crowdtrain job submit` resolves a relative one against the "
-                                         "spec file's folder)")
+    source: str = Field(
+        ...,
+        description="builtin:mnist1d, or npz:PATH with an absolute PATH on the scheduler's "
+        "machine (`crowdtrain job submit` resolves a relative one against the "
+        "spec file's folder)",
+    )
     subsets: int = Field(10, ge=1, le=100_000, description="Number of training shards")
     validation_fraction: float = Field(0.2, gt=0, lt=1, description="Used when the npz has no x_val/y_val")
-    classes: int | None = Field(None, ge=2, le=MAX_CLASSES, description="Number of classes; labels must lie in "
-                                                                        "[0, classes). Default: largest label + 1")
+    classes: int | None = Field(
+        None,
+        ge=2,
+        le=MAX_CLASSES,
+        description="Number of classes; labels must lie in [0, classes). Default: largest label + 1",
+    )
     shuffle: Literal["stratified", "random", "none"] = Field(
-        "stratified", description="How examples are dealt to shards: shuffled with every class spread evenly "
-                                  "over the shards (stratified), shuffled (random), or contiguous slices (none)")
+        "stratified",
+        description="How examples are dealt to shards: shuffled with every class spread evenly "
+        "over the shards (stratified), shuffled (random), or contiguous slices (none)",
+    )
     reshuffle_each_epoch: bool = Field(False, description="Deal the examples to shards anew for every epoch")
 
     @model_validator(mode="after")
@@ -108,21 +130,25 @@ class DatasetSpec(_Strict):
             raise ValueError(f"dataset.source must be 'builtin:mnist1d' or 'npz:PATH', got {self.source!r}")
         path = self.npz_path
         if path is not None and not PurePath(path).is_absolute():
-            raise ValueError(f"dataset.source: {path!r} is a relative path, but the scheduler reads dataset files "
-                             "on its own machine: give an absolute path (`crowdtrain job submit` resolves a "
-                             "relative one against the spec file's folder)")
+            raise ValueError(
+                f"dataset.source: {path!r} is a relative path, but the scheduler reads dataset files "
+                "on its own machine: give an absolute path (`crowdtrain job submit` resolves a "
+                "relative one against the spec file's folder)"
+            )
         return self
 
     @model_validator(mode="after")
     def _reshuffle_needs_a_shuffle(self) -> "DatasetSpec":
         if self.reshuffle_each_epoch and self.shuffle == "none":
-            raise ValueError("dataset.reshuffle_each_epoch needs dataset.shuffle 'stratified' or 'random': "
-                             "contiguous slices ('none') are the same every epoch")
+            raise ValueError(
+                "dataset.reshuffle_each_epoch needs dataset.shuffle 'stratified' or 'random': "
+                "contiguous slices ('none') are the same every epoch"
+            )
         return self
 
     @property
     def npz_path(self) -> str | None:
-        return self.source[len("npz:"):] if self.source.startswith("npz:") else None
+        return self.source[len("npz:") :] if self.source.startswith("npz:") else None
 
 
 class TrainingSpec(_Strict):
@@ -132,27 +158,37 @@ class TrainingSpec(_Strict):
     lr: float = Field(0.001, gt=0, le=10)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    dynamic_local_work: bool = Field(False, description="Scale each host's local steps with its measured speed, "
-                                                        "so that slow hosts' updates are about as stale as fast "
-                                                        "hosts' (Async Local-SGD's dynamic local updates)")
-    min_local_fraction: float = Field(0.25, gt=0, le=1, description="With dynamic_local_work: the fewest local "
-                                                                     "steps, as a fraction of local_epochs' steps")
+    dynamic_local_work: bool = Field(
+        False,
+        description="Scale each host's local steps with its measured speed, "
+        "so that slow hosts' updates are about as stale as fast "
+        "hosts' (Async Local-SGD's dynamic local updates)",
+    )
+    min_local_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="With dynamic_local_work: the fewest local steps, as a fraction of local_epochs' steps",
+    )
 
 
 class UploadSpec(_Strict):
     """What a client sends back: its weights W_c, or its update Δ = W_c − W_base, encoded."""
 
     send: Literal["weights", "delta"] = "weights"
-    dtype: Literal["float32", "bfloat16", "int8"] = Field("float32", description="Encoding of Δ (weights are "
-                                                                                 "always float32)")
-    block_size: int | None = Field(None, ge=16, le=1 << 24, description="int8: one scale per this many values "
-                                                                         "(null: one per tensor)")
+    dtype: Literal["float32", "bfloat16", "int8"] = Field(
+        "float32", description="Encoding of Δ (weights are always float32)"
+    )
+    block_size: int | None = Field(
+        None, ge=16, le=1 << 24, description="int8: one scale per this many values (null: one per tensor)"
+    )
 
     @model_validator(mode="after")
     def _weights_are_float32(self) -> "UploadSpec":
         if self.send == "weights" and self.dtype != "float32":
-            raise ValueError(f"assimilation.upload.dtype {self.dtype!r} needs send: delta (weights are sent "
-                             "as float32)")
+            raise ValueError(
+                f"assimilation.upload.dtype {self.dtype!r} needs send: delta (weights are sent as float32)"
+            )
         if self.block_size is not None and self.dtype != "int8":
             raise ValueError("assimilation.upload.block_size applies to dtype int8 only")
         return self
@@ -164,23 +200,34 @@ OUTER_OPTIMIZERS = ("none", "nesterov", "delayed-nesterov", "adam")
 
 class AssimilationSpec(_Strict):
     rule: Literal["vc-asgd", "delta", "fedbuff"] = Field(
-        "vc-asgd", description="vc-asgd: W_s <- a*W_s + (1-a)*W_c; delta: W_s <- W_s + server_lr * s(tau) * Δ; "
-                               "fedbuff: buffer buffer_size updates, combine, apply once")
-    server_lr: float = Field(1.0, gt=0, le=100, description="delta/fedbuff: the server step η on the (combined) "
-                                                            "update, or the outer optimizer's learning rate")
+        "vc-asgd",
+        description="vc-asgd: W_s <- a*W_s + (1-a)*W_c; delta: W_s <- W_s + server_lr * s(tau) * Δ; "
+        "fedbuff: buffer buffer_size updates, combine, apply once",
+    )
+    server_lr: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="delta/fedbuff: the server step η on the (combined) update, or the outer optimizer's learning rate",
+    )
     staleness_weight: Literal["constant", "polynomial", "hinge"] = Field(
-        "constant", description="delta/fedbuff: s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, "
-                                "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync)")
+        "constant",
+        description="delta/fedbuff: s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, "
+        "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync)",
+    )
     staleness_a: float = Field(0.5, ge=0, le=100)
     staleness_b: int = Field(4, ge=0, le=1_000_000)
     buffer_size: int = Field(4, ge=1, le=1024, description="fedbuff: updates combined per step of W_s")
     combiner: Literal["mean", "median", "trimmed-mean"] = Field(
-        "mean", description="fedbuff: how buffered updates combine (median and trimmed-mean resist outliers)")
+        "mean", description="fedbuff: how buffered updates combine (median and trimmed-mean resist outliers)"
+    )
     trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="fedbuff trimmed-mean: fraction cut at each end")
     outer_optimizer: Literal["none", "nesterov", "delayed-nesterov", "adam"] = Field(
-        "none", description="delta/fedbuff: an optimizer over the combined update taken as a pseudo-gradient: "
-                            "SGD with Nesterov momentum (DiLoCo), delayed Nesterov (Async Local-SGD), or Adam "
-                            "with staleness-gated input")
+        "none",
+        description="delta/fedbuff: an optimizer over the combined update taken as a pseudo-gradient: "
+        "SGD with Nesterov momentum (DiLoCo), delayed Nesterov (Async Local-SGD), or Adam "
+        "with staleness-gated input",
+    )
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov_delay: int = Field(4, ge=1, le=1024, description="delayed-nesterov: updates between momentum steps")
     adam_betas: tuple[float, float] = Field((0.9, 0.99))
@@ -190,22 +237,32 @@ class AssimilationSpec(_Strict):
     schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
     alpha: float = Field(0.7, ge=0, lt=1)
     max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
-    max_update_norm: float | None = Field(None, gt=0, description="Reject results whose update ||W_c - W_base|| "
-                                                                  "(against the snapshot the host started from) "
-                                                                  "is above this")
+    max_update_norm: float | None = Field(
+        None,
+        gt=0,
+        description="Reject results whose update ||W_c - W_base|| "
+        "(against the snapshot the host started from) "
+        "is above this",
+    )
     update_norm_factor: float | None = Field(
-        10.0, gt=1, description="Reject results whose update ||W_c - W_base|| exceeds this many times the median "
-                                "norm of the job's recently accepted updates (or, until update_norm_warmup updates "
-                                "are accepted, this many times max(||W_base||, 1)); null turns the relative bound "
-                                "off. Honest updates of one job vary by a factor of 2-3; a hostile one is larger")
-    update_norm_warmup: int = Field(5, ge=1, le=1000, description="Accepted updates needed before the bound follows "
-                                                                  "their median")
+        10.0,
+        gt=1,
+        description="Reject results whose update ||W_c - W_base|| exceeds this many times the median "
+        "norm of the job's recently accepted updates (or, until update_norm_warmup updates "
+        "are accepted, this many times max(||W_base||, 1)); null turns the relative bound "
+        "off. Honest updates of one job vary by a factor of 2-3; a hostile one is larger",
+    )
+    update_norm_warmup: int = Field(
+        5, ge=1, le=1000, description="Accepted updates needed before the bound follows their median"
+    )
 
     @model_validator(mode="after")
     def _options_of_the_rule(self) -> "AssimilationSpec":
         if self.rule == "vc-asgd" and self.outer_optimizer != "none":
-            raise ValueError(f"assimilation.outer_optimizer {self.outer_optimizer!r} needs rule delta or fedbuff "
-                             "(vc-asgd mixes weights; it has no update to optimize)")
+            raise ValueError(
+                f"assimilation.outer_optimizer {self.outer_optimizer!r} needs rule delta or fedbuff "
+                "(vc-asgd mixes weights; it has no update to optimize)"
+            )
         if any(not 0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"assimilation.adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
         return self
@@ -214,8 +271,9 @@ class AssimilationSpec(_Strict):
 class StopSpec(_Strict):
     target_accuracy: float = Field(..., gt=0, le=1)
     max_epochs: int = Field(50, ge=1, le=100_000)
-    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="dedloc mode: stop after this many "
-                                                                       "global optimizer steps")
+    max_steps: int | None = Field(
+        None, ge=1, le=10_000_000, description="dedloc mode: stop after this many global optimizer steps"
+    )
 
 
 class SchedulingSpec(_Strict):
@@ -236,20 +294,27 @@ class DedlocSpec(_Strict):
     lr: float = Field(0.1, gt=0, le=10, description="Peak learning rate")
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Keyed to the global step; cosine "
-                                                                               "decays to 0 at stop.max_steps")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Keyed to the global step; cosine decays to 0 at stop.max_steps"
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 over this many global steps")
     matchmaking_timeout: float = Field(5.0, gt=0, le=600, description="Seconds to wait for a round's members")
     averaging_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one all-reduce may take")
-    max_group_size: int = Field(16, ge=1, le=1024, description="Peers per all-reduce group; more peers form "
-                                                               "several groups whose sums are combined exactly")
+    max_group_size: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Peers per all-reduce group; more peers form several groups whose sums are combined exactly",
+    )
     report_interval: float = Field(1.0, gt=0, le=60, description="Seconds between a peer's progress reports")
 
     @model_validator(mode="after")
     def _micro_fits(self) -> "DedlocSpec":
         if self.micro_batch_size > self.target_batch_size:
-            raise ValueError(f"dedloc.micro_batch_size ({self.micro_batch_size}) exceeds dedloc.target_batch_size "
-                             f"({self.target_batch_size})")
+            raise ValueError(
+                f"dedloc.micro_batch_size ({self.micro_batch_size}) exceeds dedloc.target_batch_size "
+                f"({self.target_batch_size})"
+            )
         return self
 
 
@@ -257,8 +322,10 @@ class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=200)
     mode: Literal["vc-asgd", "dedloc"] = VC_ASGD
     framework: Literal["pytorch", "tensorflow"] = Field(
-        "pytorch", description="The framework the job is written for; clients with another framework that "
-                               "ports the zoo model may train it too (the parameter layout is shared)")
+        "pytorch",
+        description="The framework the job is written for; clients with another framework that "
+        "ports the zoo model may train it too (the parameter layout is shared)",
+    )
     seed: int = 0
     model: ModelSpec
     dataset: DatasetSpec
@@ -293,8 +360,10 @@ class JobSpec(_Strict):
         if self.model.name == KERAS_MODEL and self.framework != "tensorflow":
             raise ValueError("a Keras JSON model (model.name 'keras') needs framework: tensorflow")
         if self.model.name != KERAS_MODEL and self.model.name not in ZOO_PORTS[self.framework]:
-            raise ValueError(f"model {self.model.name!r} has no {self.framework} port; "
-                             f"{self.framework} runs {sorted(ZOO_PORTS[self.framework])}")
+            raise ValueError(
+                f"model {self.model.name!r} has no {self.framework} port; "
+                f"{self.framework} runs {sorted(ZOO_PORTS[self.framework])}"
+            )
         return self
 
 
@@ -319,10 +388,17 @@ def load_job_spec(path: Path, notes: list[str] | None = None) -> JobSpec:
             raise SpecFileError(f"{keras_path}: not JSON: {exc}") from None
     dataset = data.get("dataset")
     source = dataset.get("source") if isinstance(dataset, dict) else None
-    if isinstance(source, str) and source.startswith("npz:") and not Path(source[4:]).is_absolute():
+    if (
+        isinstance(dataset, dict)
+        and isinstance(source, str)
+        and source.startswith("npz:")
+        and not Path(source[4:]).is_absolute()
+    ):
         resolved = (path.parent / Path(source[4:]).expanduser()).resolve()
         dataset["source"] = f"npz:{resolved}"
         if notes is not None:
-            notes.append(f"dataset.source: {source!r} is read relative to the spec file, as {resolved} "
-                         "(the scheduler reads that path on its own machine)")
+            notes.append(
+                f"dataset.source: {source!r} is read relative to the spec file, as {resolved} "
+                "(the scheduler reads that path on its own machine)"
+            )
     return JobSpec.model_validate(data)

@@ -61,7 +61,8 @@ def snapshots(job_id: int) -> str:
 
 
 def auth_failures(address: str) -> str:
-    """Counter of failed authentications from one client address in the current window (crowdtrain.server.services.throttle)."""
+    """Counter of failed authentications from one client address in the current window
+    (crowdtrain.server.services.throttle)."""
     return f"{PREFIX}:auth-failures:{address}"
 
 
@@ -76,7 +77,8 @@ def dedloc_lock(job_id: int) -> str:
 
 
 def dedloc_round(job_id: int) -> str:
-    """JSON: the step being accumulated and the phase of its round (see crowdtrain.server.services.dedloc.Coordinator)."""
+    """JSON: the step being accumulated and the phase of its round
+    (see crowdtrain.server.services.dedloc.Coordinator)."""
     return f"{PREFIX}:job:{job_id}:dedloc:round"
 
 
@@ -157,3 +159,9 @@ def final_key(job_id: int) -> str:
 def dedloc_state_key(job_id: int, step: int) -> str:
     """A DeDLOC job's parameters and optimizer state at the start of `step`."""
     return f"jobs/{job_id}/dedloc/state-{step:08d}.safetensors"
+
+
+def text(reply: bytes | str) -> str:
+    """A hash field or value read back from Redis, as str. redis-py types replies `bytes | str`;
+    ours are bytes, since no client of ours sets `decode_responses`."""
+    return reply.decode() if isinstance(reply, bytes) else reply

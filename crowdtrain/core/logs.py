@@ -15,8 +15,11 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # Control characters (CR, LF, ESC, ...) and the Unicode line separators, as visible escapes: text
 # from clients (names, messages, paths) must not start a forged line or drive the terminal.
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7f]} | {0x0a: "\\n", 0x0d: "\\r", 0x09: "\\t"} \
+_ESCAPES = (
+    {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F]}
+    | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
     | {c: f"\\u{c:04x}" for c in (0x85, 0x2028, 0x2029)}
+)
 
 
 def escape(text: str) -> str:
@@ -32,7 +35,7 @@ class TextFormatter(logging.Formatter):
         return super().formatMessage(record)
 
 
-def ids(**fields: int | None) -> dict:
+def ids(**fields: int | None) -> dict[str, int]:
     """`extra=` for a log call: the domain ids it concerns."""
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -40,8 +43,7 @@ def ids(**fields: int | None) -> dict:
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
-        out = {"ts": ts, "level": record.levelname,
-               "logger": record.name, "message": record.getMessage()}
+        out = {"ts": ts, "level": record.levelname, "logger": record.name, "message": record.getMessage()}
         out.update({k: getattr(record, k) for k in ID_FIELDS if hasattr(record, k)})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)

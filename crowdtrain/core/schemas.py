@@ -47,14 +47,21 @@ class ErrorOut(BaseModel):
     detail: str = Field(..., description="What was wrong, naming the field or resource")
 
 
+def _pytorch_only() -> list[Literal["pytorch", "tensorflow"]]:
+    return ["pytorch"]
+
+
 class Resources(WireRequest):
     cpus: Count = 0
     ram_bytes: Bytes = 0
     gpu: str = Field("", max_length=200)
     device: str = Field("cpu", max_length=50)
     frameworks: list[Literal["pytorch", "tensorflow"]] = Field(
-        default_factory=lambda: ["pytorch"], min_length=1, max_length=8,
-        description="Frameworks the client trains with (clients from before this field had PyTorch only)")
+        default_factory=_pytorch_only,
+        min_length=1,
+        max_length=8,
+        description="Frameworks the client trains with (clients from before this field had PyTorch only)",
+    )
 
 
 class HostRegister(WireRequest):
@@ -67,9 +74,11 @@ class HostRegistered(BaseModel):
     host_id: int
     host_token: str = Field(..., max_length=500)
     download_origins: list[Annotated[str, Field(max_length=300)]] = Field(
-        default_factory=list, max_length=8,
+        default_factory=list,
+        max_length=8,
         description="Origins (scheme://host:port) of the object store that presigned shard and snapshot URLs "
-                    "name; the client pins them at registration")
+        "name; the client pins them at registration",
+    )
 
 
 class JoinTokenCreate(WireRequest):
@@ -108,8 +117,9 @@ class HostPublic(BaseModel):
 class WorkRequest(WireRequest):
     free_slots: int = Field(..., ge=0, le=256)
     resources: Resources | None = None
-    cached_shards: list[Sha256] = Field(default_factory=list, max_length=100_000,
-                                     description="sha256 of the shards in the host's cache")
+    cached_shards: list[Sha256] = Field(
+        default_factory=list, max_length=100_000, description="sha256 of the shards in the host's cache"
+    )
 
 
 class FileRef(BaseModel):
@@ -125,8 +135,10 @@ class Recipe(BaseModel):
     model: dict[str, Any]
     training: dict[str, Any]
     seed: int
-    upload: UploadSpec = Field(default_factory=UploadSpec, description="The job's assimilation.upload: weights "
-                                                                       "or the update Δ, and its encoding")
+    upload: UploadSpec = Field(
+        default_factory=UploadSpec,
+        description="The job's assimilation.upload: weights or the update Δ, and its encoding",
+    )
 
 
 class AssignmentOut(BaseModel):
@@ -137,9 +149,14 @@ class AssignmentOut(BaseModel):
     shard_index: int
     base_version: int
     deadline: UtcDatetime
-    local_fraction: float = Field(1.0, gt=0, le=1, description="Train this share of the recipe's local epochs' "
-                                                               "steps (at least one step): training."
-                                                               "dynamic_local_work gives slower hosts less")
+    local_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Train this share of the recipe's local epochs' "
+        "steps (at least one step): training."
+        "dynamic_local_work gives slower hosts less",
+    )
     recipe: Recipe
     shard: FileRef
     snapshot: FileRef
@@ -215,8 +232,9 @@ class JobStatusOut(BaseModel):
     final_accuracy: float | None
     merges: int
     active_hosts: int
-    assignments: dict[AssignmentStatus, int] = Field(..., description="How many of the job's assignments are in "
-                                                                    "each status")
+    assignments: dict[AssignmentStatus, int] = Field(
+        ..., description="How many of the job's assignments are in each status"
+    )
     epochs: list[EpochFigures]
     metrics: list[MetricPoint] = Field(default_factory=list)
     elapsed_seconds: float | None

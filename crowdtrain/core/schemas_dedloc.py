@@ -33,7 +33,9 @@ class PeerJoined(BaseModel):
 
 class Progress(WireRequest):
     peer_id: str = Field(..., pattern=PEER_ID)
-    step: int = Field(..., ge=-1, le=INT32_MAX, description="The step the peer accumulates for; -1 before its first state")
+    step: int = Field(
+        ..., ge=-1, le=INT32_MAX, description="The step the peer accumulates for; -1 before its first state"
+    )
     examples: int = Field(0, ge=0, le=1_000_000_000, description="Examples accumulated for `step`")
     attempt: int | None = Field(None, ge=0, le=INT32_MAX, description="The attempt the peer last reduced in, if any")
     params_digest: str | None = Field(None, max_length=64, description="sha256 of the peer's parameters at `step`")

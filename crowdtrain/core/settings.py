@@ -21,19 +21,29 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Parameter store and Celery broker")
     storage_url: str = Field("", description="file:///dir or s3://bucket/prefix; empty means var_dir/storage")
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto)")
-    s3_public_endpoint_url: str | None = Field(None, description="Endpoint in presigned URLs, if clients reach S3 "
-                                                                 "by another address than the servers")
+    s3_public_endpoint_url: str | None = Field(
+        None, description="Endpoint in presigned URLs, if clients reach S3 by another address than the servers"
+    )
     presign_seconds: int = Field(900, ge=60, description="Lifetime of presigned download URLs")
     ec2_endpoint_url: str | None = Field(None, description="EC2 endpoint for `crowdtrain fleet`; None = AWS")
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the scheduler")
 
-    admin_token: str = Field("", description="Bearer token of the admin routes; the scheduler refuses to start "
-                                             "without one (see check_secrets)")
-    join_token: str = Field("", description="Bootstrap join token clients may register with; "
-                                          "empty disables it (use `crowdtrain admin join-token`)")
-    auth_failures_per_minute: int = Field(20, ge=1, description="Failed authentications (join, admin or host token) "
-                                                                "one client address may make per minute before it "
-                                                                "is answered 429")
+    admin_token: str = Field(
+        "",
+        description="Bearer token of the admin routes; the scheduler refuses to start without one (see check_secrets)",
+    )
+    join_token: str = Field(
+        "",
+        description="Bootstrap join token clients may register with; "
+        "empty disables it (use `crowdtrain admin join-token`)",
+    )
+    auth_failures_per_minute: int = Field(
+        20,
+        ge=1,
+        description="Failed authentications (join, admin or host token) "
+        "one client address may make per minute before it "
+        "is answered 429",
+    )
 
     upload_max_bytes: int = Field(64 * 1024 * 1024, description="Largest accepted result upload")
     work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")
@@ -45,8 +55,12 @@ class Settings(BaseSettings):
 
     # Bounds on what a request may make the scheduler hold (see crowdtrain.server.api.boundary).
     body_max_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest JSON request body")
-    upload_slots: int = Field(8, ge=1, description="Upload bodies (results, DeDLOC parts and states) read at "
-                                                   "once per scheduler process; more wait with 503")
+    upload_slots: int = Field(
+        8,
+        ge=1,
+        description="Upload bodies (results, DeDLOC parts and states) read at "
+        "once per scheduler process; more wait with 503",
+    )
     upload_retry_after: int = Field(2, ge=1, description="Retry-After seconds of a 503 when upload slots are full")
 
     @property
@@ -59,8 +73,9 @@ class Settings(BaseSettings):
 
 
 # Tokens this project has published (old defaults, .env.example, demo strings): never secrets.
-KNOWN_DEFAULT_TOKENS = frozenset({"change-me-admin", "change-me-join", "demo-admin", "demo-join", "change-me",
-                                  "changeme"})
+KNOWN_DEFAULT_TOKENS = frozenset(
+    {"change-me-admin", "change-me-join", "demo-admin", "demo-join", "change-me", "changeme"}
+)
 MAKE_A_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -77,8 +92,10 @@ def secrets_problems(settings: Settings) -> list[str]:
     elif admin in KNOWN_DEFAULT_TOKENS:
         problems.append(f"CROWDTRAIN_ADMIN_TOKEN is the published example value {admin!r}")
     if join in KNOWN_DEFAULT_TOKENS:
-        problems.append(f"CROWDTRAIN_JOIN_TOKEN is the published example value {join!r} (leave it empty to "
-                        "disable the bootstrap token)")
+        problems.append(
+            f"CROWDTRAIN_JOIN_TOKEN is the published example value {join!r} (leave it empty to "
+            "disable the bootstrap token)"
+        )
     if admin and join == admin:
         problems.append("CROWDTRAIN_JOIN_TOKEN equals CROWDTRAIN_ADMIN_TOKEN: every volunteer would be an operator")
     return problems
@@ -91,8 +108,10 @@ def check_secrets(settings: Settings) -> None:
     """
     problems = secrets_problems(settings)
     if problems:
-        raise InsecureSettings("refusing to start: " + "; ".join(problems) + ". Set each token to a random secret "
-                               f"in the environment (or .env), e.g. CROWDTRAIN_ADMIN_TOKEN=$({MAKE_A_TOKEN})")
+        raise InsecureSettings(
+            "refusing to start: " + "; ".join(problems) + ". Set each token to a random secret "
+            f"in the environment (or .env), e.g. CROWDTRAIN_ADMIN_TOKEN=$({MAKE_A_TOKEN})"
+        )
 
 
 @lru_cache

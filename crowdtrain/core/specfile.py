@@ -70,8 +70,10 @@ class BoundedLoader(yaml.SafeLoader):
 
     def construct_document(self, node: yaml.Node) -> Any:
         if expanded_size(node, MAX_SPEC_NODES) > MAX_SPEC_NODES:
-            raise SpecFileError(f"YAML aliases expand to more than {MAX_SPEC_NODES} nodes; "
-                                "a job spec needs no more (write the values out instead)")
+            raise SpecFileError(
+                f"YAML aliases expand to more than {MAX_SPEC_NODES} nodes; "
+                "a job spec needs no more (write the values out instead)"
+            )
         return super().construct_document(node)
 
 

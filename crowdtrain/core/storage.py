@@ -20,6 +20,7 @@ class Storage(Protocol):
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def local_path(self, key: str) -> Path | None: ...
+    def __hash__(self) -> int: ...  # storages are cache keys (crowdtrain.assimilator.merge)
     def presigned_url(self, key: str, expires_seconds: int) -> str | None: ...
 
 
@@ -76,8 +77,9 @@ class LocalStorage:
 class S3Storage:
     """Objects in `s3://bucket/prefix`; `endpoint_url` points at MinIO or another S3 implementation."""
 
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
-                 public_endpoint_url: str | None = None):
+    def __init__(
+        self, bucket: str, prefix: str, endpoint_url: str | None = None, public_endpoint_url: str | None = None
+    ):
         import boto3
         from botocore.config import Config
 
@@ -86,8 +88,11 @@ class S3Storage:
         config = Config(signature_version="s3v4")
         self.client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
         # Presigned URLs must name the endpoint as clients reach it (e.g. not a compose-internal host).
-        self.public = (boto3.client("s3", endpoint_url=public_endpoint_url, config=config)
-                       if public_endpoint_url and public_endpoint_url != endpoint_url else self.client)
+        self.public = (
+            boto3.client("s3", endpoint_url=public_endpoint_url, config=config)
+            if public_endpoint_url and public_endpoint_url != endpoint_url
+            else self.client
+        )
 
     def _key(self, key: str) -> str:
         key = _check_key(key)
@@ -98,7 +103,8 @@ class S3Storage:
 
     def get(self, key: str) -> bytes:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            body: bytes = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            return body
         except self.client.exceptions.NoSuchKey:
             raise ObjectNotFound(key) from None
 
@@ -117,8 +123,10 @@ class S3Storage:
 
     def presigned_url(self, key: str, expires_seconds: int) -> str | None:
         """A short-lived GET URL: clients download from S3 directly, not through the scheduler."""
-        return self.public.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": self._key(key)},
-                                                  ExpiresIn=expires_seconds)
+        url: str = self.public.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_seconds
+        )
+        return url
 
 
 def download_origin(storage: Storage) -> str | None:

@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -30,8 +31,18 @@ def decode(blob: bytes) -> Params:
 
 
 # numpy has no bfloat16; ml_dtypes' is the one safetensors writes (crowdtrain.core.updates sends Δ in it).
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_RANK = 8
 
@@ -40,7 +51,7 @@ def _no_floats(text: str) -> float:
     raise ValueError(f"number {text[:20]} is not an integer")
 
 
-def _read_header(buf: memoryview, max_header_bytes: int, max_tensors: int | None) -> tuple[dict, int]:
+def _read_header(buf: memoryview, max_header_bytes: int, max_tensors: int | None) -> tuple[dict[str, Any], int]:
     """The header object and its length, bounded before it is parsed: its byte length, the tensors it
     can list (counted as `"data_offsets"` keys), integer-only numbers, and no nesting past JSON's
     recursion limit."""
@@ -51,7 +62,7 @@ def _read_header(buf: memoryview, max_header_bytes: int, max_tensors: int | None
         raise ValueError(f"header length {n} exceeds the file")
     if n > max_header_bytes:
         raise ValueError(f"header of {n} bytes exceeds the limit of {max_header_bytes}")
-    raw = bytes(buf[8:8 + n])
+    raw = bytes(buf[8 : 8 + n])
     if max_tensors is not None and raw.count(b'"data_offsets"') > max_tensors:
         raise ValueError(f"header lists more than {max_tensors} tensors")
     try:
@@ -74,7 +85,7 @@ def _ints(value: object, what: str, length: int | None = None) -> list[int]:
     return value
 
 
-def _layout(header: dict, data_size: int) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
+def _layout(header: dict[str, Any], data_size: int) -> list[tuple[str, np.dtype, tuple[int, ...], int, int]]:
     """Each tensor's (name, dtype, shape, start, end), checked to tile the data exactly, as the safetensors
     library requires: no gap, no overlap, nothing after the last tensor."""
     out = []
@@ -98,8 +109,9 @@ def _layout(header: dict, data_size: int) -> list[tuple[str, np.dtype, tuple[int
     return out
 
 
-def views(blob: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEADER_BYTES,
-          max_tensors: int | None = None) -> Params:
+def views(
+    blob: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEADER_BYTES, max_tensors: int | None = None
+) -> Params:
     """Parse safetensors without copying: numpy arrays that view `blob` (writable if it is).
 
     The hot path of a merge: decoding a 20 MB model with copies costs more than the merge itself.
@@ -109,14 +121,16 @@ def views(blob: bytes | bytearray | memoryview, max_header_bytes: int = MAX_HEAD
     buf = memoryview(blob)
     try:
         header, n = _read_header(buf, max_header_bytes, max_tensors)
-        data = buf[8 + n:]
-        return {name: np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
-                for name, dtype, shape, start, end in _layout(header, len(data))}
+        data = buf[8 + n :]
+        return {
+            name: np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
+            for name, dtype, shape, start, end in _layout(header, len(data))
+        }
     except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
         raise TensorFormatError(f"not a safetensors file: {exc}") from exc
 
 
-def header_limits(manifest: dict) -> tuple[int, int]:
+def header_limits(manifest: dict[str, Any]) -> tuple[int, int]:
     """(header bytes, tensors) that a result for a model with this manifest may have: room for every
     tensor's entry with its name escaped, and nothing more."""
     entries = sum(6 * len(name) + 160 for name in manifest)
@@ -135,7 +149,7 @@ def manifest_of(params: Params) -> Manifest:
     return {k: (list(v.shape), str(v.dtype)) for k, v in params.items()}
 
 
-def check_against_manifest(params: Params, manifest: dict) -> None:
+def check_against_manifest(params: Params, manifest: dict[str, Any]) -> None:
     """Raise ValueError naming the first mismatch of names, shapes, dtypes or non-finite values."""
     missing = sorted(set(manifest) - set(params))
     extra = sorted(set(params) - set(manifest))

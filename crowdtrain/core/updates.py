@@ -19,21 +19,29 @@ into the next (the server applies each Δ once), so an unbiased but twice as lar
 """
 
 import math
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save as _st_save
 
 from crowdtrain.core.jobspec import UploadSpec
-from crowdtrain.core.tensors import (Manifest, Params, TensorFormatError, check_against_manifest, encode, header_limits,
-                                views)
+from crowdtrain.core.tensors import (
+    Manifest,
+    Params,
+    TensorFormatError,
+    check_against_manifest,
+    encode,
+    header_limits,
+    views,
+)
 
 SCALE_SUFFIX = ".__scale__"
 INT8_MAX = 127
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 # The encodings `upload_sizes` compares by default (benchmarks report bytes per upload for each).
-STANDARD_UPLOADS: tuple[dict, ...] = (
+STANDARD_UPLOADS: tuple[dict[str, Any], ...] = (
     {"send": "weights", "dtype": "float32"},
     {"send": "delta", "dtype": "float32"},
     {"send": "delta", "dtype": "bfloat16"},
@@ -42,18 +50,18 @@ STANDARD_UPLOADS: tuple[dict, ...] = (
 )
 
 
-def upload_spec(upload: UploadSpec | dict | None) -> UploadSpec:
+def upload_spec(upload: UploadSpec | dict[str, Any] | None) -> UploadSpec:
     """The upload spec from a job spec's `assimilation.upload` (None or {}: weights as float32, as
     jobs stored before the field had); ValueError (pydantic's) names a bad field."""
     return upload if isinstance(upload, UploadSpec) else UploadSpec.model_validate(upload or {})
 
 
-def upload_of(assimilation: dict) -> UploadSpec:
+def upload_of(assimilation: dict[str, Any]) -> UploadSpec:
     """The upload spec of a stored job spec's `assimilation` section."""
     return upload_spec(assimilation.get("upload"))
 
 
-def upload_label(upload: UploadSpec | dict | None) -> str:
+def upload_label(upload: UploadSpec | dict[str, Any] | None) -> str:
     """A short name for an encoding: weights/float32, delta/int8, delta/int8/block64, ..."""
     u = upload_spec(upload)
     return f"{u.send}/{u.dtype}" + (f"/block{u.block_size}" if u.block_size else "")
@@ -67,7 +75,7 @@ def _blocks(shape: list[int], block_size: int | None) -> int:
     return 1 if block_size is None else -(-math.prod(shape) // block_size)
 
 
-def wire_manifest(manifest: dict, upload: UploadSpec | dict | None) -> Manifest:
+def wire_manifest(manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None) -> Manifest:
     """Name -> (shape, dtype name) of every tensor a result encoded per `upload` has: no more, no fewer."""
     u = upload_spec(upload)
     if u.send == "weights":
@@ -85,7 +93,7 @@ def wire_manifest(manifest: dict, upload: UploadSpec | dict | None) -> Manifest:
     return out
 
 
-def expected_upload_bytes(manifest: dict, upload: UploadSpec | dict | None) -> int:
+def expected_upload_bytes(manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None) -> int:
     """The largest blob that can be a valid result: 8 length bytes, the header bound the decoder
     enforces (crowdtrain.core.tensors.header_limits) and the tensors' data. An honest result is smaller."""
     wire = wire_manifest(manifest, upload)
@@ -99,29 +107,29 @@ def _np_dtype(dtype: str) -> np.dtype:
 
 # -- encoding (the client) -------------------------------------------------------------------------
 
+
 def quantize_int8(x: np.ndarray, block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
     """(q, scales): int8 q of x's shape and float32 scales, one per block of the flattened x."""
     flat = np.asarray(x, np.float32).ravel()
     nb = _blocks(list(x.shape), block_size)
     size = flat.size if block_size is None else block_size
     padded = np.zeros(nb * size, np.float32)
-    padded[:flat.size] = flat
+    padded[: flat.size] = flat
     blocks = padded.reshape(nb, size)
     scales = (np.abs(blocks).max(axis=1, initial=0.0) / INT8_MAX).astype(np.float32)
     safe = np.where(scales > 0, scales, 1.0).astype(np.float32)[:, None]
     q = np.clip(np.rint(blocks / safe), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return q.ravel()[:flat.size].reshape(x.shape), scales
+    return q.ravel()[: flat.size].reshape(x.shape), scales
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray, block_size: int | None) -> np.ndarray:
     """float32 q · scale, each value with its block's scale."""
-    if block_size is None:
-        return q.astype(np.float32) * scales[0]
-    per_value = np.repeat(scales, block_size)[:q.size].reshape(q.shape)
-    return q.astype(np.float32) * per_value
+    per_value = scales[0] if block_size is None else np.repeat(scales, block_size)[: q.size].reshape(q.shape)
+    out: np.ndarray = q.astype(np.float32) * per_value
+    return out
 
 
-def encode_update(delta: Params, upload: UploadSpec | dict | None) -> Params:
+def encode_update(delta: Params, upload: UploadSpec | dict[str, Any] | None) -> Params:
     """The tensors that carry `delta` (float tensors only) per `upload`'s dtype, scales included."""
     u = upload_spec(upload)
     out: Params = {}
@@ -136,7 +144,7 @@ def encode_update(delta: Params, upload: UploadSpec | dict | None) -> Params:
     return out
 
 
-def encode_result(params: Params, base: Params, upload: UploadSpec | dict | None) -> bytes:
+def encode_result(params: Params, base: Params, upload: UploadSpec | dict[str, Any] | None) -> bytes:
     """The upload body for a client that trained `base` (the snapshot it decoded) into `params`:
     W_c itself, or Δ = W_c − W_base for every float tensor plus the others as they are."""
     u = upload_spec(upload)
@@ -153,12 +161,12 @@ def encode_result(params: Params, base: Params, upload: UploadSpec | dict | None
 
 # -- decoding (the scheduler and the parameter servers) ----------------------------------------------
 
+
 def _check_layout(tensors: Params, wire: Manifest, what: str) -> None:
     missing = sorted(set(wire) - set(tensors))
     extra = sorted(set(tensors) - set(wire))
     if missing or extra:
-        raise ValueError(f"{what}: tensor names differ from the model's: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}")
+        raise ValueError(f"{what}: tensor names differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, (shape, dtype) in wire.items():
         arr = tensors[name]
         if list(arr.shape) != list(shape):
@@ -167,8 +175,9 @@ def _check_layout(tensors: Params, wire: Manifest, what: str) -> None:
             raise ValueError(f"{what}: tensor {name!r} has dtype {arr.dtype}, expected {dtype}")
 
 
-def decode_update(blob: bytes | bytearray | memoryview, manifest: dict,
-                  upload: UploadSpec | dict | None) -> Params:
+def decode_update(
+    blob: bytes | bytearray | memoryview, manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None
+) -> Params:
     """What a result carries, validated and widened: W_c for weights uploads; for delta uploads Δ as
     float32 for each float tensor and the client's own value of each other tensor.
 
@@ -210,8 +219,12 @@ def decode_update(blob: bytes | bytearray | memoryview, manifest: dict,
     return out
 
 
-def decode_result(blob: bytes | bytearray | memoryview, manifest: dict, upload: UploadSpec | dict | None,
-                  base: Params) -> Params:
+def decode_result(
+    blob: bytes | bytearray | memoryview,
+    manifest: dict[str, Any],
+    upload: UploadSpec | dict[str, Any] | None,
+    base: Params,
+) -> Params:
     """W_c from a result: the weights themselves, or W_base + Δ in the model's dtypes, where `base` is
     the snapshot the host started from. Raises like `decode_update`, and ValueError when W_base + Δ
     is not finite."""
@@ -223,13 +236,16 @@ def decode_result(blob: bytes | bytearray | memoryview, manifest: dict, upload: 
     with np.errstate(over="ignore"):  # an overflow is refused just below, by name
         for name, (_, dtype) in manifest.items():
             arr = carried[name]
-            client[name] = (np.asarray(base[name], np.float32) + arr).astype(dtype, copy=False) if _floating(
-                dtype) else arr
+            client[name] = (
+                (np.asarray(base[name], np.float32) + arr).astype(dtype, copy=False) if _floating(dtype) else arr
+            )
     check_against_manifest(client, manifest)
     return client
 
 
-def upload_sizes(manifest: dict, uploads: tuple[dict, ...] = STANDARD_UPLOADS) -> dict[str, int]:
+def upload_sizes(
+    manifest: dict[str, Any], uploads: tuple[UploadSpec | dict[str, Any], ...] = STANDARD_UPLOADS
+) -> dict[str, int]:
     """Bytes of one upload for each encoding (label -> bytes), for a model with this manifest. Exact:
     a blob's size depends on the names, shapes and encoding only, not on the values."""
     zeros = {name: np.zeros(shape, _np_dtype(dtype)) for name, (shape, dtype) in manifest.items()}

@@ -5,6 +5,7 @@ plus its own keyword options from the job spec's `model.options`.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        logits: torch.Tensor = self.net(x)  # a Module's __call__ is typed Any
+        return logits
 
 
 class CNN1D(nn.Module):
@@ -35,14 +37,17 @@ class CNN1D(nn.Module):
     global pool learns far faster from small shards than flattening does.
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5,
-                 layers: int = 3):
+    def __init__(
+        self, input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5, layers: int = 3
+    ):
         super().__init__()
         in_ch = 1 if len(input_shape) == 1 else int(input_shape[0])
         convs: list[nn.Module] = []
         for i in range(layers):
-            convs += [nn.Conv1d(in_ch if i == 0 else channels, channels, kernel_size, padding=kernel_size // 2),
-                      nn.ReLU()]
+            convs += [
+                nn.Conv1d(in_ch if i == 0 else channels, channels, kernel_size, padding=kernel_size // 2),
+                nn.ReLU(),
+            ]
             if i < layers - 1:
                 convs.append(nn.MaxPool1d(2))
         self.features = nn.Sequential(*convs)
@@ -51,7 +56,8 @@ class CNN1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
             x = x.unsqueeze(1)
-        return self.head(self.features(x).amax(dim=2))
+        logits: torch.Tensor = self.head(self.features(x).amax(dim=2))
+        return logits
 
 
 class PreActBlock(nn.Module):
@@ -61,15 +67,15 @@ class PreActBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
-        self.shortcut = (nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
-                         if stride != 1 or in_ch != out_ch else None)
+        self.shortcut = nn.Conv2d(in_ch, out_ch, 1, stride, bias=False) if stride != 1 or in_ch != out_ch else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(x))
         skip = self.shortcut(out) if self.shortcut is not None else x
         out = self.conv1(out)
         out = self.conv2(torch.relu(self.bn2(out)))
-        return out + skip
+        summed: torch.Tensor = out + skip
+        return summed
 
 
 class PreActResNet(nn.Module):
@@ -100,14 +106,16 @@ class PreActResNet(nn.Module):
         if x.dim() == 4 and x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
             x = x.permute(0, 3, 1, 2)  # NHWC arrays from npz files
         out = torch.relu(self.bn(self.stages(self.stem(x))))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+        logits: torch.Tensor = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+        return logits
 
 
-_BUILDERS = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet}
+_BUILDERS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet}
 
 
-def build_model(name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None,
-                **options) -> nn.Module:
+def build_model(
+    name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None, **options: Any
+) -> nn.Module:
     """Instantiate a zoo model; with `seed`, its initial weights are reproducible."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; the zoo has {sorted(_BUILDERS)}")
@@ -119,8 +127,9 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, seed: i
         raise ValueError(f"bad options for model {name!r}: {exc}") from exc
 
 
-def check_model(name: str, input_shape: Sequence[int], num_classes: int, options: dict,
-                max_bytes: int) -> int:
+def check_model(
+    name: str, input_shape: Sequence[int], num_classes: int, options: dict[str, Any], max_bytes: int
+) -> int:
     """The bytes of a zoo model's parameters (its state_dict as float32), after checking that they
     are at most `max_bytes` and that the model maps a batch of `input_shape` examples to
     `num_classes` logits; raises ValueError naming the problem.
@@ -135,15 +144,19 @@ def check_model(name: str, input_shape: Sequence[int], num_classes: int, options
         raise
     except Exception as exc:  # a builder's own refusal of its arguments
         raise ValueError(f"model: {name!r} cannot be built with options {options}: {_first_line(exc)}") from None
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes: int = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if nbytes > max_bytes:
-        raise ValueError(f"model: {name!r} with options {options} has {nbytes:,} bytes of parameters, more than "
-                         f"the scheduler accepts in one upload ({max_bytes:,} bytes, upload_max_bytes)")
+        raise ValueError(
+            f"model: {name!r} with options {options} has {nbytes:,} bytes of parameters, more than "
+            f"the scheduler accepts in one upload ({max_bytes:,} bytes, upload_max_bytes)"
+        )
     try:
         out = model(torch.zeros((2, *input_shape), device="meta"))
     except Exception as exc:
-        raise ValueError(f"model: {name!r} with options {options} cannot take the dataset's examples shaped "
-                         f"{tuple(input_shape)}: {_first_line(exc)}") from None
+        raise ValueError(
+            f"model: {name!r} with options {options} cannot take the dataset's examples shaped "
+            f"{tuple(input_shape)}: {_first_line(exc)}"
+        ) from None
     if tuple(out.shape) != (2, num_classes):
         raise ValueError(f"model: {name!r} outputs shape {tuple(out.shape)[1:]}, the dataset needs ({num_classes},)")
     return nbytes

@@ -14,8 +14,9 @@ A Keras-JSON model's canonical names are its weights' Keras paths ("dense/kernel
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +24,9 @@ from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS
 from crowdtrain.core.tensors import Params
 
 
-def keras_module():
-    """Keras 3 on the TensorFlow backend (the trainer uses tf.GradientTape)."""
+def keras_module() -> Any:
+    """Keras 3 on the TensorFlow backend (the trainer uses tf.GradientTape). Keras has no type
+    information: the module, its models and variables are `Any` to mypy."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up banners are noise in our logs
     import keras
@@ -34,6 +36,8 @@ def keras_module():
     return keras
 
 
+# (canonical name, Keras variable, axes permutation between the two layouts or None)
+Slot = tuple[str, Any, tuple[int, ...] | None]
 # to canonical, from canonical: PyTorch weight <-> Keras kernel
 _KERNEL_LAYOUT = {"dense": (1, 0), "conv1d": (2, 1, 0)}
 
@@ -42,9 +46,8 @@ _KERNEL_LAYOUT = {"dense": (1, 0), "conv1d": (2, 1, 0)}
 class KerasModel:
     """A Keras model with the mapping between its weights and the job's canonical names."""
 
-    model: object
-    # (canonical name, Keras variable, axes permutation between the two layouts or None)
-    slots: list[tuple[str, object, tuple[int, ...] | None]] = field(default_factory=list)
+    model: Any  # keras.Model
+    slots: list[Slot] = field(default_factory=list)
 
     def get_params(self) -> Params:
         out = {}
@@ -56,14 +59,16 @@ class KerasModel:
     def set_params(self, params: Params) -> None:
         expected = {name for name, _, _ in self.slots}
         if set(params) != expected:
-            raise ValueError(f"parameter names differ: missing {sorted(expected - set(params))}, "
-                             f"unexpected {sorted(set(params) - expected)}")
+            raise ValueError(
+                f"parameter names differ: missing {sorted(expected - set(params))}, "
+                f"unexpected {sorted(set(params) - expected)}"
+            )
         for name, var, perm in self.slots:
             value = np.asarray(params[name])
             var.assign(value.transpose(perm) if perm else value)
 
 
-def _map_layer(slots: list, prefix: str, layer, kind: str) -> None:
+def _map_layer(slots: list[Slot], prefix: str, layer: Any, kind: str) -> None:
     slots.append((f"{prefix}.weight", layer.kernel, _KERNEL_LAYOUT[kind]))
     slots.append((f"{prefix}.bias", layer.bias, None))
 
@@ -78,14 +83,15 @@ def build_mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int
         x = dense[-1](x)
     dense.append(keras.layers.Dense(num_classes))
     model = keras.Model(inputs, dense[-1](x))
-    slots: list = []
+    slots: list[Slot] = []
     for i, layer in enumerate(dense):  # nn.Sequential indices: Flatten, then (Linear, ReLU) pairs
         _map_layer(slots, f"net.{1 + 2 * i}", layer, "dense")
     return KerasModel(model, slots)
 
 
-def build_cnn1d(input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5,
-                layers: int = 3) -> KerasModel:
+def build_cnn1d(
+    input_shape: Sequence[int], num_classes: int, channels: int = 32, kernel_size: int = 5, layers: int = 3
+) -> KerasModel:
     keras = keras_module()
     inputs = keras.Input(tuple(input_shape))
     if len(input_shape) == 1:
@@ -106,18 +112,18 @@ def build_cnn1d(input_shape: Sequence[int], num_classes: int, channels: int = 32
     x = keras.layers.GlobalMaxPooling1D()(x)
     head = keras.layers.Dense(num_classes)
     model = keras.Model(inputs, head(x))
-    slots: list = []
+    slots: list[Slot] = []
     for idx, layer in convs:
         _map_layer(slots, f"features.{idx}", layer, "conv1d")
     _map_layer(slots, "head", head, "dense")
     return KerasModel(model, slots)
 
 
-_BUILDERS = {"mlp": build_mlp, "cnn1d": build_cnn1d}
+_BUILDERS: dict[str, Callable[..., KerasModel]] = {"mlp": build_mlp, "cnn1d": build_cnn1d}
 assert set(_BUILDERS) == ZOO_PORTS["tensorflow"], "crowdtrain.core.frameworks.ZOO_PORTS is out of date"
 
 
-def load_keras_json(config: dict | str):
+def load_keras_json(config: dict[str, Any] | str) -> Any:
     """A Keras model from its JSON config, in safe mode: Lambda layers and other code are refused.
 
     Raises ValueError with Keras's reason for anything it cannot or will not build.
@@ -133,7 +139,7 @@ def load_keras_json(config: dict | str):
     return model
 
 
-def build_keras_json(config: dict | str, input_shape: Sequence[int], num_classes: int) -> KerasModel:
+def build_keras_json(config: dict[str, Any] | str, input_shape: Sequence[int], num_classes: int) -> KerasModel:
     """Load a Keras-JSON model and check that it maps the dataset's inputs to `num_classes` logits."""
     model = load_keras_json(config)
     try:
@@ -148,7 +154,7 @@ def build_keras_json(config: dict | str, input_shape: Sequence[int], num_classes
     return KerasModel(model, [(v.path, v, None) for v in model.weights])
 
 
-def build_model(model_config: dict, seed: int | None = None) -> KerasModel:
+def build_model(model_config: dict[str, Any], seed: int | None = None) -> KerasModel:
     """The Keras model of a job's model config (zoo port or Keras JSON); `seed` makes its init reproducible."""
     keras = keras_module()
     if seed is not None:

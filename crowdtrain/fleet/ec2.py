@@ -9,8 +9,16 @@ import base64
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from crowdtrain.fleet.spec import (FLEET_TAG, SERVER_TAG, FleetInstance, FleetSpec, fleet_request, launch_template_data,
-                              template_name, user_data)
+from crowdtrain.fleet.spec import (
+    FLEET_TAG,
+    SERVER_TAG,
+    FleetInstance,
+    FleetSpec,
+    fleet_request,
+    launch_template_data,
+    template_name,
+    user_data,
+)
 
 GONE_STATES = {"shutting-down", "terminated"}
 LIVE_REQUEST_STATES = ["open", "active"]
@@ -32,7 +40,7 @@ def _pages(ec2, operation: str, key: str, **kwargs) -> list[dict]:
 
 def _chunks(ids: list[str], size: int = 100) -> list[list[str]]:
     """EC2 bounds the values of one filter and the ids of one call; 100 is within every bound."""
-    return [ids[i:i + size] for i in range(0, len(ids), size)]
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 def _tag(resource: dict, key: str) -> str | None:
@@ -60,13 +68,16 @@ class Ec2Fleets:
         Raises `FleetExists` if the name is taken, having requested nothing."""
         name = template_name(spec.name)
         if self._template_id(name):
-            raise FleetExists(f"fleet {spec.name!r} exists (launch template {name}); "
-                              f"run `crowdtrain fleet down --name {spec.name}` first")
+            raise FleetExists(
+                f"fleet {spec.name!r} exists (launch template {name}); "
+                f"run `crowdtrain fleet down --name {spec.name}` first"
+            )
         encoded = base64.b64encode(user_data(spec).encode()).decode()
         template = self.ec2.create_launch_template(
-            LaunchTemplateName=name, LaunchTemplateData=launch_template_data(spec, encoded),
-            TagSpecifications=[{"ResourceType": "launch-template",
-                                "Tags": [{"Key": FLEET_TAG, "Value": spec.name}]}])["LaunchTemplate"]
+            LaunchTemplateName=name,
+            LaunchTemplateData=launch_template_data(spec, encoded),
+            TagSpecifications=[{"ResourceType": "launch-template", "Tags": [{"Key": FLEET_TAG, "Value": spec.name}]}],
+        )["LaunchTemplate"]
         try:
             return self.ec2.create_fleet(**fleet_request(spec, template["LaunchTemplateId"]))["FleetId"]
         except Exception:
@@ -85,18 +96,31 @@ class Ec2Fleets:
 
     def instances(self, fleet: str) -> list[FleetInstance]:
         """Every instance tagged with this fleet, oldest first, with its price cap and spot price."""
-        raw = [i for r in _pages(self.ec2, "describe_instances", "Reservations",
-                                 Filters=[{"Name": f"tag:{FLEET_TAG}", "Values": [fleet]}])
-               for i in r["Instances"]]
+        raw = [
+            i
+            for r in _pages(
+                self.ec2,
+                "describe_instances",
+                "Reservations",
+                Filters=[{"Name": f"tag:{FLEET_TAG}", "Values": [fleet]}],
+            )
+            for i in r["Instances"]
+        ]
         caps = self._price_caps(fleet)
         prices = self._spot_prices({i["InstanceType"] for i in raw})
-        rows = [FleetInstance(
-            instance_id=i["InstanceId"], instance_type=i["InstanceType"], state=i["State"]["Name"],
-            lifecycle=i.get("InstanceLifecycle", "on-demand"),
-            availability_zone=i.get("Placement", {}).get("AvailabilityZone"), launch_time=i.get("LaunchTime"),
-            max_price=caps.get(i["InstanceType"]),
-            spot_price=prices.get((i["InstanceType"], i.get("Placement", {}).get("AvailabilityZone"))),
-        ) for i in raw]
+        rows = [
+            FleetInstance(
+                instance_id=i["InstanceId"],
+                instance_type=i["InstanceType"],
+                state=i["State"]["Name"],
+                lifecycle=i.get("InstanceLifecycle", "on-demand"),
+                availability_zone=i.get("Placement", {}).get("AvailabilityZone"),
+                launch_time=i.get("LaunchTime"),
+                max_price=caps.get(i["InstanceType"]),
+                spot_price=prices.get((i["InstanceType"], i.get("Placement", {}).get("AvailabilityZone"))),
+            )
+            for i in raw
+        ]
         return sorted(rows, key=lambda r: (r.launch_time is None, r.launch_time, r.instance_id))
 
     def down(self, fleet: str) -> Teardown:
@@ -129,9 +153,12 @@ class Ec2Fleets:
     def _cancel_requests(self, instance_ids: list[str]) -> list[str]:
         cancelled = []
         for chunk in _chunks(instance_ids):
-            live = _pages(self.ec2, "describe_spot_instance_requests", "SpotInstanceRequests",
-                          Filters=[{"Name": "instance-id", "Values": chunk},
-                                   {"Name": "state", "Values": LIVE_REQUEST_STATES}])
+            live = _pages(
+                self.ec2,
+                "describe_spot_instance_requests",
+                "SpotInstanceRequests",
+                Filters=[{"Name": "instance-id", "Values": chunk}, {"Name": "state", "Values": LIVE_REQUEST_STATES}],
+            )
             ids = [r["SpotInstanceRequestId"] for r in live]
             if ids:
                 self.ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=ids)
@@ -139,8 +166,12 @@ class Ec2Fleets:
         return cancelled
 
     def _template_id(self, name: str) -> str | None:
-        found = _pages(self.ec2, "describe_launch_templates", "LaunchTemplates",
-                       Filters=[{"Name": "launch-template-name", "Values": [name]}])
+        found = _pages(
+            self.ec2,
+            "describe_launch_templates",
+            "LaunchTemplates",
+            Filters=[{"Name": "launch-template-name", "Values": [name]}],
+        )
         return found[0]["LaunchTemplateId"] if found else None
 
     def _price_caps(self, fleet: str) -> dict[str, str]:
@@ -157,10 +188,16 @@ class Ec2Fleets:
         """The newest Linux spot price per (instance type, availability zone)."""
         if not instance_types:
             return {}
-        history = _pages(self.ec2, "describe_spot_price_history", "SpotPriceHistory",
-                         InstanceTypes=sorted(instance_types), ProductDescriptions=["Linux/UNIX"],
-                         # A start time of now returns the price in effect now, not 90 days of history.
-                         StartTime=datetime.now(UTC), PaginationConfig={"MaxItems": 1000})
+        history = _pages(
+            self.ec2,
+            "describe_spot_price_history",
+            "SpotPriceHistory",
+            InstanceTypes=sorted(instance_types),
+            ProductDescriptions=["Linux/UNIX"],
+            # A start time of now returns the price in effect now, not 90 days of history.
+            StartTime=datetime.now(UTC),
+            PaginationConfig={"MaxItems": 1000},
+        )
         newest: dict[tuple[str, str], dict] = {}
         for record in history:
             key = (record["InstanceType"], record["AvailabilityZone"])

@@ -51,8 +51,11 @@ def _unique(items: list[str]) -> list[str]:
 class FleetSpec(BaseModel):
     """What `crowdtrain fleet up` asks EC2 for; invalid input never reaches EC2."""
 
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
-                      description="Fleet name: tags every resource, finds the fleet again")
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+        description="Fleet name: tags every resource, finds the fleet again",
+    )
     count: int = Field(..., ge=1, le=1000, description="Spot instances to keep running")
     instance_types: list[str] = Field(..., min_length=1, max_length=50)
     max_price: float | None = Field(None, gt=0, description="USD per instance-hour; None caps at on-demand")
@@ -60,9 +63,13 @@ class FleetSpec(BaseModel):
     server: str = Field(..., max_length=500, description="Scheduler URL the clients attach to")
     join_token: str = Field(..., repr=False)
     tasks: int = Field(1, ge=1, le=64)
-    client_package: str = Field("crowdtrain[client]", min_length=1, max_length=500,
-                                pattern=r"^[^\r\n]+$", description="pip requirement installed on boot "
-                                                                  "(one shell-quoted argument to pip)")
+    client_package: str = Field(
+        "crowdtrain[client]",
+        min_length=1,
+        max_length=500,
+        pattern=r"^[^\r\n]+$",
+        description="pip requirement installed on boot (one shell-quoted argument to pip)",
+    )
     key_name: str | None = Field(None, min_length=1, max_length=255)
     subnet_ids: list[str] = Field(default_factory=list, max_length=20)
     security_group_ids: list[str] = Field(default_factory=list, max_length=5)
@@ -133,9 +140,22 @@ def template_name(fleet: str) -> str:
 def client_command(spec: FleetSpec) -> list[str]:
     """The client's command line on every instance. `${…}` are filled in by systemd from the
     service's environment file, so that neither the unit file nor the journal holds the token."""
-    return [f"{CLIENT_VENV}/bin/crowdtrain", "client", "--server", spec.server,
-            "--join-token", "${FLEET_JOIN_TOKEN}", "--name", "${INSTANCE_ID}", "--tasks", str(spec.tasks),
-            "--spot-notice-url", SPOT_NOTICE_URL, "--cache", STATE_DIR]
+    return [
+        f"{CLIENT_VENV}/bin/crowdtrain",
+        "client",
+        "--server",
+        spec.server,
+        "--join-token",
+        "${FLEET_JOIN_TOKEN}",
+        "--name",
+        "${INSTANCE_ID}",
+        "--tasks",
+        str(spec.tasks),
+        "--spot-notice-url",
+        SPOT_NOTICE_URL,
+        "--cache",
+        STATE_DIR,
+    ]
 
 
 _BOOTSTRAP = r"""#!/bin/bash
@@ -235,16 +255,24 @@ def user_data(spec: FleetSpec) -> str:
 
 
 def _tags(spec: FleetSpec, resource_type: str) -> dict:
-    return {"ResourceType": resource_type,
-            "Tags": [{"Key": FLEET_TAG, "Value": spec.name}, {"Key": SERVER_TAG, "Value": spec.server},
-                     {"Key": "Name", "Value": f"crowdtrain-{spec.name}"}]}
+    return {
+        "ResourceType": resource_type,
+        "Tags": [
+            {"Key": FLEET_TAG, "Value": spec.name},
+            {"Key": SERVER_TAG, "Value": spec.server},
+            {"Key": "Name", "Value": f"crowdtrain-{spec.name}"},
+        ],
+    }
 
 
 def launch_template_data(spec: FleetSpec, user_data_b64: str) -> dict:
     """EC2 launch template data: what every instance of the fleet looks like. Instance tags live
     here because EC2 Fleets of type `maintain` cannot tag instances themselves."""
-    data: dict = {"ImageId": spec.image_id, "UserData": user_data_b64,
-                  "TagSpecifications": [_tags(spec, "instance"), _tags(spec, "volume")]}
+    data: dict = {
+        "ImageId": spec.image_id,
+        "UserData": user_data_b64,
+        "TagSpecifications": [_tags(spec, "instance"), _tags(spec, "volume")],
+    }
     if spec.key_name:
         data["KeyName"] = spec.key_name
     if spec.security_group_ids:
@@ -257,7 +285,8 @@ def fleet_request(spec: FleetSpec, template_id: str) -> dict:
     (instance type, subnet). `maintain` makes EC2 replace preempted instances by itself."""
     overrides = []
     for instance_type in spec.instance_types:
-        for subnet in spec.subnet_ids or [None]:
+        subnets: list[str | None] = [*spec.subnet_ids] or [None]  # None: an override without SubnetId
+        for subnet in subnets:
             override: dict = {"InstanceType": instance_type}
             if subnet:
                 override["SubnetId"] = subnet
@@ -266,13 +295,19 @@ def fleet_request(spec: FleetSpec, template_id: str) -> dict:
             overrides.append(override)
     return {
         "Type": "maintain",
-        "SpotOptions": {"AllocationStrategy": spec.allocation_strategy,
-                        "InstanceInterruptionBehavior": "terminate"},
-        "TargetCapacitySpecification": {"TotalTargetCapacity": spec.count, "SpotTargetCapacity": spec.count,
-                                        "OnDemandTargetCapacity": 0, "DefaultTargetCapacityType": "spot"},
-        "LaunchTemplateConfigs": [{"LaunchTemplateSpecification": {"LaunchTemplateId": template_id,
-                                                                   "Version": "$Latest"},
-                                   "Overrides": overrides}],
+        "SpotOptions": {"AllocationStrategy": spec.allocation_strategy, "InstanceInterruptionBehavior": "terminate"},
+        "TargetCapacitySpecification": {
+            "TotalTargetCapacity": spec.count,
+            "SpotTargetCapacity": spec.count,
+            "OnDemandTargetCapacity": 0,
+            "DefaultTargetCapacityType": "spot",
+        },
+        "LaunchTemplateConfigs": [
+            {
+                "LaunchTemplateSpecification": {"LaunchTemplateId": template_id, "Version": "$Latest"},
+                "Overrides": overrides,
+            }
+        ],
         "ReplaceUnhealthyInstances": False,
         "TagSpecifications": [_tags(spec, "fleet")],
     }

@@ -1,6 +1,7 @@
 """Start crowdtrain's processes locally: a private Redis, the scheduler, the transitioner, the
 parameter servers and clients. Used by `crowdtrain demo` and by the integration tests."""
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -52,8 +53,14 @@ class Service:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         # Own process group, so that stopping a service also stops its children (uvicorn, Celery pool).
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         return self
 
@@ -62,11 +69,9 @@ class Service:
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive:
-            try:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:
@@ -90,8 +95,20 @@ def start_redis(directory: Path, port: int, appendonly: bool = False) -> Service
     so that a restart after kill -9 loses nothing."""
     directory.mkdir(parents=True, exist_ok=True)
     durability = ["--appendonly", "yes", "--appendfsync", "always"] if appendonly else ["--appendonly", "no"]
-    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *durability,
-            "--dir", str(directory), "--daemonize", "no"]
+    argv = [
+        redis_server_binary(),
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        *durability,
+        "--dir",
+        str(directory),
+        "--daemonize",
+        "no",
+    ]
     svc = Service("redis", argv, dict(os.environ), directory / "redis.log").start()
     wait_for(lambda: _redis_ping(port), 15, "redis-server did not answer", svc)
     return svc
@@ -163,16 +180,18 @@ class Cluster:
     @property
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "CROWDTRAIN_VAR_DIR": str(self.var_dir),
-            "CROWDTRAIN_DATABASE_URL": self.database_url,
-            "CROWDTRAIN_REDIS_URL": self.redis_url,
-            "CROWDTRAIN_STORAGE_URL": self.storage_url,
-            "CROWDTRAIN_ADMIN_TOKEN": self.admin_token,
-            "CROWDTRAIN_JOIN_TOKEN": self.join_token,
-            "CROWDTRAIN_PUBLIC_URL": self.url,
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "CROWDTRAIN_VAR_DIR": str(self.var_dir),
+                "CROWDTRAIN_DATABASE_URL": self.database_url,
+                "CROWDTRAIN_REDIS_URL": self.redis_url,
+                "CROWDTRAIN_STORAGE_URL": self.storage_url,
+                "CROWDTRAIN_ADMIN_TOKEN": self.admin_token,
+                "CROWDTRAIN_JOIN_TOKEN": self.join_token,
+                "CROWDTRAIN_PUBLIC_URL": self.url,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -217,18 +236,40 @@ class Cluster:
         config = self.var_dir / "clients" / f"{name}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.touch()
-        svc = Service(name, crowdtrain_argv("client", "--server", self.url, "--tasks", str(tasks), "--cache",
-                                            str(cache), "--name", name, "--threads", "1", "--config", str(config),
-                                            *extra),
-                      self.client_env, self.var_dir / "logs" / f"{name}.log").start()
+        svc = Service(
+            name,
+            crowdtrain_argv(
+                "client",
+                "--server",
+                self.url,
+                "--tasks",
+                str(tasks),
+                "--cache",
+                str(cache),
+                "--name",
+                name,
+                "--threads",
+                "1",
+                "--config",
+                str(config),
+                *extra,
+            ),
+            self.client_env,
+            self.var_dir / "logs" / f"{name}.log",
+        ).start()
         self.clients.append(svc)
         return svc
 
     def start_peer(self, name: str, job_id: int, *extra: str) -> Service:
         """A DeDLOC peer process (`crowdtrain peer`) for `job_id`."""
-        svc = Service(name, crowdtrain_argv("peer", "--server", self.url, "--job", str(job_id), "--name", name,
-                                            "--threads", "1", *extra),
-                      self.client_env, self.var_dir / "logs" / f"{name}.log").start()
+        svc = Service(
+            name,
+            crowdtrain_argv(
+                "peer", "--server", self.url, "--job", str(job_id), "--name", name, "--threads", "1", *extra
+            ),
+            self.client_env,
+            self.var_dir / "logs" / f"{name}.log",
+        ).start()
         self.clients.append(svc)
         return svc
 

@@ -8,7 +8,8 @@ clock, and merges with the very rule and policy code the parameter servers run
   `_release_next_epoch`: early release once the current epoch has nothing left to dispatch);
 - merge: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm bound, then the rule;
   a refusal is charged to the workunit; metrics every `eval_every` merges; snapshots);
-- time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed at max_errors);
+- time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed
+  at max_errors);
 - close an epoch: crowdtrain.server.ledger.epochs.close_epoch_if_complete (the stop rule) and
   crowdtrain.workgen.generator.next_epoch_releasable.
 
@@ -24,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crowdtrain.server.ledger.paramstore import NORMS_KEPT
 from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
 from crowdtrain.assimilator.rules import make_rule, make_update
 from crowdtrain.core.tensors import Params
+from crowdtrain.server.ledger.paramstore import NORMS_KEPT
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
 RUNNING, SUCCEEDED = "running", "succeeded"
@@ -170,11 +171,21 @@ class SimJob:
         """Validate and merge an uploaded result; the refusal, or None when it was merged."""
         if not self.running or a.status != IN_PROGRESS:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
+        assert a.client is not None  # set when its training ended, before it arrived
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
         norm = params_norm(update.delta)
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
-        refusal = apply_with_policy(self.policy, self.rule, self.params, self.state, update, self.version, norm,
-                                    list(self.recent_norms), base_norm)
+        refusal = apply_with_policy(
+            self.policy,
+            self.rule,
+            self.params,
+            self.state,
+            update,
+            self.version,
+            norm,
+            list(self.recent_norms),
+            base_norm,
+        )
         if refusal:
             self.refusals["stale" if refusal.startswith("stale") else "update norm"] += 1
             self._end_assignment(a, "rejected", now)
@@ -195,8 +206,10 @@ class SimJob:
 
     def _publish_snapshot_if_due(self, now: float) -> None:
         sched = self.spec["scheduling"]
-        if (self.version - self.snapshot_version >= sched["snapshot_every_merges"]
-                or now - self.snapshot_at >= sched["snapshot_every_seconds"]):
+        if (
+            self.version - self.snapshot_version >= sched["snapshot_every_merges"]
+            or now - self.snapshot_at >= sched["snapshot_every_seconds"]
+        ):
             self.snapshot_version, self.snapshot, self.snapshot_at = self.version, _copy(self.params), now
             self._snapshot_norm = params_norm(self.snapshot)
 
@@ -234,11 +247,15 @@ class SimJob:
         stop = self.spec["stop"]
         shown = "n/a" if figure is None else f"{figure:.4f}"
         if figure is not None and figure >= stop["target_accuracy"]:
-            self._finish(SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= "
-                                    f"{stop['target_accuracy']}")
+            self._finish(
+                SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}"
+            )
         elif epoch >= stop["max_epochs"]:
-            self._finish("failed", f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
-                                   f"< target {stop['target_accuracy']}")
+            self._finish(
+                "failed",
+                f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
+                f"< target {stop['target_accuracy']}",
+            )
         elif epoch == self.current_epoch or (not self.ready and self._next_epoch_releasable()):
             self._release_epoch(self.current_epoch + 1)
 

@@ -27,13 +27,20 @@ class SimulationStats:
 
     def summary(self) -> dict:
         lat = np.array(self.work_latencies or [0.0]) * 1000
-        return {"hosts": self.hosts, "seconds": round(self.seconds, 1), "requests": self.requests,
-                "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
-                "work_requests": len(self.work_latencies),
-                "work_p50_ms": round(float(np.percentile(lat, 50)), 1),
-                "work_p95_ms": round(float(np.percentile(lat, 95)), 1),
-                "dispatched": self.dispatched, "uploads": self.uploads, "refused": self.refused,
-                "server_errors": self.server_errors, "transport_errors": self.transport_errors}
+        return {
+            "hosts": self.hosts,
+            "seconds": round(self.seconds, 1),
+            "requests": self.requests,
+            "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
+            "work_requests": len(self.work_latencies),
+            "work_p50_ms": round(float(np.percentile(lat, 50)), 1),
+            "work_p95_ms": round(float(np.percentile(lat, 95)), 1),
+            "dispatched": self.dispatched,
+            "uploads": self.uploads,
+            "refused": self.refused,
+            "server_errors": self.server_errors,
+            "transport_errors": self.transport_errors,
+        }
 
 
 class _Simulation:
@@ -84,8 +91,9 @@ class _Simulation:
                 for a in reply["assignments"]:
                     self.stats.dispatched += 1
                     body = await self.snapshot(http, a["snapshot"], auth)
-                    up = await self.request(http, "PUT", f"/v1/assignments/{a['assignment_id']}/result",
-                                            content=body, headers=auth)
+                    up = await self.request(
+                        http, "PUT", f"/v1/assignments/{a['assignment_id']}/result", content=body, headers=auth
+                    )
                     if up.status_code == 202:
                         self.stats.uploads += 1
                     elif up.status_code >= 500:
@@ -115,7 +123,8 @@ class _Simulation:
         return self.stats
 
 
-def simulate(server: str, join_token: str, hosts: int, duration: float, until_idle: float | None = None,
-             connections: int = 100) -> SimulationStats:
+def simulate(
+    server: str, join_token: str, hosts: int, duration: float, until_idle: float | None = None, connections: int = 100
+) -> SimulationStats:
     """Run `hosts` simulated hosts for `duration` seconds (or until no work was handed out for `until_idle`)."""
     return asyncio.run(_Simulation(server, join_token, hosts, duration, until_idle).run(connections))

@@ -47,6 +47,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,11 +58,11 @@ from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.client.trainers import examples_in, local_steps
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core.jobspec import VC_ASGD, JobSpec
-from crowdtrain.sim.job import IN_PROGRESS, Assignment, Metric, SimJob
 from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import decode_result, encode_result, upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fraction
+from crowdtrain.sim.job import IN_PROGRESS, Assignment, Metric, SimJob
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 
 ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
@@ -98,8 +99,14 @@ class Fleet:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.p < 1:
             raise ValueError(f"p (preemption probability) must lie in [0, 1), got {self.p}")
-        for name in ("timeout", "network_seconds", "speed_sigma", "example_seconds", "workunit_seconds",
-                     "restart_seconds"):
+        for name in (
+            "timeout",
+            "network_seconds",
+            "speed_sigma",
+            "example_seconds",
+            "workunit_seconds",
+            "restart_seconds",
+        ):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and np.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -133,8 +140,9 @@ class ShardDeals:
     def of(self, deal: int) -> list[np.ndarray]:
         if deal not in self._deals:
             line = np.concatenate(self._deals[0])
-            self._deals[deal] = [line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed,
-                                                              deal)]
+            self._deals[deal] = [
+                line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed, deal)
+            ]
         return self._deals[deal]
 
 
@@ -175,7 +183,7 @@ class SimResult:
     def staleness_by_host(self) -> dict[int, float]:
         """Each host's mean staleness over its merged results."""
         per: dict[int, list[int]] = {}
-        for host, s in zip(self.merged_hosts, self.staleness):
+        for host, s in zip(self.merged_hosts, self.staleness, strict=True):
             per.setdefault(host, []).append(s)
         return {h: statistics.fmean(v) for h, v in sorted(per.items())}
 
@@ -191,37 +199,77 @@ class SimResult:
         if not self.staleness:
             return {"mean": None, "p50": None, "p90": None, "max": None}
         s = np.asarray(self.staleness)
-        return {"mean": round(float(s.mean()), 2), "p50": float(np.percentile(s, 50)),
-                "p90": float(np.percentile(s, 90)), "max": int(s.max())}
+        return {
+            "mean": round(float(s.mean()), 2),
+            "p50": float(np.percentile(s, 50)),
+            "p90": float(np.percentile(s, 90)),
+            "max": int(s.max()),
+        }
 
     def summary(self, curve_points: int = 20) -> dict:
         """JSON-able figures; the accuracy curve thinned to about `curve_points` points."""
         step = max(1, len(self.metrics) // max(curve_points, 1))
-        curve = self.metrics[step - 1::step]
+        curve = self.metrics[step - 1 :: step]
         if self.metrics and (not curve or curve[-1] is not self.metrics[-1]):
             curve.append(self.metrics[-1])
-        return {"name": self.name, "rule": self.rule, **asdict(self.fleet), "seed": self.seed,
-                "compute": self.compute, "outcome": self.outcome, "message": self.message, "epochs": self.epochs,
-                "merges": self.merges, "dispatched": self.dispatched, "preemptions": self.preemptions,
-                "timeouts": self.timeouts, "late_results": self.late_results, "refusals": self.refusals,
-                "failed_workunits": self.failed_workunits, "examples": self.examples, "uploads": self.uploads,
-                "upload": self.upload, "upload_bytes": self.upload_bytes,
-                "bytes_uploaded_per_merge": round(self.bytes_uploaded / self.merges) if self.merges else None,
-                "mean_local_fraction": round(statistics.fmean(d.local_fraction for d in self.trace), 4)
-                if self.trace else None,
-                "sim_seconds": round(self.sim_seconds, 3), "real_seconds": round(self.real_seconds, 2),
-                "final_accuracy": self.final_accuracy, "best_accuracy": self.best_accuracy,
-                "staleness": self.staleness_summary(),
-                "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items() if f is not None},
-                "curve": [{"merges": m.version, "examples": m.examples, "sim_seconds": round(m.time, 3),
-                           "accuracy": round(m.accuracy, 4)} for m in curve]}
+        return {
+            "name": self.name,
+            "rule": self.rule,
+            **asdict(self.fleet),
+            "seed": self.seed,
+            "compute": self.compute,
+            "outcome": self.outcome,
+            "message": self.message,
+            "epochs": self.epochs,
+            "merges": self.merges,
+            "dispatched": self.dispatched,
+            "preemptions": self.preemptions,
+            "timeouts": self.timeouts,
+            "late_results": self.late_results,
+            "refusals": self.refusals,
+            "failed_workunits": self.failed_workunits,
+            "examples": self.examples,
+            "uploads": self.uploads,
+            "upload": self.upload,
+            "upload_bytes": self.upload_bytes,
+            "bytes_uploaded_per_merge": round(self.bytes_uploaded / self.merges) if self.merges else None,
+            "mean_local_fraction": round(statistics.fmean(d.local_fraction for d in self.trace), 4)
+            if self.trace
+            else None,
+            "sim_seconds": round(self.sim_seconds, 3),
+            "real_seconds": round(self.real_seconds, 2),
+            "final_accuracy": self.final_accuracy,
+            "best_accuracy": self.best_accuracy,
+            "staleness": self.staleness_summary(),
+            "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items() if f is not None},
+            "curve": [
+                {
+                    "merges": m.version,
+                    "examples": m.examples,
+                    "sim_seconds": round(m.time, 3),
+                    "accuracy": round(m.accuracy, 4),
+                }
+                for m in curve
+            ],
+        }
 
 
-def simulate_training(spec: JobSpec | dict, hosts: int = 8, slots: int = 1, p: float = 0.0,
-                      timeout: float | None = None, network_seconds: float = 0.0, seed: int = 0, *,
-                      speed_sigma: float = 0.5, example_seconds: float = 1e-3,
-                      workunit_seconds: float | None = None, restart_seconds: float | None = None,
-                      compute: bool = True, data: Dataset | None = None) -> SimResult:
+def simulate_training(
+    spec: JobSpec | dict,
+    hosts: int = 8,
+    slots: int = 1,
+    p: float = 0.0,
+    timeout: float | None = None,
+    network_seconds: float = 0.0,
+    seed: int = 0,
+    *,
+    speed_sigma: float = 0.5,
+    example_seconds: float = 1e-3,
+    workunit_seconds: float | None = None,
+    restart_seconds: float | None = None,
+    compute: bool = True,
+    data: Dataset | None = None,
+) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
     `spec` is a JobSpec or its dict (validated here; ValueError names a bad field). `seed` draws the
@@ -237,10 +285,14 @@ def simulate_training(spec: JobSpec | dict, hosts: int = 8, slots: int = 1, p: f
     if spec.model.name == "keras":
         raise ValueError("model.name: the simulator trains zoo models with PyTorch, not Keras JSON models")
     timeout = spec.scheduling.deadline_seconds if timeout is None else timeout
-    fleet = Fleet(hosts, slots, p, timeout, network_seconds, speed_sigma, example_seconds, workunit_seconds,
-                  restart_seconds)
-    data = data if data is not None else load_dataset(spec.dataset.source, spec.dataset.validation_fraction,
-                                                      spec.dataset.classes)
+    fleet = Fleet(
+        hosts, slots, p, timeout, network_seconds, speed_sigma, example_seconds, workunit_seconds, restart_seconds
+    )
+    data = (
+        data
+        if data is not None
+        else load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -256,10 +308,16 @@ class _Simulation:
     def __init__(self, spec: dict, fleet: Fleet, data: Dataset, rng: np.random.Generator, compute: bool) -> None:
         self.spec, self.fleet, self.data, self.rng, self.compute = spec, fleet, data, rng, compute
         m = spec["model"]
-        self.model_config = {"name": m["name"], "framework": "pytorch", "input_shape": data.input_shape,
-                             "num_classes": data.num_classes, "options": m["options"]}
-        params = state_to_numpy(build_model(m["name"], data.input_shape, data.num_classes, seed=spec["seed"],
-                                            **m["options"]))
+        self.model_config = {
+            "name": m["name"],
+            "framework": "pytorch",
+            "input_shape": data.input_shape,
+            "num_classes": data.num_classes,
+            "options": m["options"],
+        }
+        params = state_to_numpy(
+            build_model(m["name"], data.input_shape, data.num_classes, seed=spec["seed"], **m["options"])
+        )
         self.deals = ShardDeals(data.y, spec["dataset"], spec["seed"])
         self.job = SimJob(spec, params, spec["dataset"]["subsets"], self._evaluate if compute else None)
         self.job_id = next(_sim_ids)
@@ -270,7 +328,7 @@ class _Simulation:
         speeds = rng.lognormal(0.0, fleet.speed_sigma, fleet.hosts)
         self.speeds = speeds / speeds.mean()
         self.caches: list[set[tuple[int, int]]] = [set() for _ in range(fleet.hosts)]
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, str, Any]] = []  # payload: the Assignment, or the idle slot's host
         self.seq = itertools.count()
         self.idle: deque[int] = deque()  # one entry per idle slot: its host
         self.now = 0.0
@@ -313,8 +371,9 @@ class _Simulation:
         self._at(a.deadline, DEADLINE, a)
         preempted = bool(self.fleet.p) and self.rng.random() < self.fleet.p
         a.local_fraction = self._local_fraction(a.host)
-        self.trace.append(Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted,
-                                   a.local_fraction))
+        self.trace.append(
+            Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted, a.local_fraction)
+        )
         if preempted:
             self._at(self.now + self.restart, BACK, a.host)
             return
@@ -323,8 +382,11 @@ class _Simulation:
         transfers = 2 + (key not in self.caches[a.host])
         self.caches[a.host].add(key)
         t = self.spec["training"]
-        work = (self.fleet.workunit_seconds if self.fleet.workunit_seconds is not None
-                else self.fleet.example_seconds * size * t["local_epochs"])
+        work = (
+            self.fleet.workunit_seconds
+            if self.fleet.workunit_seconds is not None
+            else self.fleet.example_seconds * size * t["local_epochs"]
+        )
         a.train_seconds = work * a.local_fraction / self.speeds[a.host]
         if self.compute:
             self._train(a, self.deals.of(key[0])[key[1]])
@@ -345,15 +407,13 @@ class _Simulation:
     def _train(self, a: Assignment, examples: np.ndarray) -> None:
         """Train as the client does, and set W_c to what the server decodes from its upload."""
         recipe = {"model": self.model_config, "training": self.spec["training"], "seed": self.spec["seed"] + a.id}
-        result = train(recipe, a.base, self.data.x[examples], self.data.y[examples],
-                       local_fraction=a.local_fraction)
+        result = train(recipe, a.base, self.data.x[examples], self.data.y[examples], local_fraction=a.local_fraction)
         blob = encode_result(result.params, a.base, self.upload)
         a.client = decode_result(blob, self.manifest, self.upload, a.base)
         a.examples, a.upload_bytes = result.examples, len(blob)
 
     def _evaluate(self, params: Params) -> tuple[float, float]:
-        return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val,
-                        framework="pytorch")
+        return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val, framework="pytorch")
 
     def _arrive(self, a: Assignment) -> None:
         self.uploads += 1
@@ -368,26 +428,66 @@ class _Simulation:
 
     def result(self, seed: int, real_seconds: float) -> SimResult:
         job = self.job
-        return SimResult(self.spec["name"], self.spec["assimilation"]["rule"], self.fleet, seed, self.compute,
-                         job.status, job.message, job.current_epoch, job.version, len(self.trace),
-                         sum(d.preempted for d in self.trace), job.timeouts, self.late, dict(job.refusals),
-                         job.failed_workunits, job.examples, self.uploads, upload_label(self.upload),
-                         round(self.bytes_uploaded / self.uploads) if self.uploads else self.upload_size,
-                         self.bytes_uploaded, float(self.now), real_seconds, job.final_accuracy, job.staleness,
-                         job.metrics, job.epoch_figures, self.trace, job.merged_hosts,
-                         self.speeds.tolist())
+        return SimResult(
+            self.spec["name"],
+            self.spec["assimilation"]["rule"],
+            self.fleet,
+            seed,
+            self.compute,
+            job.status,
+            job.message,
+            job.current_epoch,
+            job.version,
+            len(self.trace),
+            sum(d.preempted for d in self.trace),
+            job.timeouts,
+            self.late,
+            dict(job.refusals),
+            job.failed_workunits,
+            job.examples,
+            self.uploads,
+            upload_label(self.upload),
+            round(self.bytes_uploaded / self.uploads) if self.uploads else self.upload_size,
+            self.bytes_uploaded,
+            float(self.now),
+            real_seconds,
+            job.final_accuracy,
+            job.staleness,
+            job.metrics,
+            job.epoch_figures,
+            self.trace,
+            job.merged_hosts,
+            self.speeds.tolist(),
+        )
 
 
 def print_table(result: SimResult) -> None:
     """The run's main figures as a rich table on the terminal."""
     s = result.summary()
-    table = Table(title=f"{result.name}: {result.fleet.hosts} hosts x {result.fleet.slots} slots, "
-                        f"rule {result.rule}, p={result.fleet.p}")
+    table = Table(
+        title=f"{result.name}: {result.fleet.hosts} hosts x {result.fleet.slots} slots, "
+        f"rule {result.rule}, p={result.fleet.p}"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key in ("outcome", "epochs", "merges", "examples", "sim_seconds", "real_seconds", "final_accuracy",
-                "best_accuracy", "dispatched", "preemptions", "timeouts", "late_results", "failed_workunits",
-                "upload", "upload_bytes", "mean_local_fraction"):
+    for key in (
+        "outcome",
+        "epochs",
+        "merges",
+        "examples",
+        "sim_seconds",
+        "real_seconds",
+        "final_accuracy",
+        "best_accuracy",
+        "dispatched",
+        "preemptions",
+        "timeouts",
+        "late_results",
+        "failed_workunits",
+        "upload",
+        "upload_bytes",
+        "mean_local_fraction",
+    ):
         table.add_row(key, str(s[key]))
     table.add_row("refusals", ", ".join(f"{k}: {v}" for k, v in s["refusals"].items()) or "0")
     table.add_row("staleness", " ".join(f"{k} {v}" for k, v in s["staleness"].items()))

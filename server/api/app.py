@@ -10,7 +10,6 @@ from fastapi import FastAPI
 from crowdtrain.core import logs
 from crowdtrain.core.schemas import Health
 from crowdtrain.core.settings import Settings, check_secrets, get_settings
-
 from crowdtrain.server.api import boundary
 from crowdtrain.server.api.routes import admin, dedloc, files, hosts, jobs, metrics, work
 

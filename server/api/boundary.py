@@ -45,8 +45,13 @@ UPLOAD_RESPONSES: dict[int | str, dict] = {
 
 def octet_stream_body(description: str) -> dict:
     """`openapi_extra` of a route that reads its body itself: a required application/octet-stream body."""
-    return {"requestBody": {"required": True, "description": description, "content": {
-        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    }
 
 
 class BodyTooLarge(HTTPException):
@@ -101,8 +106,11 @@ class UploadSlots:
     async def body(self, request: Request, limit: int) -> AsyncIterator[bytes]:
         """The request body, at most `limit` bytes, held in one of the slots (503 when none is free)."""
         if self.free <= 0:
-            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "too many uploads at once; retry later",
-                                headers={"Retry-After": str(self.retry_after)})
+            raise HTTPException(
+                status.HTTP_503_SERVICE_UNAVAILABLE,
+                "too many uploads at once; retry later",
+                headers={"Retry-After": str(self.retry_after)},
+            )
         self.free -= 1
         try:
             yield await _read_limited(request, limit)
@@ -140,8 +148,9 @@ def describe_validation(errors: list[dict], limit: int = 2000) -> str:
 
 def _error_response(exc: StarletteHTTPException) -> JSONResponse:
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)[:2000]
-    return JSONResponse(ErrorOut(detail=detail).model_dump(), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        ErrorOut(detail=detail).model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+    )
 
 
 async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
@@ -157,8 +166,11 @@ def refusal_response(refusal: Refusal) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if refusal.retry_after is not None:
         headers["Retry-After"] = str(refusal.retry_after)
-    return JSONResponse(ErrorOut(detail=refusal.message[:2000]).model_dump(), status_code=REFUSAL_STATUS[refusal.kind],
-                        headers=headers or None)
+    return JSONResponse(
+        ErrorOut(detail=refusal.message[:2000]).model_dump(),
+        status_code=REFUSAL_STATUS[refusal.kind],
+        headers=headers or None,
+    )
 
 
 async def _on_refusal(_: Request, exc: Exception) -> JSONResponse:
@@ -168,8 +180,10 @@ async def _on_refusal(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(ErrorOut(detail=describe_validation(list(exc.errors()))).model_dump(),
-                        status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+    return JSONResponse(
+        ErrorOut(detail=describe_validation(list(exc.errors()))).model_dump(),
+        status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+    )
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:

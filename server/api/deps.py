@@ -16,9 +16,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.refusals import RefusalKind
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.settings import Settings, get_settings
 from crowdtrain.core.storage import Storage, open_storage
+from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
 from crowdtrain.server.services.throttle import FailureBudget

@@ -10,17 +10,7 @@ from collections.abc import Callable
 from datetime import datetime
 
 import redis
-from crowdtrain.server.ledger import states
-from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
-from crowdtrain.server.ledger.models import (
-    Assignment,
-    Host,
-    Job,
-    Shard,
-    Workunit,
-    utcnow,
-)
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
@@ -32,6 +22,16 @@ from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_of
+from crowdtrain.server.ledger import states
+from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
+from crowdtrain.server.ledger.models import (
+    Assignment,
+    Host,
+    Job,
+    Shard,
+    Workunit,
+    utcnow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class ResultRefused(ResultProblem):
 
 def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict, UploadSpec]:
     """(job id, parameter manifest, upload encoding) a result must match, checked before the body is
-    read: the assignment exists, is the caller's and is in progress (else ResultProblem not_found/conflict). Read only."""
+    read: the assignment exists, is the caller's and is in progress (else ResultProblem not_found/conflict).
+    Read only."""
     with db.begin() as s:
         a = s.get(Assignment, assignment_id)
         if a is None or a.host_id != host_id:
@@ -76,8 +77,10 @@ def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -
 
 def _check_in_progress(a: Assignment) -> None:
     if a.status != AssignmentStatus.in_progress.value:
-        raise ResultProblem(RefusalKind.conflict, f"assignment {a.id} is {a.status}; a result can be uploaded once, "
-                                 "while the assignment is in progress")
+        raise ResultProblem(
+            RefusalKind.conflict,
+            f"assignment {a.id} is {a.status}; a result can be uploaded once, while the assignment is in progress",
+        )
 
 
 def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> None:
@@ -90,8 +93,15 @@ def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None =
         raise ResultRefused(f"result rejected: {exc}") from exc
 
 
-def refuse_result(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, assignment_id: int,
-                  reason: str, evaluate: Evaluate) -> None:
+def refuse_result(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    host_id: int,
+    assignment_id: int,
+    reason: str,
+    evaluate: Evaluate,
+) -> None:
     """End the assignment `rejected` (charged to the host) for an unacceptable upload; its workunit is
     ready again at once, or failed after `max_errors`, and then its epoch is closed if complete
     (`evaluate` scores the final model if that ends the job). Nothing happens if the assignment is
@@ -109,8 +119,16 @@ def _failed(wu: Workunit) -> list[tuple[int, int]]:
     return [(wu.job_id, wu.epoch)] if wu.status == WorkunitStatus.failed.value else []
 
 
-def store_result(db: sessionmaker[Session], storage: Storage, host_id: int, job_id: int, assignment_id: int,
-                 body: bytes, metrics: ResultMetrics, enqueue: Callable[[int, float], None]) -> str:
+def store_result(
+    db: sessionmaker[Session],
+    storage: Storage,
+    host_id: int,
+    job_id: int,
+    assignment_id: int,
+    body: bytes,
+    metrics: ResultMetrics,
+    enqueue: Callable[[int, float], None],
+) -> AssignmentStatus:
     """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
 
     The body is written to storage under a key of its own before the (short) transaction, so the
@@ -131,12 +149,17 @@ def store_result(db: sessionmaker[Session], storage: Storage, host_id: int, job_
     except BaseException:
         storage.delete(key)
         raise
-    log.info("assignment %s: result uploaded (%d bytes, loss %s), merge queued", assignment_id, len(body),
-             metrics.train_loss, extra=ids(assignment_id=assignment_id, host_id=host_id))
+    log.info(
+        "assignment %s: result uploaded (%d bytes, loss %s), merge queued",
+        assignment_id,
+        len(body),
+        metrics.train_loss,
+        extra=ids(assignment_id=assignment_id, host_id=host_id),
+    )
     # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
     # transitioner re-queues merges that stay uploaded too long.
     enqueue(assignment_id, received_at)
-    return AssignmentStatus.uploaded.value
+    return AssignmentStatus.uploaded
 
 
 def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str]:
@@ -154,8 +177,16 @@ def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tu
         return True, ""
 
 
-def give_up(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, assignment_id: int,
-            outcome: AssignmentStatus, message: str, evaluate: Evaluate) -> None:
+def give_up(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    host_id: int,
+    assignment_id: int,
+    outcome: AssignmentStatus,
+    message: str,
+    evaluate: Evaluate,
+) -> None:
     """The host abandons an assignment or reports that it failed (ResultProblem not_found/conflict when it is
     not the host's or no longer in progress); the workunit goes back to ready, or fails after
     `max_errors`, and then its epoch is closed if complete (`evaluate` as in `refuse_result`)."""
@@ -167,36 +198,49 @@ def give_up(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id
     close_epochs_after_failure(db, storage, r, failed, evaluate)
 
 
-def time_out_expired(db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluate: Evaluate,
-                     limit: int = 500) -> int:
+def time_out_expired(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluate: Evaluate, limit: int = 500
+) -> int:
     """End `timed_out` up to `limit` in-progress assignments past their deadline (rows other
     transactions hold are skipped); their workunits retry or fail, and the epochs of those that
     failed are closed if complete. Returns how many timed out."""
     failed: list[tuple[int, int]] = []
     with db.begin() as s:
-        expired = s.scalars(select(Assignment).where(
-            Assignment.status == AssignmentStatus.in_progress.value, Assignment.deadline < utcnow())
-            .order_by(Assignment.deadline).limit(limit).with_for_update(skip_locked=True)).all()
+        expired = s.scalars(
+            select(Assignment)
+            .where(Assignment.status == AssignmentStatus.in_progress.value, Assignment.deadline < utcnow())
+            .order_by(Assignment.deadline)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
         for a in expired:
             wu = end_assignment(s, a, AssignmentStatus.timed_out, f"no result by the deadline {a.deadline}")
-            log.warning("assignment %s (host %s): timed out; workunit %s is now %s", a.id, a.host_id, wu.id,
-                        wu.status, extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id,
-                                             assignment_id=a.id, host_id=a.host_id))
+            log.warning(
+                "assignment %s (host %s): timed out; workunit %s is now %s",
+                a.id,
+                a.host_id,
+                wu.id,
+                wu.status,
+                extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id, host_id=a.host_id),
+            )
             failed += _failed(wu)
     close_epochs_after_failure(db, storage, r, failed, evaluate)
     return len(expired)
 
 
-def revoke_host(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int,
-                evaluate: Evaluate) -> HostPublic:
+def revoke_host(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, evaluate: Evaluate
+) -> HostPublic:
     """Refuse the host from now on and give its running assignments back to the pool at once (ended
     `abandoned`); the epochs of workunits that failed for good are then closed if complete.
     NotFound if there is no such host."""
     with db.begin() as s:
         # Lock order assignment -> host (see above).
-        running = s.scalars(select(Assignment).where(Assignment.host_id == host_id,
-                                                     Assignment.status == AssignmentStatus.in_progress.value)
-                            .with_for_update()).all()
+        running = s.scalars(
+            select(Assignment)
+            .where(Assignment.host_id == host_id, Assignment.status == AssignmentStatus.in_progress.value)
+            .with_for_update()
+        ).all()
         host = s.get(Host, host_id, with_for_update=True)
         if host is None:
             raise NotFound(f"host {host_id} does not exist")
@@ -210,8 +254,9 @@ def revoke_host(db: sessionmaker[Session], storage: Storage, r: redis.Redis, hos
     return public
 
 
-def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message: str,
-                   charge: bool | None = None) -> Workunit:
+def end_assignment(
+    s: Session, a: Assignment, outcome: AssignmentStatus, message: str, charge: bool | None = None
+) -> Workunit:
     """Close a failed/abandoned/timed-out/rejected assignment and return its workunit to the pool.
 
     The workunit becomes ready again, or failed after `max_errors` charged failures (`charge`
@@ -230,9 +275,15 @@ def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message
         host.results_failed += 1
         host.consecutive_valid = 0
     # A duplicate of this workunit may still be running elsewhere: then it stays in progress.
-    others = s.query(Assignment).filter(Assignment.workunit_id == wu.id, Assignment.id != a.id,
-                                        Assignment.status.in_([AssignmentStatus.in_progress.value,
-                                                               AssignmentStatus.uploaded.value])).count()
+    others = (
+        s.query(Assignment)
+        .filter(
+            Assignment.workunit_id == wu.id,
+            Assignment.id != a.id,
+            Assignment.status.in_([AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value]),
+        )
+        .count()
+    )
     if charge:
         wu.error_count += 1
     if others:
@@ -241,12 +292,23 @@ def end_assignment(s: Session, a: Assignment, outcome: AssignmentStatus, message
     if wu.error_count >= job.spec["scheduling"]["max_errors"]:
         states.move(wu, WorkunitStatus.failed)
         wu.finished_at = utcnow()
-        log.warning("workunit %s (job %s epoch %d): failed after %d errors; the epoch goes on without it",
-                    wu.id, wu.job_id, wu.epoch, wu.error_count)
+        log.warning(
+            "workunit %s (job %s epoch %d): failed after %d errors; the epoch goes on without it",
+            wu.id,
+            wu.job_id,
+            wu.epoch,
+            wu.error_count,
+        )
     else:
         states.move(wu, WorkunitStatus.ready)
-        log.info("workunit %s: ready again after assignment %s %s (%s)", wu.id, a.id, outcome.value, message,
-                 extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id))
+        log.info(
+            "workunit %s: ready again after assignment %s %s (%s)",
+            wu.id,
+            a.id,
+            outcome.value,
+            message,
+            extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id),
+        )
     return wu
 
 
@@ -263,18 +325,21 @@ def claim_workunits(s: Session, job: Job, host: Host, limit: int, cached: list[s
     preferences at once would sort every ready workunit of the job on each request.
     """
     reliable = host.consecutive_valid >= RELIABLE_AFTER
-    filters = []
+    filters: list[ColumnElement[bool] | None] = []  # None: no extra filter
     if cached:
-        filters.append(Workunit.shard_id.in_(select(Shard.id).where(Shard.job_id == job.id,
-                                                                    Shard.sha256.in_(cached))))
+        filters.append(Workunit.shard_id.in_(select(Shard.id).where(Shard.job_id == job.id, Shard.sha256.in_(cached))))
     filters += [Workunit.error_count > 0 if reliable else Workunit.error_count == 0, None]
     claimed: list[Workunit] = []
     for extra in filters:
         if len(claimed) >= limit:
             break
-        query = (select(Workunit).where(Workunit.job_id == job.id, Workunit.status == WorkunitStatus.ready.value)
-                 .order_by(Workunit.epoch, Workunit.id).limit(limit - len(claimed))
-                 .with_for_update(skip_locked=True))
+        query = (
+            select(Workunit)
+            .where(Workunit.job_id == job.id, Workunit.status == WorkunitStatus.ready.value)
+            .order_by(Workunit.epoch, Workunit.id)
+            .limit(limit - len(claimed))
+            .with_for_update(skip_locked=True)
+        )
         if extra is not None:
             query = query.where(extra)
         if claimed:
@@ -289,13 +354,21 @@ def claim_workunits(s: Session, job: Job, host: Host, limit: int, cached: list[s
     return [(wu, shards[wu.shard_id]) for wu in claimed]
 
 
-def open_assignment(s: Session, wu: Workunit, job: Job, host: Host, local_fraction: float, sent_at: datetime,
-                    deadline: datetime) -> Assignment:
+def open_assignment(
+    s: Session, wu: Workunit, job: Job, host: Host, local_fraction: float, sent_at: datetime, deadline: datetime
+) -> Assignment:
     """Create the in-progress assignment of a workunit `claim_workunits` gave `host`, starting from
     the job's published snapshot; flushed, so it has its id."""
-    a = Assignment(workunit_id=wu.id, job_id=job.id, host_id=host.id, base_version=job.snapshot_version,
-                   local_fraction=local_fraction, status=AssignmentStatus.in_progress.value, sent_at=sent_at,
-                   deadline=deadline)
+    a = Assignment(
+        workunit_id=wu.id,
+        job_id=job.id,
+        host_id=host.id,
+        base_version=job.snapshot_version,
+        local_fraction=local_fraction,
+        status=AssignmentStatus.in_progress.value,
+        sent_at=sent_at,
+        deadline=deadline,
+    )
     s.add(a)
     s.flush()
     return a

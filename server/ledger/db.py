@@ -14,7 +14,7 @@ def normalize_url(url: str) -> str:
     """`postgresql://` URLs use psycopg 3, the driver the server extra installs."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix):]
+            return "postgresql+psycopg://" + url[len(prefix) :]
     return url
 
 
@@ -43,8 +43,9 @@ def make_engine(url: str) -> Engine:
     # Every scheduler worker, parameter server and transitioner has its own pool: keep the sum
     # under PostgreSQL's max_connections (100 by default).
     settings = get_settings()
-    return create_engine(url, pool_pre_ping=True, pool_size=settings.db_pool_size,
-                         max_overflow=settings.db_max_overflow)
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow
+    )
 
 
 _factories: dict[str, sessionmaker[Session]] = {}

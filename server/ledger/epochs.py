@@ -6,8 +6,6 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import redis
-from crowdtrain.server.ledger import paramstore, states
-from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
 from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -17,6 +15,8 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import Params, decode, decode_shard
+from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
 
 
 def _open_workunits(s: Session, job_id: int, epoch: int) -> int:
-    return s.scalar(select(func.count()).select_from(Workunit).where(
-        Workunit.job_id == job_id, Workunit.epoch == epoch, Workunit.status.in_(_OPEN)))
+    return s.execute(
+        select(func.count())
+        .select_from(Workunit)
+        .where(Workunit.job_id == job_id, Workunit.epoch == epoch, Workunit.status.in_(_OPEN))
+    ).scalar_one()
 
 
 def release_epoch(s: Session, job: Job, epoch: int) -> bool:
@@ -58,16 +61,26 @@ def release_epoch(s: Session, job: Job, epoch: int) -> bool:
         raise ValueError(f"job {job.id} runs in mode {job.mode!r}: only {VC_ASGD} jobs have epochs of workunits")
     if job.current_epoch >= epoch:
         return False
-    shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id, Shard.epoch == 0)
-                          .order_by(Shard.index)).all()
+    shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id, Shard.epoch == 0).order_by(Shard.index)).all()
     if epoch >= 2 and job.spec["dataset"].get("reshuffle_each_epoch"):
-        own = [Shard(job_id=job.id, epoch=epoch, index=i, key=keys.shard_key(job.id, epoch, i), sha256=None, size=0,
-                     examples=0) for i in range(len(shard_ids))]
+        own = [
+            Shard(
+                job_id=job.id,
+                epoch=epoch,
+                index=i,
+                key=keys.shard_key(job.id, epoch, i),
+                sha256=None,
+                size=0,
+                examples=0,
+            )
+            for i in range(len(shard_ids))
+        ]
         s.add_all(own)
         s.flush()
         shard_ids = [sh.id for sh in own]
-    s.add_all(Workunit(job_id=job.id, epoch=epoch, shard_id=sid, status=WorkunitStatus.ready.value)
-              for sid in shard_ids)
+    s.add_all(
+        Workunit(job_id=job.id, epoch=epoch, shard_id=sid, status=WorkunitStatus.ready.value) for sid in shard_ids
+    )
     job.current_epoch = epoch
     log.info("job %s: epoch %d released (%d workunits)", job.id, epoch, len(shard_ids))
     return True
@@ -83,10 +96,24 @@ def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> b
         return False
     if job.status != JobStatus.running.value or job.current_epoch >= job.spec["stop"]["max_epochs"]:
         return False
-    ready = 0 if ignore_ready else s.scalar(select(func.count()).select_from(Workunit).where(
-        Workunit.job_id == job.id, Workunit.epoch == job.current_epoch, Workunit.status == WorkunitStatus.ready.value))
-    older_open = s.scalar(select(func.count()).select_from(Workunit).where(
-        Workunit.job_id == job.id, Workunit.epoch < job.current_epoch, Workunit.status.in_(_OPEN)))
+    ready = (
+        0
+        if ignore_ready
+        else s.scalar(
+            select(func.count())
+            .select_from(Workunit)
+            .where(
+                Workunit.job_id == job.id,
+                Workunit.epoch == job.current_epoch,
+                Workunit.status == WorkunitStatus.ready.value,
+            )
+        )
+    )
+    older_open = s.scalar(
+        select(func.count())
+        .select_from(Workunit)
+        .where(Workunit.job_id == job.id, Workunit.epoch < job.current_epoch, Workunit.status.in_(_OPEN))
+    )
     return ready == 0 and older_open == 0
 
 
@@ -107,9 +134,16 @@ def release_next_epoch_early(s: Session, job: Job) -> bool:
     if job.current_epoch > seen_epoch:
         return True
     # Ready rows locked by other claims in flight are as good as taken; an unlocked one is claimable.
-    unlocked_ready = s.scalar(select(Workunit.id).where(
-        Workunit.job_id == job.id, Workunit.epoch == job.current_epoch,
-        Workunit.status == WorkunitStatus.ready.value).limit(1).with_for_update(skip_locked=True))
+    unlocked_ready = s.scalar(
+        select(Workunit.id)
+        .where(
+            Workunit.job_id == job.id,
+            Workunit.epoch == job.current_epoch,
+            Workunit.status == WorkunitStatus.ready.value,
+        )
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
     if unlocked_ready is not None:
         return True
     if not next_epoch_releasable(s, job, ignore_ready=True):
@@ -119,8 +153,9 @@ def release_next_epoch_early(s: Session, job: Job) -> bool:
     return True
 
 
-def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int,
-                            epoch: int, evaluate: Evaluate) -> None:
+def close_epoch_if_complete(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluate: Evaluate
+) -> None:
     """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
     accuracy reached) or fails (max_epochs reached), its model exported (`evaluate` scores it when
     no metric of that version is recorded); else the next epoch is released. Safe to call repeatedly.
@@ -137,21 +172,42 @@ def close_epoch_if_complete(db: sessionmaker[Session], storage: Storage, r: redi
         stop = job.spec["stop"]
         shown = "n/a" if figure is None else f"{figure:.4f}"
         if figure is not None and figure >= stop["target_accuracy"]:
-            _finish(s, storage, r, job, JobStatus.succeeded, evaluate,
-                    f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}")
+            _finish(
+                s,
+                storage,
+                r,
+                job,
+                JobStatus.succeeded,
+                evaluate,
+                f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}",
+            )
         elif epoch >= stop["max_epochs"]:
-            _finish(s, storage, r, job, JobStatus.failed, evaluate,
-                    f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
-                    f"< target {stop['target_accuracy']}")
+            _finish(
+                s,
+                storage,
+                r,
+                job,
+                JobStatus.failed,
+                evaluate,
+                f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
+                f"< target {stop['target_accuracy']}",
+            )
         else:
-            log.info("job %s: epoch %d closed with accuracy %s (target %s)", job_id, epoch, shown,
-                     stop["target_accuracy"], extra=ids(job_id=job_id, epoch=epoch))
+            log.info(
+                "job %s: epoch %d closed with accuracy %s (target %s)",
+                job_id,
+                epoch,
+                shown,
+                stop["target_accuracy"],
+                extra=ids(job_id=job_id, epoch=epoch),
+            )
             if epoch == job.current_epoch or next_epoch_releasable(s, job):
                 release_epoch(s, job, job.current_epoch + 1)
 
 
-def close_epochs_after_failure(db: sessionmaker[Session], storage: Storage, r: redis.Redis,
-                               failed: Iterable[tuple[int, int]], evaluate: Evaluate) -> None:
+def close_epochs_after_failure(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, failed: Iterable[tuple[int, int]], evaluate: Evaluate
+) -> None:
     """The one way to go on after assignments ended and some workunits failed for good (max_errors):
     close each distinct epoch (job id, epoch) of `failed`, as `close_epoch_if_complete` does, once
     the transaction that ended them has committed. An empty `failed` does nothing."""
@@ -159,8 +215,9 @@ def close_epochs_after_failure(db: sessionmaker[Session], storage: Storage, r: r
         close_epoch_if_complete(db, storage, r, job_id, epoch, evaluate)
 
 
-def fail_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str,
-             evaluate: Evaluate) -> bool:
+def fail_job(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str, evaluate: Evaluate
+) -> bool:
     """End a running job as failed with `message`, its model exported as it stands (scored by
     `evaluate` when no metric of that version is recorded); False if it was no longer running.
     One transaction."""
@@ -172,8 +229,9 @@ def fail_job(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id
         return True
 
 
-def _finish(s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, evaluate: Evaluate,
-            message: str) -> None:
+def _finish(
+    s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, evaluate: Evaluate, message: str
+) -> None:
     """Close the job's merges, export W_s and report the validation accuracy of exactly the version
     exported. If the transaction does not commit, the job still runs and its merges reopen."""
     close_merges(s, r, job.id)
@@ -196,23 +254,29 @@ def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
     return paramstore.close_merges(r, job_id)
 
 
-def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes,
-                 evaluate: Evaluate) -> float | None:
+def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes, evaluate: Evaluate) -> float | None:
     """Validation accuracy of W_s `version` (`blob`): its recorded metric, else evaluated now.
 
     A merge may land after the last recorded metric (or eval_every may skip versions), so the
     newest metric is not necessarily the exported model's. None if it cannot be evaluated.
     """
-    recorded = s.scalar(select(Metric.val_accuracy).where(Metric.job_id == job.id, Metric.param_version == version)
-                        .limit(1))
+    recorded = s.scalar(
+        select(Metric.val_accuracy).where(Metric.job_id == job.id, Metric.param_version == version).limit(1)
+    )
     if recorded is not None:
         return recorded
     try:
         x, y = decode_shard(storage.get(job.validation_key))
         return evaluate(job.id, job.model_config_, decode(blob), x, y)[1]
     except Exception as exc:  # the job ends either way; a missing figure is logged, not fatal
-        log.warning("job %s: the exported W_s v%d could not be evaluated: %s: %s", job.id, version,
-                    type(exc).__name__, exc, extra=ids(job_id=job.id))
+        log.warning(
+            "job %s: the exported W_s v%d could not be evaluated: %s: %s",
+            job.id,
+            version,
+            type(exc).__name__,
+            exc,
+            extra=ids(job_id=job.id),
+        )
         return None
 
 

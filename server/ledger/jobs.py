@@ -5,6 +5,12 @@ ends a VC-ASGD job, are in crowdtrain.server.ledger.epochs."""
 from datetime import datetime
 
 import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.epochs import (
@@ -14,20 +20,22 @@ from crowdtrain.server.ledger.epochs import (
     release_epoch,
 )
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Shard, utcnow
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session, sessionmaker
-
-from crowdtrain.core import keys
-from crowdtrain.core.jobspec import VC_ASGD
-from crowdtrain.core.states import AssignmentStatus, JobStatus
 
 
-def create_job(db: sessionmaker[Session], name: str, mode: str, spec: dict, model_config: dict, manifest: dict,
-               param_bytes: int) -> int:
+def create_job(
+    db: sessionmaker[Session], name: str, mode: str, spec: dict, model_config: dict, manifest: dict, param_bytes: int
+) -> int:
     """Record a new job, pending until `start_job` (or `fail_preparation`); returns its id. One transaction."""
     with db.begin() as s:
-        job = Job(name=name, mode=mode, status=JobStatus.pending.value, spec=spec, model_config_=model_config,
-                  param_manifest=manifest, param_bytes=param_bytes)
+        job = Job(
+            name=name,
+            mode=mode,
+            status=JobStatus.pending.value,
+            spec=spec,
+            model_config_=model_config,
+            param_manifest=manifest,
+            param_bytes=param_bytes,
+        )
         s.add(job)
         s.flush()
         return job.id
@@ -75,14 +83,18 @@ def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> str | 
         return job.status
 
 
-def end_unmerged_uploads(s: Session, job_id: int, message: str, merged: set[int],
-                         uploaded_before: datetime | None = None) -> list[int]:
+def end_unmerged_uploads(
+    s: Session, job_id: int, message: str, merged: set[int], uploaded_before: datetime | None = None
+) -> list[int]:
     """Reject in `s`, without charging anyone, the job's uploaded results (optionally only those
     uploaded before `uploaded_before`) that are not among `merged`, the final set of assignments W_s
     holds (the job's merges are closed). Returns the ids of the uploaded results W_s does hold: their
     merge is to be recorded, not refused."""
-    query = select(Assignment).where(Assignment.job_id == job_id,
-                                     Assignment.status == AssignmentStatus.uploaded.value).with_for_update()
+    query = (
+        select(Assignment)
+        .where(Assignment.job_id == job_id, Assignment.status == AssignmentStatus.uploaded.value)
+        .with_for_update()
+    )
     if uploaded_before is not None:
         query = query.where(Assignment.uploaded_at < uploaded_before)
     held = []
@@ -101,24 +113,42 @@ def end_stalled_uploads(db: sessionmaker[Session], r: redis.Redis, uploaded_befo
     Returns (how many were rejected, the ids of those W_s holds). One transaction."""
     ended, held = 0, []
     with db.begin() as s:
-        jobs = s.scalars(select(Assignment.job_id).distinct().join(Job, Job.id == Assignment.job_id).where(
-            Job.status != JobStatus.running.value, Assignment.status == AssignmentStatus.uploaded.value)).all()
+        jobs = s.scalars(
+            select(Assignment.job_id)
+            .distinct()
+            .join(Job, Job.id == Assignment.job_id)
+            .where(Job.status != JobStatus.running.value, Assignment.status == AssignmentStatus.uploaded.value)
+        ).all()
         for job_id in jobs:
-            stalled = s.scalar(select(func.count()).select_from(Assignment).where(
-                Assignment.job_id == job_id, Assignment.status == AssignmentStatus.uploaded.value,
-                Assignment.uploaded_at < uploaded_before))
+            stalled = s.scalar(
+                select(func.count())
+                .select_from(Assignment)
+                .where(
+                    Assignment.job_id == job_id,
+                    Assignment.status == AssignmentStatus.uploaded.value,
+                    Assignment.uploaded_at < uploaded_before,
+                )
+            )
             if not stalled:
                 continue
             merged = close_merges(s, r, job_id)
-            in_ws = end_unmerged_uploads(s, job_id, "the job ended before this result was merged", merged,
-                                         uploaded_before=uploaded_before)
+            in_ws = end_unmerged_uploads(
+                s, job_id, "the job ended before this result was merged", merged, uploaded_before=uploaded_before
+            )
             held += in_ws
             ended += stalled - len(in_ws)
     return ended, held
 
 
-def record_dedloc_state(db: sessionmaker[Session], job_id: int, step: int, loss: float, accuracy: float,
-                        state_sha256: str, outcome: tuple[JobStatus, str] | None) -> None:
+def record_dedloc_state(
+    db: sessionmaker[Session],
+    job_id: int,
+    step: int,
+    loss: float,
+    accuracy: float,
+    state_sha256: str,
+    outcome: tuple[JobStatus, str] | None,
+) -> None:
     """Record a DeDLOC job's state at the start of `step` (stored under keys.dedloc_state_key): its
     validation figures as a Metric, and as the job's snapshot. With an `outcome` (status, message),
     a job still running ends so, its final model being that state (stored under keys.final_key).

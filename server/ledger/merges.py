@@ -22,9 +22,9 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
-from crowdtrain.server.ledger.assignments import end_assignment
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,20 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
             return None
         job = s.get_one(Job, a.job_id)
         wu = s.get_one(Workunit, a.workunit_id)
+        assert a.upload_key is not None  # set with the status uploaded (assignments.store_result)
         return PendingMerge(
-            assignment_id=a.id, job_id=job.id, epoch=wu.epoch, base_version=a.base_version,
-            upload_key=a.upload_key, spec=job.spec, manifest=job.param_manifest, model_config=job.model_config_,
+            assignment_id=a.id,
+            job_id=job.id,
+            epoch=wu.epoch,
+            base_version=a.base_version,
+            upload_key=a.upload_key,
+            spec=job.spec,
+            manifest=job.param_manifest,
+            model_config=job.model_config_,
             job_running=job.status == JobStatus.running.value,
             workunit_open=wu.status == WorkunitStatus.in_progress.value,
-            already_merged=a.status == AssignmentStatus.merged.value)
+            already_merged=a.status == AssignmentStatus.merged.value,
+        )
 
 
 def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) -> None:
@@ -77,8 +85,13 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
         if a.status == AssignmentStatus.merged.value:
             return
         if a.status != AssignmentStatus.uploaded.value:
-            log.warning("assignment %s: merged into W_s v%d after it was ended (%s)", assignment_id, version,
-                        a.status, extra=ids(job_id=a.job_id, assignment_id=assignment_id))
+            log.warning(
+                "assignment %s: merged into W_s v%d after it was ended (%s)",
+                assignment_id,
+                version,
+                a.status,
+                extra=ids(job_id=a.job_id, assignment_id=assignment_id),
+            )
             return
         host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see ledger/assignments.py
         states.move(a, AssignmentStatus.merged)
@@ -91,20 +104,32 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
         job.param_version = max(job.param_version, version)
         _credit(host, (a.finished_at - a.sent_at).total_seconds())
         job_id, workunit_id = a.job_id, a.workunit_id
-    log.info("assignment %s: merged into W_s v%d", assignment_id, version,
-             extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id))
+    log.info(
+        "assignment %s: merged into W_s v%d",
+        assignment_id,
+        version,
+        extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id),
+    )
 
 
 def _credit(host: Host, turnaround: float) -> None:
     """A valid result: the host's counts and its mean turnaround (an exponential average)."""
     host.results_valid += 1
     host.consecutive_valid += 1
-    host.mean_turnaround = turnaround if host.mean_turnaround is None else (
-        0.8 * host.mean_turnaround + 0.2 * turnaround)
+    host.mean_turnaround = (
+        turnaround if host.mean_turnaround is None else (0.8 * host.mean_turnaround + 0.2 * turnaround)
+    )
 
 
-def reject_result(db: sessionmaker[Session], storage: Storage, r: redis.Redis, assignment_id: int, message: str,
-                  charge: bool, evaluate: Evaluate) -> bool:
+def reject_result(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    assignment_id: int,
+    message: str,
+    charge: bool,
+    evaluate: Evaluate,
+) -> bool:
     """Refuse an uploaded result: the assignment ends `rejected` with `message`, its upload is deleted,
     and its workunit is ready again, or failed when `charge` brings it to `max_errors` (closing the
     epoch when that was its last open workunit). False, and nothing done, when the assignment is no
@@ -118,14 +143,25 @@ def reject_result(db: sessionmaker[Session], storage: Storage, r: redis.Redis, a
         upload_key = a.upload_key
     if upload_key:
         storage.delete(upload_key)
-    log.warning("assignment %s: rejected, %s", assignment_id, message,
-                extra=ids(job_id=job_id, epoch=epoch, assignment_id=assignment_id))
+    log.warning(
+        "assignment %s: rejected, %s",
+        assignment_id,
+        message,
+        extra=ids(job_id=job_id, epoch=epoch, assignment_id=assignment_id),
+    )
     close_epochs_after_failure(db, storage, r, [(job_id, epoch)] if failed else [], evaluate)
     return True
 
 
-def end_failed_merge(db: sessionmaker[Session], storage: Storage, r: redis.Redis, assignment_id: int, cause: str,
-                     job_broken: bool, evaluate: Evaluate) -> bool:
+def end_failed_merge(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    assignment_id: int,
+    cause: str,
+    job_broken: bool,
+    evaluate: Evaluate,
+) -> bool:
     """A merge failed for a reason that retrying will not remove: end the assignment, uncharged, so
     that nothing queues it again (or record it merged, when W_s holds it after all), and fail the
     job when the cause is the job's own (`job_broken`) or when MERGE_FAILURES_BEFORE_JOB_FAILS merges
@@ -140,13 +176,15 @@ def end_failed_merge(db: sessionmaker[Session], storage: Storage, r: redis.Redis
     if version is not None:
         record_merge(db, assignment_id, version)
     else:
-        rejected = reject_result(db, storage, r, assignment_id, f"merge failed on the server: {cause}", charge=False,
-                                 evaluate=evaluate)
+        rejected = reject_result(
+            db, storage, r, assignment_id, f"merge failed on the server: {cause}", charge=False, evaluate=evaluate
+        )
     if job_broken:
         fail_job(db, storage, r, job_id, cause, evaluate)
     elif (failures := paramstore.count_merge_failure(r, job_id)) >= MERGE_FAILURES_BEFORE_JOB_FAILS:
-        fail_job(db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}",
-                 evaluate)
+        fail_job(
+            db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}", evaluate
+        )
     return rejected
 
 
@@ -158,13 +196,22 @@ def unmeasured_validation_key(db: sessionmaker[Session], job_id: int, assignment
         return s.get_one(Job, job_id).validation_key
 
 
-def record_metric(db: sessionmaker[Session], job_id: int, epoch: int, assignment_id: int, version: int,
-                  loss: float, accuracy: float) -> None:
+def record_metric(
+    db: sessionmaker[Session], job_id: int, epoch: int, assignment_id: int, version: int, loss: float, accuracy: float
+) -> None:
     """The validation figure of W_s `version`, right after the merge of `assignment_id` (once)."""
     with db.begin() as s:
         if s.scalar(select(Metric.id).where(Metric.assignment_id == assignment_id)) is None:
-            s.add(Metric(job_id=job_id, epoch=epoch, assignment_id=assignment_id, param_version=version,
-                         val_loss=loss, val_accuracy=accuracy))
+            s.add(
+                Metric(
+                    job_id=job_id,
+                    epoch=epoch,
+                    assignment_id=assignment_id,
+                    param_version=version,
+                    val_loss=loss,
+                    val_accuracy=accuracy,
+                )
+            )
 
 
 def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:
@@ -177,10 +224,16 @@ def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.R
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         key, snap_version, seen = job.snapshot_key, job.snapshot_version, job.param_version
+    assert key is not None and snap_version is not None  # every job publishes v0 when it is created
     version = max(snap_version, seen)
     if paramstore.initialise_blob(r, job_id, storage.get(key), version):
-        log.warning("job %s: W_s was missing from Redis; restored snapshot v%d as v%d (%d merges lost)",
-                    job_id, snap_version, version, version - snap_version)
+        log.warning(
+            "job %s: W_s was missing from Redis; restored snapshot v%d as v%d (%d merges lost)",
+            job_id,
+            snap_version,
+            version,
+            version - snap_version,
+        )
 
 
 def last_snapshot(db: sessionmaker[Session], job_id: int) -> tuple[int, float | None]:
@@ -206,7 +259,14 @@ def record_snapshot(db: sessionmaker[Session], job_id: int, version: int, key: s
 def snapshots_in_use(db: sessionmaker[Session], job_id: int, versions: list[int]) -> set[int]:
     """Those of `versions` that an unmerged assignment started from: its update is measured against it."""
     with db.begin() as s:
-        return set(s.scalars(select(Assignment.base_version).distinct().where(
-            Assignment.job_id == job_id,
-            Assignment.status.in_([AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value]),
-            Assignment.base_version.in_(versions))))
+        return set(
+            s.scalars(
+                select(Assignment.base_version)
+                .distinct()
+                .where(
+                    Assignment.job_id == job_id,
+                    Assignment.status.in_([AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value]),
+                    Assignment.base_version.in_(versions),
+                )
+            )
+        )

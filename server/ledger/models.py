@@ -96,8 +96,9 @@ class Host(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(default=False)
-    join_token_id: Mapped[int | None] = mapped_column(ForeignKey("join_tokens.id", name="fk_hosts_join_token_id"),
-                                                      nullable=True)
+    join_token_id: Mapped[int | None] = mapped_column(
+        ForeignKey("join_tokens.id", name="fk_hosts_join_token_id"), nullable=True
+    )
     results_valid: Mapped[int] = mapped_column(Integer, default=0)
     results_failed: Mapped[int] = mapped_column(Integer, default=0)
     consecutive_valid: Mapped[int] = mapped_column(Integer, default=0)

@@ -74,11 +74,15 @@ def _chunk_count(size: int) -> int:
     return max(1, -(-size // CHUNK_BYTES))
 
 
-def _queue_blob_write(pipe: redis.client.Pipeline, job_id: int, blob: bytes | bytearray,
-                      chunk_key: Callable[[int, int], str] = keys.params_chunk) -> None:
+def _queue_blob_write(
+    pipe: redis.client.Pipeline,
+    job_id: int,
+    blob: bytes | bytearray,
+    chunk_key: Callable[[int, int], str] = keys.params_chunk,
+) -> None:
     view = memoryview(blob)
     for i in range(_chunk_count(len(view))):
-        pipe.set(chunk_key(job_id, i), view[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+        pipe.set(chunk_key(job_id, i), view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
 
 
 def _queue_state_write(pipe: redis.client.Pipeline, job_id: int, blob: bytes | bytearray) -> None:
@@ -172,9 +176,15 @@ def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:
     return [float(v) for v in r.lrange(keys.update_norms(job_id), 0, -1)]
 
 
-def merge_once(r: redis.Redis, job_id: int, assignment_id: int, merge: Merge, received_at: float | None = None,
-               update_norm: float | None = None,
-               initial_state: Callable[[Params], Params] | None = None) -> MergeOutcome:
+def merge_once(
+    r: redis.Redis,
+    job_id: int,
+    assignment_id: int,
+    merge: Merge,
+    received_at: float | None = None,
+    update_norm: float | None = None,
+    initial_state: Callable[[Params], Params] | None = None,
+) -> MergeOutcome:
     """Apply `merge(W_s, state, version)` exactly once for `assignment_id`.
 
     `merge` updates W_s and the rule's state in place (and returns W_s), or raises to refuse the
@@ -209,8 +219,11 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int, merge: Merge, re
                         continue  # another merge landed in between; start over
                 params, state = dict(cached.params), dict(cached.state)
                 new = merge(cached.params, cached.state, version)
-                if any(new[k] is not params[k] for k in params) or cached.state.keys() != state.keys() or any(
-                        cached.state[k] is not state[k] for k in state):
+                if (
+                    any(new[k] is not params[k] for k in params)
+                    or cached.state.keys() != state.keys()
+                    or any(cached.state[k] is not state[k] for k in state)
+                ):
                     raise ValueError("merge functions must update W_s and the rule's state in place")
                 pipe.multi()
                 _queue_blob_write(pipe, job_id, cached.blob)
@@ -224,8 +237,11 @@ def merge_once(r: redis.Redis, job_id: int, assignment_id: int, merge: Merge, re
                 pipe.delete(keys.merge_failures(job_id))
                 pipe.execute()
                 merged_at = time.time()
-                r.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at,
-                                                 "merged_at": merged_at}))
+                r.hset(
+                    lkey,
+                    member,
+                    json.dumps({"version": version + 1, "received_at": received_at, "merged_at": merged_at}),
+                )
                 cached.version = version + 1
                 _cache[job_id] = cached
                 return MergeOutcome(version + 1, applied_now=True)

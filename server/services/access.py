@@ -11,9 +11,9 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.server.services import dedloc
-from crowdtrain.server.ledger.models import Assignment, Shard, Workunit
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.ledger.models import Assignment, Shard, Workunit
+from crowdtrain.server.services import dedloc
 
 _RUNNING = AssignmentStatus.in_progress.value
 
@@ -33,9 +33,12 @@ def readable_shard_key(db: sessionmaker[Session], r: redis.Redis, host_id: int, 
         shard = s.execute(select(Shard.job_id, Shard.key).where(Shard.id == shard_id)).first()
         if shard is None:
             return None
-        assigned = s.scalar(select(Assignment.id).join(Workunit, Workunit.id == Assignment.workunit_id)
-                            .where(Assignment.host_id == host_id, Assignment.status == _RUNNING,
-                                   Workunit.shard_id == shard_id).limit(1))
+        assigned = s.scalar(
+            select(Assignment.id)
+            .join(Workunit, Workunit.id == Assignment.workunit_id)
+            .where(Assignment.host_id == host_id, Assignment.status == _RUNNING, Workunit.shard_id == shard_id)
+            .limit(1)
+        )
     if assigned is not None or is_collaboration_member(r, shard.job_id, host_id):
         return shard.key
     return None
@@ -44,6 +47,16 @@ def readable_shard_key(db: sessionmaker[Session], r: redis.Redis, host_id: int, 
 def may_read_snapshot(db: sessionmaker[Session], host_id: int, job_id: int, version: int) -> bool:
     """Whether the host has an in-progress assignment of `job_id` whose base is snapshot `version`."""
     with db.begin() as s:
-        return s.scalar(select(Assignment.id).where(
-            Assignment.host_id == host_id, Assignment.job_id == job_id, Assignment.base_version == version,
-            Assignment.status == _RUNNING).limit(1)) is not None
+        return (
+            s.scalar(
+                select(Assignment.id)
+                .where(
+                    Assignment.host_id == host_id,
+                    Assignment.job_id == job_id,
+                    Assignment.base_version == version,
+                    Assignment.status == _RUNNING,
+                )
+                .limit(1)
+            )
+            is not None
+        )

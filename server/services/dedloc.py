@@ -96,7 +96,7 @@ def lock(r: redis.Redis, job_id: int):
 
 
 def peers(r: redis.Redis, job_id: int) -> dict[str, Peer]:
-    return {k.decode(): Peer(**json.loads(v)) for k, v in r.hgetall(keys.dedloc_peers(job_id)).items()}
+    return {keys.text(k): Peer(**json.loads(v)) for k, v in r.hgetall(keys.dedloc_peers(job_id)).items()}
 
 
 def join(r: redis.Redis, job_id: int, peer_id: str, host_id: int, relayed: bool) -> None:
@@ -129,8 +129,11 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
     # step's members upload a newer one, and newcomers sync to that.
     if rnd.phase == "accumulating" and rnd.step < max_steps:
         live = live_peers(r, job_id, spec)
-        reported = {k.decode(): int(v) for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
-                    if k.decode() in live}
+        reported = {
+            keys.text(k): int(v)
+            for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
+            if keys.text(k) in live
+        }
         if dedloc.step_is_full(reported, spec.target_batch_size):
             rnd.phase, rnd.attempt, rnd.ready = "matchmaking", 0, {}
             # Every live peer is awaited (up to matchmaking_timeout), also one still applying the last
@@ -138,12 +141,18 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
             # others chasing the collaboration.
             rnd.candidates = sorted(live)
             rnd.deadline = now + spec.matchmaking_timeout
-            log.info("job %s: step %d closed with %d examples from %s", job_id, rnd.step, sum(reported.values()),
-                     rnd.candidates)
+            log.info(
+                "job %s: step %d closed with %d examples from %s",
+                job_id,
+                rnd.step,
+                sum(reported.values()),
+                rnd.candidates,
+            )
     if rnd.phase == "matchmaking" and (set(rnd.ready) >= set(rnd.candidates) or now > rnd.deadline):
         if not rnd.ready:
-            log.warning("job %s: step %d attempt %d found no members; accumulating again", job_id, rnd.step,
-                        rnd.attempt)
+            log.warning(
+                "job %s: step %d attempt %d found no members; accumulating again", job_id, rnd.step, rnd.attempt
+            )
             rnd.phase = "accumulating"
         else:
             relayed = {p for p, v in peers(r, job_id).items() if v.relayed}
@@ -153,8 +162,16 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
             rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}
             rnd.phase, rnd.deadline = "reducing", now + spec.averaging_timeout
             dropped = sorted(set(rnd.candidates) - set(rnd.ready))
-            log.info("job %s: step %d attempt %d reduces %d examples: groups %s, relayed %s%s", job_id, rnd.step,
-                     rnd.attempt, rnd.total, rnd.groups, rnd.relayed, f", without {dropped}" if dropped else "")
+            log.info(
+                "job %s: step %d attempt %d reduces %d examples: groups %s, relayed %s%s",
+                job_id,
+                rnd.step,
+                rnd.attempt,
+                rnd.total,
+                rnd.groups,
+                rnd.relayed,
+                f", without {dropped}" if dropped else "",
+            )
     if rnd.phase == "reducing" and now > rnd.deadline:
         missing = sorted(set(rnd.members) - set(rnd.done))
         abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}")
@@ -163,22 +180,32 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
 
 def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str) -> None:
     """Abort the running attempt for every member; its members are the candidates of the retry."""
-    r.hset(keys.dedloc_aborts(job_id), f"{rnd.step}:{rnd.attempt}",
-           json.dumps({"members": rnd.members, "reason": reason[:500], "at": time.time()}))
-    log.warning("job %s: step %d attempt %d aborted (%s); retrying without the peers that do not answer",
-                job_id, rnd.step, rnd.attempt, reason)
+    r.hset(
+        keys.dedloc_aborts(job_id),
+        f"{rnd.step}:{rnd.attempt}",
+        json.dumps({"members": rnd.members, "reason": reason[:500], "at": time.time()}),
+    )
+    log.warning(
+        "job %s: step %d attempt %d aborted (%s); retrying without the peers that do not answer",
+        job_id,
+        rnd.step,
+        rnd.attempt,
+        reason,
+    )
     rnd.candidates, rnd.ready, rnd.done = list(rnd.members), {}, {}
     rnd.members, rnd.examples, rnd.groups, rnd.relayed = [], {}, [], []
     rnd.phase, rnd.attempt = "matchmaking", rnd.attempt + 1
     rnd.deadline = time.time() + spec.matchmaking_timeout
 
 
-def record_done(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, peer_id: str, step: int, attempt: int,
-                result_digest: str) -> dict | None:
+def record_done(
+    r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, peer_id: str, step: int, attempt: int, result_digest: str
+) -> dict | None:
     """A member finished its reduction; returns the commit record when this completes the round."""
     if rnd.phase != "reducing" or rnd.step != step or rnd.attempt != attempt:
-        raise RoundGone(f"step {step} attempt {attempt} is not running (now step {rnd.step} attempt "
-                        f"{rnd.attempt}, {rnd.phase})")
+        raise RoundGone(
+            f"step {step} attempt {attempt} is not running (now step {rnd.step} attempt {rnd.attempt}, {rnd.phase})"
+        )
     if peer_id not in rnd.members:
         raise NotAMember(f"peer {peer_id} is not a member of step {step} attempt {attempt}")
     rnd.done[peer_id] = result_digest
@@ -188,11 +215,24 @@ def record_done(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, peer_
         # Members disagree on the averaged gradient: applying it would fork the collaboration.
         abort(r, job_id, rnd, spec, f"members' results differ: {rnd.done}")
         return None
-    commit = {"step": step, "attempt": attempt, "members": rnd.members, "examples": rnd.examples,
-              "digest": result_digest, "uploader": rnd.members[0], "at": time.time()}
+    commit = {
+        "step": step,
+        "attempt": attempt,
+        "members": rnd.members,
+        "examples": rnd.examples,
+        "digest": result_digest,
+        "uploader": rnd.members[0],
+        "at": time.time(),
+    }
     r.hset(keys.dedloc_commits(job_id), str(step), json.dumps(commit))
-    log.info("job %s: step %d committed (attempt %d, %d members, %d examples)", job_id, step, attempt,
-             len(rnd.members), rnd.total)
+    log.info(
+        "job %s: step %d committed (attempt %d, %d members, %d examples)",
+        job_id,
+        step,
+        attempt,
+        len(rnd.members),
+        rnd.total,
+    )
     rnd.step, rnd.phase, rnd.attempt = step + 1, "accumulating", 0
     rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
     r.expire(keys.dedloc_progress(job_id, step), ARTIFACT_TTL)
@@ -207,8 +247,9 @@ def commit_of(r: redis.Redis, job_id: int, step: int) -> dict | None:
 def check_member(rnd: Round, peer_id: str, step: int, attempt: int) -> None:
     """Raise unless `peer_id` is a member of the running reduction (step, attempt)."""
     if rnd.phase != "reducing" or rnd.step != step or rnd.attempt != attempt:
-        raise RoundGone(f"step {step} attempt {attempt} is not running (now step {rnd.step} attempt "
-                        f"{rnd.attempt}, {rnd.phase})")
+        raise RoundGone(
+            f"step {step} attempt {attempt} is not running (now step {rnd.step} attempt {rnd.attempt}, {rnd.phase})"
+        )
     if peer_id not in rnd.members:
         raise NotAMember(f"peer {peer_id} is not a member of step {step} attempt {attempt}")
 

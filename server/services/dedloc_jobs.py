@@ -1,27 +1,27 @@
 """Service layer of the DeDLOC mode: what each `/v1/dedloc` request does to Redis, storage and the
-database. The round's phases themselves are in crowdtrain.server.services.dedloc; the routes only move data in and out."""
+database. The round's phases themselves are in crowdtrain.server.services.dedloc; the routes only move data
+in and out."""
 
 import base64
 import json
 import logging
 import secrets
 import time
+from typing import Any, cast
 
 import numpy as np
 import redis
-from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.server.ledger import jobs as ledger_jobs
-from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.server.services import access, dedloc
-from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.core.refusals import Refusal, RefusalKind
 from crowdtrain.core.schemas_dedloc import (
+    Outcome,
+    PeerAction,
     PeerJoined,
     Progress,
     ProgressReply,
@@ -39,6 +39,10 @@ from crowdtrain.core.tensors import (
     encode,
     sha256,
 )
+from crowdtrain.server.ledger import jobs as ledger_jobs
+from crowdtrain.server.ledger.models import Job, Shard
+from crowdtrain.server.services import access, dedloc
+from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 
 log = logging.getLogger(__name__)
 
@@ -90,26 +94,47 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     if rnd is None:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared; join again in a moment")
     dedloc.join(r, job_id, peer_id, host_id, relayed)
+    shards = []
     with db.begin() as s:
-        shards = [ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples)
-                  for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0)
-                                                    .order_by(Shard.index))]
-    log.info("job %s: peer %s joined (host %s%s) at step %d", job_id, peer_id, host_id,
-             ", relayed" if relayed else "", rnd.step)
-    recipe = {"model": view.model_config, "dedloc": view.spec.model_dump(), "seed": view.seed,
-              "max_steps": view.max_steps}
-    return PeerJoined(peer_id=peer_id, job_id=job_id, recipe=recipe, shards=shards, step=rnd.step,
-                      state_step=rnd.state_step)
+        for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0).order_by(Shard.index)):
+            assert x.sha256 is not None  # epoch 0's shards are written at submission
+            shards.append(ShardRef(id=x.id, index=x.index, sha256=x.sha256, size=x.size, examples=x.examples))
+    log.info(
+        "job %s: peer %s joined (host %s%s) at step %d",
+        job_id,
+        peer_id,
+        host_id,
+        ", relayed" if relayed else "",
+        rnd.step,
+    )
+    recipe = {
+        "model": view.model_config,
+        "dedloc": view.spec.model_dump(),
+        "seed": view.seed,
+        "max_steps": view.max_steps,
+    }
+    return PeerJoined(
+        peer_id=peer_id, job_id=job_id, recipe=recipe, shards=shards, step=rnd.step, state_step=rnd.state_step
+    )
 
 
 def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
     group = dedloc.group_of(rnd, peer_id)
     members = rnd.groups[group] if group is not None else []
-    return RoundPlanOut(step=rnd.step, attempt=rnd.attempt, members=rnd.members, examples=rnd.examples,
-                        total=rnd.total, relayed=group is None, group=group, group_members=members,
-                        rank=members.index(peer_id) if group is not None else None,
-                        needs_combining=rnd.plan.needs_combining, parts=rnd.plan.parts,
-                        averaging_timeout=spec.averaging_timeout)
+    return RoundPlanOut(
+        step=rnd.step,
+        attempt=rnd.attempt,
+        members=rnd.members,
+        examples=rnd.examples,
+        total=rnd.total,
+        relayed=group is None,
+        group=group,
+        group_members=members,
+        rank=members.index(peer_id) if group is not None else None,
+        needs_combining=rnd.plan.needs_combining,
+        parts=rnd.plan.parts,
+        averaging_timeout=spec.averaging_timeout,
+    )
 
 
 def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress) -> ProgressReply:
@@ -132,7 +157,7 @@ def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: in
 
 
 def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> ProgressReply:
-    def answer(action: str, **kw) -> ProgressReply:
+    def answer(action: PeerAction, **kw: Any) -> ProgressReply:
         return ProgressReply(action=action, step=rnd.step, state_step=rnd.state_step, **kw)
 
     # A committed step is applied by each of its members, even when it was the job's last.
@@ -140,11 +165,11 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         commit = dedloc.commit_of(r, view.id, req.step)
         if commit and commit["attempt"] == req.attempt and req.peer_id in commit["members"]:
             last = req.step + 1 >= view.max_steps  # every member uploads the final state: it ends the job
-            return answer("apply", upload_state=last or commit["uploader"] == req.peer_id)
+            return answer(PeerAction.apply, upload_state=last or commit["uploader"] == req.peer_id)
     if rnd.finished or not view.running:
-        return answer("stop", message="the job has finished")
+        return answer(PeerAction.stop, message="the job has finished")
     if req.step != rnd.step:
-        return answer("resync", message=f"the collaboration is at step {rnd.step}")
+        return answer(PeerAction.resync, message=f"the collaboration is at step {rnd.step}")
     dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
     if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
         r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
@@ -156,18 +181,31 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
     if rnd.phase == "reducing" and req.peer_id in rnd.members:
         if req.peer_id in rnd.done:
-            return answer("wait")
-        return answer("reduce", round=_plan_for(rnd, req.peer_id, view.spec))
+            return answer(PeerAction.wait)
+        return answer(PeerAction.reduce, round=_plan_for(rnd, req.peer_id, view.spec))
     if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
-        return answer("matchmaking")
+        return answer(PeerAction.matchmaking)
     live = dedloc.live_peers(r, view.id, view.spec)
     reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
-    return answer("accumulate", accumulated=sum(int(v) for k, v in reported.items() if k.decode() in live),
-                  peers=max(1, len(live)))
+    return answer(
+        PeerAction.accumulate,
+        accumulated=sum(int(v) for k, v in reported.items() if keys.text(k) in live),
+        peers=max(1, len(live)),
+    )
 
 
-def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
-           peer_id: str, ok: bool, result_digest: str, message: str) -> str:
+def report(
+    db: sessionmaker[Session],
+    r: redis.Redis,
+    job_id: int,
+    host_id: int,
+    step: int,
+    attempt: int,
+    peer_id: str,
+    ok: bool,
+    result_digest: str,
+    message: str,
+) -> Outcome:
     """A member's outcome of its reduction: done (with the digest of its result) or failed."""
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
@@ -175,7 +213,7 @@ def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int,
             dedloc.touch(r, job_id, peer_id, host_id)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
-        rnd = dedloc.load(r, job_id)
+        rnd = _joined_round(r, job_id)
         try:
             if ok:
                 commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
@@ -192,14 +230,22 @@ def report(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int,
         with db.begin() as s:
             job = s.get_one(Job, job_id)
             job.param_version = max(job.param_version, step + 1)
-        return "committed"
-    return "recorded" if ok else "aborted"
+        return Outcome.committed
+    return Outcome.recorded if ok else Outcome.aborted
+
+
+def _joined_round(r: redis.Redis, job_id: int) -> Round:
+    """The round of a job that peers have joined: it exists (open_job wrote it before anyone could
+    join, and nothing deletes it)."""
+    rnd = dedloc.load(r, job_id)
+    assert rnd is not None, f"job {job_id} has peers but no round"
+    return rnd
 
 
 def _running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
     try:
         dedloc.touch(r, job_id, peer_id, host_id)
-        rnd = dedloc.load(r, job_id)
+        rnd = _joined_round(r, job_id)
         dedloc.check_member(rnd, peer_id, step, attempt)
         return rnd
     except RoundGone as exc:
@@ -243,7 +289,8 @@ def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
             while True:
                 try:
                     pipe.watch(prefix + req.key)
-                    current = pipe.get(prefix + req.key)
+                    # redis-py types replies `bytes | str`; ours are bytes (no `decode_responses`).
+                    current = cast(bytes | None, pipe.get(prefix + req.key))
                     pipe.multi()
                     if (current is None and not expected) or current == expected:
                         pipe.set(prefix + req.key, value or b"", ex=dedloc.ARTIFACT_TTL)
@@ -267,16 +314,19 @@ def _wait_for(fetch, seconds: float):
         time.sleep(0.005)
 
 
-def put_part(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str,
-             body: bytes) -> str:
+def put_part(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, body: bytes
+) -> Outcome:
     """A group's sum (from its rank 0) or a relayed member's weighted gradient. When every part of
     the round is in, their sum is computed once, in the plan's order, for every member to download."""
     rnd = _running_member(r, job_id, host_id, peer_id, step, attempt)
     group = dedloc.group_of(rnd, peer_id)
     mine = f"relay-{peer_id}" if group is None else f"group-{group}"
     if part != mine or (group is not None and rnd.groups[group][0] != peer_id):
-        raise DedlocProblem(RefusalKind.forbidden, f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, "
-                                 "uploaded by the group's rank 0)")
+        raise DedlocProblem(
+            RefusalKind.forbidden,
+            f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, uploaded by the group's rank 0)",
+        )
     try:
         tensors = decode(body)
     except ValueError as exc:
@@ -286,26 +336,35 @@ def put_part(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int,
     r.set(keys.dedloc_part(job_id, step, attempt, part), body, ex=dedloc.ARTIFACT_TTL)
     with dedloc.lock(r, job_id):
         names = [keys.dedloc_part(job_id, step, attempt, p) for p in rnd.plan.parts]
-        blobs = r.mget(names)
-        if all(b is not None for b in blobs) and not r.exists(keys.dedloc_total(job_id, step, attempt)):
+        blobs = [b for b in r.mget(names) if isinstance(b, bytes)]  # a missing part is None
+        if len(blobs) == len(names) and not r.exists(keys.dedloc_total(job_id, step, attempt)):
             parts = [decode(b) for b in blobs]
             if len({p["g"].shape for p in parts}) != 1:
                 raise DedlocProblem(RefusalKind.malformed, "parts of this round differ in size")
             total = math.combine_parts(parts)
             r.set(keys.dedloc_total(job_id, step, attempt), encode(total), ex=dedloc.ARTIFACT_TTL)
-            return "combined"
-    return "stored"
+            return Outcome.combined
+    return Outcome.stored
 
 
-def get_total(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int,
-              wait: float) -> bytes | None:
+def get_total(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, wait: float
+) -> bytes | None:
     """The round's combined sum, or None if not every part is in yet (after up to `wait` seconds)."""
     _running_member(r, job_id, host_id, peer_id, step, attempt)
     return _wait_for(lambda: r.get(keys.dedloc_total(job_id, step, attempt)), wait)
 
 
-def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_id: int, host_id: int,
-              peer_id: str, step: int, body: bytes) -> str:
+def put_state(
+    db: sessionmaker[Session],
+    r: redis.Redis,
+    storage: Storage,
+    job_id: int,
+    host_id: int,
+    peer_id: str,
+    step: int,
+    body: bytes,
+) -> Outcome:
     """Parameters + optimizer state at the start of `step`, uploaded by a member of step - 1's commit.
 
     Stored once (a second upload of the same step changes nothing), evaluated on the validation set
@@ -318,7 +377,9 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
         raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
     commit = dedloc.commit_of(r, job_id, step - 1) if step >= 1 else None
     if commit is None or peer_id not in commit["members"]:
-        raise DedlocProblem(RefusalKind.forbidden, f"peer {peer_id} did not commit step {step - 1}: it may not upload state {step}")
+        raise DedlocProblem(
+            RefusalKind.forbidden, f"peer {peer_id} did not commit step {step - 1}: it may not upload state {step}"
+        )
     try:
         tensors = decode(body)
         params = {k: v for k, v in tensors.items() if not k.startswith("__")}
@@ -326,49 +387,61 @@ def put_state(db: sessionmaker[Session], r: redis.Redis, storage: Storage, job_i
     except ValueError as exc:
         raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
     if not r.set(keys.dedloc_state_claim(job_id, step), peer_id, nx=True):
-        return "duplicate"
+        return Outcome.duplicate
     storage.put(keys.dedloc_state_key(job_id, step), body)
     with dedloc.lock(r, job_id):
-        rnd = dedloc.load(r, job_id)
+        rnd = _joined_round(r, job_id)
         rnd.state_step = max(rnd.state_step, step)
         dedloc.save(r, job_id, rnd)
     x, y = decode_shard(storage.get(view.validation_key))
     loss, accuracy = evaluate(job_id, view.model_config, params, x, y)
-    log.info("job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f", job_id, step,
-             math.digest(params)[:12], accuracy, loss)
+    log.info(
+        "job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f",
+        job_id,
+        step,
+        math.digest(params)[:12],
+        accuracy,
+        loss,
+    )
     outcome = None
     if accuracy >= view.target_accuracy:
-        outcome = (JobStatus.succeeded, f"step {step} reached validation accuracy {accuracy:.4f} >= "
-                                        f"{view.target_accuracy}")
+        outcome = (
+            JobStatus.succeeded,
+            f"step {step} reached validation accuracy {accuracy:.4f} >= {view.target_accuracy}",
+        )
     elif step >= view.max_steps:
-        outcome = (JobStatus.failed, f"max_steps={view.max_steps} reached; accuracy {accuracy:.4f} < target "
-                                     f"{view.target_accuracy}")
+        outcome = (
+            JobStatus.failed,
+            f"max_steps={view.max_steps} reached; accuracy {accuracy:.4f} < target {view.target_accuracy}",
+        )
     if outcome is not None:
         storage.put(keys.final_key(job_id), encode(params))
     ledger_jobs.record_dedloc_state(db, job_id, step, loss, accuracy, sha256(body), outcome)
     if outcome is not None:
         with dedloc.lock(r, job_id):
-            rnd = dedloc.load(r, job_id)
+            rnd = _joined_round(r, job_id)
             rnd.finished = True
             dedloc.save(r, job_id, rnd)
         log.info("job %s %s: %s", job_id, outcome[0].value, outcome[1])
-    return "stored"
+    return Outcome.stored
 
 
 def latest_state(r: redis.Redis, storage: Storage, job_id: int, host_id: int) -> tuple[int, bytes]:
     """The newest state, for members of the job's collaboration only (others get the missing job's 404)."""
     rnd = dedloc.load(r, job_id)
     if rnd is None or not access.is_collaboration_member(r, job_id, host_id):
-        raise DedlocProblem(RefusalKind.not_found, f"the DeDLOC state of job {job_id} does not exist or you have not joined the job")
+        raise DedlocProblem(
+            RefusalKind.not_found, f"the DeDLOC state of job {job_id} does not exist or you have not joined the job"
+        )
     return rnd.state_step, storage.get(keys.dedloc_state_key(job_id, rnd.state_step))
 
 
 def digests(r: redis.Redis, job_id: int, step: int) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in r.hgetall(keys.dedloc_digests(job_id, step)).items()}
+    return {keys.text(k): keys.text(v) for k, v in r.hgetall(keys.dedloc_digests(job_id, step)).items()}
 
 
 def aborts(r: redis.Redis, job_id: int) -> dict[str, dict]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.dedloc_aborts(job_id)).items()}
+    return {keys.text(k): json.loads(v) for k, v in r.hgetall(keys.dedloc_aborts(job_id)).items()}
 
 
 def commits(r: redis.Redis, job_id: int) -> dict[int, dict]:

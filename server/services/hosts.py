@@ -5,12 +5,10 @@ import hmac
 import secrets
 
 import redis
-from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.server.ledger import assignments
-from crowdtrain.server.ledger.models import Host, JoinToken
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.schemas import (
     HostPublic,
@@ -20,6 +18,8 @@ from crowdtrain.core.schemas import (
     JoinTokenPublic,
 )
 from crowdtrain.core.storage import Storage
+from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger.models import Host, JoinToken
 
 
 class NotAuthorized(Refusal):
@@ -48,8 +48,16 @@ def register_host(db: sessionmaker[Session], req: HostRegister, bootstrap_token:
     with db.begin() as s:
         join_id = _join_token_id(s, req.join_token, bootstrap_token)
         r = req.resources
-        host = Host(name=req.name, token_hash=hash_token(token), cpus=r.cpus, ram_bytes=r.ram_bytes, gpu=r.gpu,
-                    device=r.device, frameworks=",".join(r.frameworks), join_token_id=join_id)
+        host = Host(
+            name=req.name,
+            token_hash=hash_token(token),
+            cpus=r.cpus,
+            ram_bytes=r.ram_bytes,
+            gpu=r.gpu,
+            device=r.device,
+            frameworks=",".join(r.frameworks),
+            join_token_id=join_id,
+        )
         s.add(host)
         if join_id is not None:
             s.get_one(JoinToken, join_id).hosts_registered += 1
@@ -77,9 +85,12 @@ def create_join_token(db: sessionmaker[Session], label: str) -> JoinTokenCreated
 
 def list_join_tokens(db: sessionmaker[Session]) -> list[JoinTokenPublic]:
     with db.begin() as s:
-        return [JoinTokenPublic(id=t.id, label=t.label, created_at=t.created_at, revoked=t.revoked,
-                                hosts_registered=t.hosts_registered)
-                for t in s.scalars(select(JoinToken).order_by(JoinToken.id))]
+        return [
+            JoinTokenPublic(
+                id=t.id, label=t.label, created_at=t.created_at, revoked=t.revoked, hosts_registered=t.hosts_registered
+            )
+            for t in s.scalars(select(JoinToken).order_by(JoinToken.id))
+        ]
 
 
 def revoke_join_token(db: sessionmaker[Session], token_id: int) -> JoinTokenPublic:
@@ -89,8 +100,9 @@ def revoke_join_token(db: sessionmaker[Session], token_id: int) -> JoinTokenPubl
         if t is None:
             raise NotFound(f"join token {token_id} does not exist")
         t.revoked = True
-        return JoinTokenPublic(id=t.id, label=t.label, created_at=t.created_at, revoked=True,
-                               hosts_registered=t.hosts_registered)
+        return JoinTokenPublic(
+            id=t.id, label=t.label, created_at=t.created_at, revoked=True, hosts_registered=t.hosts_registered
+        )
 
 
 def list_hosts(db: sessionmaker[Session]) -> list[HostPublic]:

@@ -3,14 +3,14 @@
 from datetime import timedelta
 
 import redis
-from crowdtrain.server.ledger import jobs as ledger_jobs
-from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.refusals import NotFound
 from crowdtrain.core.schemas import EpochFigures, JobStatusOut, MetricPoint
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
+from crowdtrain.server.ledger import jobs as ledger_jobs
+from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
 
 ACTIVE_HOST_WINDOW = timedelta(seconds=60)
 
@@ -24,15 +24,28 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
         job = s.get(Job, job_id)
         if job is None:
             raise JobNotFound(f"job {job_id} does not exist")
-        wu_counts = s.execute(select(Workunit.epoch, Workunit.status, func.count())
-                              .where(Workunit.job_id == job_id).group_by(Workunit.epoch, Workunit.status)).all()
-        metric_rows = s.execute(select(Metric.epoch, Metric.param_version, Metric.val_accuracy, Metric.val_loss,
-                                       Metric.created_at).where(Metric.job_id == job_id)
-                                .order_by(Metric.param_version)).all()
-        a_counts = dict(s.execute(select(Assignment.status, func.count()).where(Assignment.job_id == job_id)
-                                  .group_by(Assignment.status)).tuples().all())
-        active = s.scalar(select(func.count(func.distinct(Assignment.host_id))).where(
-            Assignment.job_id == job_id, Assignment.sent_at > utcnow() - ACTIVE_HOST_WINDOW))
+        wu_counts = s.execute(
+            select(Workunit.epoch, Workunit.status, func.count())
+            .where(Workunit.job_id == job_id)
+            .group_by(Workunit.epoch, Workunit.status)
+        ).all()
+        metric_rows = s.execute(
+            select(Metric.epoch, Metric.param_version, Metric.val_accuracy, Metric.val_loss, Metric.created_at)
+            .where(Metric.job_id == job_id)
+            .order_by(Metric.param_version)
+        ).all()
+        a_counts = dict(
+            s.execute(
+                select(Assignment.status, func.count()).where(Assignment.job_id == job_id).group_by(Assignment.status)
+            )
+            .tuples()
+            .all()
+        )
+        active = s.scalar(
+            select(func.count(func.distinct(Assignment.host_id))).where(
+                Assignment.job_id == job_id, Assignment.sent_at > utcnow() - ACTIVE_HOST_WINDOW
+            )
+        )
         epochs: dict[int, dict] = {}
         for epoch, status, n in wu_counts:
             e = epochs.setdefault(epoch, {"workunits": 0, "done": 0, "failed": 0, "accs": []})
@@ -43,42 +56,73 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
                 e["failed"] += n
         for m in metric_rows:
             epochs.setdefault(m.epoch, {"workunits": 0, "done": 0, "failed": 0, "accs": []})["accs"].append(
-                m.val_accuracy)
-        figures = [EpochFigures(epoch=k, workunits=v["workunits"], done=v["done"], failed=v["failed"],
-                                merges=len(v["accs"]),
-                                mean_accuracy=sum(v["accs"]) / len(v["accs"]) if v["accs"] else None,
-                                min_accuracy=min(v["accs"], default=None), max_accuracy=max(v["accs"], default=None))
-                   for k, v in sorted(epochs.items())]
-        complete = [f.mean_accuracy for f in figures
-                    if f.mean_accuracy is not None and f.done + f.failed == f.workunits]
+                m.val_accuracy
+            )
+        figures = [
+            EpochFigures(
+                epoch=k,
+                workunits=v["workunits"],
+                done=v["done"],
+                failed=v["failed"],
+                merges=len(v["accs"]),
+                mean_accuracy=sum(v["accs"]) / len(v["accs"]) if v["accs"] else None,
+                min_accuracy=min(v["accs"], default=None),
+                max_accuracy=max(v["accs"], default=None),
+            )
+            for k, v in sorted(epochs.items())
+        ]
+        complete = [
+            f.mean_accuracy for f in figures if f.mean_accuracy is not None and f.done + f.failed == f.workunits
+        ]
         start = job.started_at or job.created_at
         end = job.finished_at or utcnow()
         return JobStatusOut(
-            job_id=job.id, name=job.name, status=job.status, status_message=job.status_message,
-            current_epoch=job.current_epoch, param_version=job.param_version, snapshot_version=job.snapshot_version,
-            target_accuracy=job.spec["stop"]["target_accuracy"], max_epochs=job.spec["stop"]["max_epochs"],
-            best_epoch_accuracy=max(complete, default=None), final_accuracy=job.final_accuracy,
-            merges=a_counts.get(AssignmentStatus.merged.value, 0), active_hosts=active or 0,
-            assignments=a_counts, epochs=figures,
-            metrics=[MetricPoint(epoch=m.epoch, param_version=m.param_version, val_accuracy=m.val_accuracy,
-                                 val_loss=m.val_loss, t=(m.created_at - start).total_seconds())
-                     for m in metric_rows] if with_metrics else [],
-            elapsed_seconds=(end - start).total_seconds())
+            job_id=job.id,
+            name=job.name,
+            status=JobStatus(job.status),
+            status_message=job.status_message,
+            current_epoch=job.current_epoch,
+            param_version=job.param_version,
+            snapshot_version=job.snapshot_version,
+            target_accuracy=job.spec["stop"]["target_accuracy"],
+            max_epochs=job.spec["stop"]["max_epochs"],
+            best_epoch_accuracy=max(complete, default=None),
+            final_accuracy=job.final_accuracy,
+            merges=a_counts.get(AssignmentStatus.merged.value, 0),
+            active_hosts=active or 0,
+            assignments={AssignmentStatus(k): n for k, n in a_counts.items()},
+            epochs=figures,
+            metrics=[
+                MetricPoint(
+                    epoch=m.epoch,
+                    param_version=m.param_version,
+                    val_accuracy=m.val_accuracy,
+                    val_loss=m.val_loss,
+                    t=(m.created_at - start).total_seconds(),
+                )
+                for m in metric_rows
+            ]
+            if with_metrics
+            else [],
+            elapsed_seconds=(end - start).total_seconds(),
+        )
 
 
 def list_jobs(db: sessionmaker[Session]) -> list[dict]:
     with db.begin() as s:
-        return [{"job_id": j.id, "name": j.name, "status": j.status, "current_epoch": j.current_epoch}
-                for j in s.scalars(select(Job).order_by(Job.id)).all()]
+        return [
+            {"job_id": j.id, "name": j.name, "status": j.status, "current_epoch": j.current_epoch}
+            for j in s.scalars(select(Job).order_by(Job.id)).all()
+        ]
 
 
-def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> str:
+def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> JobStatus:
     """Cancel a pending or running job (crowdtrain.server.ledger.jobs.cancel_job); JobNotFound if
     there is no such job. Returns its new status."""
     status = ledger_jobs.cancel_job(db, r, job_id)
     if status is None:
         raise JobNotFound(f"job {job_id} does not exist")
-    return status
+    return JobStatus(status)
 
 
 def final_model_key(db: sessionmaker[Session], job_id: int) -> str | None:

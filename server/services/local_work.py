@@ -48,13 +48,24 @@ def local_fraction(host_speed: float | None, speeds: Iterable[float], min_fracti
 def recent_speeds(s: Session, job_id: int, local_epochs: int) -> dict[int, float]:
     """Each host's speed on the job over its last WINDOW uploads (see `host_speeds`); a host's
     reported examples count for no more than its shard's examples times `local_epochs`."""
-    rows = s.execute(select(Assignment.host_id, Assignment.examples, Assignment.train_seconds, Shard.examples)
-                     .join(Workunit, Workunit.id == Assignment.workunit_id)
-                     .join(Shard, Shard.id == Workunit.shard_id)
-                     .where(Assignment.job_id == job_id, Assignment.uploaded_at.is_not(None),
-                            Assignment.examples.is_not(None), Assignment.train_seconds > 0)
-                     .order_by(Assignment.id.desc()).limit(WINDOW)).all()
-    return host_speeds((host, min(n, shard_examples * local_epochs), t) for host, n, t, shard_examples in rows)
+    rows = s.execute(
+        select(Assignment.host_id, Assignment.examples, Assignment.train_seconds, Shard.examples)
+        .join(Workunit, Workunit.id == Assignment.workunit_id)
+        .join(Shard, Shard.id == Workunit.shard_id)
+        .where(
+            Assignment.job_id == job_id,
+            Assignment.uploaded_at.is_not(None),
+            Assignment.examples.is_not(None),
+            Assignment.train_seconds > 0,
+        )
+        .order_by(Assignment.id.desc())
+        .limit(WINDOW)
+    ).all()
+    reports = []
+    for host, n, t, shard_examples in rows:
+        assert n is not None and t is not None  # the query selects reported figures only
+        reports.append((host, min(n, shard_examples * local_epochs), t))
+    return host_speeds(reports)
 
 
 def fraction_for(s: Session, job: Job, host_id: int) -> float:

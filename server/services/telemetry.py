@@ -12,8 +12,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
-from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
 from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,27 @@ class CrowdtrainCollector(Collector):
         self.r, self.db, self.queue = r, db, queue
 
     def collect(self):
-        counters = {k.decode(): int(v) for k, v in self.r.hgetall(keys.METRIC_COUNTERS).items()}
+        counters = {keys.text(k): int(v) for k, v in self.r.hgetall(keys.METRIC_COUNTERS).items()}
         for event, help_text in EVENTS.items():
             yield CounterMetricFamily(f"crowdtrain_{event}", help_text, value=counters.get(event, 0))
-        hist = {k.decode(): float(v) for k, v in self.r.hgetall(keys.MERGE_LATENCY).items()}
+        hist = {keys.text(k): float(v) for k, v in self.r.hgetall(keys.MERGE_LATENCY).items()}
         buckets = [(str(b), hist.get(str(b), 0.0)) for b in MERGE_BUCKETS] + [("+Inf", hist.get("+Inf", 0.0))]
-        yield HistogramMetricFamily("crowdtrain_merge_latency_seconds", "Upload received -> W_s updated in Redis",
-                                    buckets=buckets, sum_value=hist.get("sum", 0.0))
-        yield GaugeMetricFamily("crowdtrain_merge_queue_depth", "Merges waiting for a parameter server",
-                                value=self.r.llen(self.queue))
+        yield HistogramMetricFamily(
+            "crowdtrain_merge_latency_seconds",
+            "Upload received -> W_s updated in Redis",
+            buckets=buckets,
+            sum_value=hist.get("sum", 0.0),
+        )
+        yield GaugeMetricFamily(
+            "crowdtrain_merge_queue_depth", "Merges waiting for a parameter server", value=self.r.llen(self.queue)
+        )
         with self.db.begin() as s:
             active = s.scalar(select(func.count()).select_from(Host).where(Host.last_seen > utcnow() - ACTIVE_WINDOW))
-            running = s.scalar(select(func.count()).select_from(Assignment).where(
-                Assignment.status == AssignmentStatus.in_progress.value))
+            running = s.scalar(
+                select(func.count())
+                .select_from(Assignment)
+                .where(Assignment.status == AssignmentStatus.in_progress.value)
+            )
             jobs = s.scalar(select(func.count()).select_from(Job).where(Job.status == JobStatus.running.value))
         yield GaugeMetricFamily("crowdtrain_active_hosts", "Hosts seen in the last 2 minutes", value=active)
         yield GaugeMetricFamily("crowdtrain_assignments_in_progress", "Assignments being trained", value=running)

@@ -37,7 +37,9 @@ class FailureBudget:
         """Raise Throttled if the address has used up its failures in the current window."""
         key = keys.auth_failures(self.address)
         with self.r.pipeline(transaction=False) as pipe:
-            count, ttl = pipe.get(key).ttl(key).execute()
+            pipe.get(key)
+            pipe.ttl(key)
+            count, ttl = pipe.execute()
         if count is not None and int(count) >= self.limit:
             raise Throttled(self.address, max(int(ttl), 1))
 
@@ -45,4 +47,6 @@ class FailureBudget:
         """Count one failure; the first of a window starts it (INCR keeps the expiry SET gave)."""
         key = keys.auth_failures(self.address)
         with self.r.pipeline(transaction=True) as pipe:
-            pipe.set(key, 0, ex=WINDOW_SECONDS, nx=True).incr(key).execute()
+            pipe.set(key, 0, ex=WINDOW_SECONDS, nx=True)
+            pipe.incr(key)
+            pipe.execute()

@@ -8,18 +8,18 @@ from collections.abc import Callable
 from datetime import UTC, timedelta
 
 import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
 from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.assignments import time_out_expired
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete
 from crowdtrain.server.ledger.models import Assignment, Job, utcnow
 from crowdtrain.server.services import telemetry
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
-
-from crowdtrain.core.jobspec import VC_ASGD
-from crowdtrain.core.states import AssignmentStatus, JobStatus
-from crowdtrain.core.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -37,31 +37,45 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
     race in the parameter server that did the last merge). Closing is idempotent. DeDLOC jobs have no
     epochs of workunits: their rounds end their steps, not this sweep."""
     with db.begin() as s:
-        jobs = s.execute(select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value,
-                                                               Job.mode == VC_ASGD)).all()
+        jobs = s.execute(
+            select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
+        ).all()
     for job_id, current in jobs:
         for epoch in (current - 1, current):
             if epoch >= 1:
                 close_epoch_if_complete(db, storage, r, job_id, epoch, evaluate)
 
 
-def requeue_stalled_merges(db: sessionmaker[Session], stalled_after: float,
-                           enqueue: Callable[[int, float], None]) -> int:
+def requeue_stalled_merges(
+    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None]
+) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task), for
     running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads)."""
     with db.begin() as s:
-        rows = s.execute(select(Assignment.id, Assignment.uploaded_at).join(Job, Job.id == Assignment.job_id).where(
-            Job.status == JobStatus.running.value, Assignment.status == AssignmentStatus.uploaded.value,
-            Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after)).limit(500)).all()
+        rows = s.execute(
+            select(Assignment.id, Assignment.uploaded_at)
+            .join(Job, Job.id == Assignment.job_id)
+            .where(
+                Job.status == JobStatus.running.value,
+                Assignment.status == AssignmentStatus.uploaded.value,
+                Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after),
+            )
+            .limit(500)
+        ).all()
     for aid, uploaded_at in rows:
-        log.warning("assignment %s: uploaded at %s and still not merged; queueing its merge again", aid,
-                    uploaded_at.isoformat(timespec="seconds"))
+        assert uploaded_at is not None  # the query selects uploaded assignments only
+        log.warning(
+            "assignment %s: uploaded at %s and still not merged; queueing its merge again",
+            aid,
+            uploaded_at.isoformat(timespec="seconds"),
+        )
         enqueue(aid, uploaded_at.replace(tzinfo=UTC).timestamp())
     return len(rows)
 
 
-def end_stalled_uploads(db: sessionmaker[Session], r: redis.Redis, stalled_after: float,
-                        enqueue: Callable[[int, float], None]) -> int:
+def end_stalled_uploads(
+    db: sessionmaker[Session], r: redis.Redis, stalled_after: float, enqueue: Callable[[int, float], None]
+) -> int:
     """End the results that stayed unmerged long after upload while their job stopped running: their
     merge task was lost. The job's merges are closed first, so the set W_s holds is final: a result
     in it has its merge queued again (the task records it), any other is rejected, uncharged.
@@ -75,8 +89,15 @@ def end_stalled_uploads(db: sessionmaker[Session], r: redis.Redis, stalled_after
     return ended
 
 
-def run_forever(db: sessionmaker[Session], storage: Storage, r: redis.Redis, interval: float, stalled_after: float,
-                enqueue: Callable[[int, float], None], stop: threading.Event) -> None:
+def run_forever(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    interval: float,
+    stalled_after: float,
+    enqueue: Callable[[int, float], None],
+    stop: threading.Event,
+) -> None:
     last_requeue = 0.0
 
     while not stop.is_set():

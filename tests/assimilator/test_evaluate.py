@@ -9,7 +9,6 @@ pytest.importorskip("tensorflow")
 from crowdtrain.assimilator.evaluate import evaluate, evaluation_framework  # noqa: E402
 from crowdtrain.core.zoo import build_model, state_to_numpy  # noqa: E402
 
-
 OPTIONS = {"channels": 32, "kernel_size": 5, "layers": 3}
 CONFIG = {"name": "cnn1d", "framework": "tensorflow", "input_shape": [40], "num_classes": 10, "options": OPTIONS}
 
@@ -26,8 +25,18 @@ def canonical_weights(data, trained: bool) -> dict[str, np.ndarray]:
     if trained:  # weights that classify well, so that accuracy is a real test of agreement
         from crowdtrain.client.trainers import train
 
-        recipe = {"model": CONFIG, "seed": 0, "training": {"local_epochs": 2, "batch_size": 32, "optimizer": "adam",
-                                                           "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0}}
+        recipe = {
+            "model": CONFIG,
+            "seed": 0,
+            "training": {
+                "local_epochs": 2,
+                "batch_size": 32,
+                "optimizer": "adam",
+                "lr": 0.01,
+                "momentum": 0.0,
+                "weight_decay": 0.0,
+            },
+        }
         params = train("pytorch", recipe, params, data.x[:2000], data.y[:2000]).params
     return params
 

@@ -22,9 +22,9 @@ from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Workunit
-from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job
@@ -42,8 +42,9 @@ def _no_cached_models() -> None:
 @pytest.fixture
 def services(sqlite_url, private_redis, tmp_path) -> MergeServices:
     upgrade(sqlite_url)
-    return MergeServices(session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis,
-                         snapshots_kept=3)
+    return MergeServices(
+        session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis, snapshots_kept=3
+    )
 
 
 @dataclass
@@ -58,8 +59,16 @@ class Job:
     upload_spec: dict  # the job's assimilation.upload
 
     def upload(self, assignment_id: int, body: bytes) -> None:
-        store_result(self.svc.db, self.svc.storage, self.host_id, self.job_id, assignment_id, body, ResultMetrics(),
-                     enqueue=lambda *_: None)
+        store_result(
+            self.svc.db,
+            self.svc.storage,
+            self.host_id,
+            self.job_id,
+            assignment_id,
+            body,
+            ResultMetrics(),
+            enqueue=lambda *_: None,
+        )
 
     def upload_weights(self, assignment_id: int, client: Params) -> None:
         self.upload(assignment_id, encode_result(client, self.w0, self.upload_spec))
@@ -97,15 +106,23 @@ def _job(svc: MergeServices, assignments: int = 1, **assimilation) -> Job:
     host_id = register_host(svc.db, HostRegister(join_token=token, name="alice"), token).host_id
     given = request_work(svc.db, svc.storage, host_id, assignments, [], None)
     assert len(given) == assignments
-    return Job(svc, job_id, host_id, [a.assignment_id for a in given], paramstore.read(svc.r, job_id)[1],
-               spec.assimilation.upload.model_dump())
+    return Job(
+        svc,
+        job_id,
+        host_id,
+        [a.assignment_id for a in given],
+        paramstore.read(svc.r, job_id)[1],
+        spec.assimilation.upload.model_dump(),
+    )
 
 
 def _moved(params: Params, step: float, seed: int = 0) -> Params:
     """W_c: `params` with every float tensor moved by noise of scale `step`."""
     rng = np.random.default_rng(seed)
-    return {k: (v + step * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
-            for k, v in params.items()}
+    return {
+        k: (v + step * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+        for k, v in params.items()
+    }
 
 
 def _vc_asgd(server: Params, client: Params) -> Params:
@@ -129,8 +146,9 @@ def _assert_refused_unchanged(job: Job, result: MergeResult, reason: str, charge
     assert not job.svc.r.sismember(keys.merged(job.job_id), str(a))
 
 
-@pytest.mark.parametrize("upload", [{"send": "weights"}, {"send": "delta", "dtype": "float32"}],
-                         ids=["weights", "delta"])
+@pytest.mark.parametrize(
+    "upload", [{"send": "weights"}, {"send": "delta", "dtype": "float32"}], ids=["weights", "delta"]
+)
 def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
     job = _job(services, upload=upload)
     [a] = job.assignments
@@ -147,9 +165,18 @@ def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
     assert job.workunit(a) == (WorkunitStatus.done.value, 0)
     assert job.host() == (1, 0)
     assert job.metrics() == 1  # eval_every 1
-    assert paramstore.recent_update_norms(services.r, job.job_id) == [pytest.approx(
-        np.sqrt(sum(float(np.sum((client[k].astype(np.float64) - v) ** 2))
-                    for k, v in job.w0.items() if v.dtype.kind == "f")), rel=1e-4)]
+    assert paramstore.recent_update_norms(services.r, job.job_id) == [
+        pytest.approx(
+            np.sqrt(
+                sum(
+                    float(np.sum((client[k].astype(np.float64) - v) ** 2))
+                    for k, v in job.w0.items()
+                    if v.dtype.kind == "f"
+                )
+            ),
+            rel=1e-4,
+        )
+    ]
 
 
 def test_a_redelivered_merge_is_applied_once(services) -> None:

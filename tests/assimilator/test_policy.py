@@ -5,8 +5,16 @@ import math
 import numpy as np
 import pytest
 
-from crowdtrain.assimilator.policy import (Policy, UpdateBound, apply_with_policy, clipped, norm_limit, norm_refusal, params_norm,
-                                staleness_refusal)
+from crowdtrain.assimilator.policy import (
+    Policy,
+    UpdateBound,
+    apply_with_policy,
+    clipped,
+    norm_limit,
+    norm_refusal,
+    params_norm,
+    staleness_refusal,
+)
 from crowdtrain.assimilator.rules import Update, make_rule
 from crowdtrain.core.jobspec import AssimilationSpec
 
@@ -14,7 +22,7 @@ DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
 
 
 def test_the_default_bound_is_on_and_relative() -> None:
-    assert DEFAULT == UpdateBound(factor=10.0, warmup=5, max_update_norm=None)
+    assert UpdateBound(factor=10.0, warmup=5, max_update_norm=None) == DEFAULT
 
 
 def test_params_norm_skips_integer_counters() -> None:
@@ -44,8 +52,9 @@ def test_without_any_bound_everything_finite_passes() -> None:
     assert norm_refusal(1e300, bound, [], 1.0) is None
 
 
-@pytest.mark.parametrize(("norm", "refused"), [(9.0, False), (50.0, False), (53.0, True), (1e32, True),
-                                               (math.inf, True), (math.nan, True)])
+@pytest.mark.parametrize(
+    ("norm", "refused"), [(9.0, False), (50.0, False), (53.0, True), (1e32, True), (math.inf, True), (math.nan, True)]
+)
 def test_updates_beyond_the_bound_are_refused(norm: float, refused: bool) -> None:
     reason = norm_refusal(norm, DEFAULT, [5.2] * 10, base_norm=15.0)
     assert (reason is not None) == refused
@@ -82,9 +91,10 @@ def test_the_policy_wraps_any_rule_refusing_before_the_rule_sees_the_update() ->
     policy = Policy.from_spec(AssimilationSpec(rule="delta", max_staleness=1, clip_norm=1.0).model_dump())
     rule = make_rule({"rule": "delta"})
     server = {"w": np.zeros(2, np.float32), "n": np.array(0)}
-    refusal = apply_with_policy(policy, rule, server, {}, _update([3.0, 4.0]), version=10, norm=5.0,
-                                recent_norms=[], base_norm=1.4)
-    assert "stale result: based on v8, W_s is v10 (max_staleness 1)" == refusal
+    refusal = apply_with_policy(
+        policy, rule, server, {}, _update([3.0, 4.0]), version=10, norm=5.0, recent_norms=[], base_norm=1.4
+    )
+    assert refusal == "stale result: based on v8, W_s is v10 (max_staleness 1)"
     np.testing.assert_array_equal(server["w"], [0, 0])
     fresh = Update(**{**_update([3.0, 4.0]).__dict__, "staleness": 1})
     assert apply_with_policy(policy, rule, server, {}, fresh, 10, 5.0, [], 1.4) is None

@@ -1,7 +1,7 @@
 import hashlib
 import os
-import time
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +82,7 @@ def test_shards_and_snapshots_share_one_limit(tmp_path: Path) -> None:
 def test_files_in_use_are_never_evicted_and_a_file_that_cannot_fit_is_refused(tmp_path: Path) -> None:
     pinned: set[str] = set()
     cache = FileCache(tmp_path, CacheBudget(max_bytes=200, in_use=lambda: pinned))
-    a, b = put(cache, blob(1)), put(cache, blob(2))
+    a, _b = put(cache, blob(1)), put(cache, blob(2))
     age(cache, a, 60)
     pinned.add(a)
     c = put(cache, blob(3))
@@ -113,8 +113,10 @@ def test_without_a_limit_nothing_is_evicted(tmp_path: Path) -> None:
     assert set(cache.holds()) == digests
 
 
-@pytest.mark.parametrize("name", ["../victim/file", "/etc/passwd", "../" * 3 + "a" * 55, "A" * 64, "a" * 63,
-                                  "a" * 65, "g" * 64, "a" * 63 + "\n"])
+@pytest.mark.parametrize(
+    "name",
+    ["../victim/file", "/etc/passwd", "../" * 3 + "a" * 55, "A" * 64, "a" * 63, "a" * 65, "g" * 64, "a" * 63 + "\n"],
+)
 def test_a_name_that_is_not_a_sha256_never_names_a_path(tmp_path: Path, name: str) -> None:
     cache = FileCache(tmp_path / "cache")
     with pytest.raises(BadHash):

@@ -13,16 +13,25 @@ from sqlalchemy import select
 from crowdtrain.client.journal import AssignmentJournal, FileCheckpoint
 from crowdtrain.client.trainers import Cancelled, train
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import wait_for
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.launch.cluster import wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 
-RECIPE = {"model": {"name": "cnn1d", "input_shape": [40], "num_classes": 10, "options": {}},
-          "training": {"local_epochs": 3, "batch_size": 16, "optimizer": "adam", "lr": 0.01, "momentum": 0.0,
-                       "weight_decay": 0.0}, "seed": 5}
+RECIPE = {
+    "model": {"name": "cnn1d", "input_shape": [40], "num_classes": 10, "options": {}},
+    "training": {
+        "local_epochs": 3,
+        "batch_size": 16,
+        "optimizer": "adam",
+        "lr": 0.01,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+    },
+    "seed": 5,
+}
 
 
 class _StopAtSave(FileCheckpoint):
@@ -43,8 +52,9 @@ class _StopAtSave(FileCheckpoint):
 
 @pytest.mark.parametrize("framework", ["pytorch", "tensorflow"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_resumed_training_ends_exactly_where_uninterrupted_training_does(tmp_path: Path, optimizer: str,
-                                                                         framework: str) -> None:
+def test_resumed_training_ends_exactly_where_uninterrupted_training_does(
+    tmp_path: Path, optimizer: str, framework: str
+) -> None:
     if framework == "tensorflow":
         pytest.importorskip("tensorflow")
     rng = np.random.default_rng(0)
@@ -89,8 +99,9 @@ def test_a_sigkilled_client_resumes_its_assignment_from_the_checkpoint(make_clus
     args = ("--no-prefetch", "--checkpoint-seconds", "0.5", "--max-assignments", "1")
     client = cluster.start_client("volunteer", 1, *args)
     cache = cluster.var_dir / "clients" / "volunteer"
-    wait_for(lambda: (_checkpoint_progress(cache) or {}).get("epoch", 0) >= 3, 120,
-             "no checkpoint past epoch 3", client)
+    wait_for(
+        lambda: (_checkpoint_progress(cache) or {}).get("epoch", 0) >= 3, 120, "no checkpoint past epoch 3", client
+    )
     client.signal(signal.SIGKILL)
     client.proc.wait(10)
     with db.begin() as s:

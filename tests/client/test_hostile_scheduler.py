@@ -73,8 +73,9 @@ class FakeScheduler(RecordingServer):
 
     def route(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         if (method, path) == ("POST", "/v1/hosts"):
-            return 201, json.dumps({"host_id": 7, "host_token": "host-token",
-                                    "download_origins": self.download_origins}).encode()
+            return 201, json.dumps(
+                {"host_id": 7, "host_token": "host-token", "download_origins": self.download_origins}
+            ).encode()
         if (method, path) == ("POST", "/v1/work"):
             nothing = json.dumps({"assignments": [], "retry_after": 0.1, "heartbeat_interval": 5.0}).encode()
             return 200, self.pending.pop(0) if self.pending else nothing
@@ -95,10 +96,18 @@ def file_ref(url: str, digest: str, size: int = len(SNAPSHOT)) -> dict:
 
 
 def work_reply(shard: dict, snapshot: dict | None = None) -> bytes:
-    a = {"assignment_id": AID, "job_id": 1, "workunit_id": 3, "epoch": 1, "shard_index": 0, "base_version": 0,
-         "deadline": "2099-01-01T00:00:00Z",
-         "recipe": {"model": {"name": "mlp"}, "training": {}, "seed": 0},
-         "shard": shard, "snapshot": snapshot or file_ref("/files/snapshot", sha256(SNAPSHOT))}
+    a = {
+        "assignment_id": AID,
+        "job_id": 1,
+        "workunit_id": 3,
+        "epoch": 1,
+        "shard_index": 0,
+        "base_version": 0,
+        "deadline": "2099-01-01T00:00:00Z",
+        "recipe": {"model": {"name": "mlp"}, "training": {}, "seed": 0},
+        "shard": shard,
+        "snapshot": snapshot or file_ref("/files/snapshot", sha256(SNAPSHOT)),
+    }
     return json.dumps({"assignments": [a], "retry_after": 0.1, "heartbeat_interval": 5.0}).encode()
 
 
@@ -111,31 +120,54 @@ def tree(root: Path, skip: Path) -> dict[str, float]:
 # report must contain (None: the reply names no assignment the client could hand back).
 CASES: dict[str, tuple[Callable[[Path, str], bytes], str | None]] = {
     "sha256 climbing out of the cache": (
-        lambda tmp, other: work_reply(file_ref("/files/shard", "../victim/file")), "sha256"),
+        lambda tmp, other: work_reply(file_ref("/files/shard", "../victim/file")),
+        "sha256",
+    ),
     "sha256 that is an absolute path": (
-        lambda tmp, other: work_reply(file_ref("/files/shard", str(tmp / "victim" / "file"))), "sha256"),
+        lambda tmp, other: work_reply(file_ref("/files/shard", str(tmp / "victim" / "file"))),
+        "sha256",
+    ),
     "snapshot sha256 naming new directories": (
-        lambda tmp, other: work_reply(file_ref("/files/snapshot", sha256(SNAPSHOT)),
-                                      file_ref("/files/snapshot", "../created/dir/x")), "sha256"),
+        lambda tmp, other: work_reply(
+            file_ref("/files/snapshot", sha256(SNAPSHOT)), file_ref("/files/snapshot", "../created/dir/x")
+        ),
+        "sha256",
+    ),
     "URL on another origin": (
-        lambda tmp, other: work_reply(file_ref(f"{other}/internal", sha256(b"secret"))), "refusing to download"),
+        lambda tmp, other: work_reply(file_ref(f"{other}/internal", sha256(b"secret"))),
+        "refusing to download",
+    ),
     "download longer than announced": (
-        lambda tmp, other: work_reply(file_ref("/files/snapshot", sha256(SNAPSHOT), size=5)), "larger than"),
+        lambda tmp, other: work_reply(file_ref("/files/snapshot", sha256(SNAPSHOT), size=5)),
+        "larger than",
+    ),
     "upload encoding the client does not know": (
         lambda tmp, other: work_reply(file_ref("/files/shard", "0" * 64)).replace(
-            b'"seed": 0}', b'"seed": 0, "upload": {"send": "delta", "dtype": "int4", "block_size": 1}}'),
-        "recipe.upload"),
+            b'"seed": 0}', b'"seed": 0, "upload": {"send": "delta", "dtype": "int4", "block_size": 1}}'
+        ),
+        "recipe.upload",
+    ),
     "reply larger than the client reads": (
-        lambda tmp, other: work_reply(file_ref("/files/shard", "0" * 64), file_ref("/files/snapshot", "0" * 64)
-                                      ).replace(b'"mlp"', b'"' + b"x" * 9000 + b'"'), None),
+        lambda tmp, other: work_reply(
+            file_ref("/files/shard", "0" * 64), file_ref("/files/snapshot", "0" * 64)
+        ).replace(b'"mlp"', b'"' + b"x" * 9000 + b'"'),
+        None,
+    ),
 }
 
 
 def run_client_until(scheduler: FakeScheduler, cache: Path, work_requests: int) -> None:
     """Run the real work loop in this process until it has asked for work `work_requests` times, then
     stop it as SIGTERM does; it must still be running at that point and stop cleanly."""
-    volunteer = VolunteerClient(scheduler.url, "join", cache_dir=cache, name="volunteer", prefetch=False,
-                                checkpoint_seconds=0, frameworks=["pytorch"])
+    volunteer = VolunteerClient(
+        scheduler.url,
+        "join",
+        cache_dir=cache,
+        name="volunteer",
+        prefetch=False,
+        checkpoint_seconds=0,
+        frameworks=["pytorch"],
+    )
     runner = threading.Thread(target=volunteer.run, daemon=True)
     try:
         runner.start()
@@ -151,8 +183,9 @@ def run_client_until(scheduler: FakeScheduler, cache: Path, work_requests: int) 
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_client_refuses_a_hostile_work_reply_and_keeps_working(case: str, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_client_refuses_a_hostile_work_reply_and_keeps_working(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(crowdtrain.client.worker, "BAD_REPLY_WAIT", 0.2)
     monkeypatch.setattr(crowdtrain.client.api, "MAX_REPLY_BYTES", 8192)
     make_reply, expected = CASES[case]
@@ -186,8 +219,9 @@ def test_the_object_store_named_at_registration_is_downloaded_from_without_the_h
     shard = b"shard bytes from the object store"
     store = RecordingServer(lambda method, path, body: (200, shard))
     reply = work_reply(file_ref(f"{store.url}/bucket/shard?X-Amz-Signature=s", sha256(shard), len(shard)))
-    scheduler = FakeScheduler(reply, {"/files/snapshot": SNAPSHOT},
-                              download_origins=[store.url, "http://169.254.169.254"])
+    scheduler = FakeScheduler(
+        reply, {"/files/snapshot": SNAPSHOT}, download_origins=[store.url, "http://169.254.169.254"]
+    )
     try:
         run_client_until(scheduler, tmp_path / "cache", work_requests=2)
     finally:

@@ -45,15 +45,13 @@ def test_cpu_at_the_threshold_counts_as_busy() -> None:
 
 
 @pytest.mark.parametrize(("last_input", "idle"), [(NOW - 5, False), (NOW - 61, True), (None, True)])
-def test_recent_input_is_not_idle_and_unknown_input_leaves_cpu_to_decide(last_input: float | None,
-                                                                          idle: bool) -> None:
+def test_recent_input_is_not_idle_and_unknown_input_leaves_cpu_to_decide(last_input: float | None, idle: bool) -> None:
     assert is_idle(quiet(NOW - 70, NOW, last_input=last_input), NOW, POLICY) is idle
 
 
 def test_the_monitor_reports_each_change_once_from_injected_input_readings() -> None:
     changes: list[bool] = []
-    monitor = IdleMonitor(IdlePolicy(minutes=10 / 60, cpu_percent=200.0), changes.append,
-                          input_activity=lambda: None)
+    monitor = IdleMonitor(IdlePolicy(minutes=10 / 60, cpu_percent=200.0), changes.append, input_activity=lambda: None)
     for t in range(0, 12):
         monitor.observe(Sample(1000.0 + t, 0.0, None))
     monitor.observe(Sample(1012.0, 0.0, 1011.5))  # someone touched the keyboard
@@ -63,8 +61,7 @@ def test_the_monitor_reports_each_change_once_from_injected_input_readings() -> 
 
 
 def test_the_monitor_explains_why_the_machine_is_not_idle() -> None:
-    monitor = IdleMonitor(IdlePolicy(minutes=10 / 60, cpu_percent=50.0), lambda idle: None,
-                          input_activity=lambda: None)
+    monitor = IdleMonitor(IdlePolicy(minutes=10 / 60, cpu_percent=50.0), lambda idle: None, input_activity=lambda: None)
     assert monitor.explain() == "watching for 0.166667 idle minutes"
     monitor.observe(Sample(1000.0, 80.0, None))
     assert monitor.explain() == "other processes used 80% CPU (limit 50%)"
@@ -152,16 +149,22 @@ def cpu_while_status_rewritten(pid: int, cache, times: int) -> tuple[float, floa
 
 @pytest.mark.integration
 def test_an_idle_only_client_waits_for_a_cpu_hog_to_end_and_pauses_training_while_one_runs(
-        make_cluster, sqlite_url: str) -> None:
+    make_cluster, sqlite_url: str
+) -> None:
     cluster = make_cluster(sqlite_url)
     submit_long_job(cluster)
     hog = start_hog()
     try:
-        client = cluster.start_client("polite", 1, "--no-prefetch", "--idle-only", "--idle-minutes",
-                                      str(IDLE_MINUTES), "--idle-cpu-percent", "35")
+        client = cluster.start_client(
+            "polite", 1, "--no-prefetch", "--idle-only", "--idle-minutes", str(IDLE_MINUTES), "--idle-cpu-percent", "35"
+        )
         cache = cluster.var_dir / "clients" / "polite"
-        wait_for(lambda: "other processes used" in getattr(read_status(cache), "reason", ""), 60,
-                 "the client never measured the hog", client)
+        wait_for(
+            lambda: "other processes used" in getattr(read_status(cache), "reason", ""),
+            60,
+            "the client never measured the hog",
+            client,
+        )
         busy_since = read_status(cache).updated_at
         wait_for(lambda: read_status(cache).updated_at > busy_since + 3 * WINDOW, 60, "no status", client)
         assert read_status(cache).state == ClientState.not_idle
@@ -179,8 +182,7 @@ def test_an_idle_only_client_waits_for_a_cpu_hog_to_end_and_pauses_training_whil
         kill(hog)
         wait_for(status_is(cache, ClientState.working, "training"), 90, "training did not resume", client)
         cpu0 = cpu_seconds(client.proc.pid)
-        wait_for(lambda: cpu_seconds(client.proc.pid) - cpu0 > 2.0, 60, "the resumed client does not compute",
-                 client)
+        wait_for(lambda: cpu_seconds(client.proc.pid) - cpu0 > 2.0, 60, "the resumed client does not compute", client)
         assert [st for _, st, _ in host_assignments(sqlite_url, "polite")] == ["in_progress"], "same assignment"
     finally:
         kill(hog)

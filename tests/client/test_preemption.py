@@ -1,6 +1,5 @@
 """Spot-interruption notices: the decision rule, and a real client against a local notice endpoint."""
 
-import time
 from datetime import UTC, datetime
 
 import pytest
@@ -8,10 +7,10 @@ from sqlalchemy import select
 
 from crowdtrain.client.preemption import RunningEstimate, parse_notice, plan_preemption
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, SpotNoticeServer, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
-from crowdtrain.core.states import AssignmentStatus
 from tests.conftest import EXAMPLE_SPEC
 
 
@@ -55,14 +54,16 @@ def notice_server():
 
 @pytest.mark.integration
 def test_spot_notice_gives_back_running_work_at_once_and_it_is_redispatched_long_before_the_deadline(
-        make_cluster, sqlite_url: str, notice_server: SpotNoticeServer) -> None:
+    make_cluster, sqlite_url: str, notice_server: SpotNoticeServer
+) -> None:
     deadline = 600
     cluster = make_cluster(sqlite_url, extra_env={"CROWDTRAIN_WORK_RETRY_AFTER": "0.5"})
     # One shard: each epoch is one long workunit, so the standby is free to take the given-back one.
     _submit(cluster, local_epochs=500, subsets=1, deadline=deadline)
     db = session_factory(sqlite_url)
-    spot = cluster.start_client("spot", 1, "--no-prefetch", "--spot-notice-url", notice_server.url,
-                                "--spot-poll-seconds", "0.5")
+    spot = cluster.start_client(
+        "spot", 1, "--no-prefetch", "--spot-notice-url", notice_server.url, "--spot-poll-seconds", "0.5"
+    )
     wait_for(lambda: any(a.status == "in_progress" for a in _assignments(db, "spot")), 90, "spot got no work", spot)
     standby = cluster.start_client("standby", 2, "--no-prefetch")
     wait_for(lambda: len(_assignments(db, "standby")) == 1, 90, "standby got no work", standby)
@@ -72,8 +73,12 @@ def test_spot_notice_gives_back_running_work_at_once_and_it_is_redispatched_long
     wait_for(lambda: notice_server.served_at is not None, 10, "the client never read the notice", spot)
     assert spot.proc.wait(30) == 0, spot.tail()
 
-    wait_for(lambda: any(a.workunit_id == lost.workunit_id for a in _assignments(db, "standby")), 30,
-             "the given-back workunit was not dispatched again", standby)
+    wait_for(
+        lambda: any(a.workunit_id == lost.workunit_id for a in _assignments(db, "standby")),
+        30,
+        "the given-back workunit was not dispatched again",
+        standby,
+    )
     (given_back,) = _assignments(db, "spot")
     assert given_back.status == AssignmentStatus.abandoned.value
     retry = next(a for a in _assignments(db, "standby") if a.workunit_id == lost.workunit_id)
@@ -84,13 +89,15 @@ def test_spot_notice_gives_back_running_work_at_once_and_it_is_redispatched_long
 
 
 @pytest.mark.integration
-def test_spot_notice_lets_an_assignment_that_fits_finish_and_upload(make_cluster, sqlite_url: str,
-                                                                    notice_server: SpotNoticeServer) -> None:
+def test_spot_notice_lets_an_assignment_that_fits_finish_and_upload(
+    make_cluster, sqlite_url: str, notice_server: SpotNoticeServer
+) -> None:
     cluster = make_cluster(sqlite_url)
     _submit(cluster, local_epochs=16, subsets=4, deadline=300)
     db = session_factory(sqlite_url)
-    spot = cluster.start_client("spot", 1, "--no-prefetch", "--spot-notice-url", notice_server.url,
-                                "--spot-poll-seconds", "0.5")
+    spot = cluster.start_client(
+        "spot", 1, "--no-prefetch", "--spot-notice-url", notice_server.url, "--spot-poll-seconds", "0.5"
+    )
 
     def training_after_a_finished_one() -> Assignment | None:
         rows = _assignments(db, "spot")

@@ -9,8 +9,8 @@ import pytest
 from crowdtrain.client.cache import FileCache
 from crowdtrain.client.quota import DailyTransfer, OverDailyCap, counted
 from crowdtrain.client.status import ClientState, read_status
-from crowdtrain.launch.cluster import wait_for
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.launch.cluster import wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 DAY1, DAY2 = date(2026, 11, 22), date(2026, 11, 23)
@@ -32,8 +32,9 @@ def download_into(cache: FileCache, t: DailyTransfer, data: bytes) -> Path:
     """Reserve, download real bytes through the cache, settle: what the client does per file."""
     reservation = t.reserve(len(data), 0)
     try:
-        return cache.fetch(hashlib.sha256(data).hexdigest(), counted(lambda p: p.write_bytes(data), t, reservation),
-                           len(data))
+        return cache.fetch(
+            hashlib.sha256(data).hexdigest(), counted(lambda p: p.write_bytes(data), t, reservation), len(data)
+        )
     finally:
         t.release(reservation)
 
@@ -59,8 +60,11 @@ def test_a_refused_reservation_stops_work_until_the_day_rolls_over(tmp_path: Pat
     assert "over daily upload cap" in transfer(tmp_path, clock).over_cap(), "the stop is kept across a restart"
     clock.day = DAY2
     assert t.over_cap() is None
-    assert t.figures() == {"day": DAY2.isoformat(), "used": {"download": 0, "upload": 0},
-                           "caps": {"download": 1000, "upload": 1000}}
+    assert t.figures() == {
+        "day": DAY2.isoformat(),
+        "used": {"download": 0, "upload": 0},
+        "caps": {"download": 1000, "upload": 1000},
+    }
 
 
 def test_reaching_a_cap_stops_work(tmp_path: Path) -> None:
@@ -95,7 +99,8 @@ def test_without_caps_nothing_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_a_client_over_its_daily_cap_hands_work_back_and_asks_for_none_even_after_a_restart(
-        make_cluster, sqlite_url: str) -> None:
+    make_cluster, sqlite_url: str
+) -> None:
     cluster = make_cluster(sqlite_url)
     submit_slow_job(cluster)
     cache = cluster.var_dir / "clients" / "frugal"
@@ -109,8 +114,9 @@ def test_a_client_over_its_daily_cap_hands_work_back_and_asks_for_none_even_afte
     wait_for(over_cap, 60, "the client never stopped at its cap", client)
     taken = host_assignments(sqlite_url, "frugal")
     assert [st for _, st, _ in taken] == [AssignmentStatus.abandoned.value], "handed back, not failed"
-    assert read_status(cache).downloaded_bytes == 0 and not list((cache / "shards").rglob("*")), \
+    assert read_status(cache).downloaded_bytes == 0 and not list((cache / "shards").rglob("*")), (
         "a download that would pass the cap is not started"
+    )
     assert "over daily cap: over daily download cap" in client.tail()
 
     client.stop()

@@ -9,10 +9,10 @@ import pytest
 from sqlalchemy import select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -28,8 +28,9 @@ def submit_slow_job(cluster: Cluster) -> int:
 
 def host_assignments(db_url: str, host_name: str) -> list[tuple[int, str, int]]:
     with session_factory(db_url).begin() as s:
-        rows = s.execute(select(Assignment.id, Assignment.status, Assignment.workunit_id).join(Host)
-                         .where(Host.name == host_name)).all()
+        rows = s.execute(
+            select(Assignment.id, Assignment.status, Assignment.workunit_id).join(Host).where(Host.name == host_name)
+        ).all()
     return [tuple(r) for r in rows]
 
 
@@ -51,9 +52,14 @@ def test_sigterm_abandons_running_assignments_and_exits_cleanly(make_cluster, sq
 
 def test_client_waits_for_an_unreachable_server_and_then_works(make_cluster, sqlite_url: str, tmp_path) -> None:
     port, join_token = free_port(), secrets.token_urlsafe(32)
-    client = Service("early-bird", crowdtrain_argv("client", "--server", f"http://127.0.0.1:{port}", "--cache",
-                                                   str(tmp_path / "cache"), "--name", "early-bird"),
-                     dict(os.environ, CROWDTRAIN_CLIENT_JOIN_TOKEN=join_token), tmp_path / "early-bird.log").start()
+    client = Service(
+        "early-bird",
+        crowdtrain_argv(
+            "client", "--server", f"http://127.0.0.1:{port}", "--cache", str(tmp_path / "cache"), "--name", "early-bird"
+        ),
+        dict(os.environ, CROWDTRAIN_CLIENT_JOIN_TOKEN=join_token),
+        tmp_path / "early-bird.log",
+    ).start()
     try:
         # Retrying, and still alive a while later (the first attempt waits for the client's imports).
         wait_for(lambda: "server unreachable" in client.tail(), 60, "the client should be retrying", client)
@@ -61,16 +67,22 @@ def test_client_waits_for_an_unreachable_server_and_then_works(make_cluster, sql
         assert client.alive, client.tail()
         cluster = make_cluster(sqlite_url, port=port, join_token=join_token)
         submit_slow_job(cluster)
-        wait_for(lambda: any(st == AssignmentStatus.in_progress.value
-                             for _, st, _ in host_assignments(sqlite_url, "early-bird")),
-                 90, "the client never got work after the server came up", client)
+        wait_for(
+            lambda: any(
+                st == AssignmentStatus.in_progress.value for _, st, _ in host_assignments(sqlite_url, "early-bird")
+            ),
+            90,
+            "the client never got work after the server came up",
+            client,
+        )
     finally:
         client.stop()
 
 
 @pytest.mark.parametrize("prefetch, held", [(True, 2), (False, 1)])
-def test_prefetch_holds_the_next_assignment_with_its_files_while_training(make_cluster, sqlite_url: str,
-                                                                         prefetch: bool, held: int) -> None:
+def test_prefetch_holds_the_next_assignment_with_its_files_while_training(
+    make_cluster, sqlite_url: str, prefetch: bool, held: int
+) -> None:
     from crowdtrain.client.cache import FileCache
 
     cluster = make_cluster(sqlite_url)
@@ -84,11 +96,12 @@ def test_prefetch_holds_the_next_assignment_with_its_files_while_training(make_c
     with session_factory(sqlite_url).begin() as s:
         from crowdtrain.server.ledger.models import Shard
 
-        shas = {s.scalar(select(Shard.sha256).join(Workunit, Workunit.shard_id == Shard.id)
-                         .where(Workunit.id == wu_id)) for _, _, wu_id in rows}
+        shas = {
+            s.scalar(select(Shard.sha256).join(Workunit, Workunit.shard_id == Shard.id).where(Workunit.id == wu_id))
+            for _, _, wu_id in rows
+        }
     cache = FileCache(cluster.var_dir / "clients" / "volunteer" / "shards")
     assert shas <= set(cache.holds()), "the prefetched assignment's shard is not downloaded yet"
     client.proc.send_signal(signal.SIGTERM)
     assert client.proc.wait(30) == 0, client.tail()
-    assert {status for _, status, _ in host_assignments(sqlite_url, "volunteer")} == {
-        AssignmentStatus.abandoned.value}
+    assert {status for _, status, _ in host_assignments(sqlite_url, "volunteer")} == {AssignmentStatus.abandoned.value}

@@ -41,8 +41,13 @@ def test_0005_downgrade_moves_re_dealt_epochs_onto_the_submission_shards(databas
         job = Job(name="j", mode="vc-asgd", status="running", spec={}, model_config_={}, param_manifest={})
         s.add(job)
         s.flush()
-        shards = {(e, i): Shard(job_id=job.id, epoch=e, index=i, key=f"k{e}{i}", sha256=None if e else "0" * 64,
-                                size=0, examples=0) for e in (0, 2) for i in range(2)}
+        shards = {
+            (e, i): Shard(
+                job_id=job.id, epoch=e, index=i, key=f"k{e}{i}", sha256=None if e else "0" * 64, size=0, examples=0
+            )
+            for e in (0, 2)
+            for i in range(2)
+        }
         s.add_all(shards.values())
         s.flush()
         s.add_all(Workunit(job_id=job.id, epoch=e or 1, shard_id=sh.id, status="done") for (e, i), sh in shards.items())
@@ -54,7 +59,9 @@ def test_0005_downgrade_moves_re_dealt_epochs_onto_the_submission_shards(databas
     engine = create_engine(normalize_url(database_url))
     with engine.begin() as conn:
         assert conn.execute(text('SELECT id, "index" FROM shards ORDER BY "index"')).all() == [
-            (submitted[0], 0), (submitted[1], 1)]
+            (submitted[0], 0),
+            (submitted[1], 1),
+        ]
         moved = conn.execute(text("SELECT epoch, shard_id FROM workunits ORDER BY epoch, shard_id")).all()
     engine.dispose()
     assert moved == [(1, submitted[0]), (1, submitted[1]), (2, submitted[0]), (2, submitted[1])]

@@ -52,8 +52,9 @@ class Scheduler:
 
     def register_token(self, name: str = "h1", address: str = "testclient") -> str:
         """A newly registered host's token."""
-        resp = self.client(address=address).post("/v1/hosts", json={"join_token": self.settings.join_token,
-                                                                      "name": name})
+        resp = self.client(address=address).post(
+            "/v1/hosts", json={"join_token": self.settings.join_token, "name": name}
+        )
         assert resp.status_code == 201, resp.text
         return resp.json()["host_token"]
 
@@ -78,14 +79,19 @@ def scheduler_app(var_dir: Path, r: redis.Redis, **settings) -> Iterator[Schedul
     """The app on a migrated SQLite file and a storage directory under `var_dir`, and the private Redis `r`."""
     var_dir.mkdir(parents=True, exist_ok=True)
     port = r.connection_pool.connection_kwargs["port"]
-    configured = Settings(var_dir=var_dir, database_url=f"sqlite:///{var_dir / 'crowdtrain.db'}",
-                          redis_url=f"redis://127.0.0.1:{port}/0", storage_url=(var_dir / "storage").as_uri(),
-                          admin_token=ADMIN_TOKEN, join_token=JOIN_TOKEN, **settings)
+    configured = Settings(
+        var_dir=var_dir,
+        database_url=f"sqlite:///{var_dir / 'crowdtrain.db'}",
+        redis_url=f"redis://127.0.0.1:{port}/0",
+        storage_url=(var_dir / "storage").as_uri(),
+        admin_token=ADMIN_TOKEN,
+        join_token=JOIN_TOKEN,
+        **settings,
+    )
     upgrade(configured.resolved_database_url)
     app = create_app(configured)
     with TestClient(app) as http:
-        yield Scheduler(app, http, session_factory(configured.resolved_database_url), var_dir / "storage",
-                        configured)
+        yield Scheduler(app, http, session_factory(configured.resolved_database_url), var_dir / "storage", configured)
 
 
 def ok(resp: httpx.Response) -> httpx.Response:

@@ -10,8 +10,12 @@ RNG = np.random.default_rng(0)
 
 
 def arrays(n: int = 20, val: int = 10, features: int = 6) -> dict[str, np.ndarray]:
-    return {"x": RNG.normal(size=(n, features)), "y": np.arange(n) % 3,
-            "x_val": RNG.normal(size=(val, features)), "y_val": np.arange(val) % 3}
+    return {
+        "x": RNG.normal(size=(n, features)),
+        "y": np.arange(n) % 3,
+        "x_val": RNG.normal(size=(val, features)),
+        "y_val": np.arange(val) % 3,
+    }
 
 
 def with_nan(a: np.ndarray, at: int) -> np.ndarray:
@@ -20,25 +24,31 @@ def with_nan(a: np.ndarray, at: int) -> np.ndarray:
     return a
 
 
-@pytest.mark.parametrize(("patch", "words"), [
-    ({"x": with_nan(arrays()["x"], 7)}, "dataset x: 1 values are NaN or infinite as float32 (the first in example 7)"),
-    ({"x_val": np.full((10, 6), np.inf)}, "dataset x_val: 60 values are NaN or infinite"),
-    ({"x": np.full((20, 6), 1e300)}, "dataset x: 120 values are NaN or infinite as float32"),
-    ({"y": np.arange(20) % 3 - 1}, "dataset y: labels must be class indices >= 0, found -1"),
-    ({"y_val": np.arange(10) % 4}, "dataset y_val: classes [3] never occur in the training labels y"),
-    ({"y": np.zeros(20, dtype=int)}, "every training label is 0"),
-    ({"y": np.arange(20) % 3 * 1_000_000}, "implies 2000001 classes"),
-    ({"x_val": np.zeros((9, 6))}, "x_val has 9 examples but y_val has 10"),
-    ({"x_val": np.zeros((10, 5))}, "dataset x_val: examples are shaped (5,), but x's are (6,)"),
-    ({"x": np.zeros((19, 6))}, "x has 19 examples but y has 20"),
-    ({"x": np.zeros(20)}, "dataset x: must be shaped (examples, features...), got (20,)"),
-    ({"x": np.zeros((20, 0))}, "got (20, 0)"),
-    ({"x": np.zeros((0, 6)), "y": np.zeros(0, dtype=int)}, "dataset x: has no examples"),
-    ({"x": np.array([["a"] * 6] * 20)}, "dataset x: must hold numbers, it is <U1"),
-    ({"y": np.arange(20) % 3 * 1.0}, "dataset y: must hold integer class labels, it is float64"),
-    ({"y": np.eye(3, dtype=int)[np.arange(20) % 3]}, "one class index per example"),
-    ({"y_val": None}, "give both x_val and y_val, or neither"),
-])
+@pytest.mark.parametrize(
+    ("patch", "words"),
+    [
+        (
+            {"x": with_nan(arrays()["x"], 7)},
+            "dataset x: 1 values are NaN or infinite as float32 (the first in example 7)",
+        ),
+        ({"x_val": np.full((10, 6), np.inf)}, "dataset x_val: 60 values are NaN or infinite"),
+        ({"x": np.full((20, 6), 1e300)}, "dataset x: 120 values are NaN or infinite as float32"),
+        ({"y": np.arange(20) % 3 - 1}, "dataset y: labels must be class indices >= 0, found -1"),
+        ({"y_val": np.arange(10) % 4}, "dataset y_val: classes [3] never occur in the training labels y"),
+        ({"y": np.zeros(20, dtype=int)}, "every training label is 0"),
+        ({"y": np.arange(20) % 3 * 1_000_000}, "implies 2000001 classes"),
+        ({"x_val": np.zeros((9, 6))}, "x_val has 9 examples but y_val has 10"),
+        ({"x_val": np.zeros((10, 5))}, "dataset x_val: examples are shaped (5,), but x's are (6,)"),
+        ({"x": np.zeros((19, 6))}, "x has 19 examples but y has 20"),
+        ({"x": np.zeros(20)}, "dataset x: must be shaped (examples, features...), got (20,)"),
+        ({"x": np.zeros((20, 0))}, "got (20, 0)"),
+        ({"x": np.zeros((0, 6)), "y": np.zeros(0, dtype=int)}, "dataset x: has no examples"),
+        ({"x": np.array([["a"] * 6] * 20)}, "dataset x: must hold numbers, it is <U1"),
+        ({"y": np.arange(20) % 3 * 1.0}, "dataset y: must hold integer class labels, it is float64"),
+        ({"y": np.eye(3, dtype=int)[np.arange(20) % 3]}, "one class index per example"),
+        ({"y_val": None}, "give both x_val and y_val, or neither"),
+    ],
+)
 def test_a_bad_dataset_is_refused_naming_the_array(patch: dict, words: str) -> None:
     a = arrays() | patch
     with pytest.raises(ValueError) as err:
@@ -62,11 +72,14 @@ def test_a_good_dataset_is_converted_and_split() -> None:
         make_dataset(a["x"][:1], a["y"][:1], None, None)
 
 
-@pytest.mark.parametrize(("content", "words"), [
-    (b"", "No data left in file"),
-    (b"PK\x03\x04 not really a zip", "File is not a zip file"),
-    (None, "it holds one array"),
-])
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"", "No data left in file"),
+        (b"PK\x03\x04 not really a zip", "File is not a zip file"),
+        (None, "it holds one array"),
+    ],
+)
 def test_an_unreadable_npz_file_is_refused(tmp_path, content: bytes | None, words: str) -> None:
     path = tmp_path / "data.npz"
     if content is None:
@@ -84,7 +97,7 @@ def test_more_shards_than_examples_is_refused() -> None:
 
 
 # 1,003 examples of 7 classes of unequal sizes, sorted by class as many files are.
-SORTED_Y = np.sort(np.random.default_rng(1).choice(7, 1003, p=[.3, .2, .15, .15, .1, .05, .05]))
+SORTED_Y = np.sort(np.random.default_rng(1).choice(7, 1003, p=[0.3, 0.2, 0.15, 0.15, 0.1, 0.05, 0.05]))
 
 
 def _check_partition(parts: list[np.ndarray], n: int, shards: int) -> None:

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode_shard, sha256
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.core.states import JobStatus
 from crowdtrain.workgen.generator import write_epoch_shards
-
 from tests.server.inprocess import Scheduler, scheduler_app
 
 CLASSES, EXAMPLES, SHARDS = 5, 400, 4
@@ -38,9 +37,12 @@ def sorted_npz(tmp_path: Path) -> Path:
 
 
 def submit(scheduler: Scheduler, npz: Path, **dataset) -> int:
-    spec = {"name": "t", "model": {"name": "mlp", "options": {"hidden": [8]}},
-            "dataset": {"source": f"npz:{npz}", "subsets": SHARDS, **dataset},
-            "stop": {"target_accuracy": 0.99, "max_epochs": 5}}
+    spec = {
+        "name": "t",
+        "model": {"name": "mlp", "options": {"hidden": [8]}},
+        "dataset": {"source": f"npz:{npz}", "subsets": SHARDS, **dataset},
+        "stop": {"target_accuracy": 0.99, "max_epochs": 5},
+    }
     resp = scheduler.http.post("/v1/jobs", json=spec, headers=scheduler.admin_headers)
     assert resp.status_code == 201, resp.text
     return resp.json()["job_id"]
@@ -49,14 +51,16 @@ def submit(scheduler: Scheduler, npz: Path, **dataset) -> int:
 def shard_labels(scheduler: Scheduler, job_id: int, epoch: int) -> list[np.ndarray]:
     storage = open_storage(scheduler.settings.resolved_storage_url)
     with scheduler.db.begin() as s:
-        keys = s.scalars(select(Shard.key).where(Shard.job_id == job_id, Shard.epoch == epoch)
-                         .order_by(Shard.index)).all()
+        keys = s.scalars(
+            select(Shard.key).where(Shard.job_id == job_id, Shard.epoch == epoch).order_by(Shard.index)
+        ).all()
     return [decode_shard(storage.get(k))[1] for k in keys]
 
 
 @pytest.mark.parametrize(("shuffle", "classes_per_shard"), [("stratified", CLASSES), ("none", 2)])
 def test_a_class_sorted_dataset_gives_shards_of_every_class_unless_shuffle_is_none(
-        scheduler, sorted_npz, shuffle: str, classes_per_shard: int) -> None:
+    scheduler, sorted_npz, shuffle: str, classes_per_shard: int
+) -> None:
     job_id = submit(scheduler, sorted_npz, shuffle=shuffle)
     labels = shard_labels(scheduler, job_id, 0)
     assert sum(len(y) for y in labels) == EXAMPLES
@@ -99,7 +103,7 @@ def test_each_epoch_gets_its_own_deal_written_once_when_first_dispatched(schedul
     storage = open_storage(scheduler.settings.resolved_storage_url)
     x0 = np.concatenate([decode_shard(storage.get(k))[0] for k in _keys(scheduler, job_id, 0)])
     x2 = [decode_shard(storage.get(k))[0] for k in _keys(scheduler, job_id, 2)]
-    assert not np.array_equal(x2[0], x0[:len(x2[0])]), "epoch 2's first shard is epoch 0's again"
+    assert not np.array_equal(x2[0], x0[: len(x2[0])]), "epoch 2's first shard is epoch 0's again"
 
     third = work(scheduler, host, SHARDS)  # the rest of epoch 2: nothing is written again
     assert sorted(a["shard_index"] for a in second + third) == list(range(SHARDS))
@@ -107,19 +111,22 @@ def test_each_epoch_gets_its_own_deal_written_once_when_first_dispatched(schedul
         job = s.get_one(Job, job_id)
         assert job.status == JobStatus.running.value
         assert write_epoch_shards(s, storage, job, 2) == 0
-        again = [(sh.sha256, sh.size, sh.examples) for sh in s.scalars(
-            select(Shard).where(Shard.job_id == job_id, Shard.epoch == 2).order_by(Shard.index))]
+        again = [
+            (sh.sha256, sh.size, sh.examples)
+            for sh in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 2).order_by(Shard.index))
+        ]
     assert again == written
 
 
 def _keys(scheduler: Scheduler, job_id: int, epoch: int) -> list[str]:
     with scheduler.db.begin() as s:
-        return list(s.scalars(select(Shard.key).where(Shard.job_id == job_id, Shard.epoch == epoch)
-                              .order_by(Shard.index)))
+        return list(
+            s.scalars(select(Shard.key).where(Shard.job_id == job_id, Shard.epoch == epoch).order_by(Shard.index))
+        )
 
 
 def test_a_job_without_reshuffling_shares_its_shards_across_epochs(scheduler, sorted_npz) -> None:
-    job_id = submit(scheduler, sorted_npz)
+    submit(scheduler, sorted_npz)
     host = scheduler.register_host()
     given = work(scheduler, host, 2 * SHARDS)
     assert sorted(a["epoch"] for a in given) == [1] * SHARDS + [2] * SHARDS

@@ -5,11 +5,22 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from crowdtrain.core.schemas import Finite, Id
-from crowdtrain.core.schemas_dedloc import AbortOut, CommitOut, PeerJoin, PeerJoined, Progress, ProgressReply, \
-    ReplyOk, RoundReport, StoreOp, StoreOpName, StoreReply
-from crowdtrain.server.services import dedloc_jobs as svc
-from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.core.schemas_dedloc import (
+    AbortOut,
+    CommitOut,
+    PeerJoin,
+    PeerJoined,
+    Progress,
+    ProgressReply,
+    ReplyOk,
+    RoundReport,
+    StoreOp,
+    StoreOpName,
+    StoreReply,
+)
 from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, octet_stream_body, upload_body
+from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.services import dedloc_jobs as svc
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
 admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "admin"], dependencies=[AdminDep])
@@ -28,11 +39,11 @@ def progress(job_id: Id, req: Progress, host_id: HostDep, db: DbDep, r: RedisDep
 
 
 @router.post("/rounds/{step}/{attempt}/report", response_model=ReplyOk)
-def report(job_id: Id, step: Id, attempt: Id, req: RoundReport, host_id: HostDep, db: DbDep,
-           r: RedisDep) -> ReplyOk:
+def report(job_id: Id, step: Id, attempt: Id, req: RoundReport, host_id: HostDep, db: DbDep, r: RedisDep) -> ReplyOk:
     """A member's outcome of its reduction; a failure aborts the attempt for every member."""
-    return ReplyOk(status=svc.report(db, r, job_id, host_id, step, attempt, req.peer_id, req.ok,
-                                     req.result_digest, req.message))
+    return ReplyOk(
+        status=svc.report(db, r, job_id, host_id, step, attempt, req.peer_id, req.ok, req.result_digest, req.message)
+    )
 
 
 @router.post("/rounds/{step}/{attempt}/store/{op}", response_model=StoreReply)
@@ -44,20 +55,38 @@ def store(job_id: Id, step: Id, attempt: Id, op: str, req: StoreOp, host_id: Hos
     return svc.store_op(r, job_id, host_id, step, attempt, op, req)
 
 
-@router.put("/rounds/{step}/{attempt}/parts/{part}", response_model=ReplyOk, responses=UPLOAD_RESPONSES,
-            openapi_extra=octet_stream_body("One float32 tensor 'g' (safetensors)"))
-async def put_part(job_id: Id, step: Id, attempt: Id, part: str, peer_id: str, request: Request,
-                   host_id: HostDep, r: RedisDep, settings: SettingsDep) -> ReplyOk:
+@router.put(
+    "/rounds/{step}/{attempt}/parts/{part}",
+    response_model=ReplyOk,
+    responses=UPLOAD_RESPONSES,
+    openapi_extra=octet_stream_body("One float32 tensor 'g' (safetensors)"),
+)
+async def put_part(
+    job_id: Id,
+    step: Id,
+    attempt: Id,
+    part: str,
+    peer_id: str,
+    request: Request,
+    host_id: HostDep,
+    r: RedisDep,
+    settings: SettingsDep,
+) -> ReplyOk:
     """A group's sum or a relayed member's weighted gradient (safetensors, one float32 tensor 'g')."""
     async with upload_body(request, settings.upload_max_bytes) as body:
-        return ReplyOk(status=await run_in_threadpool(svc.put_part, r, job_id, host_id, peer_id, step, attempt,
-                                                      part, body))
+        return ReplyOk(
+            status=await run_in_threadpool(svc.put_part, r, job_id, host_id, peer_id, step, attempt, part, body)
+        )
 
 
-@router.get("/rounds/{step}/{attempt}/total", response_class=Response,
-            responses={204: {"description": "Parts of the round are still missing: ask again"}})
-def get_total(job_id: Id, step: Id, attempt: Id, peer_id: str, host_id: HostDep, r: RedisDep,
-              wait: Finite = 2.0) -> Response:
+@router.get(
+    "/rounds/{step}/{attempt}/total",
+    response_class=Response,
+    responses={204: {"description": "Parts of the round are still missing: ask again"}},
+)
+def get_total(
+    job_id: Id, step: Id, attempt: Id, peer_id: str, host_id: HostDep, r: RedisDep, wait: Finite = 2.0
+) -> Response:
     """The sum of every part of the round: 200 with safetensors, or 204 while parts are missing."""
     blob = svc.get_total(r, job_id, host_id, peer_id, step, attempt, min(max(wait, 0.0), 5.0))
     if blob is None:
@@ -65,14 +94,28 @@ def get_total(job_id: Id, step: Id, attempt: Id, peer_id: str, host_id: HostDep,
     return Response(blob, media_type="application/octet-stream")
 
 
-@router.put("/states/{step}", response_model=ReplyOk, responses=UPLOAD_RESPONSES,
-            openapi_extra=octet_stream_body("Parameters and optimizer state (safetensors)"))
-async def put_state(job_id: Id, step: Id, peer_id: str, request: Request, host_id: HostDep, db: DbDep,
-                    r: RedisDep, storage: StorageDep, settings: SettingsDep) -> ReplyOk:
+@router.put(
+    "/states/{step}",
+    response_model=ReplyOk,
+    responses=UPLOAD_RESPONSES,
+    openapi_extra=octet_stream_body("Parameters and optimizer state (safetensors)"),
+)
+async def put_state(
+    job_id: Id,
+    step: Id,
+    peer_id: str,
+    request: Request,
+    host_id: HostDep,
+    db: DbDep,
+    r: RedisDep,
+    storage: StorageDep,
+    settings: SettingsDep,
+) -> ReplyOk:
     """Parameters and optimizer state at the start of `step` (safetensors); evaluated and recorded."""
     async with upload_body(request, settings.upload_max_bytes) as body:
-        return ReplyOk(status=await run_in_threadpool(svc.put_state, db, r, storage, job_id, host_id, peer_id,
-                                                      step, body))
+        return ReplyOk(
+            status=await run_in_threadpool(svc.put_state, db, r, storage, job_id, host_id, peer_id, step, body)
+        )
 
 
 @router.get("/states/latest", response_class=Response)
@@ -96,5 +139,5 @@ def commits(job_id: Id, r: RedisDep) -> dict[int, CommitOut]:
 
 @admin_router.get("/aborts", response_model=dict[str, AbortOut])
 def aborts(job_id: Id, r: RedisDep) -> dict[str, AbortOut]:
-    """"step:attempt" -> the members of each aborted attempt and why it was aborted."""
+    """ "step:attempt" -> the members of each aborted attempt and why it was aborted."""
     return {attempt: AbortOut.model_validate(abort) for attempt, abort in svc.aborts(r, job_id).items()}

@@ -6,8 +6,8 @@ from fastapi.responses import FileResponse, Response
 
 from crowdtrain.core import keys
 from crowdtrain.core.schemas import Id
-from crowdtrain.server.services import access
 from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, StorageDep
+from crowdtrain.server.services import access
 
 router = APIRouter(prefix="/v1", tags=["files"])
 
@@ -24,8 +24,9 @@ def get_shard(shard_id: Id, host_id: HostDep, db: DbDep, r: RedisDep, storage: S
     """A shard of training data, for a host whose running assignment (or DeDLOC collaboration) uses it."""
     key = access.readable_shard_key(db, r, host_id, shard_id)
     if key is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND,
-                            f"shard {shard_id} does not exist or none of your assignments needs it")
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"shard {shard_id} does not exist or none of your assignments needs it"
+        )
     return _serve(storage, key)
 
 
@@ -34,6 +35,8 @@ def get_snapshot(job_id: Id, version: Id, host_id: HostDep, db: DbDep, storage: 
     """A published W_s snapshot, for a host whose running assignment of the job starts from it."""
     key = keys.snapshot_key(job_id, version)
     if not access.may_read_snapshot(db, host_id, job_id, version) or not storage.exists(key):
-        raise HTTPException(status.HTTP_404_NOT_FOUND,
-                            f"snapshot v{version} of job {job_id} does not exist or none of your assignments needs it")
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"snapshot v{version} of job {job_id} does not exist or none of your assignments needs it",
+        )
     return _serve(storage, key)

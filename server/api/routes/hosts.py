@@ -11,8 +11,9 @@ router = APIRouter(prefix="/v1", tags=["hosts"])
 
 
 @router.post("/hosts", response_model=HostRegistered, status_code=status.HTTP_201_CREATED)
-def register(req: HostRegister, db: DbDep, settings: SettingsDep, storage: StorageDep,
-             _: FailureBudgetDep) -> HostRegistered:
+def register(
+    req: HostRegister, db: DbDep, settings: SettingsDep, storage: StorageDep, _: FailureBudgetDep
+) -> HostRegistered:
     """Register a client with a join token (one issued with `crowdtrain admin join-token create`, or the
     bootstrap token from the settings); answers the host token to use from now on, and the object
     store's origin if shards and snapshots are downloaded from it (the client pins it).

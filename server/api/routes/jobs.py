@@ -26,8 +26,9 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
     if spec.mode == "dedloc":
         await run_in_threadpool(dedloc_jobs.open_job, r, storage, prepared.job_id)
-    return JobCreated(job_id=prepared.job_id, status=JobStatus.running, shards=prepared.shards,
-                      parameters=prepared.parameters)
+    return JobCreated(
+        job_id=prepared.job_id, status=JobStatus.running, shards=prepared.shards, parameters=prepared.parameters
+    )
 
 
 @router.get("", response_model=list[JobSummary])
@@ -53,5 +54,8 @@ def download_model(job_id: Id, db: DbDep, storage: StorageDep) -> Response:
     key = jobs.final_model_key(db, job_id)
     if key is None:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} has no final model yet")
-    return Response(storage.get(key), media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="job-{job_id}.safetensors"'})
+    return Response(
+        storage.get(key),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="job-{job_id}.safetensors"'},
+    )

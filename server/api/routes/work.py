@@ -5,30 +5,46 @@ from fastapi.concurrency import run_in_threadpool
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
-from crowdtrain.core.schemas import ClientError, Id, HeartbeatReply, ResultAccepted, ResultMetrics, WorkReply, WorkRequest
-from crowdtrain.server.services import dispatch, telemetry
-from crowdtrain.server.ledger import assignments
-from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
-from crowdtrain.server.ledger.assignments import ResultRefused
+from crowdtrain.core.schemas import (
+    ClientError,
+    HeartbeatReply,
+    Id,
+    ResultAccepted,
+    ResultMetrics,
+    WorkReply,
+    WorkRequest,
+)
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
+from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger.assignments import ResultRefused
+from crowdtrain.server.services import dispatch, telemetry
 
 router = APIRouter(prefix="/v1", tags=["work"])
 
 
 @router.post("/work", response_model=WorkReply)
-def request_work(req: WorkRequest, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep,
-                 settings: SettingsDep) -> WorkReply:
+def request_work(
+    req: WorkRequest, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep
+) -> WorkReply:
     """Ask for up to `free_slots` assignments."""
-    assignments = dispatch.request_work(db, storage, host_id, req.free_slots, req.cached_shards, req.resources,
-                                        settings.presign_seconds)
+    assignments = dispatch.request_work(
+        db, storage, host_id, req.free_slots, req.cached_shards, req.resources, settings.presign_seconds
+    )
     cached = set(req.cached_shards)
     hits = [a.shard.size for a in assignments if a.shard.sha256 in cached]
-    telemetry.count(r, "work_requests", dispatches=len(assignments), dispatches_cached_shard=len(hits),
-                    shard_bytes_saved=sum(hits),
-                    shard_bytes_sent=sum(a.shard.size for a in assignments) - sum(hits))
-    return WorkReply(assignments=assignments, retry_after=settings.work_retry_after,
-                     heartbeat_interval=settings.heartbeat_interval)
+    telemetry.count(
+        r,
+        "work_requests",
+        dispatches=len(assignments),
+        dispatches_cached_shard=len(hits),
+        shard_bytes_saved=sum(hits),
+        shard_bytes_sent=sum(a.shard.size for a in assignments) - sum(hits),
+    )
+    return WorkReply(
+        assignments=assignments, retry_after=settings.work_retry_after, heartbeat_interval=settings.heartbeat_interval
+    )
 
 
 @router.post("/assignments/{assignment_id}/heartbeat", response_model=HeartbeatReply)
@@ -37,13 +53,26 @@ def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
     return HeartbeatReply(keep_going=keep_going, reason=reason)
 
 
-@router.put("/assignments/{assignment_id}/result", response_model=ResultAccepted, status_code=status.HTTP_202_ACCEPTED,
-            responses=UPLOAD_RESPONSES,
-            openapi_extra=octet_stream_body("The result (safetensors): the trained parameters, or their update "
-                                            "encoded as the job's assimilation.upload says"))
-async def upload_result(assignment_id: Id, request: Request, metrics: Annotated[ResultMetrics, Query()],
-                        host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep,
-                        settings: SettingsDep) -> ResultAccepted:
+@router.put(
+    "/assignments/{assignment_id}/result",
+    response_model=ResultAccepted,
+    status_code=status.HTTP_202_ACCEPTED,
+    responses=UPLOAD_RESPONSES,
+    openapi_extra=octet_stream_body(
+        "The result (safetensors): the trained parameters, or their update "
+        "encoded as the job's assimilation.upload says"
+    ),
+)
+async def upload_result(
+    assignment_id: Id,
+    request: Request,
+    metrics: Annotated[ResultMetrics, Query()],
+    host_id: HostDep,
+    db: DbDep,
+    storage: StorageDep,
+    r: RedisDep,
+    settings: SettingsDep,
+) -> ResultAccepted:
     """Upload the result (safetensors body: W_c, or Δ as the job's assimilation.upload says); metrics
     ride in the query string.
 
@@ -54,8 +83,9 @@ async def upload_result(assignment_id: Id, request: Request, metrics: Annotated[
     try:
         async with upload_body(request, settings.upload_max_bytes) as body:
             await run_in_threadpool(assignments.check_result, body, manifest, upload)
-            status_ = await run_in_threadpool(assignments.store_result, db, storage, host_id, job_id, assignment_id,
-                                              body, metrics, enqueue_merge)
+            status_ = await run_in_threadpool(
+                assignments.store_result, db, storage, host_id, job_id, assignment_id, body, metrics, enqueue_merge
+            )
             size = len(body)
     except (ResultRefused, BodyTooLarge) as exc:
         # A body refused for its content (or size) ends the assignment; the refusal is still answered.
@@ -69,15 +99,16 @@ async def upload_result(assignment_id: Id, request: Request, metrics: Annotated[
 @router.post("/assignments/{assignment_id}/abandon", response_model=ResultAccepted)
 def abandon(assignment_id: Id, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep) -> ResultAccepted:
     """Give the assignment back now (shutdown, preemption) so it is re-dispatched without waiting."""
-    assignments.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host",
-                        evaluate)
+    assignments.give_up(
+        db, storage, r, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host", evaluate
+    )
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.abandoned)
 
 
 @router.post("/assignments/{assignment_id}/error", response_model=ResultAccepted)
-def report_error(assignment_id: Id, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep,
-                 r: RedisDep) -> ResultAccepted:
+def report_error(
+    assignment_id: Id, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep
+) -> ResultAccepted:
     """Report that the assignment failed on this host; it counts toward the workunit's error limit."""
-    assignments.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.client_error, err.message,
-                        evaluate)
+    assignments.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.client_error, err.message, evaluate)
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.client_error)

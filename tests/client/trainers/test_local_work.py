@@ -12,7 +12,6 @@ from crowdtrain.core.zoo import build_model, state_to_numpy
 from tests.client.test_checkpoint import RECIPE, _StopAtSave
 
 
-
 class CountingControl(TrainControl):
     def __init__(self) -> None:
         super().__init__()
@@ -23,12 +22,20 @@ class CountingControl(TrainControl):
         super().between_batches()
 
 
-@pytest.mark.parametrize(("examples", "batch", "epochs", "fraction", "steps"), [
-    (200, 16, 2, 1.0, 26), (200, 16, 2, 0.5, 13), (200, 16, 2, 0.3, 8), (200, 16, 1, 0.01, 1),
-    (10, 16, 3, 0.1, 1), (100, 10, 1, 0.3, 3),  # 0.3 * 10 is 3.0000000000000004 in floating point
-])
-def test_local_steps_round_up_to_at_least_one(examples: int, batch: int, epochs: int, fraction: float,
-                                              steps: int) -> None:
+@pytest.mark.parametrize(
+    ("examples", "batch", "epochs", "fraction", "steps"),
+    [
+        (200, 16, 2, 1.0, 26),
+        (200, 16, 2, 0.5, 13),
+        (200, 16, 2, 0.3, 8),
+        (200, 16, 1, 0.01, 1),
+        (10, 16, 3, 0.1, 1),
+        (100, 10, 1, 0.3, 3),  # 0.3 * 10 is 3.0000000000000004 in floating point
+    ],
+)
+def test_local_steps_round_up_to_at_least_one(
+    examples: int, batch: int, epochs: int, fraction: float, steps: int
+) -> None:
     assert local_steps(examples, batch, epochs, fraction) == steps
 
 
@@ -73,8 +80,15 @@ def test_a_resumed_partial_run_stops_where_an_uninterrupted_one_does(tmp_path: P
     # 3 local epochs of 13 batches, 0.7 of them: 28 steps, ending two batches into the third pass.
     whole = train("pytorch", RECIPE, params, x, y, local_fraction=0.7)
     with pytest.raises(Cancelled):
-        train("pytorch", RECIPE, params, x, y, checkpoint=_StopAtSave(tmp_path / "c.safetensors", at_batch=20),
-              local_fraction=0.7)
+        train(
+            "pytorch",
+            RECIPE,
+            params,
+            x,
+            y,
+            checkpoint=_StopAtSave(tmp_path / "c.safetensors", at_batch=20),
+            local_fraction=0.7,
+        )
     resumed = FileCheckpoint(tmp_path / "c.safetensors", interval=0)
     progress = resumed.resumed[1]
     done_before = progress["epoch"] * 13 + progress["batch_start"] // 16
@@ -93,9 +107,19 @@ def test_a_journaled_assignment_resumes_with_its_local_fraction(tmp_path: Path) 
     from crowdtrain.core.schemas import AssignmentOut
 
     ref = {"url": "/x", "sha256": "0" * 64, "size": 1}
-    a = AssignmentOut(assignment_id=7, job_id=1, workunit_id=3, epoch=2, shard_index=0, base_version=4,
-                      deadline=datetime.now(UTC), local_fraction=0.4, recipe={"model": {}, "training": {}, "seed": 1},
-                      shard=ref, snapshot=ref)
+    a = AssignmentOut(
+        assignment_id=7,
+        job_id=1,
+        workunit_id=3,
+        epoch=2,
+        shard_index=0,
+        base_version=4,
+        deadline=datetime.now(UTC),
+        local_fraction=0.4,
+        recipe={"model": {}, "training": {}, "seed": 1},
+        shard=ref,
+        snapshot=ref,
+    )
     journal = AssignmentJournal(tmp_path, "http://scheduler")
     journal.record(a)
     (resumed,) = journal.pending()
@@ -109,8 +133,18 @@ def test_a_local_fraction_outside_0_1_from_the_scheduler_is_refused(fraction: fl
     from crowdtrain.core.schemas import AssignmentOut
 
     with pytest.raises(ValidationError, match="local_fraction"):
-        AssignmentOut.model_validate({"assignment_id": 1, "job_id": 1, "workunit_id": 1, "epoch": 1, "shard_index": 0,
-                                      "base_version": 0, "deadline": "2026-01-01T00:00:00Z",
-                                      "local_fraction": fraction, "recipe": {"model": {}, "training": {}, "seed": 1},
-                                      "shard": {"url": "/x", "sha256": "0" * 64, "size": 1},
-                                      "snapshot": {"url": "/x", "sha256": "0" * 64, "size": 1}})
+        AssignmentOut.model_validate(
+            {
+                "assignment_id": 1,
+                "job_id": 1,
+                "workunit_id": 1,
+                "epoch": 1,
+                "shard_index": 0,
+                "base_version": 0,
+                "deadline": "2026-01-01T00:00:00Z",
+                "local_fraction": fraction,
+                "recipe": {"model": {}, "training": {}, "seed": 1},
+                "shard": {"url": "/x", "sha256": "0" * 64, "size": 1},
+                "snapshot": {"url": "/x", "sha256": "0" * 64, "size": 1},
+            }
+        )

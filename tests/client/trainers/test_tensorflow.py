@@ -12,15 +12,28 @@ from crowdtrain.client.journal import FileCheckpoint  # noqa: E402
 from crowdtrain.client.trainers import Cancelled, TrainControl, train  # noqa: E402
 from crowdtrain.core.zoo import build_model, state_to_numpy  # noqa: E402
 
-CNN = {"name": "cnn1d", "framework": "tensorflow", "input_shape": [40], "num_classes": 10,
-       "options": {"channels": 8, "kernel_size": 5, "layers": 2}}
+CNN = {
+    "name": "cnn1d",
+    "framework": "tensorflow",
+    "input_shape": [40],
+    "num_classes": 10,
+    "options": {"channels": 8, "kernel_size": 5, "layers": 2},
+}
 
 
 def recipe(optimizer: str = "adam", local_epochs: int = 2, weight_decay: float = 0.0) -> dict:
-    return {"model": CNN, "seed": 7, "training": {"local_epochs": local_epochs, "batch_size": 16,
-                                                  "optimizer": optimizer, "lr": 0.01 if optimizer == "adam" else 0.05,
-                                                  "momentum": 0.9,
-                                                  "weight_decay": weight_decay}}
+    return {
+        "model": CNN,
+        "seed": 7,
+        "training": {
+            "local_epochs": local_epochs,
+            "batch_size": 16,
+            "optimizer": optimizer,
+            "lr": 0.01 if optimizer == "adam" else 0.05,
+            "momentum": 0.9,
+            "weight_decay": weight_decay,
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +71,9 @@ def test_training_lowers_the_loss_and_keeps_the_canonical_layout(shard, initial,
     first = train("tensorflow", recipe(optimizer, local_epochs=1), initial, x, y)
     more = train("tensorflow", recipe(optimizer, local_epochs=8, weight_decay=1e-4), initial, x, y)
     assert more.train_loss < 0.8 * first.train_loss
-    assert {k: (v.shape, v.dtype) for k, v in more.params.items()} == \
-        {k: (v.shape, v.dtype) for k, v in initial.items()}
+    assert {k: (v.shape, v.dtype) for k, v in more.params.items()} == {
+        k: (v.shape, v.dtype) for k, v in initial.items()
+    }
     assert more.examples == 8 * len(x)
 
 
@@ -76,8 +90,9 @@ def test_pause_holds_training_until_resumed(shard, initial) -> None:
     control = TrainControl()
     control.pause()
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (train("tensorflow", recipe(), initial, x, y, control=control),
-                                              done.set()))
+    worker = threading.Thread(
+        target=lambda: (train("tensorflow", recipe(), initial, x, y, control=control), done.set())
+    )
     worker.start()
     assert not done.wait(3.0), "training ran while paused"
     control.resume()
@@ -115,8 +130,10 @@ def test_limit_threads_before_tensorflow_starts_does_not_import_it() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, os; from crowdtrain.client.trainers.tensorflow import limit_threads; limit_threads(3); "
-            "print('tensorflow' in sys.modules, os.environ['TF_NUM_INTRAOP_THREADS'], "
-            "os.environ['TF_NUM_INTEROP_THREADS'])")
+    code = (
+        "import sys, os; from crowdtrain.client.trainers.tensorflow import limit_threads; limit_threads(3); "
+        "print('tensorflow' in sys.modules, os.environ['TF_NUM_INTRAOP_THREADS'], "
+        "os.environ['TF_NUM_INTEROP_THREADS'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "3", "3"]

@@ -20,8 +20,9 @@ def test_member_weights_are_shares_of_the_round() -> None:
         dedloc.member_weights({"a": 0})
 
 
-@pytest.mark.parametrize(("n", "g", "sizes"), [(3, 16, [3]), (5, 2, [2, 2, 1]), (7, 3, [3, 2, 2]), (4, 1, [1] * 4),
-                                               (0, 4, [])])
+@pytest.mark.parametrize(
+    ("n", "g", "sizes"), [(3, 16, [3]), (5, 2, [2, 2, 1]), (7, 3, [3, 2, 2]), (4, 1, [1] * 4), (0, 4, [])]
+)
 def test_groups_are_balanced_and_bounded(n: int, g: int, sizes: list[int]) -> None:
     peers = [f"p{i}" for i in range(n)]
     groups = dedloc.form_groups(peers, g)
@@ -78,8 +79,11 @@ def test_digest_changes_with_any_bit() -> None:
 def _dedloc_spec(**dedloc_fields) -> dict:
     data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
     data.pop("assimilation")
-    return data | {"mode": "dedloc", "stop": {"target_accuracy": 0.9, "max_steps": 100},
-                   "dedloc": {"target_batch_size": 256} | dedloc_fields}
+    return data | {
+        "mode": "dedloc",
+        "stop": {"target_accuracy": 0.9, "max_steps": 100},
+        "dedloc": {"target_batch_size": 256} | dedloc_fields,
+    }
 
 
 def test_a_dedloc_spec_is_valid() -> None:
@@ -87,16 +91,19 @@ def test_a_dedloc_spec_is_valid() -> None:
     assert spec.mode == "dedloc" and spec.dedloc.target_batch_size == 256 and spec.dedloc.max_group_size == 2
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda d: d.pop("dedloc"), "needs a 'dedloc' section"),
-    (lambda d: d["stop"].pop("max_steps"), "needs stop.max_steps"),
-    (lambda d: d["dedloc"].update(micro_batch_size=512), "micro_batch_size"),
-    (lambda d: d["dedloc"].update(target_batch_size=0), "target_batch_size"),
-    (lambda d: d["dedloc"].update(averaging_timeout=-1), "averaging_timeout"),
-    (lambda d: d.update(model={"name": "resnet"}), "BatchNorm"),
-    (lambda d: d.update(framework="tensorflow"), "peers train with PyTorch"),
-    (lambda d: d.update(mode="vc-asgd"), "only allowed with mode 'dedloc'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.pop("dedloc"), "needs a 'dedloc' section"),
+        (lambda d: d["stop"].pop("max_steps"), "needs stop.max_steps"),
+        (lambda d: d["dedloc"].update(micro_batch_size=512), "micro_batch_size"),
+        (lambda d: d["dedloc"].update(target_batch_size=0), "target_batch_size"),
+        (lambda d: d["dedloc"].update(averaging_timeout=-1), "averaging_timeout"),
+        (lambda d: d.update(model={"name": "resnet"}), "BatchNorm"),
+        (lambda d: d.update(framework="tensorflow"), "peers train with PyTorch"),
+        (lambda d: d.update(mode="vc-asgd"), "only allowed with mode 'dedloc'"),
+    ],
+)
 def test_bad_dedloc_specs_say_what_is_wrong(change, message: str) -> None:
     data = _dedloc_spec()
     change(data)
@@ -110,9 +117,14 @@ def test_job_submit_refuses_a_bad_dedloc_spec_with_exit_code_2(tmp_path) -> None
     import sys
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\nmode: dedloc\nmodel: {name: cnn1d}\ndataset: {source: builtin:mnist1d}\n"
-                   "stop: {target_accuracy: 0.9}\ndedloc: {target_batch_size: 64}\n")
-    result = subprocess.run([sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server",
-                             "http://127.0.0.1:9"], capture_output=True, text=True)
+    bad.write_text(
+        "name: x\nmode: dedloc\nmodel: {name: cnn1d}\ndataset: {source: builtin:mnist1d}\n"
+        "stop: {target_accuracy: 0.9}\ndedloc: {target_batch_size: 64}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "needs stop.max_steps" in result.stderr

@@ -6,14 +6,17 @@ import pytest
 from crowdtrain.core import frameworks
 
 
-@pytest.mark.parametrize(("model", "have", "expected"), [
-    ({"name": "cnn1d", "framework": "tensorflow"}, ["pytorch", "tensorflow"], "tensorflow"),
-    ({"name": "cnn1d", "framework": "tensorflow"}, ["pytorch"], "pytorch"),
-    ({"name": "cnn1d"}, ["pytorch", "tensorflow"], "pytorch"),  # jobs from before frameworks: PyTorch
-    ({"name": "mlp", "framework": "pytorch"}, ["tensorflow"], "tensorflow"),
-    ({"name": "resnet", "framework": "pytorch"}, ["tensorflow"], None),  # no Keras port of resnet
-    ({"name": "keras", "framework": "tensorflow"}, ["pytorch"], None),
-    ({"name": "keras", "framework": "tensorflow"}, ["pytorch", "tensorflow"], "tensorflow"),
-])
+@pytest.mark.parametrize(
+    ("model", "have", "expected"),
+    [
+        ({"name": "cnn1d", "framework": "tensorflow"}, ["pytorch", "tensorflow"], "tensorflow"),
+        ({"name": "cnn1d", "framework": "tensorflow"}, ["pytorch"], "pytorch"),
+        ({"name": "cnn1d"}, ["pytorch", "tensorflow"], "pytorch"),  # jobs from before frameworks: PyTorch
+        ({"name": "mlp", "framework": "pytorch"}, ["tensorflow"], "tensorflow"),
+        ({"name": "resnet", "framework": "pytorch"}, ["tensorflow"], None),  # no Keras port of resnet
+        ({"name": "keras", "framework": "tensorflow"}, ["pytorch"], None),
+        ({"name": "keras", "framework": "tensorflow"}, ["pytorch", "tensorflow"], "tensorflow"),
+    ],
+)
 def test_pick_prefers_the_jobs_framework_then_any_port(model: dict, have: list[str], expected: str | None) -> None:
     assert frameworks.pick(model, have) == expected

@@ -13,13 +13,16 @@ def test_the_example_spec_is_valid() -> None:
     assert spec.stop.target_accuracy == 0.90 and spec.dataset.source == "builtin:mnist1d"
 
 
-@pytest.mark.parametrize(("patch", "field"), [
-    ({"dataset": {"source": "http://example.com/data"}}, "dataset.source"),
-    ({"assimilation": {"alpha": 1.0}}, "assimilation.alpha"),
-    ({"assimilation": {"schedule": "cosine"}}, "assimilation.schedule"),
-    ({"training": {"lr": -1}}, "training.lr"),
-    ({"surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"dataset": {"source": "http://example.com/data"}}, "dataset.source"),
+        ({"assimilation": {"alpha": 1.0}}, "assimilation.alpha"),
+        ({"assimilation": {"schedule": "cosine"}}, "assimilation.schedule"),
+        ({"training": {"lr": -1}}, "training.lr"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
 def test_invalid_specs_name_the_bad_field(patch: dict, field: str) -> None:
     data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json") | patch
     with pytest.raises(ValidationError) as err:
@@ -30,19 +33,25 @@ def test_invalid_specs_name_the_bad_field(patch: dict, field: str) -> None:
 def test_job_submit_refuses_a_bad_spec_with_exit_code_2(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: {name: cnn1d}\ndataset: {source: builtin:mnist1d}\nstop: {target_accuracy: 7}\n")
-    result = subprocess.run([sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server",
-                             "http://127.0.0.1:9"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert "target_accuracy" in result.stderr
 
 
-@pytest.mark.parametrize(("model", "framework", "message"), [
-    ({"name": "resnet"}, "tensorflow", "model 'resnet' has no tensorflow port"),
-    ({"name": "keras", "keras": {"class_name": "Sequential"}}, "pytorch", "needs framework: tensorflow"),
-    ({"name": "keras"}, "tensorflow", "given exactly when model.name is 'keras'"),
-    ({"name": "cnn1d", "keras": {"class_name": "Sequential"}}, "tensorflow", "given exactly when"),
-    ({"name": "cnn1d"}, "jax", "framework"),
-])
+@pytest.mark.parametrize(
+    ("model", "framework", "message"),
+    [
+        ({"name": "resnet"}, "tensorflow", "model 'resnet' has no tensorflow port"),
+        ({"name": "keras", "keras": {"class_name": "Sequential"}}, "pytorch", "needs framework: tensorflow"),
+        ({"name": "keras"}, "tensorflow", "given exactly when model.name is 'keras'"),
+        ({"name": "cnn1d", "keras": {"class_name": "Sequential"}}, "tensorflow", "given exactly when"),
+        ({"name": "cnn1d"}, "jax", "framework"),
+    ],
+)
 def test_the_framework_must_run_the_model(model: dict, framework: str, message: str) -> None:
     data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json") | {"model": model, "framework": framework}
     with pytest.raises(ValidationError, match=message):
@@ -60,20 +69,30 @@ def _with_model(model: dict) -> dict:
     return load_job_spec(EXAMPLE_SPEC).model_dump(mode="json") | {"model": model}
 
 
-@pytest.mark.parametrize(("model", "words"), [
-    ({"name": "cnn1d", "options": {"seed": 3}}, "model.options.seed: not an option of 'cnn1d': the scheduler sets it "
-                                                "from the job's top-level seed"),
-    ({"name": "mlp", "options": {"name": "x"}}, "model.options.name: not an option of 'mlp'"),
-    ({"name": "cnn1d", "options": {"input_shape": [40]}}, "model.options.input_shape: not an option"),
-    ({"name": "cnn1d", "options": {"num_classes": 3}}, "model.options.num_classes: not an option"),
-    ({"name": "cnn1d", "options": {"wings": 2}}, "model.options.wings: not an option of 'cnn1d'; it takes channels, "
-                                                 "kernel_size, layers"),
-    ({"name": "cnn1d", "options": {"channels": 0}}, "model.options.channels: Input should be greater than or equal"),
-    ({"name": "cnn1d", "options": {"layers": "3"}}, "model.options.layers: Input should be a valid integer"),
-    ({"name": "mlp", "options": {"hidden": [64, -1]}}, "model.options.hidden.1: Input should be greater than"),
-    ({"name": "resnet", "options": {"width": 10 ** 9}}, "model.options.width: Input should be less than"),
-    ({"name": "resnet", "options": {"blocks": 1.5}}, "model.options.blocks: Input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        (
+            {"name": "cnn1d", "options": {"seed": 3}},
+            "model.options.seed: not an option of 'cnn1d': the scheduler sets it from the job's top-level seed",
+        ),
+        ({"name": "mlp", "options": {"name": "x"}}, "model.options.name: not an option of 'mlp'"),
+        ({"name": "cnn1d", "options": {"input_shape": [40]}}, "model.options.input_shape: not an option"),
+        ({"name": "cnn1d", "options": {"num_classes": 3}}, "model.options.num_classes: not an option"),
+        (
+            {"name": "cnn1d", "options": {"wings": 2}},
+            "model.options.wings: not an option of 'cnn1d'; it takes channels, kernel_size, layers",
+        ),
+        (
+            {"name": "cnn1d", "options": {"channels": 0}},
+            "model.options.channels: Input should be greater than or equal",
+        ),
+        ({"name": "cnn1d", "options": {"layers": "3"}}, "model.options.layers: Input should be a valid integer"),
+        ({"name": "mlp", "options": {"hidden": [64, -1]}}, "model.options.hidden.1: Input should be greater than"),
+        ({"name": "resnet", "options": {"width": 10**9}}, "model.options.width: Input should be less than"),
+        ({"name": "resnet", "options": {"blocks": 1.5}}, "model.options.blocks: Input should be a valid integer"),
+    ],
+)
 def test_model_options_the_builder_cannot_take_are_refused(model: dict, words: str) -> None:
     with pytest.raises(ValidationError) as err:
         JobSpec.model_validate(_with_model(model))
@@ -86,15 +105,18 @@ def test_the_option_schemas_are_the_zoo_builders_keyword_arguments() -> None:
     from crowdtrain.core import zoo, zoo_keras
     from crowdtrain.core.jobspec import BUILDER_ARGUMENTS, ZOO_OPTIONS
 
-    builders = {**{(n, "pytorch"): b for n, b in zoo._BUILDERS.items()},
-                **{(n, "tensorflow"): b for n, b in zoo_keras._BUILDERS.items()}}
+    builders = {
+        **{(n, "pytorch"): b for n, b in zoo._BUILDERS.items()},
+        **{(n, "tensorflow"): b for n, b in zoo_keras._BUILDERS.items()},
+    }
     for (name, _), builder in builders.items():
         params = inspect.signature(builder).parameters
         assert list(params)[:2] == ["input_shape", "num_classes"]
         assert list(params)[2:] == list(ZOO_OPTIONS[name].model_fields), name
         defaults = ZOO_OPTIONS[name]().model_dump()
         assert {k: p.default for k, p in list(params.items())[2:]} == {
-            k: tuple(v) if isinstance(v, list) else v for k, v in defaults.items()}, name
+            k: tuple(v) if isinstance(v, list) else v for k, v in defaults.items()
+        }, name
     assert {"input_shape", "num_classes"} <= set(BUILDER_ARGUMENTS)
 
 
@@ -111,22 +133,29 @@ def test_a_spec_file_resolves_a_relative_dataset_path_and_says_so(tmp_path) -> N
     spec.write_text(EXAMPLE_SPEC.read_text().replace("builtin:mnist1d", "npz:../data/x.npz"))
     notes: list[str] = []
     assert load_job_spec(spec, notes).dataset.source == f"npz:{tmp_path / 'data' / 'x.npz'}"
-    assert notes == [f"dataset.source: 'npz:../data/x.npz' is read relative to the spec file, as "
-                     f"{tmp_path / 'data' / 'x.npz'} (the scheduler reads that path on its own machine)"]
+    assert notes == [
+        f"dataset.source: 'npz:../data/x.npz' is read relative to the spec file, as "
+        f"{tmp_path / 'data' / 'x.npz'} (the scheduler reads that path on its own machine)"
+    ]
 
 
-BOMB = "\n".join(["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-                 + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
-                 + ["name: x"])
+BOMB = "\n".join(
+    ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi", strict=True)]
+    + ["name: x"]
+)
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    (BOMB, "YAML aliases expand to more than 500000 nodes"),
-    ("name: [x\nmodel: {", "not valid YAML: expected ',' or ']', but got ':' at line 2, column 6"),
-    ("name: x\n" + "#" * (1024 * 1024), "larger than the limit of 1048576 bytes"),
-    ("[" * 5000, "nested more than 100 deep"),
-    ("- 1\n- 2\n", "a job spec is a mapping, got list"),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (BOMB, "YAML aliases expand to more than 500000 nodes"),
+        ("name: [x\nmodel: {", "not valid YAML: expected ',' or ']', but got ':' at line 2, column 6"),
+        ("name: x\n" + "#" * (1024 * 1024), "larger than the limit of 1048576 bytes"),
+        ("[" * 5000, "nested more than 100 deep"),
+        ("- 1\n- 2\n", "a job spec is a mapping, got list"),
+    ],
+)
 def test_a_spec_file_that_cannot_be_read_gives_one_line(tmp_path, text: str, words: str) -> None:
     from crowdtrain.core.specfile import SpecFileError
 
@@ -139,21 +168,32 @@ def test_a_spec_file_that_cannot_be_read_gives_one_line(tmp_path, text: str, wor
 
 def test_aliases_within_the_budget_still_load(tmp_path) -> None:
     path = tmp_path / "spec.yaml"
-    path.write_text(EXAMPLE_SPEC.read_text().replace("options: {channels: 32, kernel_size: 5, layers: 3}",
-                                                     "options: &cnn {channels: 32, kernel_size: 5, layers: 3}")
-                    + "x-unused: [*cnn, *cnn]\n")
+    path.write_text(
+        EXAMPLE_SPEC.read_text().replace(
+            "options: {channels: 32, kernel_size: 5, layers: 3}",
+            "options: &cnn {channels: 32, kernel_size: 5, layers: 3}",
+        )
+        + "x-unused: [*cnn, *cnn]\n"
+    )
     data = __import__("crowdtrain.core.specfile", fromlist=["load_yaml"]).load_yaml(path)
     assert data["x-unused"] == [data["model"]["options"]] * 2
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    (BOMB, "YAML aliases expand to more than 500000 nodes"),
-    ("name: [x\nmodel: {", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (BOMB, "YAML aliases expand to more than 500000 nodes"),
+        ("name: [x\nmodel: {", "not valid YAML"),
+    ],
+)
 def test_job_submit_refuses_an_unreadable_spec_with_one_line_and_exit_code_2(tmp_path, text: str, words: str) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    result = subprocess.run([sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server",
-                             "http://127.0.0.1:9"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "crowdtrain", "job", "submit", str(bad), "--server", "http://127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

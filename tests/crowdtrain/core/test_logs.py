@@ -5,7 +5,9 @@ from crowdtrain.core.logs import TEXT_FORMAT, JsonFormatter, TextFormatter, ids
 
 
 def test_json_lines_carry_the_domain_ids() -> None:
-    record = logging.LogRecord("crowdtrain.server.services.dispatch", logging.INFO, __file__, 1, "assignment %s: sent", (7,), None)
+    record = logging.LogRecord(
+        "crowdtrain.server.services.dispatch", logging.INFO, __file__, 1, "assignment %s: sent", (7,), None
+    )
     for k, v in ids(job_id=3, assignment_id=7, host_id=None).items():
         setattr(record, k, v)
     line = json.loads(JsonFormatter().format(record))
@@ -15,12 +17,19 @@ def test_json_lines_carry_the_domain_ids() -> None:
 
 
 def test_text_lines_cannot_be_forged_by_client_text() -> None:
-    forged = "alice\n2024-01-01 00:00:00 INFO crowdtrain.server.ledger.assignments: assignment 9: result uploaded\r\x1b[2J\u2028"
-    record = logging.LogRecord("crowdtrain.server.services.hosts", logging.INFO, __file__, 1, "host %s registered", (forged,), None)
+    forged = (
+        "alice\n2024-01-01 00:00:00 INFO crowdtrain.server.ledger.assignments: assignment 9: result uploaded"
+        "\r\x1b[2J\u2028"
+    )
+    record = logging.LogRecord(
+        "crowdtrain.server.services.hosts", logging.INFO, __file__, 1, "host %s registered", (forged,), None
+    )
     line = TextFormatter(TEXT_FORMAT).format(record)
     assert "\n" not in line and "\r" not in line and "\x1b" not in line and "\u2028" not in line
-    assert line.endswith("host alice\\n2024-01-01 00:00:00 INFO crowdtrain.server.ledger.assignments: assignment 9: result uploaded"
-                         "\\r\\x1b[2J\\u2028 registered")
+    assert line.endswith(
+        "host alice\\n2024-01-01 00:00:00 INFO crowdtrain.server.ledger.assignments: assignment 9: result uploaded"
+        "\\r\\x1b[2J\\u2028 registered"
+    )
 
 
 def test_json_timestamps_are_utc_with_an_offset() -> None:

@@ -5,20 +5,23 @@ import subprocess
 
 import pytest
 
-from crowdtrain.launch.cluster import crowdtrain_argv, free_port
 from crowdtrain.core.settings import InsecureSettings, Settings, check_secrets, get_settings, secrets_problems
+from crowdtrain.launch.cluster import crowdtrain_argv, free_port
 
 GOOD = "Zx1r3FQ0d0kP2w9yq2m8sQ"
 
 
-@pytest.mark.parametrize(("admin", "join", "problem"), [
-    ("", "", "CROWDTRAIN_ADMIN_TOKEN is not set"),
-    ("   ", GOOD, "CROWDTRAIN_ADMIN_TOKEN is not set"),
-    ("change-me-admin", "", "CROWDTRAIN_ADMIN_TOKEN is the published example value"),
-    ("demo-admin", "", "CROWDTRAIN_ADMIN_TOKEN is the published example value"),
-    (GOOD, "change-me-join", "CROWDTRAIN_JOIN_TOKEN is the published example value"),
-    (GOOD, GOOD, "CROWDTRAIN_JOIN_TOKEN equals CROWDTRAIN_ADMIN_TOKEN"),
-])
+@pytest.mark.parametrize(
+    ("admin", "join", "problem"),
+    [
+        ("", "", "CROWDTRAIN_ADMIN_TOKEN is not set"),
+        ("   ", GOOD, "CROWDTRAIN_ADMIN_TOKEN is not set"),
+        ("change-me-admin", "", "CROWDTRAIN_ADMIN_TOKEN is the published example value"),
+        ("demo-admin", "", "CROWDTRAIN_ADMIN_TOKEN is the published example value"),
+        (GOOD, "change-me-join", "CROWDTRAIN_JOIN_TOKEN is the published example value"),
+        (GOOD, GOOD, "CROWDTRAIN_JOIN_TOKEN equals CROWDTRAIN_ADMIN_TOKEN"),
+    ],
+)
 def test_missing_or_published_tokens_are_named(admin: str, join: str, problem: str) -> None:
     settings = Settings(admin_token=admin, join_token=join)
     assert any(p.startswith(problem) for p in secrets_problems(settings)), secrets_problems(settings)
@@ -40,11 +43,17 @@ def _without_tokens(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-@pytest.mark.parametrize("env", [{}, {"CROWDTRAIN_ADMIN_TOKEN": "change-me-admin",
-                                      "CROWDTRAIN_JOIN_TOKEN": "change-me-join"}])
+@pytest.mark.parametrize(
+    "env", [{}, {"CROWDTRAIN_ADMIN_TOKEN": "change-me-admin", "CROWDTRAIN_JOIN_TOKEN": "change-me-join"}]
+)
 def test_crowdtrain_server_refuses_to_start_and_says_how_to_set_a_token(tmp_path, env: dict) -> None:
-    proc = subprocess.run(crowdtrain_argv("server", "--port", str(free_port())), capture_output=True, text=True,
-                          timeout=60, env=_without_tokens(CROWDTRAIN_VAR_DIR=str(tmp_path), **env))
+    proc = subprocess.run(
+        crowdtrain_argv("server", "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_without_tokens(CROWDTRAIN_VAR_DIR=str(tmp_path), **env),
+    )
     assert proc.returncode == 2, proc.stderr
     assert "CROWDTRAIN_ADMIN_TOKEN" in proc.stderr and "secrets.token_urlsafe(32)" in proc.stderr
     assert not (tmp_path / "crowdtrain.db").exists(), "nothing is done before the check"
@@ -58,6 +67,6 @@ def test_the_uvicorn_app_refuses_to_be_built_without_a_token(monkeypatch) -> Non
     get_settings.cache_clear()
     try:
         with pytest.raises(InsecureSettings, match="CROWDTRAIN_JOIN_TOKEN is the published example value"):
-            crowdtrain.server.api.app.app  # what `uvicorn crowdtrain.server.api.app:app` loads
+            _ = crowdtrain.server.api.app.app  # what `uvicorn crowdtrain.server.api.app:app` loads
     finally:
         get_settings.cache_clear()

@@ -8,16 +8,17 @@ from pathlib import Path
 import boto3
 import pytest
 
-from crowdtrain.launch.cluster import free_port, wait_for
 from crowdtrain.core.storage import ObjectNotFound, download_origin, open_storage
+from crowdtrain.launch.cluster import free_port, wait_for
 
 
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory):
     port = free_port()
     log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
     endpoint = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -38,7 +39,11 @@ def moto_endpoint(tmp_path_factory):
 
 @pytest.fixture
 def aws_env(monkeypatch):
-    for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
 
 

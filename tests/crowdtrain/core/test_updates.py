@@ -8,9 +8,19 @@ from safetensors.numpy import save
 from safetensors.torch import load as torch_load
 
 from crowdtrain.core.tensors import TensorFormatError, encode, header_limits, manifest_of
-from crowdtrain.core.updates import (SCALE_SUFFIX, decode_result, decode_update, encode_result, encode_update,
-                                expected_upload_bytes, quantize_int8, upload_label, upload_sizes, upload_spec,
-                                wire_manifest)
+from crowdtrain.core.updates import (
+    SCALE_SUFFIX,
+    decode_result,
+    decode_update,
+    encode_result,
+    encode_update,
+    expected_upload_bytes,
+    quantize_int8,
+    upload_label,
+    upload_sizes,
+    upload_spec,
+    wire_manifest,
+)
 from crowdtrain.core.zoo import build_model, state_to_numpy
 
 INT8 = {"send": "delta", "dtype": "int8"}
@@ -25,12 +35,14 @@ def _model(seed: int = 0) -> tuple[dict, dict]:
     """(W_base, W_c): floats of very different magnitudes, an empty and an all-zero update, and an
     integer counter that training moved."""
     rng = np.random.default_rng(seed)
-    base = {"conv.weight": rng.normal(size=(8, 4, 5)).astype(np.float32),
-            "fc.weight": rng.normal(size=(10, 101)).astype(np.float32),
-            "fc.bias": rng.normal(size=(10,)).astype(np.float32),
-            "empty": np.zeros((0, 3), np.float32),
-            "frozen": np.ones((7,), np.float32),
-            "bn.num_batches_tracked": np.array(12, np.int64)}
+    base = {
+        "conv.weight": rng.normal(size=(8, 4, 5)).astype(np.float32),
+        "fc.weight": rng.normal(size=(10, 101)).astype(np.float32),
+        "fc.bias": rng.normal(size=(10,)).astype(np.float32),
+        "empty": np.zeros((0, 3), np.float32),
+        "frozen": np.ones((7,), np.float32),
+        "bn.num_batches_tracked": np.array(12, np.int64),
+    }
     client = {k: v.copy() for k, v in base.items()}
     client["conv.weight"] += (0.05 * rng.normal(size=(8, 4, 5))).astype(np.float32)
     # Magnitudes from 1e-6 to 1 within one tensor: what per-block scales are for.
@@ -65,10 +77,10 @@ def test_int8_round_trip_is_within_half_a_step_of_its_block(upload) -> None:
     for name, d in delta.items():
         scales = wire[name + SCALE_SUFFIX]
         flat = d.ravel()
-        blocks = [flat] if bs is None else [flat[i:i + bs] for i in range(0, flat.size, bs)]
+        blocks = [flat] if bs is None else [flat[i : i + bs] for i in range(0, flat.size, bs)]
         assert len(scales) == (1 if bs is None else len(blocks))
         np.testing.assert_allclose(scales, [np.abs(b).max(initial=0) / 127 for b in blocks], rtol=1e-6)
-        per_value = np.repeat(scales, bs)[:flat.size] if bs else np.full(flat.size, scales[0])
+        per_value = np.repeat(scales, bs)[: flat.size] if bs else np.full(flat.size, scales[0])
         err = np.abs(carried[name].ravel() - flat)
         assert (err <= per_value * (0.5 + 2**-16)).all(), name
     assert np.array_equal(carried["frozen"], np.zeros(7, np.float32)), "a zero update decodes to exactly zero"
@@ -79,8 +91,9 @@ def test_per_block_scales_keep_small_updates_that_one_scale_per_tensor_rounds_to
     small = _delta(base, client)["fc.weight"].ravel()[:64]  # the first block: |Δ| around 1e-6
     decoded = {}
     for upload in (INT8, INT8_BLOCKS):
-        decoded[upload.get("block_size")] = decode_update(encode_result(client, base, upload), manifest_of(base),
-                                                          upload)["fc.weight"].ravel()[:64]
+        decoded[upload.get("block_size")] = decode_update(
+            encode_result(client, base, upload), manifest_of(base), upload
+        )["fc.weight"].ravel()[:64]
     assert not decoded[None].any()
     assert np.abs(decoded[64] - small).max() <= np.abs(small).max() / 254 * 1.001
 
@@ -155,22 +168,25 @@ def _malformed(kind: str) -> tuple[dict, bytes]:
     return upload, save({k: np.ascontiguousarray(v).reshape(v.shape) for k, v in w.items()})
 
 
-@pytest.mark.parametrize(("kind", "words"), [
-    ("missing scale", "missing ['fc.weight.__scale__']"),
-    ("missing tensor", "missing ['fc.bias'"),
-    ("extra tensor", "more than 11 tensors"),  # refused before the header is parsed
-    ("extra scale", "unexpected ['fc.weight.__scale__.__scale__']"),
-    ("wrong dtype", "'fc.weight' has dtype float32, expected int8"),
-    ("wrong scale dtype", "'fc.weight.__scale__' has dtype float64, expected float32"),
-    ("wrong shape", "'fc.weight' has shape [101, 10], expected [10, 101]"),
-    ("integer tensor as float", "'bn.num_batches_tracked' has dtype float32, expected int64"),
-    ("NaN scale", "'fc.weight' has a scale that is negative, NaN or infinite"),
-    ("negative scale", "'fc.weight' has a scale that is negative"),
-    ("wrong block count", "'fc.weight.__scale__' has shape [15], expected [16]"),
-    ("int8 -128", "-128"),
-    ("decodes to infinity", "'fc.weight' decodes to NaN or infinite"),
-    ("bfloat16 infinity", "'fc.bias' decodes to NaN or infinite"),
-])
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("missing scale", "missing ['fc.weight.__scale__']"),
+        ("missing tensor", "missing ['fc.bias'"),
+        ("extra tensor", "more than 11 tensors"),  # refused before the header is parsed
+        ("extra scale", "unexpected ['fc.weight.__scale__.__scale__']"),
+        ("wrong dtype", "'fc.weight' has dtype float32, expected int8"),
+        ("wrong scale dtype", "'fc.weight.__scale__' has dtype float64, expected float32"),
+        ("wrong shape", "'fc.weight' has shape [101, 10], expected [10, 101]"),
+        ("integer tensor as float", "'bn.num_batches_tracked' has dtype float32, expected int64"),
+        ("NaN scale", "'fc.weight' has a scale that is negative, NaN or infinite"),
+        ("negative scale", "'fc.weight' has a scale that is negative"),
+        ("wrong block count", "'fc.weight.__scale__' has shape [15], expected [16]"),
+        ("int8 -128", "-128"),
+        ("decodes to infinity", "'fc.weight' decodes to NaN or infinite"),
+        ("bfloat16 infinity", "'fc.bias' decodes to NaN or infinite"),
+    ],
+)
 def test_a_malformed_update_is_refused_naming_the_problem(kind: str, words: str) -> None:
     base, _ = _model()
     upload, blob = _malformed(kind)

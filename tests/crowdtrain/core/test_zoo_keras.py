@@ -61,7 +61,11 @@ def small_keras_json(extra_layer: dict | None = None) -> str:
 def test_keras_json_model_builds_with_its_weight_paths_as_canonical_names() -> None:
     built = zoo_keras.build_keras_json(small_keras_json(), [40], 10)
     assert {k: v.shape for k, v in built.get_params().items()} == {
-        "hidden/kernel": (40, 16), "hidden/bias": (16,), "logits/kernel": (16, 10), "logits/bias": (10,)}
+        "hidden/kernel": (40, 16),
+        "hidden/bias": (16,),
+        "logits/kernel": (16, 10),
+        "logits/bias": (10,),
+    }
 
 
 def test_keras_json_with_a_lambda_layer_is_refused() -> None:
@@ -86,9 +90,27 @@ def test_seed_makes_the_initial_weights_reproducible() -> None:
 
 def test_keras_json_naming_a_function_outside_keras_is_refused() -> None:
     # An activation that would resolve to os.system if Keras imported whatever module a config names.
-    evil = {"module": "keras", "class_name": "Sequential", "config": {"name": "s", "layers": [
-        {"module": "keras.layers", "class_name": "Dense", "config": {
-            "units": 2, "activation": {"module": "os", "class_name": "function", "config": "system",
-                                       "registered_name": "function"}}}]}}
+    evil = {
+        "module": "keras",
+        "class_name": "Sequential",
+        "config": {
+            "name": "s",
+            "layers": [
+                {
+                    "module": "keras.layers",
+                    "class_name": "Dense",
+                    "config": {
+                        "units": 2,
+                        "activation": {
+                            "module": "os",
+                            "class_name": "function",
+                            "config": "system",
+                            "registered_name": "function",
+                        },
+                    },
+                }
+            ],
+        },
+    }
     with pytest.raises(ValueError, match="safe mode"):
         zoo_keras.load_keras_json(evil)

@@ -18,8 +18,15 @@ import boto3
 import httpx
 import pytest
 
-from crowdtrain.fleet.spec import (FLEET_TAG, SPOT_NOTICE_URL, FleetInstance, FleetSpec, attach_hosts, fleet_request,
-                              user_data)
+from crowdtrain.fleet.spec import (
+    FLEET_TAG,
+    SPOT_NOTICE_URL,
+    FleetInstance,
+    FleetSpec,
+    attach_hosts,
+    fleet_request,
+    user_data,
+)
 from crowdtrain.launch.cluster import Service, free_port, wait_for
 
 REGION = "us-east-1"
@@ -30,9 +37,18 @@ TOKEN = "fleet-Join_token.42"
 
 # --- the user-data script and the request, as pure functions ----------------------------------
 
+
 def _spec(**overrides) -> FleetSpec:
-    fields = {"name": "unit", "count": 2, "instance_types": "t3.large,c5.xlarge", "max_price": 0.05,
-              "image_id": AMI, "server": SERVER, "join_token": TOKEN, "tasks": 2}
+    fields = {
+        "name": "unit",
+        "count": 2,
+        "instance_types": "t3.large,c5.xlarge",
+        "max_price": 0.05,
+        "image_id": AMI,
+        "server": SERVER,
+        "join_token": TOKEN,
+        "tasks": 2,
+    }
     return FleetSpec(**(fields | overrides))
 
 
@@ -47,7 +63,7 @@ def env_file(script: str) -> list[str]:
     lines = script.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.endswith("<<'CROWDTRAIN_ENV'"))
     end = lines.index("CROWDTRAIN_ENV", start)
-    return lines[start + 1:end]
+    return lines[start + 1 : end]
 
 
 def option(argv: list[str], name: str) -> str:
@@ -80,10 +96,12 @@ def test_user_data_runs_the_client_with_the_token_from_a_root_only_file() -> Non
 def test_client_package_reaches_pip_verbatim() -> None:
     """A requirement with shell metacharacters is one literal word, never a command."""
     package = "crowdtrain[client] @ git+https://example.org/o/crowdtrain@v1 ; echo 'pwned' $(id)"
-    [assignment] = [ln for ln in user_data(_spec(client_package=package)).splitlines()
-                    if ln.startswith("CLIENT_PACKAGE=")]
-    result = subprocess.run(["bash", "-c", f'{assignment}\nprintf %s "$CLIENT_PACKAGE"'], capture_output=True,
-                            text=True)
+    [assignment] = [
+        ln for ln in user_data(_spec(client_package=package)).splitlines() if ln.startswith("CLIENT_PACKAGE=")
+    ]
+    result = subprocess.run(
+        ["bash", "-c", f'{assignment}\nprintf %s "$CLIENT_PACKAGE"'], capture_output=True, text=True
+    )
     assert result.stdout == package
 
 
@@ -98,8 +116,8 @@ def test_only_the_token_file_is_written_under_umask_077() -> None:
 
 def test_user_data_reads_the_instance_id_with_imdsv2() -> None:
     script = user_data(_spec())
-    put = script.index("-X PUT \"http://169.254.169.254/latest/api/token\"")
-    get = script.index("-H \"X-aws-ec2-metadata-token: $IMDS_TOKEN\"")
+    put = script.index('-X PUT "http://169.254.169.254/latest/api/token"')
+    get = script.index('-H "X-aws-ec2-metadata-token: $IMDS_TOKEN"')
     assert put < get < script.index('echo "INSTANCE_ID=$INSTANCE_ID" >> /etc/crowdtrain/client.env')
 
 
@@ -107,20 +125,30 @@ def test_request_has_one_override_per_type_and_subnet() -> None:
     spec = _spec(subnet_ids="subnet-0123456789abcdef0,subnet-0123456789abcdef1", max_price=0.0512345)
     overrides = fleet_request(spec, "lt-1")["LaunchTemplateConfigs"][0]["Overrides"]
     assert [(o["InstanceType"], o["SubnetId"], o["MaxPrice"]) for o in overrides] == [
-        ("t3.large", "subnet-0123456789abcdef0", "0.051234"), ("t3.large", "subnet-0123456789abcdef1", "0.051234"),
-        ("c5.xlarge", "subnet-0123456789abcdef0", "0.051234"), ("c5.xlarge", "subnet-0123456789abcdef1", "0.051234")]
+        ("t3.large", "subnet-0123456789abcdef0", "0.051234"),
+        ("t3.large", "subnet-0123456789abcdef1", "0.051234"),
+        ("c5.xlarge", "subnet-0123456789abcdef0", "0.051234"),
+        ("c5.xlarge", "subnet-0123456789abcdef1", "0.051234"),
+    ]
 
 
 def test_instances_take_the_newest_unrevoked_host_of_their_name() -> None:
-    instances = [FleetInstance(instance_id=i, instance_type="t3.large", state="running", lifecycle="spot")
-                 for i in ("i-a", "i-b")]
+    instances = [
+        FleetInstance(instance_id=i, instance_type="t3.large", state="running", lifecycle="spot")
+        for i in ("i-a", "i-b")
+    ]
     host = {"last_seen": "2026-01-01T00:00:00Z", "results_valid": 0}
-    hosts = [{"id": 1, "name": "i-a", "revoked": False, **host}, {"id": 2, "name": "i-a", "revoked": False, **host},
-             {"id": 3, "name": "i-a", "revoked": True, **host}, {"id": 4, "name": "laptop", "revoked": False, **host}]
+    hosts = [
+        {"id": 1, "name": "i-a", "revoked": False, **host},
+        {"id": 2, "name": "i-a", "revoked": False, **host},
+        {"id": 3, "name": "i-a", "revoked": True, **host},
+        {"id": 4, "name": "laptop", "revoked": False, **host},
+    ]
     assert [i.host.id if i.host else None for i in attach_hosts(instances, hosts)] == [2, None]
 
 
 # --- the CLI against moto's EC2 server --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def moto_url(tmp_path_factory) -> Iterator[str]:
@@ -144,28 +172,45 @@ def moto_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture
 def ec2(moto_url: str):
-    return boto3.client("ec2", endpoint_url=moto_url, region_name=REGION, aws_access_key_id="testing",
-                        aws_secret_access_key="testing")
+    return boto3.client(
+        "ec2", endpoint_url=moto_url, region_name=REGION, aws_access_key_id="testing", aws_secret_access_key="testing"
+    )
 
 
 @pytest.fixture
 def fleet_cli(moto_url: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
-                "AWS_MAX_ATTEMPTS": "1", "CROWDTRAIN_EC2_ENDPOINT_URL": moto_url})
+    env.update(
+        {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_MAX_ATTEMPTS": "1",
+            "CROWDTRAIN_EC2_ENDPOINT_URL": moto_url,
+        }
+    )
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "crowdtrain", "fleet", *args], env=env, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "crowdtrain", "fleet", *args], env=env, capture_output=True, text=True, timeout=120
+        )
 
     return run
 
 
 def up_args(name: str, server: str = SERVER, **changes: str) -> list[str]:
-    opts = {"--name": name, "--count": "3", "--instance-types": "t3.large,c5.xlarge", "--max-price": "0.05",
-            "--image-id": AMI, "--server": server, "--join-token": TOKEN, "--tasks": "2",
-            # moto launches only the cheapest type otherwise; diversified shows every type launched.
-            "--allocation-strategy": "diversified"} | changes
+    opts = {
+        "--name": name,
+        "--count": "3",
+        "--instance-types": "t3.large,c5.xlarge",
+        "--max-price": "0.05",
+        "--image-id": AMI,
+        "--server": server,
+        "--join-token": TOKEN,
+        "--tasks": "2",
+        # moto launches only the cheapest type otherwise; diversified shows every type launched.
+        "--allocation-strategy": "diversified",
+    } | changes
     return ["up", *[part for pair in opts.items() for part in pair]]
 
 
@@ -174,8 +219,7 @@ def fleet_name() -> str:
 
 
 def tagged_fleets(ec2, name: str) -> list[dict]:
-    return [f for f in ec2.describe_fleets()["Fleets"]
-            if {"Key": FLEET_TAG, "Value": name} in f.get("Tags", [])]
+    return [f for f in ec2.describe_fleets()["Fleets"] if {"Key": FLEET_TAG, "Value": name} in f.get("Tags", [])]
 
 
 def tagged_instances(ec2, name: str) -> list[dict]:
@@ -190,11 +234,17 @@ def test_up_requests_the_asked_types_price_and_user_data(ec2, fleet_cli) -> None
 
     [fleet] = tagged_fleets(ec2, name)
     assert fleet["Type"] == "maintain"
-    assert fleet["TargetCapacitySpecification"] == {"TotalTargetCapacity": 3, "SpotTargetCapacity": 3,
-                                                    "OnDemandTargetCapacity": 0, "DefaultTargetCapacityType": "spot"}
+    assert fleet["TargetCapacitySpecification"] == {
+        "TotalTargetCapacity": 3,
+        "SpotTargetCapacity": 3,
+        "OnDemandTargetCapacity": 0,
+        "DefaultTargetCapacityType": "spot",
+    }
     [config] = fleet["LaunchTemplateConfigs"]
-    assert config["Overrides"] == [{"InstanceType": "t3.large", "MaxPrice": "0.05"},
-                                   {"InstanceType": "c5.xlarge", "MaxPrice": "0.05"}]
+    assert config["Overrides"] == [
+        {"InstanceType": "t3.large", "MaxPrice": "0.05"},
+        {"InstanceType": "c5.xlarge", "MaxPrice": "0.05"},
+    ]
 
     template_id = config["LaunchTemplateSpecification"]["LaunchTemplateId"]
     [version] = ec2.describe_launch_template_versions(LaunchTemplateId=template_id)["LaunchTemplateVersions"]
@@ -246,8 +296,9 @@ def test_status_shows_the_host_each_instance_registered_as(ec2, fleet_cli, make_
     assert by_id[registered]["host"]["id"] == resp.json()["host_id"]
     assert by_id[registered]["host"]["results_valid"] == 0 and by_id[registered]["host"]["last_seen"]
     assert by_id[unregistered]["host"] is None
-    assert all(i["state"] == "running" and i["lifecycle"] == "spot" and i["max_price"] == "0.05"
-               for i in status["instances"])
+    assert all(
+        i["state"] == "running" and i["lifecycle"] == "spot" and i["max_price"] == "0.05" for i in status["instances"]
+    )
 
     table = fleet_cli("status", "--name", name, "--admin-token", cluster.admin_token)
     assert table.returncode == 0 and "running" in table.stdout
@@ -272,7 +323,9 @@ def test_unreachable_ec2_exits_1_with_the_reason(fleet_cli) -> None:
     for args in (up_args(fleet_name()), ["status", "--name", "x"], ["down", "--name", "x"]):
         result = fleet_cli(*args, "--endpoint-url", nowhere)
         assert result.returncode == 1, result.stderr
-        assert result.stderr.startswith("EC2: Could not connect to the endpoint URL") and "Traceback" not in result.stderr
+        assert (
+            result.stderr.startswith("EC2: Could not connect to the endpoint URL") and "Traceback" not in result.stderr
+        )
 
 
 def test_down_terminates_instances_and_cancels_requests_once(ec2, fleet_cli) -> None:
@@ -285,11 +338,16 @@ def test_down_terminates_instances_and_cancels_requests_once(ec2, fleet_cli) -> 
     assert {ln.split()[1] for ln in down.stdout.splitlines() if ln.startswith("terminated ")} == ids
     assert {i["State"]["Name"] for i in tagged_instances(ec2, name)} == {"terminated"}
     assert all(f["FleetState"].startswith("deleted") for f in tagged_fleets(ec2, name))
-    live = ec2.describe_spot_instance_requests(Filters=[{"Name": "instance-id", "Values": sorted(ids)},
-                                                        {"Name": "state", "Values": ["open", "active"]}])
+    live = ec2.describe_spot_instance_requests(
+        Filters=[{"Name": "instance-id", "Values": sorted(ids)}, {"Name": "state", "Values": ["open", "active"]}]
+    )
     assert live["SpotInstanceRequests"] == []
-    assert ec2.describe_launch_templates(Filters=[{"Name": "launch-template-name",
-                                                   "Values": [f"crowdtrain-fleet-{name}"]}])["LaunchTemplates"] == []
+    assert (
+        ec2.describe_launch_templates(
+            Filters=[{"Name": "launch-template-name", "Values": [f"crowdtrain-fleet-{name}"]}]
+        )["LaunchTemplates"]
+        == []
+    )
 
     again = fleet_cli("down", "--name", name)
     assert again.returncode == 0, again.stderr
@@ -297,19 +355,25 @@ def test_down_terminates_instances_and_cancels_requests_once(ec2, fleet_cli) -> 
 
 
 def _ec2_footprint(ec2) -> tuple[int, int, int, int]:
-    return (len(ec2.describe_fleets()["Fleets"]), len(ec2.describe_launch_templates()["LaunchTemplates"]),
-            len(ec2.describe_spot_instance_requests()["SpotInstanceRequests"]),
-            sum(len(r["Instances"]) for r in ec2.describe_instances()["Reservations"]))
+    return (
+        len(ec2.describe_fleets()["Fleets"]),
+        len(ec2.describe_launch_templates()["LaunchTemplates"]),
+        len(ec2.describe_spot_instance_requests()["SpotInstanceRequests"]),
+        sum(len(r["Instances"]) for r in ec2.describe_instances()["Reservations"]),
+    )
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"--count": "0"}, "invalid --count"),
-    ({"--instance-types": "t3.large,c5xlarge"}, "invalid --instance-types"),
-    ({"--max-price": "-0.05"}, "invalid --max-price"),
-    ({"--server": "scheduler:8000"}, "invalid --server"),
-    ({"--server": "http://scheduler:8000/%n"}, "invalid --server"),
-    ({"--join-token": "has space"}, "invalid --join-token"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--count": "0"}, "invalid --count"),
+        ({"--instance-types": "t3.large,c5xlarge"}, "invalid --instance-types"),
+        ({"--max-price": "-0.05"}, "invalid --max-price"),
+        ({"--server": "scheduler:8000"}, "invalid --server"),
+        ({"--server": "http://scheduler:8000/%n"}, "invalid --server"),
+        ({"--join-token": "has space"}, "invalid --join-token"),
+    ],
+)
 def test_bad_input_exits_2_and_requests_nothing(ec2, fleet_cli, change, message) -> None:
     before = _ec2_footprint(ec2)
     result = fleet_cli(*up_args(fleet_name(), **change))

@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from crowdtrain.cli import _join_token, app
-from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
 from crowdtrain.core.settings import Settings, secrets_problems
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 
@@ -46,21 +46,31 @@ def test_the_join_token_file_is_read_and_stripped(tmp_path: Path) -> None:
     assert _join_token("from-env", None) == "from-env"
 
 
-@pytest.mark.parametrize(("args", "file_text", "message"), [
-    (["client", "--server", "http://127.0.0.1:9"], None, "CROWDTRAIN_CLIENT_JOIN_TOKEN"),
-    (["peer", "--server", "http://127.0.0.1:9", "--job", "1"], None, "CROWDTRAIN_CLIENT_JOIN_TOKEN"),
-    (["client", "--server", "http://127.0.0.1:9", "--join-token-file", "{file}"], "\n", "is empty"),
-    (["peer", "--server", "http://127.0.0.1:9", "--job", "1", "--join-token-file", "{file}/missing"], None,
-     "cannot read"),
-    (["client", "--server", "http://127.0.0.1:9", "--join-token", "t", "--join-token-file", "{file}"], "t",
-     "give the join token once"),
-])
+@pytest.mark.parametrize(
+    ("args", "file_text", "message"),
+    [
+        (["client", "--server", "http://127.0.0.1:9"], None, "CROWDTRAIN_CLIENT_JOIN_TOKEN"),
+        (["peer", "--server", "http://127.0.0.1:9", "--job", "1"], None, "CROWDTRAIN_CLIENT_JOIN_TOKEN"),
+        (["client", "--server", "http://127.0.0.1:9", "--join-token-file", "{file}"], "\n", "is empty"),
+        (
+            ["peer", "--server", "http://127.0.0.1:9", "--job", "1", "--join-token-file", "{file}/missing"],
+            None,
+            "cannot read",
+        ),
+        (
+            ["client", "--server", "http://127.0.0.1:9", "--join-token", "t", "--join-token-file", "{file}"],
+            "t",
+            "give the join token once",
+        ),
+    ],
+)
 def test_a_missing_or_doubly_given_join_token_exits_2_naming_the_option(tmp_path, args, file_text, message) -> None:
     file = tmp_path / "token"
     if file_text is not None:
         file.write_text(file_text)
-    result = CliRunner().invoke(app, [a.replace("{file}", str(file)) for a in args],
-                                env={"CROWDTRAIN_CLIENT_JOIN_TOKEN": None})
+    result = CliRunner().invoke(
+        app, [a.replace("{file}", str(file)) for a in args], env={"CROWDTRAIN_CLIENT_JOIN_TOKEN": None}
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output and "--join-token" in result.output
 
@@ -84,9 +94,12 @@ def test_a_cluster_stops_its_clients_first_and_within_seconds(make_cluster, sqli
     cluster = make_cluster(sqlite_url)
     submit_slow_job(cluster)
     client = cluster.start_client("volunteer", tasks=1)
-    wait_for(lambda: any(st == AssignmentStatus.in_progress.value
-                         for _, st, _ in host_assignments(sqlite_url, "volunteer")), 60, "no work for the client",
-             client)
+    wait_for(
+        lambda: any(st == AssignmentStatus.in_progress.value for _, st, _ in host_assignments(sqlite_url, "volunteer")),
+        60,
+        "no work for the client",
+        client,
+    )
     t0 = time.monotonic()
     client_exit = exit_time(client, t0)
     cluster.stop()

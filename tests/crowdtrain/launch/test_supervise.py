@@ -33,8 +33,9 @@ sys.exit(supervise([sys.executable, "-c", *sys.argv[1:]], "child"))
 @pytest.mark.parametrize("status", [3, 0], ids=["failed", "exited-0-by-itself"])
 def test_a_dying_child_is_started_again_and_sigterm_stops_both(tmp_path: Path, status: int) -> None:
     runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, CHILD, str(runs), str(status)], stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, CHILD, str(runs), str(status)], stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_for(lambda: runs.exists() and runs.read_text() == "3", 30, "the child was not restarted twice")
         time.sleep(0.5)  # the third run is up and waiting for SIGTERM

@@ -26,10 +26,14 @@ def blobs() -> Dataset:
 
 
 def job(subsets: int, max_epochs: int, **sections) -> dict:
-    spec = {"name": "blobs", "model": {"name": "mlp", "options": {"hidden": [16]}},
-            "dataset": {"source": "builtin:mnist1d", "subsets": subsets},  # the data is passed in instead
-            "training": {"local_epochs": 1, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
-            "stop": {"target_accuracy": 0.999, "max_epochs": max_epochs}, "scheduling": {"max_errors": 1000}}
+    spec = {
+        "name": "blobs",
+        "model": {"name": "mlp", "options": {"hidden": [16]}},
+        "dataset": {"source": "builtin:mnist1d", "subsets": subsets},  # the data is passed in instead
+        "training": {"local_epochs": 1, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
+        "stop": {"target_accuracy": 0.999, "max_epochs": max_epochs},
+        "scheduling": {"max_errors": 1000},
+    }
     for name, values in sections.items():
         spec[name] = {**spec.get(name, {}), **values}
     return spec
@@ -38,8 +42,20 @@ def job(subsets: int, max_epochs: int, **sections) -> dict:
 def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
     """8 slots of identical speed, 10 epochs of 32 workunits of t_e = 1 s: n = 40 workunits per slot."""
     return statistics.fmean(
-        simulate_training(job(32, 10), hosts=4, slots=2, p=p, timeout=t_o, seed=seed, speed_sigma=0,
-                          workunit_seconds=1.0, compute=False, data=data).sim_seconds for seed in range(seeds))
+        simulate_training(
+            job(32, 10),
+            hosts=4,
+            slots=2,
+            p=p,
+            timeout=t_o,
+            seed=seed,
+            speed_sigma=0,
+            workunit_seconds=1.0,
+            compute=False,
+            data=data,
+        ).sim_seconds
+        for seed in range(seeds)
+    )
 
 
 @pytest.mark.parametrize("p", [0.0, 0.05, 0.2])
@@ -59,17 +75,20 @@ def test_wall_time_with_a_long_timeout_is_the_exact_expectation(blobs: Dataset) 
 def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetched(blobs: Dataset) -> None:
     """One slot, no preemption: every workunit downloads the snapshot and uploads its result; a
     shard is downloaded once, then found in the host's cache."""
-    r = simulate_training(job(4, 3), hosts=1, p=0.0, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0,
-                          compute=False, data=blobs)
+    r = simulate_training(
+        job(4, 3), hosts=1, p=0.0, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs
+    )
     assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + 4 * 0.25)
 
 
 def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
     """Heterogeneous speeds stretch some hosts' work and shorten others'; one host alone has speed 1,
     so a speedup over one slot does not depend on the seed's draw."""
+
     def wall(hosts: int, sigma: float) -> float:
-        return simulate_training(job(8, 2), hosts=hosts, speed_sigma=sigma, seed=3, workunit_seconds=1.0,
-                                 compute=False, data=blobs).sim_seconds
+        return simulate_training(
+            job(8, 2), hosts=hosts, speed_sigma=sigma, seed=3, workunit_seconds=1.0, compute=False, data=blobs
+        ).sim_seconds
 
     assert wall(1, 0.8) == wall(1, 0.0) == 16.0
     assert wall(4, 0.8) > wall(4, 0.0) == 4.0  # the slowest host holds each epoch's release back
@@ -77,8 +96,18 @@ def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
 
 def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset) -> None:
     t_o = 5.0
-    r = simulate_training(job(2, 20), hosts=4, p=0.3, timeout=t_o, seed=1, speed_sigma=0, workunit_seconds=1.0,
-                          restart_seconds=0.0, compute=False, data=blobs)
+    r = simulate_training(
+        job(2, 20),
+        hosts=4,
+        p=0.3,
+        timeout=t_o,
+        seed=1,
+        speed_sigma=0,
+        workunit_seconds=1.0,
+        restart_seconds=0.0,
+        compute=False,
+        data=blobs,
+    )
     # The job ends with its last epoch; a workunit of the epoch before may still wait for its deadline.
     preempted = [d for d in r.trace if d.preempted and d.time + t_o <= r.sim_seconds]
     assert len(preempted) >= 5 and r.timeouts == len(preempted)
@@ -91,8 +120,7 @@ def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset)
 
 
 def test_the_next_epoch_is_released_once_the_current_one_has_nothing_left_to_dispatch(blobs: Dataset) -> None:
-    r = simulate_training(job(4, 3), hosts=3, slots=2, speed_sigma=0, workunit_seconds=1.0, compute=False,
-                          data=blobs)
+    r = simulate_training(job(4, 3), hosts=3, slots=2, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs)
     first_of_epoch_2 = min(d.time for d in r.trace if d.epoch == 2)
     last_of_epoch_1 = max(d.time for d in r.trace if d.epoch == 1)
     assert first_of_epoch_2 == last_of_epoch_1 == 0.0  # 6 slots, 4 workunits: epoch 2 starts at once
@@ -128,6 +156,7 @@ def test_training_a_real_model_improves_its_accuracy(blobs: Dataset) -> None:
 def test_upload_bytes_are_those_of_the_jobs_encoding(blobs: Dataset, compute: bool) -> None:
     """int8 deltas take about 0.27 of float32 weights' bytes (one byte a value, plus scales and the
     header), bfloat16 about half; the compute-free mode counts what a real upload would weigh."""
+
     def per_upload(upload: dict) -> int:
         spec = job(4, 2, model={"options": {"hidden": [128, 128]}}, assimilation={"upload": upload})
         s = simulate_training(spec, hosts=2, seed=0, compute=compute, data=blobs).summary()
@@ -142,6 +171,7 @@ def test_upload_bytes_are_those_of_the_jobs_encoding(blobs: Dataset, compute: bo
 
 def test_an_int8_upload_is_decoded_as_the_server_decodes_it(blobs: Dataset) -> None:
     """The merged W_c is W_base + the int8-rounded Δ: the run differs from a float32 one, and still learns."""
+
     def run(upload: dict):
         spec = job(4, 4, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5, "upload": upload})
         return simulate_training(spec, hosts=2, seed=0, data=blobs)
@@ -154,6 +184,7 @@ def test_an_int8_upload_is_decoded_as_the_server_decodes_it(blobs: Dataset) -> N
 def test_dynamic_local_work_gives_slow_hosts_less_work_and_less_staleness(blobs: Dataset) -> None:
     """16 hosts of widely spread speeds: with dynamic local work the hosts below the reference speed
     train a fraction < 1 of the local epochs once measured, so their results are less stale."""
+
     def run(dynamic: bool):
         spec = job(64, 6, training={"dynamic_local_work": dynamic})
         return simulate_training(spec, hosts=16, seed=0, speed_sigma=0.8, compute=False, data=blobs)
@@ -171,7 +202,8 @@ def test_dynamic_local_work_gives_slow_hosts_less_work_and_less_staleness(blobs:
 
     assert slow_mean(dynamic) < slow_mean(fixed)
     assert statistics.pstdev(dynamic.staleness_by_host().values()) < statistics.pstdev(
-        fixed.staleness_by_host().values())
+        fixed.staleness_by_host().values()
+    )
 
 
 def test_dynamic_local_work_trains_fewer_examples_on_slow_hosts(blobs: Dataset) -> None:
@@ -184,7 +216,7 @@ def test_dynamic_local_work_trains_fewer_examples_on_slow_hosts(blobs: Dataset) 
 def test_shards_are_dealt_stratified_as_the_work_generator_deals_them(blobs: Dataset) -> None:
     deals = ShardDeals(blobs.y, {"subsets": 4, "shuffle": "stratified"}, seed=7)
     first = deals.of(0)
-    assert all(np.array_equal(a, b) for a, b in zip(first, deal_shards(blobs.y, 4, "stratified", 7)))
+    assert all(np.array_equal(a, b) for a, b in zip(first, deal_shards(blobs.y, 4, "stratified", 7), strict=True))
     counts = np.bincount(blobs.y)
     for shard in first:
         assert np.all(np.abs(np.bincount(blobs.y[shard], minlength=4) - counts / 4) < 1)
@@ -197,8 +229,9 @@ def test_shards_are_dealt_stratified_as_the_work_generator_deals_them(blobs: Dat
 def test_a_reshuffled_epoch_has_new_shards_to_download(blobs: Dataset, reshuffle: bool) -> None:
     """One slot: each shard is fetched once, or once per epoch when every epoch deals anew."""
     spec = job(4, 3, dataset={"reshuffle_each_epoch": reshuffle})
-    r = simulate_training(spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0,
-                          compute=False, data=blobs)
+    r = simulate_training(
+        spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs
+    )
     fetches = 12 if reshuffle else 4
     assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + fetches * 0.25)
 
@@ -217,8 +250,21 @@ def test_cli_simulates_training_and_prints_one_json_line(tmp_path, blobs: Datase
     spec = job(4, 2)
     spec["dataset"]["source"] = f"npz:{tmp_path / 'blobs.npz'}"
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    out = CliRunner().invoke(app, ["simulate", "training", str(tmp_path / "spec.json"), "--hosts", "2",
-                                   "--no-compute", "--workunit-seconds", "1", "--speed-sigma", "0"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "training",
+            str(tmp_path / "spec.json"),
+            "--hosts",
+            "2",
+            "--no-compute",
+            "--workunit-seconds",
+            "1",
+            "--speed-sigma",
+            "0",
+        ],
+    )
     assert out.exit_code == 0, out.output
     summary = json.loads(out.output.strip().splitlines()[-1])
     assert summary["merges"] == 8 and summary["sim_seconds"] == 4.0 and summary["compute"] is False

@@ -47,8 +47,12 @@ class World:
         if key.decode() != keys.dedloc_peers(self.dedloc_job):
             return self.r.dump(key)
         peers = {peer: json.loads(raw) for peer, raw in self.r.hgetall(key).items()}
-        return tuple(sorted((peer, tuple(sorted((k, v) for k, v in fields.items() if k != "last_seen")))
-                            for peer, fields in peers.items()))
+        return tuple(
+            sorted(
+                (peer, tuple(sorted((k, v) for k, v in fields.items() if k != "last_seen")))
+                for peer, fields in peers.items()
+            )
+        )
 
 
 def dedloc_spec() -> dict:

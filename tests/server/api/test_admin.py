@@ -14,8 +14,22 @@ pytestmark = pytest.mark.integration
 
 
 def cli(cluster, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "crowdtrain", "admin", *args, "--server", cluster.url,
-                           "--admin-token", cluster.admin_token], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crowdtrain",
+            "admin",
+            *args,
+            "--server",
+            cluster.url,
+            "--admin-token",
+            cluster.admin_token,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def register(cluster, join_token: str) -> httpx.Response:
@@ -48,8 +62,11 @@ def test_a_revoked_host_is_refused_and_its_work_goes_back(make_cluster, sqlite_u
     revoked = cli(cluster, "host", "revoke", str(reg["host_id"]))
     assert revoked.returncode == 0, revoked.stderr
     assert host.post("/v1/work", json={"free_slots": 1}).status_code == 401
-    other = httpx.Client(base_url=cluster.url, timeout=30, headers={
-        "Authorization": f"Bearer {register(cluster, cluster.join_token).json()['host_token']}"})
+    other = httpx.Client(
+        base_url=cluster.url,
+        timeout=30,
+        headers={"Authorization": f"Bearer {register(cluster, cluster.join_token).json()['host_token']}"},
+    )
     again = other.post("/v1/work", json={"free_slots": 4}).json()["assignments"]
     assert {a["workunit_id"] for a in work} <= {a["workunit_id"] for a in again}
     with cluster.admin() as http:

@@ -17,15 +17,18 @@ BIG = 2**63
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    cluster = Cluster(var_dir=tmp_path_factory.mktemp("boundary"),
-                      extra_env={"CROWDTRAIN_UPLOAD_SLOTS": "1", "CROWDTRAIN_BODY_MAX_BYTES": str(1 << 20)}).start()
+    cluster = Cluster(
+        var_dir=tmp_path_factory.mktemp("boundary"),
+        extra_env={"CROWDTRAIN_UPLOAD_SLOTS": "1", "CROWDTRAIN_BODY_MAX_BYTES": str(1 << 20)},
+    ).start()
     try:
         spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
         spec["scheduling"].update(deadline_seconds=600, max_errors=100)
         with cluster.admin() as http:
             job_id = http.post("/v1/jobs", json=spec).json()["job_id"]
-        token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "h"}
-                           ).json()["host_token"]
+        token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "h"}).json()[
+            "host_token"
+        ]
         host = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         yield cluster, job_id, host
     finally:
@@ -42,14 +45,17 @@ def _only_detail(resp: httpx.Response) -> str:
     return body["detail"]
 
 
-@pytest.mark.parametrize(("method", "path", "kwargs", "field"), [
-    ("POST", f"/v1/assignments/{BIG}/heartbeat", {}, "assignment_id"),
-    ("PUT", "/v1/assignments/1/result", {"params": {"examples": BIG}, "content": b"x"}, "examples"),
-    ("POST", "/v1/work", {"json": {"free_slots": 1, "resources": {"cpus": BIG}}}, "cpus"),
-    ("POST", "/v1/work", {"json": {"free_slots": 1, "resources": {"ram_bytes": 2**64}}}, "ram_bytes"),
-    ("GET", f"/v1/shards/{BIG}", {}, "shard_id"),
-    ("POST", f"/v1/dedloc/jobs/{BIG}/progress", {"json": {"peer_id": "p", "step": 0}}, "job_id"),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "field"),
+    [
+        ("POST", f"/v1/assignments/{BIG}/heartbeat", {}, "assignment_id"),
+        ("PUT", "/v1/assignments/1/result", {"params": {"examples": BIG}, "content": b"x"}, "examples"),
+        ("POST", "/v1/work", {"json": {"free_slots": 1, "resources": {"cpus": BIG}}}, "cpus"),
+        ("POST", "/v1/work", {"json": {"free_slots": 1, "resources": {"ram_bytes": 2**64}}}, "ram_bytes"),
+        ("GET", f"/v1/shards/{BIG}", {}, "shard_id"),
+        ("POST", f"/v1/dedloc/jobs/{BIG}/progress", {"json": {"peer_id": "p", "step": 0}}, "job_id"),
+    ],
+)
 def test_integers_past_64_bits_are_a_422_naming_the_field(api, method, path, kwargs, field) -> None:
     _, _, host = api
     resp = host.request(method, path, **kwargs)
@@ -57,11 +63,14 @@ def test_integers_past_64_bits_are_a_422_naming_the_field(api, method, path, kwa
     assert field in _only_detail(resp)
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"free_slots": False}, "free_slots"),
-    ({"free_slots": "2"}, "free_slots"),
-    ({"free_slots": 1.0}, "free_slots"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"free_slots": False}, "free_slots"),
+        ({"free_slots": "2"}, "free_slots"),
+        ({"free_slots": 1.0}, "free_slots"),
+    ],
+)
 def test_wire_integers_are_strict(api, body, field) -> None:
     _, _, host = api
     resp = host.post("/v1/work", json=body)
@@ -81,11 +90,14 @@ def _safetensors(header: bytes, data: bytes = b"") -> bytes:
     return len(header).to_bytes(8, "little") + header + data
 
 
-@pytest.mark.parametrize(("header", "words"), [
-    (b'{"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}', "integer"),
-    (b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,1e999]}}', "integer"),
-    (b'{"w":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "header"),
-])
+@pytest.mark.parametrize(
+    ("header", "words"),
+    [
+        (b'{"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}', "integer"),
+        (b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,1e999]}}', "integer"),
+        (b'{"w":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "header"),
+    ],
+)
 def test_hostile_safetensors_headers_are_a_422(api, header, words) -> None:
     _, _, host = api
     resp = host.put(f"/v1/assignments/{_assignment(host)}/result", content=_safetensors(header, b"\0" * 4))
@@ -124,8 +136,11 @@ def test_json_bodies_are_bounded_and_never_echoed(api) -> None:
     cluster, _, _ = api
     big = json.dumps({"join_token": "x", "name": "A" * (2 << 20)}).encode()
     declared = httpx.post(f"{cluster.url}/v1/hosts", content=big, headers={"Content-Type": "application/json"})
-    streamed = httpx.post(f"{cluster.url}/v1/hosts", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
-                          headers={"Content-Type": "application/json"})
+    streamed = httpx.post(
+        f"{cluster.url}/v1/hosts",
+        content=iter([big[i : i + 65536] for i in range(0, len(big), 65536)]),
+        headers={"Content-Type": "application/json"},
+    )
     assert declared.status_code == streamed.status_code == 413
     assert "limit" in _only_detail(declared) and "limit" in _only_detail(streamed)
     secret = "S3CRET-" + "B" * 300
@@ -161,9 +176,13 @@ def test_uploads_beyond_the_slots_wait_with_503(api) -> None:
 
 def test_errors_have_one_documented_shape_and_times_a_timezone(api) -> None:
     cluster, job_id, host = api
-    answers = [host.get("/v1/nowhere"), host.delete("/v1/work"), host.post("/v1/work", json={}),
-               httpx.post(f"{cluster.url}/v1/work", json={"free_slots": 1}),
-               host.post("/v1/work", content=b"{not json", headers={"Content-Type": "application/json"})]
+    answers = [
+        host.get("/v1/nowhere"),
+        host.delete("/v1/work"),
+        host.post("/v1/work", json={}),
+        httpx.post(f"{cluster.url}/v1/work", json={"free_slots": 1}),
+        host.post("/v1/work", content=b"{not json", headers={"Content-Type": "application/json"}),
+    ]
     assert [a.status_code for a in answers] == [404, 405, 422, 401, 422]
     for a in answers:
         _only_detail(a)
@@ -171,7 +190,8 @@ def test_errors_have_one_documented_shape_and_times_a_timezone(api) -> None:
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert op["responses"]["4XX"]["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/ErrorOut"}, (method, path)
+                "$ref": "#/components/schemas/ErrorOut"
+            }, (method, path)
             if method == "put":
                 assert "application/octet-stream" in op["requestBody"]["content"], path
     deadline = host.post("/v1/work", json={"free_slots": 1}).json()["assignments"][0]["deadline"]

@@ -49,16 +49,18 @@ def _template(path: str) -> str:
 
 
 def test_every_route_is_public_or_guarded_and_listed_here(world: World) -> None:
-    served = {(method.upper(), _template(path)) for path, operations in world.sched.app.openapi()["paths"].items()
-              for method in operations}
+    served = {
+        (method.upper(), _template(path))
+        for path, operations in world.sched.app.openapi()["paths"].items()
+        for method in operations
+    }
     listed = {(m, _template(p)) for m, p in HOST_ROUTES + ADMIN_ROUTES + sorted(PUBLIC_ROUTES)}
     assert served == listed
 
 
 def _call(client, method: str, path: str):
     body = {} if method == "POST" else None
-    return client.request(method, path, json=body) if body is not None else client.request(method, path,
-                                                                                            content=b"x")
+    return client.request(method, path, json=body) if body is not None else client.request(method, path, content=b"x")
 
 
 @pytest.mark.parametrize(("method", "path"), HOST_ROUTES + ADMIN_ROUTES)
@@ -108,7 +110,11 @@ def test_a_revoked_join_token_registers_nobody(world: World) -> None:
 BAD_BODIES = [
     ("/v1/hosts", {"join_token": "x"}, "body.name"),
     ("/v1/hosts", {"join_token": "x", "name": "h", "resources": {"cpus": "4"}}, "body.resources.cpus"),
-    ("/v1/hosts", {"join_token": "x", "name": "h", "resources": {"frameworks": ["jax"]}}, "body.resources.frameworks.0"),
+    (
+        "/v1/hosts",
+        {"join_token": "x", "name": "h", "resources": {"frameworks": ["jax"]}},
+        "body.resources.frameworks.0",
+    ),
     ("/v1/work", {"free_slots": "3"}, "body.free_slots"),
     ("/v1/work", {"free_slots": 1000}, "body.free_slots"),
     ("/v1/work", {"free_slots": 1, "cached_shards": ["not-a-sha"]}, "body.cached_shards.0"),

@@ -44,47 +44,103 @@ def test_an_unknown_id_is_a_404_naming_it(world: World, caller, method, path, wo
 
 
 def test_an_error_report_about_an_unknown_assignment_is_a_404(world: World) -> None:
-    _refused(world, world.alice, "POST", f"/v1/assignments/{MISSING}/error", 404, "does not exist",
-             json={"message": "boom"})
+    _refused(
+        world, world.alice, "POST", f"/v1/assignments/{MISSING}/error", 404, "does not exist", json={"message": "boom"}
+    )
 
 
 def test_another_hosts_assignment_is_reported_like_a_missing_one(world: World) -> None:
     a = world.assignment["assignment_id"]
     for method, action in (("POST", "heartbeat"), ("POST", "abandon"), ("PUT", "result")):
-        _refused(world, world.bob, method, f"/v1/assignments/{a}/{action}", 404,
-                 f"assignment {a} does not exist or is not yours", content=b"x" if method == "PUT" else None)
+        _refused(
+            world,
+            world.bob,
+            method,
+            f"/v1/assignments/{a}/{action}",
+            404,
+            f"assignment {a} does not exist or is not yours",
+            content=b"x" if method == "PUT" else None,
+        )
 
 
 def test_an_unknown_store_operation_is_a_404_naming_the_known_ones(world: World) -> None:
-    _refused(world, world.alice, "POST", f"/v1/dedloc/jobs/{world.dedloc_job}/rounds/0/0/store/format", 404,
-             "known: set, get, add, check, compare_set, delete", json={"peer_id": world.peer_id})
+    _refused(
+        world,
+        world.alice,
+        "POST",
+        f"/v1/dedloc/jobs/{world.dedloc_job}/rounds/0/0/store/format",
+        404,
+        "known: set, get, add, check, compare_set, delete",
+        json={"peer_id": world.peer_id},
+    )
 
 
 def test_the_model_of_a_running_job_is_a_409(world: World) -> None:
-    _refused(world, world.sched.admin(), "GET", f"/v1/jobs/{world.vc_job}/model", 409,
-             f"job {world.vc_job} has no final model yet")
+    _refused(
+        world,
+        world.sched.admin(),
+        "GET",
+        f"/v1/jobs/{world.vc_job}/model",
+        409,
+        f"job {world.vc_job} has no final model yet",
+    )
 
 
 def test_joining_a_vc_asgd_job_as_a_dedloc_peer_is_a_409(world: World) -> None:
-    _refused(world, world.bob, "POST", f"/v1/dedloc/jobs/{world.vc_job}/join", 409,
-             f"job {world.vc_job} runs in mode 'vc-asgd', not 'dedloc'", json={})
+    _refused(
+        world,
+        world.bob,
+        "POST",
+        f"/v1/dedloc/jobs/{world.vc_job}/join",
+        409,
+        f"job {world.vc_job} runs in mode 'vc-asgd', not 'dedloc'",
+        json={},
+    )
 
 
 def test_a_round_that_is_not_running_is_a_409(world: World) -> None:
-    _refused(world, world.alice, "POST", f"/v1/dedloc/jobs/{world.dedloc_job}/rounds/0/0/store/set", 409,
-             "is not running", json={"peer_id": world.peer_id, "key": "k", "value": "eA=="})
+    _refused(
+        world,
+        world.alice,
+        "POST",
+        f"/v1/dedloc/jobs/{world.dedloc_job}/rounds/0/0/store/set",
+        409,
+        "is not running",
+        json={"peer_id": world.peer_id, "key": "k", "value": "eA=="},
+    )
 
 
 def test_a_peer_of_another_host_is_a_403(world: World) -> None:
-    _refused(world, world.bob, "POST", f"/v1/dedloc/jobs/{world.dedloc_job}/progress", 403,
-             "has not joined", json={"peer_id": "nobody", "step": 0})
-    _refused(world, world.bob, "POST", f"/v1/dedloc/jobs/{world.dedloc_job}/progress", 403,
-             "belongs to another host", json={"peer_id": world.peer_id, "step": 0})
+    _refused(
+        world,
+        world.bob,
+        "POST",
+        f"/v1/dedloc/jobs/{world.dedloc_job}/progress",
+        403,
+        "has not joined",
+        json={"peer_id": "nobody", "step": 0},
+    )
+    _refused(
+        world,
+        world.bob,
+        "POST",
+        f"/v1/dedloc/jobs/{world.dedloc_job}/progress",
+        403,
+        "belongs to another host",
+        json={"peer_id": world.peer_id, "step": 0},
+    )
 
 
 def test_a_state_from_a_peer_that_committed_nothing_is_a_403(world: World) -> None:
-    _refused(world, world.alice, "PUT", f"/v1/dedloc/jobs/{world.dedloc_job}/states/1?peer_id={world.peer_id}",
-             403, "did not commit step 0", content=b"x")
+    _refused(
+        world,
+        world.alice,
+        "PUT",
+        f"/v1/dedloc/jobs/{world.dedloc_job}/states/1?peer_id={world.peer_id}",
+        403,
+        "did not commit step 0",
+        content=b"x",
+    )
 
 
 def test_an_assignment_given_back_cannot_be_given_back_or_uploaded_again(world: World) -> None:
@@ -93,12 +149,20 @@ def test_an_assignment_given_back_cannot_be_given_back_or_uploaded_again(world: 
     given_back = ok(carol.post(f"/v1/assignments/{a}/abandon")).json()
     assert given_back == {"assignment_id": a, "status": AssignmentStatus.abandoned}
     _refused(world, carol, "POST", f"/v1/assignments/{a}/abandon", 409, f"assignment {a} is abandoned")
-    _refused(world, carol, "POST", f"/v1/assignments/{a}/error", 409, f"assignment {a} is abandoned",
-             json={"message": "late"})
-    _refused(world, carol, "PUT", f"/v1/assignments/{a}/result", 409, f"assignment {a} is abandoned",
-             content=b"late")
-    assert carol.post(f"/v1/assignments/{a}/heartbeat").json() == {"keep_going": False,
-                                                                    "reason": "assignment is abandoned"}
+    _refused(
+        world,
+        carol,
+        "POST",
+        f"/v1/assignments/{a}/error",
+        409,
+        f"assignment {a} is abandoned",
+        json={"message": "late"},
+    )
+    _refused(world, carol, "PUT", f"/v1/assignments/{a}/result", 409, f"assignment {a} is abandoned", content=b"late")
+    assert carol.post(f"/v1/assignments/{a}/heartbeat").json() == {
+        "keep_going": False,
+        "reason": "assignment is abandoned",
+    }
 
 
 def test_a_cancelled_job_cannot_be_cancelled_again(world: World) -> None:
@@ -106,15 +170,18 @@ def test_a_cancelled_job_cannot_be_cancelled_again(world: World) -> None:
     job_id = ok(admin.post("/v1/jobs", json=dedloc_spec())).json()["job_id"]
     assert ok(admin.post(f"/v1/jobs/{job_id}/cancel")).json() == {"job_id": job_id, "status": "cancelled"}
     _refused(world, admin, "POST", f"/v1/jobs/{job_id}/cancel", 409, "cannot go from cancelled to cancelled")
-    _refused(world, world.bob, "POST", f"/v1/dedloc/jobs/{job_id}/join", 409, f"job {job_id} is not running",
-             json={})
+    _refused(world, world.bob, "POST", f"/v1/dedloc/jobs/{job_id}/join", 409, f"job {job_id} is not running", json={})
 
 
 def test_answers_say_statuses_as_the_status_enums_values(world: World) -> None:
     admin = world.sched.admin()
     listed = {j["job_id"]: j for j in ok(admin.get("/v1/jobs")).json()}
-    assert listed[world.vc_job] == {"job_id": world.vc_job, "name": "mnist1d-cnn", "status": JobStatus.running,
-                                    "current_epoch": 1}
+    assert listed[world.vc_job] == {
+        "job_id": world.vc_job,
+        "name": "mnist1d-cnn",
+        "status": JobStatus.running,
+        "current_epoch": 1,
+    }
     status = ok(admin.get(f"/v1/jobs/{world.vc_job}")).json()
     assert status["status"] == "running" and set(status["assignments"]) <= set(AssignmentStatus)
     assert ok(world.sched.client().get("/v1/health")).json() == {"status": "ok"}

@@ -10,11 +10,11 @@ import pytest
 import redis
 from safetensors.numpy import save
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import decode, encode, manifest_of
 from crowdtrain.core.updates import SCALE_SUFFIX, decode_update, encode_result, encode_update
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment
 from tests.conftest import EXAMPLE_SPEC
@@ -35,8 +35,9 @@ def setup(tmp_path_factory):
             resp = http.post("/v1/jobs", json=spec)
             assert resp.status_code == 201, resp.text
             job_id = resp.json()["job_id"]
-        token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "alice"}
-                           ).json()["host_token"]
+        token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "alice"}).json()[
+            "host_token"
+        ]
         with httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as host:
             yield cluster, job_id, host
     finally:
@@ -50,8 +51,9 @@ def _assignment(host: httpx.Client) -> tuple[dict, dict]:
 
 def _trained(base: dict) -> dict:
     rng = np.random.default_rng(1)
-    return {k: v + (0.01 * rng.normal(size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
-            for k, v in base.items()}
+    return {
+        k: v + (0.01 * rng.normal(size=v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in base.items()
+    }
 
 
 def _state(cluster: Cluster, job_id: int, assignment_id: int) -> tuple[int, str, list]:
@@ -67,8 +69,10 @@ def _bad_body(kind: str, base: dict) -> bytes:
     client = _trained(base)
     if kind == "weights":
         return encode(client)
-    wire = {**{k: v for k, v in client.items() if v.dtype.kind != "f"},
-            **encode_update({k: client[k] - v for k, v in base.items() if v.dtype.kind == "f"}, UPLOAD)}
+    wire = {
+        **{k: v for k, v in client.items() if v.dtype.kind != "f"},
+        **encode_update({k: client[k] - v for k, v in base.items() if v.dtype.kind == "f"}, UPLOAD),
+    }
     name = next(k for k in base if k + SCALE_SUFFIX in wire and wire[k].size > 64)
     if kind == "float32 tensor":
         wire[name] = client[name] - base[name]
@@ -79,12 +83,15 @@ def _bad_body(kind: str, base: dict) -> bytes:
     return save({k: np.ascontiguousarray(v).reshape(v.shape) for k, v in wire.items()})
 
 
-@pytest.mark.parametrize(("kind", "words"), [
-    ("float32 tensor", "has dtype float32, expected int8"),
-    ("weights", "missing ["),
-    ("NaN scale", "scale that is negative, NaN or infinite"),
-    ("wrong block count", ".__scale__' has shape"),
-])
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("float32 tensor", "has dtype float32, expected int8"),
+        ("weights", "missing ["),
+        ("NaN scale", "scale that is negative, NaN or infinite"),
+        ("wrong block count", ".__scale__' has shape"),
+    ],
+)
 def test_a_body_that_is_not_the_announced_encoding_is_refused_and_changes_nothing(setup, kind, words) -> None:
     cluster, job_id, host = setup
     a, base = _assignment(host)

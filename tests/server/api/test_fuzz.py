@@ -9,8 +9,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.launch.cluster import Cluster
@@ -24,16 +27,23 @@ LAST_WORDS = ("revoke", "cancel")
 
 
 def _credentials(cluster: Cluster) -> tuple[dict, dict]:
-    token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "fuzzer"},
-                       timeout=60).json()["host_token"]
+    token = httpx.post(
+        f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "fuzzer"}, timeout=60
+    ).json()["host_token"]
     return {"Authorization": f"Bearer {token}"}, {"Authorization": f"Bearer {cluster.admin_token}"}
 
 
 def _fuzz(operation, headers: dict, failures: list[str]) -> int:
     sent = 0
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy())
     def run(case) -> None:
         nonlocal sent
@@ -56,8 +66,9 @@ def test_the_api_answers_every_generated_request_as_documented(tmp_path) -> None
         cluster.submit(spec)
         host, admin = _credentials(cluster)
         schema = schemathesis.openapi.from_url(f"{cluster.url}/openapi.json")
-        operations = sorted((r.ok() for r in schema.get_all_operations()),
-                            key=lambda op: any(w in op.path for w in LAST_WORDS))
+        operations = sorted(
+            (r.ok() for r in schema.get_all_operations()), key=lambda op: any(w in op.path for w in LAST_WORDS)
+        )
         failures: list[str] = []
         requests = 0
         for op in operations:

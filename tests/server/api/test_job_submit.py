@@ -10,7 +10,6 @@ import redis
 
 from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.ledger.models import Job, Shard, Workunit
-
 from tests.server.inprocess import scheduler_app
 
 UPLOAD_LIMIT = 200_000  # bytes: cnn1d at the defaults (43 kB) fits, mlp hidden [256, 256] (0.3 MB) does not
@@ -47,37 +46,54 @@ def datasets(tmp_path_factory) -> Path:
 
 
 def spec(datasets: Path, source: str = "good.npz", model: dict | None = None, subsets: int = 3, **dataset) -> dict:
-    return {"name": "t", "model": model or {"name": "cnn1d", "options": {"channels": 8}},
-            "dataset": {"source": source if ":" in source else f"npz:{datasets / source}", "subsets": subsets,
-                        **dataset},
-            "stop": {"target_accuracy": 0.9, "max_epochs": 2}}
+    return {
+        "name": "t",
+        "model": model or {"name": "cnn1d", "options": {"channels": 8}},
+        "dataset": {"source": source if ":" in source else f"npz:{datasets / source}", "subsets": subsets, **dataset},
+        "stop": {"target_accuracy": 0.9, "max_epochs": 2},
+    }
 
 
-@pytest.mark.parametrize(("kwargs", "words"), [
-    ({"source": "nan.npz"}, "dataset x: 1 values are NaN or infinite as float32 (the first in example 5)"),
-    ({"source": "unseen.npz"}, "dataset y_val: classes [3] never occur in the training labels y"),
-    ({"source": "short-val.npz"}, "x_val has 10 examples but y_val has 12"),
-    ({"classes": 2}, "dataset y: label 2 is outside [0, 2) (dataset.classes)"),
-    ({"source": "empty.npz"}, "is not a readable npz dataset: No data left in file"),
-    ({"source": "npz:data/good.npz"}, "'data/good.npz' is a relative path, but the scheduler reads dataset files "
-                                      "on its own machine"),
-    ({"subsets": 61}, "dataset.subsets: cannot split 60 training examples into 61 shards"),
-    ({"shuffle": "none", "reshuffle_each_epoch": True}, "dataset.reshuffle_each_epoch needs dataset.shuffle "
-                                                        "'stratified' or 'random'"),
-    ({"shuffle": "sorted"}, "dataset.shuffle"),
-    ({"source": "images.npz"}, "model: 'cnn1d' with options {'channels': 8} cannot take the dataset's examples "
-                               "shaped (3, 8, 8)"),
-    ({"model": {"name": "cnn1d", "options": {"channels": 8, "layers": 6}}}, "cannot take the dataset's examples "
-                                                                             "shaped (16,)"),
-    ({"model": {"name": "mlp"}}, f"more than the scheduler accepts in one upload ({UPLOAD_LIMIT:,} bytes, "
-                                 "upload_max_bytes)"),
-    ({"model": {"name": "mlp", "options": {"hidden": [65536] * 64}}}, "bytes of parameters, more than the scheduler"),
-    ({"model": {"name": "cnn1d", "options": {"seed": 1}}}, "model.options.seed: not an option of 'cnn1d'"),
-    ({"model": {"name": "cnn1d", "options": {"channels": 0}}}, "model.options.channels"),
-    ({"model": {"name": "mlp", "options": {"hidden": [-4]}}}, "model.options.hidden.0"),
-])
-def test_a_spec_that_cannot_train_is_refused_and_stores_nothing(scheduler, datasets, kwargs: dict,
-                                                                 words: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"source": "nan.npz"}, "dataset x: 1 values are NaN or infinite as float32 (the first in example 5)"),
+        ({"source": "unseen.npz"}, "dataset y_val: classes [3] never occur in the training labels y"),
+        ({"source": "short-val.npz"}, "x_val has 10 examples but y_val has 12"),
+        ({"classes": 2}, "dataset y: label 2 is outside [0, 2) (dataset.classes)"),
+        ({"source": "empty.npz"}, "is not a readable npz dataset: No data left in file"),
+        (
+            {"source": "npz:data/good.npz"},
+            "'data/good.npz' is a relative path, but the scheduler reads dataset files on its own machine",
+        ),
+        ({"subsets": 61}, "dataset.subsets: cannot split 60 training examples into 61 shards"),
+        (
+            {"shuffle": "none", "reshuffle_each_epoch": True},
+            "dataset.reshuffle_each_epoch needs dataset.shuffle 'stratified' or 'random'",
+        ),
+        ({"shuffle": "sorted"}, "dataset.shuffle"),
+        (
+            {"source": "images.npz"},
+            "model: 'cnn1d' with options {'channels': 8} cannot take the dataset's examples shaped (3, 8, 8)",
+        ),
+        (
+            {"model": {"name": "cnn1d", "options": {"channels": 8, "layers": 6}}},
+            "cannot take the dataset's examples shaped (16,)",
+        ),
+        (
+            {"model": {"name": "mlp"}},
+            f"more than the scheduler accepts in one upload ({UPLOAD_LIMIT:,} bytes, upload_max_bytes)",
+        ),
+        (
+            {"model": {"name": "mlp", "options": {"hidden": [65536] * 64}}},
+            "bytes of parameters, more than the scheduler",
+        ),
+        ({"model": {"name": "cnn1d", "options": {"seed": 1}}}, "model.options.seed: not an option of 'cnn1d'"),
+        ({"model": {"name": "cnn1d", "options": {"channels": 0}}}, "model.options.channels"),
+        ({"model": {"name": "mlp", "options": {"hidden": [-4]}}}, "model.options.hidden.0"),
+    ],
+)
+def test_a_spec_that_cannot_train_is_refused_and_stores_nothing(scheduler, datasets, kwargs: dict, words: str) -> None:
     resp = scheduler.http.post("/v1/jobs", json=spec(datasets, **kwargs), headers=scheduler.admin_headers)
     assert resp.status_code == 422, resp.text
     assert words in resp.text

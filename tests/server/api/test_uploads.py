@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import redis
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import decode, encode
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Workunit
 from tests.conftest import EXAMPLE_SPEC
@@ -35,10 +35,10 @@ def setup(tmp_path_factory):
             job_id = http.post("/v1/jobs", json=_spec()).json()["job_id"]
         hosts = {}
         for name in ("alice", "mallory"):
-            token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": name}
-                               ).json()["host_token"]
-            hosts[name] = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"},
-                                       timeout=60)
+            token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": name}).json()[
+                "host_token"
+            ]
+            hosts[name] = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         first = hosts["alice"].post("/v1/work", json={"free_slots": 1}).json()["assignments"][0]
         snapshot = decode(hosts["alice"].get(first["snapshot"]["url"]).content)
         hosts["alice"].post(f"/v1/assignments/{first['assignment_id']}/abandon").raise_for_status()
@@ -85,16 +85,20 @@ def _variant(snapshot: dict, kind: str) -> bytes:
     return encode(p)
 
 
-@pytest.mark.parametrize(("kind", "status", "words"), [
-    ("not safetensors", 422, "not a safetensors"),
-    ("wrong name", 422, "names"),
-    ("wrong shape", 422, "shape"),
-    ("wrong dtype", 422, "dtype"),
-    ("NaN", 422, "NaN"),
-    ("too large", 413, "limit"),
-])
-def test_a_bad_body_is_refused_and_its_workunit_goes_back_at_once(setup, work, kind: str, status: int,
-                                                                   words: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "status", "words"),
+    [
+        ("not safetensors", 422, "not a safetensors"),
+        ("wrong name", 422, "names"),
+        ("wrong shape", 422, "shape"),
+        ("wrong dtype", 422, "dtype"),
+        ("NaN", 422, "NaN"),
+        ("too large", 413, "limit"),
+    ],
+)
+def test_a_bad_body_is_refused_and_its_workunit_goes_back_at_once(
+    setup, work, kind: str, status: int, words: str
+) -> None:
     """The assignment ends rejected (charged to the host) instead of waiting for its deadline; with
     max_errors=1 its workunit fails at once. W_s and storage are untouched."""
     cluster, job_id, hosts, snapshot = setup
@@ -125,8 +129,9 @@ def test_unknown_and_foreign_assignments_are_not_found(setup, work) -> None:
     body = encode(snapshot)
     unknown = hosts["alice"].put("/v1/assignments/999999/result", content=body)
     foreign = hosts["mallory"].put(f"/v1/assignments/{work['assignment_id']}/result", content=body)
-    anonymous = hosts["alice"].put(f"/v1/assignments/{work['assignment_id']}/result", content=body,
-                                   headers={"Authorization": ""})
+    anonymous = hosts["alice"].put(
+        f"/v1/assignments/{work['assignment_id']}/result", content=body, headers={"Authorization": ""}
+    )
     assert unknown.status_code == 404 and "does not exist" in unknown.json()["detail"]
     assert foreign.status_code == 404 and "not yours" in foreign.json()["detail"]
     assert anonymous.status_code == 401
@@ -150,12 +155,15 @@ def test_a_result_is_accepted_once(setup, work) -> None:
     assert paramstore.read_blob(r, job_id)[0] == 1
 
 
-@pytest.mark.parametrize(("patch", "words"), [
-    ({"dataset": {"source": "npz:/nonexistent.npz", "subsets": 2}}, "does not exist"),
-    ({"model": {"name": "transformer"}}, "model"),
-    ({"stop": {"target_accuracy": 1.5}}, "target_accuracy"),
-    ({"model": {"name": "cnn1d", "options": {"wings": 2}}}, "wings"),
-])
+@pytest.mark.parametrize(
+    ("patch", "words"),
+    [
+        ({"dataset": {"source": "npz:/nonexistent.npz", "subsets": 2}}, "does not exist"),
+        ({"model": {"name": "transformer"}}, "model"),
+        ({"stop": {"target_accuracy": 1.5}}, "target_accuracy"),
+        ({"model": {"name": "cnn1d", "options": {"wings": 2}}}, "wings"),
+    ],
+)
 def test_a_bad_job_spec_is_refused_and_creates_no_job(setup, patch: dict, words: str) -> None:
     cluster, *_ = setup
     spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json") | patch

@@ -2,28 +2,29 @@
 
 import numpy as np
 import pytest
-from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.assimilator.rules import merge_vc_asgd
-from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore
-from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete
-from crowdtrain.server.ledger.models import Job, Metric, Workunit
-from crowdtrain.workgen.generator import submit_job
 from sqlalchemy import update
 
+from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.rules import merge_vc_asgd
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.keys import final_key
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode, decode_shard
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.models import Job, Metric, Workunit
+from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
 
 def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
-    return paramstore.merge_once(r, job_id, assignment_id,
-                                 lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)).version
+    return paramstore.merge_once(
+        r, job_id, assignment_id, lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)
+    ).version
 
 
 def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tmp_path) -> None:
@@ -45,8 +46,7 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=2.0, val_accuracy=acc_v1))
         s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
-    noise = {k: (rng.standard_normal(v.shape) * 3).astype(v.dtype) if v.dtype.kind == "f" else v
-             for k, v in w0.items()}
+    noise = {k: (rng.standard_normal(v.shape) * 3).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in w0.items()}
     assert _merge(r, job_id, 2, noise) == 2  # no metric for v2 (as with eval_every > 1, or a late merge)
 
     close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)

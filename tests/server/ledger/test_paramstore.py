@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import encode
+from crowdtrain.server.ledger import paramstore
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +87,7 @@ def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_red
     versions = sorted(json.loads(x)["version"] for x in private_redis.hgetall(keys.merge_log(3)).values())
     assert versions == list(range(1, 41))
     # Every client sends 1.0, so after n merges W_s = 1 - alpha^n whatever the order.
-    np.testing.assert_allclose(params["w"], 1 - alpha ** 40, rtol=1e-5)
+    np.testing.assert_allclose(params["w"], 1 - alpha**40, rtol=1e-5)
 
 
 def test_snapshot_retention_returns_the_versions_beyond_the_newest_few(private_redis) -> None:

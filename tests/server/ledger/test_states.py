@@ -2,6 +2,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.states import AssignmentStatus as A
 from crowdtrain.server.ledger.states import IllegalTransition
@@ -16,18 +17,39 @@ class Obj:
 
 
 LEGAL = [
-    (W.ready, W.in_progress), (W.in_progress, W.done), (W.in_progress, W.ready), (W.in_progress, W.failed),
-    (W.ready, W.cancelled), (W.in_progress, W.cancelled),
-    (A.in_progress, A.uploaded), (A.uploaded, A.merged), (A.uploaded, A.rejected), (A.in_progress, A.timed_out),
-    (A.in_progress, A.abandoned), (A.in_progress, A.client_error),
-    (J.pending, J.running), (J.running, J.succeeded), (J.running, J.failed), (J.running, J.cancelled),
+    (W.ready, W.in_progress),
+    (W.in_progress, W.done),
+    (W.in_progress, W.ready),
+    (W.in_progress, W.failed),
+    (W.ready, W.cancelled),
+    (W.in_progress, W.cancelled),
+    (A.in_progress, A.uploaded),
+    (A.uploaded, A.merged),
+    (A.uploaded, A.rejected),
+    (A.in_progress, A.timed_out),
+    (A.in_progress, A.abandoned),
+    (A.in_progress, A.client_error),
+    (J.pending, J.running),
+    (J.running, J.succeeded),
+    (J.running, J.failed),
+    (J.running, J.cancelled),
 ]
 
 ILLEGAL = [
-    (W.done, W.ready), (W.failed, W.ready), (W.ready, W.done), (W.cancelled, W.ready), (W.done, W.in_progress),
-    (A.merged, A.uploaded), (A.merged, A.merged), (A.timed_out, A.uploaded), (A.in_progress, A.merged),
-    (A.rejected, A.merged), (A.abandoned, A.in_progress),
-    (J.succeeded, J.running), (J.cancelled, J.running), (J.pending, J.succeeded),
+    (W.done, W.ready),
+    (W.failed, W.ready),
+    (W.ready, W.done),
+    (W.cancelled, W.ready),
+    (W.done, W.in_progress),
+    (A.merged, A.uploaded),
+    (A.merged, A.merged),
+    (A.timed_out, A.uploaded),
+    (A.in_progress, A.merged),
+    (A.rejected, A.merged),
+    (A.abandoned, A.in_progress),
+    (J.succeeded, J.running),
+    (J.cancelled, J.running),
+    (J.pending, J.succeeded),
 ]
 
 
@@ -58,8 +80,7 @@ LEDGER = REPO / "server" / "ledger"
 
 
 def _modules_outside_the_ledger() -> list[Path]:
-    return sorted(p for folder in PACKAGE_FOLDERS for p in (REPO / folder).rglob("*.py")
-                  if LEDGER not in p.parents)
+    return sorted(p for folder in PACKAGE_FOLDERS for p in (REPO / folder).rglob("*.py") if LEDGER not in p.parents)
 
 
 def _imported(tree: ast.Module) -> set[str]:
@@ -82,10 +103,20 @@ def _moves(tree: ast.Module) -> list[int]:
             modules |= {alias.asname or alias.name for alias in node.names if alias.name == "states"}
         elif isinstance(node, ast.ImportFrom) and node.module == "crowdtrain.server.ledger.states":
             functions |= {alias.asname or alias.name for alias in node.names if alias.name == "move"}
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and (
-        (isinstance(node.func, ast.Name) and node.func.id in functions)
-        or (isinstance(node.func, ast.Attribute) and node.func.attr == "move"
-            and isinstance(node.func.value, ast.Name) and node.func.value.id in modules))]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id in functions)
+            or (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "move"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in modules
+            )
+        )
+    ]
 
 
 def _status_writes(tree: ast.Module) -> list[int]:
@@ -93,15 +124,28 @@ def _status_writes(tree: ast.Module) -> list[int]:
     `status=` to an UPDATE's values()."""
     lines = []
     for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign | ast.AnnAssign)
+            else []
+        )
         for target in targets:
             for t in ast.walk(target):
-                if (isinstance(t, ast.Attribute) and t.attr == "status" and isinstance(t.ctx, ast.Store)
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == "status"
+                    and isinstance(t.ctx, ast.Store)
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
                     lines.append(t.lineno)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "values"
-                and any(k.arg == "status" for k in node.keywords)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "values"
+            and any(k.arg == "status" for k in node.keywords)
+        ):
             lines.append(node.lineno)
     return lines
 

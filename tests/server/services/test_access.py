@@ -16,8 +16,11 @@ from tests.server.inprocess import ok, scheduler_app
 def _dedloc_spec() -> dict:
     data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
     data.pop("assimilation")
-    return data | {"mode": "dedloc", "stop": {"target_accuracy": 0.9, "max_steps": 10},
-                   "dedloc": {"target_batch_size": 64, "micro_batch_size": 16}}
+    return data | {
+        "mode": "dedloc",
+        "stop": {"target_accuracy": 0.9, "max_steps": 10},
+        "dedloc": {"target_batch_size": 64, "micro_batch_size": 16},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,16 @@ def world(tmp_path_factory):
             work = ok(alice.post("/v1/work", json={"free_slots": 1})).json()["assignments"]
             assert len(work) == 1
             joined = ok(alice.post(f"/v1/dedloc/jobs/{dedloc_job}/join", json={})).json()
-            yield {"sched": sched, "alice": alice, "bob": bob, "vc_job": vc_job["job_id"],
-                   "assignment": work[0], "dedloc_job": dedloc_job, "dedloc_shard": joined["shards"][0],
-                   "redis": redis.Redis(port=port)}
+            yield {
+                "sched": sched,
+                "alice": alice,
+                "bob": bob,
+                "vc_job": vc_job["job_id"],
+                "assignment": work[0],
+                "dedloc_job": dedloc_job,
+                "dedloc_shard": joined["shards"][0],
+                "redis": redis.Redis(port=port),
+            }
     finally:
         redis_svc.stop()
 

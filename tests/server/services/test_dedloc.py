@@ -9,13 +9,14 @@ import redis
 
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.core.tensors import encode
+from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.services import dedloc
 from tests.conftest import EXAMPLE_SPEC
 
-SPEC = DedlocSpec(target_batch_size=100, micro_batch_size=10, matchmaking_timeout=0.3, averaging_timeout=0.3,
-                  max_group_size=2)
+SPEC = DedlocSpec(
+    target_batch_size=100, micro_batch_size=10, matchmaking_timeout=0.3, averaging_timeout=0.3, max_group_size=2
+)
 
 
 def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
@@ -109,8 +110,15 @@ def test_no_step_closes_past_max_steps(private_redis) -> None:
 def _dedloc_job(**changes) -> dict:
     data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
     data.pop("assimilation")
-    return data | {"mode": "dedloc", "stop": {"target_accuracy": 0.9, "max_steps": 10},
-                   "dedloc": {"target_batch_size": 64, "micro_batch_size": 16}} | changes
+    return (
+        data
+        | {
+            "mode": "dedloc",
+            "stop": {"target_accuracy": 0.9, "max_steps": 10},
+            "dedloc": {"target_batch_size": 64, "micro_batch_size": 16},
+        }
+        | changes
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +130,10 @@ def api(tmp_path_factory):
             vc_job = http.post("/v1/jobs", json=load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")).json()["job_id"]
         hosts = {}
         for name in ("alice", "mallory"):
-            token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": name}
-                               ).json()["host_token"]
-            hosts[name] = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"},
-                                       timeout=60)
+            token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": name}).json()[
+                "host_token"
+            ]
+            hosts[name] = httpx.Client(base_url=cluster.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         peer = hosts["alice"].post(f"/v1/dedloc/jobs/{dedloc_job}/join", json={}).json()["peer_id"]
         yield cluster, dedloc_job, vc_job, hosts, peer
     finally:
@@ -149,13 +157,16 @@ def test_a_dedloc_spec_without_its_section_is_refused_and_nothing_stored(api) ->
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("who", "path", "body", "status", "message"), [
-    ("mallory", "progress", {"step": 0, "examples": 5}, 403, "belongs to another host"),
-    ("alice", "progress", {"step": 0, "examples": -5}, 422, "examples"),
-    ("alice", "rounds/0/0/report", {"ok": True, "result_digest": "x"}, 409, "is not running"),
-    ("alice", "rounds/0/0/store/set", {"key": "k", "value": "eA=="}, 409, "is not running"),
-    ("alice", "rounds/0/0/store/format", {"key": "k"}, 404, "unknown store operation"),
-])
+@pytest.mark.parametrize(
+    ("who", "path", "body", "status", "message"),
+    [
+        ("mallory", "progress", {"step": 0, "examples": 5}, 403, "belongs to another host"),
+        ("alice", "progress", {"step": 0, "examples": -5}, 422, "examples"),
+        ("alice", "rounds/0/0/report", {"ok": True, "result_digest": "x"}, 409, "is not running"),
+        ("alice", "rounds/0/0/store/set", {"key": "k", "value": "eA=="}, 409, "is not running"),
+        ("alice", "rounds/0/0/store/format", {"key": "k"}, 404, "unknown store operation"),
+    ],
+)
 def test_bad_requests_are_refused_and_change_nothing(api, who, path, body, status, message) -> None:
     cluster, job_id, _, hosts, peer = api
     before = _round_doc(cluster, job_id)
@@ -177,8 +188,9 @@ def test_join_names_a_missing_job_or_the_wrong_mode(api) -> None:
 def test_parts_and_states_only_from_members(api) -> None:
     cluster, job_id, _, hosts, peer = api
     blob = encode({"g": np.zeros(4, np.float32)})
-    resp = hosts["alice"].put(f"/v1/dedloc/jobs/{job_id}/rounds/0/0/parts/group-0", params={"peer_id": peer},
-                              content=blob)
+    resp = hosts["alice"].put(
+        f"/v1/dedloc/jobs/{job_id}/rounds/0/0/parts/group-0", params={"peer_id": peer}, content=blob
+    )
     assert resp.status_code == 409
     resp = hosts["alice"].put(f"/v1/dedloc/jobs/{job_id}/states/1", params={"peer_id": peer}, content=blob)
     assert resp.status_code == 403 and "did not commit step 0" in resp.text

@@ -4,15 +4,15 @@ import threading
 
 import httpx
 import pytest
-from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
-from crowdtrain.server.ledger.models import Assignment, Job, Workunit
-from crowdtrain.server.services.transitioner import close_finished_epochs
 from sqlalchemy import func, select
 
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import open_storage
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
+from crowdtrain.server.ledger.models import Assignment, Job, Workunit
+from crowdtrain.server.services.transitioner import close_finished_epochs
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -23,8 +23,10 @@ SHARDS = 100
 
 def register_hosts(cluster, n: int) -> list[str]:
     with httpx.Client(base_url=cluster.url, timeout=60) as http:
-        return [http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": f"h{i}"}).json()["host_token"]
-                for i in range(n)]
+        return [
+            http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": f"h{i}"}).json()["host_token"]
+            for i in range(n)
+        ]
 
 
 def test_200_simultaneous_work_requests_on_postgresql_never_share_a_workunit(make_cluster, postgres_url) -> None:
@@ -39,8 +41,7 @@ def test_200_simultaneous_work_requests_on_postgresql_never_share_a_workunit(mak
     errors: list[str] = []
 
     def ask(i: int) -> None:
-        with httpx.Client(base_url=cluster.url, timeout=120,
-                          headers={"Authorization": f"Bearer {tokens[i]}"}) as http:
+        with httpx.Client(base_url=cluster.url, timeout=120, headers={"Authorization": f"Bearer {tokens[i]}"}) as http:
             barrier.wait()
             resp = http.post("/v1/work", json={"free_slots": 1})
             if resp.status_code != 200:
@@ -63,14 +64,29 @@ def test_200_simultaneous_work_requests_on_postgresql_never_share_a_workunit(mak
     assert sorted({a["epoch"] for r in replies for a in r}) == [1, 2]
     db = session_factory(postgres_url)
     with db.begin() as s:
-        per_wu = s.execute(select(Assignment.workunit_id, func.count()).where(Assignment.job_id == job_id)
-                           .group_by(Assignment.workunit_id)).all()
+        per_wu = s.execute(
+            select(Assignment.workunit_id, func.count())
+            .where(Assignment.job_id == job_id)
+            .group_by(Assignment.workunit_id)
+        ).all()
         assert len(per_wu) == HOSTS and all(n == 1 for _, n in per_wu)
         assert s.scalar(select(func.count()).select_from(Workunit).where(Workunit.job_id == job_id)) == 2 * SHARDS
-        assert s.scalar(select(func.count()).select_from(Workunit).where(
-            Workunit.job_id == job_id, Workunit.status == WorkunitStatus.in_progress.value)) == HOSTS
-        assert s.scalar(select(func.count()).select_from(Assignment).where(
-            Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value)) == HOSTS
+        assert (
+            s.scalar(
+                select(func.count())
+                .select_from(Workunit)
+                .where(Workunit.job_id == job_id, Workunit.status == WorkunitStatus.in_progress.value)
+            )
+            == HOSTS
+        )
+        assert (
+            s.scalar(
+                select(func.count())
+                .select_from(Assignment)
+                .where(Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value)
+            )
+            == HOSTS
+        )
 
 
 def _counters(cluster) -> dict[str, float]:
@@ -110,15 +126,20 @@ def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, 
     cluster = make_cluster(sqlite_url, assimilator_concurrency=1)
     zoo_job = cluster.submit(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json"))["job_id"]
     keras_job = cluster.submit(load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-keras.yaml").model_dump(mode="json"))[
-        "job_id"]
+        "job_id"
+    ]
 
     def ask(name: str, frameworks: list[str], slots: int) -> list[int]:
         resources = {"frameworks": frameworks}
         with httpx.Client(base_url=cluster.url, timeout=60) as http:
-            token = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": name,
-                                                 "resources": resources}).json()["host_token"]
-            reply = http.post("/v1/work", json={"free_slots": slots, "resources": resources},
-                              headers={"Authorization": f"Bearer {token}"}).json()
+            token = http.post(
+                "/v1/hosts", json={"join_token": cluster.join_token, "name": name, "resources": resources}
+            ).json()["host_token"]
+            reply = http.post(
+                "/v1/work",
+                json={"free_slots": slots, "resources": resources},
+                headers={"Authorization": f"Bearer {token}"},
+            ).json()
         return [a["job_id"] for a in reply["assignments"]]
 
     # Jobs are offered in id order. The zoo job (a PyTorch job) goes to a TensorFlow-only host too:
@@ -128,8 +149,9 @@ def test_hosts_are_offered_only_jobs_one_of_their_frameworks_runs(make_cluster, 
     assert ask("torch", ["pytorch"], 12) == [zoo_job] * 6
     assert ask("tf-2", ["tensorflow"], 2) == [keras_job] * 2
     with httpx.Client(base_url=cluster.url, timeout=60) as http:
-        bad = http.post("/v1/hosts", json={"join_token": cluster.join_token, "name": "x",
-                                           "resources": {"frameworks": ["jax"]}})
+        bad = http.post(
+            "/v1/hosts", json={"join_token": cluster.join_token, "name": "x", "resources": {"frameworks": ["jax"]}}
+        )
     assert bad.status_code == 422 and "frameworks" in bad.text
 
 
@@ -153,7 +175,9 @@ def test_a_dedloc_job_never_produces_workunits(scheduler) -> None:
 
 def test_epoch_release_and_closing_leave_a_dedloc_job_alone(scheduler, private_redis) -> None:
     spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-dedloc.yaml")
-    job_id = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers).json()["job_id"]
+    job_id = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers).json()[
+        "job_id"
+    ]
     with scheduler.db.begin() as s:
         job = s.get_one(Job, job_id)
         assert not next_epoch_releasable(s, job)

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.server.services.local_work import REFERENCE_QUANTILE, host_speeds, local_fraction
 from crowdtrain.server.ledger.models import Assignment
-
+from crowdtrain.server.services.local_work import REFERENCE_QUANTILE, host_speeds, local_fraction
 from tests.server.inprocess import Scheduler, scheduler_app
 
 SHARD_EXAMPLES, LOCAL_EPOCHS = 50, 2
@@ -24,14 +23,17 @@ def test_a_hosts_speed_is_its_total_examples_over_total_seconds() -> None:
     assert speeds == {1: 100.0, 2: 25.0}  # host 3 reported no time: not measured
 
 
-@pytest.mark.parametrize(("host", "speeds", "expected"), [
-    (100.0, [100.0, 50.0], 1.0),
-    (50.0, [100.0, 50.0], 50.0 / (50.0 + REFERENCE_QUANTILE * 50.0)),
-    (10.0, [100.0, 10.0], 0.25),  # below min_local_fraction
-    (None, [100.0, 50.0], 1.0),  # never measured
-    (50.0, [], 1.0),
-    (500.0, [100.0, 500.0], 1.0),
-])
+@pytest.mark.parametrize(
+    ("host", "speeds", "expected"),
+    [
+        (100.0, [100.0, 50.0], 1.0),
+        (50.0, [100.0, 50.0], 50.0 / (50.0 + REFERENCE_QUANTILE * 50.0)),
+        (10.0, [100.0, 10.0], 0.25),  # below min_local_fraction
+        (None, [100.0, 50.0], 1.0),  # never measured
+        (50.0, [], 1.0),
+        (500.0, [100.0, 500.0], 1.0),
+    ],
+)
 def test_the_fraction_is_speed_over_a_high_quantile_clipped(host, speeds, expected) -> None:
     assert local_fraction(host, speeds, 0.25) == pytest.approx(expected)
 
@@ -57,10 +59,13 @@ def npz(tmp_path: Path) -> Path:
 
 
 def submit(scheduler: Scheduler, npz: Path, dynamic: bool) -> int:
-    spec = {"name": "t", "model": {"name": "mlp", "options": {"hidden": [8]}},
-            "dataset": {"source": f"npz:{npz}", "subsets": 8},
-            "training": {"local_epochs": LOCAL_EPOCHS, "dynamic_local_work": dynamic, "min_local_fraction": 0.1},
-            "stop": {"target_accuracy": 0.99, "max_epochs": 5}}
+    spec = {
+        "name": "t",
+        "model": {"name": "mlp", "options": {"hidden": [8]}},
+        "dataset": {"source": f"npz:{npz}", "subsets": 8},
+        "training": {"local_epochs": LOCAL_EPOCHS, "dynamic_local_work": dynamic, "min_local_fraction": 0.1},
+        "stop": {"target_accuracy": 0.99, "max_epochs": 5},
+    }
     resp = scheduler.http.post("/v1/jobs", json=spec, headers=scheduler.admin_headers)
     assert resp.status_code == 201, resp.text
     return resp.json()["job_id"]
@@ -76,8 +81,12 @@ def work(scheduler: Scheduler, host: dict) -> dict:
 def upload(scheduler: Scheduler, host: dict, a: dict, examples: int, seconds: float) -> None:
     """Send back the snapshot itself, with the speed figures a host of that speed would report."""
     body = scheduler.http.get(a["snapshot"]["url"], headers=host).content
-    resp = scheduler.http.put(f"/v1/assignments/{a['assignment_id']}/result", content=body, headers=host,
-                              params={"train_loss": 1.0, "examples": examples, "seconds": seconds})
+    resp = scheduler.http.put(
+        f"/v1/assignments/{a['assignment_id']}/result",
+        content=body,
+        headers=host,
+        params={"train_loss": 1.0, "examples": examples, "seconds": seconds},
+    )
     assert resp.status_code == 202, resp.text
 
 
@@ -105,6 +114,11 @@ def test_a_slow_host_gets_less_local_work_than_a_fast_one_in_a_dynamic_job(sched
     assert fractions["liar"] == pytest.approx(50.0 / reference)
     assert newcomer["local_fraction"] == 1.0
     with scheduler.db.begin() as s:  # kept with the assignment, as sent
-        kept = dict(s.execute(select(Assignment.id, Assignment.local_fraction).where(
-            Assignment.id.in_([a["assignment_id"] for a in again.values()]))).all())
+        kept = dict(
+            s.execute(
+                select(Assignment.id, Assignment.local_fraction).where(
+                    Assignment.id.in_([a["assignment_id"] for a in again.values()])
+                )
+            ).all()
+        )
     assert kept == {a["assignment_id"]: a["local_fraction"] for a in again.values()}

@@ -4,6 +4,16 @@ unmerged results, uncharged. Real SQLite ledger, private Redis, local storage.""
 import numpy as np
 import pytest
 import redis
+from sqlalchemy import select
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import JobSpec, load_job_spec
+from crowdtrain.core.schemas import ResultMetrics
+from crowdtrain.core.settings import Settings
+from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.core.storage import open_storage
+from crowdtrain.core.tensors import encode
+from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore, states
 from crowdtrain.server.ledger.assignments import store_result
@@ -17,16 +27,6 @@ from crowdtrain.server.services.transitioner import (
     requeue_stalled_merges,
 )
 from crowdtrain.workgen.generator import submit_job
-from sqlalchemy import select
-
-from crowdtrain.core import keys
-from crowdtrain.core.jobspec import JobSpec, load_job_spec
-from crowdtrain.core.schemas import ResultMetrics
-from crowdtrain.core.settings import Settings
-from crowdtrain.core.states import AssignmentStatus, JobStatus
-from crowdtrain.core.storage import open_storage
-from crowdtrain.core.tensors import encode
-from crowdtrain.launch.cluster import free_port, start_redis
 from tests.conftest import EXAMPLE_SPEC
 
 
@@ -34,8 +34,13 @@ def _small_job(var) -> JobSpec:
     """The example job on a small random dataset: quick to prepare."""
     rng = np.random.default_rng(0)
     labels = lambda n: np.arange(n) % 10  # noqa: E731
-    np.savez(var / "small.npz", x=rng.standard_normal((200, 40)).astype(np.float32), y=labels(200),
-             x_val=rng.standard_normal((50, 40)).astype(np.float32), y_val=labels(50))
+    np.savez(
+        var / "small.npz",
+        x=rng.standard_normal((200, 40)).astype(np.float32),
+        y=labels(200),
+        x_val=rng.standard_normal((50, 40)).astype(np.float32),
+        y_val=labels(50),
+    )
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.dataset.source = f"npz:{var / 'small.npz'}"
     return spec

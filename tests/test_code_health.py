@@ -1,0 +1,49 @@
+"""The code passes its linters: ruff (ruff.toml: lint rules and the format) over the repository, and
+mypy (mypy.ini) over the installed layout, where every module has its `crowdtrain.` name."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUFF = {"lint": ["check", "--no-cache", "."], "format": ["format", "--check", "--no-cache", "."]}
+# crowdtrain/cli/ and client/ are rewritten on another branch, and fixed and formatted after the merge; then this
+# list, the test that leaves them out and the xfail mark go. (As a ruff glob, "client" would match tests/client too.)
+NOT_YET_FORMATTED = ["crowdtrain/cli", "./client"]
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _output(done: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {done.returncode}\n{done.stdout[-8000:]}{done.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("command", RUFF.values(), ids=list(RUFF))
+def test_ruff_passes_outside_the_folders_not_yet_formatted(command: list[str]) -> None:
+    done = _run([sys.executable, "-m", "ruff", *command, "--extend-exclude", ",".join(NOT_YET_FORMATTED)], ROOT)
+    assert done.returncode == 0, _output(done)
+
+
+@pytest.mark.xfail(strict=True, reason="crowdtrain/cli/ and client/ are not fixed and formatted yet")
+@pytest.mark.parametrize("command", RUFF.values(), ids=list(RUFF))
+def test_ruff_passes(command: list[str]) -> None:
+    done = _run([sys.executable, "-m", "ruff", *command], ROOT)
+    assert done.returncode == 0, _output(done)
+
+
+def test_mypy_passes_on_the_installed_layout(installed_tree: Path) -> None:
+    """mypy.ini from the repository, run on the wheel's tree; its cache stays in the repository, so that
+    later runs check again only our modules (their paths change with each tree)."""
+    env = {**os.environ, "MYPYPATH": str(installed_tree)}
+    config, cache = ROOT / "mypy.ini", ROOT / ".mypy_cache"
+    done = _run(
+        [sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir", str(cache), "-p", "crowdtrain"],
+        installed_tree,
+        env,
+    )
+    assert done.returncode == 0, _output(done)
