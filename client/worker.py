@@ -5,6 +5,7 @@ already downloaded and decoded, so a slot that frees starts training at once; he
 while the next assignment trains. On SIGTERM or a spot-interruption notice, give back at once
 every assignment that cannot finish before the notice expires. Running assignments are
 journaled and checkpointed, so a client killed outright resumes them when it starts again.
+What the thread of one assignment does is in client/assignment.py.
 """
 
 import logging
