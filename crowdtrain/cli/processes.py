@@ -51,7 +51,8 @@ def server(
         migrate()
     else:
         configure_logging()
-    uvicorn.run("crowdtrain.server.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning")
+    uvicorn.run("crowdtrain.server.api.app:create_app", factory=True, host=host, port=port, workers=workers,
+                log_level="warning")
 
 
 @app.command()
