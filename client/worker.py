@@ -5,6 +5,7 @@ already downloaded and decoded, so a slot that frees starts training at once; he
 while the next assignment trains. On SIGTERM or a spot-interruption notice, give back at once
 every assignment that cannot finish before the notice expires. Running assignments are
 journaled and checkpointed, so a client killed outright resumes them when it starts again.
+What the thread of one assignment does is in client/assignment.py.
 """
 
 import logging
@@ -13,46 +14,26 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 from crowdtrain.client.api import BadReply, Refused, SchedulerAPI
-from crowdtrain.client.cache import CacheFull, FileCache
+from crowdtrain.client.assignment import AssignmentRunner, Running
 from crowdtrain.client.identity import Identities
-from crowdtrain.client.journal import AssignmentJournal, FileCheckpoint
+from crowdtrain.client.journal import AssignmentJournal
 from crowdtrain.client.origins import Origins, learned_origins
 from crowdtrain.client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
 from crowdtrain.client.preferences import Preferences
-from crowdtrain.client.quota import DailyTransfer, OverDailyCap, Reservation, counted
 from crowdtrain.client.restraints import Restraints
-from crowdtrain.client.status import AssignmentStatus, ClientState, ClientStatus, StatusWriter
-from crowdtrain.client.trainers import Cancelled, TrainControl, available_frameworks, train
-from crowdtrain.core import frameworks as fw
-from crowdtrain.core.schemas import AssignmentOut, FileRef, Resources, ResultMetrics
-from crowdtrain.core.tensors import decode, decode_shard
-from crowdtrain.core.updates import encode_result
+from crowdtrain.client.status import ClientState, ClientStatus, StatusWriter
+from crowdtrain.client.trainers import available_frameworks
+from crowdtrain.core.schemas import AssignmentOut, Resources
 
 log = logging.getLogger(__name__)
 
-KEEP_SNAPSHOTS = 4
-EWMA_WEIGHT = 0.3  # weight of the newest observation in the running means of task times
 BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work reply that had to be refused
-
-
-@dataclass
-class Running:
-    """One assignment on this client: fetching -> waiting (for a compute slot) -> training -> uploading."""
-
-    assignment: AssignmentOut
-    thread: threading.Thread | None = None
-    control: TrainControl = field(default_factory=TrainControl)
-    phase: str = "fetching"
-    training_since: float | None = None
-    given_back: bool = False
-    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 def detect_resources(device: str, frameworks: list[str] | None = None) -> Resources:
@@ -66,19 +47,7 @@ def detect_resources(device: str, frameworks: list[str] | None = None) -> Resour
                      frameworks=frameworks or available_frameworks())
 
 
-def _assignment_status(r: Running) -> AssignmentStatus:
-    a = r.assignment
-    phase = "downloading" if r.phase == "fetching" else r.phase
-    return AssignmentStatus(assignment_id=a.assignment_id, job_id=a.job_id, epoch=a.epoch, shard_index=a.shard_index,
-                            phase=phase + (" (paused)" if r.control.paused else ""), started_at=r.started_at,
-                            deadline=a.deadline)
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * new
-
-
-class VolunteerClient:
+class VolunteerClient(AssignmentRunner):
     def __init__(self, server_url: str, join_token: str, tasks: int = 1, device: str = "cpu",
                  cache_dir: Path = Path("~/.cache/crowdtrain").expanduser(), name: str | None = None,
                  max_assignments: int | None = None, prefetch: bool = True, checkpoint_seconds: float = 30.0,
@@ -306,20 +275,6 @@ class VolunteerClient:
             r.thread.join(timeout=30)
         self.api.close()
 
-    def _give_back(self, r: Running) -> None:
-        """Cancel the assignment here and tell the server at once, so it is dispatched again."""
-        if r.given_back:
-            return
-        r.given_back = True
-        r.control.cancel()
-        aid = r.assignment.assignment_id
-        try:
-            self.api.abandon(aid)
-            log.info("assignment %s: abandoned (%s)", aid, r.phase)
-        except httpx.HTTPError as exc:
-            log.warning("assignment %s: could not abandon (%s); it will time out", aid, exc)
-        self.journal.forget(aid)
-
     # -- volunteer preferences ------------------------------------------------------------------
     def _held_back(self) -> bool:
         """True (after a short wait) while the preferences forbid asking for work."""
@@ -359,99 +314,8 @@ class VolunteerClient:
         elif state in (ClientState.waiting, ClientState.working):
             state = ClientState.working if running else ClientState.waiting
         return ClientStatus(pid=os.getpid(), state=state, reason=self.state_reason, server=self.server_url,
-                            updated_at=datetime.now(UTC), assignments=[_assignment_status(r) for r in running],
+                            updated_at=datetime.now(UTC), assignments=[r.status() for r in running],
                             **self.restraints.figures())
-
-    # -- one assignment -------------------------------------------------------------------------
-    def _work(self, r: Running) -> None:
-        a = r.assignment
-        aid = a.assignment_id
-        transfer, reservation = self.restraints.transfer, None
-        try:
-            reservation = self.restraints.reserve(a)
-            snap = self._fetch(self.snapshots, a.snapshot, transfer, reservation)
-            shard = self._fetch(self.shards, a.shard, transfer, reservation)
-            x, y = decode_shard(shard.read_bytes())
-            params = decode(snap.read_bytes())
-            framework = fw.pick(a.recipe.model, self.resources.frameworks)
-            if framework is None:  # the scheduler sends only runnable work; say so rather than guess
-                raise RuntimeError(f"model {a.recipe.model['name']!r} needs one of "
-                                   f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}")
-            r.phase = "waiting"
-            self.status.changed()
-            while not self.compute.acquire(timeout=0.2):
-                r.control.between_batches()
-            try:
-                r.control.between_batches()
-                r.phase, r.training_since = "training", time.monotonic()
-                self.status.changed()
-                checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid, framework), self.checkpoint_seconds)
-                if checkpoint.resumed is not None:
-                    log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
-                result = train(framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint,
-                               a.local_fraction)
-            finally:
-                self.compute.release()
-                self.slot_freed.set()
-            if checkpoint.resumed is None:
-                self.train_seconds[a.job_id] = _ewma(self.train_seconds.get(a.job_id), result.seconds)
-            r.phase = "uploading"
-            self.status.changed()
-            t0 = time.monotonic()
-            blob = encode_result(result.params, params, a.recipe.upload)  # W_c, or Δ from the snapshot
-            self.api.upload(a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples,
-                                                   seconds=result.seconds))
-            transfer.record("upload", len(blob), reservation)
-            self.upload_seconds = _ewma(self.upload_seconds, time.monotonic() - t0)
-            log.info("assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)", aid, a.epoch,
-                     a.shard_index, framework, result.train_loss, result.seconds)
-            self.completed += 1
-            self.journal.forget(aid)
-        except Cancelled:
-            log.info("assignment %s: stopped before finishing", aid)
-            if not r.given_back:  # the server no longer wants it: hand it back at once
-                self._give_back(r)
-        except (OverDailyCap, CacheFull) as exc:
-            log.warning("assignment %s: giving it back: %s", aid, exc)
-            self._give_back(r)
-        except Refused as exc:
-            log.warning("assignment %s: server refused the result: %s", aid, exc.message)
-            self.journal.forget(aid)
-        except Exception as exc:
-            if not self.stop.is_set():
-                log.exception("assignment %s: failed", aid)
-                try:
-                    self.api.report_error(aid, f"{type(exc).__name__}: {exc}")
-                except Exception:
-                    log.warning("assignment %s: could not report the error; it will time out", aid)
-                self.journal.forget(aid)
-        finally:
-            if reservation is not None:
-                transfer.release(reservation)
-            with self.lock:
-                self.running.pop(aid, None)
-            self._prune_snapshots()
-            self.slot_freed.set()
-            self.status.changed()
-
-    def _fetch(self, cache: FileCache, ref: FileRef, transfer: DailyTransfer, reservation: Reservation | None) -> Path:
-        """The verified local copy of `ref`, downloaded (no more than its declared size) if not cached."""
-        download = counted(lambda p: self.api.download(ref.url, p, ref.size), transfer, reservation)
-        return cache.fetch(ref.sha256, download, ref.size)
-
-    def _prune_snapshots(self) -> None:
-        """Keep the newest few snapshots: each merge publishes a new one, so old ones are never reused."""
-        with self.lock:
-            in_use = {r.assignment.snapshot.sha256 for r in self.running.values()}
-        dated = []
-        for p in self.snapshots.root.glob("??/*"):
-            try:
-                dated.append((p.stat().st_mtime, p))
-            except FileNotFoundError:  # pruned by another slot meanwhile
-                continue
-        for _, p in sorted(dated, reverse=True)[KEEP_SNAPSHOTS:]:
-            if p.name not in in_use:
-                p.unlink(missing_ok=True)
 
     def _heartbeat_loop(self) -> None:
         while not self.stop.wait(self.heartbeat_interval):

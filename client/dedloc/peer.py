@@ -9,16 +9,21 @@ both accumulators, loads the newer state and brings them into the next step.
 
 import json
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from crowdtrain.client.dedloc.allreduce import reduce_round, result_digest
 from crowdtrain.client.dedloc.api import PeerAPI, Refused
 from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
+from crowdtrain.client.dedloc.store import RoundStore
 from crowdtrain.core import dedloc as math
 from crowdtrain.core.schemas_dedloc import PeerJoined, ProgressReply
 from crowdtrain.core.tensors import decode_shard, sha256
@@ -220,14 +225,6 @@ class DedlocPeer:
 
     def _die_mid_allreduce(self, plan) -> None:
         """Fault injection for tests: join the collective, then vanish while the others reduce."""
-        import os
-        import signal
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        from crowdtrain.client.dedloc.store import RoundStore
-
         # Connect to the group like any member, so the others enter the all-reduce and wait on this
         # peer, then die without a word: SIGKILL, no clean-up, no report.
         store = RoundStore(self.api, plan.step, plan.attempt, plan.averaging_timeout)

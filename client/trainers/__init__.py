@@ -15,6 +15,7 @@ The contract every trainer keeps:
   `checkpoint.resumed` is not None it starts from that state instead of from `params`.
 """
 
+import importlib
 import math
 import threading
 from dataclasses import dataclass
@@ -22,9 +23,12 @@ from typing import Protocol
 
 import numpy as np
 
+from crowdtrain.core.frameworks import installed
 from crowdtrain.core.tensors import Params
 
 FRAMEWORKS = ("pytorch", "tensorflow")
+# The trainer module of each framework, imported only when it trains: each imports its framework.
+TRAINERS = {"pytorch": "crowdtrain.client.trainers.pytorch", "tensorflow": "crowdtrain.client.trainers.tensorflow"}
 
 
 class Cancelled(Exception):
@@ -95,8 +99,6 @@ class Checkpoint(Protocol):
 
 def available_frameworks() -> list[str]:
     """The frameworks importable in this environment, PyTorch first."""
-    from crowdtrain.core.frameworks import installed
-
     return installed()
 
 
@@ -108,9 +110,7 @@ def limit_threads(n: int, frameworks: list[str] | None = None) -> None:
 
         torch.set_num_threads(n)
     if "tensorflow" in frameworks:
-        from crowdtrain.client.trainers.tensorflow import limit_threads as limit_tf
-
-        limit_tf(n)
+        importlib.import_module(TRAINERS["tensorflow"]).limit_threads(n)
 
 
 def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
@@ -118,11 +118,8 @@ def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.nda
           local_fraction: float = 1.0) -> TrainResult:
     """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
     epochs' steps; see the module docstring for the contract."""
-    if framework == "pytorch":
-        from crowdtrain.client.trainers.pytorch import train as run
-    elif framework == "tensorflow":
-        from crowdtrain.client.trainers.tensorflow import train as run
-    else:
+    if framework not in TRAINERS:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
+    run = importlib.import_module(TRAINERS[framework]).train
     return run(recipe, params, x, y, device=device, control=control or TrainControl(), checkpoint=checkpoint,
                local_fraction=local_fraction)

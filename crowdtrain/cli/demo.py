@@ -4,17 +4,40 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
-from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.launch.cluster import Cluster
 from crowdtrain.cli.plot import plot_accuracy
 from crowdtrain.cli.progress import watch
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import JobStatusOut
+from crowdtrain.launch.cluster import Cluster
 
 DEMO_TIMEOUT = 600
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def demo(
+    var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
+        "var/demo"),
+    spec: Annotated[Path | None, typer.Option(help="Job spec to run (default: examples/mnist1d-cnn.yaml, "
+                                                   "or examples/mnist1d-dedloc.yaml with --mode dedloc)")] = None,
+    clients: Annotated[int, typer.Option(min=1, help="Clients, or peers with --mode dedloc")] = 3,
+    tasks: Annotated[int, typer.Option(min=1)] = 2,
+    parameter_servers: Annotated[int, typer.Option(min=1)] = 2,
+    mode: Annotated[str, typer.Option(help="vc-asgd, or dedloc: synchronous peers (the last one relayed)")] = "vc-asgd",
+) -> None:
+    """Run the whole system locally on the embedded defaults and train the example job to its target."""
+    if mode not in ("vc-asgd", "dedloc"):
+        raise typer.BadParameter(f"must be vc-asgd or dedloc, not {mode!r}", param_hint="--mode")
+    if mode == "dedloc":
+        raise typer.Exit(run_dedloc_demo(var_dir, spec or Path("examples/mnist1d-dedloc.yaml"), clients))
+    raise typer.Exit(run_demo(var_dir, spec or Path("examples/mnist1d-cnn.yaml"), clients, tasks, parameter_servers))
 
 
 def locality_figures(http) -> dict[str, float]:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from crowdtrain.cli import _join_token, app
+from crowdtrain.cli import app
+from crowdtrain.cli.options import resolve_join_token
 from crowdtrain.core.settings import Settings, secrets_problems
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
@@ -42,8 +43,8 @@ def test_clients_and_peers_get_the_join_token_in_their_environment_not_on_their_
 def test_the_join_token_file_is_read_and_stripped(tmp_path: Path) -> None:
     path = tmp_path / "join-token"
     path.write_text("s3cret-token\n")
-    assert _join_token(None, path) == "s3cret-token"
-    assert _join_token("from-env", None) == "from-env"
+    assert resolve_join_token(None, path) == "s3cret-token"
+    assert resolve_join_token("from-env", None) == "from-env"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,39 @@
+"""The scheduler's admin API as the operator's commands use it: an authenticated HTTP client, replies
+checked (an error's detail printed, exit 2 for a refusal, 1 for a server fault), rows as a table."""
+
+import json
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from crowdtrain.core.settings import get_settings
+
+ServerOpt = Annotated[str, typer.Option(help="Scheduler URL")]
+TokenOpt = Annotated[str | None, typer.Option(help="Admin token (default: CROWDTRAIN_ADMIN_TOKEN)")]
+
+
+def admin_client(server: str, token: str | None) -> httpx.Client:
+    return httpx.Client(base_url=server, timeout=300,
+                        headers={"Authorization": f"Bearer {token or get_settings().admin_token}"})
+
+
+def checked(resp: httpx.Response) -> dict:
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail")
+        except ValueError:
+            detail = resp.text
+        typer.echo(f"error {resp.status_code}: {json.dumps(detail) if not isinstance(detail, str) else detail}",
+                   err=True)
+        raise typer.Exit(2 if resp.status_code < 500 else 1)
+    return resp.json()
+
+
+def print_rows(rows: list[dict], columns: list[str]) -> None:
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*(str(row.get(c, "")) for c in columns))
+    Console().print(table)

@@ -1,0 +1,74 @@
+"""`crowdtrain job`: submit training jobs and follow them through the scheduler's admin API."""
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from crowdtrain.cli.adminapi import ServerOpt, TokenOpt, admin_client, checked
+from crowdtrain.cli.progress import status_table, watch
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.schemas import JobStatusOut
+from crowdtrain.core.specfile import SpecFileError
+
+app = typer.Typer(name="job", help="Submit and follow training jobs (needs the admin token).", no_args_is_help=True,
+                  add_completion=False)
+
+
+@app.command("submit")
+def job_submit(spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Submit a job spec (YAML or JSON); prints the new job's id.
+
+    A relative `npz:PATH` dataset is resolved against the spec file's folder and sent as an
+    absolute path, which the scheduler reads on its own machine."""
+    notes: list[str] = []
+    try:
+        parsed = load_job_spec(spec, notes)
+    except SpecFileError as exc:  # its one line names the file
+        typer.echo(f"invalid job spec: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (OSError, ValueError, ValidationError) as exc:
+        typer.echo(f"invalid job spec {spec}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for note in notes:
+        typer.echo(note, err=True)
+    with admin_client(server, admin_token) as http:
+        created = checked(http.post("/v1/jobs", json=parsed.model_dump(mode="json")))
+    typer.echo(json.dumps(created))
+
+
+@app.command("status")
+def job_status(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Print a job's status with per-epoch figures."""
+    with admin_client(server, admin_token) as http:
+        st = JobStatusOut.model_validate(checked(http.get(f"/v1/jobs/{job_id}")))
+    Console().print(status_table(st, last_epochs=None))
+
+
+@app.command("watch")
+def job_watch(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Follow a job until it finishes; exits 0 if it succeeded."""
+    with admin_client(server, admin_token) as http:
+        st = watch(http, job_id)
+    raise typer.Exit(0 if st.status == "succeeded" else 1)
+
+
+@app.command("cancel")
+def job_cancel(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    with admin_client(server, admin_token) as http:
+        typer.echo(json.dumps(checked(http.post(f"/v1/jobs/{job_id}/cancel"))))
+
+
+@app.command("download")
+def job_download(job_id: int, output: Annotated[Path, typer.Option("-o", "--output")],
+                 server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+    """Save the final model (safetensors) of a finished job."""
+    with admin_client(server, admin_token) as http:
+        resp = http.get(f"/v1/jobs/{job_id}/model")
+        if resp.status_code >= 400:
+            checked(resp)
+        output.write_bytes(resp.content)
+    typer.echo(f"wrote {output} ({len(resp.content)} bytes)")

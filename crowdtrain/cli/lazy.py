@@ -1,0 +1,63 @@
+"""A command group whose commands are imported by module name only when one of them runs.
+
+A client-only install (`pip install 'crowdtrain[client]'`) lacks the server's packages, so the root
+command must not import the server-side command modules: `crowdtrain --help` lists every command
+from the help text kept beside its module name, and `crowdtrain client` imports the client's
+module alone. This follows Click's "lazily loading subcommands" pattern on Typer's group class.
+"""
+
+import importlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+
+@dataclass(frozen=True)
+class LazyCommand:
+    """Where a command lives: the module's `app` (a typer.Typer) is the command, or, with `member`,
+    holds it under that name. `help` is the command's first line, shown in the group's help."""
+
+    module: str
+    help: str
+    member: str | None = None
+
+    def load(self) -> TyperCommand | TyperGroup:
+        command = typer.main.get_command(importlib.import_module(self.module).app)
+        if self.member is None:
+            return command
+        assert isinstance(command, TyperGroup), f"{self.module}.app is one command, not a group holding {self.member}"
+        return command.commands[self.member]
+
+
+class LazyGroup(TyperGroup):
+    """A Typer group that also offers the commands of `lazy_commands`, each imported on first use.
+
+    Until then a command is a placeholder that carries its help, which is all the group's help page
+    reads of it."""
+
+    lazy_commands: ClassVar[dict[str, LazyCommand]] = {}
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name, lazy in self.lazy_commands.items():
+            self.commands.setdefault(name, TyperCommand(name, help=lazy.help))
+        self._unloaded = set(self.lazy_commands)
+        self._listing = False
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:
+        if cmd_name in self._unloaded and not self._listing:
+            loaded = self.lazy_commands[cmd_name].load()
+            loaded.name = cmd_name
+            self.commands[cmd_name] = loaded
+            self._unloaded.discard(cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def format_help(self, ctx: typer.Context, formatter) -> None:
+        """The help page lists the placeholders as they are: it imports no command's module."""
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False

@@ -1,0 +1,45 @@
+"""`crowdtrain peer`: a peer of a synchronous DeDLOC job (it trains with PyTorch)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from crowdtrain.cli.options import JoinTokenFileOpt, JoinTokenOpt, configure_logging, resolve_join_token
+from crowdtrain.client.dedloc.api import PeerAPI
+from crowdtrain.client.dedloc.peer import DedlocPeer, PeerOptions
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def peer(
+    server: Annotated[str, typer.Option(help="Scheduler URL")],
+    job: Annotated[int, typer.Option(help="The dedloc job to train")],
+    join_token: JoinTokenOpt = None,
+    join_token_file: JoinTokenFileOpt = None,
+    name: Annotated[str, typer.Option(help="Host name shown to the operator")] = "dedloc-peer",
+    relayed: Annotated[bool, typer.Option(help="This peer cannot accept connections (NAT): the server "
+                                               "reduces for it")] = False,
+    data_rank: Annotated[int, typer.Option(min=0, help="Train on examples i with i % data_world == data_rank")] = 0,
+    data_world: Annotated[int, typer.Option(min=1)] = 1,
+    examples_per_step: Annotated[int | None, typer.Option(min=1, help="Contribute at most this many examples "
+                                                                     "per step")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Append one JSON line per applied step")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
+    kill_at: Annotated[str | None, typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT")] = None,
+) -> None:
+    """Run a peer of a synchronous DeDLOC job until the job finishes."""
+    join_token = resolve_join_token(join_token, join_token_file)
+    configure_logging()
+    if data_rank >= data_world:
+        raise typer.BadParameter(f"must be below --data-world ({data_world})", param_hint="--data-rank")
+    if threads:
+        torch.set_num_threads(threads)
+    api = PeerAPI(server)
+    api.register(join_token, name)
+    at = tuple(int(v) for v in kill_at.split(":")) if kill_at else None
+    options = PeerOptions(job_id=job, relayed=relayed, data_rank=data_rank, data_world=data_world,
+                          examples_per_step=examples_per_step, trace=trace, kill_at=at)
+    raise typer.Exit(DedlocPeer(api, options).run())

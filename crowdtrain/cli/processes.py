@@ -1,0 +1,87 @@
+"""The server's processes: `migrate`, `server` (the scheduler), `assimilator` (a parameter server) and
+`transitioner`. Each needs the server extra (`pip install 'crowdtrain[server]'`)."""
+
+import logging
+import signal
+import sys
+import threading
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from crowdtrain.assimilator.worker.celery_app import celery_app, enqueue_merge
+from crowdtrain.cli.options import configure_logging
+from crowdtrain.core import keys
+from crowdtrain.core.settings import InsecureSettings, check_secrets, get_settings
+from crowdtrain.core.storage import open_storage
+from crowdtrain.launch.supervise import supervise as run_supervised
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.services.transitioner import run_forever
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def migrate() -> None:
+    """Bring the database to the latest schema (`alembic upgrade head`) and exit."""
+    configure_logging()
+    settings = get_settings()
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.resolved_database_url)
+
+
+@app.command()
+def server(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
+    run_migrations: Annotated[bool, typer.Option("--migrate/--no-migrate",
+                                                 help="Run `alembic upgrade head` before serving")] = True,
+) -> None:
+    """Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is optional)."""
+    try:
+        check_secrets(get_settings())
+    except InsecureSettings as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    if run_migrations:
+        migrate()
+    else:
+        configure_logging()
+    uvicorn.run("crowdtrain.server.api.app:create_app", factory=True, host=host, port=port, workers=workers,
+                log_level="warning")
+
+
+@app.command()
+def assimilator(
+    concurrency: Annotated[int, typer.Option(min=1)] = 1,
+    supervise: Annotated[bool, typer.Option("--supervise/--no-supervise",
+                                            help="Restart the Celery worker if it dies")] = True,
+) -> None:
+    """Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies."""
+    configure_logging()
+    if supervise:
+        argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency),
+                "--no-supervise"]
+        raise typer.Exit(run_supervised(argv, "the parameter server's Celery worker"))
+    celery_app.worker_main(["worker", "--concurrency", str(concurrency), "--loglevel", "INFO", "--pool", "prefork",
+                            "-Q", keys.ASSIMILATE_QUEUE, "--without-gossip", "--without-mingle", "-n",
+                            "assimilator@%h-%i"])
+
+
+@app.command()
+def transitioner() -> None:
+    """Run the transitioner loop: deadlines, retries, stalled merges."""
+    configure_logging()
+    settings = get_settings()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    logging.getLogger(__name__).info("transitioner running every %.1fs", settings.transitioner_interval)
+    run_forever(session_factory(settings.resolved_database_url),
+                open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+                paramstore.connect(settings.redis_url), settings.transitioner_interval,
+                settings.stuck_upload_seconds, enqueue_merge, stop)

@@ -1,0 +1,48 @@
+"""The root command loads each command's module only when that command runs, and its help page,
+written without them, says what each command's own help says."""
+
+import subprocess
+import sys
+
+import click
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from crowdtrain.cli import COMMANDS, app
+
+SERVER_ONLY = ("fastapi", "sqlalchemy", "celery", "redis", "uvicorn", "alembic", "boto3")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_the_root_help_of_each_command_is_the_first_paragraph_of_its_own(name: str) -> None:
+    command = COMMANDS[name].load()
+    assert COMMANDS[name].help == command.help.split("\n\n")[0].strip()
+
+
+def test_the_root_help_lists_every_command_in_order_with_its_help() -> None:
+    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    rows = [out.output.index(f"│ {name} ") for name in COMMANDS]
+    assert rows == sorted(rows)
+    assert all(lazy.help in out.output for lazy in COMMANDS.values())
+
+
+def test_a_command_is_the_one_its_module_defines() -> None:
+    group = typer.main.get_command(app)
+    client = group.get_command(click.Context(group), "client")
+    assert client.name == "client" and "status" in client.commands
+    assert "--join-token" in {opt for p in client.params for opt in p.opts}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["client", "--help"], ["client", "status", "--help"]])
+def test_help_and_the_client_import_no_server_package(args: list[str]) -> None:
+    probe = ("import sys\n"
+             "from typer.testing import CliRunner\n"
+             "from crowdtrain.cli import app\n"
+             f"result = CliRunner().invoke(app, {args!r})\n"
+             "assert result.exit_code == 0, result.output\n"
+             f"print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
