@@ -18,8 +18,16 @@ from tenacity import RetryCallState, retry, retry_if_exception, wait_random_expo
 from tenacity.stop import stop_base
 
 from crowdtrain.client.origins import Origins, check_url_text
-from crowdtrain.core.schemas import (AssignmentOut, HeartbeatReply, HostRegister, HostRegistered, Resources, ResultMetrics,
-                                WorkReply, WorkRequest)
+from crowdtrain.core.schemas import (
+    AssignmentOut,
+    HeartbeatReply,
+    HostRegister,
+    HostRegistered,
+    Resources,
+    ResultMetrics,
+    WorkReply,
+    WorkRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +120,12 @@ class _StopWhenSet(stop_base):
 
 
 def _log_retry(state: RetryCallState) -> None:
-    log.warning("server unreachable (%s); retry %d in %.1fs", state.outcome.exception(), state.attempt_number,
-                state.next_action.sleep if state.next_action else 0)
+    log.warning(
+        "server unreachable (%s); retry %d in %.1fs",
+        state.outcome.exception(),
+        state.attempt_number,
+        state.next_action.sleep if state.next_action else 0,
+    )
 
 
 class Throttle:
@@ -139,9 +151,15 @@ UPLOAD_CHUNK = 256 * 1024
 
 
 class SchedulerAPI:
-    def __init__(self, server_url: str, stop: threading.Event, timeout: float = 60.0,
-                 max_download_rate: float | None = None, max_upload_rate: float | None = None,
-                 origins: Origins | None = None):
+    def __init__(
+        self,
+        server_url: str,
+        stop: threading.Event,
+        timeout: float = 60.0,
+        max_download_rate: float | None = None,
+        max_upload_rate: float | None = None,
+        origins: Origins | None = None,
+    ):
         self.stop = stop
         self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout)
         self.origins = origins or Origins.for_scheduler(server_url)
@@ -162,8 +180,13 @@ class SchedulerAPI:
 
         content = kwargs.pop("content", None)
 
-        @retry(retry=retry_if_exception(_transient), wait=wait_random_exponential(multiplier=0.5, max=30),
-               stop=_StopWhenSet(self.stop, give_up), before_sleep=_log_retry, reraise=True)
+        @retry(
+            retry=retry_if_exception(_transient),
+            wait=wait_random_exponential(multiplier=0.5, max=30),
+            stop=_StopWhenSet(self.stop, give_up),
+            before_sleep=_log_retry,
+            reraise=True,
+        )
         def attempt() -> bytes:
             # A body given as a function is produced anew for each attempt (a generator is used up).
             body = content() if callable(content) else content
@@ -185,8 +208,9 @@ class SchedulerAPI:
         body = HostRegister(join_token=join_token, name=name, resources=resources)
         return _parse(HostRegistered, self._request("POST", "/v1/hosts", json=body.model_dump()))
 
-    def request_work(self, free_slots: int, cached: list[str], resources: Resources,
-                     give_up: threading.Event | None = None) -> WorkReply:
+    def request_work(
+        self, free_slots: int, cached: list[str], resources: Resources, give_up: threading.Event | None = None
+    ) -> WorkReply:
         """The assignments the server hands out; BadReply (with their ids) if any one is unusable.
 
         Retries stop when `give_up` is set (the client takes no more work: no use waiting for the server).
@@ -203,15 +227,20 @@ class SchedulerAPI:
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}
+
         def body():
             for start in range(0, len(blob), UPLOAD_CHUNK):
-                chunk = blob[start:start + UPLOAD_CHUNK]
+                chunk = blob[start : start + UPLOAD_CHUNK]
                 self.uploads.consume(len(chunk))
                 yield chunk
 
-        self._request("PUT", f"/v1/assignments/{a.assignment_id}/result", params=params,
-                      content=body if self.uploads.rate else blob,
-                      headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(blob))})
+        self._request(
+            "PUT",
+            f"/v1/assignments/{a.assignment_id}/result",
+            params=params,
+            content=body if self.uploads.rate else blob,
+            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(blob))},
+        )
 
     def abandon(self, assignment_id: int) -> None:
         self.http.post(f"/v1/assignments/{assignment_id}/abandon", headers=self._auth(), timeout=5.0)
@@ -231,8 +260,13 @@ class SchedulerAPI:
         if self.origins.check(req.url) == self.origins.scheduler:
             req.headers.update(self._auth())
 
-        @retry(retry=retry_if_exception(_transient), wait=wait_random_exponential(multiplier=0.5, max=30),
-               stop=_StopWhenSet(self.stop), before_sleep=_log_retry, reraise=True)
+        @retry(
+            retry=retry_if_exception(_transient),
+            wait=wait_random_exponential(multiplier=0.5, max=30),
+            stop=_StopWhenSet(self.stop),
+            before_sleep=_log_retry,
+            reraise=True,
+        )
         def attempt() -> None:
             resp = self.http.send(req, stream=True)
             try:

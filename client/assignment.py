@@ -48,9 +48,15 @@ class Running:
     def status(self) -> AssignmentStatus:
         a = self.assignment
         phase = "downloading" if self.phase == "fetching" else self.phase
-        return AssignmentStatus(assignment_id=a.assignment_id, job_id=a.job_id, epoch=a.epoch,
-                                shard_index=a.shard_index, phase=phase + (" (paused)" if self.control.paused else ""),
-                                started_at=self.started_at, deadline=a.deadline)
+        return AssignmentStatus(
+            assignment_id=a.assignment_id,
+            job_id=a.job_id,
+            epoch=a.epoch,
+            shard_index=a.shard_index,
+            phase=phase + (" (paused)" if self.control.paused else ""),
+            started_at=self.started_at,
+            deadline=a.deadline,
+        )
 
 
 def ewma(old: float | None, new: float) -> float:
@@ -90,8 +96,10 @@ class AssignmentRunner:
             params = decode(snap.read_bytes())
             framework = fw.pick(a.recipe.model, self.resources.frameworks)
             if framework is None:  # the scheduler sends only runnable work; say so rather than guess
-                raise RuntimeError(f"model {a.recipe.model['name']!r} needs one of "
-                                   f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}")
+                raise RuntimeError(
+                    f"model {a.recipe.model['name']!r} needs one of "
+                    f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}"
+                )
             r.phase = "waiting"
             self.status.changed()
             while not self.compute.acquire(timeout=0.2):
@@ -103,8 +111,9 @@ class AssignmentRunner:
                 checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid, framework), self.checkpoint_seconds)
                 if checkpoint.resumed is not None:
                     log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
-                result = train(framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint,
-                               a.local_fraction)
+                result = train(
+                    framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint, a.local_fraction
+                )
             finally:
                 self.compute.release()
                 self.slot_freed.set()
@@ -114,12 +123,20 @@ class AssignmentRunner:
             self.status.changed()
             t0 = time.monotonic()
             blob = encode_result(result.params, params, a.recipe.upload)  # W_c, or Δ from the snapshot
-            self.api.upload(a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples,
-                                                   seconds=result.seconds))
+            self.api.upload(
+                a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples, seconds=result.seconds)
+            )
             transfer.record("upload", len(blob), reservation)
             self.upload_seconds = ewma(self.upload_seconds, time.monotonic() - t0)
-            log.info("assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)", aid, a.epoch,
-                     a.shard_index, framework, result.train_loss, result.seconds)
+            log.info(
+                "assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)",
+                aid,
+                a.epoch,
+                a.shard_index,
+                framework,
+                result.train_loss,
+                result.seconds,
+            )
             self.completed += 1
             self.journal.forget(aid)
         except Cancelled:

@@ -100,8 +100,10 @@ class CacheBudget:
             self.evictions += 1
             log.info("cache: evicted %s (%d bytes, least recently used)", path.name[:12], fsize)
         if used + size > self.max_bytes:
-            raise CacheFull(f"{size} bytes do not fit in the cache limit of {self.max_bytes} bytes: "
-                            f"{used} bytes are in use by running assignments")
+            raise CacheFull(
+                f"{size} bytes do not fit in the cache limit of {self.max_bytes} bytes: "
+                f"{used} bytes are in use by running assignments"
+            )
 
 
 def _touch(path: Path) -> bool:

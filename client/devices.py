@@ -60,5 +60,7 @@ def _cuda_index(name: str, found: Accelerators) -> int:
 def _describe(found: Accelerators) -> str:
     if not found.cuda_devices and not found.mps:
         return "it has no CUDA or MPS device"
-    parts = [f"{found.cuda_devices} CUDA device(s): cuda:0..cuda:{found.cuda_devices - 1}"] if found.cuda_devices else []
+    parts = (
+        [f"{found.cuda_devices} CUDA device(s): cuda:0..cuda:{found.cuda_devices - 1}"] if found.cuda_devices else []
+    )
     return "it has " + ", ".join(parts + (["mps"] if found.mps else []))

@@ -113,8 +113,14 @@ class ProcessTreeCPU:
 class IdleMonitor:
     """Samples every `period` seconds and calls `on_change(idle)` whenever idleness flips."""
 
-    def __init__(self, policy: IdlePolicy, on_change: Callable[[bool], None], pid: int | None = None,
-                 input_activity: InputActivity = linux_input_activity, period: float = 1.0):
+    def __init__(
+        self,
+        policy: IdlePolicy,
+        on_change: Callable[[bool], None],
+        pid: int | None = None,
+        input_activity: InputActivity = linux_input_activity,
+        period: float = 1.0,
+    ):
         self.policy = policy
         self.on_change = on_change
         self.cpu = ProcessTreeCPU(pid or os.getpid())
@@ -164,6 +170,9 @@ class IdleMonitor:
         idle = is_idle(self.samples, sample.at, self.policy)
         if idle != self.idle:
             self.idle = idle
-            log.info("machine is %s (CPU use by other processes %.0f%%)", "idle: working" if idle else
-                     "in use: pausing", sample.others_cpu_percent)
+            log.info(
+                "machine is %s (CPU use by other processes %.0f%%)",
+                "idle: working" if idle else "in use: pausing",
+                sample.others_cpu_percent,
+            )
             self.on_change(idle)

@@ -43,8 +43,10 @@ class AssignmentJournal:
         return self.root / f"{assignment_id}.{framework}.checkpoint.safetensors"
 
     def record(self, a: AssignmentOut) -> None:
-        _atomic_write(self._path(a.assignment_id),
-                      json.dumps({"server": self.server_url, "assignment": a.model_dump(mode="json")}).encode())
+        _atomic_write(
+            self._path(a.assignment_id),
+            json.dumps({"server": self.server_url, "assignment": a.model_dump(mode="json")}).encode(),
+        )
 
     def forget(self, assignment_id: int) -> None:
         self._path(assignment_id).unlink(missing_ok=True)

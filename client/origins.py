@@ -97,9 +97,11 @@ class Origins:
         """The origin of `url` if downloads may come from it; ForbiddenURL naming it otherwise."""
         origin = origin_of(url)
         if origin != self.scheduler and origin not in self.others:
-            raise ForbiddenURL(f"refusing to download from {origin}: only the scheduler ({self.scheduler}) and "
-                               f"allowed object stores ({', '.join(sorted(self.others)) or 'none'}) are; "
-                               "a volunteer can allow one with --allow-origin")
+            raise ForbiddenURL(
+                f"refusing to download from {origin}: only the scheduler ({self.scheduler}) and "
+                f"allowed object stores ({', '.join(sorted(self.others)) or 'none'}) are; "
+                "a volunteer can allow one with --allow-origin"
+            )
         return origin
 
 

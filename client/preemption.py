@@ -38,8 +38,13 @@ class RunningEstimate:
     remaining_seconds: float | None  # expected training time left; None when nothing is known
 
 
-def plan_preemption(running: list[RunningEstimate], notice_at: float, now: float, upload_seconds: float,
-                    margin: float = SAFETY_MARGIN_SECONDS) -> tuple[set[int], set[int]]:
+def plan_preemption(
+    running: list[RunningEstimate],
+    notice_at: float,
+    now: float,
+    upload_seconds: float,
+    margin: float = SAFETY_MARGIN_SECONDS,
+) -> tuple[set[int], set[int]]:
     """Split running assignments into (finish, abandon) for a notice that expires at `notice_at`.
 
     An assignment is finished only if its remaining training plus one upload fits before the
@@ -47,8 +52,7 @@ def plan_preemption(running: list[RunningEstimate], notice_at: float, now: float
     """
     finish, abandon = set(), set()
     for r in running:
-        fits = (r.remaining_seconds is not None
-                and now + r.remaining_seconds + upload_seconds + margin <= notice_at)
+        fits = r.remaining_seconds is not None and now + r.remaining_seconds + upload_seconds + margin <= notice_at
         (finish if fits else abandon).add(r.assignment_id)
     return finish, abandon
 
@@ -73,8 +77,14 @@ class SpotNoticeWatcher:
     cloud instance) ends the watch quietly; later failures are retried.
     """
 
-    def __init__(self, url: str, interval: float, on_notice: Callable[[Notice], None], stop: threading.Event,
-                 timeout: float = 1.0):
+    def __init__(
+        self,
+        url: str,
+        interval: float,
+        on_notice: Callable[[Notice], None],
+        stop: threading.Event,
+        timeout: float = 1.0,
+    ):
         self.url = url
         self.interval = interval
         self.on_notice = on_notice
@@ -84,8 +94,9 @@ class SpotNoticeWatcher:
 
     def _headers(self) -> dict[str, str]:
         if self._token is None:
-            resp = self.http.put(_token_url(self.url),
-                                 headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_SECONDS)})
+            resp = self.http.put(
+                _token_url(self.url), headers={"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_SECONDS)}
+            )
             # IMDSv1-only endpoints have no token route: poll without one.
             self._token = resp.text if resp.status_code == 200 else ""
         return {"X-aws-ec2-metadata-token": self._token} if self._token else {}

@@ -25,8 +25,18 @@ from crowdtrain.client.origins import parse_origin
 
 DEFAULT_PATH = Path("~/.config/crowdtrain/client.toml")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class PreferencesError(ValueError):
@@ -58,17 +68,20 @@ class Preferences(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N or mps")
     idle_only: bool = Field(False, description="Work only while the machine is idle")
     idle_minutes: float = Field(3.0, gt=0, description="Idle means no input and low CPU use by others this long")
-    idle_cpu_percent: float = Field(25.0, gt=0, le=100,
-                                    description="CPU use by other processes (% of all cores) that counts as busy")
+    idle_cpu_percent: float = Field(
+        25.0, gt=0, le=100, description="CPU use by other processes (% of all cores) that counts as busy"
+    )
     cache_max_bytes: ByteSize = Field(None, description="Disk for cached shards and snapshots together")
     daily_download_bytes: ByteSize = Field(None, description="Bytes downloaded per UTC day")
     daily_upload_bytes: ByteSize = Field(None, description="Bytes uploaded per UTC day")
     max_download_rate: ByteRate = Field(None, description="Download bandwidth, bytes/s")
     max_upload_rate: ByteRate = Field(None, description="Upload bandwidth, bytes/s")
     download_origins: list[DownloadOrigin] = Field(
-        default_factory=list, max_length=32,
+        default_factory=list,
+        max_length=32,
         description="Object stores (scheme://host:port) downloads may come from, besides the scheduler and the "
-                    "store it names at registration")
+        "store it names at registration",
+    )
 
 
 OPTION_NAMES = {"download_origins": "--allow-origin"}  # a repeated option, one origin each

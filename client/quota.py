@@ -34,8 +34,9 @@ def _today() -> date:
 
 
 class DailyTransfer:
-    def __init__(self, path: Path, download_cap: int | None, upload_cap: int | None,
-                 today: Callable[[], date] = _today):
+    def __init__(
+        self, path: Path, download_cap: int | None, upload_cap: int | None, today: Callable[[], date] = _today
+    ):
         self.path = Path(path)
         self.caps = {"download": download_cap, "upload": upload_cap}
         self.today = today
@@ -78,8 +79,10 @@ class DailyTransfer:
                 if cap is not None and self.used[d] + self.reserved[d] + want[d] > cap:
                     self.refused = d
                     self._save()
-                    raise OverDailyCap(f"{want[d]} bytes to {d} would pass today's {d} cap "
-                                       f"({self.used[d] + self.reserved[d]} of {cap} used or reserved)")
+                    raise OverDailyCap(
+                        f"{want[d]} bytes to {d} would pass today's {d} cap "
+                        f"({self.used[d] + self.reserved[d]} of {cap} used or reserved)"
+                    )
             for d in DIRECTIONS:
                 self.reserved[d] += want[d]
             return Reservation(download, upload)
@@ -112,8 +115,10 @@ class DailyTransfer:
                     return f"over daily {d} cap ({self.used[d]} of {cap} bytes used today, UTC)"
             if self.refused:
                 d = self.refused
-                return (f"over daily {d} cap (the next assignment would pass it: "
-                        f"{self.used[d]} of {self.caps[d]} bytes used today, UTC)")
+                return (
+                    f"over daily {d} cap (the next assignment would pass it: "
+                    f"{self.used[d]} of {self.caps[d]} bytes used today, UTC)"
+                )
             return None
 
     def figures(self) -> dict:
@@ -122,8 +127,9 @@ class DailyTransfer:
             return {"day": self.day.isoformat(), "used": dict(self.used), "caps": dict(self.caps)}
 
 
-def counted(download: Callable[[Path], None], transfer: DailyTransfer,
-            reservation: Reservation | None) -> Callable[[Path], None]:
+def counted(
+    download: Callable[[Path], None], transfer: DailyTransfer, reservation: Reservation | None
+) -> Callable[[Path], None]:
     """Wrap a download so the bytes it wrote are counted against today's download cap."""
 
     def run(dest: Path) -> None:

@@ -18,14 +18,18 @@ from crowdtrain.core.schemas import AssignmentOut
 
 
 class Restraints:
-    def __init__(self, prefs: Preferences, cache_dir: Path, in_use: Callable[[], set[str]],
-                 input_activity: InputActivity = linux_input_activity):
+    def __init__(
+        self,
+        prefs: Preferences,
+        cache_dir: Path,
+        in_use: Callable[[], set[str]],
+        input_activity: InputActivity = linux_input_activity,
+    ):
         self.prefs = prefs
         self.budget = CacheBudget(prefs.cache_max_bytes, in_use)
         self.shards = FileCache(cache_dir / "shards", self.budget)
         self.snapshots = FileCache(cache_dir / "snapshots", self.budget)
-        self.transfer = DailyTransfer(cache_dir / "transfer.json", prefs.daily_download_bytes,
-                                      prefs.daily_upload_bytes)
+        self.transfer = DailyTransfer(cache_dir / "transfer.json", prefs.daily_download_bytes, prefs.daily_upload_bytes)
         self.input_activity = input_activity
         self.monitor: IdleMonitor | None = None
 
@@ -58,14 +62,21 @@ class Restraints:
 
         Raises OverDailyCap; the client then hands the assignment back and waits for the next day.
         """
-        download = sum(f.size for f, cache in ((a.shard, self.shards), (a.snapshot, self.snapshots))
-                       if not cache.has(f.sha256))
+        download = sum(
+            f.size for f, cache in ((a.shard, self.shards), (a.snapshot, self.snapshots)) if not cache.has(f.sha256)
+        )
         return self.transfer.reserve(download, a.snapshot.size)
 
     def figures(self) -> dict:
         """Cache and transfer figures and the preferences in force, as ClientStatus fields."""
         t = self.transfer.figures()
-        return {"cache_bytes": self.budget.used_bytes(), "cache_max_bytes": self.prefs.cache_max_bytes,
-                "transfer_day": t["day"], "downloaded_bytes": t["used"]["download"],
-                "uploaded_bytes": t["used"]["upload"], "daily_download_bytes": t["caps"]["download"],
-                "daily_upload_bytes": t["caps"]["upload"], "preferences": self.prefs.model_dump()}
+        return {
+            "cache_bytes": self.budget.used_bytes(),
+            "cache_max_bytes": self.prefs.cache_max_bytes,
+            "transfer_day": t["day"],
+            "downloaded_bytes": t["used"]["download"],
+            "uploaded_bytes": t["used"]["upload"],
+            "daily_download_bytes": t["caps"]["download"],
+            "daily_upload_bytes": t["caps"]["upload"],
+            "preferences": self.prefs.model_dump(),
+        }

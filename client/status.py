@@ -133,14 +133,23 @@ def render(status: ClientStatus):
     head.add_row("server", status.server)
     head.add_row("updated", status.updated_at.isoformat(timespec="seconds"))
     head.add_row("cache", _of(status.cache_bytes, status.cache_max_bytes))
-    head.add_row(f"today ({status.transfer_day} UTC)",
-                 f"downloaded {_of(status.downloaded_bytes, status.daily_download_bytes)}, "
-                 f"uploaded {_of(status.uploaded_bytes, status.daily_upload_bytes)}")
+    head.add_row(
+        f"today ({status.transfer_day} UTC)",
+        f"downloaded {_of(status.downloaded_bytes, status.daily_download_bytes)}, "
+        f"uploaded {_of(status.uploaded_bytes, status.daily_upload_bytes)}",
+    )
     head.add_row("preferences", json.dumps(status.preferences))
     work = Table("assignment", "job", "epoch", "shard", "phase", "started", "deadline", title="running assignments")
     for a in status.assignments:
-        work.add_row(str(a.assignment_id), str(a.job_id), str(a.epoch), str(a.shard_index), a.phase,
-                     a.started_at.isoformat(timespec="seconds"), a.deadline.isoformat(timespec="seconds"))
+        work.add_row(
+            str(a.assignment_id),
+            str(a.job_id),
+            str(a.epoch),
+            str(a.shard_index),
+            a.phase,
+            a.started_at.isoformat(timespec="seconds"),
+            a.deadline.isoformat(timespec="seconds"),
+        )
     return Group(head, work)
 
 

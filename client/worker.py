@@ -43,17 +43,35 @@ def detect_resources(device: str, frameworks: list[str] | None = None) -> Resour
         import torch
 
         gpu = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else ""
-    return Resources(cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device,
-                     frameworks=frameworks or available_frameworks())
+    return Resources(
+        cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device, frameworks=frameworks or available_frameworks()
+    )
+
+
+# The default cache folder, as the CLI offers it: one per client on a machine.
+DEFAULT_CACHE_DIR = Path("~/.cache/crowdtrain").expanduser()
 
 
 class VolunteerClient(AssignmentRunner):
-    def __init__(self, server_url: str, join_token: str, tasks: int = 1, device: str = "cpu",
-                 cache_dir: Path = Path("~/.cache/crowdtrain").expanduser(), name: str | None = None,
-                 max_assignments: int | None = None, prefetch: bool = True, checkpoint_seconds: float = 30.0,
-                 spot_notice_url: str = "", spot_poll_seconds: float = 5.0, sigterm_grace: float = 0.0,
-                 max_download_rate: float | None = None, max_upload_rate: float | None = None,
-                 preferences: Preferences | None = None, frameworks: list[str] | None = None):
+    def __init__(
+        self,
+        server_url: str,
+        join_token: str,
+        tasks: int = 1,
+        device: str = "cpu",
+        cache_dir: Path = DEFAULT_CACHE_DIR,
+        name: str | None = None,
+        max_assignments: int | None = None,
+        prefetch: bool = True,
+        checkpoint_seconds: float = 30.0,
+        spot_notice_url: str = "",
+        spot_poll_seconds: float = 5.0,
+        sigterm_grace: float = 0.0,
+        max_download_rate: float | None = None,
+        max_upload_rate: float | None = None,
+        preferences: Preferences | None = None,
+        frameworks: list[str] | None = None,
+    ):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
         self.tasks = tasks
@@ -71,8 +89,13 @@ class VolunteerClient(AssignmentRunner):
         self.notice: Notice | None = None
         self.prefs = preferences or Preferences(tasks=tasks, device=device)
         self.origins = Origins.for_scheduler(self.server_url, self.prefs.download_origins)  # before registration
-        self.api = SchedulerAPI(self.server_url, self.stop, max_download_rate=max_download_rate,
-                                max_upload_rate=max_upload_rate, origins=self.origins)
+        self.api = SchedulerAPI(
+            self.server_url,
+            self.stop,
+            max_download_rate=max_download_rate,
+            max_upload_rate=max_upload_rate,
+            origins=self.origins,
+        )
         self.identities = Identities(self.cache_dir / "identity.json")
         self.restraints = Restraints(self.prefs, self.cache_dir, self._files_in_use)
         self.shards, self.snapshots = self.restraints.shards, self.restraints.snapshots
@@ -101,21 +124,26 @@ class VolunteerClient(AssignmentRunner):
         if known is None:
             self.api.token = None
             reg = self.api.register(self.join_token, self.name, self.resources)
-            known = self.identities.save(self.server_url, reg.host_id, reg.host_token,
-                                         learned_origins(reg.download_origins))
+            known = self.identities.save(
+                self.server_url, reg.host_id, reg.host_token, learned_origins(reg.download_origins)
+            )
             log.info("registered with %s as host %s", self.server_url, reg.host_id)
         self.api.token = known["host_token"]
         learned = frozenset(learned_origins(known.get("download_origins", [])))
         self.api.origins = Origins(self.origins.scheduler, self.origins.others | learned)
         if learned:
-            log.info("downloads allowed from %s and %s", self.origins.scheduler,
-                     ", ".join(sorted(self.api.origins.others)))
+            log.info(
+                "downloads allowed from %s and %s", self.origins.scheduler, ", ".join(sorted(self.api.origins.others))
+            )
 
     # -- stopping -------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
         def handle(signum, _frame):
-            log.info("signal %s: giving back work that cannot finish within %.0fs, then exiting",
-                     signal.Signals(signum).name, self.sigterm_grace)
+            log.info(
+                "signal %s: giving back work that cannot finish within %.0fs, then exiting",
+                signal.Signals(signum).name,
+                self.sigterm_grace,
+            )
             self.on_notice(Notice(signal.Signals(signum).name, time.time() + self.sigterm_grace))
 
         signal.signal(signal.SIGTERM, handle)
@@ -151,8 +179,7 @@ class VolunteerClient(AssignmentRunner):
     def _in_flight(self) -> tuple[int, int]:
         """(assignments not yet done training, all running assignments)."""
         with self.lock:
-            return sum(r.phase in ("fetching", "waiting", "training") for r in self.running.values()), len(
-                self.running)
+            return sum(r.phase in ("fetching", "waiting", "training") for r in self.running.values()), len(self.running)
 
     def _request_loop(self) -> None:
         ahead = 1 if self.prefetch else 0
@@ -235,8 +262,11 @@ class VolunteerClient(AssignmentRunner):
         estimates = []
         for r in running:
             mean = self.train_seconds.get(r.assignment.job_id)
-            remaining = (None if r.phase != "training" or mean is None or r.training_since is None
-                         else max(0.0, mean - (mono - r.training_since)))
+            remaining = (
+                None
+                if r.phase != "training" or mean is None or r.training_since is None
+                else max(0.0, mean - (mono - r.training_since))
+            )
             if r.phase == "uploading":
                 remaining = 0.0
             estimates.append(RunningEstimate(r.assignment.assignment_id, remaining))
@@ -313,9 +343,15 @@ class VolunteerClient(AssignmentRunner):
             state = ClientState.stopping
         elif state in (ClientState.waiting, ClientState.working):
             state = ClientState.working if running else ClientState.waiting
-        return ClientStatus(pid=os.getpid(), state=state, reason=self.state_reason, server=self.server_url,
-                            updated_at=datetime.now(UTC), assignments=[r.status() for r in running],
-                            **self.restraints.figures())
+        return ClientStatus(
+            pid=os.getpid(),
+            state=state,
+            reason=self.state_reason,
+            server=self.server_url,
+            updated_at=datetime.now(UTC),
+            assignments=[r.status() for r in running],
+            **self.restraints.figures(),
+        )
 
     def _heartbeat_loop(self) -> None:
         while not self.stop.wait(self.heartbeat_interval):

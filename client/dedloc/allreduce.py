@@ -22,8 +22,7 @@ def result_digest(t: torch.Tensor) -> str:
 def group_allreduce(api: PeerAPI, plan: RoundPlanOut, flat: torch.Tensor) -> None:
     """Sum `flat` in place over the group's members with a process group made for this round only."""
     store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
-    pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members),
-                               timedelta(seconds=plan.averaging_timeout))
+    pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout))
     try:
         pg.allreduce([flat]).wait()
     finally:

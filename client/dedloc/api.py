@@ -31,10 +31,10 @@ class PeerAPI:
             except httpx.TransportError:
                 if attempt == attempts - 1:
                     raise
-                time.sleep(0.2 * 2 ** attempt)
+                time.sleep(0.2 * 2**attempt)
                 continue
             if resp.status_code >= 500 and attempt < attempts - 1:
-                time.sleep(0.2 * 2 ** attempt)
+                time.sleep(0.2 * 2**attempt)
                 continue
             if resp.status_code >= 400:
                 try:
@@ -58,7 +58,8 @@ class PeerAPI:
         for _ in range(100):
             try:
                 joined = PeerJoined.model_validate(
-                    self.request("POST", f"{self.base}/join", json={"relayed": relayed}).json())
+                    self.request("POST", f"{self.base}/join", json={"relayed": relayed}).json()
+                )
                 self.peer_id = joined.peer_id
                 return joined
             except Refused as exc:
@@ -71,38 +72,46 @@ class PeerAPI:
         return self.request("GET", f"/v1/shards/{shard_id}").content
 
     def progress(self, step: int, examples: int, attempt: int | None, params_digest: str | None) -> ProgressReply:
-        body = Progress(peer_id=self.peer_id, step=step, examples=examples, attempt=attempt,
-                        params_digest=params_digest)
-        return ProgressReply.model_validate(self.request("POST", f"{self.base}/progress",
-                                                         json=body.model_dump()).json())
+        body = Progress(
+            peer_id=self.peer_id, step=step, examples=examples, attempt=attempt, params_digest=params_digest
+        )
+        return ProgressReply.model_validate(
+            self.request("POST", f"{self.base}/progress", json=body.model_dump()).json()
+        )
 
     def report(self, step: int, attempt: int, ok: bool, result_digest: str = "", message: str = "") -> str:
-        resp = self.request("POST", f"{self.base}/rounds/{step}/{attempt}/report",
-                            json={"peer_id": self.peer_id, "ok": ok, "result_digest": result_digest,
-                                  "message": message[:1000]})
+        resp = self.request(
+            "POST",
+            f"{self.base}/rounds/{step}/{attempt}/report",
+            json={"peer_id": self.peer_id, "ok": ok, "result_digest": result_digest, "message": message[:1000]},
+        )
         return resp.json()["status"]
 
     def store(self, step: int, attempt: int, op: str, **fields: Any) -> StoreReply:
         body = StoreOp(peer_id=self.peer_id, **fields)
-        return StoreReply.model_validate(self.request("POST", f"{self.base}/rounds/{step}/{attempt}/store/{op}",
-                                                      json=body.model_dump()).json())
+        return StoreReply.model_validate(
+            self.request("POST", f"{self.base}/rounds/{step}/{attempt}/store/{op}", json=body.model_dump()).json()
+        )
 
     def put_part(self, step: int, attempt: int, part: str, blob: bytes) -> None:
-        self.request("PUT", f"{self.base}/rounds/{step}/{attempt}/parts/{part}", params={"peer_id": self.peer_id},
-                     content=blob)
+        self.request(
+            "PUT", f"{self.base}/rounds/{step}/{attempt}/parts/{part}", params={"peer_id": self.peer_id}, content=blob
+        )
 
     def total(self, step: int, attempt: int, deadline: float) -> bytes:
         """The round's combined sum; waits for the last part until `deadline` (time.monotonic)."""
         while time.monotonic() < deadline:
-            resp = self.request("GET", f"{self.base}/rounds/{step}/{attempt}/total",
-                                params={"peer_id": self.peer_id, "wait": 2.0})
+            resp = self.request(
+                "GET", f"{self.base}/rounds/{step}/{attempt}/total", params={"peer_id": self.peer_id, "wait": 2.0}
+            )
             if resp.status_code == 200:
                 return resp.content
         raise TimeoutError(f"step {step} attempt {attempt}: parts did not all arrive in time")
 
     def put_state(self, step: int, blob: bytes) -> str:
-        return self.request("PUT", f"{self.base}/states/{step}", params={"peer_id": self.peer_id},
-                            content=blob).json()["status"]
+        return self.request("PUT", f"{self.base}/states/{step}", params={"peer_id": self.peer_id}, content=blob).json()[
+            "status"
+        ]
 
     def latest_state(self) -> tuple[int, bytes]:
         resp = self.request("GET", f"{self.base}/states/latest")

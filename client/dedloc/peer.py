@@ -93,11 +93,17 @@ class DedlocPeer:
             xs.append(x)
             ys.append(y)
         self.x, self.y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
-        self.mine = np.arange(len(self.x))[self.o.data_rank::self.o.data_world]
+        self.mine = np.arange(len(self.x))[self.o.data_rank :: self.o.data_world]
         self.order: np.ndarray = np.empty(0, dtype=np.int64)
         self.passes = 0
-        log.info("peer %s joined job %s (%s); %d examples of %d are this peer's", joined.peer_id, self.o.job_id,
-                 "relayed" if self.o.relayed else "direct", len(self.mine), len(self.x))
+        log.info(
+            "peer %s joined job %s (%s); %d examples of %d are this peer's",
+            joined.peer_id,
+            self.o.job_id,
+            "relayed" if self.o.relayed else "direct",
+            len(self.mine),
+            len(self.x),
+        )
         return joined
 
     def sync_state(self) -> None:
@@ -110,8 +116,13 @@ class DedlocPeer:
         if stale:  # gradients of parameters more than one step old would pull the model back
             self.reported.clear()
             self.fresh.clear()
-        log.info("peer %s: loaded the state of step %d (was at %d)%s", self.api.peer_id, step, self.step,
-                 "; dropped gradients more than one step old" if stale else "")
+        log.info(
+            "peer %s: loaded the state of step %d (was at %d)%s",
+            self.api.peer_id,
+            step,
+            self.step,
+            "; dropped gradients more than one step old" if stale else "",
+        )
         self.step, self.reduced, self._digest, self.others = step, None, None, 0
 
     # -- training ---------------------------------------------------------------------------------
@@ -121,8 +132,8 @@ class DedlocPeer:
             if len(self.order) == 0:
                 rng = np.random.default_rng([int(self.recipe["seed"]), self.o.data_rank, self.passes])
                 self.order, self.passes = rng.permutation(self.mine), self.passes + 1
-            take = self.order[:count - len(out)]
-            self.order = self.order[len(take):]
+            take = self.order[: count - len(out)]
+            self.order = self.order[len(take) :]
             out += [int(i) for i in take]
         return out
 
@@ -171,9 +182,12 @@ class DedlocPeer:
             if not self.frozen:
                 self.reported.add(self.fresh)
             last_poll = time.monotonic()
-            reply = self.api.progress(self.step, self.reported.examples,
-                                      self.reduced[1] if self.reduced else None,
-                                      self.params_digest() if self.step >= 0 else None)
+            reply = self.api.progress(
+                self.step,
+                self.reported.examples,
+                self.reduced[1] if self.reduced else None,
+                self.params_digest() if self.step >= 0 else None,
+            )
             if not self.handle(reply):
                 return 0
         return 0
@@ -207,8 +221,9 @@ class DedlocPeer:
         try:
             average = reduce_round(self.api, plan, self.reported.grads)
         except Exception as exc:  # any failure of the collective: the round is aborted for everyone
-            log.warning("peer %s: step %d attempt %d failed (%s); reporting it", self.api.peer_id, plan.step,
-                        plan.attempt, exc)
+            log.warning(
+                "peer %s: step %d attempt %d failed (%s); reporting it", self.api.peer_id, plan.step, plan.attempt, exc
+            )
             self.reduced = None
             try:
                 self.api.report(plan.step, plan.attempt, False, message=str(exc))
@@ -219,8 +234,13 @@ class DedlocPeer:
         try:
             self.api.report(plan.step, plan.attempt, True, result_digest(average))
         except Refused as exc:
-            log.info("peer %s: step %d attempt %d ended before this peer finished (%s)", self.api.peer_id,
-                     plan.step, plan.attempt, exc)
+            log.info(
+                "peer %s: step %d attempt %d ended before this peer finished (%s)",
+                self.api.peer_id,
+                plan.step,
+                plan.attempt,
+                exc,
+            )
             self.reduced = None
 
     def _die_mid_allreduce(self, plan) -> None:
@@ -228,10 +248,10 @@ class DedlocPeer:
         # Connect to the group like any member, so the others enter the all-reduce and wait on this
         # peer, then die without a word: SIGKILL, no clean-up, no report.
         store = RoundStore(self.api, plan.step, plan.attempt, plan.averaging_timeout)
-        pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members),
-                                   timedelta(seconds=plan.averaging_timeout))
-        log.warning("peer %s: SIGKILLing itself in the middle of step %d attempt %d", self.api.peer_id, plan.step,
-                    plan.attempt)
+        pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout))
+        log.warning(
+            "peer %s: SIGKILLing itself in the middle of step %d attempt %d", self.api.peer_id, plan.step, plan.attempt
+        )
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
         del pg
@@ -243,10 +263,11 @@ class DedlocPeer:
         step, attempt, average = self.reduced
         offset = 0
         for p in self.params:
-            p.grad = average[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = average[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        lr = math.learning_rate(step, self.spec["lr"], self.spec["lr_schedule"], self.spec["warmup_steps"],
-                                self.recipe["max_steps"])
+        lr = math.learning_rate(
+            step, self.spec["lr"], self.spec["lr_schedule"], self.spec["warmup_steps"], self.recipe["max_steps"]
+        )
         for group in self.opt.param_groups:
             group["lr"] = lr
         before = self.params_digest()
@@ -256,13 +277,31 @@ class DedlocPeer:
         self.step, self.reduced, self.frozen, self.others = step + 1, None, False, 0
         self._digest = None
         after = self.params_digest()
-        log.info("peer %s: applied step %d (attempt %d, %d own examples, lr %.5f)", self.api.peer_id, step, attempt,
-                 len(contributed), lr)
+        log.info(
+            "peer %s: applied step %d (attempt %d, %d own examples, lr %.5f)",
+            self.api.peer_id,
+            step,
+            attempt,
+            len(contributed),
+            lr,
+        )
         if self.o.trace is not None:
             with self.o.trace.open("a") as f:
-                f.write(json.dumps({"peer": self.api.peer_id, "step": step, "attempt": attempt, "lr": lr,
-                                    "indices": contributed, "result_digest": result_digest(average),
-                                    "before": before, "after": after}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "peer": self.api.peer_id,
+                            "step": step,
+                            "attempt": attempt,
+                            "lr": lr,
+                            "indices": contributed,
+                            "result_digest": result_digest(average),
+                            "before": before,
+                            "after": after,
+                        }
+                    )
+                    + "\n"
+                )
         if upload_state:
             status = self.api.put_state(self.step, encode_state(self.model, self.opt))
             log.info("peer %s: uploaded the state of step %d (%s)", self.api.peer_id, self.step, status)

@@ -12,8 +12,9 @@ _OPT = "__opt__"
 def make_optimizer(model: torch.nn.Module, spec: dict) -> torch.optim.Optimizer:
     if spec["optimizer"] == "adam":
         return torch.optim.Adam(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
-    return torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"],
-                           weight_decay=spec["weight_decay"])
+    return torch.optim.SGD(
+        model.parameters(), lr=spec["lr"], momentum=spec["momentum"], weight_decay=spec["weight_decay"]
+    )
 
 
 def encode_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bytes:

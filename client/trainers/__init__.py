@@ -113,13 +113,29 @@ def limit_threads(n: int, frameworks: list[str] | None = None) -> None:
         importlib.import_module(TRAINERS["tensorflow"]).limit_threads(n)
 
 
-def train(framework: str, recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          control: TrainControl | None = None, checkpoint: Checkpoint | None = None,
-          local_fraction: float = 1.0) -> TrainResult:
+def train(
+    framework: str,
+    recipe: dict,
+    params: Params,
+    x: np.ndarray,
+    y: np.ndarray,
+    device: str = "cpu",
+    control: TrainControl | None = None,
+    checkpoint: Checkpoint | None = None,
+    local_fraction: float = 1.0,
+) -> TrainResult:
     """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
     epochs' steps; see the module docstring for the contract."""
     if framework not in TRAINERS:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
     run = importlib.import_module(TRAINERS[framework]).train
-    return run(recipe, params, x, y, device=device, control=control or TrainControl(), checkpoint=checkpoint,
-               local_fraction=local_fraction)
+    return run(
+        recipe,
+        params,
+        x,
+        y,
+        device=device,
+        control=control or TrainControl(),
+        checkpoint=checkpoint,
+        local_fraction=local_fraction,
+    )

@@ -41,9 +41,16 @@ def _load_optimizer(opt: torch.optim.Optimizer, tensors: Params) -> None:
     opt.load_state_dict(sd)
 
 
-def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu",
-          control: TrainControl | None = None, checkpoint: Checkpoint | None = None,
-          local_fraction: float = 1.0) -> TrainResult:
+def train(
+    recipe: dict,
+    params: Params,
+    x: np.ndarray,
+    y: np.ndarray,
+    device: str = "cpu",
+    control: TrainControl | None = None,
+    checkpoint: Checkpoint | None = None,
+    local_fraction: float = 1.0,
+) -> TrainResult:
     """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
     rounded up); see crowdtrain.client.trainers for the contract."""
     start = time.monotonic()
@@ -83,7 +90,7 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
             control.between_batches()
             if checkpoint is not None and i > first_batch and checkpoint.due():
                 _save(checkpoint, model, opt, gen, order, epoch, i, loss_sum, seen)
-            idx = order[i:i + bs]
+            idx = order[i : i + bs]
             xb, yb = xt[idx].to(device), yt[idx].to(device)
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(xb), yb)
@@ -93,12 +100,26 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
             seen += len(idx)
         order, first_batch = None, 0
     model.to("cpu")
-    return TrainResult(state_to_numpy(model), loss_sum / max(seen, 1), examples_in(steps, len(xt), bs),
-                       time.monotonic() - start)
+    return TrainResult(
+        state_to_numpy(model), loss_sum / max(seen, 1), examples_in(steps, len(xt), bs), time.monotonic() - start
+    )
 
 
-def _save(checkpoint: Checkpoint, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
-          order: torch.Tensor, epoch: int, batch_start: int, loss_sum: float, seen: int) -> None:
-    tensors = {**state_to_numpy(model), **_optimizer_tensors(opt), _ORDER: order.numpy().copy(),
-               _RNG: gen.get_state().numpy().copy()}
+def _save(
+    checkpoint: Checkpoint,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    gen: torch.Generator,
+    order: torch.Tensor,
+    epoch: int,
+    batch_start: int,
+    loss_sum: float,
+    seen: int,
+) -> None:
+    tensors = {
+        **state_to_numpy(model),
+        **_optimizer_tensors(opt),
+        _ORDER: order.numpy().copy(),
+        _RNG: gen.get_state().numpy().copy(),
+    }
     checkpoint.save(tensors, {"epoch": epoch, "batch_start": batch_start, "loss_sum": loss_sum, "seen": seen})

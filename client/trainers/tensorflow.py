@@ -68,8 +68,8 @@ def _train_step(tf, model, opt, weight_decay: float, sample_shape: tuple[int, ..
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=logits))
         grads = tape.gradient(loss, variables)
         if weight_decay:
-            grads = [g + weight_decay * v for g, v in zip(grads, variables)]
-        opt.apply_gradients(zip(grads, variables))
+            grads = [g + weight_decay * v for g, v in zip(grads, variables, strict=True)]
+        opt.apply_gradients(zip(grads, variables, strict=True))
         return loss
 
     return step
@@ -83,11 +83,11 @@ def _state(km: KerasModel, opt) -> Params:
 
 
 def _restore(km: KerasModel, opt, tensors: Params) -> None:
-    km.set_params({k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)})
+    km.set_params({k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)})
     saved = sorted(k for k in tensors if k.startswith(OPTIMIZER_PREFIX))
     if len(saved) != len(opt.variables):
         raise ValueError(f"checkpoint has {len(saved)} optimizer variables, the optimizer {len(opt.variables)}")
-    for key, var in zip(saved, opt.variables):
+    for key, var in zip(saved, opt.variables, strict=True):
         var.assign(tensors[key])
 
 
@@ -110,8 +110,17 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: str = "cpu", *,
-          control: TrainControl, checkpoint: Checkpoint | None = None, local_fraction: float = 1.0) -> TrainResult:
+def train(
+    recipe: dict,
+    params: Params,
+    x: np.ndarray,
+    y: np.ndarray,
+    device: str = "cpu",
+    *,
+    control: TrainControl,
+    checkpoint: Checkpoint | None = None,
+    local_fraction: float = 1.0,
+) -> TrainResult:
     """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
     rounded up); see crowdtrain.client.trainers for the contract."""
     start = time.monotonic()
@@ -139,9 +148,10 @@ def train(recipe: dict, params: Params, x: np.ndarray, y: np.ndarray, device: st
                 if checkpoint is not None and (epoch, i) != start_at and checkpoint.due():
                     pos.update(epoch=epoch, batch=i)
                     checkpoint.save(_state(km, opt), dict(pos))
-                idx = order[i:i + bs]
+                idx = order[i : i + bs]
                 loss = step(x[idx], y[idx])
                 pos["loss_sum"] += float(loss) * len(idx)
                 pos["seen"] += len(idx)
-    return TrainResult(km.get_params(), pos["loss_sum"] / max(pos["seen"], 1), examples_in(steps, len(x), bs),
-                       time.monotonic() - start)
+    return TrainResult(
+        km.get_params(), pos["loss_sum"] / max(pos["seen"], 1), examples_in(steps, len(x), bs), time.monotonic() - start
+    )

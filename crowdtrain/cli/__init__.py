@@ -12,25 +12,39 @@ from crowdtrain.cli.lazy import LazyCommand, LazyGroup
 
 _PROCESSES = "crowdtrain.cli.processes"
 COMMANDS = {
-    "migrate": LazyCommand(_PROCESSES, "Bring the database to the latest schema (`alembic upgrade head`) and exit.",
-                           member="migrate"),
-    "server": LazyCommand(_PROCESSES, "Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is "
-                                      "optional).", member="server"),
-    "assimilator": LazyCommand(_PROCESSES, "Run a parameter server: a Celery worker with `concurrency` processes, "
-                                           "restarted if it dies.", member="assimilator"),
-    "transitioner": LazyCommand(_PROCESSES, "Run the transitioner loop: deadlines, retries, stalled merges.",
-                                member="transitioner"),
+    "migrate": LazyCommand(
+        _PROCESSES, "Bring the database to the latest schema (`alembic upgrade head`) and exit.", member="migrate"
+    ),
+    "server": LazyCommand(
+        _PROCESSES,
+        "Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is optional).",
+        member="server",
+    ),
+    "assimilator": LazyCommand(
+        _PROCESSES,
+        "Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies.",
+        member="assimilator",
+    ),
+    "transitioner": LazyCommand(
+        _PROCESSES, "Run the transitioner loop: deadlines, retries, stalled merges.", member="transitioner"
+    ),
     "peer": LazyCommand("crowdtrain.cli.peer", "Run a peer of a synchronous DeDLOC job until the job finishes."),
-    "demo": LazyCommand("crowdtrain.cli.demo", "Run the whole system locally on the embedded defaults and train the "
-                                               "example job to its target."),
+    "demo": LazyCommand(
+        "crowdtrain.cli.demo",
+        "Run the whole system locally on the embedded defaults and train the example job to its target.",
+    ),
     "job": LazyCommand("crowdtrain.cli.jobs", "Submit and follow training jobs (needs the admin token)."),
     "admin": LazyCommand("crowdtrain.cli.admin", "Operator commands: join tokens and hosts (needs the admin token)."),
     "client": LazyCommand("crowdtrain.cli.client", "The volunteer client: run it, or see what it is doing."),
-    "simulate": LazyCommand("crowdtrain.cli.simulate", "Simulations: a load generator against a running server "
-                                                       "(the default, or `load`), and a training simulator "
-                                                       "(`training`)."),
-    "fleet": LazyCommand("crowdtrain.cli.fleet", "Spot fleets: EC2 spot instances that each run the client for this "
-                                                 "project."),
+    "simulate": LazyCommand(
+        "crowdtrain.cli.simulate",
+        "Simulations: a load generator against a running server "
+        "(the default, or `load`), and a training simulator "
+        "(`training`).",
+    ),
+    "fleet": LazyCommand(
+        "crowdtrain.cli.fleet", "Spot fleets: EC2 spot instances that each run the client for this project."
+    ),
 }
 
 
@@ -38,8 +52,12 @@ class Commands(LazyGroup):
     lazy_commands = COMMANDS
 
 
-app = typer.Typer(cls=Commands, help="crowdtrain: train deep-learning models on compute that comes and goes.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    cls=Commands,
+    help="crowdtrain: train deep-learning models on compute that comes and goes.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 
 
 @app.callback()

@@ -7,8 +7,12 @@ import typer
 
 from crowdtrain.cli.adminapi import ServerOpt, TokenOpt, admin_client, checked, print_rows
 
-app = typer.Typer(name="admin", help="Operator commands: join tokens and hosts (needs the admin token).",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    name="admin",
+    help="Operator commands: join tokens and hosts (needs the admin token).",
+    no_args_is_help=True,
+    add_completion=False,
+)
 token_app = typer.Typer(help="Join tokens that let clients register.", no_args_is_help=True)
 host_app = typer.Typer(help="Registered hosts.", no_args_is_help=True)
 app.add_typer(token_app, name="join-token")
@@ -16,8 +20,11 @@ app.add_typer(host_app, name="host")
 
 
 @token_app.command("create")
-def token_create(label: Annotated[str, typer.Option(help="Who the token is for")],
-                 server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+def token_create(
+    label: Annotated[str, typer.Option(help="Who the token is for")],
+    server: ServerOpt = "http://127.0.0.1:8000",
+    admin_token: TokenOpt = None,
+) -> None:
     """Issue a join token; it is printed once and only its hash is kept."""
     with admin_client(server, admin_token) as http:
         created = checked(http.post("/v1/admin/join-tokens", json={"label": label}))
@@ -27,8 +34,9 @@ def token_create(label: Annotated[str, typer.Option(help="Who the token is for")
 @token_app.command("list")
 def token_list(server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
     with admin_client(server, admin_token) as http:
-        print_rows(checked(http.get("/v1/admin/join-tokens")),
-                   ["id", "label", "created_at", "revoked", "hosts_registered"])
+        print_rows(
+            checked(http.get("/v1/admin/join-tokens")), ["id", "label", "created_at", "revoked", "hosts_registered"]
+        )
 
 
 @token_app.command("revoke")
@@ -41,8 +49,10 @@ def token_revoke(token_id: int, server: ServerOpt = "http://127.0.0.1:8000", adm
 @host_app.command("list")
 def host_list(server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
     with admin_client(server, admin_token) as http:
-        print_rows(checked(http.get("/v1/admin/hosts")),
-                   ["id", "name", "device", "last_seen", "revoked", "results_valid", "results_failed"])
+        print_rows(
+            checked(http.get("/v1/admin/hosts")),
+            ["id", "name", "device", "last_seen", "revoked", "results_valid", "results_failed"],
+        )
 
 
 @host_app.command("revoke")
@@ -50,4 +60,3 @@ def host_revoke(host_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin
     """Refuse a host from now on; its running assignments are dispatched again at once."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/admin/hosts/{host_id}/revoke"))))
-

@@ -16,8 +16,9 @@ TokenOpt = Annotated[str | None, typer.Option(help="Admin token (default: CROWDT
 
 
 def admin_client(server: str, token: str | None) -> httpx.Client:
-    return httpx.Client(base_url=server, timeout=300,
-                        headers={"Authorization": f"Bearer {token or get_settings().admin_token}"})
+    return httpx.Client(
+        base_url=server, timeout=300, headers={"Authorization": f"Bearer {token or get_settings().admin_token}"}
+    )
 
 
 def checked(resp: httpx.Response) -> dict:
@@ -26,8 +27,9 @@ def checked(resp: httpx.Response) -> dict:
             detail = resp.json().get("detail")
         except ValueError:
             detail = resp.text
-        typer.echo(f"error {resp.status_code}: {json.dumps(detail) if not isinstance(detail, str) else detail}",
-                   err=True)
+        typer.echo(
+            f"error {resp.status_code}: {json.dumps(detail) if not isinstance(detail, str) else detail}", err=True
+        )
         raise typer.Exit(2 if resp.status_code < 500 else 1)
     return resp.json()
 

@@ -26,39 +26,58 @@ def client(
     server: Annotated[str | None, typer.Option(help="Scheduler URL")] = None,
     join_token: JoinTokenOpt = None,
     join_token_file: JoinTokenFileOpt = None,
-    config: Annotated[Path | None, typer.Option(help="Preferences file (default ~/.config/crowdtrain/client.toml)",
-                                                show_default=False)] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="Preferences file (default ~/.config/crowdtrain/client.toml)", show_default=False),
+    ] = None,
     cache: CacheOpt = DEFAULT_CACHE,
     tasks: Annotated[int | None, typer.Option(help="Assignments trained at once (default 1)")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N or mps (default auto)")] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads for training")] = None,
-    idle_only: Annotated[bool | None, typer.Option("--idle-only/--no-idle-only",
-                                                   help="Work only while the machine is idle")] = None,
-    idle_minutes: Annotated[float | None, typer.Option(help="Minutes without input or CPU use by others that make "
-                                                            "the machine idle (default 3)")] = None,
-    idle_cpu_percent: Annotated[float | None, typer.Option(help="CPU use by others (% of all cores) that counts as "
-                                                                "busy (default 25)")] = None,
+    idle_only: Annotated[
+        bool | None, typer.Option("--idle-only/--no-idle-only", help="Work only while the machine is idle")
+    ] = None,
+    idle_minutes: Annotated[
+        float | None,
+        typer.Option(help="Minutes without input or CPU use by others that make the machine idle (default 3)"),
+    ] = None,
+    idle_cpu_percent: Annotated[
+        float | None, typer.Option(help="CPU use by others (% of all cores) that counts as busy (default 25)")
+    ] = None,
     cache_max_bytes: SizeOpt = None,
     daily_download_bytes: SizeOpt = None,
     daily_upload_bytes: SizeOpt = None,
     max_download_rate: RateOpt = None,
     max_upload_rate: RateOpt = None,
-    allow_origin: Annotated[list[str] | None, typer.Option(
-        help="Object store (scheme://host:port) to download shards and snapshots from, besides the scheduler "
-             "and the store it names at registration; repeat for more", show_default=False)] = None,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Object store (scheme://host:port) to download shards and snapshots from, besides the scheduler "
+            "and the store it names at registration; repeat for more",
+            show_default=False,
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
     max_assignments: Annotated[int | None, typer.Option(help="Exit after this many assignments")] = None,
     prefetch: Annotated[bool, typer.Option(help="Fetch the next assignment's files while training")] = True,
-    checkpoint_seconds: Annotated[float, typer.Option(
-        min=0, help="Checkpoint running training this often (0: never); a restarted client resumes")] = 30.0,
-    spot_notice_url: Annotated[str, typer.Option(
-        help="Spot-interruption notice to poll, e.g. AWS IMDSv2 "
-             "http://169.254.169.254/latest/meta-data/spot/instance-action; empty: none")] = "",
+    checkpoint_seconds: Annotated[
+        float, typer.Option(min=0, help="Checkpoint running training this often (0: never); a restarted client resumes")
+    ] = 30.0,
+    spot_notice_url: Annotated[
+        str,
+        typer.Option(
+            help="Spot-interruption notice to poll, e.g. AWS IMDSv2 "
+            "http://169.254.169.254/latest/meta-data/spot/instance-action; empty: none"
+        ),
+    ] = "",
     spot_poll_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds between notice polls")] = 5.0,
-    sigterm_grace: Annotated[float, typer.Option(
-        min=0, help="On SIGTERM, let training that ends within this many seconds finish and upload")] = 0.0,
-    frameworks: Annotated[str | None, typer.Option(
-        help="Comma list of frameworks to train with: pytorch, tensorflow (default: all installed)")] = None,
+    sigterm_grace: Annotated[
+        float, typer.Option(min=0, help="On SIGTERM, let training that ends within this many seconds finish and upload")
+    ] = 0.0,
+    frameworks: Annotated[
+        str | None,
+        typer.Option(help="Comma list of frameworks to train with: pytorch, tensorflow (default: all installed)"),
+    ] = None,
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly).
 
@@ -70,20 +89,45 @@ def client(
     if not server:
         raise typer.BadParameter("required to run the client", param_hint="--server")
     join_token = resolve_join_token(join_token, join_token_file)
-    prefs, resolved = _client_preferences(config, dict(
-        tasks=tasks, device=device, threads=threads, idle_only=idle_only, idle_minutes=idle_minutes,
-        idle_cpu_percent=idle_cpu_percent, cache_max_bytes=cache_max_bytes, daily_download_bytes=daily_download_bytes,
-        daily_upload_bytes=daily_upload_bytes, max_download_rate=max_download_rate, max_upload_rate=max_upload_rate,
-        download_origins=allow_origin or None))
+    prefs, resolved = _client_preferences(
+        config,
+        dict(
+            tasks=tasks,
+            device=device,
+            threads=threads,
+            idle_only=idle_only,
+            idle_minutes=idle_minutes,
+            idle_cpu_percent=idle_cpu_percent,
+            cache_max_bytes=cache_max_bytes,
+            daily_download_bytes=daily_download_bytes,
+            daily_upload_bytes=daily_upload_bytes,
+            max_download_rate=max_download_rate,
+            max_upload_rate=max_upload_rate,
+            download_origins=allow_origin or None,
+        ),
+    )
     configure_logging()
     chosen = _client_frameworks(frameworks)
     if prefs.threads:
         limit_threads(prefs.threads, chosen)
-    c = VolunteerClient(server, join_token, prefs.tasks, resolved, cache.expanduser(), name, max_assignments,
-                        prefetch=prefetch, checkpoint_seconds=checkpoint_seconds, spot_notice_url=spot_notice_url,
-                        spot_poll_seconds=spot_poll_seconds, sigterm_grace=sigterm_grace,
-                        max_download_rate=prefs.max_download_rate, max_upload_rate=prefs.max_upload_rate,
-                        preferences=prefs, frameworks=chosen)
+    c = VolunteerClient(
+        server,
+        join_token,
+        prefs.tasks,
+        resolved,
+        cache.expanduser(),
+        name,
+        max_assignments,
+        prefetch=prefetch,
+        checkpoint_seconds=checkpoint_seconds,
+        spot_notice_url=spot_notice_url,
+        spot_poll_seconds=spot_poll_seconds,
+        sigterm_grace=sigterm_grace,
+        max_download_rate=prefs.max_download_rate,
+        max_upload_rate=prefs.max_upload_rate,
+        preferences=prefs,
+        frameworks=chosen,
+    )
     c.install_signal_handlers()
     raise typer.Exit(c.run())
 
@@ -120,6 +164,8 @@ def _client_frameworks(option: str | None) -> list[str]:
     chosen = [f.strip() for f in option.split(",") if f.strip()]
     missing = [f for f in chosen if f not in have]
     if not chosen or missing:
-        raise typer.BadParameter(f"{', '.join(missing) or 'none given'}: installed frameworks are {', '.join(have)}",
-                                 param_hint="--frameworks")
+        raise typer.BadParameter(
+            f"{', '.join(missing) or 'none given'}: installed frameworks are {', '.join(have)}",
+            param_hint="--frameworks",
+        )
     return chosen

@@ -24,9 +24,15 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def demo(
     var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
-        "var/demo"),
-    spec: Annotated[Path | None, typer.Option(help="Job spec to run (default: examples/mnist1d-cnn.yaml, "
-                                                   "or examples/mnist1d-dedloc.yaml with --mode dedloc)")] = None,
+        "var/demo"
+    ),
+    spec: Annotated[
+        Path | None,
+        typer.Option(
+            help="Job spec to run (default: examples/mnist1d-cnn.yaml, "
+            "or examples/mnist1d-dedloc.yaml with --mode dedloc)"
+        ),
+    ] = None,
     clients: Annotated[int, typer.Option(min=1, help="Clients, or peers with --mode dedloc")] = 3,
     tasks: Annotated[int, typer.Option(min=1)] = 2,
     parameter_servers: Annotated[int, typer.Option(min=1)] = 2,
@@ -44,30 +50,42 @@ def locality_figures(http) -> dict[str, float]:
     """Shard-locality counters from the scheduler's /metrics: what clients' caches saved."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {"crowdtrain_dispatches_total", "crowdtrain_dispatches_cached_shard_total",
-              "crowdtrain_shard_bytes_saved_total", "crowdtrain_shard_bytes_sent_total"}
+    wanted = {
+        "crowdtrain_dispatches_total",
+        "crowdtrain_dispatches_cached_shard_total",
+        "crowdtrain_shard_bytes_saved_total",
+        "crowdtrain_shard_bytes_sent_total",
+    }
     resp = http.get("/metrics")
     resp.raise_for_status()
-    return {s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples
-            if s.name in wanted}
+    return {
+        s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples if s.name in wanted
+    }
 
 
 def _locality_row(f: dict[str, float]) -> str:
     saved, sent = f.get("crowdtrain_shard_bytes_saved_total", 0), f.get("crowdtrain_shard_bytes_sent_total", 0)
-    return (f"{int(f.get('crowdtrain_dispatches_cached_shard_total', 0))} of "
-            f"{int(f.get('crowdtrain_dispatches_total', 0))} assignments had their shard cached: "
-            f"{saved / 1e6:.2f} MB not downloaded, {sent / 1e6:.2f} MB downloaded")
+    return (
+        f"{int(f.get('crowdtrain_dispatches_cached_shard_total', 0))} of "
+        f"{int(f.get('crowdtrain_dispatches_total', 0))} assignments had their shard cached: "
+        f"{saved / 1e6:.2f} MB not downloaded, {sent / 1e6:.2f} MB downloaded"
+    )
 
 
 def summary_table(st: JobStatusOut, wall: float, locality: dict[str, float] | None = None) -> Table:
     t = Table(title="crowdtrain demo summary", show_header=False)
     best = max((e for e in st.epochs if e.mean_accuracy is not None), key=lambda e: e.mean_accuracy, default=None)
-    rows = [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
-            ("epochs", str(st.current_epoch)), ("merges", str(st.merges)),
-            ("best epoch mean accuracy", f"{best.mean_accuracy:.4f} (epoch {best.epoch})" if best else "-"),
-            ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
-            ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
-            ("wall time", f"{wall:.1f}s")]
+    rows = [
+        ("job", f"{st.job_id} {st.name}"),
+        ("status", st.status),
+        ("reason", st.status_message),
+        ("epochs", str(st.current_epoch)),
+        ("merges", str(st.merges)),
+        ("best epoch mean accuracy", f"{best.mean_accuracy:.4f} (epoch {best.epoch})" if best else "-"),
+        ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
+        ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
+        ("wall time", f"{wall:.1f}s"),
+    ]
     if locality is not None:
         rows.append(("shard locality", _locality_row(locality)))
     for k, v in rows:
@@ -101,9 +119,12 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
             console.print(f"starting {clients} clients with {tasks} task slots each")
             for i in range(clients):
                 cluster.start_client(f"client-{i + 1}", tasks)
-            st = watch(http, job_id, timeout=DEMO_TIMEOUT,
-                       alive=lambda: all(s.alive for s in cluster.services)
-                       and any(c.alive for c in cluster.clients))
+            st = watch(
+                http,
+                job_id,
+                timeout=DEMO_TIMEOUT,
+                alive=lambda: all(s.alive for s in cluster.services) and any(c.alive for c in cluster.clients),
+            )
             final = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
             locality = locality_figures(http)
         png = plot_accuracy(final, var_dir / "accuracy.png")
@@ -112,8 +133,10 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
         console.print(f"accuracy plot: {png}; logs: {var_dir / 'logs'}")
         if st.status != "succeeded":
             dead = [s.name for s in cluster.services if not s.alive]
-            console.print(f"[red]the job did not reach its target ({st.status})"
-                          + (f"; stopped processes: {dead}" if dead else ""))
+            console.print(
+                f"[red]the job did not reach its target ({st.status})"
+                + (f"; stopped processes: {dead}" if dead else "")
+            )
             return 1
         return 0
     except KeyboardInterrupt:
@@ -145,12 +168,13 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
                 console.print(f"[red]job rejected: {resp.text}")
                 return 2
             job_id = resp.json()["job_id"]
-            console.print(f"job {job_id} ({spec.name}): {peers} peers, target batch {spec.dedloc.target_batch_size}, "
-                          f"target accuracy {spec.stop.target_accuracy}")
+            console.print(
+                f"job {job_id} ({spec.name}): {peers} peers, target batch {spec.dedloc.target_batch_size}, "
+                f"target accuracy {spec.stop.target_accuracy}"
+            )
             for i in range(peers):
                 relayed = ["--relayed"] if i == peers - 1 else []
-                cluster.start_peer(f"peer-{i + 1}", job_id, "--data-rank", str(i), "--data-world", str(peers),
-                                   *relayed)
+                cluster.start_peer(f"peer-{i + 1}", job_id, "--data-rank", str(i), "--data-world", str(peers), *relayed)
             st = _follow_steps(console, http, job_id, cluster)
             # The job ends with the first upload of its final state; the other members still apply
             # that step and report their parameters' digest before they learn that it has ended.
@@ -162,15 +186,18 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
         t = Table(title="crowdtrain dedloc demo summary", show_header=False)
         sizes = [len(c["members"]) for c in commits.values()]
         examples = [sum(c["examples"].values()) for c in commits.values()]
-        for k, v in [("job", f"{st.job_id} {st.name}"), ("status", st.status), ("reason", st.status_message),
-                     ("global steps", str(st.param_version)),
-                     ("final accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
-                     ("members per step", f"min {min(sizes, default=0)}, max {max(sizes, default=0)}"),
-                     ("examples per step", f"min {min(examples, default=0)}, max {max(examples, default=0)}"),
-                     ("retried steps", str(sum(1 for c in commits.values() if c["attempt"] > 0))),
-                     ("peers' final parameters", f"{len(digests)} peers, {len(set(digests.values()))} distinct "
-                                                 "digest(s)"),
-                     ("wall time", f"{time.monotonic() - start:.1f}s")]:
+        for k, v in [
+            ("job", f"{st.job_id} {st.name}"),
+            ("status", st.status),
+            ("reason", st.status_message),
+            ("global steps", str(st.param_version)),
+            ("final accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
+            ("members per step", f"min {min(sizes, default=0)}, max {max(sizes, default=0)}"),
+            ("examples per step", f"min {min(examples, default=0)}, max {max(examples, default=0)}"),
+            ("retried steps", str(sum(1 for c in commits.values() if c["attempt"] > 0))),
+            ("peers' final parameters", f"{len(digests)} peers, {len(set(digests.values()))} distinct digest(s)"),
+            ("wall time", f"{time.monotonic() - start:.1f}s"),
+        ]:
             t.add_row(k, v)
         console.print(t)
         console.print(f"logs: {var_dir / 'logs'}")
@@ -188,8 +215,10 @@ def _follow_steps(console: Console, http, job_id: int, cluster: Cluster) -> JobS
     while True:
         st = JobStatusOut.model_validate(http.get(f"/v1/jobs/{job_id}", params={"metrics": True}).json())
         for m in st.metrics[shown:]:
-            console.print(f"step {m.param_version:4d}  validation accuracy {m.val_accuracy:.4f}  "
-                          f"loss {m.val_loss:.4f}  t {m.t:6.1f}s")
+            console.print(
+                f"step {m.param_version:4d}  validation accuracy {m.val_accuracy:.4f}  "
+                f"loss {m.val_loss:.4f}  t {m.t:6.1f}s"
+            )
         shown = len(st.metrics)
         if st.status in ("succeeded", "failed", "cancelled") or time.monotonic() > deadline:
             return st

@@ -12,17 +12,25 @@ from crowdtrain.core.settings import get_settings
 from crowdtrain.fleet.ec2 import Ec2Fleets, FleetExists, ec2_client
 from crowdtrain.fleet.spec import FleetSpec, attach_hosts
 
-app = typer.Typer(name="fleet", help="Spot fleets: EC2 spot instances that each run the client for this project.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    name="fleet",
+    help="Spot fleets: EC2 spot instances that each run the client for this project.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 
 FleetNameOpt = Annotated[str, typer.Option("--name", help="Fleet name; tags every instance crowdtrain:fleet=NAME")]
 RegionOpt = Annotated[str | None, typer.Option(help="AWS region (default: the AWS configuration)")]
-Ec2EndpointOpt = Annotated[str | None,
-                           typer.Option(help="EC2 endpoint (default: CROWDTRAIN_EC2_ENDPOINT_URL, else AWS)")]
+Ec2EndpointOpt = Annotated[
+    str | None, typer.Option(help="EC2 endpoint (default: CROWDTRAIN_EC2_ENDPOINT_URL, else AWS)")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document for scripts instead of a table")]
 # FleetSpec fields whose CLI option is named differently.
-_FLEET_OPTIONS = {"instance_types": "--instance-types", "subnet_ids": "--subnet-id",
-                  "security_group_ids": "--security-group-id"}
+_FLEET_OPTIONS = {
+    "instance_types": "--instance-types",
+    "subnet_ids": "--subnet-id",
+    "security_group_ids": "--security-group-id",
+}
 
 
 def _fleets(region: str | None, endpoint_url: str | None) -> Ec2Fleets:
@@ -55,23 +63,37 @@ def fleet_up(
     max_price: Annotated[float | None, typer.Option(help="USD per instance-hour (default: on-demand price)")] = None,
     tasks: Annotated[int, typer.Option(help="Assignments each client runs at once")] = 1,
     client_package: Annotated[str, typer.Option(help="pip requirement installed on every instance")] = (
-        "crowdtrain[client]"),
+        "crowdtrain[client]"
+    ),
     key_name: Annotated[str | None, typer.Option(help="EC2 key pair for SSH")] = None,
-    subnet_id: Annotated[str | None,
-                         typer.Option(help="Subnet(s), comma list; several zones find more capacity")] = None,
+    subnet_id: Annotated[
+        str | None, typer.Option(help="Subnet(s), comma list; several zones find more capacity")
+    ] = None,
     security_group_id: Annotated[str | None, typer.Option(help="Security group(s), comma list")] = None,
-    allocation_strategy: Annotated[str, typer.Option(help="price-capacity-optimized, capacity-optimized, "
-                                                          "lowest-price or diversified")] = "price-capacity-optimized",
+    allocation_strategy: Annotated[
+        str, typer.Option(help="price-capacity-optimized, capacity-optimized, lowest-price or diversified")
+    ] = "price-capacity-optimized",
     region: RegionOpt = None,
     endpoint_url: Ec2EndpointOpt = None,
 ) -> None:
     """Request COUNT spot instances; each installs the client and attaches it to SERVER.
     EC2 keeps COUNT running, replacing preempted ones, until `fleet down`."""
     try:
-        spec = FleetSpec(name=name, count=count, instance_types=instance_types, max_price=max_price,
-                         image_id=image_id, server=server, join_token=join_token, tasks=tasks,
-                         client_package=client_package, key_name=key_name, subnet_ids=subnet_id or [],
-                         security_group_ids=security_group_id or [], allocation_strategy=allocation_strategy)
+        spec = FleetSpec(
+            name=name,
+            count=count,
+            instance_types=instance_types,
+            max_price=max_price,
+            image_id=image_id,
+            server=server,
+            join_token=join_token,
+            tasks=tasks,
+            client_package=client_package,
+            key_name=key_name,
+            subnet_ids=subnet_id or [],
+            security_group_ids=security_group_id or [],
+            allocation_strategy=allocation_strategy,
+        )
     except ValidationError as exc:
         for error in exc.errors():
             option = _FLEET_OPTIONS.get(str(error["loc"][0]), "--" + str(error["loc"][0]).replace("_", "-"))
@@ -83,8 +105,10 @@ def fleet_up(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     price = f"{spec.max_price_text} USD/h" if spec.max_price_text else "the on-demand price"
-    typer.echo(f"fleet {spec.name}: requested {spec.count} spot instance(s) of {', '.join(spec.instance_types)} "
-               f"at up to {price} ({fleet_id}); clients attach to {spec.server}")
+    typer.echo(
+        f"fleet {spec.name}: requested {spec.count} spot instance(s) of {', '.join(spec.instance_types)} "
+        f"at up to {price} ({fleet_id}); clients attach to {spec.server}"
+    )
 
 
 def _fleet_hosts(server: str | None, admin_token: str | None) -> tuple[list[dict], str | None]:
@@ -108,8 +132,9 @@ def _minute(t) -> str:
 @app.command("status")
 def fleet_status(
     name: FleetNameOpt,
-    server: Annotated[str | None,
-                      typer.Option(help="Scheduler URL (default: the one the fleet was started with)")] = None,
+    server: Annotated[
+        str | None, typer.Option(help="Scheduler URL (default: the one the fleet was started with)")
+    ] = None,
     admin_token: TokenOpt = None,
     as_json: JsonOpt = False,
     region: RegionOpt = None,
@@ -117,16 +142,31 @@ def fleet_status(
 ) -> None:
     """The fleet's instances, each with the host its client registered as on the scheduler."""
     fleets = _ec2(lambda: _fleets(region, endpoint_url))
-    requests = [{"fleet_id": f["FleetId"], "state": f["FleetState"],
-                 "target_capacity": f["TargetCapacitySpecification"]["TotalTargetCapacity"],
-                 "fulfilled_capacity": f.get("FulfilledCapacity")} for f in _ec2(lambda: fleets.fleets(name))]
+    requests = [
+        {
+            "fleet_id": f["FleetId"],
+            "state": f["FleetState"],
+            "target_capacity": f["TargetCapacitySpecification"]["TotalTargetCapacity"],
+            "fulfilled_capacity": f.get("FulfilledCapacity"),
+        }
+        for f in _ec2(lambda: fleets.fleets(name))
+    ]
     instances = _ec2(lambda: fleets.instances(name))
     server = server or _ec2(lambda: fleets.server_url(name))
     hosts, hosts_error = _fleet_hosts(server, admin_token)
     rows = attach_hosts(instances, hosts)
     if as_json:
-        typer.echo(json.dumps({"fleet": name, "server": server, "requests": requests, "hosts_error": hosts_error,
-                               "instances": [r.model_dump(mode="json") for r in rows]}))
+        typer.echo(
+            json.dumps(
+                {
+                    "fleet": name,
+                    "server": server,
+                    "requests": requests,
+                    "hosts_error": hosts_error,
+                    "instances": [r.model_dump(mode="json") for r in rows],
+                }
+            )
+        )
         return
     if hosts_error:
         typer.echo(f"hosts unknown: {hosts_error}", err=True)
@@ -135,25 +175,57 @@ def fleet_status(
         return
     for r in requests:
         typer.echo(f"{r['fleet_id']}: {r['state']}, {r['fulfilled_capacity']}/{r['target_capacity']} running")
-    print_rows([{"instance": r.instance_id, "type": r.instance_type, "state": r.state,
-                 "lifecycle": r.lifecycle, "zone": r.availability_zone, "spot price": r.spot_price,
-                 "max price": r.max_price or "on-demand", "launched": _minute(r.launch_time),
-                 "host": r.host.id if r.host else "-", "last seen": _minute(r.host.last_seen) if r.host else "-",
-                 "results valid": r.host.results_valid if r.host else "-"} for r in rows],
-               ["instance", "type", "state", "lifecycle", "zone", "spot price", "max price", "launched", "host",
-                "last seen", "results valid"])
+    print_rows(
+        [
+            {
+                "instance": r.instance_id,
+                "type": r.instance_type,
+                "state": r.state,
+                "lifecycle": r.lifecycle,
+                "zone": r.availability_zone,
+                "spot price": r.spot_price,
+                "max price": r.max_price or "on-demand",
+                "launched": _minute(r.launch_time),
+                "host": r.host.id if r.host else "-",
+                "last seen": _minute(r.host.last_seen) if r.host else "-",
+                "results valid": r.host.results_valid if r.host else "-",
+            }
+            for r in rows
+        ],
+        [
+            "instance",
+            "type",
+            "state",
+            "lifecycle",
+            "zone",
+            "spot price",
+            "max price",
+            "launched",
+            "host",
+            "last seen",
+            "results valid",
+        ],
+    )
 
 
 @app.command("down")
-def fleet_down(name: FleetNameOpt, as_json: JsonOpt = False, region: RegionOpt = None,
-               endpoint_url: Ec2EndpointOpt = None) -> None:
+def fleet_down(
+    name: FleetNameOpt, as_json: JsonOpt = False, region: RegionOpt = None, endpoint_url: Ec2EndpointOpt = None
+) -> None:
     """Cancel the fleet's requests and terminate its instances. Safe to run again."""
     done = _ec2(lambda: _fleets(region, endpoint_url).down(name))
     if as_json:
-        typer.echo(json.dumps({"fleet": name, "fleets_deleted": done.fleets_deleted,
-                               "requests_cancelled": done.requests_cancelled,
-                               "instances_terminated": [i.model_dump(mode="json") for i in done.instances_terminated],
-                               "template_deleted": done.template_deleted}))
+        typer.echo(
+            json.dumps(
+                {
+                    "fleet": name,
+                    "fleets_deleted": done.fleets_deleted,
+                    "requests_cancelled": done.requests_cancelled,
+                    "instances_terminated": [i.model_dump(mode="json") for i in done.instances_terminated],
+                    "template_deleted": done.template_deleted,
+                }
+            )
+        )
         return
     for fleet_id in done.fleets_deleted:
         typer.echo(f"deleted EC2 fleet {fleet_id}")

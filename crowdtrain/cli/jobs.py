@@ -14,8 +14,12 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import JobStatusOut
 from crowdtrain.core.specfile import SpecFileError
 
-app = typer.Typer(name="job", help="Submit and follow training jobs (needs the admin token).", no_args_is_help=True,
-                  add_completion=False)
+app = typer.Typer(
+    name="job",
+    help="Submit and follow training jobs (needs the admin token).",
+    no_args_is_help=True,
+    add_completion=False,
+)
 
 
 @app.command("submit")
@@ -63,8 +67,12 @@ def job_cancel(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_t
 
 
 @app.command("download")
-def job_download(job_id: int, output: Annotated[Path, typer.Option("-o", "--output")],
-                 server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+def job_download(
+    job_id: int,
+    output: Annotated[Path, typer.Option("-o", "--output")],
+    server: ServerOpt = "http://127.0.0.1:8000",
+    admin_token: TokenOpt = None,
+) -> None:
     """Save the final model (safetensors) of a finished job."""
     with admin_client(server, admin_token) as http:
         resp = http.get(f"/v1/jobs/{job_id}/model")

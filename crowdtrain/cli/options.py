@@ -15,25 +15,36 @@ def configure_logging(level: str = "INFO") -> None:
 
 # The join token is a secret: from the environment or a file, it stays out of `ps`.
 JOIN_TOKEN_ENV = "CROWDTRAIN_CLIENT_JOIN_TOKEN"
-JoinTokenOpt = Annotated[str | None, typer.Option(envvar=JOIN_TOKEN_ENV, show_envvar=True, show_default=False,
-                                                  help="Join token from the project operator (visible in `ps`: "
-                                                       f"prefer {JOIN_TOKEN_ENV} or --join-token-file)")]
+JoinTokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar=JOIN_TOKEN_ENV,
+        show_envvar=True,
+        show_default=False,
+        help=f"Join token from the project operator (visible in `ps`: prefer {JOIN_TOKEN_ENV} or --join-token-file)",
+    ),
+]
 JoinTokenFileOpt = Annotated[Path | None, typer.Option(help="File holding the join token", show_default=False)]
 
 
 def resolve_join_token(token: str | None, token_file: Path | None) -> str:
     """The join token from --join-token / CROWDTRAIN_CLIENT_JOIN_TOKEN or --join-token-file (exactly one)."""
     if token and token_file is not None:
-        raise typer.BadParameter(f"give the join token once: --join-token (or {JOIN_TOKEN_ENV}) or "
-                                 "--join-token-file", param_hint="--join-token-file")
+        raise typer.BadParameter(
+            f"give the join token once: --join-token (or {JOIN_TOKEN_ENV}) or --join-token-file",
+            param_hint="--join-token-file",
+        )
     if token_file is not None:
         try:
             token = token_file.expanduser().read_text().strip()
         except OSError as exc:
-            raise typer.BadParameter(f"cannot read {token_file}: {exc.strerror}", param_hint="--join-token-file")
+            raise typer.BadParameter(
+                f"cannot read {token_file}: {exc.strerror}", param_hint="--join-token-file"
+            ) from exc
         if not token:
             raise typer.BadParameter(f"{token_file} is empty", param_hint="--join-token-file")
     if not token:
-        raise typer.BadParameter(f"required: --join-token-file, {JOIN_TOKEN_ENV} or --join-token",
-                                 param_hint="--join-token")
+        raise typer.BadParameter(
+            f"required: --join-token-file, {JOIN_TOKEN_ENV} or --join-token", param_hint="--join-token"
+        )
     return token

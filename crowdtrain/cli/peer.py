@@ -20,12 +20,14 @@ def peer(
     join_token: JoinTokenOpt = None,
     join_token_file: JoinTokenFileOpt = None,
     name: Annotated[str, typer.Option(help="Host name shown to the operator")] = "dedloc-peer",
-    relayed: Annotated[bool, typer.Option(help="This peer cannot accept connections (NAT): the server "
-                                               "reduces for it")] = False,
+    relayed: Annotated[
+        bool, typer.Option(help="This peer cannot accept connections (NAT): the server reduces for it")
+    ] = False,
     data_rank: Annotated[int, typer.Option(min=0, help="Train on examples i with i % data_world == data_rank")] = 0,
     data_world: Annotated[int, typer.Option(min=1)] = 1,
-    examples_per_step: Annotated[int | None, typer.Option(min=1, help="Contribute at most this many examples "
-                                                                     "per step")] = None,
+    examples_per_step: Annotated[
+        int | None, typer.Option(min=1, help="Contribute at most this many examples per step")
+    ] = None,
     trace: Annotated[Path | None, typer.Option(help="Append one JSON line per applied step")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
     kill_at: Annotated[str | None, typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT")] = None,
@@ -40,6 +42,13 @@ def peer(
     api = PeerAPI(server)
     api.register(join_token, name)
     at = tuple(int(v) for v in kill_at.split(":")) if kill_at else None
-    options = PeerOptions(job_id=job, relayed=relayed, data_rank=data_rank, data_world=data_world,
-                          examples_per_step=examples_per_step, trace=trace, kill_at=at)
+    options = PeerOptions(
+        job_id=job,
+        relayed=relayed,
+        data_rank=data_rank,
+        data_world=data_world,
+        examples_per_step=examples_per_step,
+        trace=trace,
+        kill_at=at,
+    )
     raise typer.Exit(DedlocPeer(api, options).run())

@@ -38,8 +38,9 @@ def server(
     host: str = "127.0.0.1",
     port: int = 8000,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
-    run_migrations: Annotated[bool, typer.Option("--migrate/--no-migrate",
-                                                 help="Run `alembic upgrade head` before serving")] = True,
+    run_migrations: Annotated[
+        bool, typer.Option("--migrate/--no-migrate", help="Run `alembic upgrade head` before serving")
+    ] = True,
 ) -> None:
     """Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is optional)."""
     try:
@@ -51,25 +52,40 @@ def server(
         migrate()
     else:
         configure_logging()
-    uvicorn.run("crowdtrain.server.api.app:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level="warning")
+    uvicorn.run(
+        "crowdtrain.server.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning"
+    )
 
 
 @app.command()
 def assimilator(
     concurrency: Annotated[int, typer.Option(min=1)] = 1,
-    supervise: Annotated[bool, typer.Option("--supervise/--no-supervise",
-                                            help="Restart the Celery worker if it dies")] = True,
+    supervise: Annotated[
+        bool, typer.Option("--supervise/--no-supervise", help="Restart the Celery worker if it dies")
+    ] = True,
 ) -> None:
     """Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies."""
     configure_logging()
     if supervise:
-        argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency),
-                "--no-supervise"]
+        argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency), "--no-supervise"]
         raise typer.Exit(run_supervised(argv, "the parameter server's Celery worker"))
-    celery_app.worker_main(["worker", "--concurrency", str(concurrency), "--loglevel", "INFO", "--pool", "prefork",
-                            "-Q", keys.ASSIMILATE_QUEUE, "--without-gossip", "--without-mingle", "-n",
-                            "assimilator@%h-%i"])
+    celery_app.worker_main(
+        [
+            "worker",
+            "--concurrency",
+            str(concurrency),
+            "--loglevel",
+            "INFO",
+            "--pool",
+            "prefork",
+            "-Q",
+            keys.ASSIMILATE_QUEUE,
+            "--without-gossip",
+            "--without-mingle",
+            "-n",
+            "assimilator@%h-%i",
+        ]
+    )
 
 
 @app.command()
@@ -81,7 +97,12 @@ def transitioner() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     logging.getLogger(__name__).info("transitioner running every %.1fs", settings.transitioner_interval)
-    run_forever(session_factory(settings.resolved_database_url),
-                open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
-                paramstore.connect(settings.redis_url), settings.transitioner_interval,
-                settings.stuck_upload_seconds, enqueue_merge, stop)
+    run_forever(
+        session_factory(settings.resolved_database_url),
+        open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+        paramstore.connect(settings.redis_url),
+        settings.transitioner_interval,
+        settings.stuck_upload_seconds,
+        enqueue_merge,
+        stop,
+    )

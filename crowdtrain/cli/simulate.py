@@ -12,8 +12,12 @@ from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.training import print_table
 from crowdtrain.sim.training import simulate_training as run_training
 
-app = typer.Typer(name="simulate", help="Simulations: a load generator against a running server (the default, or "
-                  "`load`), and a training simulator (`training`).", add_completion=False)
+app = typer.Typer(
+    name="simulate",
+    help="Simulations: a load generator against a running server (the default, or "
+    "`load`), and a training simulator (`training`).",
+    add_completion=False,
+)
 LoadServerOpt = Annotated[str | None, typer.Option(help="Scheduler URL", show_default=False)]
 LoadTokenOpt = Annotated[str | None, typer.Option(help="Join token", show_default=False)]
 LoadHostsOpt = Annotated[int, typer.Option(min=1, help="Simulated hosts")]
@@ -23,18 +27,29 @@ ConnectionsOpt = Annotated[int, typer.Option(min=1, help="HTTP connections share
 
 
 @app.callback(invoke_without_command=True)
-def simulate(ctx: typer.Context, server: LoadServerOpt = None, join_token: LoadTokenOpt = None,
-             hosts: LoadHostsOpt = 100, duration: DurationOpt = 60.0, until_idle: UntilIdleOpt = None,
-             connections: ConnectionsOpt = 100) -> None:
+def simulate(
+    ctx: typer.Context,
+    server: LoadServerOpt = None,
+    join_token: LoadTokenOpt = None,
+    hosts: LoadHostsOpt = 100,
+    duration: DurationOpt = 60.0,
+    until_idle: UntilIdleOpt = None,
+    connections: ConnectionsOpt = 100,
+) -> None:
     """Without a subcommand: the load generator, as `simulate load`."""
     if ctx.invoked_subcommand is None:
         simulate_load(server, join_token, hosts, duration, until_idle, connections)
 
 
 @app.command("load")
-def simulate_load(server: LoadServerOpt = None, join_token: LoadTokenOpt = None, hosts: LoadHostsOpt = 100,
-                  duration: DurationOpt = 60.0, until_idle: UntilIdleOpt = None,
-                  connections: ConnectionsOpt = 100) -> None:
+def simulate_load(
+    server: LoadServerOpt = None,
+    join_token: LoadTokenOpt = None,
+    hosts: LoadHostsOpt = 100,
+    duration: DurationOpt = 60.0,
+    until_idle: UntilIdleOpt = None,
+    connections: ConnectionsOpt = 100,
+) -> None:
     """Load generator: simulated hosts that ask for work and upload results without training.
 
     Prints one line of JSON with the figures (requests/s, work-request latency, dispatches, uploads).
@@ -51,17 +66,23 @@ def simulate_training(
     spec: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON) to simulate")],
     hosts: Annotated[int, typer.Option(min=1, help="Simulated hosts")] = 8,
     slots: Annotated[int, typer.Option(min=1, help="Task slots per host")] = 1,
-    preemption: Annotated[float, typer.Option(min=0, max=0.99, help="Probability p that an assignment is "
-                                                                    "preempted")] = 0.0,
-    timeout: Annotated[float | None, typer.Option(help="t_o: seconds after dispatch that a lost assignment is "
-                                                       "noticed (default: scheduling.deadline_seconds)")] = None,
-    network_seconds: Annotated[float, typer.Option(min=0, help="Seconds per transfer (snapshot, shard, "
-                                                               "upload)")] = 0.0,
+    preemption: Annotated[
+        float, typer.Option(min=0, max=0.99, help="Probability p that an assignment is preempted")
+    ] = 0.0,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="t_o: seconds after dispatch that a lost assignment is noticed (default: scheduling.deadline_seconds)"
+        ),
+    ] = None,
+    network_seconds: Annotated[float, typer.Option(min=0, help="Seconds per transfer (snapshot, shard, upload)")] = 0.0,
     speed_sigma: Annotated[float, typer.Option(min=0, help="sigma of the hosts' lognormal speed factors")] = 0.5,
-    example_seconds: Annotated[float, typer.Option(min=0, help="Compute seconds per example and local epoch "
-                                                               "on a speed-1 host")] = 1e-3,
-    workunit_seconds: Annotated[float | None, typer.Option(min=0, help="Compute seconds per workunit instead "
-                                                                       "(any shard size)")] = None,
+    example_seconds: Annotated[
+        float, typer.Option(min=0, help="Compute seconds per example and local epoch on a speed-1 host")
+    ] = 1e-3,
+    workunit_seconds: Annotated[
+        float | None, typer.Option(min=0, help="Compute seconds per workunit instead (any shard size)")
+    ] = None,
     compute: Annotated[bool, typer.Option(help="Train and validate for real; --no-compute: timing only")] = True,
     seed: Annotated[int, typer.Option(help="Seed of host speeds and preemptions")] = 0,
     table: Annotated[bool, typer.Option(help="Also print a table of the main figures")] = False,
@@ -73,9 +94,19 @@ def simulate_training(
     """
     try:
         job_spec = load_job_spec(spec)
-        result = run_training(job_spec, hosts, slots, preemption, timeout, network_seconds, seed,
-                              speed_sigma=speed_sigma, example_seconds=example_seconds,
-                              workunit_seconds=workunit_seconds, compute=compute)
+        result = run_training(
+            job_spec,
+            hosts,
+            slots,
+            preemption,
+            timeout,
+            network_seconds,
+            seed,
+            speed_sigma=speed_sigma,
+            example_seconds=example_seconds,
+            workunit_seconds=workunit_seconds,
+            compute=compute,
+        )
     except ValueError as exc:  # pydantic's ValidationError is one too
         raise typer.BadParameter(str(exc), param_hint="SPEC") from None
     if table:

@@ -37,12 +37,14 @@ def test_a_command_is_the_one_its_module_defines() -> None:
 
 @pytest.mark.parametrize("args", [["--help"], ["client", "--help"], ["client", "status", "--help"]])
 def test_help_and_the_client_import_no_server_package(args: list[str]) -> None:
-    probe = ("import sys\n"
-             "from typer.testing import CliRunner\n"
-             "from crowdtrain.cli import app\n"
-             f"result = CliRunner().invoke(app, {args!r})\n"
-             "assert result.exit_code == 0, result.output\n"
-             f"print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))\n")
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from crowdtrain.cli import app\n"
+        f"result = CliRunner().invoke(app, {args!r})\n"
+        "assert result.exit_code == 0, result.output\n"
+        f"print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
