@@ -22,20 +22,21 @@ from tests.test_training_end_to_end import assert_exact_accounting, settle, subm
 
 pytestmark = pytest.mark.integration
 KILL_EVERY_S = 5.0  # a restarted component serves at least this long, and through one more merge
-KILLS = 3  # at most; the job must still be running at the second
-READY_TIMEOUT_S = 240.0  # a restart on 2 busy cores: the server ~5 s; torch makes the others 15-35 s
+KILLS = 3  # at most; the test needs 2
+READY_TIMEOUT_S = 240.0  # a restart on 2 busy cores: Redis 1 s; torch makes the others 15-35 s
 
 
 class Crashes:
     """Kill -9 one component and bring it back, each kill only once its last restart is ready.
 
     A component killed again before it has finished importing (15-35 s on 2 busy cores for the
-    parameter server, the transitioner and the scheduler: torch) never serves, and the run would
-    test nothing. So the first kill comes as soon as the component is ready, at the job's start, and
-    each next one once the restarted component is ready, has served KILL_EVERY_S and the job has
-    merged a result meanwhile: the kills follow the job's progress, not the clock, and the second
-    comes while the job still runs however fast the machine. The timings (seconds since the killer
-    started) are kept to explain a failure; an exception in the killer fails the test."""
+    parameter server, the transitioner and the scheduler: torch) never serves, and the run tests
+    nothing. So the kills follow the restarts and the job's progress, not the clock: the first comes
+    at the job's start, before the clients (`crash`); each next one once the restarted component is
+    ready, has served KILL_EVERY_S and the job has merged a result meanwhile (`keep_crashing`). The
+    second kill thus comes at the job's first merges, while it still runs, however fast the machine
+    (a kill every 5 s, with the clients started at once, let the job end before a second one). The
+    timings, in seconds since this began, are kept to explain a failure."""
 
     def __init__(self, cluster, name: str, job_id: int) -> None:
         self.cluster, self.name, self.job_id = cluster, name, job_id
@@ -48,24 +49,30 @@ class Crashes:
         self.service = cluster.service("server" if name == "scheduler-worker" else name)
         self.log_offset = 0  # where the log's lines about the current process begin
 
-    def run(self) -> None:
+    def crash(self) -> None:
+        """Wait until the component is ready, kill it, start it again and wait until it is ready."""
+        if not self.ready:
+            self._wait_ready()
+        self._kill()
+        self.kills.append(self.now())
+        self._wait_ready()
+
+    def keep_crashing(self) -> None:
+        """Up to KILLS kills in all, each once the job has merged a result since the last restart; for
+        a thread: an exception is kept in `error`, for the test to raise, not lost with the thread."""
         try:
-            self._wait_ready()  # the one started with the cluster
             while len(self.kills) < KILLS:
-                if self.kills:  # the restarted one serves a while, and through one more merge
-                    merged = self._merged()
-                    if self.stop.wait(KILL_EVERY_S) or not self._wait(lambda: self._merged() > merged):
-                        return
-                self._kill()
-                self.kills.append(self._now())
-                self._wait_ready()
-        except BaseException as exc:  # handed to the test: a dead killer must not pass for a short job
+                merged = self._merged()
+                if self.stop.wait(KILL_EVERY_S) or not self._wait(lambda: self._merged() > merged):
+                    return
+                self.crash()
+        except BaseException as exc:
             self.error = exc
 
     def summary(self) -> str:
-        return f"kills at {self.kills} s, back and ready at {self.ready} s, after the killer started"
+        return f"kills at {self.kills} s, ready at {self.ready} s"
 
-    def _now(self) -> float:
+    def now(self) -> float:
         return round(time.monotonic() - self.t0, 1)
 
     def _wait(self, check, timeout: float | None = None) -> bool:
@@ -75,7 +82,7 @@ class Crashes:
             if self.stop.wait(0.5):
                 return False
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} was not ready {timeout:.0f} s after a restart; {self.summary()}\n"
+                raise TimeoutError(f"{self.name} was not ready within {timeout:.0f} s; {self.summary()}\n"
                                    f"{self.service.tail()}")
         return True
 
@@ -98,7 +105,7 @@ class Crashes:
 
     def _wait_ready(self) -> None:
         if self._wait(self._is_ready, READY_TIMEOUT_S):
-            self.ready.append(self._now())
+            self.ready.append(self.now())
 
     def _is_ready(self) -> bool:
         if self.name == "redis":
@@ -146,10 +153,11 @@ def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqli
         "CROWDTRAIN_STUCK_UPLOAD_SECONDS": "10",
     })
     job_id = submit(cluster, deadline_seconds=20)
+    crashes = Crashes(cluster, component, job_id)
+    crashes.crash()  # at the job's start; the next ones follow its progress
     cluster.start_client("alice", tasks=2)
     cluster.start_client("bob", tasks=2)
-    crashes = Crashes(cluster, component, job_id)
-    killer = threading.Thread(target=crashes.run, daemon=True)
+    killer = threading.Thread(target=crashes.keep_crashing, daemon=True)
     killer.start()
     status = "unknown"
     try:
@@ -163,7 +171,7 @@ def test_the_job_survives_repeated_sigkill_of(component: str, make_cluster, sqli
             if status in ("succeeded", "failed", "cancelled"):
                 break
             time.sleep(1)
-        ended = crashes._now()
+        ended = crashes.now()
     finally:
         crashes.stop.set()
         killer.join(READY_TIMEOUT_S + 60)
