@@ -10,16 +10,18 @@ from sqlalchemy import select
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import encode_shard
+from crowdtrain.launch.cluster import wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
 from tests.conftest import EXAMPLE_SPEC
 from tests.http_host import ScriptedHost
 
 pytestmark = pytest.mark.integration
+STUCK_UPLOAD_S = 2.0  # the transitioner queues a merge again this long after its upload
 
 
 def test_a_job_whose_validation_set_does_not_fit_its_model_fails_and_names_the_cause(make_cluster, sqlite_url) -> None:
-    cluster = make_cluster(sqlite_url, extra_env={"CROWDTRAIN_STUCK_UPLOAD_SECONDS": "2"})
+    cluster = make_cluster(sqlite_url, extra_env={"CROWDTRAIN_STUCK_UPLOAD_SECONDS": str(STUCK_UPLOAD_S)})
     job_id = cluster.submit(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json"))["job_id"]
     # Submission checks the dataset; break it afterwards: 100 validation examples but 60 labels.
     rng = np.random.default_rng(0)
@@ -31,7 +33,8 @@ def test_a_job_whose_validation_set_does_not_fit_its_model_fails_and_names_the_c
     assert host.upload(work, host.snapshot(work)).status_code == 202  # a valid, harmless result
 
     db = session_factory(sqlite_url)
-    deadline = time.monotonic() + 90
+    # The first merge waits for the parameter server to import torch: 20-30 s on 2 busy cores.
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         with db.begin() as s:
             job = s.get_one(Job, job_id)
@@ -41,9 +44,21 @@ def test_a_job_whose_validation_set_does_not_fit_its_model_fails_and_names_the_c
         time.sleep(0.5)
     assert status == "failed", f"the job is still {status}"
     assert "validation set" in message and "W_s" in message, message
-    time.sleep(5)  # two transitioner sweeps with stuck_upload_seconds=2: nothing is queued again
+    # Until then the transitioner may well have queued the slow merge again (it is stalled after
+    # STUCK_UPLOAD_S); from now on it must not: the result is ended, and the job no longer runs.
+    log_path = cluster.var_dir / "logs" / "transitioner.log"
+    wait_for(
+        lambda: "transitioner running every" in log_path.read_text(),
+        120,
+        "the transitioner did not start",
+        cluster.service("transitioner"),
+    )
+    time.sleep(STUCK_UPLOAD_S)  # a sweep that read the result before the job failed has logged it by now
+    failed_at = log_path.stat().st_size
+    time.sleep(2.5 * STUCK_UPLOAD_S)  # two more sweeps that queue stalled merges again
     with db.begin() as s:
         statuses = s.scalars(select(Assignment.status).where(Assignment.job_id == job_id)).all()
     assert AssignmentStatus.uploaded.value not in statuses
-    log = (cluster.var_dir / "logs" / "transitioner.log").read_text()
-    assert "queueing its merge again" not in log
+    with log_path.open("rb") as f:
+        f.seek(failed_at)
+        assert "queueing its merge again" not in f.read().decode(errors="replace")

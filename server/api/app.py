@@ -5,6 +5,11 @@ Served as `uvicorn --factory crowdtrain.server.api.app:create_app` (what `crowdt
 built with missing or published tokens (crowdtrain.core.settings.check_secrets).
 """
 
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from crowdtrain.core import logs
@@ -13,13 +18,25 @@ from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
 from crowdtrain.server.api.routes import admin, dedloc, files, hosts, jobs, metrics, work
 
+log = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def _announce_serving(_: FastAPI) -> AsyncIterator[None]:
+    """Say when this process starts serving: a scheduler worker that its supervisor started again
+    after a crash is back once it has said so (uvicorn's own startup lines are below its log level)."""
+    log.info("scheduler process %d serving", os.getpid())
+    yield
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The scheduler; `settings` replace the environment's (tests). Raises InsecureSettings."""
     settings = settings or get_settings()
     check_secrets(settings)
     logs.configure(settings.log_format)
-    app = FastAPI(title="crowdtrain scheduler", version="0.1.0", responses=boundary.ERROR_RESPONSES)
+    app = FastAPI(
+        title="crowdtrain scheduler", version="0.1.0", responses=boundary.ERROR_RESPONSES, lifespan=_announce_serving
+    )
     boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
     app.dependency_overrides[get_settings] = lambda: settings
     for module in (hosts, work, files, jobs, admin, metrics):
