@@ -1,47 +1,39 @@
 """Validation of W_s on the job's server-side validation split, with the job's framework.
 
-A zoo job is evaluated with its own framework when this parameter server has it installed, else
-with another that ports the model (W_s has one canonical layout). The loss and accuracy are
-computed here from the model's logits, the same arithmetic for every framework.
+A zoo job is evaluated with its own framework when this process has it installed, else with
+another that ports the model (W_s has one canonical layout). The loss and accuracy are computed
+here from the model's logits, the same arithmetic for every framework.
+
+The framework itself is imported on the first evaluation, not with this module: the scheduler and
+the transitioner evaluate only when a job ends or a DeDLOC step is stored, and their processes
+(every scheduler worker among them) start and serve without loading torch or tensorflow.
 """
 
-import numpy as np
-import torch
-from torch import nn
+import importlib
+from typing import Protocol
 
-from crowdtrain.core import frameworks, zoo, zoo_keras
+import numpy as np
+
+from crowdtrain.core import frameworks
 from crowdtrain.core.tensors import Params
 
-# Each job's model, built once per process and framework.
-_torch_models: dict[int, nn.Module] = {}
-_keras_models: dict[int, zoo_keras.KerasModel] = {}
+# The module that computes logits with each framework, imported by name when first needed.
+LOGITS = {
+    "pytorch": "crowdtrain.assimilator.logits_pytorch",
+    "tensorflow": "crowdtrain.assimilator.logits_tensorflow",
+}
 
 
-def _torch_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray, batch_size: int) -> np.ndarray:
-    model = _torch_models.get(job_id)
-    if model is None:
-        model = _torch_models[job_id] = zoo.build_model(
-            model_config["name"], model_config["input_shape"], model_config["num_classes"], **model_config["options"]
-        )
-    zoo.load_numpy_state(model, params)
-    model.eval()
-    with torch.inference_mode():
-        return np.concatenate(
-            [model(torch.from_numpy(x[i : i + batch_size])).numpy() for i in range(0, len(x), batch_size)]
-        )
+class Logits(Protocol):
+    def __call__(
+        self, job_id: int, model_config: dict, params: Params, x: np.ndarray, batch_size: int
+    ) -> np.ndarray: ...
 
 
-def _tensorflow_logits(job_id: int, model_config: dict, params: Params, x: np.ndarray, batch_size: int) -> np.ndarray:
-    model = _keras_models.get(job_id)
-    if model is None:
-        model = _keras_models[job_id] = zoo_keras.build_model(model_config)
-    model.set_params(params)
-    return np.concatenate(
-        [np.asarray(model.model(x[i : i + batch_size], training=False)) for i in range(0, len(x), batch_size)]
-    )
-
-
-_LOGITS = {"pytorch": _torch_logits, "tensorflow": _tensorflow_logits}
+def logits_function(framework: str) -> Logits:
+    """The `logits` function of `framework`'s module, importing the framework on first use."""
+    found: Logits = importlib.import_module(LOGITS[framework]).logits
+    return found
 
 
 def evaluation_framework(model_config: dict) -> str:
@@ -64,7 +56,9 @@ def evaluate(
     framework: str | None = None,
 ) -> tuple[float, float]:
     """Return (mean cross-entropy loss, accuracy) of `params` on (x, y)."""
-    logits = _LOGITS[framework or evaluation_framework(model_config)](job_id, model_config, params, x, batch_size)
+    logits = logits_function(framework or evaluation_framework(model_config))(
+        job_id, model_config, params, x, batch_size
+    )
     logits = logits.astype(np.float64)
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

@@ -1,6 +1,7 @@
 """Turn a job spec into a running job (shards in storage, W_s version 0; the ledger records it and
 releases its first epoch), and write the shards of epochs that re-deal their examples."""
 
+import importlib
 import logging
 from dataclasses import dataclass
 
@@ -21,18 +22,16 @@ from crowdtrain.core.tensors import (
     manifest_of,
     sha256,
 )
-from crowdtrain.core.zoo import (
-    build_model,
-    check_model,
-    count_parameters,
-    state_to_numpy,
-)
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
 from crowdtrain.server.ledger import jobs, paramstore
 from crowdtrain.server.ledger.models import Job, Shard
 from crowdtrain.workgen.datasets import deal_shards, load_dataset
 
 log = logging.getLogger(__name__)
+
+# The PyTorch zoo builds W_s version 0 of every zoo model. It imports torch, so it is imported by name
+# when a job is first submitted: a scheduler worker that only hands out work never loads torch.
+TORCH_ZOO = "crowdtrain.core.zoo"
 
 
 @dataclass(frozen=True)
@@ -113,21 +112,22 @@ def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[P
     and other code, and checked for its input and output shapes.
     """
     if model_config["name"] != KERAS_MODEL:
-        check_model(
+        zoo = importlib.import_module(TORCH_ZOO)
+        zoo.check_model(
             model_config["name"],
             model_config["input_shape"],
             model_config["num_classes"],
             model_config["options"],
             max_bytes,
         )
-        model = build_model(
+        model = zoo.build_model(
             model_config["name"],
             model_config["input_shape"],
             model_config["num_classes"],
             seed=seed,
             **model_config["options"],
         )
-        return state_to_numpy(model), count_parameters(model)
+        return zoo.state_to_numpy(model), zoo.count_parameters(model)
     try:
         keras_model = build_keras_model(model_config, seed=seed)
     except ImportError:
