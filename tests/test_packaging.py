@@ -119,3 +119,13 @@ def test_the_client_extra_runs_the_client_without_the_server_packages(built_whee
         )
         assert done.returncode == 0, f"crowdtrain {' '.join(args)}: {done.stderr[-3000:]}"
     assert "--join-token" in done.stdout or "--server" in done.stdout
+    completion = {"_CROWDTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": "crowdtrain ", "COMP_CWORD": "1"}
+    done = subprocess.run(
+        [str(env_dir / "bin" / "crowdtrain")],
+        env={**os.environ, **completion},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "client" in done.stdout.split(), f"completion: {done.stderr[-3000:]}"

@@ -8,7 +8,7 @@ module alone. This follows Click's "lazily loading subcommands" pattern on Typer
 
 import importlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -59,5 +59,14 @@ class LazyGroup(TyperGroup):
         self._listing = True
         try:
             super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+    def shell_complete(self, ctx: typer.Context, incomplete: str) -> list[Any]:
+        """Completing a command's name offers the placeholders with their help: it imports no
+        command's module (completing a command's own options imports that command alone)."""
+        self._listing = True
+        try:
+            return super().shell_complete(ctx, incomplete)
         finally:
             self._listing = False

@@ -1,6 +1,7 @@
 """The root command loads each command's module only when that command runs, and its help page,
 written without them, says what each command's own help says."""
 
+import os
 import subprocess
 import sys
 
@@ -48,3 +49,42 @@ def test_help_and_the_client_import_no_server_package(args: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("words", "imported"),
+    [
+        ("crowdtrain ", []),
+        ("crowdtrain cl", []),
+        ("crowdtrain client --", ["crowdtrain.cli.client", "crowdtrain.cli.options"]),
+    ],
+)
+def test_shell_completion_imports_only_the_command_being_completed(words: str, imported: list[str]) -> None:
+    """Tab completion of a command's name offers every command from the registry; completing a
+    command's options imports that command's module alone (a client-only install completes too)."""
+    probe = (
+        "import sys\n"
+        "from crowdtrain.cli import app\n"
+        "try:\n"
+        "    app(prog_name='crowdtrain')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('crowdtrain.cli.') and m != 'crowdtrain.cli.lazy'), "
+        "file=sys.stderr)\n"
+    )
+    words_split = words.split(" ")  # as bash's COMP_WORDS: the last word is the one being completed
+    env = {
+        **os.environ,
+        "_CROWDTRAIN_COMPLETE": "complete_bash",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(len(words_split) - 1),
+    }
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    offered = done.stdout.split()
+    incomplete = words_split[-1]
+    if imported:
+        assert "--server" in offered
+    else:
+        assert offered == [name for name in COMMANDS if name.startswith(incomplete)]
+    assert done.stderr.strip().splitlines()[-1] == repr(imported)
