@@ -23,8 +23,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m crowdtrain demo
 
+# Tests run on $(TEST_WORKERS) xdist workers, each taking the next test as it frees up; a test marked
+# `serial` runs with no other beside it (tests/conftest.py). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -ra -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_latency.py

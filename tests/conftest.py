@@ -1,5 +1,6 @@
 """Fixtures that start real services: PostgreSQL databases, private Redis servers, whole clusters."""
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from filelock import FileLock
 from sqlalchemy import create_engine, text
 
 from crowdtrain.launch.cluster import Cluster, free_port, fresh_postgres_database, start_redis
@@ -31,22 +33,46 @@ def _not_sources(folder: str, names: list[str]) -> set[str]:
     return {n for n in names if n == "__pycache__" or top and (n in NOT_SOURCES or n.endswith(".egg-info"))}
 
 
+def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder that every xdist worker of this run sees (the run's base temporary folder's parent;
+    the run's own base folder when pytest runs alone)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel of the repository's sources, built from a copy of them: a build in the repository
-    itself keeps modules that no longer exist in its build/lib and packs them into the wheel."""
-    src = tmp_path_factory.mktemp("sources") / "crowdtrain"
-    shutil.copytree(ROOT, src, ignore=_not_sources, symlinks=True)
-    out = tmp_path_factory.mktemp("wheel")
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"pip wheel failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
-    (built,) = out.glob("crowdtrain-*.whl")
-    return built
+    itself keeps modules that no longer exist in its build/lib and packs them into the wheel.
+    Built once per run: the first xdist worker to need it builds it, the others wait and reuse it."""
+    shared = shared_folder(tmp_path_factory) / "wheel"
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared) + ".lock"):
+        found = list(shared.glob("crowdtrain-*.whl"))
+        if found:
+            return found[0]
+        src = tmp_path_factory.mktemp("sources") / "crowdtrain"
+        shutil.copytree(ROOT, src, ignore=_not_sources, symlinks=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(shared),
+                str(src),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, f"pip wheel failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
+        (built,) = shared.glob("crowdtrain-*.whl")
+        return built
 
 
 @pytest.fixture(scope="session")
@@ -118,3 +144,25 @@ def make_cluster(tmp_path: Path) -> Iterator:
     yield make
     for c in started:
         c.stop()
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests run side by side on xdist workers, except those marked `serial`: they judge the machine's
+    own load (an idle-only client) and run with no other test running.
+
+    A reader-writer lock over the run's workers: every test holds `share` shared, a serial test
+    holds it exclusively. The `turnstile` makes a waiting serial test block the tests that would
+    start after it, so that it is not starved by workers taking turns on the shared lock."""
+    shared = shared_folder(tmp_path_factory)
+    serial = request.node.get_closest_marker("serial") is not None
+    with open(shared / "turnstile.lock", "w") as turnstile, open(shared / "share.lock", "w") as share:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(share, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(share, fcntl.LOCK_UN)

@@ -148,6 +148,7 @@ def cpu_while_status_rewritten(pid: int, cache, times: int) -> tuple[float, floa
 
 
 @pytest.mark.integration
+@pytest.mark.serial  # it needs the machine idle but for its own hog
 def test_an_idle_only_client_waits_for_a_cpu_hog_to_end_and_pauses_training_while_one_runs(
     make_cluster, sqlite_url: str
 ) -> None:
