@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +43,7 @@ class BadReply(Exception):
     hand them back at once instead of leaving them to time out.
     """
 
-    def __init__(self, message: str, assignment_ids: list[int] = ()):
+    def __init__(self, message: str, assignment_ids: Iterable[int] = ()):
         super().__init__(message)
         self.assignment_ids = list(assignment_ids)
 
@@ -120,6 +121,8 @@ class _StopWhenSet(stop_base):
 
 
 def _log_retry(state: RetryCallState) -> None:
+    if state.outcome is None:  # tenacity calls before_sleep only after an attempt has ended
+        raise RuntimeError("retry logged before the attempt ended: it has no outcome")
     log.warning(
         "server unreachable (%s); retry %d in %.1fs",
         state.outcome.exception(),

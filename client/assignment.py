@@ -45,6 +45,12 @@ class Running:
     given_back: bool = False
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the assignment's thread ends, or `timeout` seconds pass."""
+        if self.thread is None:  # the runner starts the thread as it adds the assignment to those running
+            raise RuntimeError(f"assignment {self.assignment.assignment_id} is running without a thread")
+        self.thread.join(timeout)
+
     def status(self) -> AssignmentStatus:
         a = self.assignment
         phase = "downloading" if self.phase == "fetching" else self.phase

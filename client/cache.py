@@ -78,7 +78,7 @@ class CacheBudget:
         """Evict until `size` more bytes fit, and hold that room while the download runs."""
         with self.lock:
             if self.max_bytes is not None:
-                self._evict(size)
+                self._evict(size, self.max_bytes)
             self.incoming[sha256] = size
         try:
             yield
@@ -86,12 +86,12 @@ class CacheBudget:
             with self.lock:
                 self.incoming.pop(sha256, None)
 
-    def _evict(self, size: int) -> None:
+    def _evict(self, size: int, limit: int) -> None:
         files = self.files()
         used = sum(s for _, s, _ in files) + sum(self.incoming.values())
         keep = self.in_use() | set(self.incoming)
         for _, fsize, path in sorted(files):
-            if used + size <= self.max_bytes:
+            if used + size <= limit:
                 break
             if path.name in keep:
                 continue
@@ -99,9 +99,9 @@ class CacheBudget:
             used -= fsize
             self.evictions += 1
             log.info("cache: evicted %s (%d bytes, least recently used)", path.name[:12], fsize)
-        if used + size > self.max_bytes:
+        if used + size > limit:
             raise CacheFull(
-                f"{size} bytes do not fit in the cache limit of {self.max_bytes} bytes: "
+                f"{size} bytes do not fit in the cache limit of {limit} bytes: "
                 f"{used} bytes are in use by running assignments"
             )
 

@@ -12,6 +12,7 @@ unspecified, multicast) is never learned.
 
 import ipaddress
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -90,7 +91,7 @@ class Origins:
     others: frozenset[str] = frozenset()
 
     @classmethod
-    def for_scheduler(cls, server_url: str, others: list[str] = ()) -> "Origins":
+    def for_scheduler(cls, server_url: str, others: Iterable[str] = ()) -> "Origins":
         return cls(origin_of(httpx.URL(server_url)), frozenset(parse_origin(o) for o in others))
 
     def check(self, url: httpx.URL) -> str:

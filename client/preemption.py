@@ -50,7 +50,8 @@ def plan_preemption(
     An assignment is finished only if its remaining training plus one upload fits before the
     notice expires with `margin` to spare; with no estimate it is abandoned.
     """
-    finish, abandon = set(), set()
+    finish: set[int] = set()
+    abandon: set[int] = set()
     for r in running:
         fits = r.remaining_seconds is not None and now + r.remaining_seconds + upload_seconds + margin <= notice_at
         (finish if fits else abandon).add(r.assignment_id)

@@ -50,7 +50,7 @@ class Restraints:
 
     def reason_to_wait(self) -> tuple[ClientState, str] | None:
         """Why the client must not ask for work now, or None."""
-        if not self.machine_idle:
+        if self.monitor is not None and not self.monitor.idle:
             return ClientState.not_idle, self.monitor.explain()
         over = self.transfer.over_cap()
         if over:

@@ -29,6 +29,7 @@ from crowdtrain.client.preferences import Preferences
 from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import ClientState, ClientStatus, StatusWriter
 from crowdtrain.client.trainers import available_frameworks
+from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.schemas import AssignmentOut, Resources
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work reply that had to be refused
 
 
-def detect_resources(device: str, frameworks: list[str] | None = None) -> Resources:
+def detect_resources(device: str, frameworks: list[Framework] | None = None) -> Resources:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     gpu = ""
     if device.startswith("cuda"):
@@ -70,7 +71,7 @@ class VolunteerClient(AssignmentRunner):
         max_download_rate: float | None = None,
         max_upload_rate: float | None = None,
         preferences: Preferences | None = None,
-        frameworks: list[str] | None = None,
+        frameworks: list[Framework] | None = None,
     ):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
@@ -256,7 +257,7 @@ class VolunteerClient(AssignmentRunner):
             running = list(self.running.values())
         if notice is None:  # max_assignments reached: let everything finish
             for r in running:
-                r.thread.join()
+                r.join()
             return
         now, mono = time.time(), time.monotonic()
         estimates = []
@@ -277,7 +278,7 @@ class VolunteerClient(AssignmentRunner):
         for r in running:
             if r.assignment.assignment_id in finish:
                 log.info("assignment %s: finishing before the notice expires", r.assignment.assignment_id)
-                r.thread.join(max(0.0, notice.at - time.time()))
+                r.join(max(0.0, notice.at - time.time()))
 
     def _start(self, a: AssignmentOut) -> None:
         r = Running(a)
@@ -302,7 +303,7 @@ class VolunteerClient(AssignmentRunner):
         for r in running:
             self._give_back(r)
         for r in running:
-            r.thread.join(timeout=30)
+            r.join(timeout=30)
         self.api.close()
 
     # -- volunteer preferences ------------------------------------------------------------------

@@ -19,12 +19,20 @@ def result_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
 
 
+def group_process_group(api: PeerAPI, plan: RoundPlanOut) -> dist.ProcessGroupGloo:
+    """This peer's member of its group's process group for this round only; joining it connects to the others."""
+    if plan.rank is None:  # the scheduler gives a rank to every member of a group, and none to a relayed peer
+        raise ValueError(f"step {plan.step} attempt {plan.attempt}: this peer has no rank in a group to reduce with")
+    store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
+    return dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout))
+
+
 def group_allreduce(api: PeerAPI, plan: RoundPlanOut, flat: torch.Tensor) -> None:
     """Sum `flat` in place over the group's members with a process group made for this round only."""
-    store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
-    pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout))
+    pg = group_process_group(api, plan)
     try:
-        pg.allreduce([flat]).wait()
+        # torch's stubs leave out Backend.allreduce, which ProcessGroupGloo has at run time.
+        pg.allreduce([flat]).wait()  # type: ignore[attr-defined]
     finally:
         del pg
 

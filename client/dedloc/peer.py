@@ -13,24 +13,31 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from crowdtrain.client.dedloc.allreduce import reduce_round, result_digest
+from crowdtrain.client.dedloc.allreduce import group_process_group, reduce_round, result_digest
 from crowdtrain.client.dedloc.api import PeerAPI, Refused
 from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
-from crowdtrain.client.dedloc.store import RoundStore
 from crowdtrain.core import dedloc as math
-from crowdtrain.core.schemas_dedloc import PeerJoined, ProgressReply
+from crowdtrain.core.schemas_dedloc import PeerJoined, ProgressReply, RoundPlanOut
 from crowdtrain.core.tensors import decode_shard, sha256
 from crowdtrain.core.zoo import build_model, state_to_numpy
 
 log = logging.getLogger(__name__)
 ROUND_POLL = 0.1
+
+
+def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients, flattened and concatenated in order (the layout of an Accumulator)."""
+    flat = []
+    for i, p in enumerate(params):
+        if p.grad is None:  # the loss did not reach it: the model has a parameter its forward pass never uses
+            raise RuntimeError(f"parameter {i} (shape {tuple(p.shape)}) got no gradient from the loss")
+        flat.append(p.grad.reshape(-1))
+    return torch.cat(flat)
 
 
 @dataclass
@@ -152,7 +159,7 @@ class DedlocPeer:
         self.model.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(self.model(self.x[idx]), self.y[idx], reduction="sum")
         loss.backward()
-        self.fresh.grads += torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.fresh.grads += _flat_grads(self.params)
         self.fresh.examples += len(idx)
         self.fresh.indices += idx
 
@@ -210,12 +217,13 @@ class DedlocPeer:
         elif reply.action == "matchmaking":
             self.frozen, self.reduced = True, None
         elif reply.action == "reduce":
+            if reply.round is None:  # the scheduler always sends the round's plan with `reduce`
+                raise ValueError(f"peer {self.api.peer_id}: told to reduce step {reply.step} without the round's plan")
             self.frozen = True
-            self.reduce(reply)
+            self.reduce(reply.round)
         return True
 
-    def reduce(self, reply: ProgressReply) -> None:
-        plan = reply.round
+    def reduce(self, plan: RoundPlanOut) -> None:
         if self.o.kill_at == (plan.step, plan.attempt) and not plan.relayed:
             self._die_mid_allreduce(plan)
         try:
@@ -243,12 +251,11 @@ class DedlocPeer:
             )
             self.reduced = None
 
-    def _die_mid_allreduce(self, plan) -> None:
+    def _die_mid_allreduce(self, plan: RoundPlanOut) -> None:
         """Fault injection for tests: join the collective, then vanish while the others reduce."""
         # Connect to the group like any member, so the others enter the all-reduce and wait on this
         # peer, then die without a word: SIGKILL, no clean-up, no report.
-        store = RoundStore(self.api, plan.step, plan.attempt, plan.averaging_timeout)
-        pg = dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout))
+        pg = group_process_group(self.api, plan)
         log.warning(
             "peer %s: SIGKILLing itself in the middle of step %d attempt %d", self.api.peer_id, plan.step, plan.attempt
         )

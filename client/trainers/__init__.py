@@ -18,12 +18,13 @@ The contract every trainer keeps:
 import importlib
 import math
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from crowdtrain.core.frameworks import installed
+from crowdtrain.core.frameworks import Framework, installed
 from crowdtrain.core.tensors import Params
 
 FRAMEWORKS = ("pytorch", "tensorflow")
@@ -97,12 +98,12 @@ class Checkpoint(Protocol):
     def save(self, tensors: Params, progress: dict) -> None: ...
 
 
-def available_frameworks() -> list[str]:
+def available_frameworks() -> list[Framework]:
     """The frameworks importable in this environment, PyTorch first."""
     return installed()
 
 
-def limit_threads(n: int, frameworks: list[str] | None = None) -> None:
+def limit_threads(n: int, frameworks: Collection[str] | None = None) -> None:
     """Cap the CPU threads `frameworks` (default: every installed one) use for training (call before training)."""
     frameworks = available_frameworks() if frameworks is None else frameworks
     if "pytorch" in frameworks:

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from crowdtrain.cli.adminapi import ServerOpt, TokenOpt, admin_client, checked, print_rows
+from crowdtrain.cli.adminapi import ServerOpt, TokenOpt, admin_client, checked, checked_rows, print_rows
 
 app = typer.Typer(
     name="admin",
@@ -35,7 +35,8 @@ def token_create(
 def token_list(server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
     with admin_client(server, admin_token) as http:
         print_rows(
-            checked(http.get("/v1/admin/join-tokens")), ["id", "label", "created_at", "revoked", "hosts_registered"]
+            checked_rows(http.get("/v1/admin/join-tokens")),
+            ["id", "label", "created_at", "revoked", "hosts_registered"],
         )
 
 
@@ -50,7 +51,7 @@ def token_revoke(token_id: int, server: ServerOpt = "http://127.0.0.1:8000", adm
 def host_list(server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
     with admin_client(server, admin_token) as http:
         print_rows(
-            checked(http.get("/v1/admin/hosts")),
+            checked_rows(http.get("/v1/admin/hosts")),
             ["id", "name", "device", "last_seen", "revoked", "results_valid", "results_failed"],
         )
 

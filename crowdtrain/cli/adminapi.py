@@ -2,7 +2,7 @@
 checked (an error's detail printed, exit 2 for a refusal, 1 for a server fault), rows as a table."""
 
 import json
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
@@ -21,7 +21,8 @@ def admin_client(server: str, token: str | None) -> httpx.Client:
     )
 
 
-def checked(resp: httpx.Response) -> dict:
+def _reply(resp: httpx.Response) -> Any:
+    """The JSON document of a successful reply; for an error, its detail printed and the command ended."""
     if resp.status_code >= 400:
         try:
             detail = resp.json().get("detail")
@@ -34,7 +35,29 @@ def checked(resp: httpx.Response) -> dict:
     return resp.json()
 
 
-def print_rows(rows: list[dict], columns: list[str]) -> None:
+def _malformed(resp: httpx.Response, expected: str) -> NoReturn:
+    """A successful reply of the wrong shape is a server fault: exit 1, as for a 5xx."""
+    typer.echo(f"error: the server's reply to {resp.request.url.path} is not {expected}", err=True)
+    raise typer.Exit(1)
+
+
+def checked(resp: httpx.Response) -> dict[str, Any]:
+    """A reply that is one object (a created or changed record)."""
+    document = _reply(resp)
+    if not isinstance(document, dict):
+        _malformed(resp, "an object")
+    return document
+
+
+def checked_rows(resp: httpx.Response) -> list[dict[str, Any]]:
+    """A reply that lists records, one row each."""
+    document = _reply(resp)
+    if not isinstance(document, list) or not all(isinstance(row, dict) for row in document):
+        _malformed(resp, "a list of objects")
+    return document
+
+
+def print_rows(rows: list[dict[str, Any]], columns: list[str]) -> None:
     table = Table(*columns)
     for row in rows:
         table.add_row(*(str(row.get(c, "")) for c in columns))

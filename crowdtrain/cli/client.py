@@ -12,6 +12,7 @@ from crowdtrain.client.preferences import Preferences, PreferencesError, load_pr
 from crowdtrain.client.status import is_running, now_utc, read_status, render
 from crowdtrain.client.trainers import available_frameworks, limit_threads
 from crowdtrain.client.worker import VolunteerClient
+from crowdtrain.core.frameworks import Framework, is_framework
 
 app = typer.Typer(name="client", help="The volunteer client: run it, or see what it is doing.", add_completion=False)
 DEFAULT_CACHE = Path("~/.cache/crowdtrain")
@@ -149,21 +150,22 @@ def _client_preferences(config: Path | None, overrides: dict) -> tuple[Preferenc
 def client_status(cache: CacheOpt = DEFAULT_CACHE) -> None:
     """Show what the client using this cache is doing now; exit 1 if it is not running."""
     status = read_status(cache.expanduser())
-    if not is_running(status, now_utc()):
+    if status is None or not is_running(status, now_utc()):
         last = f" (last seen {status.updated_at.isoformat(timespec='seconds')}, {status.state.value})" if status else ""
         typer.echo(f"not running{last}")
         raise typer.Exit(1)
     Console().print(render(status))
 
 
-def _client_frameworks(option: str | None) -> list[str]:
+def _client_frameworks(option: str | None) -> list[Framework]:
     """The frameworks named by --frameworks, each checked to be installed here."""
     have = available_frameworks()
     if option is None:
         return have
-    chosen = [f.strip() for f in option.split(",") if f.strip()]
-    missing = [f for f in chosen if f not in have]
-    if not chosen or missing:
+    names = [f.strip() for f in option.split(",") if f.strip()]
+    chosen = [f for f in names if is_framework(f) and f in have]
+    missing = [f for f in names if f not in chosen]
+    if not names or missing:
         raise typer.BadParameter(
             f"{', '.join(missing) or 'none given'}: installed frameworks are {', '.join(have)}",
             param_hint="--frameworks",

@@ -74,14 +74,15 @@ def _locality_row(f: dict[str, float]) -> str:
 
 def summary_table(st: JobStatusOut, wall: float, locality: dict[str, float] | None = None) -> Table:
     t = Table(title="crowdtrain demo summary", show_header=False)
-    best = max((e for e in st.epochs if e.mean_accuracy is not None), key=lambda e: e.mean_accuracy, default=None)
+    accuracies = [(e.mean_accuracy, e.epoch) for e in st.epochs if e.mean_accuracy is not None]
+    best = max(accuracies, key=lambda a: a[0], default=None)  # the first of equally accurate epochs
     rows = [
         ("job", f"{st.job_id} {st.name}"),
         ("status", st.status),
         ("reason", st.status_message),
         ("epochs", str(st.current_epoch)),
         ("merges", str(st.merges)),
-        ("best epoch mean accuracy", f"{best.mean_accuracy:.4f} (epoch {best.epoch})" if best else "-"),
+        ("best epoch mean accuracy", f"{best[0]:.4f} (epoch {best[1]})" if best else "-"),
         ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
         ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
         ("wall time", f"{wall:.1f}s"),
@@ -151,7 +152,7 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
     (it declares that it cannot accept connections, so the scheduler reduces for it)."""
     console = Console()
     spec = load_job_spec(spec_path)
-    if spec.mode != "dedloc":
+    if spec.mode != "dedloc" or spec.dedloc is None:  # JobSpec has the dedloc section in dedloc mode only
         console.print(f"[red]{spec_path} is a {spec.mode} job; --mode dedloc needs a dedloc spec")
         return 2
     if var_dir.exists():
@@ -179,7 +180,7 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
             # The job ends with the first upload of its final state; the other members still apply
             # that step and report their parameters' digest before they learn that it has ended.
             for peer in cluster.clients:
-                if peer.alive:
+                if peer.proc is not None:  # returns at once for a peer that has exited
                     peer.proc.wait(timeout=60)
             commits = http.get(f"/v1/dedloc/jobs/{job_id}/commits").json()
             digests = http.get(f"/v1/dedloc/jobs/{job_id}/digests/{st.param_version}").json()

@@ -78,21 +78,24 @@ def fleet_up(
 ) -> None:
     """Request COUNT spot instances; each installs the client and attaches it to SERVER.
     EC2 keeps COUNT running, replacing preempted ones, until `fleet down`."""
+    # The options are raw text (comma lists, a strategy's name) that FleetSpec's validators parse.
     try:
-        spec = FleetSpec(
-            name=name,
-            count=count,
-            instance_types=instance_types,
-            max_price=max_price,
-            image_id=image_id,
-            server=server,
-            join_token=join_token,
-            tasks=tasks,
-            client_package=client_package,
-            key_name=key_name,
-            subnet_ids=subnet_id or [],
-            security_group_ids=security_group_id or [],
-            allocation_strategy=allocation_strategy,
+        spec = FleetSpec.model_validate(
+            {
+                "name": name,
+                "count": count,
+                "instance_types": instance_types,
+                "max_price": max_price,
+                "image_id": image_id,
+                "server": server,
+                "join_token": join_token,
+                "tasks": tasks,
+                "client_package": client_package,
+                "key_name": key_name,
+                "subnet_ids": subnet_id or [],
+                "security_group_ids": security_group_id or [],
+                "allocation_strategy": allocation_strategy,
+            }
         )
     except ValidationError as exc:
         for error in exc.errors():

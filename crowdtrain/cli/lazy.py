@@ -8,10 +8,15 @@ module alone. This follows Click's "lazily loading subcommands" pattern on Typer
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+
+if TYPE_CHECKING:
+    # Typer vendors Click as its private `typer._click` and exports no names for the types its group
+    # methods take and return; the overrides below must accept them, so only their annotations use them.
+    from typer._click import Command, Context, HelpFormatter
 
 
 @dataclass(frozen=True)
@@ -25,10 +30,13 @@ class LazyCommand:
 
     def load(self) -> TyperCommand | TyperGroup:
         command = typer.main.get_command(importlib.import_module(self.module).app)
-        if self.member is None:
-            return command
-        assert isinstance(command, TyperGroup), f"{self.module}.app is one command, not a group holding {self.member}"
-        return command.commands[self.member]
+        if self.member is not None:
+            if not isinstance(command, TyperGroup):
+                raise TypeError(f"{self.module}.app is one command, not a group holding {self.member}")
+            command = command.commands[self.member]
+        if not isinstance(command, TyperCommand | TyperGroup):
+            raise TypeError(f"{self.module}.app does not make a Typer command: {type(command).__name__}")
+        return command
 
 
 class LazyGroup(TyperGroup):
@@ -46,7 +54,7 @@ class LazyGroup(TyperGroup):
         self._unloaded = set(self.lazy_commands)
         self._listing = False
 
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:
+    def get_command(self, ctx: "Context", cmd_name: str) -> "Command | None":
         if cmd_name in self._unloaded and not self._listing:
             loaded = self.lazy_commands[cmd_name].load()
             loaded.name = cmd_name
@@ -54,7 +62,7 @@ class LazyGroup(TyperGroup):
             self._unloaded.discard(cmd_name)
         return super().get_command(ctx, cmd_name)
 
-    def format_help(self, ctx: typer.Context, formatter) -> None:
+    def format_help(self, ctx: "Context", formatter: "HelpFormatter") -> None:
         """The help page lists the placeholders as they are: it imports no command's module."""
         self._listing = True
         try:
@@ -62,7 +70,7 @@ class LazyGroup(TyperGroup):
         finally:
             self._listing = False
 
-    def shell_complete(self, ctx: typer.Context, incomplete: str) -> list[Any]:
+    def shell_complete(self, ctx: "Context", incomplete: str) -> list[Any]:
         """Completing a command's name offers the placeholders with their help: it imports no
         command's module (completing a command's own options imports that command alone)."""
         self._listing = True

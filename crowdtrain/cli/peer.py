@@ -13,6 +13,15 @@ from crowdtrain.client.dedloc.peer import DedlocPeer, PeerOptions
 app = typer.Typer(add_completion=False)
 
 
+def _step_attempt(text: str) -> tuple[int, int]:
+    """`STEP:ATTEMPT` -> (step, attempt)."""
+    step, _, attempt = text.partition(":")
+    try:
+        return int(step), int(attempt)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not STEP:ATTEMPT (two integers)", param_hint="--kill-at") from None
+
+
 @app.command()
 def peer(
     server: Annotated[str, typer.Option(help="Scheduler URL")],
@@ -37,11 +46,11 @@ def peer(
     configure_logging()
     if data_rank >= data_world:
         raise typer.BadParameter(f"must be below --data-world ({data_world})", param_hint="--data-rank")
+    at = _step_attempt(kill_at) if kill_at else None
     if threads:
         torch.set_num_threads(threads)
     api = PeerAPI(server)
     api.register(join_token, name)
-    at = tuple(int(v) for v in kill_at.split(":")) if kill_at else None
     options = PeerOptions(
         job_id=job,
         relayed=relayed,

@@ -3,7 +3,7 @@
 import time
 
 import httpx
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -39,7 +39,7 @@ def status_table(st: JobStatusOut, last_epochs: int | None = 8) -> Group:
             _pct(e.min_accuracy),
             _pct(e.max_accuracy),
         )
-    parts = [head, table]
+    parts: list[RenderableType] = [head, table]
     if st.status_message:
         parts.append(Text(st.status_message))
     return Group(*parts)

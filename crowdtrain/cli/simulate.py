@@ -54,9 +54,10 @@ def simulate_load(
 
     Prints one line of JSON with the figures (requests/s, work-request latency, dispatches, uploads).
     """
-    for value, hint in ((server, "--server"), (join_token, "--join-token")):
-        if not value:
-            raise typer.BadParameter("required by the load generator", param_hint=hint)
+    if not server:
+        raise typer.BadParameter("required by the load generator", param_hint="--server")
+    if not join_token:
+        raise typer.BadParameter("required by the load generator", param_hint="--join-token")
     stats = run_simulation(server, join_token, hosts, duration, until_idle, connections)
     typer.echo(json.dumps(stats.summary()))
 

@@ -6,18 +6,25 @@ that ports a zoo model can train a job of either framework. A Keras-JSON model e
 """
 
 import importlib.util
-from typing import Any
+from collections.abc import Collection
+from typing import Any, Literal, TypeGuard
 
-FRAMEWORKS = ("pytorch", "tensorflow")
+Framework = Literal["pytorch", "tensorflow"]
+FRAMEWORKS: tuple[Framework, ...] = ("pytorch", "tensorflow")
 KERAS_MODEL = "keras"  # model.name of a job whose model is a Keras model JSON
 # Zoo models each framework has a port of (crowdtrain/zoo.py, crowdtrain/zoo_keras.py).
 ZOO_PORTS = {"pytorch": frozenset({"mlp", "cnn1d", "resnet"}), "tensorflow": frozenset({"mlp", "cnn1d"})}
 _MODULES = {"pytorch": "torch", "tensorflow": "tensorflow"}
 
 
-def installed() -> list[str]:
+def installed() -> list[Framework]:
     """The frameworks importable in this environment, PyTorch first."""
     return [f for f in FRAMEWORKS if importlib.util.find_spec(_MODULES[f]) is not None]
+
+
+def is_framework(name: str) -> TypeGuard[Framework]:
+    """Whether `name` is one of FRAMEWORKS."""
+    return name in FRAMEWORKS
 
 
 def job_framework(model_config: dict[str, Any]) -> str:
@@ -35,6 +42,6 @@ def able_to_run(model_config: dict[str, Any]) -> list[str]:
     return sorted(able, key=lambda f: f != own)
 
 
-def pick(model_config: dict[str, Any], have: list[str]) -> str | None:
+def pick(model_config: dict[str, Any], have: Collection[str]) -> str | None:
     """The framework to train `model_config` with, among `have`: the job's own if possible."""
     return next((f for f in able_to_run(model_config) if f in have), None)

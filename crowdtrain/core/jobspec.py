@@ -6,7 +6,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS
+from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS, Framework
 from crowdtrain.core.specfile import SpecFileError, load_yaml, read_bounded
 
 ZOO_MODELS = ("mlp", "cnn1d", "resnet")
@@ -321,7 +321,7 @@ class DedlocSpec(_Strict):
 class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=200)
     mode: Literal["vc-asgd", "dedloc"] = VC_ASGD
-    framework: Literal["pytorch", "tensorflow"] = Field(
+    framework: Framework = Field(
         "pytorch",
         description="The framework the job is written for; clients with another framework that "
         "ports the zoo model may train it too (the parameter layout is shared)",

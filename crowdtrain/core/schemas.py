@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import annotated_types as at
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints
 
+from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 
@@ -47,7 +48,7 @@ class ErrorOut(BaseModel):
     detail: str = Field(..., description="What was wrong, naming the field or resource")
 
 
-def _pytorch_only() -> list[Literal["pytorch", "tensorflow"]]:
+def _pytorch_only() -> list[Framework]:
     return ["pytorch"]
 
 
@@ -56,7 +57,7 @@ class Resources(WireRequest):
     ram_bytes: Bytes = 0
     gpu: str = Field("", max_length=200)
     device: str = Field("cpu", max_length=50)
-    frameworks: list[Literal["pytorch", "tensorflow"]] = Field(
+    frameworks: list[Framework] = Field(
         default_factory=_pytorch_only,
         min_length=1,
         max_length=8,
