@@ -1,6 +1,9 @@
-"""The pure parts of the benchmarks (no benchmark runs here): benchmarks/learning_efficiency.py."""
+"""The pure parts of the benchmarks (no benchmark runs here): benchmarks/learning_efficiency.py and the
+modules beside it that it imports (efficiency_tasks, efficiency_runs, efficiency_report)."""
 
-import importlib.util
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,51 +13,63 @@ from crowdtrain.client.trainers import train
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.workgen.datasets import make_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/NAME.py, imported as `python benchmarks/learning_efficiency.py` imports it: with its
+    folder first on sys.path, so that the modules beside it import by name."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
-eff = _load("learning_efficiency")
+tasks = _load("efficiency_tasks")
+runs = _load("efficiency_runs")
+report = _load("efficiency_report")
+
+
+def test_the_benchmark_runs_as_a_script_importing_the_modules_beside_it():
+    script = BENCHMARKS / "learning_efficiency.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--sim-slots" in done.stdout
 
 
 def test_examples_to_target_is_the_first_point_at_or_above_the_target_in_order_of_examples():
     points = [(3000, 0.91), (1000, 0.5), (2000, 0.90), (4000, 0.95)]
-    assert eff.examples_to_target(points, 0.90) == 2000
-    assert eff.examples_to_target(points, 0.95) == 4000
-    assert eff.examples_to_target(points, 0.96) is None
-    assert eff.examples_to_target([], 0.5) is None
+    assert report.examples_to_target(points, 0.90) == 2000
+    assert report.examples_to_target(points, 0.95) == 4000
+    assert report.examples_to_target(points, 0.96) is None
+    assert report.examples_to_target([], 0.5) is None
 
 
 def test_best_accuracy_within_a_budget_of_examples():
     points = [(1000, 0.5), (2000, 0.8), (3000, 0.7), (4000, 0.9)]
-    assert eff.best_accuracy(points) == 0.9
-    assert eff.best_accuracy(points, max_examples=3000) == 0.8
-    assert eff.best_accuracy(points, max_examples=500) is None
+    assert report.best_accuracy(points) == 0.9
+    assert report.best_accuracy(points, max_examples=3000) == 0.8
+    assert report.best_accuracy(points, max_examples=500) is None
 
 
 def test_merge_curve_pairs_each_evaluation_with_the_examples_merged_up_to_its_version():
     merged = [(2, 2000), (1, 2000), (3, 1500), (5, 2000)]  # (merged_version, examples), any order
     metrics = [(1, 0.4), (3, 0.6), (2, 0.5), (5, 0.8)]  # version 4 was not evaluated
-    assert eff.merge_curve(merged, metrics) == [(2000, 0.4), (4000, 0.5), (5500, 0.6), (7500, 0.8)]
-    assert eff.merge_curve(merged, [(0, 0.1)]) == [(0, 0.1)]
-    assert eff.merge_curve([], []) == []
+    assert report.merge_curve(merged, metrics) == [(2000, 0.4), (4000, 0.5), (5500, 0.6), (7500, 0.8)]
+    assert report.merge_curve(merged, [(0, 0.1)]) == [(0, 0.1)]
+    assert report.merge_curve([], []) == []
 
 
 @pytest.mark.parametrize(
     ("examples", "baseline", "expected"), [(9000, 6000, 1.5), (None, 6000, None), (9000, None, None), (6000, 6000, 1.0)]
 )
 def test_ratio_is_null_unless_both_reached(examples, baseline, expected):
-    assert eff.ratio(examples, baseline) == expected
+    assert report.ratio(examples, baseline) == expected
 
 
 def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_dataset():
-    a, b, c = eff.tabular_arrays(0), eff.tabular_arrays(0), eff.tabular_arrays(1)
+    a, b, c = tasks.tabular_arrays(0), tasks.tabular_arrays(0), tasks.tabular_arrays(1)
     for key in ("x", "y", "x_val", "y_val"):
         np.testing.assert_array_equal(a[key], b[key])
     assert not np.array_equal(a["x"], c["x"])
@@ -72,28 +87,28 @@ def test_upload_sizes_read_from_scheduler_log_lines():
         "2026-11-23 11:00:01 INFO crowdtrain.server.ledger.assignments: "
         "assignment 12: result uploaded (11000 bytes, loss None), merge queued\n"
     )
-    assert eff.upload_sizes(log) == {7: 43960, 12: 11000}
+    assert report.upload_sizes(log) == {7: 43960, 12: 11000}
 
 
 @pytest.mark.parametrize(
     ("slots", "per_client", "expected"), [(1, 4, [1]), (4, 4, [4]), (8, 4, [4, 4]), (6, 4, [4, 2])]
 )
 def test_client_slots_add_up(slots, per_client, expected):
-    assert eff.client_slots(slots, per_client) == expected
+    assert runs.client_slots(slots, per_client) == expected
 
 
 def test_a_rule_the_code_does_not_know_is_unsupported_not_a_crash():
-    task = eff.Task("mnist1d", eff.example_spec(), 0.9, budget_passes=1)
-    assert eff.unsupported_reason(eff.job_spec(task, "vc-asgd", 0, 5, False)) is None
-    bad = eff.job_spec(task, "vc-asgd", 0, 5, False)
+    task = tasks.Task("mnist1d", tasks.example_spec(), 0.9, budget_passes=1)
+    assert tasks.unsupported_reason(tasks.job_spec(task, "vc-asgd", 0, 5, False)) is None
+    bad = tasks.job_spec(task, "vc-asgd", 0, 5, False)
     bad["assimilation"] = {"rule": "no-such-rule"}
-    assert "assimilation.rule" in eff.unsupported_reason(bad)
+    assert "assimilation.rule" in tasks.unsupported_reason(bad)
     with pytest.raises(ValueError, match="--rules"):
-        eff.assimilation_for("no-such-configuration")
+        tasks.assimilation_for("no-such-configuration")
 
 
 def test_default_rule_is_the_example_jobs_assimilation():
-    assert eff.assimilation_for(eff.DEFAULT_RULE) == eff.example_spec()["assimilation"]
+    assert tasks.assimilation_for(tasks.DEFAULT_RULE) == tasks.example_spec()["assimilation"]
 
 
 def test_summary_ratio_is_null_and_says_so_when_a_seed_misses_the_target():
@@ -113,11 +128,11 @@ def test_summary_ratio_is_null_and_says_so_when_a_seed_misses_the_target():
         "status": "unsupported",
         "note": "merge rule: unknown merge rule 'u'",
     }
-    both = {s["rule"]: s for s in eff.summarize([ok | {"seed": 0}, missed, unsupported])}
+    both = {s["rule"]: s for s in report.summarize([ok | {"seed": 0}, missed, unsupported])}
     assert both["r"]["ratio"] is None and both["r"]["reached"] == 1 and "1 of 2" in both["r"]["note"]
     assert both["u"]["status"] == "unsupported" and both["u"]["ratio"] is None
-    assert eff.summarize([ok | {"seed": 0}, ok | {"seed": 1, "ratio": 3.0}])[0]["ratio"] == 2.5
-    assert eff.headline(eff.summarize([ok | {"seed": 0, "rule": eff.DEFAULT_RULE}]), "t", "real", 8) == 2.0
+    assert report.summarize([ok | {"seed": 0}, ok | {"seed": 1, "ratio": 3.0}])[0]["ratio"] == 2.5
+    assert report.headline(report.summarize([ok | {"seed": 0, "rule": tasks.DEFAULT_RULE}]), "t", "real", 8) == 2.0
 
 
 def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
@@ -137,7 +152,7 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
         },
     }
     seen = []
-    hook = eff._EvaluateEvery(25, len(x), lambda params: seen.append(sorted(params)) or 0.5)
+    hook = runs._EvaluateEvery(25, len(x), lambda params: seen.append(sorted(params)) or 0.5)
     train("pytorch", recipe, state_to_numpy(build_model("mlp", [4], 2, **config["options"])), x, y, checkpoint=hook)
     # every 25 examples, at the first batch boundary at or after it (an epoch's first batch is never one)
     assert [e for e, _ in hook.points] == [30, 50, 80, 110, 130, 150, 180, 210, 230, 250, 280]

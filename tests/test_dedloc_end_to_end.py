@@ -68,6 +68,18 @@ def start_peer(cluster: Cluster, job_id: int, name: str, *extra: str) -> Service
     return svc
 
 
+def start_peers(
+    cluster: Cluster, job_id: int, count: int, *common: str, only: dict[int, tuple[str, ...]] | None = None
+) -> list[Service]:
+    """Peers peer-0 .. peer-(count-1), peer i training data rank i of 3, each with the arguments
+    `common` and peer i with `only[i]` after them."""
+    only = only or {}
+    return [
+        start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3", *common, *only.get(i, ()))
+        for i in range(count)
+    ]
+
+
 def wait_finished(cluster: Cluster, job_id: int, peers: list[Service], timeout: float = JOB_TIMEOUT) -> dict:
     deadline = time.monotonic() + timeout
     with cluster.admin() as http:
@@ -149,21 +161,7 @@ def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(
     cluster = make_cluster(assimilator_concurrency=1)
     spec = dedloc_spec(max_steps=5, max_group_size=max_group_size)
     job_id = submit(cluster, spec)
-    peers = [
-        start_peer(
-            cluster,
-            job_id,
-            f"peer-{i}",
-            "--data-rank",
-            str(i),
-            "--data-world",
-            "3",
-            "--examples-per-step",
-            "32",
-            *(["--relayed"] if i in relayed else []),
-        )
-        for i in range(3)
-    ]
+    peers = start_peers(cluster, job_id, 3, "--examples-per-step", "32", only={i: ("--relayed",) for i in relayed})
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed" and "max_steps=5" in st["status_message"], st
 
@@ -203,19 +201,7 @@ def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> Non
 def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it(make_cluster) -> None:
     cluster = make_cluster(assimilator_concurrency=1)
     job_id = submit(cluster, dedloc_spec(max_steps=6, target_batch_size=480))
-    peers = [
-        start_peer(
-            cluster,
-            job_id,
-            f"peer-{i}",
-            "--data-rank",
-            str(i),
-            "--data-world",
-            "3",
-            *(["--kill-at", "2:0"] if i == 2 else []),
-        )
-        for i in range(3)
-    ]
+    peers = start_peers(cluster, job_id, 3, only={2: ("--kill-at", "2:0")})
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed" and "max_steps=6" in st["status_message"], st
 
@@ -239,7 +225,7 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it
 def test_a_peer_that_joins_late_starts_from_the_current_state(make_cluster) -> None:
     cluster = make_cluster(assimilator_concurrency=1)
     job_id = submit(cluster, dedloc_spec(max_steps=12, target_batch_size=4800, micro_batch_size=32))
-    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3") for i in range(2)]
+    peers = start_peers(cluster, job_id, 2)
     deadline = time.monotonic() + 120
     while 2 not in commits(cluster, job_id):
         assert time.monotonic() < deadline, "step 2 was never committed"
@@ -273,12 +259,7 @@ def test_dedloc_reaches_the_vc_asgd_demo_target_on_mnist1d_with_a_relayed_peer(m
     assert spec.stop.target_accuracy == 0.90  # the target of examples/mnist1d-cnn.yaml (VC-ASGD)
     cluster = make_cluster(assimilator_concurrency=1)
     job_id = submit(cluster, spec.model_dump(mode="json"))
-    peers = [
-        start_peer(
-            cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3", *(["--relayed"] if i == 2 else [])
-        )
-        for i in range(3)
-    ]
+    peers = start_peers(cluster, job_id, 3, only={2: ("--relayed",)})
     st = wait_finished(cluster, job_id, peers, timeout=600)
     assert st["status"] == "succeeded", st
     assert st["final_accuracy"] >= 0.90

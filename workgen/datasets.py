@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crowdtrain.core.jobspec import MAX_CLASSES
+from crowdtrain.core.datasetspec import MAX_CLASSES
 
 
 @dataclass(frozen=True)

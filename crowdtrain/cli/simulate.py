@@ -9,7 +9,7 @@ import typer
 
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.sim.load import simulate as run_simulation
-from crowdtrain.sim.training import print_table
+from crowdtrain.sim.result import print_table
 from crowdtrain.sim.training import simulate_training as run_training
 
 app = typer.Typer(

@@ -1,11 +1,12 @@
 """The job spec: what an operator submits (YAML or JSON), validated with clear errors."""
 
 import json
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from crowdtrain.core.datasetspec import DatasetSpec, resolve_relative_source
 from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS, Framework
 from crowdtrain.core.specfile import SpecFileError, load_yaml, read_bounded
 
@@ -97,58 +98,6 @@ class ModelSpec(_Strict):
         if self.name in ZOO_OPTIONS:
             check_zoo_options(self.name, self.options)
         return self
-
-
-MAX_CLASSES = 100_000
-
-
-class DatasetSpec(_Strict):
-    source: str = Field(
-        ...,
-        description="builtin:mnist1d, or npz:PATH with an absolute PATH on the scheduler's "
-        "machine (`crowdtrain job submit` resolves a relative one against the "
-        "spec file's folder)",
-    )
-    subsets: int = Field(10, ge=1, le=100_000, description="Number of training shards")
-    validation_fraction: float = Field(0.2, gt=0, lt=1, description="Used when the npz has no x_val/y_val")
-    classes: int | None = Field(
-        None,
-        ge=2,
-        le=MAX_CLASSES,
-        description="Number of classes; labels must lie in [0, classes). Default: largest label + 1",
-    )
-    shuffle: Literal["stratified", "random", "none"] = Field(
-        "stratified",
-        description="How examples are dealt to shards: shuffled with every class spread evenly "
-        "over the shards (stratified), shuffled (random), or contiguous slices (none)",
-    )
-    reshuffle_each_epoch: bool = Field(False, description="Deal the examples to shards anew for every epoch")
-
-    @model_validator(mode="after")
-    def _known_source(self) -> "DatasetSpec":
-        if self.source != "builtin:mnist1d" and not self.source.startswith("npz:"):
-            raise ValueError(f"dataset.source must be 'builtin:mnist1d' or 'npz:PATH', got {self.source!r}")
-        path = self.npz_path
-        if path is not None and not PurePath(path).is_absolute():
-            raise ValueError(
-                f"dataset.source: {path!r} is a relative path, but the scheduler reads dataset files "
-                "on its own machine: give an absolute path (`crowdtrain job submit` resolves a "
-                "relative one against the spec file's folder)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _reshuffle_needs_a_shuffle(self) -> "DatasetSpec":
-        if self.reshuffle_each_epoch and self.shuffle == "none":
-            raise ValueError(
-                "dataset.reshuffle_each_epoch needs dataset.shuffle 'stratified' or 'random': "
-                "contiguous slices ('none') are the same every epoch"
-            )
-        return self
-
-    @property
-    def npz_path(self) -> str | None:
-        return self.source[len("npz:") :] if self.source.startswith("npz:") else None
 
 
 class TrainingSpec(_Strict):
@@ -386,19 +335,7 @@ def load_job_spec(path: Path, notes: list[str] | None = None) -> JobSpec:
             model["keras"] = json.loads(read_bounded(keras_path, MAX_KERAS_JSON_BYTES))
         except json.JSONDecodeError as exc:
             raise SpecFileError(f"{keras_path}: not JSON: {exc}") from None
-    dataset = data.get("dataset")
-    source = dataset.get("source") if isinstance(dataset, dict) else None
-    if (
-        isinstance(dataset, dict)
-        and isinstance(source, str)
-        and source.startswith("npz:")
-        and not Path(source[4:]).is_absolute()
-    ):
-        resolved = (path.parent / Path(source[4:]).expanduser()).resolve()
-        dataset["source"] = f"npz:{resolved}"
-        if notes is not None:
-            notes.append(
-                f"dataset.source: {source!r} is read relative to the spec file, as {resolved} "
-                "(the scheduler reads that path on its own machine)"
-            )
+    note = resolve_relative_source(data.get("dataset"), path.parent)
+    if note is not None and notes is not None:
+        notes.append(note)
     return JobSpec.model_validate(data)

@@ -149,18 +149,28 @@ def manifest_of(params: Params) -> Manifest:
     return {k: (list(v.shape), str(v.dtype)) for k, v in params.items()}
 
 
-def check_against_manifest(params: Params, manifest: dict[str, Any]) -> None:
-    """Raise ValueError naming the first mismatch of names, shapes, dtypes or non-finite values."""
-    missing = sorted(set(manifest) - set(params))
-    extra = sorted(set(params) - set(manifest))
+def check_layout(tensors: Params, manifest: dict[str, Any], what: str = "") -> None:
+    """Raise ValueError naming the first difference from `manifest` (name -> (shape, dtype name)): a
+    name missing or unexpected, then a tensor's shape or dtype. `what`, if given, leads the message."""
+    lead = f"{what}: " if what else ""
+    missing = sorted(set(manifest) - set(tensors))
+    extra = sorted(set(tensors) - set(manifest))
     if missing or extra:
-        raise ValueError(f"tensor names differ from the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(f"{lead}tensor names differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, (shape, dtype) in manifest.items():
-        arr = params[name]
+        arr = tensors[name]
         if list(arr.shape) != list(shape):
-            raise ValueError(f"tensor {name!r} has shape {list(arr.shape)}, the model has {list(shape)}")
+            raise ValueError(f"{lead}tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
         if str(arr.dtype) != dtype:
-            raise ValueError(f"tensor {name!r} has dtype {arr.dtype}, the model has {dtype}")
+            raise ValueError(f"{lead}tensor {name!r} has dtype {arr.dtype}, expected {dtype}")
+
+
+def check_against_manifest(params: Params, manifest: dict[str, Any]) -> None:
+    """Raise ValueError naming the first mismatch of names, shapes, dtypes (`check_layout`) or, after
+    those, the first tensor with non-finite values."""
+    check_layout(params, manifest)
+    for name in manifest:
+        arr = params[name]
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise ValueError(f"tensor {name!r} contains NaN or infinite values")
 

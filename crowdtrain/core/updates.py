@@ -31,6 +31,7 @@ from crowdtrain.core.tensors import (
     Params,
     TensorFormatError,
     check_against_manifest,
+    check_layout,
     encode,
     header_limits,
     views,
@@ -162,19 +163,6 @@ def encode_result(params: Params, base: Params, upload: UploadSpec | dict[str, A
 # -- decoding (the scheduler and the parameter servers) ----------------------------------------------
 
 
-def _check_layout(tensors: Params, wire: Manifest, what: str) -> None:
-    missing = sorted(set(wire) - set(tensors))
-    extra = sorted(set(tensors) - set(wire))
-    if missing or extra:
-        raise ValueError(f"{what}: tensor names differ from the model's: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, (shape, dtype) in wire.items():
-        arr = tensors[name]
-        if list(arr.shape) != list(shape):
-            raise ValueError(f"{what}: tensor {name!r} has shape {list(arr.shape)}, expected {list(shape)}")
-        if str(arr.dtype) != dtype:
-            raise ValueError(f"{what}: tensor {name!r} has dtype {arr.dtype}, expected {dtype}")
-
-
 def decode_update(
     blob: bytes | bytearray | memoryview, manifest: dict[str, Any], upload: UploadSpec | dict[str, Any] | None
 ) -> Params:
@@ -196,7 +184,7 @@ def decode_update(
     if u.send == "weights":
         check_against_manifest(tensors, manifest)
         return tensors
-    _check_layout(tensors, wire, what)
+    check_layout(tensors, wire, what)
     out: Params = {}
     for name, (_, dtype) in manifest.items():
         arr = tensors[name]

@@ -15,44 +15,18 @@ int8 or bfloat16 delta upload costs what it costs in accuracy, and its bytes are
 host_speeds and local_fraction over the simulated hosts' recent (examples, seconds) reports. In
 the compute-free mode nothing is encoded: an upload's size is crowdtrain.core.updates.upload_sizes'.
 
-Timing model. Host i has a speed factor s_i ~ lognormal(0, speed_sigma), seeded, the factors
-scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment takes a transfer for
-the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
-or else `example_seconds` x shard examples x local_epochs) times the assignment's local fraction
-(1 unless `training.dynamic_local_work`) divided by s_i, and a transfer for the upload; each
-transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot
-gets work the moment some is ready (no polling delay).
-
-Preemption: each assignment is preempted with probability `p`, drawn at dispatch. It vanishes
-without a result; the scheduler notices at its deadline (`timeout` t_o after dispatch) and the
-workunit is ready again (or failed after max_errors). The preempted slot comes back
-`restart_seconds` after dispatch; by default t_o, the VC-ASGD paper's model, in which a slot
-loses t_o per preemption. A result that arrives after its deadline is refused, as the scheduler
-refuses the upload of a timed-out assignment.
-
-Wall-time model of the VC-ASGD paper (Atre et al.; DESIGN.md section 4): with n rounds of work per
-slot, task time t_e, timeout t_o and preemption probability p, a run takes about n*t_e + n*p*t_o
-(`paper_wall_time`). We read n as the workunits done per slot: n = epochs x shards / (hosts x
-slots), work spread evenly; t_e is one workunit's time on a slot, transfers included. The formula
-counts one timeout per workunit preempted; with independent preemptions a re-run may be preempted
-again, and the exact expectation in this model is n*t_e + n*p/(1-p)*t_o (`expected_wall_time`):
-for p = 0.2 that is 4.8% above the paper's figure when t_o = 1.2 t_e and 9.4% when t_o = 3 t_e.
-Epoch boundaries add idle time when an epoch's last workunits straggle (a few % at p = 0.2 with 4
-workunits per slot and epoch). tests/crowdtrain/test_simtrain.py measures both.
+The hosts' timing model, their preemptions and the wall time the VC-ASGD paper's model predicts are
+in crowdtrain.sim.hosts; what a run did, in crowdtrain.sim.result.
 """
 
 import heapq
 import itertools
-import statistics
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.client.trainers import examples_in, local_steps
@@ -62,70 +36,13 @@ from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import decode_result, encode_result, upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fraction
-from crowdtrain.sim.job import IN_PROGRESS, Assignment, Metric, SimJob
+from crowdtrain.sim.hosts import Fleet
+from crowdtrain.sim.job import IN_PROGRESS, Assignment, SimJob
+from crowdtrain.sim.result import Dispatch, SimResult
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 
 ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
-
-
-def paper_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
-    """The VC-ASGD paper's wall time n*t_e + n*p*t_o (n workunits per slot)."""
-    return n * t_e + n * p * t_o
-
-
-def expected_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
-    """The expectation in this simulator's model, re-runs preempted again included: n*t_e + n*p/(1-p)*t_o."""
-    return n * t_e + n * p / (1 - p) * t_o
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """The simulated hosts and their network; see the module docstring for the timing model."""
-
-    hosts: int = 8
-    slots: int = 1
-    p: float = 0.0
-    timeout: float | None = None  # t_o; None: the spec's scheduling.deadline_seconds
-    network_seconds: float = 0.0
-    speed_sigma: float = 0.5
-    example_seconds: float = 1e-3
-    workunit_seconds: float | None = None
-    restart_seconds: float | None = None  # None: t_o
-
-    def __post_init__(self) -> None:
-        for name in ("hosts", "slots"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.p < 1:
-            raise ValueError(f"p (preemption probability) must lie in [0, 1), got {self.p}")
-        for name in (
-            "timeout",
-            "network_seconds",
-            "speed_sigma",
-            "example_seconds",
-            "workunit_seconds",
-            "restart_seconds",
-        ):
-            value = getattr(self, name)
-            if value is not None and not (value >= 0 and np.isfinite(value)):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if self.timeout == 0:
-            raise ValueError("timeout must be > 0")
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """One assignment handed out (the run's trace)."""
-
-    time: float
-    assignment: int
-    workunit: int
-    epoch: int
-    shard: int
-    host: int
-    preempted: bool
-    local_fraction: float = 1.0
 
 
 class ShardDeals:
@@ -144,114 +61,6 @@ class ShardDeals:
                 line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed, deal)
             ]
         return self._deals[deal]
-
-
-@dataclass
-class SimResult:
-    """What a simulated run did; `summary()` is its JSON form."""
-
-    name: str
-    rule: str
-    fleet: Fleet
-    seed: int
-    compute: bool
-    outcome: str
-    message: str
-    epochs: int
-    merges: int
-    dispatched: int
-    preemptions: int
-    timeouts: int
-    late_results: int
-    refusals: dict[str, int]
-    failed_workunits: int
-    examples: int  # examples trained into merged results
-    uploads: int  # results that reached the scheduler (merged, refused or late)
-    upload: str  # the encoding (crowdtrain.core.updates.upload_label)
-    upload_bytes: int  # bytes per upload (the mean of those that reached the scheduler)
-    bytes_uploaded: int  # in all
-    sim_seconds: float  # simulated wall time until the job ended
-    real_seconds: float  # time the simulation took
-    final_accuracy: float | None
-    staleness: list[int] = field(repr=False)
-    metrics: list[Metric] = field(repr=False)
-    epoch_figures: dict[int, float | None] = field(repr=False)
-    trace: list[Dispatch] = field(repr=False)
-    merged_hosts: list[int] = field(repr=False, default_factory=list)  # the host of each merge
-    host_speeds: list[float] = field(repr=False, default_factory=list)  # s_i of each host
-
-    def staleness_by_host(self) -> dict[int, float]:
-        """Each host's mean staleness over its merged results."""
-        per: dict[int, list[int]] = {}
-        for host, s in zip(self.merged_hosts, self.staleness, strict=True):
-            per.setdefault(host, []).append(s)
-        return {h: statistics.fmean(v) for h, v in sorted(per.items())}
-
-    @property
-    def best_accuracy(self) -> float | None:
-        return max((m.accuracy for m in self.metrics), default=None)
-
-    def first_reaching(self, target: float) -> Metric | None:
-        """The first validation of W_s at or above `target` (its examples and simulated time)."""
-        return next((m for m in self.metrics if m.accuracy >= target), None)
-
-    def staleness_summary(self) -> dict:
-        if not self.staleness:
-            return {"mean": None, "p50": None, "p90": None, "max": None}
-        s = np.asarray(self.staleness)
-        return {
-            "mean": round(float(s.mean()), 2),
-            "p50": float(np.percentile(s, 50)),
-            "p90": float(np.percentile(s, 90)),
-            "max": int(s.max()),
-        }
-
-    def summary(self, curve_points: int = 20) -> dict:
-        """JSON-able figures; the accuracy curve thinned to about `curve_points` points."""
-        step = max(1, len(self.metrics) // max(curve_points, 1))
-        curve = self.metrics[step - 1 :: step]
-        if self.metrics and (not curve or curve[-1] is not self.metrics[-1]):
-            curve.append(self.metrics[-1])
-        return {
-            "name": self.name,
-            "rule": self.rule,
-            **asdict(self.fleet),
-            "seed": self.seed,
-            "compute": self.compute,
-            "outcome": self.outcome,
-            "message": self.message,
-            "epochs": self.epochs,
-            "merges": self.merges,
-            "dispatched": self.dispatched,
-            "preemptions": self.preemptions,
-            "timeouts": self.timeouts,
-            "late_results": self.late_results,
-            "refusals": self.refusals,
-            "failed_workunits": self.failed_workunits,
-            "examples": self.examples,
-            "uploads": self.uploads,
-            "upload": self.upload,
-            "upload_bytes": self.upload_bytes,
-            "bytes_uploaded_per_merge": round(self.bytes_uploaded / self.merges) if self.merges else None,
-            "mean_local_fraction": round(statistics.fmean(d.local_fraction for d in self.trace), 4)
-            if self.trace
-            else None,
-            "sim_seconds": round(self.sim_seconds, 3),
-            "real_seconds": round(self.real_seconds, 2),
-            "final_accuracy": self.final_accuracy,
-            "best_accuracy": self.best_accuracy,
-            "staleness": self.staleness_summary(),
-            "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items() if f is not None},
-            "curve": [
-                {
-                    "merges": m.version,
-                    "examples": m.examples,
-                    "sim_seconds": round(m.time, 3),
-                    "accuracy": round(m.accuracy, 4),
-                }
-                for m in curve
-            ],
-        }
 
 
 def simulate_training(
@@ -323,10 +132,7 @@ class _Simulation:
         self.job_id = next(_sim_ids)
         self.timeout = fleet.timeout if fleet.timeout is not None else spec["scheduling"]["deadline_seconds"]
         self.restart = fleet.restart_seconds if fleet.restart_seconds is not None else self.timeout
-        # Scaled to mean 1: N hosts have N times the throughput of one speed-1 host, whatever the draw,
-        # so a speedup over one slot measures the protocol, not the luck of the draw.
-        speeds = rng.lognormal(0.0, fleet.speed_sigma, fleet.hosts)
-        self.speeds = speeds / speeds.mean()
+        self.speeds = fleet.speeds(rng)
         self.caches: list[set[tuple[int, int]]] = [set() for _ in range(fleet.hosts)]
         self.events: list[tuple[float, int, str, Any]] = []  # payload: the Assignment, or the idle slot's host
         self.seq = itertools.count()
@@ -369,7 +175,7 @@ class _Simulation:
 
     def _start(self, a: Assignment) -> None:
         self._at(a.deadline, DEADLINE, a)
-        preempted = bool(self.fleet.p) and self.rng.random() < self.fleet.p
+        preempted = self.fleet.preempts(self.rng)
         a.local_fraction = self._local_fraction(a.host)
         self.trace.append(
             Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted, a.local_fraction)
@@ -382,12 +188,7 @@ class _Simulation:
         transfers = 2 + (key not in self.caches[a.host])
         self.caches[a.host].add(key)
         t = self.spec["training"]
-        work = (
-            self.fleet.workunit_seconds
-            if self.fleet.workunit_seconds is not None
-            else self.fleet.example_seconds * size * t["local_epochs"]
-        )
-        a.train_seconds = work * a.local_fraction / self.speeds[a.host]
+        a.train_seconds = self.fleet.work_seconds(size, t["local_epochs"]) * a.local_fraction / self.speeds[a.host]
         if self.compute:
             self._train(a, self.deals.of(key[0])[key[1]])
         else:
@@ -459,36 +260,3 @@ class _Simulation:
             job.merged_hosts,
             self.speeds.tolist(),
         )
-
-
-def print_table(result: SimResult) -> None:
-    """The run's main figures as a rich table on the terminal."""
-    s = result.summary()
-    table = Table(
-        title=f"{result.name}: {result.fleet.hosts} hosts x {result.fleet.slots} slots, "
-        f"rule {result.rule}, p={result.fleet.p}"
-    )
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key in (
-        "outcome",
-        "epochs",
-        "merges",
-        "examples",
-        "sim_seconds",
-        "real_seconds",
-        "final_accuracy",
-        "best_accuracy",
-        "dispatched",
-        "preemptions",
-        "timeouts",
-        "late_results",
-        "failed_workunits",
-        "upload",
-        "upload_bytes",
-        "mean_local_fraction",
-    ):
-        table.add_row(key, str(s[key]))
-    table.add_row("refusals", ", ".join(f"{k}: {v}" for k, v in s["refusals"].items()) or "0")
-    table.add_row("staleness", " ".join(f"{k} {v}" for k, v in s["staleness"].items()))
-    Console().print(table)

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from crowdtrain.cli import app
-from crowdtrain.sim.training import Fleet, ShardDeals, expected_wall_time, paper_wall_time, simulate_training
+from crowdtrain.sim.hosts import Fleet, expected_wall_time, paper_wall_time
+from crowdtrain.sim.training import ShardDeals, simulate_training
 from crowdtrain.workgen.datasets import Dataset, deal_shards, make_dataset
 
 

@@ -1,0 +1,97 @@
+"""The simulated hosts of the training simulator (crowdtrain.sim.training): how many there are, their
+task slots, speeds and network, how they are preempted, and the wall time that model predicts.
+
+Timing model. Host i has a speed factor s_i ~ lognormal(0, speed_sigma), seeded, the factors
+scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment takes a transfer for
+the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
+or else `example_seconds` x shard examples x local_epochs) times the assignment's local fraction
+(1 unless `training.dynamic_local_work`) divided by s_i, and a transfer for the upload; each
+transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot
+gets work the moment some is ready (no polling delay).
+
+Preemption: each assignment is preempted with probability `p`, drawn at dispatch. It vanishes
+without a result; the scheduler notices at its deadline (`timeout` t_o after dispatch) and the
+workunit is ready again (or failed after max_errors). The preempted slot comes back
+`restart_seconds` after dispatch; by default t_o, the VC-ASGD paper's model, in which a slot
+loses t_o per preemption. A result that arrives after its deadline is refused, as the scheduler
+refuses the upload of a timed-out assignment.
+
+Wall-time model of the VC-ASGD paper (Atre et al.; DESIGN.md section 4): with n rounds of work per
+slot, task time t_e, timeout t_o and preemption probability p, a run takes about n*t_e + n*p*t_o
+(`paper_wall_time`). We read n as the workunits done per slot: n = epochs x shards / (hosts x
+slots), work spread evenly; t_e is one workunit's time on a slot, transfers included. The formula
+counts one timeout per workunit preempted; with independent preemptions a re-run may be preempted
+again, and the exact expectation in this model is n*t_e + n*p/(1-p)*t_o (`expected_wall_time`):
+for p = 0.2 that is 4.8% above the paper's figure when t_o = 1.2 t_e and 9.4% when t_o = 3 t_e.
+Epoch boundaries add idle time when an epoch's last workunits straggle (a few % at p = 0.2 with 4
+workunits per slot and epoch). tests/crowdtrain/sim/test_training.py measures both.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def paper_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
+    """The VC-ASGD paper's wall time n*t_e + n*p*t_o (n workunits per slot)."""
+    return n * t_e + n * p * t_o
+
+
+def expected_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
+    """The expectation in this simulator's model, re-runs preempted again included: n*t_e + n*p/(1-p)*t_o."""
+    return n * t_e + n * p / (1 - p) * t_o
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The simulated hosts and their network; see the module docstring for the timing model."""
+
+    hosts: int = 8
+    slots: int = 1
+    p: float = 0.0
+    timeout: float | None = None  # t_o; None: the spec's scheduling.deadline_seconds
+    network_seconds: float = 0.0
+    speed_sigma: float = 0.5
+    example_seconds: float = 1e-3
+    workunit_seconds: float | None = None
+    restart_seconds: float | None = None  # None: t_o
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.p < 1:
+            raise ValueError(f"p (preemption probability) must lie in [0, 1), got {self.p}")
+        for name in (
+            "timeout",
+            "network_seconds",
+            "speed_sigma",
+            "example_seconds",
+            "workunit_seconds",
+            "restart_seconds",
+        ):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and np.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.timeout == 0:
+            raise ValueError("timeout must be > 0")
+
+    def speeds(self, rng: np.random.Generator) -> np.ndarray:
+        """Each host's speed factor s_i, drawn from `rng`."""
+        # Scaled to mean 1: N hosts have N times the throughput of one speed-1 host, whatever the draw,
+        # so a speedup over one slot measures the protocol, not the luck of the draw.
+        speeds = rng.lognormal(0.0, self.speed_sigma, self.hosts)
+        return speeds / speeds.mean()
+
+    def preempts(self, rng: np.random.Generator) -> bool:
+        """Whether an assignment is preempted, drawn at its dispatch (nothing is drawn when p is 0)."""
+        return bool(self.p) and rng.random() < self.p
+
+    def work_seconds(self, examples: int, local_epochs: int) -> float:
+        """A workunit's compute time on a speed-1 host at local fraction 1: `workunit_seconds`, or else
+        `example_seconds` x its examples x local_epochs."""
+        return (
+            self.workunit_seconds
+            if self.workunit_seconds is not None
+            else self.example_seconds * examples * local_epochs
+        )

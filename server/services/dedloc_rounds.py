@@ -1,0 +1,261 @@
+"""Service layer of the DeDLOC mode, a round's bookkeeping: what a peer's progress report does and
+what it is told to do next, a member's outcome of its reduction, the torch.distributed Store of its
+all-reduce group, and the parts of a round and their total. The job's side (opening, joining,
+states) is in crowdtrain.server.services.dedloc_jobs, the round's phases themselves in
+crowdtrain.server.services.dedloc; the routes only move data in and out."""
+
+import base64
+import time
+from typing import Any, cast
+
+import numpy as np
+import redis
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import dedloc as math
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.refusals import RefusalKind
+from crowdtrain.core.schemas_dedloc import (
+    Outcome,
+    PeerAction,
+    Progress,
+    ProgressReply,
+    RoundPlanOut,
+    StoreOp,
+    StoreReply,
+)
+from crowdtrain.core.tensors import decode, encode
+from crowdtrain.server.ledger.models import Job
+from crowdtrain.server.services import dedloc
+from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
+from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
+
+
+def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
+    group = dedloc.group_of(rnd, peer_id)
+    members = rnd.groups[group] if group is not None else []
+    return RoundPlanOut(
+        step=rnd.step,
+        attempt=rnd.attempt,
+        members=rnd.members,
+        examples=rnd.examples,
+        total=rnd.total,
+        relayed=group is None,
+        group=group,
+        group_members=members,
+        rank=members.index(peer_id) if group is not None else None,
+        needs_combining=rnd.plan.needs_combining,
+        parts=rnd.plan.parts,
+        averaging_timeout=spec.averaging_timeout,
+    )
+
+
+def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress) -> ProgressReply:
+    """A peer's report of its accumulated examples; the answer says what it does next."""
+    view = job_view(db, job_id)
+    with dedloc.lock(r, job_id):
+        try:
+            dedloc.touch(r, job_id, req.peer_id, host_id)
+        except NotAMember as exc:
+            raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
+        rnd = dedloc.load(r, job_id)
+        if rnd is None:
+            raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared")
+        if req.params_digest and req.step >= 0:
+            r.hset(keys.dedloc_digests(job_id, req.step), req.peer_id, req.params_digest)
+            r.expire(keys.dedloc_digests(job_id, req.step), 24 * 3600)
+        reply = _next_action(r, view, rnd, req)
+        dedloc.save(r, job_id, rnd)
+    return reply
+
+
+def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> ProgressReply:
+    def answer(action: PeerAction, **kw: Any) -> ProgressReply:
+        return ProgressReply(action=action, step=rnd.step, state_step=rnd.state_step, **kw)
+
+    # A committed step is applied by each of its members, even when it was the job's last.
+    if 0 <= req.step < rnd.step and req.attempt is not None:
+        commit = dedloc.commit_of(r, view.id, req.step)
+        if commit and commit["attempt"] == req.attempt and req.peer_id in commit["members"]:
+            last = req.step + 1 >= view.max_steps  # every member uploads the final state: it ends the job
+            return answer(PeerAction.apply, upload_state=last or commit["uploader"] == req.peer_id)
+    if rnd.finished or not view.running:
+        return answer(PeerAction.stop, message="the job has finished")
+    if req.step != rnd.step:
+        return answer(PeerAction.resync, message=f"the collaboration is at step {rnd.step}")
+    dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
+    if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
+        r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
+        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
+    if rnd.phase == "matchmaking" and req.examples > 0:
+        if req.peer_id not in rnd.candidates:
+            rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
+        rnd.ready[req.peer_id] = req.examples
+        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
+    if rnd.phase == "reducing" and req.peer_id in rnd.members:
+        if req.peer_id in rnd.done:
+            return answer(PeerAction.wait)
+        return answer(PeerAction.reduce, round=_plan_for(rnd, req.peer_id, view.spec))
+    if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
+        return answer(PeerAction.matchmaking)
+    live = dedloc.live_peers(r, view.id, view.spec)
+    reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
+    return answer(
+        PeerAction.accumulate,
+        accumulated=sum(int(v) for k, v in reported.items() if keys.text(k) in live),
+        peers=max(1, len(live)),
+    )
+
+
+def report(
+    db: sessionmaker[Session],
+    r: redis.Redis,
+    job_id: int,
+    host_id: int,
+    step: int,
+    attempt: int,
+    peer_id: str,
+    ok: bool,
+    result_digest: str,
+    message: str,
+) -> Outcome:
+    """A member's outcome of its reduction: done (with the digest of its result) or failed."""
+    view = job_view(db, job_id)
+    with dedloc.lock(r, job_id):
+        try:
+            dedloc.touch(r, job_id, peer_id, host_id)
+        except NotAMember as exc:
+            raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
+        rnd = joined_round(r, job_id)
+        try:
+            if ok:
+                commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
+            else:
+                dedloc.check_member(rnd, peer_id, step, attempt)
+                dedloc.abort(r, job_id, rnd, view.spec, f"{peer_id} failed: {message}")
+                commit = None
+        except RoundGone as exc:
+            raise DedlocProblem(RefusalKind.conflict, str(exc)) from None
+        except NotAMember as exc:
+            raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
+        dedloc.save(r, job_id, rnd)
+    if commit is not None:
+        with db.begin() as s:
+            job = s.get_one(Job, job_id)
+            job.param_version = max(job.param_version, step + 1)
+        return Outcome.committed
+    return Outcome.recorded if ok else Outcome.aborted
+
+
+def _running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
+    try:
+        dedloc.touch(r, job_id, peer_id, host_id)
+        rnd = joined_round(r, job_id)
+        dedloc.check_member(rnd, peer_id, step, attempt)
+        return rnd
+    except RoundGone as exc:
+        raise DedlocProblem(RefusalKind.conflict, str(exc)) from None
+    except NotAMember as exc:
+        raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
+
+
+def _b64(v: bytes | None) -> str | None:
+    return None if v is None else base64.b64encode(v).decode()
+
+
+def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int, op: str, req: StoreOp) -> StoreReply:
+    """One call of the torch.distributed Store of the caller's all-reduce group in (step, attempt).
+
+    Keys live under a prefix per job, step, attempt and group, expire after an hour, and can be
+    touched only by that group's members while the attempt runs.
+    """
+    rnd = _running_member(r, job_id, host_id, req.peer_id, step, attempt)
+    group = dedloc.group_of(rnd, req.peer_id)
+    if group is None:
+        raise DedlocProblem(RefusalKind.forbidden, f"peer {req.peer_id} is relayed: it has no all-reduce group")
+    prefix = keys.dedloc_store(job_id, step, attempt, group)
+    value = None if req.value is None else base64.b64decode(req.value)
+    if op == "set":
+        r.set(prefix + req.key, value or b"", ex=dedloc.ARTIFACT_TTL)
+        return StoreReply()
+    if op == "get":
+        got = _wait_for(lambda: r.get(prefix + req.key), req.wait)
+        return StoreReply(value=_b64(got), found=got is not None)
+    if op == "add":
+        n = r.incrby(prefix + req.key, req.amount)
+        r.expire(prefix + req.key, dedloc.ARTIFACT_TTL)
+        return StoreReply(number=n)
+    if op == "check":
+        found = _wait_for(lambda: all(r.exists(prefix + k) for k in req.keys) or None, req.wait)
+        return StoreReply(found=bool(found))
+    if op == "compare_set":
+        expected = None if req.expected is None else base64.b64decode(req.expected)
+        with r.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(prefix + req.key)
+                    # redis-py types replies `bytes | str`; ours are bytes (no `decode_responses`).
+                    current = cast(bytes | None, pipe.get(prefix + req.key))
+                    pipe.multi()
+                    if (current is None and not expected) or current == expected:
+                        pipe.set(prefix + req.key, value or b"", ex=dedloc.ARTIFACT_TTL)
+                        pipe.execute()
+                        return StoreReply(value=_b64(value or b""))
+                    pipe.reset()
+                    return StoreReply(value=_b64(current if current is not None else expected))
+                except redis.WatchError:
+                    continue
+    if op == "delete":
+        return StoreReply(found=bool(r.delete(prefix + req.key)))
+    raise DedlocProblem(RefusalKind.not_found, f"unknown store operation {op!r}")
+
+
+def _wait_for(fetch, seconds: float):
+    end = time.monotonic() + seconds
+    while True:
+        got = fetch()
+        if got is not None or time.monotonic() >= end:
+            return got
+        time.sleep(0.005)
+
+
+def put_part(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, body: bytes
+) -> Outcome:
+    """A group's sum (from its rank 0) or a relayed member's weighted gradient. When every part of
+    the round is in, their sum is computed once, in the plan's order, for every member to download."""
+    rnd = _running_member(r, job_id, host_id, peer_id, step, attempt)
+    group = dedloc.group_of(rnd, peer_id)
+    mine = f"relay-{peer_id}" if group is None else f"group-{group}"
+    if part != mine or (group is not None and rnd.groups[group][0] != peer_id):
+        raise DedlocProblem(
+            RefusalKind.forbidden,
+            f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, uploaded by the group's rank 0)",
+        )
+    try:
+        tensors = decode(body)
+    except ValueError as exc:
+        raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
+    if set(tensors) != {"g"} or tensors["g"].dtype != np.float32 or tensors["g"].ndim != 1:
+        raise DedlocProblem(RefusalKind.malformed, "a part is one 1-D float32 tensor named 'g'")
+    r.set(keys.dedloc_part(job_id, step, attempt, part), body, ex=dedloc.ARTIFACT_TTL)
+    with dedloc.lock(r, job_id):
+        names = [keys.dedloc_part(job_id, step, attempt, p) for p in rnd.plan.parts]
+        blobs = [b for b in r.mget(names) if isinstance(b, bytes)]  # a missing part is None
+        if len(blobs) == len(names) and not r.exists(keys.dedloc_total(job_id, step, attempt)):
+            parts = [decode(b) for b in blobs]
+            if len({p["g"].shape for p in parts}) != 1:
+                raise DedlocProblem(RefusalKind.malformed, "parts of this round differ in size")
+            total = math.combine_parts(parts)
+            r.set(keys.dedloc_total(job_id, step, attempt), encode(total), ex=dedloc.ARTIFACT_TTL)
+            return Outcome.combined
+    return Outcome.stored
+
+
+def get_total(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, wait: float
+) -> bytes | None:
+    """The round's combined sum, or None if not every part is in yet (after up to `wait` seconds)."""
+    _running_member(r, job_id, host_id, peer_id, step, attempt)
+    return _wait_for(lambda: r.get(keys.dedloc_total(job_id, step, attempt)), wait)
