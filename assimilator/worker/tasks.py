@@ -9,7 +9,10 @@ unreachable) runs the task again, with backoff; any other failure the merge itse
 import logging
 from functools import lru_cache
 
-from crowdtrain.assimilator import merge
+# A parameter server evaluates W_s after its merges: the PyTorch back-end of evaluation (and torch)
+# is imported here, once, before the worker forks its processes, not by each of them on its first
+# evaluation as a process that seldom evaluates (a scheduler worker) does.
+from crowdtrain.assimilator import logits_pytorch, merge  # noqa: F401
 from crowdtrain.assimilator.worker.celery_app import ASSIMILATE_TASK, celery_app
 from crowdtrain.core.settings import get_settings
 

@@ -21,7 +21,9 @@ app = typer.Typer(
 LoadServerOpt = Annotated[str | None, typer.Option(help="Scheduler URL", show_default=False)]
 LoadTokenOpt = Annotated[str | None, typer.Option(help="Join token", show_default=False)]
 LoadHostsOpt = Annotated[int, typer.Option(min=1, help="Simulated hosts")]
-DurationOpt = Annotated[float, typer.Option(help="Seconds to run at most")]
+DurationOpt = Annotated[
+    float, typer.Option(help="Seconds to run at most (SIGTERM or Ctrl-C ends it sooner, with the figures)")
+]
 UntilIdleOpt = Annotated[float | None, typer.Option(help="Stop once no work was handed out for this long")]
 ConnectionsOpt = Annotated[int, typer.Option(min=1, help="HTTP connections shared by the hosts")]
 

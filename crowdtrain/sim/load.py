@@ -6,6 +6,7 @@ right names, shapes and dtypes, so every upload goes through the whole validate-
 """
 
 import asyncio
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -50,10 +51,15 @@ class _Simulation:
         self.snapshots: dict[str, bytes] = {}
         self.last_dispatch = time.monotonic()
         self.deadline = 0.0
+        self.stopped = False
 
     def done(self) -> bool:
         now = time.monotonic()
-        return now > self.deadline or (self.until_idle is not None and now - self.last_dispatch > self.until_idle)
+        return (
+            self.stopped
+            or now > self.deadline
+            or (self.until_idle is not None and now - self.last_dispatch > self.until_idle)
+        )
 
     async def request(self, http: httpx.AsyncClient, method: str, url: str, **kw) -> httpx.Response:
         self.stats.requests += 1
@@ -110,7 +116,15 @@ class _Simulation:
                 self.stats.transport_errors[name] = self.stats.transport_errors.get(name, 0) + 1
                 await asyncio.sleep(0.5)
 
+    def stop(self) -> None:
+        """End the run early: each host finishes the request or upload it is in, then stops."""
+        self.stopped = True
+
     async def run(self, connections: int) -> SimulationStats:
+        # SIGTERM or Ctrl-C ends the run as its duration would: the figures so far are still reported.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         async with httpx.AsyncClient(base_url=self.server, limits=limits, timeout=300) as http:
             auths = await asyncio.gather(*(self.register(http, i) for i in range(self.stats.hosts)))
@@ -126,5 +140,6 @@ class _Simulation:
 def simulate(
     server: str, join_token: str, hosts: int, duration: float, until_idle: float | None = None, connections: int = 100
 ) -> SimulationStats:
-    """Run `hosts` simulated hosts for `duration` seconds (or until no work was handed out for `until_idle`)."""
+    """Run `hosts` simulated hosts for `duration` seconds (or until no work was handed out for `until_idle`,
+    or until SIGTERM or SIGINT)."""
     return asyncio.run(_Simulation(server, join_token, hosts, duration, until_idle).run(connections))
