@@ -5,6 +5,9 @@ a job stuck or silently wrong (NaN inputs, labels the model has no logit for, va
 that disagree with the training ones) raises ValueError naming the array and the problem.
 """
 
+import importlib.metadata
+import os
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from itertools import pairwise
@@ -108,15 +111,46 @@ def make_dataset(
     return data
 
 
+def data_cache_dir() -> Path:
+    """Where generated datasets are kept between processes: $XDG_CACHE_HOME/crowdtrain (by default
+    ~/.cache/crowdtrain), or $CROWDTRAIN_DATA_CACHE."""
+    if os.environ.get("CROWDTRAIN_DATA_CACHE"):
+        return Path(os.environ["CROWDTRAIN_DATA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crowdtrain"
+
+
 def _mnist1d() -> Dataset:
-    """4,000 train / 1,000 test examples, generated deterministically by the mnist1d package."""
+    """4,000 train / 1,000 test examples, generated deterministically by the mnist1d package.
+
+    Generating them takes seconds of CPU, and every submission of a job on them needs them: the
+    arrays are kept in the data cache folder (an npz named by the package's version), written
+    atomically, and generated again if that file is missing or unreadable. Where the folder cannot
+    be written, they are generated each time."""
+    cached = data_cache_dir() / f"mnist1d-{importlib.metadata.version('mnist1d')}.npz"
+    try:
+        with np.load(cached, allow_pickle=False) as f:
+            return Dataset(f["x"], f["y"], f["x_val"], f["y_val"])
+    except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile):
+        pass
     from mnist1d.data import get_dataset_args
     from mnist1d.data import make_dataset as make_mnist1d
 
     d = make_mnist1d(get_dataset_args())
-    return Dataset(
+    data = Dataset(
         d["x"].astype(np.float32), d["y"].astype(np.int64), d["x_test"].astype(np.float32), d["y_test"].astype(np.int64)
     )
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cached.parent, suffix=".npz", delete=False) as tmp:
+            try:
+                np.savez(tmp, x=data.x, y=data.y, x_val=data.x_val, y_val=data.y_val)
+            except BaseException:
+                os.unlink(tmp.name)
+                raise
+        os.replace(tmp.name, cached)
+    except OSError:
+        pass  # no cache: the next submission generates them again
+    return data
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:

@@ -141,3 +141,29 @@ def test_a_deal_is_a_function_of_seed_and_epoch(how: str) -> None:
 def test_an_unknown_shuffle_is_refused() -> None:
     with pytest.raises(ValueError, match="dataset.shuffle: 'sorted' is not one of"):
         deal_shards(SORTED_Y, 4, "sorted", seed=0)
+
+
+def test_the_builtin_dataset_is_generated_once_then_read_from_the_data_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CROWDTRAIN_DATA_CACHE", str(tmp_path))
+    first = load_dataset("builtin:mnist1d")
+    (cached,) = tmp_path.glob("mnist1d-*.npz")
+
+    def regenerate(*args, **kwargs):
+        raise AssertionError("generated again despite the cache")
+
+    monkeypatch.setattr("mnist1d.data.make_dataset", regenerate)
+    again = load_dataset("builtin:mnist1d")
+    for name in ("x", "y", "x_val", "y_val"):
+        assert np.array_equal(getattr(first, name), getattr(again, name))
+        assert getattr(first, name).dtype == getattr(again, name).dtype
+    assert cached.is_file() and list(tmp_path.iterdir()) == [cached]
+
+
+def test_an_unreadable_data_cache_file_is_generated_again(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CROWDTRAIN_DATA_CACHE", str(tmp_path))
+    fresh = load_dataset("builtin:mnist1d")
+    (cached,) = tmp_path.glob("mnist1d-*.npz")
+    cached.write_bytes(b"not an npz")
+    again = load_dataset("builtin:mnist1d")
+    assert np.array_equal(fresh.x, again.x) and np.array_equal(fresh.y_val, again.y_val)
+    assert np.load(cached)["x"].shape == fresh.x.shape
