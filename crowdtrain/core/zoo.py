@@ -134,8 +134,10 @@ def check_model(
     are at most `max_bytes` and that the model maps a batch of `input_shape` examples to
     `num_classes` logits; raises ValueError naming the problem.
 
-    Built on PyTorch's meta device: shapes without memory, so a model of a terabyte is refused
-    without allocating it, and the forward pass computes nothing.
+    The size is read off a model built on PyTorch's meta device (shapes without memory), so a model
+    of a terabyte is refused without allocating it. Only a model within `max_bytes` is then built
+    for real and given a batch of two zero examples: a forward pass on the meta device would compute
+    nothing, but its first use in a process costs seconds of CPU, which every submission would pay.
     """
     try:
         with torch.device("meta"):
@@ -151,7 +153,8 @@ def check_model(
             f"the scheduler accepts in one upload ({max_bytes:,} bytes, upload_max_bytes)"
         )
     try:
-        out = model(torch.zeros((2, *input_shape), device="meta"))
+        with torch.inference_mode():
+            out = build_model(name, input_shape, num_classes, **options)(torch.zeros((2, *input_shape)))
     except Exception as exc:
         raise ValueError(
             f"model: {name!r} with options {options} cannot take the dataset's examples shaped "
