@@ -23,9 +23,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m crowdtrain demo
 
-# Tests run on $(TEST_WORKERS) xdist workers, each taking the next test as it frees up; a test marked
-# `serial` runs with no other beside it (tests/conftest.py). TEST_WORKERS=0 runs them in one process.
-TEST_WORKERS ?= 2
+# Tests run on $(TEST_WORKERS) xdist workers, each taking the next test as it frees up: most tests wait on
+# the processes they start, so more workers than cores pay. A test marked `serial` runs with no other
+# beside it (tests/conftest.py). TEST_WORKERS=0 runs them all in one process.
+TEST_WORKERS ?= 4
 
 test: $(STAMP)
 	$(PY) -m pytest -ra -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
