@@ -15,6 +15,7 @@ from crowdtrain.core.jobspec import JobSpec
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
+from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import load_dataset
 from crowdtrain.workgen.generator import initial_parameters
 from efficiency_report import (
@@ -199,38 +200,26 @@ def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, bas
 # ---------------------------------------------------------------- the simulator
 
 
-class SimulatorUnavailable(Exception):
-    pass
-
-
 _sim_data: dict[str, object] = {}  # dataset source -> Dataset, loaded once for every simulation
 
 
 def simulate(spec: dict, slots: int, seed: int, args) -> tuple[list[tuple[int, float, float]], int]:
     """The simulator's curve for `spec` at `slots` slots, (examples, accuracy, simulated seconds)
-    per validation of W_s, and its merges. The one adapter to crowdtrain.sim.training; raises SimulatorUnavailable
-    while it is missing or its interface differs from the one used here."""
-    try:
-        from crowdtrain.sim.training import simulate_training  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise SimulatorUnavailable(f"crowdtrain.sim.training: {exc}") from None
+    per validation of W_s, and its merges: the one adapter to crowdtrain.sim.training."""
     source = spec["dataset"]["source"]
     if source not in _sim_data:
         _sim_data[source] = load_dataset(source, spec["dataset"]["validation_fraction"], spec["dataset"]["classes"])
     per_host = min(slots, args.sim_slots_per_host)
-    try:
-        out = simulate_training(
-            spec,
-            hosts=math.ceil(slots / per_host),
-            slots=per_host,
-            p=args.sim_p,
-            network_seconds=args.sim_network_seconds,
-            seed=seed,
-            data=_sim_data[source],
-        )
-        return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics], int(out.merges)
-    except (TypeError, AttributeError) as exc:
-        raise SimulatorUnavailable(f"simulate_training's interface: {exc}") from None
+    out = simulate_training(
+        spec,
+        hosts=math.ceil(slots / per_host),
+        slots=per_host,
+        p=args.sim_p,
+        network_seconds=args.sim_network_seconds,
+        seed=seed,
+        data=_sim_data[source],
+    )
+    return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics], int(out.merges)
 
 
 _one_slot: dict[tuple, list] = {}
@@ -244,14 +233,11 @@ def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args
     reason = unsupported_reason(spec)
     if reason:
         return row | {"status": "unsupported", "note": reason}
-    try:
-        curve, merges = simulate(spec, slots, seed, args)
-        key = (task.name, rule, seed)
-        if key not in _one_slot:  # the speedup's reference, shared by every slot count
-            _one_slot[key] = curve if slots == 1 else simulate(spec, 1, seed, args)[0]
-        one = _one_slot[key]
-    except SimulatorUnavailable as exc:
-        return row | {"status": "unavailable", "note": str(exc)}
+    curve, merges = simulate(spec, slots, seed, args)
+    key = (task.name, rule, seed)
+    if key not in _one_slot:  # the speedup's reference, shared by every slot count
+        _one_slot[key] = curve if slots == 1 else simulate(spec, 1, seed, args)[0]
+    one = _one_slot[key]
     t_slots, t_one = _seconds_to_target(curve, task.target), _seconds_to_target(one, task.target)
     row |= compare_to_baseline([(e, a) for e, a, _ in curve], task, base)
     row |= {

@@ -21,8 +21,7 @@ How
     Per-merge validation accuracy (table `metrics`) is paired with the examples of the results
     merged so far (`assignments.examples` of merged assignments with `merged_version` <= the
     metric's version). Upload sizes come from the scheduler's "result uploaded (N bytes" log lines.
-    Simulator: `crowdtrain.sim.training.simulate_training` (see `simulate` in efficiency_runs.py, the
-    one adapter to change when its interface settles); reported "unavailable" while it does not exist.
+    Simulator: `crowdtrain.sim.training.simulate_training`, through `simulate` in efficiency_runs.py.
     Tasks: `mnist1d` (examples/mnist1d-cnn.yaml) and `tabular`, a 5-class nonlinear Gaussian-
     mixture task generated in efficiency_tasks.py (`tabular_arrays`) and trained with an MLP.
     Rules: `RULE_CONFIGS` (efficiency_tasks.py), named assimilation sections; `default` is the
