@@ -24,10 +24,9 @@ from typing import Protocol
 
 import numpy as np
 
-from crowdtrain.core.frameworks import Framework, installed
+from crowdtrain.core.frameworks import FRAMEWORKS, Framework, installed
 from crowdtrain.core.tensors import Params
 
-FRAMEWORKS = ("pytorch", "tensorflow")
 # The trainer module of each framework, imported only when it trains: each imports its framework.
 TRAINERS = {"pytorch": "crowdtrain.client.trainers.pytorch", "tensorflow": "crowdtrain.client.trainers.tensorflow"}
 
