@@ -38,7 +38,7 @@ def write_csv(path: Path, columns: dict[str, list]) -> Path:
 
 def stage(tmp_path: Path, source: str, storage: LocalStorage | None = None, **fields) -> StagedDataset:
     scratch = tmp_path / "scratch"
-    scratch.mkdir(exist_ok=True)
+    scratch.mkdir(parents=True, exist_ok=True)
     spec = DatasetSpec(source=source, **({"subsets": 3} | fields))
     return stage_dataset(spec, 0, storage or LocalStorage(tmp_path / "storage"), scratch, 10**9)
 

@@ -112,7 +112,7 @@ def test_a_job_trains_on_an_uploaded_table_and_records_its_label_order(sched: Sc
     with sched.db.begin() as s:
         job = s.get_one(Job, resp.json()["job_id"])
         assert job.spec["dataset"]["label_names"] == ["cat", "dog"]
-        assert job.model_config["input_shape"] == [2]
+        assert job.model_config_["input_shape"] == [2]
 
 
 def test_a_job_naming_a_dataset_never_uploaded_is_refused(sched: Scheduler) -> None:
