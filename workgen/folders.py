@@ -143,7 +143,8 @@ def read_image_folder(path: Path, spec: DatasetSpec) -> FolderArrays:
     unknown = sorted(set(folders) - set(names))
     if unknown:
         raise ValueError(f"dataset.source: sub-folders {unknown[:10]} are not among dataset.label_names")
-    images, labels = [], []
+    images: list[np.ndarray] = []
+    labels: list[int] = []
     for index, name in enumerate(names):
         folder = path / name
         files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if folder.is_dir() else []

@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import BinaryIO
+from typing import IO
 
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -135,7 +135,7 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def receive_to_file(request: Request, file: BinaryIO, limit: int) -> tuple[str, int]:
+async def receive_to_file(request: Request, file: IO[bytes], limit: int) -> tuple[str, int]:
     """Stream the request body into `file`, at most `limit` bytes (413 beyond: the declared length
     first, then while streaming), never holding more than one chunk. Returns its sha256 and size."""
     declared = request.headers.get("content-length")
