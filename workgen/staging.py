@@ -82,6 +82,13 @@ def stage_dataset(spec: DatasetSpec, seed: int, storage: Storage, scratch: Path,
 
     `scratch` is an empty folder that must outlive the StagedDataset (tables' shards are files
     there); `max_bytes` bounds an unpacked upload. Nothing is written to storage."""
+    try:
+        return _stage(spec, seed, storage, scratch, max_bytes)
+    except OSError as exc:  # a path the scheduler may not read, a folder that changed while read
+        raise ValueError(f"dataset.source: cannot be read on the scheduler: {exc.strerror or exc}") from None
+
+
+def _stage(spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int) -> StagedDataset:
     if spec.format in ("builtin", "npz") and spec.uploaded_sha256 is None:
         data = load_dataset(spec.source, spec.validation_fraction, spec.classes)
         return _in_memory(data, deal_shards(data.y, spec.subsets, spec.shuffle, seed), spec.label_names)
