@@ -21,7 +21,7 @@ from crowdtrain.workgen.optional import require
 
 BATCH_ROWS = 65_536  # parquet rows per batch
 CSV_BLOCK_BYTES = 4 * 1024 * 1024  # csv bytes per batch; a longer row is refused
-MAX_ROWS = 50_000_000  # the first pass holds 8 bytes of label (and 12 of bookkeeping) per row
+MAX_ROWS = 50_000_000  # labels and dealing take on the order of 100 bytes per row, whatever the features
 MAX_FEATURES = 100_000
 
 
