@@ -1,4 +1,5 @@
-"""Training datasets a job can name: `builtin:mnist1d` (generated locally) and `npz:PATH`.
+"""Training datasets held in memory: `builtin:mnist1d` (generated locally) and `npz:PATH`, and the
+checks and label encoding every source shares (crowdtrain.workgen.staging picks the source).
 
 Every dataset is checked before a job is made of it (`make_dataset`): a problem that would leave
 a job stuck or silently wrong (NaN inputs, labels the model has no logit for, validation arrays
@@ -59,7 +60,7 @@ def _check_finite(x: np.ndarray, name: str) -> None:
         )
 
 
-def _check_labels(y: np.ndarray, y_val: np.ndarray, classes: int | None) -> None:
+def check_labels(y: np.ndarray, y_val: np.ndarray, classes: int | None) -> None:
     lowest = min(int(y.min()), int(y_val.min()))
     if lowest < 0:
         name = "y" if int(y.min()) < 0 else "y_val"
@@ -101,7 +102,7 @@ def make_dataset(
     _check_shapes(x_val, y_val, "x_val", "y_val")
     if x_val.shape[1:] != x.shape[1:]:
         raise ValueError(f"dataset x_val: examples are shaped {x_val.shape[1:]}, but x's are {x.shape[1:]}")
-    _check_labels(y, y_val, classes)
+    check_labels(y, y_val, classes)
     with np.errstate(over="ignore"):  # values beyond float32 become inf, refused just below
         data = Dataset(
             x.astype(np.float32), y.astype(np.int64), x_val.astype(np.float32), y_val.astype(np.int64), classes
@@ -117,6 +118,42 @@ def data_cache_dir() -> Path:
     if os.environ.get("CROWDTRAIN_DATA_CACHE"):
         return Path(os.environ["CROWDTRAIN_DATA_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crowdtrain"
+
+
+# A SeedSequence word kept apart from deal_shards' epochs, so the validation pick is its own stream.
+VALIDATION_STREAM = 2**32 + 7
+
+
+def encode_labels(values: np.ndarray, label_names: list[str] | None) -> tuple[np.ndarray, list[str] | None]:
+    """Class indices of `values` and the class names in index order (None for integer labels
+    without `label_names`). String labels become their index in `label_names`, default the names
+    sorted: a stable order, the same whatever order the rows come in. Raises ValueError for a
+    label outside `label_names` or labels that are neither integers nor strings."""
+    values = np.asarray(values)
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64), label_names
+    if values.dtype.kind not in "UO" or not all(isinstance(v, str) for v in values[:1000].tolist()):
+        raise ValueError(f"dataset labels: must be integers or strings, they are {values.dtype}")
+    found, codes = np.unique(values.astype(str), return_inverse=True)
+    names = label_names or sorted(found.tolist())
+    order = {name: i for i, name in enumerate(names)}
+    unknown = [v for v in found.tolist() if v not in order]
+    if unknown:
+        raise ValueError(f"dataset labels: {unknown[:10]} are not among dataset.label_names")
+    return np.array([order[v] for v in found.tolist()], dtype=np.int64)[codes.reshape(-1)], names
+
+
+def validation_rows(n: int, fraction: float, seed: int) -> np.ndarray:
+    """A seeded random pick of `fraction` of `n` rows (at least one, leaving one), as a boolean mask:
+    the validation rows of a source without its own validation split. Deterministic in its
+    arguments; rows sorted by class (image folders, many tables) still validate on every class."""
+    n_val = max(1, int(n * fraction))
+    if n_val >= n:
+        raise ValueError(f"dataset: {n} examples leave none for training after validation_fraction {fraction}")
+    rng = np.random.default_rng([seed % 2**64, VALIDATION_STREAM])
+    mask = np.zeros(n, dtype=bool)
+    mask[rng.choice(n, n_val, replace=False)] = True
+    return mask
 
 
 def _mnist1d() -> Dataset:

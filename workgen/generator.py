@@ -3,7 +3,9 @@ releases its first epoch), and write the shards of epochs that re-deal their exa
 
 import importlib
 import logging
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -25,7 +27,8 @@ from crowdtrain.core.tensors import (
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
 from crowdtrain.server.ledger import jobs, paramstore
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.workgen.datasets import deal_shards, load_dataset
+from crowdtrain.workgen.datasets import deal_shards
+from crowdtrain.workgen.staging import StagedDataset, stage_dataset
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +45,38 @@ class PreparedJob:
 
 
 def submit_job(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, spec: JobSpec, upload_max_bytes: int
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    spec: JobSpec,
+    upload_max_bytes: int,
+    scratch: Path | None = None,
+    dataset_max_bytes: int = 4 * 1024**3,
 ) -> PreparedJob:
     """Create a job and its first epoch.
 
     A spec that could only give a stuck or silently wrong job (a bad dataset, a model that cannot
     take its examples or whose parameters exceed `upload_max_bytes`, the largest upload the
     scheduler accepts) raises ValueError naming the field and the problem, before anything is stored.
+    The dataset is dealt in a temporary folder under `scratch` (default: the system's), removed after;
+    `dataset_max_bytes` bounds an uploaded folder once unpacked.
     """
-    data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
-    dealt = deal_shards(data.y, spec.dataset.subsets, spec.dataset.shuffle, spec.seed)
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="dataset-", dir=scratch) as folder:
+        staged = stage_dataset(spec.dataset, spec.seed, storage, Path(folder), dataset_max_bytes)
+        return _create_job(db, storage, r, spec, staged, upload_max_bytes)
+
+
+def _create_job(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    spec: JobSpec,
+    data: StagedDataset,
+    upload_max_bytes: int,
+) -> PreparedJob:
+    """submit_job once the dataset is checked and dealt: the model checked, then everything stored."""
     model_config = {
         "name": spec.model.name,
         "framework": spec.framework,
@@ -68,14 +93,14 @@ def submit_job(
             f"model: its parameters take {len(initial):,} bytes, more than the scheduler accepts in "
             f"one upload ({upload_max_bytes:,} bytes, upload_max_bytes)"
         )
-
-    job_id = jobs.create_job(
-        db, spec.name, spec.mode, spec.model_dump(mode="json"), model_config, manifest_of(params), len(initial)
-    )
+    recorded = spec.model_dump(mode="json")
+    if data.label_names is not None:  # the order string labels were numbered in (DatasetSpec.label_names)
+        recorded["dataset"]["label_names"] = data.label_names
+    job_id = jobs.create_job(db, spec.name, spec.mode, recorded, model_config, manifest_of(params), len(initial))
     try:
         shard_rows = []
-        for index, picked in enumerate(dealt):
-            blob = encode_shard(data.x[picked], data.y[picked])
+        for index in range(len(data.shard_sizes)):
+            blob = encode_shard(*data.shard(index))
             key = keys.shard_key(job_id, 0, index)
             storage.put(key, blob)
             shard_rows.append(
@@ -86,10 +111,10 @@ def submit_job(
                     key=key,
                     sha256=sha256(blob),
                     size=len(blob),
-                    examples=len(picked),
+                    examples=data.shard_sizes[index],
                 )
             )
-        storage.put(keys.validation_key(job_id), encode_shard(data.x_val, data.y_val))
+        storage.put(keys.validation_key(job_id), encode_shard(*data.validation))
         storage.put(keys.snapshot_key(job_id, 0), initial)
         paramstore.initialise(r, job_id, params)
         paramstore.note_snapshot(r, job_id, 0, keep=1_000_000)
@@ -98,9 +123,14 @@ def submit_job(
         raise
     jobs.start_job(db, job_id, shard_rows, sha256(initial))
     log.info(
-        "job %s (%s, %s): %d shards, %d parameters, running", job_id, spec.name, spec.mode, len(dealt), n_parameters
+        "job %s (%s, %s): %d shards, %d parameters, running",
+        job_id,
+        spec.name,
+        spec.mode,
+        len(shard_rows),
+        n_parameters,
     )
-    return PreparedJob(job_id, len(dealt), n_parameters)
+    return PreparedJob(job_id, len(shard_rows), n_parameters)
 
 
 def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[Params, int]:

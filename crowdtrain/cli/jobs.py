@@ -9,7 +9,9 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from crowdtrain.cli.adminapi import ServerOpt, TokenOpt, admin_client, checked
+from crowdtrain.cli.datasets import upload_dataset
 from crowdtrain.cli.progress import status_table, watch
+from crowdtrain.core.datasetspec import FORMATS
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import JobStatusOut
 from crowdtrain.core.specfile import SpecFileError
@@ -22,12 +24,25 @@ app = typer.Typer(
 )
 
 
+UploadOpt = Annotated[
+    bool,
+    typer.Option(
+        "--upload/--no-upload",
+        help="Upload a dataset path found on this machine to the scheduler (skipped if it has the "
+        "bytes already); --no-upload sends the path for the scheduler to read on its own machine",
+    ),
+]
+
+
 @app.command("submit")
-def job_submit(spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+def job_submit(
+    spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None, upload: UploadOpt = True
+) -> None:
     """Submit a job spec (YAML or JSON); prints the new job's id.
 
-    A relative `npz:PATH` dataset is resolved against the spec file's folder and sent as an
-    absolute path, which the scheduler reads on its own machine."""
+    A dataset path (`FORMAT:PATH`, a relative one resolved against the spec file's folder) that
+    exists on this machine is uploaded to the scheduler and the job names it by its sha256; with
+    --no-upload, or if it does not exist here, the path is sent for the scheduler to read."""
     notes: list[str] = []
     try:
         parsed = load_job_spec(spec, notes)
@@ -40,8 +55,29 @@ def job_submit(spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_to
     for note in notes:
         typer.echo(note, err=True)
     with admin_client(server, admin_token) as http:
+        if upload and parsed.dataset.path is not None and Path(parsed.dataset.path).exists():
+            source = upload_dataset(http, parsed.dataset.format, Path(parsed.dataset.path))
+            parsed.dataset = parsed.dataset.model_copy(update={"source": source})
+        elif parsed.dataset.path is not None:
+            typer.echo(f"dataset.source: {parsed.dataset.path} is read by the scheduler on its own machine", err=True)
         created = checked(http.post("/v1/jobs", json=parsed.model_dump(mode="json")))
     typer.echo(json.dumps(created))
+
+
+@app.command("upload")
+def job_upload(
+    path: Path,
+    fmt: Annotated[str, typer.Option("--format", help=f"The dataset's format: {', '.join(FORMATS)}")],
+    server: ServerOpt = "http://127.0.0.1:8000",
+    admin_token: TokenOpt = None,
+) -> None:
+    """Upload a local dataset (a file, or a folder for hf and images) to the scheduler; prints the
+    `dataset.source` that names it (FORMAT:sha256:HEX) for a job spec."""
+    if fmt not in FORMATS:
+        typer.echo(f"error: --format must be one of {', '.join(FORMATS)}, got {fmt!r}", err=True)
+        raise typer.Exit(2)
+    with admin_client(server, admin_token) as http:
+        typer.echo(upload_dataset(http, fmt, path.expanduser().resolve()))
 
 
 @app.command("status")

@@ -321,8 +321,8 @@ def load_job_spec(path: Path, notes: list[str] | None = None) -> JobSpec:
     for a file that cannot be read or parsed: see crowdtrain.core.specfile for the bounds).
 
     `model.keras_file: PATH` (relative to the spec file) is read into `model.keras`. A relative
-    `dataset.source: npz:PATH` is resolved against the spec file's folder, since the scheduler
-    reads it on its own machine; that is said in `notes`.
+    `dataset.source: FORMAT:PATH` is resolved against the spec file's folder (`crowdtrain job
+    submit` then uploads it, or sends the path for the scheduler to read); that is said in `notes`.
     """
     path = Path(path)
     data = load_yaml(path)

@@ -136,6 +136,12 @@ def shard_key(job_id: int, epoch: int, index: int) -> str:
     return f"jobs/{job_id}/shards/e{epoch:05d}/{index:05d}.npz"
 
 
+def dataset_key(sha256: str) -> str:
+    """A dataset uploaded by an operator (a file, or a tar archive of a folder), named by the sha256 of
+    its bytes: jobs refer to it by that hash, and uploading the same bytes twice stores them once."""
+    return f"datasets/{sha256}"
+
+
 def validation_key(job_id: int) -> str:
     """The job's server-side validation split."""
     return f"jobs/{job_id}/validation.npz"

@@ -193,6 +193,13 @@ class ClientError(WireRequest):
     message: str = Field(..., max_length=1000)
 
 
+class DatasetStored(BaseModel):
+    """An uploaded dataset in the scheduler's object storage; jobs name it as `FORMAT:sha256:HEX`."""
+
+    sha256: Sha256
+    created: bool = Field(..., description="False when the scheduler already had these bytes (nothing was sent)")
+
+
 class JobCreated(BaseModel):
     job_id: int
     status: JobStatus

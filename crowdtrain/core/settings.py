@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     )
 
     upload_max_bytes: int = Field(64 * 1024 * 1024, description="Largest accepted result upload")
+    dataset_max_bytes: int = Field(
+        4 * 1024**3, ge=1024, description="Largest dataset an operator may upload (`crowdtrain job submit`)"
+    )
     work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")
     heartbeat_interval: float = Field(5.0, description="Seconds between client heartbeats")
     transitioner_interval: float = Field(1.0, description="Seconds between transitioner sweeps")

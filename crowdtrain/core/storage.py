@@ -4,6 +4,7 @@ Keys are '/'-separated relative paths such as `jobs/3/shards/0007.npz`.
 """
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +17,8 @@ class ObjectNotFound(KeyError):
 
 class Storage(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
+    def put_file(self, key: str, path: Path) -> None: ...
+    def get_file(self, key: str, path: Path) -> None: ...
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
@@ -52,6 +55,26 @@ class LocalStorage:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Store the file at `path` under `key` without holding it in memory; atomic like put."""
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Copy the object under `key` to `path` without holding it in memory."""
+        try:
+            shutil.copyfile(self._path(key), path)
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
 
     def get(self, key: str) -> bytes:
         try:
@@ -100,6 +123,18 @@ class S3Storage:
 
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload in parts (boto3's managed transfer); the object appears only once it is complete."""
+        self.client.upload_file(str(path), self.bucket, self._key(key))
+
+    def get_file(self, key: str, path: Path) -> None:
+        try:
+            self.client.download_file(self.bucket, self._key(key), str(path))
+        except self.client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                raise ObjectNotFound(key) from None
+            raise
 
     def get(self, key: str) -> bytes:
         try:

@@ -16,7 +16,7 @@ from crowdtrain.core import logs
 from crowdtrain.core.schemas import Health
 from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
-from crowdtrain.server.api.routes import admin, dedloc, files, hosts, jobs, metrics, work
+from crowdtrain.server.api.routes import admin, datasets, dedloc, files, hosts, jobs, metrics, work
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
     app.dependency_overrides[get_settings] = lambda: settings
-    for module in (hosts, work, files, jobs, admin, metrics):
+    for module in (hosts, work, files, jobs, datasets, admin, metrics):
         app.include_router(module.router)
     app.include_router(dedloc.router)
     app.include_router(dedloc.admin_router)

@@ -2,19 +2,23 @@
 
 - Every request body is bounded before it is parsed: JSON bodies by `body_max_bytes` (declared
   length first, then while streaming); upload bodies (the PUT routes) by `upload_max_bytes`, read by
-  `upload_body` only once the route knows who is uploading, and at most `upload_slots` at a time.
+  `upload_body` only once the route knows who is uploading, and at most `upload_slots` at a time;
+  dataset uploads by `dataset_max_bytes`, streamed to a file by `receive_to_file`.
 - Every error answers `ErrorOut` ({"detail": str}), as the OpenAPI document says; validation errors
   name the field and the problem and never echo the input back.
 - A `Refusal` raised anywhere below a route (crowdtrain.core.refusals) is answered here, with the
   status code REFUSAL_STATUS gives its kind: routes do not translate refusals themselves.
 """
 
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import IO
 
 from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -129,6 +133,23 @@ async def _read_limited(request: Request, limit: int) -> bytes:
             raise BodyTooLarge(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def receive_to_file(request: Request, file: IO[bytes], limit: int) -> tuple[str, int]:
+    """Stream the request body into `file`, at most `limit` bytes (413 beyond: the declared length
+    first, then while streaming), never holding more than one chunk. Returns its sha256 and size."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit, int(declared))
+    digest, size = hashlib.sha256(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        digest.update(chunk)
+        await run_in_threadpool(file.write, chunk)
+    await run_in_threadpool(file.flush)
+    return digest.hexdigest(), size
 
 
 def upload_body(request: Request, limit: int):

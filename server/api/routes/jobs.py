@@ -21,7 +21,16 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
     422 names the field and the problem of a spec that could not train (a bad dataset, a model
     that cannot take it or whose upload would exceed the limit); nothing is stored then."""
     try:
-        prepared = await run_in_threadpool(submit_job, db, storage, r, spec, settings.upload_max_bytes)
+        prepared = await run_in_threadpool(
+            submit_job,
+            db,
+            storage,
+            r,
+            spec,
+            settings.upload_max_bytes,
+            settings.var_dir / "scratch",
+            settings.dataset_max_bytes,
+        )
     except ValueError as exc:  # the generator's word for a spec it cannot prepare
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
     if spec.mode == "dedloc":

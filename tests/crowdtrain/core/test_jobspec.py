@@ -134,8 +134,7 @@ def test_a_spec_file_resolves_a_relative_dataset_path_and_says_so(tmp_path) -> N
     notes: list[str] = []
     assert load_job_spec(spec, notes).dataset.source == f"npz:{tmp_path / 'data' / 'x.npz'}"
     assert notes == [
-        f"dataset.source: 'npz:../data/x.npz' is read relative to the spec file, as "
-        f"{tmp_path / 'data' / 'x.npz'} (the scheduler reads that path on its own machine)"
+        f"dataset.source: 'npz:../data/x.npz' is read relative to the spec file, as {tmp_path / 'data' / 'x.npz'}"
     ]
 
 

@@ -72,6 +72,18 @@ def test_put_get_exists_delete(storage) -> None:
         storage.get(key)
 
 
+def test_files_go_in_and_out_without_a_bytes_object(storage, tmp_path: Path) -> None:
+    """put_file/get_file: what dataset uploads use, so that a large one is never held in memory."""
+    source, copy = tmp_path / "dataset.csv", tmp_path / "copy.csv"
+    source.write_bytes(b"a,label\n" + b"1,x\n" * 10_000)
+    storage.put_file("datasets/" + "a" * 64, source)
+    assert storage.get("datasets/" + "a" * 64) == source.read_bytes()
+    storage.get_file("datasets/" + "a" * 64, copy)
+    assert copy.read_bytes() == source.read_bytes()
+    with pytest.raises(ObjectNotFound):
+        storage.get_file("datasets/" + "b" * 64, tmp_path / "missing")
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
 def test_keys_cannot_escape_the_root(storage, key: str) -> None:
     with pytest.raises(ValueError):

@@ -34,6 +34,8 @@ ADMIN_ROUTES = [
     ("GET", "/v1/jobs/1"),
     ("POST", "/v1/jobs/1/cancel"),
     ("GET", "/v1/jobs/1/model"),
+    ("GET", f"/v1/datasets/{'1' * 64}"),
+    ("PUT", f"/v1/datasets/{'1' * 64}"),
     ("GET", "/metrics"),
     ("GET", "/v1/dedloc/jobs/1/digests/0"),
     ("GET", "/v1/dedloc/jobs/1/commits"),
