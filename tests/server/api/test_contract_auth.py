@@ -34,6 +34,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/jobs/1"),
     ("POST", "/v1/jobs/1/cancel"),
     ("GET", "/v1/jobs/1/model"),
+    ("GET", "/v1/jobs/1/problems"),
     ("GET", "/metrics"),
     ("GET", "/v1/dedloc/jobs/1/digests/0"),
     ("GET", "/v1/dedloc/jobs/1/commits"),
