@@ -32,7 +32,7 @@ RegionOpt = Annotated[str | None, typer.Option(help="AWS region (default: the AW
 Ec2EndpointOpt = Annotated[
     str | None, typer.Option(help="EC2 endpoint (default: CROWDTRAIN_EC2_ENDPOINT_URL, else AWS)")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document for scripts instead of a table")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document for scripts (default: a table)")]
 # FleetSpec fields whose CLI option is named differently.
 _FLEET_OPTIONS = {
     "instance_types": "--instance-types",

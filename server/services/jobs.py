@@ -104,17 +104,14 @@ def _metric_points(s: Session, job: Job, metric_rows: Sequence[Row], start: date
     whose steps are not assignments)."""
     merged: list[tuple[int, int]] = []
     if job.mode != DEDLOC:
-        merged = sorted(
-            s.execute(
-                select(Assignment.merged_version, func.coalesce(Assignment.examples, 0)).where(
-                    Assignment.job_id == job.id,
-                    Assignment.status == AssignmentStatus.merged.value,
-                    Assignment.merged_version.is_not(None),
-                )
+        rows = s.execute(
+            select(Assignment.merged_version, func.coalesce(Assignment.examples, 0)).where(
+                Assignment.job_id == job.id,
+                Assignment.status == AssignmentStatus.merged.value,
+                Assignment.merged_version.is_not(None),
             )
-            .tuples()
-            .all()
-        )
+        ).all()
+        merged = sorted((version, n) for version, n in rows)
     points: list[MetricPoint] = []
     seen = examples = 0
     for m in metric_rows:
@@ -139,11 +136,8 @@ def list_jobs(db: sessionmaker[Session]) -> list[JobSummary]:
     job has ended, else the latest validation's."""
     with db.begin() as s:
         latest = select(Metric.job_id, func.max(Metric.id).label("metric_id")).group_by(Metric.job_id).subquery()
-        accuracy = dict(
-            s.execute(select(Metric.job_id, Metric.val_accuracy).join(latest, Metric.id == latest.c.metric_id))
-            .tuples()
-            .all()
-        )
+        rows = s.execute(select(Metric.job_id, Metric.val_accuracy).join(latest, Metric.id == latest.c.metric_id))
+        accuracy = {job_id: value for job_id, value in rows}
         return [
             JobSummary(
                 job_id=j.id,
