@@ -111,7 +111,7 @@ def _metric_points(s: Session, job: Job, metric_rows: Sequence[Row], start: date
                 Assignment.merged_version.is_not(None),
             )
         ).all()
-        merged = sorted((version, n) for version, n in rows)
+        merged = sorted((version, n) for version, n in rows if version is not None)
     points: list[MetricPoint] = []
     seen = examples = 0
     for m in metric_rows:
