@@ -21,6 +21,7 @@ import httpx
 
 from crowdtrain.client.api import BadReply, Refused, SchedulerAPI
 from crowdtrain.client.assignment import AssignmentRunner, Running
+from crowdtrain.client.cachelock import CacheLock
 from crowdtrain.client.identity import Identities
 from crowdtrain.client.journal import AssignmentJournal
 from crowdtrain.client.origins import Origins, learned_origins
@@ -78,6 +79,7 @@ class VolunteerClient(AssignmentRunner):
         self.tasks = tasks
         self.device = device
         self.cache_dir = Path(cache_dir)
+        self.cache_lock = CacheLock(self.cache_dir)
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.max_assignments = max_assignments
         self.prefetch = prefetch
@@ -162,6 +164,14 @@ class VolunteerClient(AssignmentRunner):
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
+        """Work until stopped; CacheInUse, before anything else, if another client holds the cache."""
+        self.cache_lock.acquire()
+        try:
+            return self._run()
+        finally:
+            self.cache_lock.release()
+
+    def _run(self) -> int:
         self.ensure_registered()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         if self.spot_notice_url:

@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import UploadSpec, load_job_spec
+from crowdtrain.core.modelfile import read_metadata
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.updates import upload_sizes
@@ -149,6 +150,9 @@ def test_two_clients_train_the_example_job_to_its_target(make_cluster, database_
     )
     assert accuracy >= 0.85
     assert accuracy == pytest.approx(job["final_accuracy"], abs=0.03)
+    meta = read_metadata(model.content)  # and it says what it is
+    assert (meta["job_id"], meta["model_name"], meta["framework"]) == (str(job_id), spec.model.name, "pytorch")
+    assert float(meta["val_accuracy"]) == job["final_accuracy"]
 
 
 def test_sigkilled_client_work_is_redispatched_after_its_deadline(make_cluster, sqlite_url: str) -> None:

@@ -57,6 +57,9 @@ app = typer.Typer(
     help="crowdtrain: train deep-learning models on compute that comes and goes.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Every command's help shows its options' defaults (each command module lays its help out with
+    # crowdtrain.cli.options.HELP_LAYOUT); this root keeps typer's panel listing the commands.
+    context_settings={"show_default": True},
 )
 
 

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from crowdtrain.core.settings import get_settings
 
-ServerOpt = Annotated[str, typer.Option(help="Scheduler URL")]
 TokenOpt = Annotated[str | None, typer.Option(help="Admin token (default: CROWDTRAIN_ADMIN_TOKEN)")]
 
 

@@ -1,12 +1,20 @@
 """`crowdtrain client`: run the volunteer client, or see what the one using a cache is doing."""
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from crowdtrain.cli.options import JoinTokenFileOpt, JoinTokenOpt, configure_logging, resolve_join_token
+from crowdtrain.cli.options import (
+    HELP_LAYOUT,
+    JoinTokenFileOpt,
+    JoinTokenOpt,
+    OptionalServerOpt,
+    configure_logging,
+    resolve_join_token,
+)
+from crowdtrain.client.cachelock import CacheInUse
 from crowdtrain.client.devices import DeviceUnavailable, detect_accelerators, resolve_device
 from crowdtrain.client.preferences import Preferences, PreferencesError, load_preferences
 from crowdtrain.client.status import is_running, now_utc, read_status, render
@@ -14,17 +22,22 @@ from crowdtrain.client.trainers import available_frameworks, limit_threads
 from crowdtrain.client.worker import VolunteerClient
 from crowdtrain.core.frameworks import Framework, is_framework
 
-app = typer.Typer(name="client", help="The volunteer client: run it, or see what it is doing.", add_completion=False)
+app = typer.Typer(
+    name="client", help="The volunteer client: run it, or see what it is doing.", add_completion=False, **HELP_LAYOUT
+)
 DEFAULT_CACHE = Path("~/.cache/crowdtrain")
 CacheOpt = Annotated[Path, typer.Option(help="Cache of shards, snapshots, the host token and the status file")]
-SizeOpt = Annotated[str | None, typer.Option(help="Bytes, e.g. 500MB or 2GiB", show_default=False)]
-RateOpt = Annotated[str | None, typer.Option(help="Bytes per second, e.g. 2MB", show_default=False)]
+
+
+def _limit(what: str, example: str) -> Any:
+    """An optional size or rate limit: no limit unless given."""
+    return typer.Option(help=f"{what}, e.g. {example} (default: no limit)", show_default=False)
 
 
 @app.callback(invoke_without_command=True)
 def client(
     ctx: typer.Context,
-    server: Annotated[str | None, typer.Option(help="Scheduler URL")] = None,
+    server: OptionalServerOpt = None,
     join_token: JoinTokenOpt = None,
     join_token_file: JoinTokenFileOpt = None,
     config: Annotated[
@@ -34,9 +47,10 @@ def client(
     cache: CacheOpt = DEFAULT_CACHE,
     tasks: Annotated[int | None, typer.Option(help="Assignments trained at once (default 1)")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N or mps (default auto)")] = None,
-    threads: Annotated[int | None, typer.Option(help="CPU threads for training")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for training (default: the framework's)")] = None,
     idle_only: Annotated[
-        bool | None, typer.Option("--idle-only/--no-idle-only", help="Work only while the machine is idle")
+        bool | None,
+        typer.Option("--idle-only/--no-idle-only", help="Work only while the machine is idle (default: no)"),
     ] = None,
     idle_minutes: Annotated[
         float | None,
@@ -45,11 +59,11 @@ def client(
     idle_cpu_percent: Annotated[
         float | None, typer.Option(help="CPU use by others (% of all cores) that counts as busy (default 25)")
     ] = None,
-    cache_max_bytes: SizeOpt = None,
-    daily_download_bytes: SizeOpt = None,
-    daily_upload_bytes: SizeOpt = None,
-    max_download_rate: RateOpt = None,
-    max_upload_rate: RateOpt = None,
+    cache_max_bytes: Annotated[str | None, _limit("Bytes of shards and snapshots kept", "20GB")] = None,
+    daily_download_bytes: Annotated[str | None, _limit("Bytes downloaded per UTC day", "5GB")] = None,
+    daily_upload_bytes: Annotated[str | None, _limit("Bytes uploaded per UTC day", "1GB")] = None,
+    max_download_rate: Annotated[str | None, _limit("Download bytes per second", "2MB")] = None,
+    max_upload_rate: Annotated[str | None, _limit("Upload bytes per second", "1MB")] = None,
     allow_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -58,8 +72,12 @@ def client(
             show_default=False,
         ),
     ] = None,
-    name: Annotated[str | None, typer.Option(help="Host name shown to the operator")] = None,
-    max_assignments: Annotated[int | None, typer.Option(help="Exit after this many assignments")] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Host name shown to the operator (default: HOSTNAME-PID)", show_default=False)
+    ] = None,
+    max_assignments: Annotated[
+        int | None, typer.Option(help="Exit after this many assignments (default: never)", show_default=False)
+    ] = None,
     prefetch: Annotated[bool, typer.Option(help="Fetch the next assignment's files while training")] = True,
     checkpoint_seconds: Annotated[
         float, typer.Option(min=0, help="Checkpoint running training this often (0: never); a restarted client resumes")
@@ -68,7 +86,8 @@ def client(
         str,
         typer.Option(
             help="Spot-interruption notice to poll, e.g. AWS IMDSv2 "
-            "http://169.254.169.254/latest/meta-data/spot/instance-action; empty: none"
+            "http://169.254.169.254/latest/meta-data/spot/instance-action (default: none)",
+            show_default=False,
         ),
     ] = "",
     spot_poll_seconds: Annotated[float, typer.Option(min=0.1, help="Seconds between notice polls")] = 5.0,
@@ -130,7 +149,12 @@ def client(
         frameworks=chosen,
     )
     c.install_signal_handlers()
-    raise typer.Exit(c.run())
+    try:
+        code = c.run()
+    except CacheInUse as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
 
 
 def _client_preferences(config: Path | None, overrides: dict) -> tuple[Preferences, str]:

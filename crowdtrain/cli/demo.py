@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from crowdtrain.cli.options import HELP_LAYOUT
 from crowdtrain.cli.plot import plot_accuracy
 from crowdtrain.cli.progress import watch
 from crowdtrain.core.jobspec import load_job_spec
@@ -17,33 +18,56 @@ from crowdtrain.core.schemas import JobStatusOut
 from crowdtrain.launch.cluster import Cluster
 
 DEMO_TIMEOUT = 600
+# The example specs live in the repository's examples/ folder, found from this module rather than from
+# the working directory, so that `crowdtrain demo` runs from anywhere in a checkout (or editable install).
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+DEMO_SPECS = {"vc-asgd": "mnist1d-cnn.yaml", "dedloc": "mnist1d-dedloc.yaml"}
+# Each mode keeps its output in a folder of its own, which a run empties first: one demo never deletes
+# the other's.
+DEMO_VAR = Path("var/demo")
 
-app = typer.Typer(add_completion=False)
+app = typer.Typer(add_completion=False, **HELP_LAYOUT)
 
 
 @app.command()
 def demo(
-    var_dir: Annotated[Path, typer.Option(help="Where the demo keeps its database, storage and logs")] = Path(
-        "var/demo"
-    ),
+    var_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the demo keeps its database, storage and logs, emptied first (default var/demo/MODE)",
+            show_default=False,
+        ),
+    ] = None,
     spec: Annotated[
         Path | None,
         typer.Option(
-            help="Job spec to run (default: examples/mnist1d-cnn.yaml, "
-            "or examples/mnist1d-dedloc.yaml with --mode dedloc)"
+            help="Job spec to run (default: the repository's examples/mnist1d-cnn.yaml, "
+            "or examples/mnist1d-dedloc.yaml with --mode dedloc)",
+            show_default=False,
         ),
     ] = None,
     clients: Annotated[int, typer.Option(min=1, help="Clients, or peers with --mode dedloc")] = 3,
-    tasks: Annotated[int, typer.Option(min=1)] = 2,
-    parameter_servers: Annotated[int, typer.Option(min=1)] = 2,
+    tasks: Annotated[int, typer.Option(min=1, help="Task slots of each client")] = 2,
+    parameter_servers: Annotated[int, typer.Option(min=1, help="Celery worker processes merging results")] = 2,
     mode: Annotated[str, typer.Option(help="vc-asgd, or dedloc: synchronous peers (the last one relayed)")] = "vc-asgd",
 ) -> None:
     """Run the whole system locally on the embedded defaults and train the example job to its target."""
     if mode not in ("vc-asgd", "dedloc"):
         raise typer.BadParameter(f"must be vc-asgd or dedloc, not {mode!r}", param_hint="--mode")
+    var_dir = var_dir or DEMO_VAR / mode
+    spec = spec or _example_spec(mode)
     if mode == "dedloc":
-        raise typer.Exit(run_dedloc_demo(var_dir, spec or Path("examples/mnist1d-dedloc.yaml"), clients))
-    raise typer.Exit(run_demo(var_dir, spec or Path("examples/mnist1d-cnn.yaml"), clients, tasks, parameter_servers))
+        raise typer.Exit(run_dedloc_demo(var_dir, spec, clients))
+    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers))
+
+
+def _example_spec(mode: str) -> Path:
+    """The example spec of `mode`; exit 2 saying to pass --spec where the examples are not installed."""
+    path = EXAMPLES / DEMO_SPECS[mode]
+    if not path.is_file():
+        typer.echo(f"{path} does not exist (the examples come with the source repository): pass --spec", err=True)
+        raise typer.Exit(2)
+    return path
 
 
 def locality_figures(http) -> dict[str, float]:

@@ -8,6 +8,13 @@ import typer
 from pydantic import ValidationError
 
 from crowdtrain.cli.adminapi import TokenOpt, admin_client, print_rows
+from crowdtrain.cli.options import (
+    HELP_LAYOUT,
+    SERVER_ENV,
+    JoinTokenFileOpt,
+    JoinTokenOpt,
+    resolve_join_token,
+)
 from crowdtrain.core.settings import get_settings
 from crowdtrain.fleet.ec2 import Ec2Fleets, FleetExists, ec2_client
 from crowdtrain.fleet.spec import FleetSpec, attach_hosts
@@ -17,6 +24,7 @@ app = typer.Typer(
     help="Spot fleets: EC2 spot instances that each run the client for this project.",
     no_args_is_help=True,
     add_completion=False,
+    **HELP_LAYOUT,
 )
 
 FleetNameOpt = Annotated[str, typer.Option("--name", help="Fleet name; tags every instance crowdtrain:fleet=NAME")]
@@ -24,7 +32,7 @@ RegionOpt = Annotated[str | None, typer.Option(help="AWS region (default: the AW
 Ec2EndpointOpt = Annotated[
     str | None, typer.Option(help="EC2 endpoint (default: CROWDTRAIN_EC2_ENDPOINT_URL, else AWS)")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document for scripts instead of a table")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document for scripts (default: a table)")]
 # FleetSpec fields whose CLI option is named differently.
 _FLEET_OPTIONS = {
     "instance_types": "--instance-types",
@@ -58,18 +66,30 @@ def fleet_up(
     count: Annotated[int, typer.Option(help="Spot instances to keep running (>= 1)")],
     instance_types: Annotated[str, typer.Option(help="Comma list, e.g. t3.large,c5.xlarge")],
     image_id: Annotated[str, typer.Option(help="AMI with systemd and Python 3.11+ (Ubuntu 24.04, Amazon Linux 2023)")],
-    server: Annotated[str, typer.Option(help="Scheduler URL the clients attach to")],
-    join_token: Annotated[str, typer.Option(help="Join token from `crowdtrain admin join-token create`")],
+    server: Annotated[
+        str, typer.Option(envvar=SERVER_ENV, show_envvar=True, help="Scheduler URL the clients attach to")
+    ],
+    join_token: JoinTokenOpt = None,
+    join_token_file: JoinTokenFileOpt = None,
     max_price: Annotated[float | None, typer.Option(help="USD per instance-hour (default: on-demand price)")] = None,
     tasks: Annotated[int, typer.Option(help="Assignments each client runs at once")] = 1,
     client_package: Annotated[str, typer.Option(help="pip requirement installed on every instance")] = (
         "crowdtrain[client]"
     ),
-    key_name: Annotated[str | None, typer.Option(help="EC2 key pair for SSH")] = None,
-    subnet_id: Annotated[
-        str | None, typer.Option(help="Subnet(s), comma list; several zones find more capacity")
+    key_name: Annotated[
+        str | None, typer.Option(help="EC2 key pair for SSH (default: none)", show_default=False)
     ] = None,
-    security_group_id: Annotated[str | None, typer.Option(help="Security group(s), comma list")] = None,
+    subnet_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Subnet(s), comma list; several zones find more capacity (default: the default VPC's)",
+            show_default=False,
+        ),
+    ] = None,
+    security_group_id: Annotated[
+        str | None,
+        typer.Option(help="Security group(s), comma list (default: the VPC's default group)", show_default=False),
+    ] = None,
     allocation_strategy: Annotated[
         str, typer.Option(help="price-capacity-optimized, capacity-optimized, lowest-price or diversified")
     ] = "price-capacity-optimized",
@@ -78,6 +98,7 @@ def fleet_up(
 ) -> None:
     """Request COUNT spot instances; each installs the client and attaches it to SERVER.
     EC2 keeps COUNT running, replacing preempted ones, until `fleet down`."""
+    join_token = resolve_join_token(join_token, join_token_file)
     # The options are raw text (comma lists, a strategy's name) that FleetSpec's validators parse.
     try:
         spec = FleetSpec.model_validate(
@@ -136,7 +157,13 @@ def _minute(t) -> str:
 def fleet_status(
     name: FleetNameOpt,
     server: Annotated[
-        str | None, typer.Option(help="Scheduler URL (default: the one the fleet was started with)")
+        str | None,
+        typer.Option(
+            envvar=SERVER_ENV,
+            show_envvar=True,
+            show_default=False,
+            help="Scheduler URL (default: the one the fleet was started with)",
+        ),
     ] = None,
     admin_token: TokenOpt = None,
     as_json: JsonOpt = False,

@@ -8,12 +8,14 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from crowdtrain.cli.adminapi import ServerOpt, TokenOpt, admin_client, checked
+from crowdtrain.cli.adminapi import TokenOpt, admin_client, checked, checked_rows
 from crowdtrain.cli.datasets import upload_dataset
-from crowdtrain.cli.progress import status_table, watch
+from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ServerOpt
+from crowdtrain.cli.plot import Against, NothingToPlot, plot_accuracy
+from crowdtrain.cli.progress import jobs_table, now_utc, problems_view, status_table, watch
 from crowdtrain.core.datasetspec import FORMATS
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.schemas import JobStatusOut
+from crowdtrain.core.schemas import JobProblems, JobStatusOut, JobSummary
 from crowdtrain.core.specfile import SpecFileError
 
 app = typer.Typer(
@@ -21,6 +23,7 @@ app = typer.Typer(
     help="Submit and follow training jobs (needs the admin token).",
     no_args_is_help=True,
     add_completion=False,
+    **HELP_LAYOUT,
 )
 
 
@@ -36,7 +39,7 @@ UploadOpt = Annotated[
 
 @app.command("submit")
 def job_submit(
-    spec: Path, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None, upload: UploadOpt = True
+    spec: Path, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None, upload: UploadOpt = True
 ) -> None:
     """Submit a job spec (YAML or JSON); prints the new job's id.
 
@@ -68,7 +71,7 @@ def job_submit(
 def job_upload(
     path: Path,
     fmt: Annotated[str, typer.Option("--format", help=f"The dataset's format: {', '.join(FORMATS)}")],
-    server: ServerOpt = "http://127.0.0.1:8000",
+    server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
 ) -> None:
     """Upload a local dataset (a file, or a folder for hf and images) to the scheduler; prints the
@@ -80,16 +83,58 @@ def job_upload(
         typer.echo(upload_dataset(http, fmt, path.expanduser().resolve()))
 
 
+@app.command("list")
+def job_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """List every job: id, name, mode, status, epoch, accuracy and age."""
+    with admin_client(server, admin_token) as http:
+        rows = [JobSummary.model_validate(row) for row in checked_rows(http.get("/v1/jobs"))]
+    Console().print(jobs_table(rows, now_utc()))
+
+
 @app.command("status")
-def job_status(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
-    """Print a job's status with per-epoch figures."""
+def job_status(
+    job_id: int,
+    problems: Annotated[int, typer.Option(min=0, help="Problem assignments to list in full")] = 10,
+    server: ServerOpt = DEFAULT_SERVER,
+    admin_token: TokenOpt = None,
+) -> None:
+    """Print a job's status with per-epoch figures, and why it is stuck or failed: the assignments that
+    ended in a client error, a refused upload or a timeout (by reason, and the latest in full), and
+    whether any host can run it."""
     with admin_client(server, admin_token) as http:
         st = JobStatusOut.model_validate(checked(http.get(f"/v1/jobs/{job_id}")))
-    Console().print(status_table(st, last_epochs=None))
+        found = JobProblems.model_validate(checked(http.get(f"/v1/jobs/{job_id}/problems", params={"limit": problems})))
+    console = Console()
+    console.print(status_table(st, last_epochs=None))
+    console.print(problems_view(found))
+
+
+@app.command("plot")
+def job_plot(
+    job_id: int,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG to write (default job-ID.png)")] = None,
+    against: Annotated[Against, typer.Option(help="The x axis: seconds since the start, or examples merged")] = (
+        Against.time
+    ),
+    server: ServerOpt = DEFAULT_SERVER,
+    admin_token: TokenOpt = None,
+) -> None:
+    """Plot a job's validation accuracy after each merge, with each epoch's min-max band (PNG)."""
+    with admin_client(server, admin_token) as http:
+        st = JobStatusOut.model_validate(checked(http.get(f"/v1/jobs/{job_id}", params={"metrics": True})))
+    if not st.metrics:
+        typer.echo(f"job {job_id} has no validation point yet", err=True)
+        raise typer.Exit(1)
+    try:
+        path = plot_accuracy(st, output or Path(f"job-{job_id}.png"), against)
+    except NothingToPlot as exc:
+        typer.echo(f"job {job_id}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path} ({len(st.metrics)} points, against {against.value})")
 
 
 @app.command("watch")
-def job_watch(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+def job_watch(job_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
     """Follow a job until it finishes; exits 0 if it succeeded."""
     with admin_client(server, admin_token) as http:
         st = watch(http, job_id)
@@ -97,7 +142,7 @@ def job_watch(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_to
 
 
 @app.command("cancel")
-def job_cancel(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_token: TokenOpt = None) -> None:
+def job_cancel(job_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/jobs/{job_id}/cancel"))))
 
@@ -106,7 +151,7 @@ def job_cancel(job_id: int, server: ServerOpt = "http://127.0.0.1:8000", admin_t
 def job_download(
     job_id: int,
     output: Annotated[Path, typer.Option("-o", "--output")],
-    server: ServerOpt = "http://127.0.0.1:8000",
+    server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
 ) -> None:
     """Save the final model (safetensors) of a finished job."""

@@ -1,12 +1,26 @@
-"""What several command groups share: the log set-up and the join token a client or peer registers with."""
+"""What several command groups share: how help pages are laid out, the scheduler's URL, the log set-up and
+the join token a client or peer registers with."""
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from crowdtrain.core import logs
 from crowdtrain.core.settings import get_settings
+
+# Click's plain help layout, with every default shown: an option's description gets what is left of the
+# terminal after a name column of at most 30 characters, where typer's rich panels give the option names,
+# negative flags and types a column each and leave the description some 18 characters at 80 columns.
+HELP_LAYOUT: dict[str, Any] = {"rich_markup_mode": None, "context_settings": {"show_default": True}}
+
+# The scheduler's URL, for every command that talks to one.
+SERVER_ENV = "CROWDTRAIN_SERVER"
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+ServerOpt = Annotated[str, typer.Option(envvar=SERVER_ENV, show_envvar=True, help="Scheduler URL")]
+OptionalServerOpt = Annotated[
+    str | None, typer.Option(envvar=SERVER_ENV, show_envvar=True, show_default=False, help="Scheduler URL")
+]
 
 
 def configure_logging(level: str = "INFO") -> None:

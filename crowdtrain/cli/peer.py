@@ -6,11 +6,18 @@ from typing import Annotated
 import torch
 import typer
 
-from crowdtrain.cli.options import JoinTokenFileOpt, JoinTokenOpt, configure_logging, resolve_join_token
+from crowdtrain.cli.options import (
+    HELP_LAYOUT,
+    JoinTokenFileOpt,
+    JoinTokenOpt,
+    ServerOpt,
+    configure_logging,
+    resolve_join_token,
+)
 from crowdtrain.client.dedloc.api import PeerAPI
 from crowdtrain.client.dedloc.peer import DedlocPeer, PeerOptions
 
-app = typer.Typer(add_completion=False)
+app = typer.Typer(add_completion=False, **HELP_LAYOUT)
 
 
 def _step_attempt(text: str) -> tuple[int, int]:
@@ -24,7 +31,7 @@ def _step_attempt(text: str) -> tuple[int, int]:
 
 @app.command()
 def peer(
-    server: Annotated[str, typer.Option(help="Scheduler URL")],
+    server: ServerOpt,
     job: Annotated[int, typer.Option(help="The dedloc job to train")],
     join_token: JoinTokenOpt = None,
     join_token_file: JoinTokenFileOpt = None,
@@ -33,13 +40,23 @@ def peer(
         bool, typer.Option(help="This peer cannot accept connections (NAT): the server reduces for it")
     ] = False,
     data_rank: Annotated[int, typer.Option(min=0, help="Train on examples i with i % data_world == data_rank")] = 0,
-    data_world: Annotated[int, typer.Option(min=1)] = 1,
+    data_world: Annotated[int, typer.Option(min=1, help="Peers sharing the training data by --data-rank")] = 1,
     examples_per_step: Annotated[
-        int | None, typer.Option(min=1, help="Contribute at most this many examples per step")
+        int | None,
+        typer.Option(
+            min=1, help="Contribute at most this many examples per step (default: no limit)", show_default=False
+        ),
     ] = None,
-    trace: Annotated[Path | None, typer.Option(help="Append one JSON line per applied step")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for training")] = None,
-    kill_at: Annotated[str | None, typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT")] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="Append one JSON line per applied step to this file", show_default=False)
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(min=1, help="CPU threads for training (default: the framework's)")
+    ] = None,
+    kill_at: Annotated[
+        str | None,
+        typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT", show_default=False),
+    ] = None,
 ) -> None:
     """Run a peer of a synchronous DeDLOC job until the job finishes."""
     join_token = resolve_join_token(join_token, join_token_file)

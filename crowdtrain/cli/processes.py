@@ -11,7 +11,7 @@ import typer
 import uvicorn
 
 from crowdtrain.assimilator.worker.celery_app import celery_app, enqueue_merge
-from crowdtrain.cli.options import configure_logging
+from crowdtrain.cli.options import HELP_LAYOUT, configure_logging
 from crowdtrain.core import keys
 from crowdtrain.core.settings import InsecureSettings, check_secrets, get_settings
 from crowdtrain.core.storage import open_storage
@@ -21,7 +21,7 @@ from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.services.transitioner import run_forever
 
-app = typer.Typer(add_completion=False)
+app = typer.Typer(add_completion=False, **HELP_LAYOUT)
 
 
 @app.command()

@@ -1,14 +1,16 @@
-"""Showing a job's progress: a rich table, and a live view that follows a job to its end."""
+"""Showing jobs: the list of jobs, a job's progress as a rich table, a live view that follows a job to
+its end, and what keeps a job from going on."""
 
 import time
+from datetime import UTC, datetime
 
 import httpx
-from rich.console import Group, RenderableType
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from crowdtrain.core.schemas import JobStatusOut
+from crowdtrain.core.schemas import JobProblems, JobStatusOut, JobSummary
 
 
 def _pct(v: float | None) -> str:
@@ -42,6 +44,71 @@ def status_table(st: JobStatusOut, last_epochs: int | None = 8) -> Group:
     parts: list[RenderableType] = [head, table]
     if st.status_message:
         parts.append(Text(st.status_message))
+    return Group(*parts)
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+def age(since: datetime | None, now: datetime) -> str:
+    """How long ago `since` was, in its largest whole unit: 45s, 12m, 3h, 2d."""
+    if since is None:
+        return "-"
+    seconds = max((now - since).total_seconds(), 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def jobs_table(jobs: list[JobSummary], now: datetime) -> Table:
+    table = Table(show_edge=False)
+    columns: list[tuple[str, JustifyMethod]] = [
+        ("id", "right"),
+        ("name", "left"),
+        ("mode", "left"),
+        ("status", "left"),
+        ("epoch", "right"),
+        ("accuracy", "right"),
+        ("age", "right"),
+    ]
+    for col, justify in columns:
+        table.add_column(col, justify=justify)
+    for j in jobs:
+        epoch = f"{j.current_epoch}/{j.max_epochs}" if j.max_epochs is not None else str(j.current_epoch)
+        table.add_row(str(j.job_id), j.name, j.mode, j.status, epoch, _pct(j.accuracy), age(j.created_at, now))
+    return table
+
+
+def problems_view(p: JobProblems) -> Group:
+    """Why the job is stuck or failed: its status message, what the figures suggest, the problem
+    assignments by reason and the latest of them, and the hosts that can run it."""
+    parts: list[RenderableType] = [
+        Text.assemble(
+            ("hosts ", "bold"),
+            f"{p.hosts_able} of {p.hosts_registered} registered can run this job, "
+            f"{p.hosts_able_active} of them seen in the last minute",
+        )
+    ]
+    for finding in p.findings:
+        parts.append(Text(f"! {finding}", style="yellow"))
+    if not p.reasons:
+        parts.append(Text("no assignment ended in a client error, a refusal or a timeout"))
+        return Group(*parts)
+    reasons = Table(title="assignments that ended without a merge, by reason", show_edge=False, title_justify="left")
+    reasons.add_column("count", justify="right")
+    reasons.add_column("status")
+    reasons.add_column("reason", overflow="fold")
+    for r in p.reasons:
+        reasons.add_row(str(r.count), r.status, r.reason)
+    recent = Table(title=f"the latest {len(p.recent)}", show_edge=False, title_justify="left")
+    for col in ("assignment", "host", "epoch", "status", "ended", "message"):
+        recent.add_column(col, overflow="fold")
+    for a in p.recent:
+        ended = a.finished_at.strftime("%Y-%m-%d %H:%M:%S") if a.finished_at else "-"
+        recent.add_row(str(a.assignment_id), f"{a.host_id} {a.host_name}", str(a.epoch), a.status, ended, a.message)
+    parts += [reasons, recent]
     return Group(*parts)
 
 

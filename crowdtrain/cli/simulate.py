@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from crowdtrain.cli.options import HELP_LAYOUT, JOIN_TOKEN_ENV, OptionalServerOpt
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.result import print_table
@@ -17,21 +18,26 @@ app = typer.Typer(
     help="Simulations: a load generator against a running server (the default, or "
     "`load`), and a training simulator (`training`).",
     add_completion=False,
+    **HELP_LAYOUT,
 )
-LoadServerOpt = Annotated[str | None, typer.Option(help="Scheduler URL", show_default=False)]
-LoadTokenOpt = Annotated[str | None, typer.Option(help="Join token", show_default=False)]
+LoadTokenOpt = Annotated[
+    str | None, typer.Option(envvar=JOIN_TOKEN_ENV, show_envvar=True, help="Join token", show_default=False)
+]
 LoadHostsOpt = Annotated[int, typer.Option(min=1, help="Simulated hosts")]
 DurationOpt = Annotated[
     float, typer.Option(help="Seconds to run at most (SIGTERM or Ctrl-C ends it sooner, with the figures)")
 ]
-UntilIdleOpt = Annotated[float | None, typer.Option(help="Stop once no work was handed out for this long")]
+UntilIdleOpt = Annotated[
+    float | None,
+    typer.Option(help="Stop once no work was handed out for this long (default: run --duration)", show_default=False),
+]
 ConnectionsOpt = Annotated[int, typer.Option(min=1, help="HTTP connections shared by the hosts")]
 
 
 @app.callback(invoke_without_command=True)
 def simulate(
     ctx: typer.Context,
-    server: LoadServerOpt = None,
+    server: OptionalServerOpt = None,
     join_token: LoadTokenOpt = None,
     hosts: LoadHostsOpt = 100,
     duration: DurationOpt = 60.0,
@@ -45,7 +51,7 @@ def simulate(
 
 @app.command("load")
 def simulate_load(
-    server: LoadServerOpt = None,
+    server: OptionalServerOpt = None,
     join_token: LoadTokenOpt = None,
     hosts: LoadHostsOpt = 100,
     duration: DurationOpt = 60.0,
@@ -84,7 +90,8 @@ def simulate_training(
         float, typer.Option(min=0, help="Compute seconds per example and local epoch on a speed-1 host")
     ] = 1e-3,
     workunit_seconds: Annotated[
-        float | None, typer.Option(min=0, help="Compute seconds per workunit instead (any shard size)")
+        float | None,
+        typer.Option(min=0, help="Compute seconds per workunit instead (any shard size)", show_default=False),
     ] = None,
     compute: Annotated[bool, typer.Option(help="Train and validate for real; --no-compute: timing only")] = True,
     seed: Annotated[int, typer.Option(help="Seed of host speeds and preemptions")] = 0,

@@ -224,6 +224,11 @@ class MetricPoint(BaseModel):
     val_accuracy: float
     val_loss: float
     t: float = Field(..., description="Seconds since the job started")
+    examples: int | None = Field(
+        None,
+        description="Training examples in the results merged into W_s up to this version "
+        "(None where merges do not count them, as in dedloc mode)",
+    )
 
 
 class JobStatusOut(BaseModel):
@@ -255,6 +260,46 @@ class JobSummary(BaseModel):
     name: str
     status: JobStatus
     current_epoch: int
+    mode: str = "vc-asgd"
+    max_epochs: int | None = None
+    accuracy: float | None = Field(
+        None, description="The exported model's validation accuracy once the job has ended, else the latest merge's"
+    )
+    created_at: UtcDatetime | None = None
+
+
+class AssignmentProblem(BaseModel):
+    """An assignment of the job that ended without a merge, and what it said."""
+
+    assignment_id: int
+    host_id: int
+    host_name: str
+    epoch: int
+    status: AssignmentStatus
+    message: str
+    finished_at: UtcDatetime | None
+
+
+class ProblemCount(BaseModel):
+    status: AssignmentStatus
+    reason: str = Field(..., description="The message with its particulars (numbers, times) left out")
+    count: int
+
+
+class JobProblems(BaseModel):
+    """Why a job is stuck or failed: what its status says, the assignments that ended in an error, a
+    refusal or a timeout (counted by reason, the recent ones in full), and whether hosts can run it."""
+
+    job_id: int
+    status: JobStatus
+    status_message: str
+    counts: dict[AssignmentStatus, int] = Field(..., description="Assignments that ended without a merge, by status")
+    reasons: list[ProblemCount] = Field(..., description="The same, by reason, most frequent first")
+    recent: list[AssignmentProblem] = Field(..., description="The latest of them, newest first")
+    hosts_registered: int = Field(..., description="Hosts not revoked")
+    hosts_able: int = Field(..., description="Hosts not revoked with a framework that trains the job's model")
+    hosts_able_active: int = Field(..., description="Of those, the ones seen in the last minute")
+    findings: list[str] = Field(..., description="What the figures above suggest, one sentence each")
 
 
 class JobCancelled(BaseModel):

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import VC_ASGD
 from crowdtrain.core.logs import ids
+from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import Params, decode, decode_shard
@@ -233,13 +234,17 @@ def _finish(
     s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, evaluate: Evaluate, message: str
 ) -> None:
     """Close the job's merges, export W_s and report the validation accuracy of exactly the version
-    exported. If the transaction does not commit, the job still runs and its merges reopen."""
+    exported. If the transaction does not commit, the job still runs and its merges reopen.
+
+    The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
+    header that says what they are (crowdtrain.core.modelfile)."""
     close_merges(s, r, job.id)
     version, blob = paramstore.read_blob(r, job.id)
-    storage.put(keys.final_key(job.id), blob)
+    job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
+    metadata = model_metadata(job.id, job.name, job.spec, job.model_config_, version, job.final_accuracy)
+    storage.put(keys.final_key(job.id), with_metadata(blob, metadata))
     job.final_key = keys.final_key(job.id)
     job.param_version = max(job.param_version, version)
-    job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
     cancel_open_workunits(s, job.id)
     states.move(job, outcome)
     job.status_message = message

@@ -16,6 +16,7 @@ from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.refusals import Refusal, RefusalKind
 from crowdtrain.core.schemas_dedloc import Outcome, PeerJoined, ShardRef
 from crowdtrain.core.states import JobStatus
@@ -49,6 +50,8 @@ class JobView:
         if job.mode != "dedloc":
             raise DedlocProblem(RefusalKind.conflict, f"job {job.id} runs in mode {job.mode!r}, not 'dedloc'")
         self.id = job.id
+        self.name = job.name
+        self.job_spec = job.spec
         self.spec = DedlocSpec.model_validate(job.spec["dedloc"])
         self.max_steps = int(job.spec["stop"]["max_steps"])
         self.target_accuracy = float(job.spec["stop"]["target_accuracy"])
@@ -174,7 +177,8 @@ def put_state(
             f"max_steps={view.max_steps} reached; accuracy {accuracy:.4f} < target {view.target_accuracy}",
         )
     if outcome is not None:
-        storage.put(keys.final_key(job_id), encode(params))
+        metadata = model_metadata(job_id, view.name, view.job_spec, view.model_config, step, accuracy)
+        storage.put(keys.final_key(job_id), with_metadata(encode(params), metadata))
     ledger_jobs.record_dedloc_state(db, job_id, step, loss, accuracy, sha256(body), outcome)
     if outcome is not None:
         with dedloc.lock(r, job_id):

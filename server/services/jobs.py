@@ -1,13 +1,15 @@
 """Operator-facing job services: status with per-epoch figures, cancellation."""
 
-from datetime import timedelta
+from collections.abc import Sequence
+from datetime import datetime, timedelta
 
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.core.jobspec import DEDLOC
 from crowdtrain.core.refusals import NotFound
-from crowdtrain.core.schemas import EpochFigures, JobStatusOut, MetricPoint
+from crowdtrain.core.schemas import EpochFigures, JobStatusOut, JobSummary, MetricPoint
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
@@ -92,26 +94,61 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             active_hosts=active or 0,
             assignments={AssignmentStatus(k): n for k, n in a_counts.items()},
             epochs=figures,
-            metrics=[
-                MetricPoint(
-                    epoch=m.epoch,
-                    param_version=m.param_version,
-                    val_accuracy=m.val_accuracy,
-                    val_loss=m.val_loss,
-                    t=(m.created_at - start).total_seconds(),
-                )
-                for m in metric_rows
-            ]
-            if with_metrics
-            else [],
+            metrics=_metric_points(s, job, metric_rows, start) if with_metrics else [],
             elapsed_seconds=(end - start).total_seconds(),
         )
 
 
-def list_jobs(db: sessionmaker[Session]) -> list[dict]:
+def _metric_points(s: Session, job: Job, metric_rows: Sequence[Row], start: datetime) -> list[MetricPoint]:
+    """Every validation point, with the examples merged into W_s up to its version (None in dedloc mode,
+    whose steps are not assignments)."""
+    merged: list[tuple[int, int]] = []
+    if job.mode != DEDLOC:
+        rows = s.execute(
+            select(Assignment.merged_version, func.coalesce(Assignment.examples, 0)).where(
+                Assignment.job_id == job.id,
+                Assignment.status == AssignmentStatus.merged.value,
+                Assignment.merged_version.is_not(None),
+            )
+        ).all()
+        merged = sorted((version, n) for version, n in rows if version is not None)
+    points: list[MetricPoint] = []
+    seen = examples = 0
+    for m in metric_rows:
+        while seen < len(merged) and merged[seen][0] <= m.param_version:
+            examples += merged[seen][1]
+            seen += 1
+        points.append(
+            MetricPoint(
+                epoch=m.epoch,
+                param_version=m.param_version,
+                val_accuracy=m.val_accuracy,
+                val_loss=m.val_loss,
+                t=(m.created_at - start).total_seconds(),
+                examples=None if job.mode == DEDLOC else examples,
+            )
+        )
+    return points
+
+
+def list_jobs(db: sessionmaker[Session]) -> list[JobSummary]:
+    """Every job, oldest first, with the accuracy the operator would quote: the exported model's once the
+    job has ended, else the latest validation's."""
     with db.begin() as s:
+        latest = select(Metric.job_id, func.max(Metric.id).label("metric_id")).group_by(Metric.job_id).subquery()
+        rows = s.execute(select(Metric.job_id, Metric.val_accuracy).join(latest, Metric.id == latest.c.metric_id))
+        accuracy = {job_id: value for job_id, value in rows}
         return [
-            {"job_id": j.id, "name": j.name, "status": j.status, "current_epoch": j.current_epoch}
+            JobSummary(
+                job_id=j.id,
+                name=j.name,
+                status=JobStatus(j.status),
+                current_epoch=j.current_epoch,
+                mode=j.mode,
+                max_epochs=j.spec["stop"].get("max_epochs"),
+                accuracy=j.final_accuracy if j.final_accuracy is not None else accuracy.get(j.id),
+                created_at=j.created_at,
+            )
             for j in s.scalars(select(Job).order_by(Job.id)).all()
         ]
 

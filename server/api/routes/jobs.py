@@ -1,14 +1,16 @@
 """`/v1/jobs`: submitting, watching and cancelling jobs, for the operator (admin token)."""
 
-from fastapi import APIRouter, HTTPException, status
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.core.schemas import Id, JobCancelled, JobCreated, JobStatusOut, JobSummary
+from crowdtrain.core.schemas import Id, JobCancelled, JobCreated, JobProblems, JobStatusOut, JobSummary
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.services import dedloc_jobs, jobs
+from crowdtrain.server.services import dedloc_jobs, diagnosis, jobs
 from crowdtrain.workgen.generator import submit_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["admin"], dependencies=[AdminDep])
@@ -42,13 +44,21 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
 
 @router.get("", response_model=list[JobSummary])
 def list_all(db: DbDep) -> list[JobSummary]:
-    return [JobSummary.model_validate(job) for job in jobs.list_jobs(db)]
+    """Every job, oldest first."""
+    return jobs.list_jobs(db)
 
 
 @router.get("/{job_id}", response_model=JobStatusOut)
 def status_of(job_id: Id, db: DbDep, metrics: bool = False) -> JobStatusOut:
     """Job status with per-epoch figures; `?metrics=true` adds every validation point. 404 for no such job."""
     return jobs.job_status(db, job_id, with_metrics=metrics)
+
+
+@router.get("/{job_id}/problems", response_model=JobProblems)
+def problems_of(job_id: Id, db: DbDep, limit: Annotated[int, Query(ge=0, le=1000)] = 20) -> JobProblems:
+    """Why a job is stuck or failed: its assignments that ended in a client error, a refused upload or
+    a timeout, by reason and the `limit` latest in full, and whether hosts can run it. 404 for no such job."""
+    return diagnosis.job_problems(db, job_id, limit)
 
 
 @router.post("/{job_id}/cancel", response_model=JobCancelled)

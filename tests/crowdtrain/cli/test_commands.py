@@ -4,6 +4,8 @@ written without them, says what each command's own help says."""
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import click
 import pytest
@@ -88,3 +90,50 @@ def test_shell_completion_imports_only_the_command_being_completed(words: str, i
     else:
         assert offered == [name for name in COMMANDS if name.startswith(incomplete)]
     assert done.stderr.strip().splitlines()[-1] == repr(imported)
+
+
+def _commands(command: Any, ctx: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+    """Every command under `command` (its context `ctx`) with the words that run it and its context,
+    each lazy command loaded."""
+    yield path, command, ctx
+    for name in command.list_commands(ctx) if hasattr(command, "list_commands") else []:
+        sub = command.get_command(ctx, name)
+        yield from _commands(sub, sub.make_context(name, [], parent=ctx, resilient_parsing=True), (*path, name))
+
+
+def _all_commands() -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+    root = typer.main.get_command(app)
+    return _commands(root, root.make_context("crowdtrain", [], resilient_parsing=True))
+
+
+ALL_COMMANDS = [words for words, _, _ in _all_commands() if words]
+
+
+def test_every_server_option_reads_crowdtrain_server() -> None:
+    servers = {
+        words: opt.envvar for words, command, _ in _all_commands() for opt in command.params if opt.name == "server"
+    }
+    assert {("client",), ("peer",), ("job", "list"), ("job", "status"), ("job", "plot"), ("fleet", "up")} <= set(
+        servers
+    )
+    assert set(servers.values()) == {"CROWDTRAIN_SERVER"}
+
+
+@pytest.mark.parametrize("words", ALL_COMMANDS, ids=" ".join)
+def test_help_is_readable_at_80_columns_with_every_default_shown(words: tuple[str, ...]) -> None:
+    """Descriptions get at least 30 of the 80 columns, and every option either shows its default, says
+    it in its help, is required, or has none to show (show_default=False: a secret, an optional path)."""
+    out = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert max(len(line) for line in lines) <= 80, out.output
+    options = lines[lines.index("Options:") + 1 :] if "Options:" in lines else []
+    for line in options:
+        if line.strip() and not line.lstrip().startswith("-"):
+            assert len(line) - len(line.lstrip()) <= 50, f"a description column narrower than 30:\n{out.output}"
+    [(command, ctx)] = [(c, x) for w, c, x in _all_commands() if w == words]
+    for param in command.params:
+        if param.param_type_name != "option" or param.required or param.show_default is False or param.hidden:
+            continue
+        record = param.get_help_record(ctx)
+        assert record is not None and "default" in record[1], f"{' '.join(words)} {param.opts}: {record}"

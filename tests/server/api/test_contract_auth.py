@@ -36,6 +36,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/jobs/1/model"),
     ("GET", f"/v1/datasets/{'1' * 64}"),
     ("PUT", f"/v1/datasets/{'1' * 64}"),
+    ("GET", "/v1/jobs/1/problems"),
     ("GET", "/metrics"),
     ("GET", "/v1/dedloc/jobs/1/digests/0"),
     ("GET", "/v1/dedloc/jobs/1/commits"),

@@ -26,6 +26,7 @@ UNKNOWN = [
     ("admin", "GET", f"/v1/jobs/{MISSING}", f"job {MISSING} does not exist"),
     ("admin", "POST", f"/v1/jobs/{MISSING}/cancel", f"job {MISSING} does not exist"),
     ("admin", "GET", f"/v1/jobs/{MISSING}/model", f"job {MISSING} does not exist"),
+    ("admin", "GET", f"/v1/jobs/{MISSING}/problems", f"job {MISSING} does not exist"),
     ("alice", "POST", f"/v1/assignments/{MISSING}/heartbeat", f"assignment {MISSING} does not exist"),
     ("alice", "POST", f"/v1/assignments/{MISSING}/abandon", f"assignment {MISSING} does not exist"),
     ("alice", "PUT", f"/v1/assignments/{MISSING}/result", f"assignment {MISSING} does not exist"),
@@ -176,11 +177,14 @@ def test_a_cancelled_job_cannot_be_cancelled_again(world: World) -> None:
 def test_answers_say_statuses_as_the_status_enums_values(world: World) -> None:
     admin = world.sched.admin()
     listed = {j["job_id"]: j for j in ok(admin.get("/v1/jobs")).json()}
-    assert listed[world.vc_job] == {
+    assert {k: v for k, v in listed[world.vc_job].items() if k != "created_at"} == {
         "job_id": world.vc_job,
         "name": "mnist1d-cnn",
         "status": JobStatus.running,
         "current_epoch": 1,
+        "mode": "vc-asgd",
+        "max_epochs": 40,
+        "accuracy": None,
     }
     status = ok(admin.get(f"/v1/jobs/{world.vc_job}")).json()
     assert status["status"] == "running" and set(status["assignments"]) <= set(AssignmentStatus)

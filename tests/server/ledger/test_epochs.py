@@ -1,5 +1,7 @@
 """Closing epochs against a real SQLite ledger and a private Redis: what a finished job reports."""
 
+import json
+
 import numpy as np
 import pytest
 from sqlalchemy import update
@@ -8,6 +10,7 @@ from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.rules import merge_vc_asgd
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.keys import final_key
+from crowdtrain.core.modelfile import model_metadata, read_metadata
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
@@ -61,3 +64,29 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
     assert acc_exported != pytest.approx(acc_v1), "the test needs v1 and v2 to score differently"
     assert status == JobStatus.succeeded.value
     assert final_accuracy == pytest.approx(acc_exported, abs=1e-9)
+
+
+def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path) -> None:
+    """The exported file's header names the job, its spec and model, and the version and accuracy
+    exported; its tensors are W_s's, read back from the parameter store's own bytes."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy = 0.01
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    _, w0 = paramstore.read(r, job_id)
+    version = _merge(r, job_id, 1, w0)
+    with db.begin() as s:
+        s.add(Metric(job_id=job_id, epoch=1, param_version=version, val_loss=2.0, val_accuracy=0.25))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+
+    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+
+    exported = storage.get(final_key(job_id))
+    meta = read_metadata(exported)
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert meta == model_metadata(job_id, spec.name, job.spec, job.model_config_, version, 0.25)
+    assert json.loads(meta["job_spec"])["name"] == spec.name and meta["param_version"] == "1"
+    stored = paramstore.read_blob(r, job_id)[1]
+    assert exported.endswith(stored[8 + int.from_bytes(stored[:8], "little") :])

@@ -1,0 +1,115 @@
+"""Why a job is stuck or failed, for the operator: its assignments that ended without a merge (client
+errors, refused uploads, timeouts) with their messages, counted by reason, and whether any host can run
+it. Everything here is already in the database; this only gathers it."""
+
+import re
+from collections import Counter
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import frameworks
+from crowdtrain.core.schemas import AssignmentProblem, JobProblems, ProblemCount
+from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
+from crowdtrain.server.services.dispatch import host_can_run
+from crowdtrain.server.services.jobs import ACTIVE_HOST_WINDOW, JobNotFound
+
+PROBLEMS = (AssignmentStatus.client_error, AssignmentStatus.rejected, AssignmentStatus.timed_out)
+# A number, possibly signed, decimal or in exponent form, or a version written v12: the particulars
+# of one assignment's message (a deadline's time, a norm, a version), left out of its reason.
+_PARTICULARS = re.compile(r"v?[-+]?\d+(?:[.:-]\d+)*(?:[eE][-+]?\d+)?")
+REASON_LENGTH = 120
+
+
+def problem_reason(message: str) -> str:
+    """What assignments that failed alike have in common: `message` with its numbers, times and versions
+    written `#`, its spaces collapsed, cut at REASON_LENGTH characters. No I/O."""
+    reason = " ".join(_PARTICULARS.sub("#", message).split())
+    return reason[:REASON_LENGTH] or "(no message)"
+
+
+def job_problems(db: sessionmaker[Session], job_id: int, limit: int = 20) -> JobProblems:
+    """The job's problems (JobNotFound if there is no such job): every assignment that ended in a client
+    error, a refusal or a timeout counted by status and by reason, the `limit` latest in full, and the
+    hosts that could run it."""
+    with db.begin() as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise JobNotFound(f"job {job_id} does not exist")
+        statuses = [p.value for p in PROBLEMS]
+        by_message = s.execute(
+            select(Assignment.status, Assignment.message, func.count())
+            .where(Assignment.job_id == job_id, Assignment.status.in_(statuses))
+            .group_by(Assignment.status, Assignment.message)
+        ).all()
+        counts: Counter[AssignmentStatus] = Counter()
+        reasons: Counter[tuple[AssignmentStatus, str]] = Counter()
+        for status, message, n in by_message:
+            counts[AssignmentStatus(status)] += n
+            reasons[(AssignmentStatus(status), problem_reason(message))] += n
+        recent = s.execute(
+            select(Assignment, Host.name, Workunit.epoch)
+            .join(Host, Host.id == Assignment.host_id)
+            .join(Workunit, Workunit.id == Assignment.workunit_id)
+            .where(Assignment.job_id == job_id, Assignment.status.in_(statuses))
+            .order_by(Assignment.finished_at.desc(), Assignment.id.desc())
+            .limit(limit)
+        ).all()
+        hosts = s.scalars(select(Host).where(Host.revoked.is_(False))).all()
+        able = [h for h in hosts if host_can_run(h, job)]
+        active = [h for h in able if h.last_seen > utcnow() - ACTIVE_HOST_WINDOW]
+        return JobProblems(
+            job_id=job.id,
+            status=JobStatus(job.status),
+            status_message=job.status_message,
+            counts=dict(counts),
+            reasons=[
+                ProblemCount(status=status, reason=reason, count=n)
+                for (status, reason), n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+            ],
+            recent=[
+                AssignmentProblem(
+                    assignment_id=a.id,
+                    host_id=a.host_id,
+                    host_name=name,
+                    epoch=epoch,
+                    status=AssignmentStatus(a.status),
+                    message=a.message,
+                    finished_at=a.finished_at,
+                )
+                for a, name, epoch in recent
+            ],
+            hosts_registered=len(hosts),
+            hosts_able=len(able),
+            hosts_able_active=len(active),
+            findings=findings(job, len(hosts), len(able), len(active), counts),
+        )
+
+
+def findings(job: Job, registered: int, able: int, active: int, counts: Counter[AssignmentStatus]) -> list[str]:
+    """Sentences for the operator from the figures of `job_problems`: what keeps the job from going on."""
+    out: list[str] = []
+    if job.status != JobStatus.running.value:
+        return out
+    if registered == 0:
+        out.append("no host has registered (or every one is revoked): start a client")
+    elif able == 0:
+        needs = " or ".join(frameworks.able_to_run(job.model_config_))
+        out.append(f"no host can run this job: it needs {needs}, which none of the {registered} registered hosts has")
+    elif active == 0:
+        out.append(
+            f"none of the {able} hosts able to run this job has asked for work in the last "
+            f"{ACTIVE_HOST_WINDOW.total_seconds():.0f} seconds: start a client"
+        )
+    errors = counts[AssignmentStatus.client_error]
+    if errors:
+        out.append(f"{errors} assignments ended in a client error: see the reasons above and the clients' logs")
+    if counts[AssignmentStatus.rejected]:
+        out.append(f"{counts[AssignmentStatus.rejected]} uploads were refused by the parameter servers")
+    if counts[AssignmentStatus.timed_out]:
+        out.append(
+            f"{counts[AssignmentStatus.timed_out]} assignments timed out: hosts may be too slow for "
+            f"scheduling.deadline_seconds={job.spec['scheduling']['deadline_seconds']}"
+        )
+    return out
