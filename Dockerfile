@@ -19,8 +19,9 @@ COPY workgen ./workgen
 COPY assimilator ./assimilator
 COPY client ./client
 COPY migrations ./migrations
-# TensorFlow too: parameter servers evaluate TensorFlow jobs and Keras JSON models with it.
-RUN pip install ".[server,tensorflow]"
+# TensorFlow too: parameter servers evaluate TensorFlow jobs and Keras JSON models with it. The data
+# extra reads csv, parquet, Hugging Face and image-folder datasets at submission.
+RUN pip install ".[server,tensorflow,data]"
 
 # An unprivileged user; its working directory holds the example job specs
 # (`docker compose exec scheduler crowdtrain job submit examples/mnist1d-cnn.yaml`).

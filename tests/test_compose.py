@@ -317,10 +317,11 @@ def test_the_client_image_installs_the_client_extra_only() -> None:
     assert dockerfile_entrypoint(ROOT / "Dockerfile.client") == ["crowdtrain"]
 
 
-def test_the_server_image_installs_the_server_and_tensorflow_extras() -> None:
-    # Parameter servers evaluate TensorFlow jobs and Keras JSON models with TensorFlow.
+def test_the_server_image_installs_the_server_tensorflow_and_data_extras() -> None:
+    # Parameter servers evaluate TensorFlow jobs and Keras JSON models with TensorFlow; the scheduler
+    # reads every dataset format at submission.
     installs = " ".join(_pip_installs(ROOT / "Dockerfile"))
-    assert ".[server,tensorflow]" in installs and "[dev]" not in installs
+    assert ".[server,tensorflow,data]" in installs and "[dev]" not in installs
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
