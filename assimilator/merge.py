@@ -160,7 +160,8 @@ def _assimilate(svc: MergeServices, assignment_id: int, received_at: float | Non
 
 
 def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> MergeResult:
-    """Merge a result that no delivery has merged yet; raises Refused when it must not be."""
+    """Merge a result that no delivery has merged yet; raises Refused when it must not be, and
+    Superseded when another assignment of its workunit was merged first."""
     if not p.job_running:
         raise Refused("job is no longer running", charge=False)
     if p.workunit_done:

@@ -10,7 +10,9 @@ A merge is an optimistic transaction: WATCH the version and the merged-set, comp
 MULTI/EXEC the new chunks of W_s and of the rule's state, the new version and the assignment id
 together. Two parameter servers racing on one job retry; a redelivered task finds its id in the
 merged-set and does nothing. So every assignment is merged exactly once, however often its task
-runs, and its effect on the rule's state (one momentum step, one buffered update) too. The state
+runs, and its effect on the rule's state (one momentum step, one buffered update) too. Given the
+assignment's workunit, the transaction also watches the workunit -> assignment map: of a straggler
+and its duplicate, the first to merge is the only one W_s takes. The state
 is written only together with the version, so watching the version covers it.
 
 When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
