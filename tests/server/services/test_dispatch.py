@@ -1,6 +1,8 @@
 """Claiming work is atomic: simultaneous requests never get the same workunit."""
 
 import threading
+import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -188,3 +190,16 @@ def test_epoch_release_and_closing_leave_a_dedloc_job_alone(scheduler, private_r
     with scheduler.db.begin() as s:
         assert s.get_one(Job, job_id).status == JobStatus.running.value
     assert scheduler.count(Workunit) == 0
+
+
+def test_a_heartbeat_reply_carries_the_extended_deadline(scheduler) -> None:
+    spec = load_job_spec(EXAMPLE_SPEC)
+    created = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers)
+    assert created.status_code == 201, created.text
+    host = scheduler.register_host()
+    (given,) = scheduler.http.post("/v1/work", json={"free_slots": 1}, headers=host).json()["assignments"]
+    time.sleep(0.01)
+    beat = scheduler.http.post(f"/v1/assignments/{given['assignment_id']}/heartbeat", headers=host).json()
+    assert beat["keep_going"] is True
+    sent_deadline, extended = (datetime.fromisoformat(d) for d in (given["deadline"], beat["deadline"]))
+    assert extended > sent_deadline  # now + deadline_seconds, counted from the heartbeat
