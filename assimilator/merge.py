@@ -6,7 +6,8 @@ update-norm bound, clipping: crowdtrain.assimilator.policy), records the outcome
 when due, publishes a snapshot when due, and closes the epoch when it is complete.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
-assignment (paramstore.merge_once), and every ledger step is idempotent
+assignment, and at most one assignment per workunit (paramstore.merge_once: a straggler's duplicate
+that loses ends `superseded`), and every ledger step is idempotent
 (crowdtrain.server.ledger.merges), so running `assimilate` again for the same assignment, after a
 crash anywhere in it, completes what is missing and changes nothing else. No Celery here: the
 task in crowdtrain.assimilator.worker.tasks only wraps it.
@@ -33,7 +34,7 @@ from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import ObjectNotFound, Storage, open_storage
 from crowdtrain.core.tensors import Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256
 from crowdtrain.core.updates import decode_update, upload_of
-from crowdtrain.server.ledger import merges, paramstore
+from crowdtrain.server.ledger import duplicates, merges, paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete
 from crowdtrain.server.services import telemetry
@@ -54,6 +55,17 @@ class Refused(Exception):
         self.reason, self.charge = reason, charge
 
 
+class Superseded(Exception):
+    """Another assignment of the same workunit (a straggler and its duplicate) was merged first:
+    this result is not merged, and its assignment ends `superseded` (crowdtrain.server.ledger.duplicates)."""
+
+    def __init__(self, winner_id: int | None):
+        super().__init__(
+            "workunit already merged from " + ("another assignment" if winner_id is None else f"assignment {winner_id}")
+        )
+        self.winner_id = winner_id
+
+
 class JobBroken(Exception):
     """The job itself cannot take merges (its validation set does not fit its model, ...): every
     merge would fail the same way, so the job fails with this message."""
@@ -63,6 +75,7 @@ class Outcome(StrEnum):
     merged = "merged"  # merged into W_s by this call, and recorded
     already_merged = "already merged"  # an earlier delivery merged it; what it left unrecorded is recorded
     refused = "refused"  # not merged; the assignment is rejected (or was already ended)
+    superseded = "superseded"  # not merged: another assignment of its workunit was merged first
     nothing_to_merge = "nothing to merge"  # unknown assignment, or no longer uploaded
     failed = "failed"  # a failure that retrying would not remove; the assignment is ended
 
@@ -139,15 +152,20 @@ def _assimilate(svc: MergeServices, assignment_id: int, received_at: float | Non
             result = _merge_new(svc, pending, received_at)
         except Refused as exc:
             return _refuse(svc, assignment_id, exc)
+        except Superseded as exc:
+            return _supersede(svc, assignment_id, exc)
     assert result.version is not None  # a merged or already merged result names the W_s version holding it
     _record(svc, pending, result.version)
     return result
 
 
 def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> MergeResult:
-    """Merge a result that no delivery has merged yet; raises Refused when it must not be."""
+    """Merge a result that no delivery has merged yet; raises Refused when it must not be, and
+    Superseded when another assignment of its workunit was merged first."""
     if not p.job_running:
         raise Refused("job is no longer running", charge=False)
+    if p.workunit_done:
+        raise Superseded(None)
     if not p.workunit_open:
         raise Refused("workunit already done by another assignment", charge=False)
     update, base_norm = _checked_update(svc.storage, p)
@@ -157,10 +175,19 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
     merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), update, norm, base_norm)
     try:
         outcome = paramstore.merge_once(
-            svc.r, p.job_id, p.assignment_id, merge, received_at, update_norm=norm, initial_state=rule.initial_state
+            svc.r,
+            p.job_id,
+            p.assignment_id,
+            merge,
+            received_at,
+            update_norm=norm,
+            initial_state=rule.initial_state,
+            workunit_id=p.workunit_id,
         )
     except paramstore.MergesClosed:
         raise Refused("job is no longer running", charge=False) from None
+    except paramstore.WorkunitMerged as exc:
+        raise Superseded(exc.assignment_id) from None
     if not outcome.applied_now:
         return MergeResult(Outcome.already_merged, outcome.version)
     telemetry.count(svc.r, "merges")
@@ -225,6 +252,14 @@ def _refuse(svc: MergeServices, assignment_id: int, refused: Refused) -> MergeRe
     return MergeResult(Outcome.refused, reason=refused.reason)
 
 
+def _supersede(svc: MergeServices, assignment_id: int, superseded: Superseded) -> MergeResult:
+    """End the result `superseded` and delete its upload: W_s holds its workunit from another assignment."""
+    upload_key = duplicates.supersede_result(svc.db, assignment_id, superseded.winner_id)
+    if upload_key:
+        svc.storage.delete(upload_key)
+    return MergeResult(Outcome.superseded, reason=str(superseded))
+
+
 def _record(svc: MergeServices, p: merges.PendingMerge, version: int) -> None:
     """Record a result that W_s `version` holds. The metric is recorded before the workunit is marked
     done: when an epoch's last workunit is done, every one of its merges has its validation figure."""
@@ -232,8 +267,8 @@ def _record(svc: MergeServices, p: merges.PendingMerge, version: int) -> None:
     if version % sched["eval_every"] == 0:
         _record_metric(svc, p)
     _publish_snapshot_if_due(svc, p.job_id, sched, version)
-    merges.record_merge(svc.db, p.assignment_id, version)
-    svc.storage.delete(p.upload_key)
+    for key in [p.upload_key, *merges.record_merge(svc.db, p.assignment_id, version)]:
+        svc.storage.delete(key)
     close_epoch_if_complete(svc.db, svc.storage, svc.r, p.job_id, p.epoch, evaluate)
 
 

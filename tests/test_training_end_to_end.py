@@ -21,6 +21,7 @@ from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit
 from crowdtrain.workgen.datasets import load_dataset
 from tests.conftest import EXAMPLE_SPEC
+from tests.http_host import ScriptedHost
 
 pytestmark = pytest.mark.integration
 JOB_TIMEOUT = 420
@@ -261,3 +262,36 @@ def test_class_sorted_data_dealt_anew_each_epoch_trains_with_dynamic_local_work(
     assert {e for e, _, _ in shard_epochs} == {0} | set(range(2, max(e for e, _, _ in shard_epochs) + 1))
     assert all(n == written == 4 for e, n, written in shard_epochs if e <= st["current_epoch"] - 1)
     assert all(0.5 <= f <= 1.0 for f in fractions) and 1.0 in fractions
+
+
+def test_an_idle_client_duplicates_the_straggler_and_the_first_result_wins(make_cluster, sqlite_url: str) -> None:
+    """A one-epoch job of 4 workunits: a scripted host takes one and sits on it. A real client trains
+    the other three, then, with nothing else to give, a duplicate of the straggler's workunit; its
+    result is merged and closes the job. The straggler is told to stop and its late upload refused;
+    the workunit is done once and nothing is merged twice."""
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.max_epochs, spec.stop.target_accuracy = 1, 0.05
+    spec.scheduling = spec.scheduling.model_copy(update={"duplicate_after_seconds": 1.0})
+    job_id = cluster.submit(spec.model_dump(mode="json"))["job_id"]
+    straggler = ScriptedHost(cluster.url, cluster.join_token, "straggler")
+    held = straggler.next_assignment()
+    cluster.start_client("alice", tasks=1)
+    st = wait_finished(cluster, job_id, timeout=120)
+    assert st["status"] == "succeeded", st["status_message"]
+
+    beat = straggler.http.post(f"/v1/assignments/{held['assignment_id']}/heartbeat").json()
+    assert beat == {"keep_going": False, "reason": "assignment is superseded", "deadline": None}
+    late = straggler.http.put(f"/v1/assignments/{held['assignment_id']}/result", content=b"a late result")
+    assert late.status_code == 409, late.text
+    assert_exact_accounting(cluster, job_id)
+    db = session_factory(sqlite_url)
+    with db.begin() as s:
+        runs = s.execute(
+            select(Assignment.status, Host.name).join(Host).where(Assignment.workunit_id == held["workunit_id"])
+        ).all()
+        assert sorted(runs) == [("merged", "alice"), ("superseded", "straggler")]
+        assert s.scalar(select(func.count()).select_from(Assignment).where(Assignment.job_id == job_id)) == 5
+        assert s.scalar(select(Host.results_failed).where(Host.name == "straggler")) == 0
+    r = redis.Redis.from_url(cluster.redis_url)
+    assert int(r.get(keys.version(job_id))) == 4 == r.hlen(keys.merged_workunits(job_id))

@@ -231,6 +231,32 @@ class SchedulingSpec(_Strict):
     eval_every: int = Field(1, ge=1, description="Evaluate W_s on the validation set every N merges")
     snapshot_every_merges: int = Field(1, ge=1)
     snapshot_every_seconds: float = Field(5.0, ge=0)
+    weight: float = Field(
+        1.0,
+        ge=0.01,
+        le=100,
+        description="Fair share between running jobs: each job's share of the running assignments "
+        "is proportional to its weight (2 gets twice the hosts of 1)",
+    )
+    lease_max_factor: float = Field(
+        4.0,
+        ge=1,
+        le=100,
+        description="Each heartbeat extends an assignment's deadline to now + deadline_seconds, "
+        "never past sent + lease_max_factor x deadline_seconds (1: heartbeats never extend it)",
+    )
+    duplicate_after_seconds: float | None = Field(
+        30.0,
+        ge=0,
+        le=86_400,
+        description="When the job has nothing else to give, an idle host may get a duplicate of the "
+        "oldest assignment running at least this long (the first valid result wins); null: never",
+    )
+
+
+def scheduling_of(spec: dict[str, Any]) -> SchedulingSpec:
+    """The scheduling section of a stored job spec, with the defaults of fields added since it was stored."""
+    return SchedulingSpec.model_validate(spec.get("scheduling", {}))
 
 
 class DedlocSpec(_Strict):

@@ -35,6 +35,12 @@ def merged(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:merged"
 
 
+def merged_workunits(job_id: int) -> str:
+    """Hash workunit id -> the assignment id W_s took it from: one result per workunit, however many
+    assignments (a straggler and its duplicate) upload one (paramstore.merge_once)."""
+    return f"{PREFIX}:job:{job_id}:merged-workunits"
+
+
 def closed(job_id: int) -> str:
     """Set once the job stops running: no merge commits after it (paramstore.close_merges)."""
     return f"{PREFIX}:job:{job_id}:closed"

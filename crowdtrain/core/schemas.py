@@ -172,6 +172,9 @@ class WorkReply(BaseModel):
 class HeartbeatReply(BaseModel):
     keep_going: bool
     reason: str = ""
+    deadline: UtcDatetime | None = Field(
+        None, description="The assignment's deadline after this heartbeat (it extends a live lease, up to a bound)"
+    )
 
 
 class ResultMetrics(BaseModel):

@@ -38,6 +38,9 @@ class AssignmentStatus(StrEnum):
     timed_out = "timed_out"
     abandoned = "abandoned"
     client_error = "client_error"
+    # Another assignment of the same workunit (a straggler's duplicate, or the straggler itself)
+    # was merged first: this one is not merged, not charged and not credited.
+    superseded = "superseded"
 
     @property
     def counts_as_error(self) -> bool:

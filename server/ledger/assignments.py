@@ -7,14 +7,14 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import redis
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import UploadSpec
+from crowdtrain.core.jobspec import SchedulingSpec, UploadSpec, scheduling_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.schemas import HostPublic, ResultMetrics
@@ -162,19 +162,32 @@ def store_result(
     return AssignmentStatus.uploaded
 
 
-def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str]:
-    """Record that the host is still working; tells it whether the work is still wanted."""
+def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str, datetime | None]:
+    """Record that the host is still working and extend its lease; returns (whether the work is
+    still wanted, why not, the assignment's deadline now).
+
+    A live assignment's deadline moves to now + `deadline_seconds`, never back and never past
+    sent_at + `lease_max_factor` x `deadline_seconds`: a slow host that keeps heartbeating keeps its
+    work, a silent one is timed out at its last deadline, and a hung one at the bound.
+    """
     with db.begin() as s:
         a = _own_assignment(s, assignment_id, host_id)
         now = utcnow()
         s.get_one(Host, host_id).last_seen = now
         if a.status != AssignmentStatus.in_progress.value:
-            return False, f"assignment is {a.status}"
+            return False, f"assignment is {a.status}", None
         job = s.get_one(Job, a.job_id)
         if job.status != JobStatus.running.value:
-            return False, f"job is {job.status}"
+            return False, f"job is {job.status}", None
         a.last_heartbeat = now
-        return True, ""
+        a.deadline = max(a.deadline, extended_deadline(a.sent_at, now, scheduling_of(job.spec)))
+        return True, "", a.deadline
+
+
+def extended_deadline(sent_at: datetime, now: datetime, sched: SchedulingSpec) -> datetime:
+    """The deadline a heartbeat at `now` gives an assignment sent at `sent_at` (see `heartbeat`). No I/O."""
+    lease = timedelta(seconds=sched.deadline_seconds)
+    return min(now + lease, sent_at + sched.lease_max_factor * lease)
 
 
 def give_up(

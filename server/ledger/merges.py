@@ -23,6 +23,7 @@ from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import paramstore, states
 from crowdtrain.server.ledger.assignments import end_assignment
+from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
 
@@ -43,8 +44,10 @@ class PendingMerge:
     spec: dict  # the job's spec (a JobSpec as a dict)
     manifest: dict  # the model's tensors: name -> (shape, dtype)
     model_config: dict
+    workunit_id: int
     job_running: bool
     workunit_open: bool  # no other assignment finished the workunit
+    workunit_done: bool  # another assignment of the workunit (a straggler's duplicate) was merged
     already_merged: bool  # the ledger recorded the merge (a redelivered task)
 
 
@@ -68,14 +71,18 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
             spec=job.spec,
             manifest=job.param_manifest,
             model_config=job.model_config_,
+            workunit_id=wu.id,
             job_running=job.status == JobStatus.running.value,
             workunit_open=wu.status == WorkunitStatus.in_progress.value,
+            workunit_done=wu.status == WorkunitStatus.done.value,
             already_merged=a.status == AssignmentStatus.merged.value,
         )
 
 
-def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) -> None:
-    """The result is in W_s `version`: the assignment is merged, its workunit done, its host credited.
+def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) -> list[str]:
+    """The result is in W_s `version`: the assignment is merged, its workunit done, its host credited,
+    and a duplicate of it still live ends `superseded` (ledger.duplicates). Returns the upload keys
+    of superseded results, for the caller to delete.
 
     Does nothing when already recorded; an assignment ended meanwhile (its job was cancelled or
     finished) stays ended, with a warning: W_s holds it, the ledger cannot say so any more.
@@ -83,7 +90,7 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
     with db.begin() as s:
         a = s.get_one(Assignment, assignment_id, with_for_update=True)
         if a.status == AssignmentStatus.merged.value:
-            return
+            return []
         if a.status != AssignmentStatus.uploaded.value:
             log.warning(
                 "assignment %s: merged into W_s v%d after it was ended (%s)",
@@ -92,7 +99,8 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
                 a.status,
                 extra=ids(job_id=a.job_id, assignment_id=assignment_id),
             )
-            return
+            return []
+        siblings = lock_siblings(s, a)
         host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see ledger/assignments.py
         states.move(a, AssignmentStatus.merged)
         a.merged_version, a.finished_at = version, utcnow()
@@ -103,6 +111,7 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
         job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
         job.param_version = max(job.param_version, version)
         _credit(host, (a.finished_at - a.sent_at).total_seconds())
+        superseded_uploads = supersede_siblings(s, a, siblings)
         job_id, workunit_id = a.job_id, a.workunit_id
     log.info(
         "assignment %s: merged into W_s v%d",
@@ -110,6 +119,7 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
         version,
         extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id),
     )
+    return superseded_uploads
 
 
 def _credit(host: Host, turnaround: float) -> None:
@@ -174,7 +184,8 @@ def end_failed_merge(
     rejected = False
     version = paramstore.merged_version(r, job_id, assignment_id)
     if version is not None:
-        record_merge(db, assignment_id, version)
+        for key in record_merge(db, assignment_id, version):
+            storage.delete(key)
     else:
         rejected = reject_result(
             db, storage, r, assignment_id, f"merge failed on the server: {cause}", charge=False, evaluate=evaluate

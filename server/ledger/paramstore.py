@@ -10,7 +10,9 @@ A merge is an optimistic transaction: WATCH the version and the merged-set, comp
 MULTI/EXEC the new chunks of W_s and of the rule's state, the new version and the assignment id
 together. Two parameter servers racing on one job retry; a redelivered task finds its id in the
 merged-set and does nothing. So every assignment is merged exactly once, however often its task
-runs, and its effect on the rule's state (one momentum step, one buffered update) too. The state
+runs, and its effect on the rule's state (one momentum step, one buffered update) too. Given the
+assignment's workunit, the transaction also watches the workunit -> assignment map: of a straggler
+and its duplicate, the first to merge is the only one W_s takes. The state
 is written only together with the version, so watching the version covers it.
 
 When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
@@ -36,6 +38,14 @@ Merge = Callable[[Params, Params, int], Params]  # (W_s, rule state, version) ->
 
 class MergesClosed(RuntimeError):
     """The job stopped running: its W_s takes no more merges."""
+
+
+class WorkunitMerged(RuntimeError):
+    """W_s already holds another assignment's result for this workunit (`assignment_id`)."""
+
+    def __init__(self, workunit_id: int, assignment_id: int):
+        super().__init__(f"workunit {workunit_id} was merged from assignment {assignment_id}")
+        self.assignment_id = assignment_id
 
 
 class NoServerModel(RuntimeError):
@@ -184,8 +194,11 @@ def merge_once(
     received_at: float | None = None,
     update_norm: float | None = None,
     initial_state: Callable[[Params], Params] | None = None,
+    workunit_id: int | None = None,
 ) -> MergeOutcome:
-    """Apply `merge(W_s, state, version)` exactly once for `assignment_id`.
+    """Apply `merge(W_s, state, version)` exactly once for `assignment_id`, and, given its
+    `workunit_id`, at most once per workunit: when W_s already holds another assignment of the
+    workunit (a straggler and its duplicate both uploaded), raises WorkunitMerged, writing nothing.
 
     `merge` updates W_s and the rule's state in place (and returns W_s), or raises to refuse the
     result; either way nothing is written unless the whole transaction commits, and W_s, the
@@ -196,17 +209,20 @@ def merge_once(
     `merge` may read them consistently.
     """
     vkey, mkey, lkey, member = keys.version(job_id), keys.merged(job_id), keys.merge_log(job_id), str(assignment_id)
-    ckey = keys.closed(job_id)
+    ckey, wkey = keys.closed(job_id), keys.merged_workunits(job_id)
     with r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(vkey, mkey, ckey)
+                pipe.watch(vkey, mkey, ckey, wkey)
                 if pipe.sismember(mkey, member):
                     pipe.unwatch()
                     return MergeOutcome(merged_version(r, job_id, assignment_id) or 0, applied_now=False)
                 if pipe.exists(ckey):
                     pipe.unwatch()
                     raise MergesClosed(f"job {job_id} is no longer running")
+                if workunit_id is not None and (owner := pipe.hget(wkey, str(workunit_id))) is not None:
+                    pipe.unwatch()
+                    raise WorkunitMerged(workunit_id, int(owner))
                 raw_version = pipe.get(vkey)
                 if raw_version is None:
                     raise NoServerModel(f"job {job_id} has no server model in Redis")
@@ -230,6 +246,8 @@ def merge_once(
                 _queue_state_write(pipe, job_id, cached.state_blob)
                 pipe.set(vkey, version + 1)
                 pipe.sadd(mkey, member)
+                if workunit_id is not None:
+                    pipe.hset(wkey, str(workunit_id), member)
                 pipe.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at}))
                 if update_norm is not None:
                     pipe.lpush(keys.update_norms(job_id), update_norm)

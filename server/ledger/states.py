@@ -20,8 +20,8 @@ TRANSITIONS: dict[type, dict[StrEnum, frozenset[StrEnum]]] = {
         W.in_progress: frozenset({W.ready, W.done, W.failed, W.cancelled}),
     },
     AssignmentStatus: {
-        A.in_progress: frozenset({A.uploaded, A.rejected, A.timed_out, A.abandoned, A.client_error}),
-        A.uploaded: frozenset({A.merged, A.rejected}),
+        A.in_progress: frozenset({A.uploaded, A.rejected, A.timed_out, A.abandoned, A.client_error, A.superseded}),
+        A.uploaded: frozenset({A.merged, A.rejected, A.superseded}),
     },
 }
 

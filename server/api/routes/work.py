@@ -49,8 +49,8 @@ def request_work(
 
 @router.post("/assignments/{assignment_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
-    keep_going, reason = assignments.heartbeat(db, host_id, assignment_id)
-    return HeartbeatReply(keep_going=keep_going, reason=reason)
+    keep_going, reason, deadline = assignments.heartbeat(db, host_id, assignment_id)
+    return HeartbeatReply(keep_going=keep_going, reason=reason, deadline=deadline)
 
 
 @router.put(

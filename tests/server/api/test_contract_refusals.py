@@ -163,6 +163,7 @@ def test_an_assignment_given_back_cannot_be_given_back_or_uploaded_again(world: 
     assert carol.post(f"/v1/assignments/{a}/heartbeat").json() == {
         "keep_going": False,
         "reason": "assignment is abandoned",
+        "deadline": None,
     }
 
 

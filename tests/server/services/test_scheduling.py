@@ -1,0 +1,334 @@
+"""Scheduling as BOINC operators expect it, on a real ledger (SQLite and PostgreSQL) and a private
+Redis: fair share between jobs by weight, heartbeats that extend a live lease up to a bound, and
+straggler duplicates at an epoch's tail whose first valid result wins, with exact accounting."""
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.refusals import RefusalKind
+from crowdtrain.core.schemas import ResultMetrics
+from crowdtrain.core.settings import Settings
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.storage import Storage, open_storage
+from crowdtrain.core.tensors import encode
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbeat, store_result, time_out_expired
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Host, Workunit, utcnow
+from crowdtrain.server.services.dispatch import request_work
+from crowdtrain.server.services.fair_share import split_slots
+from crowdtrain.workgen.generator import submit_job
+from tests.conftest import EXAMPLE_SPEC
+
+BOTH_DATABASES = pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+
+
+@dataclass
+class Ledger:
+    db: sessionmaker[Session]
+    storage: Storage
+    r: redis.Redis
+    var: Path
+
+    def submit(self, subsets: int, max_epochs: int = 50, **scheduling) -> int:
+        """The example job on a small random dataset (quick to prepare) with `scheduling` options."""
+        data = self.var / "small.npz"
+        if not data.exists():
+            rng = np.random.default_rng(0)
+            np.savez(
+                data,
+                x=rng.standard_normal((800, 40)).astype(np.float32),
+                y=np.arange(800) % 10,
+                x_val=rng.standard_normal((50, 40)).astype(np.float32),
+                y_val=np.arange(50) % 10,
+            )
+        spec = load_job_spec(EXAMPLE_SPEC)
+        spec.dataset.source, spec.dataset.subsets = f"npz:{data}", subsets
+        spec.stop.max_epochs, spec.stop.target_accuracy = max_epochs, 0.01
+        spec.scheduling = spec.scheduling.model_copy(update=scheduling)
+        return submit_job(self.db, self.storage, self.r, spec, Settings().upload_max_bytes).job_id
+
+    def hosts(self, n: int) -> list[int]:
+        with self.db.begin() as s:
+            start = s.scalar(select(func.count()).select_from(Host))
+            hosts = [Host(name=f"h{start + i}", token_hash=f"{start + i:064d}") for i in range(n)]
+            s.add_all(hosts)
+            s.flush()
+            return [h.id for h in hosts]
+
+    def upload(self, host_id: int, job_id: int, assignment_id: int) -> None:
+        """A valid result: W_s as published (an update of zero)."""
+        body = encode(paramstore.read(self.r, job_id)[1])
+        store_result(self.db, self.storage, host_id, job_id, assignment_id, body, ResultMetrics(), lambda *_: None)
+
+    def merge(self, assignment_id: int) -> Outcome:
+        return assimilate(MergeServices(self.db, self.storage, self.r, snapshots_kept=3), assignment_id).outcome
+
+    def age(self, assignment_id: int, seconds: float) -> None:
+        """Move an assignment `seconds` into the past: its sending, deadline and last heartbeat."""
+        shift = timedelta(seconds=seconds)
+        with self.db.begin() as s:
+            a = s.get_one(Assignment, assignment_id)
+            a.sent_at -= shift
+            a.deadline -= shift
+            if a.last_heartbeat is not None:
+                a.last_heartbeat -= shift
+
+    def assignment(self, assignment_id: int) -> Assignment:
+        with self.db.begin() as s:
+            a = s.get_one(Assignment, assignment_id)
+            s.expunge(a)
+            return a
+
+    def workunit(self, workunit_id: int) -> tuple[str, int]:
+        with self.db.begin() as s:
+            wu = s.get_one(Workunit, workunit_id)
+            return wu.status, wu.error_count
+
+    def host(self, host_id: int) -> tuple[int, int]:
+        with self.db.begin() as s:
+            h = s.get_one(Host, host_id)
+            return h.results_valid, h.results_failed
+
+
+@pytest.fixture
+def ledger(database_url, private_redis, tmp_path) -> Ledger:
+    upgrade(database_url)
+    paramstore._cache.clear()  # job ids repeat across tests' databases
+    return Ledger(session_factory(database_url), open_storage((tmp_path / "storage").as_uri()), private_redis, tmp_path)
+
+
+# Fair share
+
+
+def test_free_slots_are_split_by_weight() -> None:
+    """The pure split: slots go to the job furthest below its weighted share, ties to the older."""
+    assert split_slots(6, {}, {1: 2.0, 2: 1.0}) == {1: 4, 2: 2}
+    assert split_slots(3, {}, {1: 1.0, 2: 1.0}) == {1: 2, 2: 1}
+    assert split_slots(2, {1: 5, 2: 1}, {1: 1.0, 2: 1.0}) == {1: 0, 2: 2}
+    assert split_slots(4, {}, {}) == {}
+
+
+@BOTH_DATABASES
+@pytest.mark.parametrize(("weights", "share"), [((1, 1), 1 / 2), ((2, 1), 2 / 3)], ids=["1-1", "2-1"])
+def test_two_running_jobs_share_the_dispatches_by_weight(ledger, weights, share) -> None:
+    """12 hosts, one slot each, ask for work 40 rounds; each assignment runs 1-4 rounds. Oldest job
+    first would give the first job everything (it never runs out of ready work); fair share gives
+    it `share` of the dispatches within 0.06, and of the running assignments within one."""
+    first = ledger.submit(subsets=40, weight=weights[0])
+    second = ledger.submit(subsets=40, weight=weights[1])
+    hosts = ledger.hosts(12)
+    rng = random.Random(0)
+    held: dict[int, tuple[int, int, int]] = {}  # host -> (assignment, job, rounds left)
+    dispatched: Counter[int] = Counter()
+    for _ in range(40):
+        for h in hosts:
+            if h in held:
+                aid, job_id, left = held.pop(h)
+                if left > 1:
+                    held[h] = (aid, job_id, left - 1)
+                    continue
+                give_up(ledger.db, ledger.storage, ledger.r, h, aid, AssignmentStatus.abandoned, "done", evaluate)
+            (a,) = request_work(ledger.db, ledger.storage, h, 1, [], None)
+            dispatched[a.job_id] += 1
+            held[h] = (a.assignment_id, a.job_id, rng.randint(1, 4))
+    total = dispatched[first] + dispatched[second]
+    assert total > 150
+    assert dispatched[first] / total == pytest.approx(share, abs=0.06), dispatched
+    running = Counter(job_id for _, job_id, _ in held.values())
+    assert abs(running[first] - share * len(hosts)) <= 1, running
+
+
+@BOTH_DATABASES
+def test_one_request_for_several_slots_is_split_by_weight(ledger) -> None:
+    first = ledger.submit(subsets=8, weight=2)
+    second = ledger.submit(subsets=8, weight=1)
+    (host,) = ledger.hosts(1)
+    given = Counter(a.job_id for a in request_work(ledger.db, ledger.storage, host, 6, [], None))
+    assert given == {first: 4, second: 2}
+
+
+# Lease extension
+
+
+@BOTH_DATABASES
+def test_a_heartbeat_extends_a_live_lease_up_to_its_bound(ledger) -> None:
+    """deadline_seconds 60, lease_max_factor 3: a host that heartbeats keeps its assignment past the
+    original deadline and its result merges; a silent one is timed out; no lease outlives sent + 180 s."""
+    job_id = ledger.submit(subsets=4, deadline_seconds=60, lease_max_factor=3)
+    live, silent, hung = ledger.hosts(3)
+    (a_live,) = request_work(ledger.db, ledger.storage, live, 1, [], None)
+    (a_silent,) = request_work(ledger.db, ledger.storage, silent, 1, [], None)
+    (a_hung,) = request_work(ledger.db, ledger.storage, hung, 1, [], None)
+    for a in (a_live, a_silent):
+        ledger.age(a.assignment_id, 50)  # 10 s left of the first lease
+    original = ledger.assignment(a_live.assignment_id).deadline
+
+    keep_going, reason, deadline = heartbeat(ledger.db, live, a_live.assignment_id)
+    assert keep_going and reason == ""
+    assert deadline == ledger.assignment(a_live.assignment_id).deadline
+    assert deadline - original > timedelta(seconds=45)  # now + 60 s, not sent + 60 s
+
+    ledger.age(a_live.assignment_id, 30)
+    ledger.age(a_silent.assignment_id, 30)  # both 80 s old: past the original 60 s deadline
+    assert time_out_expired(ledger.db, ledger.storage, ledger.r, evaluate) == 1
+    assert ledger.assignment(a_silent.assignment_id).status == AssignmentStatus.timed_out.value
+    assert ledger.assignment(a_live.assignment_id).status == AssignmentStatus.in_progress.value
+
+    ledger.upload(live, job_id, a_live.assignment_id)
+    assert ledger.merge(a_live.assignment_id) == Outcome.merged
+    assert ledger.assignment(a_live.assignment_id).status == AssignmentStatus.merged.value
+
+    # The bound: heartbeating all along, a hung host still loses its work at sent + 3 x 60 s.
+    ledger.age(a_hung.assignment_id, 170)
+    _, _, deadline = heartbeat(ledger.db, hung, a_hung.assignment_id)
+    hung_row = ledger.assignment(a_hung.assignment_id)
+    assert deadline == hung_row.sent_at + timedelta(seconds=180)
+    ledger.age(a_hung.assignment_id, 15)
+    _, _, deadline = heartbeat(ledger.db, hung, a_hung.assignment_id)
+    assert deadline == ledger.assignment(a_hung.assignment_id).sent_at + timedelta(seconds=180)  # not extended
+    assert deadline < utcnow()
+    assert time_out_expired(ledger.db, ledger.storage, ledger.r, evaluate) == 1
+    assert ledger.assignment(a_hung.assignment_id).status == AssignmentStatus.timed_out.value
+    assert heartbeat(ledger.db, hung, a_hung.assignment_id) == (False, "assignment is timed_out", None)
+
+
+# Straggler duplicates
+
+
+@dataclass
+class Tail:
+    """A one-epoch job of two workunits at its tail: `straggler` holds one for 20 s, `quick` the other
+    (just sent); `idle` got a duplicate of the straggler's workunit."""
+
+    job_id: int
+    straggler: int  # host ids
+    quick: int
+    idle: int
+    original: int  # assignment ids
+    other: int
+    duplicate: int
+    workunit: int
+
+
+def _tail(ledger: Ledger) -> Tail:
+    job_id = ledger.submit(subsets=2, max_epochs=1, duplicate_after_seconds=10)
+    straggler, quick, idle = ledger.hosts(3)
+    (original,) = request_work(ledger.db, ledger.storage, straggler, 1, [], None)
+    (other,) = request_work(ledger.db, ledger.storage, quick, 1, [], None)
+    assert request_work(ledger.db, ledger.storage, idle, 1, [], None) == [], "no straggler is 10 s old yet"
+    ledger.age(original.assignment_id, 20)
+    assert request_work(ledger.db, ledger.storage, straggler, 1, [], None) == [], "never its own workunit"
+    (duplicate,) = request_work(ledger.db, ledger.storage, idle, 2, [], None)
+    assert duplicate.workunit_id == original.workunit_id
+    assert duplicate.base_version == original.base_version
+    # At most two live assignments per workunit: the duplicated one is not duplicated again, and the
+    # other assignment is not a straggler yet.
+    (late,) = ledger.hosts(1)
+    assert request_work(ledger.db, ledger.storage, late, 1, [], None) == []
+    return Tail(
+        job_id,
+        straggler,
+        quick,
+        idle,
+        original.assignment_id,
+        other.assignment_id,
+        duplicate.assignment_id,
+        original.workunit_id,
+    )
+
+
+def _assert_accounting(ledger: Ledger, t: Tail, winner: int, loser: int, winner_host: int, loser_host: int) -> None:
+    """The workunit is done once, from `winner`; `loser` ended superseded, neither charged nor credited;
+    W_s's version counts distinct merged workunits, and Redis and the ledger agree on what it holds."""
+    assert ledger.assignment(winner).status == AssignmentStatus.merged.value
+    lost = ledger.assignment(loser)
+    assert lost.status == AssignmentStatus.superseded.value
+    assert f"assignment {winner}" in lost.message or "another assignment" in lost.message
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.done.value, 0)
+    assert ledger.host(winner_host) == (1, 0)
+    assert ledger.host(loser_host) == (0, 0)
+    with ledger.db.begin() as s:
+        merged = s.execute(
+            select(Assignment.id, Assignment.workunit_id).where(
+                Assignment.job_id == t.job_id, Assignment.status == AssignmentStatus.merged.value
+            )
+        ).all()
+        done = s.scalars(
+            select(Workunit.id).where(Workunit.job_id == t.job_id, Workunit.status == WorkunitStatus.done.value)
+        ).all()
+    assert len({wu for _, wu in merged}) == len(merged) == len(done)
+    assert int(ledger.r.get(keys.version(t.job_id))) == len(merged)
+    assert {int(m) for m in ledger.r.smembers(keys.merged(t.job_id))} == {aid for aid, _ in merged}
+    assert int(ledger.r.hget(keys.merged_workunits(t.job_id), str(t.workunit))) == winner
+    assert not [p for p in (ledger.var / "storage").rglob("*") if "uploads" in p.parts and p.is_file()]
+
+
+@BOTH_DATABASES
+def test_the_duplicate_wins_and_the_running_straggler_is_told_to_stop(ledger) -> None:
+    t = _tail(ledger)
+    ledger.upload(t.idle, t.job_id, t.duplicate)
+    assert ledger.merge(t.duplicate) == Outcome.merged
+    # The straggler hears at its next heartbeat, and its late upload is refused politely (409).
+    assert heartbeat(ledger.db, t.straggler, t.original) == (False, "assignment is superseded", None)
+    with pytest.raises(ResultProblem) as refused:
+        ledger.upload(t.straggler, t.job_id, t.original)
+    assert refused.value.kind == RefusalKind.conflict
+    _assert_accounting(ledger, t, t.duplicate, t.original, t.idle, t.straggler)
+
+
+@BOTH_DATABASES
+def test_when_both_upload_the_first_merged_wins_and_the_other_is_never_merged(ledger) -> None:
+    t = _tail(ledger)
+    ledger.upload(t.straggler, t.job_id, t.original)
+    ledger.upload(t.idle, t.job_id, t.duplicate)
+    assert ledger.merge(t.original) == Outcome.merged
+    assert ledger.merge(t.duplicate) == Outcome.nothing_to_merge  # ended superseded by the winner's record
+    assert ledger.merge(t.duplicate) == Outcome.nothing_to_merge  # a redelivery changes nothing
+    _assert_accounting(ledger, t, t.original, t.duplicate, t.straggler, t.idle)
+
+
+@BOTH_DATABASES
+def test_a_result_whose_workunit_w_s_already_holds_is_superseded_not_merged(ledger) -> None:
+    """The race the ledger cannot see: the duplicate is in W_s but its merge is not yet recorded (its
+    parameter server died) when the straggler's merge runs. W_s takes one result per workunit."""
+    t = _tail(ledger)
+    ledger.upload(t.straggler, t.job_id, t.original)
+    ledger.upload(t.idle, t.job_id, t.duplicate)
+    paramstore.merge_once(
+        ledger.r, t.job_id, t.duplicate, lambda params, _state, _v: params, workunit_id=t.workunit
+    )  # the dead server's merge
+    version = int(ledger.r.get(keys.version(t.job_id)))
+    assert ledger.merge(t.original) == Outcome.superseded
+    assert int(ledger.r.get(keys.version(t.job_id))) == version, "W_s took a second result for the workunit"
+    assert ledger.merge(t.duplicate) == Outcome.already_merged  # the redelivered task records it
+    _assert_accounting(ledger, t, t.duplicate, t.original, t.idle, t.straggler)
+
+
+@BOTH_DATABASES
+def test_a_straggler_that_times_out_leaves_its_workunit_to_the_duplicate(ledger) -> None:
+    t = _tail(ledger)
+    with ledger.db.begin() as s:
+        s.execute(
+            update(Assignment).where(Assignment.id == t.original).values(deadline=utcnow() - timedelta(seconds=1))
+        )
+    assert time_out_expired(ledger.db, ledger.storage, ledger.r, evaluate) == 1
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.in_progress.value, 1), "still running on the duplicate"
+    ledger.upload(t.idle, t.job_id, t.duplicate)
+    assert ledger.merge(t.duplicate) == Outcome.merged
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.done.value, 1)
+    assert ledger.assignment(t.original).status == AssignmentStatus.timed_out.value
