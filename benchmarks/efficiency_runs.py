@@ -63,13 +63,7 @@ def baseline(task: Task, seed: int) -> dict:
     """One process: the job's model, initial W (seed), training recipe, over the whole training set."""
     spec = JobSpec.model_validate(task.spec)
     data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
-    model_config = {
-        "name": spec.model.name,
-        "framework": spec.framework,
-        "input_shape": data.input_shape,
-        "num_classes": data.num_classes,
-        "options": spec.model.options,
-    }
+    model_config = spec.configure_model(data.input_shape, data.num_classes)
     params, _ = initial_parameters(model_config, seed, 1 << 40)
     recipe = {
         "model": model_config,

@@ -166,9 +166,3 @@ def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             yield
         finally:
             fcntl.flock(share, fcntl.LOCK_UN)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The end-to-end tests (the files directly in tests/) first: they are the longest, and xdist's
-    workers finish together when the long ones do not start last."""
-    items.sort(key=lambda item: item.path.parent != Path(__file__).parent)

@@ -77,15 +77,7 @@ def _create_job(
     upload_max_bytes: int,
 ) -> PreparedJob:
     """submit_job once the dataset is checked and dealt: the model checked, then everything stored."""
-    model_config = {
-        "name": spec.model.name,
-        "framework": spec.framework,
-        "input_shape": data.input_shape,
-        "num_classes": data.num_classes,
-        "options": spec.model.options,
-    }
-    if spec.model.keras is not None:
-        model_config["keras"] = spec.model.keras
+    model_config = spec.configure_model(data.input_shape, data.num_classes)
     params, n_parameters = initial_parameters(model_config, spec.seed, upload_max_bytes)
     initial = encode(params)
     if len(initial) > upload_max_bytes:

@@ -341,6 +341,20 @@ class JobSpec(_Strict):
             )
         return self
 
+    def configure_model(self, input_shape: list[int], num_classes: int) -> dict[str, Any]:
+        """The job's model as clients, parameter servers and the zoo build it: the spec's model
+        section with the framework and the dataset's example shape and class count."""
+        config: dict[str, Any] = {
+            "name": self.model.name,
+            "framework": self.framework,
+            "input_shape": input_shape,
+            "num_classes": num_classes,
+            "options": self.model.options,
+        }
+        if self.model.keras is not None:
+            config["keras"] = self.model.keras
+        return config
+
 
 def load_job_spec(path: Path, notes: list[str] | None = None) -> JobSpec:
     """Read a YAML or JSON job spec file; raises pydantic.ValidationError or ValueError (one line

@@ -36,13 +36,12 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             .where(Metric.job_id == job_id)
             .order_by(Metric.param_version)
         ).all()
-        a_counts = dict(
-            s.execute(
+        a_counts: dict[str, int] = {
+            status: count
+            for status, count in s.execute(
                 select(Assignment.status, func.count()).where(Assignment.job_id == job_id).group_by(Assignment.status)
             )
-            .tuples()
-            .all()
-        )
+        }
         active = s.scalar(
             select(func.count(func.distinct(Assignment.host_id))).where(
                 Assignment.job_id == job_id, Assignment.sent_at > utcnow() - ACTIVE_HOST_WINDOW
