@@ -149,7 +149,8 @@ def make_cluster(tmp_path: Path) -> Iterator:
 @pytest.fixture(autouse=True)
 def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests run side by side on xdist workers, except those marked `serial`: they judge the machine's
-    own load (an idle-only client) and run with no other test running.
+    own load (an idle-only client) and run with no other test running. `make test` runs them in a pass of their
+    own after the others; this lock keeps them alone when a run mixes both (`pytest -n 4` by hand).
 
     A reader-writer lock over the run's workers: every test holds `share` shared, a serial test
     holds it exclusively. The `turnstile` makes a waiting serial test block the tests that would
