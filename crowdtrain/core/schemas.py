@@ -330,7 +330,9 @@ class JobDashboard(BaseModel):
     job: JobStatusOut
     workunits: dict[WorkunitStatus, int] = Field(..., description="The job's workunits by status, every epoch")
     epoch_workunits: dict[WorkunitStatus, int] = Field(..., description="The current epoch's workunits by status")
-    merges_per_second: float = Field(..., description="Merges per second over the last minute")
+    merges_per_second: float = Field(
+        ..., description="Merges per second over the last minute (or the job's life, if shorter)"
+    )
     merges_per_second_overall: float | None = Field(..., description="Merges per second since the job started")
     staleness: Staleness
     problems: JobProblems

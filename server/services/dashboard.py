@@ -68,11 +68,13 @@ def job_dashboard(db: sessionmaker[Session], job_id: int) -> JobDashboard:
     taus = [version - 1 - base for base, version, _ in merged if version is not None]
     recent = sum(1 for *_, at in merged if at is not None and at > now - MERGE_RATE_WINDOW)
     elapsed = status.elapsed_seconds
+    # A job younger than the window has merged over its age, not over the whole window.
+    window = min(MERGE_RATE_WINDOW.total_seconds(), elapsed or MERGE_RATE_WINDOW.total_seconds())
     return JobDashboard(
         job=status,
         workunits=dict(workunits),
         epoch_workunits=epoch_workunits,
-        merges_per_second=recent / MERGE_RATE_WINDOW.total_seconds(),
+        merges_per_second=recent / max(window, 1.0),
         merges_per_second_overall=len(merged) / elapsed if elapsed else None,
         staleness=staleness(taus),
         problems=problems,

@@ -117,9 +117,12 @@ function lineChart(svg, points, xLabel, target) {
   const sx = (x) => L + (x / xmax) * (W - L - R);
   const sy = (y) => T + (1 - (y - ylo) / yspan) * (H - T - B);
 
-  // Epoch bands: from an epoch's first point to the next epoch's first, every other one shaded.
-  const starts = [];
-  points.forEach((p, i) => { if (i === 0 || p.epoch !== points[i - 1].epoch) starts.push({ epoch: p.epoch, x: i === 0 ? 0 : p.x }); });
+  // Epoch bands: from an epoch's first merge to the next epoch's first, every other one shaded. (A straggler
+  // of an epoch may be merged after the next epoch's first merge; it falls in the next band.)
+  const first = new Map();
+  for (const p of points) if (!first.has(p.epoch) || p.x < first.get(p.epoch)) first.set(p.epoch, p.x);
+  const starts = Array.from(first, ([epoch, x]) => ({ epoch: epoch, x: x })).sort((a, b) => a.epoch - b.epoch);
+  starts[0].x = 0;
   starts.forEach((s, i) => {
     const x0 = sx(s.x), x1 = sx(i + 1 < starts.length ? starts[i + 1].x : xmax);
     if (i % 2 === 0) svg.appendChild(svgEl("rect", { x: x0, y: T, width: Math.max(x1 - x0, 0), height: H - T - B, class: "band" }));
@@ -185,7 +188,7 @@ function jobPage() {
     fillTable("assignments", counts(job.assignments), ([s, n]) => [s, [num(n), "num"]]);
     fillTable("epochs", job.epochs.slice().reverse(), (e) => [
       String(e.epoch), [num(e.workunits), "num"], [num(e.done), "num"], [num(e.failed), "num"], [num(e.merges), "num"],
-      [pct(e.mean_accuracy), "num"], [pct(e.min_accuracy) + " – " + pct(e.max_accuracy), "num"],
+      [pct(e.mean_accuracy), "num"], [e.merges ? pct(e.min_accuracy) + " – " + pct(e.max_accuracy) : "–", "num"],
     ]);
     const p = d.problems;
     setText("findings", p.findings.join(" "));
