@@ -85,7 +85,7 @@ def host_figures(db: sessionmaker[Session]) -> list[HostFigures]:
     """Every host with its frameworks, merged results, examples and training throughput, oldest first."""
     with db.begin() as s:
         done = {
-            host_id: (n, examples, seconds)
+            host_id: (n, examples or 0, seconds)
             for host_id, n, examples, seconds in s.execute(
                 select(
                     Assignment.host_id,
@@ -117,7 +117,7 @@ def project_public(db: sessionmaker[Session]) -> ProjectPublic:
     display name its hosts registered with. Display names, statuses and counts only."""
     with db.begin() as s:
         per_job = {
-            job_id: (n, examples)
+            job_id: (n, examples or 0)
             for job_id, n, examples in s.execute(
                 select(Assignment.job_id, func.count(), func.coalesce(func.sum(Assignment.examples), 0))
                 .where(Assignment.status == _MERGED)
@@ -138,7 +138,7 @@ def project_public(db: sessionmaker[Session]) -> ProjectPublic:
             for j in s.scalars(select(Job).where(Job.status != JobStatus.pending.value).order_by(Job.id))
         ]
         per_host = {
-            host_id: (n, examples)
+            host_id: (n, examples or 0)
             for host_id, n, examples in s.execute(
                 select(Assignment.host_id, func.count(), func.coalesce(func.sum(Assignment.examples), 0))
                 .where(Assignment.status == _MERGED)
