@@ -33,6 +33,9 @@ def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(buil
             assert f"{package.replace('.', '/')}/{rel.as_posix()}" in names, f"{init} is not in the wheel"
     revisions = sorted(p.name for p in (ROOT / "migrations" / "versions").glob("0*.py"))
     assert revisions and all(f"crowdtrain/migrations/versions/{r}" in names for r in revisions)
+    # So are the dashboard's pages, styles and script, which the scheduler serves from the package.
+    static = sorted(p.name for p in (ROOT / "server" / "api" / "static").iterdir())
+    assert static and all(f"crowdtrain/server/api/static/{name}" in names for name in static)
 
 
 def test_the_packages_list_names_every_package_folder() -> None:

@@ -37,6 +37,9 @@ class Settings(BaseSettings):
         description="Bootstrap join token clients may register with; "
         "empty disables it (use `crowdtrain admin join-token`)",
     )
+    dashboard_session_seconds: int = Field(
+        8 * 3600, ge=60, le=30 * 86400, description="How long a dashboard login lasts (its cookie's lifetime)"
+    )
     auth_failures_per_minute: int = Field(
         20,
         ge=1,

@@ -16,7 +16,7 @@ from crowdtrain.core import logs
 from crowdtrain.core.schemas import Health
 from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
-from crowdtrain.server.api.routes import admin, datasets, dedloc, files, hosts, jobs, metrics, work
+from crowdtrain.server.api.routes import admin, dashboard, datasets, dedloc, files, hosts, jobs, metrics, work
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
     app.include_router(dedloc.router)
     app.include_router(dedloc.admin_router)
+    for router in dashboard.ROUTERS:
+        app.include_router(router)
 
     @app.get("/v1/health", tags=["health"], response_model=Health)
     def health() -> Health:

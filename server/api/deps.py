@@ -20,6 +20,7 @@ from crowdtrain.core.settings import Settings, get_settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.services import sessions
 from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
 from crowdtrain.server.services.throttle import FailureBudget
 
@@ -107,3 +108,29 @@ def require_admin(creds: BearerDep, settings: SettingsDep, _: FailureBudgetDep) 
 
 HostDep = Annotated[int, Depends(current_host)]
 AdminDep = Depends(require_admin)
+
+
+SESSION_COOKIE = "crowdtrain_session"
+READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
+
+
+def has_session(request: Request, settings: SettingsDep) -> bool:
+    """Whether the request carries a live dashboard session cookie (crowdtrain.server.services.sessions).
+
+    Only read-only requests may be admitted by the cookie, so that no other site can make a browser
+    change anything with it (CSRF); everything that changes state takes the bearer token alone. A
+    forged cookie is not a guess at a secret (it is an HMAC of 256 bits), so it spends no failure budget:
+    a session ended by a new admin token would otherwise throttle the operator's open pages."""
+    if request.method not in READ_ONLY_METHODS:
+        return False
+    return sessions.is_valid(settings.admin_token, request.cookies.get(SESSION_COOKIE))
+
+
+def require_session(logged_in: Annotated[bool, Depends(has_session)]) -> None:
+    """Admit a read-only request with a dashboard session (401 otherwise)."""
+    if not logged_in:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "dashboard login required (POST /dashboard/login)")
+
+
+SessionDep = Annotated[bool, Depends(has_session)]
+RequireSession = Depends(require_session)

@@ -42,7 +42,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/dedloc/jobs/1/commits"),
     ("GET", "/v1/dedloc/jobs/1/aborts"),
 ]
-PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health")}
+PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health"), ("GET", "/v1/project")}
 
 
 def _template(path: str) -> str:

@@ -1,0 +1,168 @@
+"""The web dashboard: the operator's pages under `/dashboard` (a login cookie), the public project page,
+and their static files.
+
+The pages are static HTML; a small script (`static/dashboard.js`) fetches their JSON and polls it every
+2 s. The operator's JSON is read-only and admits the session cookie only for GET
+(crowdtrain.server.api.deps.has_session); the `/v1` API keeps its bearer token.
+"""
+
+import html
+from importlib import resources
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from crowdtrain.core.schemas import HostFigures, Id, JobDashboard, JobSummary, ProjectPublic
+from crowdtrain.server.api.deps import (
+    SESSION_COOKIE,
+    DbDep,
+    FailureBudgetDep,
+    RequireSession,
+    SessionDep,
+    SettingsDep,
+)
+from crowdtrain.server.services import dashboard, jobs, sessions
+
+STATIC = resources.files("crowdtrain.server.api") / "static"
+STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+# The pages load only their own scripts and styles, and may not be framed.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+LOGIN_FORM_MAX_BYTES = 4096
+COOKIE_PATH = "/dashboard"
+
+router = APIRouter(include_in_schema=False)
+operator = APIRouter(prefix="/dashboard", include_in_schema=False)
+operator_data = APIRouter(prefix="/dashboard/api", include_in_schema=False, dependencies=[RequireSession])
+public = APIRouter(tags=["public"])
+
+
+def page(name: str, message: str = "", status_code: int = status.HTTP_200_OK) -> HTMLResponse:
+    """One of the static pages; `message` (escaped) fills its message slot."""
+    text = (STATIC / f"{name}.html").read_text(encoding="utf-8")
+    return HTMLResponse(
+        text.replace("<!--message-->", html.escape(message)), status_code=status_code, headers=PAGE_HEADERS
+    )
+
+
+def operator_page(name: str, logged_in: bool) -> Response:
+    return page(name) if logged_in else RedirectResponse("/dashboard/login", status.HTTP_303_SEE_OTHER)
+
+
+@router.get("/")
+def root() -> RedirectResponse:
+    return RedirectResponse("/project", status.HTTP_303_SEE_OTHER)
+
+
+@router.get("/static/{name}")
+def static_file(name: str) -> Response:
+    """The pages' scripts and styles (nothing secret: every page loads them)."""
+    suffix = name[name.rfind(".") :] if "." in name else ""
+    file = STATIC / name
+    if "/" in name or "\\" in name or suffix not in STATIC_TYPES or not file.is_file():
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no static file {name!r}")
+    return Response(file.read_bytes(), media_type=STATIC_TYPES[suffix], headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/project")
+def project_page() -> HTMLResponse:
+    return page("project")
+
+
+@public.get("/v1/project", response_model=ProjectPublic)
+def project(db: DbDep) -> ProjectPublic:
+    """The public project page's figures: jobs' progress and volunteers' contributions by display name.
+    Needs no token and shows none."""
+    return dashboard.project_public(db)
+
+
+@operator.get("/login")
+def login_page(logged_in: SessionDep) -> Response:
+    if logged_in:
+        return RedirectResponse("/dashboard/jobs", status.HTTP_303_SEE_OTHER)
+    return page("login")
+
+
+def login_token(body: bytes) -> str:
+    """The `token` field of a form-encoded login body; empty if the body is not such a form."""
+    if len(body) > LOGIN_FORM_MAX_BYTES:
+        return ""
+    try:
+        fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    except ValueError:  # more fields than a login form has
+        return ""
+    return fields.get("token", [""])[0]
+
+
+@operator.post("/login")
+async def login(request: Request, settings: SettingsDep, budget: FailureBudgetDep) -> Response:
+    """The login form (`token=...`, form-encoded): the admin token gets a session cookie and the jobs
+    page; anything else the form again with 401, spending the caller's failure budget."""
+    token = login_token(await request.body())
+    if not sessions.is_admin_token(settings.admin_token, token):
+        await run_in_threadpool(budget.spend)
+        return page("login", "wrong admin token", status.HTTP_401_UNAUTHORIZED)
+    resp = RedirectResponse("/dashboard/jobs", status.HTTP_303_SEE_OTHER)
+    resp.set_cookie(
+        SESSION_COOKIE,
+        sessions.issue(settings.admin_token, settings.dashboard_session_seconds),
+        max_age=settings.dashboard_session_seconds,
+        path=COOKIE_PATH,
+        secure=True,
+        httponly=True,
+        samesite="strict",
+    )
+    return resp
+
+
+@operator.post("/logout")
+def logout() -> RedirectResponse:
+    """End the session in this browser (the cookie is dropped; a new admin token ends them all)."""
+    resp = RedirectResponse("/dashboard/login", status.HTTP_303_SEE_OTHER)
+    resp.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH, secure=True, httponly=True, samesite="strict")
+    return resp
+
+
+@operator.get("")
+def home(logged_in: SessionDep) -> Response:
+    return RedirectResponse("/dashboard/jobs" if logged_in else "/dashboard/login", status.HTTP_303_SEE_OTHER)
+
+
+@operator.get("/jobs")
+def jobs_page(logged_in: SessionDep) -> Response:
+    return operator_page("jobs", logged_in)
+
+
+@operator.get("/jobs/{job_id}")
+def job_page(job_id: Id, logged_in: SessionDep) -> Response:
+    return operator_page("job", logged_in)
+
+
+@operator.get("/hosts")
+def hosts_page(logged_in: SessionDep) -> Response:
+    return operator_page("hosts", logged_in)
+
+
+@operator_data.get("/jobs", response_model=list[JobSummary])
+def jobs_data(db: DbDep) -> list[JobSummary]:
+    return jobs.list_jobs(db)
+
+
+@operator_data.get("/jobs/{job_id}", response_model=JobDashboard)
+def job_data(job_id: Id, db: DbDep) -> JobDashboard:
+    """404 for no such job."""
+    return dashboard.job_dashboard(db, job_id)
+
+
+@operator_data.get("/hosts", response_model=list[HostFigures])
+def hosts_data(db: DbDep) -> list[HostFigures]:
+    return dashboard.host_figures(db)
+
+
+ROUTERS = (router, public, operator, operator_data)

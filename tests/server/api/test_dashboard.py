@@ -1,0 +1,212 @@
+"""The web dashboard in-process: the login form and its session cookie, logout, pages and their JSON
+refused without a session, the cookie refused for anything but reading, the figures of a job with real
+merges, and a public project page that shows no token, hash, address or data location."""
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from crowdtrain.assimilator.merge import MergeServices, assimilate
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.storage import open_storage
+from crowdtrain.launch.cluster import free_port, start_redis
+from crowdtrain.server.api.deps import SESSION_COOKIE
+from crowdtrain.server.services import sessions
+from tests.conftest import EXAMPLE_SPEC
+from tests.server.inprocess import ADMIN_TOKEN, Scheduler, ok, scheduler_app
+
+HTTPS = "https://testserver"  # the cookie is Secure: a client sends it back over https only
+OPERATOR_PAGES = ["/dashboard/jobs", "/dashboard/jobs/1", "/dashboard/hosts"]
+OPERATOR_DATA = ["/dashboard/api/jobs", "/dashboard/api/jobs/1", "/dashboard/api/hosts"]
+
+
+@dataclass
+class Site:
+    sched: Scheduler
+    r: redis.Redis
+    job_id: int
+    merged: list[int]
+
+    def browser(self, address: str = "browser") -> TestClient:
+        """A caller with no token, as a browser is, that keeps cookies and follows no redirect."""
+        return TestClient(self.sched.app, base_url=HTTPS, client=(address, 50000), follow_redirects=False)
+
+    def logged_in(self, address: str = "browser") -> TestClient:
+        browser = self.browser(address)
+        resp = browser.post("/dashboard/login", data={"token": ADMIN_TOKEN})
+        assert resp.status_code == 303, resp.text
+        return browser
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Iterator[Site]:
+    """The example job with two results of alice's merged by the real merge path, one refused, and bob idle."""
+    tmp = tmp_path_factory.mktemp("dashboard")
+    port = free_port()
+    redis_svc = start_redis(tmp / "redis", port)
+    r = redis.Redis(port=port)
+    try:
+        with scheduler_app(tmp / "var", r, auth_failures_per_minute=5) as sched:
+            spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+            job_id = ok(sched.admin().post("/v1/jobs", json=spec)).json()["job_id"]
+            alice = sched.register("alice")
+            sched.register("bob")
+            work = ok(alice.post("/v1/work", json={"free_slots": 3})).json()["assignments"]
+            snapshot = alice.get(work[0]["snapshot"]["url"]).content
+            for a in work[:2]:
+                ok(alice.put(f"/v1/assignments/{a['assignment_id']}/result?examples=1000&seconds=2", content=snapshot))
+            refused = alice.put(f"/v1/assignments/{work[2]['assignment_id']}/result", content=b"not safetensors")
+            assert refused.status_code == 422, refused.text
+            services = MergeServices(sched.db, open_storage(sched.settings.resolved_storage_url), r, snapshots_kept=3)
+            for a in work[:2]:
+                assimilate(services, a["assignment_id"])
+            yield Site(sched, r, job_id, [a["assignment_id"] for a in work[:2]])
+    finally:
+        r.close()
+        redis_svc.stop()
+
+
+def test_login_sets_a_secure_http_only_strict_cookie_that_is_not_the_token(site: Site) -> None:
+    browser = site.browser("login-ok")
+    resp = browser.post("/dashboard/login", data={"token": ADMIN_TOKEN})
+    assert resp.status_code == 303 and resp.headers["location"] == "/dashboard/jobs"
+    cookie = resp.headers["set-cookie"]
+    attributes = {part.strip().split("=")[0].lower() for part in cookie.split(";")}
+    assert {"httponly", "secure", "samesite", "max-age", "path"} <= attributes
+    assert "samesite=strict" in cookie.lower() and "path=/dashboard" in cookie.lower()
+    value = browser.cookies[SESSION_COOKIE]
+    assert ADMIN_TOKEN not in value and sessions.is_valid(ADMIN_TOKEN, value)
+    page = browser.get("/dashboard/jobs")
+    assert page.status_code == 200 and '<table id="jobs"' in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+
+
+def test_a_wrong_token_gets_the_form_again_with_401_and_spends_the_failure_budget(site: Site) -> None:
+    browser = site.browser("guesser")
+    for attempt in range(5):
+        resp = browser.post("/dashboard/login", data={"token": f"guess-{attempt}"})
+        assert resp.status_code == 401
+        assert "wrong admin token" in resp.text and "<form" in resp.text
+        assert SESSION_COOKIE not in browser.cookies
+    # The budget (5 a minute here) is spent: even the right token waits for the window to end.
+    resp = browser.post("/dashboard/login", data={"token": ADMIN_TOKEN})
+    assert resp.status_code == 429 and "Retry-After" in resp.headers
+
+
+@pytest.mark.parametrize("body", [b"", b"token=", b"\xff\xfe=%%%", b"a=1&" * 5000, b"token=" + b"x" * 100_000])
+def test_a_malformed_login_form_is_a_401_not_a_500(site: Site, body: bytes) -> None:
+    resp = site.browser(f"junk-{len(body)}-{body[:3]!r}").post(
+        "/dashboard/login", content=body, headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert resp.status_code == 401 and "wrong admin token" in resp.text
+
+
+@pytest.mark.parametrize("path", OPERATOR_PAGES)
+def test_operator_pages_redirect_to_the_login_without_a_session(site: Site, path: str) -> None:
+    resp = site.browser().get(path)
+    assert resp.status_code == 303 and resp.headers["location"] == "/dashboard/login"
+
+
+@pytest.mark.parametrize("path", OPERATOR_DATA)
+@pytest.mark.parametrize("cookie", ["none", "forged", "expired", "other-token"])
+def test_operator_data_is_401_without_a_live_session(site: Site, path: str, cookie: str) -> None:
+    browser = site.browser()
+    values = {
+        "forged": "9999999999." + "0" * 64,
+        "expired": sessions.issue(ADMIN_TOKEN, 60, now=1_000_000),
+        "other-token": sessions.issue("an-older-admin-token", 3600),
+    }
+    if cookie in values:
+        browser.cookies.set(SESSION_COOKIE, values[cookie], domain="testserver", path="/dashboard")
+    resp = browser.get(path)
+    assert resp.status_code == 401 and "login" in resp.json()["detail"]
+
+
+def test_the_cookie_admits_no_state_changing_call(site: Site) -> None:
+    browser = site.logged_in("csrf")
+    value = browser.cookies[SESSION_COOKIE]
+    assert browser.get("/dashboard/api/jobs").status_code == 200
+    # Not the bearer API's changes, even with the cookie sent to every path ...
+    headers = {"cookie": f"{SESSION_COOKIE}={value}"}
+    assert browser.post(f"/v1/jobs/{site.job_id}/cancel", headers=headers).status_code == 401
+    assert browser.post("/v1/admin/join-tokens", json={"label": "x"}, headers=headers).status_code == 401
+    assert browser.get("/v1/jobs", headers=headers).status_code == 401
+    # ... nor any other method on the dashboard's own data.
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        assert browser.request(method, "/dashboard/api/jobs").status_code in (401, 405)
+    job = ok(site.sched.admin().get(f"/v1/jobs/{site.job_id}")).json()
+    assert job["status"] == "running"
+
+
+def test_logout_drops_the_cookie(site: Site) -> None:
+    browser = site.logged_in("logout")
+    resp = browser.post("/dashboard/logout")
+    assert resp.status_code == 303 and resp.headers["location"] == "/dashboard/login"
+    assert SESSION_COOKIE not in browser.cookies
+    assert browser.get("/dashboard/api/jobs").status_code == 401
+    assert browser.get("/dashboard/jobs").status_code == 303
+
+
+def test_the_job_data_has_the_merges_staleness_workunits_and_refusals(site: Site) -> None:
+    d = ok(site.logged_in("job").get(f"/dashboard/api/jobs/{site.job_id}")).json()
+    job = d["job"]
+    assert job["merges"] == 2 and len(job["metrics"]) == 2
+    assert [p["examples"] for p in job["metrics"]] == [1000, 2000]
+    assert all(0 <= p["val_accuracy"] <= 1 for p in job["metrics"])
+    # Both started from v0: the first merged at v0 (τ 0), the second at v1 (τ 1).
+    assert d["staleness"] == {"merges": 2, "mean": 0.5, "max": 1, "recent_mean": 0.5}
+    # Both merged within the job's first minute: the rate is over its age, not the whole minute.
+    assert d["merges_per_second"] == pytest.approx(2 / max(job["elapsed_seconds"], 1), rel=0.2)
+    assert d["workunits"] == d["epoch_workunits"] == {"done": 2, "ready": 2}
+    assert [r["status"] for r in d["problems"]["reasons"]] == ["rejected"]
+    assert d["problems"]["recent"][0]["host_name"] == "alice"
+
+
+def test_the_hosts_data_has_device_frameworks_throughput_and_reliability(site: Site) -> None:
+    hosts = {h["name"]: h for h in ok(site.logged_in("hosts").get("/dashboard/api/hosts")).json()}
+    alice, bob = hosts["alice"], hosts["bob"]
+    assert alice["results_merged"] == 2 and alice["examples"] == 2000
+    assert alice["examples_per_second"] == pytest.approx(500)
+    assert alice["results_valid"] == 2 and alice["results_failed"] == 1
+    assert alice["frameworks"] and alice["device"] and alice["last_seen"] and alice["revoked"] is False
+    assert bob["results_merged"] == 0 and bob["examples_per_second"] is None
+
+
+def test_a_job_that_does_not_exist_is_404(site: Site) -> None:
+    assert site.logged_in("404").get("/dashboard/api/jobs/999").status_code == 404
+
+
+def test_the_public_project_data_shows_progress_and_contributions_and_no_secrets(site: Site) -> None:
+    resp = site.browser("public").get("/v1/project")
+    assert resp.status_code == 200
+    p = resp.json()
+    assert p["results_merged"] == 2 and p["examples"] == 2000
+    (job,) = p["jobs"]
+    assert job["name"] == "mnist1d-cnn" and job["status"] == "running" and job["results_merged"] == 2
+    assert 0 < job["best_accuracy"] <= 1
+    volunteers = {v["name"]: v for v in p["volunteers"]}
+    alice = {"name": "alice", "hosts": 1, "results_merged": 2, "results_valid": 2, "examples": 2000}
+    assert volunteers["alice"] == alice
+    assert set(volunteers) == {"alice", "bob"}
+    # Exactly these fields, at every level: nothing that could hold a token, a hash, an address or a key.
+    assert set(p) == {"jobs", "volunteers", "hosts_active", "results_merged", "examples"}
+    assert set(job) == {"name", "status", "current_epoch", "max_epochs", "best_accuracy", "results_merged", "examples"}
+    assert set(volunteers["bob"]) == {"name", "hosts", "results_merged", "results_valid", "examples"}
+    text = json.dumps(p)
+    assert not re.search(r"token|hash|sha256|key|url|address|testclient|[0-9a-f]{32}", text, re.IGNORECASE)
+    assert ADMIN_TOKEN not in text and site.sched.settings.join_token not in text
+
+
+@pytest.mark.parametrize("path", ["/project", "/static/dashboard.js", "/static/dashboard.css", "/dashboard/login"])
+def test_the_public_page_its_files_and_the_login_form_need_no_session(site: Site, path: str) -> None:
+    assert site.browser().get(path).status_code == 200
+
+
+@pytest.mark.parametrize("name", ["job.html", "..%2Fapp.py", "nothing.js", "%2E%2E%2F__init__.py", "dashboard.py"])
+def test_only_the_scripts_and_styles_are_served_as_static_files(site: Site, name: str) -> None:
+    assert site.browser().get(f"/static/{name}").status_code == 404

@@ -1,0 +1,47 @@
+"""A dashboard session value proves a login with the admin token until its expiry, and nothing else."""
+
+import pytest
+
+from crowdtrain.server.services import sessions
+
+TOKEN = "admin-token-of-the-test"
+NOW = 1_800_000_000.0
+
+
+def test_a_session_is_valid_until_its_expiry_and_does_not_hold_the_token() -> None:
+    value = sessions.issue(TOKEN, 3600, now=NOW)
+    assert TOKEN not in value
+    assert sessions.is_valid(TOKEN, value, now=NOW + 3599)
+    assert not sessions.is_valid(TOKEN, value, now=NOW + 3600)
+
+
+def test_a_new_admin_token_ends_every_session() -> None:
+    assert not sessions.is_valid("the-next-admin-token", sessions.issue(TOKEN, 3600, now=NOW), now=NOW)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "",
+        "no-dot",
+        f"{int(NOW) + 7200}.",  # no signature
+        f"{int(NOW) + 7200}." + "0" * 64,  # a signature made up
+        "²³⁴⁵⁶⁷⁸⁹⁰¹." + "0" * 64,  # digits to str.isdigit, not to int()
+        "-1." + "0" * 64,
+        "9" * 200,
+    ],
+)
+def test_a_malformed_or_forged_value_is_refused(value: str | None) -> None:
+    assert not sessions.is_valid(TOKEN, value, now=NOW)
+
+
+def test_an_extended_expiry_breaks_the_signature() -> None:
+    expiry, signature = sessions.issue(TOKEN, 60, now=NOW).split(".")
+    assert not sessions.is_valid(TOKEN, f"{int(expiry) + 86400}.{signature}", now=NOW)
+
+
+def test_no_admin_token_admits_nobody() -> None:
+    assert not sessions.is_admin_token("", "")
+    assert not sessions.is_valid("", sessions.issue("", 3600, now=NOW), now=NOW)
+    assert sessions.is_admin_token(TOKEN, TOKEN) and not sessions.is_admin_token(TOKEN, TOKEN + "x")

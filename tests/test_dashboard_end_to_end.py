@@ -1,0 +1,151 @@
+"""The web dashboard in a real headless Chromium (Debian's `chromium` and `chromedriver`; Selenium
+downloads nothing) against a real cluster training the example job: log in through the form, then the
+jobs, job, hosts and public pages show the running job's figures, the charts have points, the job page
+updates without a reload, and a screenshot of each page is kept (var/test-artifacts/, or
+$CROWDTRAIN_TEST_ARTIFACTS)."""
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster, wait_for
+from tests.conftest import EXAMPLE_SPEC, ROOT
+
+pytestmark = pytest.mark.integration
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+MERGES_BEFORE_BROWSING = 3
+
+
+def artifacts() -> Path:
+    folder = Path(os.environ.get("CROWDTRAIN_TEST_ARTIFACTS") or ROOT / "var" / "test-artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium and chromedriver must be installed under CI=true (.ci/run installs them)")
+        pytest.skip("Debian's chromium and chromium-driver are not installed")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1400"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def merges(cluster: Cluster, job_id: int) -> int:
+    with cluster.admin() as http:
+        return http.get(f"/v1/jobs/{job_id}").json()["merges"]
+
+
+def text_of(driver: WebDriver, element_id: str, unless: str = "–", timeout: float = 20) -> str:
+    """The element's text once the page's script has filled it in."""
+    WebDriverWait(driver, timeout).until(lambda d: d.find_element(By.ID, element_id).text not in ("", unless))
+    return driver.find_element(By.ID, element_id).text
+
+
+def rows(driver: WebDriver, table_id: str, timeout: float = 20) -> list[list[str]]:
+    """The table's cells, read in one script call: the page redraws its tables on every poll."""
+    read = (
+        f"return Array.from(document.querySelectorAll('#{table_id} tbody tr'), "
+        "r => Array.from(r.cells, c => c.textContent))"
+    )
+    WebDriverWait(driver, timeout).until(lambda d: d.execute_script(read))
+    return driver.execute_script(read)
+
+
+def count(driver: WebDriver, selector: str) -> int:
+    return driver.execute_script(f"return document.querySelectorAll('{selector}').length")
+
+
+def screenshot(driver: WebDriver, name: str) -> None:
+    path = artifacts() / f"dashboard-{name}.png"
+    assert driver.save_screenshot(str(path)), path
+    assert path.stat().st_size > 10_000
+
+
+def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite_url: str, browser: WebDriver) -> None:
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    spec["stop"]["target_accuracy"] = 0.999  # out of reach: the job is still running while the pages are read
+    job_id = cluster.submit(spec)["job_id"]
+    cluster.start_client("alice", tasks=2)
+    wait_for(lambda: merges(cluster, job_id) >= MERGES_BEFORE_BROWSING, 180, "no merges", cluster.clients[0])
+
+    # Operator pages need the login: the form, then a cookie.
+    browser.get(f"{cluster.url}/dashboard/jobs")
+    assert browser.current_url.endswith("/dashboard/login")
+    browser.find_element(By.ID, "token").send_keys("wrong")
+    browser.find_element(By.ID, "login").click()
+    assert "wrong admin token" in browser.find_element(By.ID, "message").text
+    browser.find_element(By.ID, "token").send_keys(cluster.admin_token)
+    browser.find_element(By.ID, "login").click()
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/dashboard/jobs"))
+    assert cluster.admin_token not in browser.current_url
+    (session,) = browser.get_cookies()
+    assert session["httpOnly"] and session["secure"] and session["sameSite"] == "Strict"
+    assert cluster.admin_token not in session["value"]
+
+    (job_row,) = rows(browser, "jobs")
+    assert job_row[:4] == [str(job_id), "mnist1d-cnn", "vc-asgd", "running"]
+    assert job_row[5].endswith("%")
+    screenshot(browser, "jobs")
+
+    browser.execute_script("document.querySelector('#jobs tbody a').click()")  # a link of the table, as clicked
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith(f"/dashboard/jobs/{job_id}"))
+    assert text_of(browser, "fig-accuracy").endswith("%")
+    first = int(text_of(browser, "fig-merges").replace(",", ""))
+    assert first >= MERGES_BEFORE_BROWSING
+    for chart in ("chart-time", "chart-examples"):
+        assert count(browser, f"#{chart} circle.point") >= MERGES_BEFORE_BROWSING, chart
+        assert count(browser, f"#{chart} rect.band") >= 1, chart
+    workunits = {row[0]: int(row[2]) for row in rows(browser, "workunits")}
+    assert workunits.get("done", 0) >= MERGES_BEFORE_BROWSING
+    assert text_of(browser, "fig-staleness") and text_of(browser, "fig-rate")
+    assert rows(browser, "problems")
+    # Live: more merges appear without a reload.
+    WebDriverWait(browser, 60).until(lambda d: int(d.find_element(By.ID, "fig-merges").text.replace(",", "")) > first)
+    time.sleep(0.5)  # let the charts of that poll settle before the picture
+    screenshot(browser, "job")
+
+    browser.find_element(By.LINK_TEXT, "hosts").click()
+    (host,) = rows(browser, "hosts")
+    assert host[1] == "alice" and host[2] == "cpu" and "pytorch" in host[3]
+    assert int(host[6]) >= MERGES_BEFORE_BROWSING and host[11] == "no"
+    screenshot(browser, "hosts")
+
+    browser.find_element(By.LINK_TEXT, "public page").click()
+    (public_job,) = rows(browser, "project-jobs")
+    assert public_job[:2] == ["mnist1d-cnn", "running"] and public_job[3].endswith("%")
+    (volunteer,) = rows(browser, "volunteers")
+    assert volunteer[1] == "alice" and int(volunteer[3]) >= MERGES_BEFORE_BROWSING
+    assert cluster.admin_token not in browser.page_source and cluster.join_token not in browser.page_source
+    screenshot(browser, "project")
+
+    # Logging out ends the session in this browser.
+    browser.get(f"{cluster.url}/dashboard/jobs")
+    browser.find_element(By.ID, "logout").click()
+    WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/dashboard/login"))
+    browser.get(f"{cluster.url}/dashboard/hosts")
+    assert browser.current_url.endswith("/dashboard/login")
+
+
+def test_artifacts_folder_is_ignored_by_git() -> None:
+    """Screenshots land in var/, which git ignores."""
+    assert shutil.which("git") is None or "var/" in (ROOT / ".gitignore").read_text().split()
