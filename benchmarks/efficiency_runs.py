@@ -64,7 +64,7 @@ def baseline(task: Task, seed: int) -> dict:
     spec = JobSpec.model_validate(task.spec)
     data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
     model_config = spec.configure_model(data.input_shape, data.num_classes)
-    params, _ = initial_parameters(model_config, seed, 1 << 40)
+    params = initial_parameters(model_config, seed, 1 << 40).params
     recipe = {
         "model": model_config,
         "seed": seed,

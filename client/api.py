@@ -207,8 +207,8 @@ class SchedulerAPI:
 
         return attempt()
 
-    def register(self, join_token: str, name: str, resources: Resources) -> HostRegistered:
-        body = HostRegister(join_token=join_token, name=name, resources=resources)
+    def register(self, join_token: str, name: str, resources: Resources, account: str = "") -> HostRegistered:
+        body = HostRegister(join_token=join_token, name=name, resources=resources, account=account)
         return _parse(HostRegistered, self._request("POST", "/v1/hosts", json=body.model_dump()))
 
     def request_work(

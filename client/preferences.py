@@ -9,6 +9,7 @@ The file (default `~/.config/crowdtrain/client.toml`) holds top-level keys named
     cache_max_bytes = "20GB"
     daily_download_bytes = "5GB"
     download_origins = ["https://s3.example.org"]
+    account = "alice"
 
 Every field is also a `crowdtrain client` option (`--idle-minutes 5`), which wins over the file.
 Byte sizes and rates (bytes/s) are integers or strings with a unit (`500MB`, `2GiB`).
@@ -76,6 +77,12 @@ class Preferences(BaseModel):
     daily_upload_bytes: ByteSize = Field(None, description="Bytes uploaded per UTC day")
     max_download_rate: ByteRate = Field(None, description="Download bandwidth, bytes/s")
     max_upload_rate: ByteRate = Field(None, description="Upload bandwidth, bytes/s")
+    account: str = Field(
+        "",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9 ._@+-]*$",
+        description="Volunteer account this host's credit adds up under on the project page (given at registration)",
+    )
     download_origins: list[DownloadOrigin] = Field(
         default_factory=list,
         max_length=32,

@@ -126,7 +126,7 @@ class VolunteerClient(AssignmentRunner):
         known = self.identities.get(self.server_url)
         if known is None:
             self.api.token = None
-            reg = self.api.register(self.join_token, self.name, self.resources)
+            reg = self.api.register(self.join_token, self.name, self.resources, self.prefs.account)
             known = self.identities.save(
                 self.server_url, reg.host_id, reg.host_token, learned_origins(reg.download_origins)
             )

@@ -85,7 +85,7 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
     spec["stop"]["target_accuracy"] = 0.999  # out of reach: the job is still running while the pages are read
     job_id = cluster.submit(spec)["job_id"]
-    cluster.start_client("alice", tasks=2)
+    cluster.start_client("alice", 2, "--account", "volunteer-alice")
     wait_for(lambda: merges(cluster, job_id) >= MERGES_BEFORE_BROWSING, 180, "no merges", cluster.clients[0])
 
     # Operator pages need the login: the form, then a cookie.
@@ -134,7 +134,11 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     (public_job,) = rows(browser, "project-jobs")
     assert public_job[:2] == ["mnist1d-cnn", "running"] and public_job[3].endswith("%")
     (volunteer,) = rows(browser, "volunteers")
-    assert volunteer[1] == "alice" and int(volunteer[3]) >= MERGES_BEFORE_BROWSING
+    assert volunteer[1] == "volunteer-alice" and int(volunteer[3]) >= MERGES_BEFORE_BROWSING
+    assert float(volunteer[6].replace(",", "")) > 0, "merged results earn credit"
+    (host_credit,) = rows(browser, "host-credit")
+    assert host_credit[1] == "volunteer-alice" and float(host_credit[3].replace(",", "")) > 0
+    assert "alice" not in [cell for row in rows(browser, "host-credit") for cell in row[:1]], "no host name"
     assert cluster.admin_token not in browser.page_source and cluster.join_token not in browser.page_source
     screenshot(browser, "project")
 

@@ -78,7 +78,8 @@ def _create_job(
 ) -> PreparedJob:
     """submit_job once the dataset is checked and dealt: the model checked, then everything stored."""
     model_config = spec.configure_model(data.input_shape, data.num_classes)
-    params, n_parameters = initial_parameters(model_config, spec.seed, upload_max_bytes)
+    model = initial_parameters(model_config, spec.seed, upload_max_bytes)
+    params, n_parameters = model.params, model.parameters
     initial = encode(params)
     if len(initial) > upload_max_bytes:
         raise ValueError(
@@ -88,7 +89,9 @@ def _create_job(
     recorded = spec.model_dump(mode="json")
     if data.label_names is not None:  # the order string labels were numbered in (DatasetSpec.label_names)
         recorded["dataset"]["label_names"] = data.label_names
-    job_id = jobs.create_job(db, spec.name, spec.mode, recorded, model_config, manifest_of(params), len(initial))
+    job_id = jobs.create_job(
+        db, spec.name, spec.mode, recorded, model_config, manifest_of(params), len(initial), model.training_flops
+    )
     try:
         shard_rows = []
         for index in range(len(data.shard_sizes)):
@@ -125,13 +128,22 @@ def _create_job(
     return PreparedJob(job_id, len(shard_rows), n_parameters)
 
 
-def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[Params, int]:
-    """W_s version 0 in the canonical layout, and the number of trainable parameters.
+@dataclass(frozen=True)
+class InitialModel:
+    params: Params  # W_s version 0 in the canonical layout
+    parameters: int  # trainable parameters
+    training_flops: int  # to train on one example (the unit of a host's credit)
+
+
+def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> InitialModel:
+    """W_s version 0 in the canonical layout, its number of trainable parameters and the FLOPs of
+    training on one example.
 
     Zoo models start from the PyTorch zoo whatever the job's framework (its layout is canonical),
     once `check_model` has seen, without allocating them, that they take the dataset's examples
     and fit in `max_bytes`. A Keras JSON model is built in safe mode, which refuses Lambda layers
-    and other code, and checked for its input and output shapes.
+    and other code, and checked for its input and output shapes; its training FLOPs are estimated as
+    6 per trainable parameter (2 forward, 4 backward: exact for dense layers, low for convolutions).
     """
     if model_config["name"] != KERAS_MODEL:
         zoo = importlib.import_module(TORCH_ZOO)
@@ -149,13 +161,14 @@ def initial_parameters(model_config: dict, seed: int, max_bytes: int) -> tuple[P
             seed=seed,
             **model_config["options"],
         )
-        return zoo.state_to_numpy(model), zoo.count_parameters(model)
+        flops = zoo.training_flops_per_example(model, model_config["input_shape"])
+        return InitialModel(zoo.state_to_numpy(model), zoo.count_parameters(model), flops)
     try:
         keras_model = build_keras_model(model_config, seed=seed)
     except ImportError:
         raise ValueError("this server cannot load Keras JSON models: install crowdtrain[tensorflow]") from None
     trainable = sum(int(np.prod(v.shape)) for v in keras_model.model.trainable_weights)
-    return keras_model.get_params(), trainable
+    return InitialModel(keras_model.get_params(), trainable, 6 * trainable)
 
 
 def write_epoch_shards(s: Session, storage: Storage, job: Job, epoch: int) -> int:

@@ -72,6 +72,14 @@ def client(
             show_default=False,
         ),
     ] = None,
+    account: Annotated[
+        str | None,
+        typer.Option(
+            help="Volunteer account this host's credit adds up under on the public project page, given at "
+            "registration (default: none, shown as anonymous)",
+            show_default=False,
+        ),
+    ] = None,
     name: Annotated[
         str | None, typer.Option(help="Host name shown to the operator (default: HOSTNAME-PID)", show_default=False)
     ] = None,
@@ -101,7 +109,7 @@ def client(
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly).
 
-    Preferences (tasks through allow-origin) come from the --config file; each one given here
+    Preferences (tasks through account) come from the --config file; each one given here
     overrides the file.
     """
     if ctx.invoked_subcommand is not None:
@@ -124,6 +132,7 @@ def client(
             max_download_rate=max_download_rate,
             max_upload_rate=max_upload_rate,
             download_origins=allow_origin or None,
+            account=account,
         ),
     )
     configure_logging()

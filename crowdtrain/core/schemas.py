@@ -69,6 +69,13 @@ class HostRegister(WireRequest):
     join_token: str = Field(..., min_length=1, max_length=500)
     name: str = Field(..., min_length=1, max_length=200)
     resources: Resources = Field(default_factory=Resources)
+    account: str = Field(
+        "",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9 ._@+-]*$",
+        description="The volunteer account the host's credit adds up under, shown on the public project page "
+        "(letters, digits, space and ._@+-; empty: none)",
+    )
 
 
 class HostRegistered(BaseModel):
@@ -113,6 +120,17 @@ class HostPublic(BaseModel):
     results_failed: int
     consecutive_valid: int
     mean_turnaround: float | None
+    account: str
+    credit: float = Field(..., description="Cobblestones earned by merged results (crowdtrain.core.credit)")
+
+
+class HostCredit(BaseModel):
+    """A host as the public sees it: no name, address or token."""
+
+    host_id: int
+    account: str
+    credit: float
+    results: int = Field(..., description="Results merged into a model")
 
 
 class WorkRequest(WireRequest):
@@ -360,20 +378,24 @@ class ProjectJob(BaseModel):
 
 
 class Volunteer(BaseModel):
-    """One display name's contribution (hosts that registered under the same name count together)."""
+    """One volunteer account's contribution: the hosts that registered under it count together (hosts
+    with no account, as one "anonymous")."""
 
     name: str
     hosts: int
     results_merged: int
     results_valid: int
     examples: int
+    credit: float = Field(..., description="Cobblestones earned by merged results (crowdtrain.core.credit)")
 
 
 class ProjectPublic(BaseModel):
     """The public project page: the project's progress and its volunteers' contributions, no secrets."""
 
     jobs: list[ProjectJob]
-    volunteers: list[Volunteer]
+    volunteers: list[Volunteer] = Field(..., description="Most credit first")
+    hosts: list[HostCredit] = Field(..., description="Hosts by number, most credit first; no name or address")
     hosts_active: int = Field(..., description="Hosts seen in the last 2 minutes")
     results_merged: int
     examples: int
+    credit: float = Field(..., description="Cobblestones earned by every host")

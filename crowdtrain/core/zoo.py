@@ -179,3 +179,14 @@ def load_numpy_state(model: nn.Module, params: Params) -> None:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def training_flops_per_example(model: nn.Module, input_shape: Sequence[int]) -> int:
+    """Floating-point operations to train `model` on one example: its forward pass counted by PyTorch's
+    FlopCounterMode (matrix products and convolutions, 2 per multiply-add), times 3 for the backward
+    pass, which costs about twice the forward (gradients of the activations and of the weights)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        model(torch.zeros((1, *input_shape)))
+    return 3 * int(counter.get_total_flops())

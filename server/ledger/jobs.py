@@ -23,7 +23,14 @@ from crowdtrain.server.ledger.models import Assignment, Job, Metric, Shard, utcn
 
 
 def create_job(
-    db: sessionmaker[Session], name: str, mode: str, spec: dict, model_config: dict, manifest: dict, param_bytes: int
+    db: sessionmaker[Session],
+    name: str,
+    mode: str,
+    spec: dict,
+    model_config: dict,
+    manifest: dict,
+    param_bytes: int,
+    training_flops: int = 0,
 ) -> int:
     """Record a new job, pending until `start_job` (or `fail_preparation`); returns its id. One transaction."""
     with db.begin() as s:
@@ -35,6 +42,7 @@ def create_job(
             model_config_=model_config,
             param_manifest=manifest,
             param_bytes=param_bytes,
+            training_flops=training_flops,
         )
         s.add(job)
         s.flush()

@@ -4,7 +4,8 @@ A merge task is delivered at least once (late acks, redelivery when a worker die
 takes each result exactly once (paramstore.merge_once). So every procedure here is idempotent:
 run twice for the same assignment, it records the outcome once. The outcomes:
 - merged: the assignment is `merged` at the W_s version that holds it, its workunit done, its host
-  credited (`record_merge`), and a validation metric per merge when due (`record_metric`);
+  counted valid and given the result's credit (crowdtrain.core.credit) (`record_merge`), and a
+  validation metric per merge when due (`record_metric`);
 - rejected: the assignment ends `rejected`, charged to its workunit and host or not, and the
   workunit is ready again or, at `max_errors`, failed (`reject_result`);
 - failed on the server: a merge that retrying cannot mend ends its assignment, and fails the job
@@ -18,6 +19,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.core.credit import result_credit
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
@@ -25,7 +27,7 @@ from crowdtrain.server.ledger import paramstore, states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
-from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Shard, Workunit, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,14 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
             wu.finished_at = a.finished_at
         job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
         job.param_version = max(job.param_version, version)
-        _credit(host, (a.finished_at - a.sent_at).total_seconds())
+        _count_valid(host, (a.finished_at - a.sent_at).total_seconds())
+        a.credit = result_credit(
+            s.get_one(Shard, wu.shard_id).examples,
+            job.spec["training"]["local_epochs"],
+            a.local_fraction,
+            job.training_flops,
+        )
+        host.credit += a.credit
         superseded_uploads = supersede_siblings(s, a, siblings)
         job_id, workunit_id = a.job_id, a.workunit_id
     log.info(
@@ -122,7 +131,7 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
     return superseded_uploads
 
 
-def _credit(host: Host, turnaround: float) -> None:
+def _count_valid(host: Host, turnaround: float) -> None:
     """A valid result: the host's counts and its mean turnaround (an exponential average)."""
     host.results_valid += 1
     host.consecutive_valid += 1

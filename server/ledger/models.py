@@ -28,6 +28,8 @@ class Job(Base):
     model_config_: Mapped[dict[str, Any]] = mapped_column("model_config")
     param_manifest: Mapped[dict[str, Any]]
     param_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # FLOPs to train the model on one example: a result's credit is its examples times this.
+    training_flops: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     validation_key: Mapped[str] = mapped_column(String(500), default="")
     current_epoch: Mapped[int] = mapped_column(Integer, default=0)
     param_version: Mapped[int] = mapped_column(Integer, default=0)
@@ -103,6 +105,9 @@ class Host(Base):
     results_failed: Mapped[int] = mapped_column(Integer, default=0)
     consecutive_valid: Mapped[int] = mapped_column(Integer, default=0)
     mean_turnaround: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The volunteer account the host's credit adds up under (named by the client; "" for none).
+    account: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    credit: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")  # cobblestones (core.credit)
 
 
 class JoinToken(Base):
@@ -142,6 +147,7 @@ class Assignment(Base):
     train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     examples: Mapped[int | None] = mapped_column(Integer, nullable=True)
     train_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    credit: Mapped[float | None] = mapped_column(Float, nullable=True)  # granted when merged; refused results: none
     message: Mapped[str] = mapped_column(String(1000), default="")
 
 

@@ -1,7 +1,7 @@
 """The figures of the web dashboard: the operator's job and hosts pages, and the public project page.
 
 Read-only: everything here is gathered from the database (and the job services' own figures) in one
-transaction per page; nothing is written. The public figures carry display names and counts only,
+transaction per page; nothing is written. The public figures carry account names, counts and credit only,
 never a token, a hash, an address or a data location.
 """
 
@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.schemas import (
+    HostCredit,
     HostFigures,
     HostPublic,
     JobDashboard,
@@ -29,6 +30,7 @@ MERGE_RATE_WINDOW = timedelta(seconds=60)
 RECENT_MERGES = 20
 PROBLEMS_SHOWN = 10
 _MERGED = AssignmentStatus.merged.value
+ANONYMOUS = "anonymous"  # the volunteer that hosts registered without an account add up under
 
 
 def staleness(taus: list[int]) -> Staleness:
@@ -113,8 +115,9 @@ def host_figures(db: sessionmaker[Session]) -> list[HostFigures]:
 
 
 def project_public(db: sessionmaker[Session]) -> ProjectPublic:
-    """The public project page: every job that is not pending, and every volunteer's contribution by the
-    display name its hosts registered with. Display names, statuses and counts only."""
+    """The public project page: every job that is not pending, every volunteer account's contribution and
+    every host's credit by number. Account names, statuses, counts and credit only: not a host's name,
+    which is often its machine's."""
     with db.begin() as s:
         per_job = {
             job_id: (n, examples or 0)
@@ -146,21 +149,27 @@ def project_public(db: sessionmaker[Session]) -> ProjectPublic:
             )
         }
         volunteers: dict[str, Volunteer] = {}
+        host_credit = []
         for host in s.scalars(select(Host).order_by(Host.id)):
+            account = host.account or ANONYMOUS
             v = volunteers.setdefault(
-                host.name, Volunteer(name=host.name, hosts=0, results_merged=0, results_valid=0, examples=0)
+                account, Volunteer(name=account, hosts=0, results_merged=0, results_valid=0, examples=0, credit=0.0)
             )
             n, examples = per_host.get(host.id, (0, 0))
             v.hosts += 1
             v.results_merged += n
             v.results_valid += host.results_valid
             v.examples += examples
+            v.credit += host.credit
+            host_credit.append(HostCredit(host_id=host.id, account=host.account, credit=host.credit, results=n))
         active = s.scalar(select(func.count()).select_from(Host).where(Host.last_seen > utcnow() - ACTIVE_WINDOW))
-    ranked = sorted(volunteers.values(), key=lambda v: (-v.examples, v.name))
+    ranked = sorted(volunteers.values(), key=lambda v: (-v.credit, -v.examples, v.name))
     return ProjectPublic(
         jobs=project_jobs,
         volunteers=ranked,
+        hosts=sorted(host_credit, key=lambda h: (-h.credit, h.host_id)),
         hosts_active=active or 0,
         results_merged=sum(j.results_merged for j in project_jobs),
         examples=sum(j.examples for j in project_jobs),
+        credit=sum(v.credit for v in ranked),
     )

@@ -57,6 +57,7 @@ def register_host(db: sessionmaker[Session], req: HostRegister, bootstrap_token:
             device=r.device,
             frameworks=",".join(r.frameworks),
             join_token_id=join_id,
+            account=req.account,
         )
         s.add(host)
         if join_id is not None:

@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
 from crowdtrain.core import keys
+from crowdtrain.core.credit import COBBLESTONE_FLOPS
 from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
 from crowdtrain.core.schemas import HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
@@ -24,7 +25,8 @@ from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.models import Assignment, Host, Metric, Workunit
+from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
+from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job
@@ -92,6 +94,20 @@ class Job:
             host = s.get_one(Host, self.host_id)
             return host.results_valid, host.results_failed
 
+    def credit(self, assignment_id: int) -> tuple[float, float | None]:
+        """(the host's credit, the assignment's)"""
+        with self.svc.db.begin() as s:
+            return s.get_one(Host, self.host_id).credit, s.get_one(Assignment, assignment_id).credit
+
+    def expected_credit(self, assignment_id: int) -> float:
+        """The work asked for: the shard's examples, the recipe's local epochs, the model's FLOPs per example."""
+        with self.svc.db.begin() as s:
+            a = s.get_one(Assignment, assignment_id)
+            job = s.get_one(JobRow, a.job_id)
+            shard = s.get_one(Shard, s.get_one(Workunit, a.workunit_id).shard_id)
+            assert job.training_flops > 0 and shard.examples > 0
+            return shard.examples * job.spec["training"]["local_epochs"] * job.training_flops / COBBLESTONE_FLOPS
+
     def metrics(self) -> int:
         with self.svc.db.begin() as s:
             return s.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == self.job_id))
@@ -144,6 +160,10 @@ def _assert_refused_unchanged(job: Job, result: MergeResult, reason: str, charge
     assert job.workunit(a) == (WorkunitStatus.ready.value, 1 if charged else 0)
     assert job.host()[1] == (1 if charged else 0)
     assert not job.svc.r.sismember(keys.merged(job.job_id), str(a))
+    merged = [x for x in job.assignments if job.assignment(x)[0] == AssignmentStatus.merged.value]
+    host_credit, credit = job.credit(a)
+    assert credit is None, "a refused result earns no credit"
+    assert host_credit == pytest.approx(sum(job.expected_credit(x) for x in merged))
 
 
 @pytest.mark.parametrize(
@@ -164,6 +184,7 @@ def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
     assert job.assignment(a) == (AssignmentStatus.merged.value, 1, "")
     assert job.workunit(a) == (WorkunitStatus.done.value, 0)
     assert job.host() == (1, 0)
+    assert job.credit(a) == (pytest.approx(job.expected_credit(a)), pytest.approx(job.expected_credit(a)))
     assert job.metrics() == 1  # eval_every 1
     assert paramstore.recent_update_norms(services.r, job.job_id) == [
         pytest.approx(
@@ -195,6 +216,7 @@ def test_a_redelivered_merge_is_applied_once(services) -> None:
     assert version == 1
     _assert_params_equal(w_s, after_first)
     assert job.assignment(a)[1] == 1 and job.host() == (1, 0) and job.metrics() == 1
+    assert job.credit(a)[0] == pytest.approx(job.expected_credit(a)), "credited once"
 
 
 def test_a_delivery_that_died_after_merging_is_completed_by_the_next(services) -> None:

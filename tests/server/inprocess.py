@@ -46,14 +46,14 @@ class Scheduler:
     def admin(self, address: str = "testclient") -> TestClient:
         return self.client(self.settings.admin_token, address)
 
-    def register(self, name: str, address: str = "testclient") -> TestClient:
+    def register(self, name: str, address: str = "testclient", account: str = "") -> TestClient:
         """A newly registered host, as a client carrying its host token."""
-        return self.client(self.register_token(name, address), address)
+        return self.client(self.register_token(name, address, account), address)
 
-    def register_token(self, name: str = "h1", address: str = "testclient") -> str:
+    def register_token(self, name: str = "h1", address: str = "testclient", account: str = "") -> str:
         """A newly registered host's token."""
         resp = self.client(address=address).post(
-            "/v1/hosts", json={"join_token": self.settings.join_token, "name": name}
+            "/v1/hosts", json={"join_token": self.settings.join_token, "name": name, "account": account}
         )
         assert resp.status_code == 201, resp.text
         return resp.json()["host_token"]

@@ -12,6 +12,11 @@ function num(x, digits) {
   if (x === null || x === undefined) return "–";
   return digits === undefined ? x.toLocaleString("en") : x.toFixed(digits);
 }
+function credit(x) {
+  // Cobblestones: small jobs earn fractions of one, so show three significant digits.
+  if (x === null || x === undefined) return "–";
+  return x === 0 ? "0" : x >= 1000 ? Math.round(x).toLocaleString("en") : x.toPrecision(3);
+}
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "–";
   const s = Math.round(seconds);
@@ -213,13 +218,17 @@ function projectPage() {
     setText("fig-results", num(p.results_merged));
     setText("fig-examples", num(p.examples));
     setText("fig-active", num(p.hosts_active));
+    setText("fig-credit", credit(p.credit));
     fillTable("project-jobs", p.jobs, (j) => [
       j.name, statusBadge(j.status), j.current_epoch + (j.max_epochs ? " / " + j.max_epochs : ""),
       [pct(j.best_accuracy), "num"], [num(j.results_merged), "num"], [num(j.examples), "num"],
     ]);
     fillTable("volunteers", p.volunteers, (v) => [
       String(p.volunteers.indexOf(v) + 1), v.name, [num(v.hosts), "num"], [num(v.results_merged), "num"],
-      [num(v.results_valid), "num"], [num(v.examples), "num"],
+      [num(v.results_valid), "num"], [num(v.examples), "num"], [credit(v.credit), "num"],
+    ]);
+    fillTable("host-credit", p.hosts, (h) => [
+      "host " + h.host_id, h.account || "anonymous", [num(h.results), "num"], [credit(h.credit), "num"],
     ]);
   });
 }

@@ -16,6 +16,7 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.storage import open_storage
 from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.api.deps import SESSION_COOKIE
+from crowdtrain.server.ledger.models import Assignment
 from crowdtrain.server.services import sessions
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import ADMIN_TOKEN, Scheduler, ok, scheduler_app
@@ -54,8 +55,8 @@ def site(tmp_path_factory) -> Iterator[Site]:
         with scheduler_app(tmp / "var", r, auth_failures_per_minute=5) as sched:
             spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
             job_id = ok(sched.admin().post("/v1/jobs", json=spec)).json()["job_id"]
-            alice = sched.register("alice")
-            sched.register("bob")
+            alice = sched.register("alice-laptop", account="alice")
+            sched.register("bob-desktop")  # no account: anonymous
             work = ok(alice.post("/v1/work", json={"free_slots": 3})).json()["assignments"]
             snapshot = alice.get(work[0]["snapshot"]["url"]).content
             for a in work[:2]:
@@ -164,16 +165,17 @@ def test_the_job_data_has_the_merges_staleness_workunits_and_refusals(site: Site
     assert d["merges_per_second"] == pytest.approx(2 / max(job["elapsed_seconds"], 1), rel=0.2)
     assert d["workunits"] == d["epoch_workunits"] == {"done": 2, "ready": 2}
     assert [r["status"] for r in d["problems"]["reasons"]] == ["rejected"]
-    assert d["problems"]["recent"][0]["host_name"] == "alice"
+    assert d["problems"]["recent"][0]["host_name"] == "alice-laptop"
 
 
 def test_the_hosts_data_has_device_frameworks_throughput_and_reliability(site: Site) -> None:
     hosts = {h["name"]: h for h in ok(site.logged_in("hosts").get("/dashboard/api/hosts")).json()}
-    alice, bob = hosts["alice"], hosts["bob"]
+    alice, bob = hosts["alice-laptop"], hosts["bob-desktop"]
     assert alice["results_merged"] == 2 and alice["examples"] == 2000
     assert alice["examples_per_second"] == pytest.approx(500)
     assert alice["results_valid"] == 2 and alice["results_failed"] == 1
     assert alice["frameworks"] and alice["device"] and alice["last_seen"] and alice["revoked"] is False
+    assert alice["account"] == "alice" and alice["credit"] > 0 and bob["account"] == "" and bob["credit"] == 0
     assert bob["results_merged"] == 0 and bob["examples_per_second"] is None
 
 
@@ -190,14 +192,30 @@ def test_the_public_project_data_shows_progress_and_contributions_and_no_secrets
     assert job["name"] == "mnist1d-cnn" and job["status"] == "running" and job["results_merged"] == 2
     assert 0 < job["best_accuracy"] <= 1
     volunteers = {v["name"]: v for v in p["volunteers"]}
-    alice = {"name": "alice", "hosts": 1, "results_merged": 2, "results_valid": 2, "examples": 2000}
-    assert volunteers["alice"] == alice
-    assert set(volunteers) == {"alice", "bob"}
-    # Exactly these fields, at every level: nothing that could hold a token, a hash, an address or a key.
-    assert set(p) == {"jobs", "volunteers", "hosts_active", "results_merged", "examples"}
+    alice = volunteers["alice"]
+    assert alice == {
+        "name": "alice",
+        "hosts": 1,
+        "results_merged": 2,
+        "results_valid": 2,
+        "examples": 2000,
+        "credit": alice["credit"],
+    }
+    assert set(volunteers) == {"alice", "anonymous"} and volunteers["anonymous"]["credit"] == 0
+    # Credit is the sum of the merged results' credit, per host and per account, and in all.
+    with site.sched.db.begin() as s:
+        merged_credit = sum(s.get_one(Assignment, a).credit or 0.0 for a in site.merged)
+    assert merged_credit > 0 and alice["credit"] == pytest.approx(merged_credit) == p["credit"]
+    assert [(h["account"], h["results"]) for h in p["hosts"]] == [("alice", 2), ("", 0)]
+    assert p["hosts"][0]["credit"] == pytest.approx(merged_credit)
+    # Exactly these fields, at every level: nothing that could hold a token, a hash, an address, a key
+    # or a host's own name (often its machine's).
+    assert set(p) == {"jobs", "volunteers", "hosts", "hosts_active", "results_merged", "examples", "credit"}
     assert set(job) == {"name", "status", "current_epoch", "max_epochs", "best_accuracy", "results_merged", "examples"}
-    assert set(volunteers["bob"]) == {"name", "hosts", "results_merged", "results_valid", "examples"}
+    assert set(volunteers["anonymous"]) == {"name", "hosts", "results_merged", "results_valid", "examples", "credit"}
+    assert set(p["hosts"][1]) == {"host_id", "account", "credit", "results"}
     text = json.dumps(p)
+    assert "laptop" not in text and "desktop" not in text
     assert not re.search(r"token|hash|sha256|key|url|address|testclient|[0-9a-f]{32}", text, re.IGNORECASE)
     assert ADMIN_TOKEN not in text and site.sched.settings.join_token not in text
 
