@@ -76,7 +76,8 @@ def recipe_differences(recipe: str, spec: JobSpec) -> list[str]:
         return ["the recipe is not JSON"]
     if not isinstance(document, dict):
         return ["the recipe is not an object"]
-    model = document.get("model") if isinstance(document.get("model"), dict) else {}
+    found = document.get("model")
+    model: dict = found if isinstance(found, dict) else {}
     recorded = spec.model_dump(mode="json")
     expected = spec.configure_model([], 0)
     checks = {
