@@ -100,7 +100,7 @@ def key_set(public_key_file: Path, server: ServerOpt = DEFAULT_SERVER, admin_tok
     its recipe's signature (`crowdtrain job submit --key`). A key in use changes only by `rotate`."""
     public_key = read_public_key(public_key_file)
     with admin_client(server, admin_token) as http:
-        typer.echo(json.dumps(checked(http.put("/v1/admin/project-key", json={"public_key": public_key}))))
+        typer.echo(json.dumps(checked(http.post("/v1/admin/project-key", json={"public_key": public_key}))))
 
 
 @key_app.command("rotate")

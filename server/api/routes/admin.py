@@ -52,7 +52,7 @@ def get_project_key(db: DbDep) -> ProjectKeyOut:
     return project_key.project_key(db)
 
 
-@router.put("/project-key", response_model=ProjectKeyOut)
+@router.post("/project-key", response_model=ProjectKeyOut)
 def set_project_key(req: ProjectKeySet, db: DbDep) -> ProjectKeyOut:
     """Set the project's first public key: jobs submitted from now on wait for the operator's signature.
     The same key again changes nothing; another is 409 (a key in use changes only by rotation)."""

@@ -30,7 +30,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/admin/hosts"),
     ("POST", "/v1/admin/hosts/1/revoke"),
     ("GET", "/v1/admin/project-key"),
-    ("PUT", "/v1/admin/project-key"),
+    ("POST", "/v1/admin/project-key"),
     ("POST", "/v1/admin/project-key/rotations"),
     ("POST", "/v1/jobs"),
     ("GET", "/v1/jobs"),

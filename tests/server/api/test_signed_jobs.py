@@ -65,11 +65,11 @@ def test_signed_work_from_submission_to_rotation(sched: Scheduler, dataset: Path
     assert refused.status_code == 409 and "no key" in refused.json()["detail"]
     ok(admin.post(f"/v1/jobs/{unsigned['job_id']}/cancel"))
 
-    assert ok(admin.put("/v1/admin/project-key", json={"public_key": PUB_A})).json()["public_key"] == PUB_A
-    assert ok(admin.put("/v1/admin/project-key", json={"public_key": PUB_A})).status_code == 200, "idempotent"
-    other = admin.put("/v1/admin/project-key", json={"public_key": PUB_B})
+    assert ok(admin.post("/v1/admin/project-key", json={"public_key": PUB_A})).json()["public_key"] == PUB_A
+    assert ok(admin.post("/v1/admin/project-key", json={"public_key": PUB_A})).status_code == 200, "idempotent"
+    other = admin.post("/v1/admin/project-key", json={"public_key": PUB_B})
     assert other.status_code == 409 and "rotation" in other.json()["detail"]
-    assert admin.put("/v1/admin/project-key", json={"public_key": "AAAA"}).status_code == 422
+    assert admin.post("/v1/admin/project-key", json={"public_key": "AAAA"}).status_code == 422
 
     registered = ok(sched.client().post("/v1/hosts", json={"join_token": sched.settings.join_token, "name": "h"}))
     assert registered.json()["project_public_key"] == PUB_A
@@ -120,7 +120,7 @@ def test_a_signed_job_cannot_reshuffle_its_shards(sched: Scheduler, dataset: Pat
     """The recipe names every shard; a re-dealt epoch's shards would be made after it is signed."""
     admin = sched.admin()
     if ok(admin.get("/v1/admin/project-key")).json()["public_key"] is None:
-        ok(admin.put("/v1/admin/project-key", json={"public_key": PUB_A}))
+        ok(admin.post("/v1/admin/project-key", json={"public_key": PUB_A}))
     before = rows(sched)
     answer = admin.post("/v1/jobs", json=spec(dataset, reshuffle_each_epoch=True))
     assert answer.status_code == 422 and "reshuffle_each_epoch" in answer.json()["detail"]
