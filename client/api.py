@@ -212,13 +212,21 @@ class SchedulerAPI:
         return _parse(HostRegistered, self._request("POST", "/v1/hosts", json=body.model_dump()))
 
     def request_work(
-        self, free_slots: int, cached: list[str], resources: Resources, give_up: threading.Event | None = None
+        self,
+        free_slots: int,
+        cached: list[str],
+        resources: Resources,
+        refused_jobs: list[int] | None = None,
+        give_up: threading.Event | None = None,
     ) -> WorkReply:
-        """The assignments the server hands out; BadReply (with their ids) if any one is unusable.
+        """The assignments the server hands out, of jobs not among `refused_jobs`; BadReply (with their
+        ids) if any one is unusable.
 
         Retries stop when `give_up` is set (the client takes no more work: no use waiting for the server).
         """
-        body = WorkRequest(free_slots=free_slots, cached_shards=cached, resources=resources)
+        body = WorkRequest(
+            free_slots=free_slots, cached_shards=cached, resources=resources, refused_jobs=refused_jobs or []
+        )
         reply = self._request("POST", "/v1/work", give_up, json=body.model_dump())
         try:
             return _parse(WorkReply, reply)

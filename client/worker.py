@@ -30,8 +30,9 @@ from crowdtrain.client.preferences import Preferences
 from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import ClientState, ClientStatus, StatusWriter
 from crowdtrain.client.trainers import available_frameworks
+from crowdtrain.client.trust import ProjectTrust
 from crowdtrain.core.frameworks import Framework
-from crowdtrain.core.schemas import AssignmentOut, Resources
+from crowdtrain.core.schemas import AssignmentOut, KeyRotation, Resources
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class VolunteerClient(AssignmentRunner):
         max_upload_rate: float | None = None,
         preferences: Preferences | None = None,
         frameworks: list[Framework] | None = None,
+        project_key: str | None = None,
     ):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
@@ -115,6 +117,7 @@ class VolunteerClient(AssignmentRunner):
         self.heartbeat_interval = 5.0
         self.train_seconds: dict[int, float] = {}  # job id -> running mean of training time
         self.upload_seconds: float | None = None
+        self.trust = ProjectTrust(self.identities, self.server_url, project_key)
 
     # -- identity -------------------------------------------------------------------------------
     def ensure_registered(self) -> None:
@@ -128,9 +131,15 @@ class VolunteerClient(AssignmentRunner):
             self.api.token = None
             reg = self.api.register(self.join_token, self.name, self.resources, self.prefs.account)
             known = self.identities.save(
-                self.server_url, reg.host_id, reg.host_token, learned_origins(reg.download_origins)
+                self.server_url,
+                reg.host_id,
+                reg.host_token,
+                learned_origins(reg.download_origins),
+                self.trust.key_to_pin(reg.project_public_key),
+                self.trust.refused_jobs,
             )
             log.info("registered with %s as host %s", self.server_url, reg.host_id)
+        self.trust.load(known)
         self.api.token = known["host_token"]
         learned = frozenset(learned_origins(known.get("download_origins", [])))
         self.api.origins = Origins(self.origins.scheduler, self.origins.others | learned)
@@ -138,6 +147,18 @@ class VolunteerClient(AssignmentRunner):
             log.info(
                 "downloads allowed from %s and %s", self.origins.scheduler, ", ".join(sorted(self.api.origins.others))
             )
+
+    def _accepts(self, a: AssignmentOut, rotations: list[KeyRotation]) -> bool:
+        """Whether `a` is the project's signed work (crowdtrain.client.trust); a refused assignment is
+        reported to the scheduler as an error, with the reason."""
+        reason = self.trust.check(a, rotations)
+        if reason is None:
+            return True
+        try:
+            self.api.report_error(a.assignment_id, f"client refused the assignment: {reason}")
+        except Exception as exc:
+            log.warning("assignment %s: could not report the refusal (%s); it will time out", a.assignment_id, exc)
+        return False
 
     # -- stopping -------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -208,7 +229,9 @@ class VolunteerClient(AssignmentRunner):
                 self.slot_freed.clear()
                 continue
             try:
-                reply = self.api.request_work(want, self.shards.holds(), self.resources, give_up=self.draining)
+                reply = self.api.request_work(
+                    want, self.shards.holds(), self.resources, self.trust.refused_jobs, give_up=self.draining
+                )
             except Refused as exc:
                 if exc.status == 401:
                     log.warning("host token refused (%s); registering again", exc.message)
@@ -222,9 +245,10 @@ class VolunteerClient(AssignmentRunner):
                 self._refuse_reply(exc)
                 continue
             self.heartbeat_interval = reply.heartbeat_interval
-            for a in reply.assignments:
+            started = [a for a in reply.assignments if self._accepts(a, reply.key_rotations)]
+            for a in started:
                 self._start(a)
-            if not reply.assignments:
+            if not started:
                 self.slot_freed.clear()
                 if not self.draining.is_set():  # a notice that came during the request has set slot_freed
                     self.slot_freed.wait(reply.retry_after)

@@ -12,7 +12,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core import keys
+from crowdtrain.core import keys, signing
 from crowdtrain.core.frameworks import KERAS_MODEL
 from crowdtrain.core.jobspec import JobSpec
 from crowdtrain.core.storage import Storage
@@ -24,6 +24,7 @@ from crowdtrain.core.tensors import (
     manifest_of,
     sha256,
 )
+from crowdtrain.core.updates import upload_of
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
 from crowdtrain.server.ledger import jobs, paramstore
 from crowdtrain.server.ledger.models import Job, Shard
@@ -42,6 +43,7 @@ class PreparedJob:
     job_id: int
     shards: int
     parameters: int
+    recipe: str  # what the operator's project key signs (crowdtrain.core.signing.recipe_document)
 
 
 def submit_job(
@@ -52,8 +54,10 @@ def submit_job(
     upload_max_bytes: int,
     scratch: Path | None = None,
     dataset_max_bytes: int = 4 * 1024**3,
+    hold_for_signature: bool = False,
 ) -> PreparedJob:
-    """Create a job and its first epoch.
+    """Create a job and its first epoch; with `hold_for_signature` (the scheduler has a project key),
+    the job stays pending until the operator signs its recipe (crowdtrain.server.ledger.jobs.sign_job).
 
     A spec that could only give a stuck or silently wrong job (a bad dataset, a model that cannot
     take its examples or whose parameters exceed `upload_max_bytes`, the largest upload the
@@ -61,11 +65,17 @@ def submit_job(
     The dataset is dealt in a temporary folder under `scratch` (default: the system's), removed after;
     `dataset_max_bytes` bounds an uploaded folder once unpacked.
     """
+    if hold_for_signature and spec.dataset.reshuffle_each_epoch:
+        # The recipe names every shard a client may be sent; a re-dealt epoch's are made after it is signed.
+        raise ValueError(
+            "dataset.reshuffle_each_epoch: a signed job's shards are fixed when it is submitted, so its "
+            "epochs cannot deal them anew; this scheduler signs its work, so turn reshuffling off"
+        )
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dataset-", dir=scratch) as folder:
         staged = stage_dataset(spec.dataset, spec.seed, storage, Path(folder), dataset_max_bytes)
-        return _create_job(db, storage, r, spec, staged, upload_max_bytes)
+        return _create_job(db, storage, r, spec, staged, upload_max_bytes, hold_for_signature)
 
 
 def _create_job(
@@ -75,6 +85,7 @@ def _create_job(
     spec: JobSpec,
     data: StagedDataset,
     upload_max_bytes: int,
+    hold_for_signature: bool,
 ) -> PreparedJob:
     """submit_job once the dataset is checked and dealt: the model checked, then everything stored."""
     model_config = spec.configure_model(data.input_shape, data.num_classes)
@@ -116,16 +127,29 @@ def _create_job(
     except Exception as exc:
         jobs.fail_preparation(db, job_id, f"preparing the job failed: {exc}")
         raise
-    jobs.start_job(db, job_id, shard_rows, sha256(initial))
+    recipe = signing.canonical_json(
+        signing.recipe_document(
+            job_id,
+            spec.name,
+            model_config,
+            recorded["training"],
+            upload_of(recorded.get("assimilation", {})).model_dump(mode="json"),
+            spec.seed,
+            [row.sha256 for row in shard_rows if row.sha256 is not None],
+            sha256(initial),
+        )
+    )
+    jobs.start_job(db, job_id, shard_rows, sha256(initial), recipe, hold_for_signature)
     log.info(
-        "job %s (%s, %s): %d shards, %d parameters, running",
+        "job %s (%s, %s): %d shards, %d parameters, %s",
         job_id,
         spec.name,
         spec.mode,
         len(shard_rows),
         n_parameters,
+        "waiting for the operator's signature" if hold_for_signature else "running",
     )
-    return PreparedJob(job_id, len(shard_rows), n_parameters)
+    return PreparedJob(job_id, len(shard_rows), n_parameters, recipe)
 
 
 @dataclass(frozen=True)

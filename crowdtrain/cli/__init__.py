@@ -34,7 +34,9 @@ COMMANDS = {
         "Run the whole system locally on the embedded defaults and train the example job to its target.",
     ),
     "job": LazyCommand("crowdtrain.cli.jobs", "Submit and follow training jobs (needs the admin token)."),
-    "admin": LazyCommand("crowdtrain.cli.admin", "Operator commands: join tokens and hosts (needs the admin token)."),
+    "admin": LazyCommand(
+        "crowdtrain.cli.admin", "Operator commands: join tokens, hosts and the project key (needs the admin token)."
+    ),
     "client": LazyCommand("crowdtrain.cli.client", "The volunteer client: run it, or see what it is doing."),
     "simulate": LazyCommand(
         "crowdtrain.cli.simulate",

@@ -1,24 +1,34 @@
-"""`crowdtrain admin`: the operator's join tokens and registered hosts, through the scheduler's admin API."""
+"""`crowdtrain admin`: the operator's join tokens, registered hosts and project key, through the
+scheduler's admin API (the private key stays on the operator's machine)."""
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from crowdtrain.cli.adminapi import TokenOpt, admin_client, checked, checked_rows, print_rows
 from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ServerOpt
+from crowdtrain.cli.projectkey import read_private_key, read_public_key, write_key_pair
+from crowdtrain.core import signing
 
 app = typer.Typer(
     name="admin",
-    help="Operator commands: join tokens and hosts (needs the admin token).",
+    help="Operator commands: join tokens, hosts and the project key (needs the admin token).",
     no_args_is_help=True,
     add_completion=False,
     **HELP_LAYOUT,
 )
 token_app = typer.Typer(help="Join tokens that let clients register.", no_args_is_help=True, **HELP_LAYOUT)
 host_app = typer.Typer(help="Registered hosts.", no_args_is_help=True, **HELP_LAYOUT)
+key_app = typer.Typer(
+    help="The project key that signs the project's work (the scheduler knows only its public half).",
+    no_args_is_help=True,
+    **HELP_LAYOUT,
+)
 app.add_typer(token_app, name="join-token")
 app.add_typer(host_app, name="host")
+app.add_typer(key_app, name="project-key")
 
 
 @token_app.command("create")
@@ -63,3 +73,51 @@ def host_revoke(host_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: T
     """Refuse a host from now on; its running assignments are dispatched again at once."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/admin/hosts/{host_id}/revoke"))))
+
+
+@app.command("keygen")
+def keygen(out: Annotated[Path, typer.Option(help="Folder for project.key and project.pub")]) -> None:
+    """Make an Ed25519 project key on this machine: OUT/project.key (private, mode 0600: keep it here,
+    never on the scheduler) and OUT/project.pub. Never overwrites a key."""
+    try:
+        private, public, public_key = write_key_pair(out.expanduser())
+    except FileExistsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps({"private_key": str(private), "public_key_file": str(public), "public_key": public_key}))
+
+
+@key_app.command("show")
+def key_show(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """The public key that signs the project's work now, and its rotations."""
+    with admin_client(server, admin_token) as http:
+        typer.echo(json.dumps(checked(http.get("/v1/admin/project-key"))))
+
+
+@key_app.command("set")
+def key_set(public_key_file: Path, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """Give the scheduler the project's first public key (project.pub): from now on each job waits for
+    its recipe's signature (`crowdtrain job submit --key`). A key in use changes only by `rotate`."""
+    public_key = read_public_key(public_key_file)
+    with admin_client(server, admin_token) as http:
+        typer.echo(json.dumps(checked(http.post("/v1/admin/project-key", json={"public_key": public_key}))))
+
+
+@key_app.command("rotate")
+def key_rotate(
+    old: Annotated[Path, typer.Option(help="The private key in use (project.key)")],
+    new: Annotated[Path, typer.Option(help="The new key's public half (project.pub), or its private key")],
+    server: ServerOpt = DEFAULT_SERVER,
+    admin_token: TokenOpt = None,
+) -> None:
+    """Move the project to a new key with a statement signed here by the old one; clients that trust the
+    old key follow it. Then sign the running jobs again with the new key (`crowdtrain job sign`)."""
+    old_key = read_private_key(old)
+    new_public = signing.public_key_text(read_private_key(new)) if new.suffix == ".key" else read_public_key(new)
+    rotation = {
+        "old_public_key": signing.public_key_text(old_key),
+        "new_public_key": new_public,
+        "signature": signing.sign_rotation(old_key, new_public),
+    }
+    with admin_client(server, admin_token) as http:
+        typer.echo(json.dumps(checked(http.post("/v1/admin/project-key/rotations", json=rotation))))

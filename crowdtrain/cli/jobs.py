@@ -13,6 +13,7 @@ from crowdtrain.cli.datasets import upload_dataset
 from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ServerOpt
 from crowdtrain.cli.plot import Against, NothingToPlot, plot_accuracy
 from crowdtrain.cli.progress import jobs_table, now_utc, problems_view, status_table, watch
+from crowdtrain.cli.projectkey import KeyOpt, read_private_key, sign_job
 from crowdtrain.core.datasetspec import FORMATS
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import JobProblems, JobStatusOut, JobSummary
@@ -39,10 +40,16 @@ UploadOpt = Annotated[
 
 @app.command("submit")
 def job_submit(
-    spec: Path, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None, upload: UploadOpt = True
+    spec: Path,
+    server: ServerOpt = DEFAULT_SERVER,
+    admin_token: TokenOpt = None,
+    upload: UploadOpt = True,
+    key: KeyOpt = None,
 ) -> None:
     """Submit a job spec (YAML or JSON); prints the new job's id.
 
+    When the project has a key, the job waits for its recipe's signature: with --key it is signed
+    here and sent, and the job starts; without, the job waits for `crowdtrain job sign`.
     A dataset path (`FORMAT:PATH`, a relative one resolved against the spec file's folder) that
     exists on this machine is uploaded to the scheduler and the job names it by its sha256; with
     --no-upload, or if it does not exist here, the path is sent for the scheduler to read."""
@@ -57,6 +64,7 @@ def job_submit(
         raise typer.Exit(2) from None
     for note in notes:
         typer.echo(note, err=True)
+    private = read_private_key(key) if key is not None else None
     with admin_client(server, admin_token) as http:
         if upload and parsed.dataset.path is not None and Path(parsed.dataset.path).exists():
             source = upload_dataset(http, parsed.dataset.format, Path(parsed.dataset.path))
@@ -64,7 +72,32 @@ def job_submit(
         elif parsed.dataset.path is not None:
             typer.echo(f"dataset.source: {parsed.dataset.path} is read by the scheduler on its own machine", err=True)
         created = checked(http.post("/v1/jobs", json=parsed.model_dump(mode="json")))
+        if created.get("signature_required") and private is not None:
+            created["status"] = sign_job(http, created["job_id"], private, created["recipe"], parsed).status.value
+    created.pop("recipe", None)
     typer.echo(json.dumps(created))
+    if created.get("signature_required") and private is None:
+        typer.echo(
+            f"job {created['job_id']} waits for its signature: crowdtrain job sign {created['job_id']} --key FILE",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if not created.get("signature_required") and private is not None:
+        typer.echo(
+            "the scheduler has no project key: the job runs unsigned (crowdtrain admin project-key set)", err=True
+        )
+
+
+@app.command("sign")
+def job_sign(job_id: int, key: KeyOpt = None, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """Sign a job's recipe with the project key here and send the signature: a job waiting for it
+    starts; a running job is signed again (after `crowdtrain admin project-key rotate`)."""
+    if key is None:
+        raise typer.BadParameter("the project's private key is needed", param_hint="--key")
+    private = read_private_key(key)
+    with admin_client(server, admin_token) as http:
+        signed = sign_job(http, job_id, private)
+    typer.echo(json.dumps({"job_id": job_id, "status": signed.status.value, "public_key": signed.public_key}))
 
 
 @app.command("upload")

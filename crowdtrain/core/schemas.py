@@ -78,9 +78,19 @@ class HostRegister(WireRequest):
     )
 
 
+# A project public key: base64 of 32 raw Ed25519 bytes (crowdtrain.core.signing); a signature, of 64.
+PublicKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{43}=$")]
+Signature = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{86}==$")]
+
+
 class HostRegistered(BaseModel):
     host_id: int
     host_token: str = Field(..., max_length=500)
+    project_public_key: PublicKey | None = Field(
+        None,
+        description="The project's current public key, which signs its work (None: the project signs nothing); "
+        "a client given no key pins it (trust on first use)",
+    )
     download_origins: list[Annotated[str, Field(max_length=300)]] = Field(
         default_factory=list,
         max_length=8,
@@ -139,6 +149,12 @@ class WorkRequest(WireRequest):
     cached_shards: list[Sha256] = Field(
         default_factory=list, max_length=100_000, description="sha256 of the shards in the host's cache"
     )
+    refused_jobs: list[Id] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="Jobs whose work this host has refused (its recipe unsigned or not signed by the key the "
+        "host trusts): the scheduler sends it none of their work",
+    )
 
 
 class FileRef(BaseModel):
@@ -160,6 +176,24 @@ class Recipe(BaseModel):
     )
 
 
+class SignedRecipe(BaseModel):
+    """A job's recipe as the operator signed it (crowdtrain.core.signing.recipe_document): its canonical
+    JSON text, the public key that signed it and the signature of the text's UTF-8 bytes."""
+
+    recipe: str = Field(..., max_length=16 * 2**20)
+    public_key: PublicKey
+    signature: Signature
+
+
+class KeyRotation(WireRequest):
+    """The project key moves from `old_public_key` to `new_public_key`: signed by the old private key
+    (crowdtrain.core.signing.sign_rotation)."""
+
+    old_public_key: PublicKey
+    new_public_key: PublicKey
+    signature: Signature
+
+
 class AssignmentOut(BaseModel):
     assignment_id: int
     job_id: int
@@ -179,12 +213,20 @@ class AssignmentOut(BaseModel):
     recipe: Recipe
     shard: FileRef
     snapshot: FileRef
+    signed: SignedRecipe | None = Field(
+        None, description="The job's signed recipe, which `recipe`, `shard` and `seed` must agree with; None: unsigned"
+    )
 
 
 class WorkReply(BaseModel):
     assignments: list[AssignmentOut]
     retry_after: float = Field(..., description="Seconds to wait before asking again when nothing was given")
     heartbeat_interval: float
+    key_rotations: list[KeyRotation] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="Every rotation of the project key, oldest first: a client follows them from the key it trusts",
+    )
 
 
 class HeartbeatReply(BaseModel):
@@ -226,6 +268,36 @@ class JobCreated(BaseModel):
     status: JobStatus
     shards: int
     parameters: int
+    recipe: str = Field(..., description="The job's recipe (canonical JSON) for the operator's key to sign")
+    signature_required: bool = Field(
+        ...,
+        description="True when the scheduler has a project key: the job stays pending until "
+        "`POST /v1/jobs/{id}/signature` brings the recipe's signature",
+    )
+
+
+class JobRecipe(BaseModel):
+    """A job's recipe, and its signature if it has one."""
+
+    job_id: int
+    status: JobStatus
+    recipe: str
+    public_key: PublicKey | None
+    signature: Signature | None
+
+
+class JobSignature(WireRequest):
+    signature: Signature = Field(..., description="Ed25519 signature (base64) of the recipe's UTF-8 bytes")
+
+
+class ProjectKeySet(WireRequest):
+    public_key: PublicKey
+
+
+class ProjectKeyOut(BaseModel):
+    public_key: PublicKey | None = Field(..., description="The key that signs the project's work now (None: none)")
+    key_id: str | None = Field(..., description="A short name of it: the first 16 hex digits of its sha256")
+    rotations: list[KeyRotation] = Field(..., description="Every rotation so far, oldest first")
 
 
 class EpochFigures(BaseModel):

@@ -8,8 +8,9 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core import keys
+from crowdtrain.core import keys, signing
 from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.assignments import end_assignment
@@ -58,19 +59,70 @@ def fail_preparation(db: sessionmaker[Session], job_id: int, message: str) -> No
         states.move(job, JobStatus.failed)
 
 
-def start_job(db: sessionmaker[Session], job_id: int, shards: list[Shard], snapshot_sha256: str) -> None:
+AWAITING_SIGNATURE = "waiting for the operator's signature of its recipe (crowdtrain job sign)"
+
+
+def start_job(
+    db: sessionmaker[Session],
+    job_id: int,
+    shards: list[Shard],
+    snapshot_sha256: str,
+    recipe: str,
+    hold_for_signature: bool = False,
+) -> None:
     """The pending job's bytes are stored (its epoch-0 `shards`, its validation split, W_s v0 with
-    `snapshot_sha256`): record them, set it running and, for VC-ASGD, release epoch 1. One transaction."""
+    `snapshot_sha256`): record them and its `recipe`, then set it running and, for VC-ASGD, release
+    epoch 1; or, `hold_for_signature`, leave it pending until `sign_job`. One transaction."""
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         s.add_all(shards)
         job.validation_key = keys.validation_key(job_id)
         job.snapshot_version, job.snapshot_key, job.snapshot_sha256 = 0, keys.snapshot_key(job_id, 0), snapshot_sha256
-        job.snapshot_at = job.started_at = utcnow()
-        states.move(job, JobStatus.running)
-        s.flush()
-        if job.mode == VC_ASGD:  # DeDLOC peers need no workunits: crowdtrain.server.services.dedloc runs their rounds
-            release_epoch(s, job, 1)
+        job.snapshot_at = utcnow()
+        job.recipe = recipe
+        if hold_for_signature:
+            job.status_message = AWAITING_SIGNATURE
+        else:
+            _run(s, job)
+
+
+def _run(s: Session, job: Job) -> None:
+    job.started_at = utcnow()
+    states.move(job, JobStatus.running)
+    s.flush()
+    if job.mode == VC_ASGD:  # DeDLOC peers need no workunits: crowdtrain.server.services.dedloc runs their rounds
+        release_epoch(s, job, 1)
+
+
+class SignatureRefused(Refusal):
+    """A signature the job cannot take: the job has no recipe or has ended (conflict), or the
+    signature does not verify with the project key (unacceptable)."""
+
+
+def sign_job(db: sessionmaker[Session], job_id: int, public_key: str, signature: str) -> JobStatus:
+    """Record `signature`, made by `public_key`, of the job's recipe. A job held for its signature
+    starts running (epoch 1 released); a running job has its signature replaced (the project key
+    was rotated). SignatureRefused, with nothing changed, if the signature does not verify or the job
+    cannot take one; NotFound for no such job. Returns the job's status. One transaction."""
+    with db.begin() as s:
+        job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist")
+        if job.recipe is None:
+            raise SignatureRefused(f"job {job_id} has no recipe to sign (it was submitted before signed work)")
+        if JobStatus(job.status).finished:
+            raise SignatureRefused(f"job {job_id} is {job.status}: it takes no signature")
+        if not signing.verify(public_key, job.recipe.encode(), signature):
+            raise SignatureRefused(
+                f"signature: it does not verify the recipe of job {job_id} with the project key "
+                f"{signing.key_id(public_key)}",
+                RefusalKind.unacceptable,
+            )
+        job.recipe_public_key, job.recipe_signature = public_key, signature
+        if job.status == JobStatus.pending.value and job.snapshot_key is not None:
+            job.status_message = ""
+            _run(s, job)
+        return JobStatus(job.status)
 
 
 def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> str | None:

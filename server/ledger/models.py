@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -39,9 +39,28 @@ class Job(Base):
     snapshot_at: Mapped[datetime | None] = mapped_column(nullable=True)
     final_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
     final_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The recipe the operator signs (crowdtrain.core.signing.recipe_document, canonical JSON), and the
+    # signature with the public key that made it; None for jobs from before signing, or not signed.
+    recipe: Mapped[str | None] = mapped_column(Text, nullable=True)
+    recipe_public_key: Mapped[str | None] = mapped_column(String(44), nullable=True)
+    recipe_signature: Mapped[str | None] = mapped_column(String(88), nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ProjectKey(Base):
+    """A public key of the operator's project key, in the order they were used: the newest signs the
+    project's work now. Each after the first carries the previous key's signature of the rotation
+    statement that hands trust to it (crowdtrain.core.signing.sign_rotation). The private keys are
+    never here."""
+
+    __tablename__ = "project_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(44), unique=True)
+    rotation_signature: Mapped[str | None] = mapped_column(String(88), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Shard(Base):

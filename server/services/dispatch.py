@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core import frameworks
 from crowdtrain.core.jobspec import VC_ASGD, scheduling_of
 from crowdtrain.core.logs import ids
-from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources
+from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources, SignedRecipe
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.updates import upload_of
@@ -62,7 +62,14 @@ def _assignment_out(
         ),
         shard=FileRef(url=shard_url, sha256=shard.sha256, size=shard.size),
         snapshot=FileRef(url=snapshot_url, sha256=job.snapshot_sha256, size=job.param_bytes),
+        signed=_signed_recipe(job),
     )
+
+
+def _signed_recipe(job: Job) -> SignedRecipe | None:
+    if job.recipe is None or job.recipe_public_key is None or job.recipe_signature is None:
+        return None
+    return SignedRecipe(recipe=job.recipe, public_key=job.recipe_public_key, signature=job.recipe_signature)
 
 
 def request_work(
@@ -73,8 +80,10 @@ def request_work(
     cached: list[str],
     resources: Resources | None,
     presign_seconds: int = 900,
+    refused_jobs: frozenset[int] = frozenset(),
 ) -> list[AssignmentOut]:
-    """Give the host up to `free_slots` assignments: ready workunits of the jobs it can run, split by
+    """Give the host up to `free_slots` assignments: ready workunits of the jobs it can run and has not
+    refused (their recipe unsigned or signed by a key the host does not trust), split by
     fair share (crowdtrain.server.services.fair_share); then, for slots no job can fill, duplicates of
     stragglers (crowdtrain.server.ledger.duplicates). No workunit is ever held by two hosts at once,
     except a straggler's and its one duplicate."""
@@ -89,7 +98,7 @@ def request_work(
             for job in s.scalars(
                 select(Job).where(Job.status == JobStatus.running.value, Job.mode == VC_ASGD).order_by(Job.id)
             )
-            if host_can_run(host, job)
+            if job.id not in refused_jobs and host_can_run(host, job)
         }
         scheduling = {job_id: scheduling_of(job.spec) for job_id, job in jobs.items()}
         weights = {job_id: sched.weight for job_id, sched in scheduling.items()}

@@ -2,9 +2,18 @@
 
 from fastapi import APIRouter, status
 
-from crowdtrain.core.schemas import HostPublic, Id, JoinTokenCreate, JoinTokenCreated, JoinTokenPublic
+from crowdtrain.core.schemas import (
+    HostPublic,
+    Id,
+    JoinTokenCreate,
+    JoinTokenCreated,
+    JoinTokenPublic,
+    KeyRotation,
+    ProjectKeyOut,
+    ProjectKeySet,
+)
 from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, StorageDep
-from crowdtrain.server.services import hosts
+from crowdtrain.server.services import hosts, project_key
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[AdminDep])
 
@@ -35,3 +44,23 @@ def list_hosts(db: DbDep) -> list[HostPublic]:
 def revoke_host(host_id: Id, db: DbDep, storage: StorageDep, r: RedisDep) -> HostPublic:
     """Refuse a host from now on (404 if there is none); its running assignments are dispatched again at once."""
     return hosts.revoke_host(db, storage, r, host_id)
+
+
+@router.get("/project-key", response_model=ProjectKeyOut)
+def get_project_key(db: DbDep) -> ProjectKeyOut:
+    """The public key that signs the project's work now, and every rotation that led to it."""
+    return project_key.project_key(db)
+
+
+@router.post("/project-key", response_model=ProjectKeyOut)
+def set_project_key(req: ProjectKeySet, db: DbDep) -> ProjectKeyOut:
+    """Set the project's first public key: jobs submitted from now on wait for the operator's signature.
+    The same key again changes nothing; another is 409 (a key in use changes only by rotation)."""
+    return project_key.set_key(db, req.public_key)
+
+
+@router.post("/project-key/rotations", response_model=ProjectKeyOut)
+def rotate_project_key(req: KeyRotation, db: DbDep) -> ProjectKeyOut:
+    """Rotate the project key with a statement signed by the key in use (422 if it does not verify,
+    409 if it names another old key or a key used before); clients follow it to the new key."""
+    return project_key.rotate(db, req)

@@ -6,6 +6,7 @@ from crowdtrain.core.schemas import HostRegister, HostRegistered
 from crowdtrain.core.storage import download_origin
 from crowdtrain.server.api.deps import DbDep, FailureBudgetDep, SettingsDep, StorageDep
 from crowdtrain.server.services.hosts import register_host
+from crowdtrain.server.services.project_key import current_key
 
 router = APIRouter(prefix="/v1", tags=["hosts"])
 
@@ -16,9 +17,12 @@ def register(
 ) -> HostRegistered:
     """Register a client with a join token (one issued with `crowdtrain admin join-token create`, or the
     bootstrap token from the settings); answers the host token to use from now on, and the object
-    store's origin if shards and snapshots are downloaded from it (the client pins it).
+    store's origin if shards and snapshots are downloaded from it (the client pins it), and the
+    project's public key if it signs its work (a client given none pins it: trust on first use).
 
     An invalid or revoked join token is refused (403) and spends the caller's failure budget."""
     registered = register_host(db, req, settings.join_token)
     origin = download_origin(storage)
-    return registered.model_copy(update={"download_origins": [origin] if origin else []})
+    return registered.model_copy(
+        update={"download_origins": [origin] if origin else [], "project_public_key": current_key(db)}
+    )

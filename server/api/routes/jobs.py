@@ -7,10 +7,19 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.core.schemas import Id, JobCancelled, JobCreated, JobProblems, JobStatusOut, JobSummary
+from crowdtrain.core.schemas import (
+    Id,
+    JobCancelled,
+    JobCreated,
+    JobProblems,
+    JobRecipe,
+    JobSignature,
+    JobStatusOut,
+    JobSummary,
+)
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.services import dedloc_jobs, diagnosis, jobs
+from crowdtrain.server.services import dedloc_jobs, diagnosis, jobs, project_key
 from crowdtrain.workgen.generator import submit_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["admin"], dependencies=[AdminDep])
@@ -18,10 +27,13 @@ router = APIRouter(prefix="/v1/jobs", tags=["admin"], dependencies=[AdminDep])
 
 @router.post("", response_model=JobCreated, status_code=status.HTTP_201_CREATED)
 async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep) -> JobCreated:
-    """Submit a job spec: shards are made and stored, W_s v0 initialised, epoch 1 released.
+    """Submit a job spec: shards are made and stored, W_s v0 initialised, epoch 1 released. The answer
+    carries the job's recipe; when the project has a key the job stays pending, releasing no work,
+    until `POST /v1/jobs/{id}/signature` brings the operator's signature of that recipe.
 
     422 names the field and the problem of a spec that could not train (a bad dataset, a model
     that cannot take it or whose upload would exceed the limit); nothing is stored then."""
+    signed = await run_in_threadpool(project_key.current_key, db) is not None
     try:
         prepared = await run_in_threadpool(
             submit_job,
@@ -32,14 +44,35 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
             settings.upload_max_bytes,
             settings.var_dir / "scratch",
             settings.dataset_max_bytes,
+            signed,
         )
     except ValueError as exc:  # the generator's word for a spec it cannot prepare
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
     if spec.mode == "dedloc":
         await run_in_threadpool(dedloc_jobs.open_job, r, storage, prepared.job_id)
     return JobCreated(
-        job_id=prepared.job_id, status=JobStatus.running, shards=prepared.shards, parameters=prepared.parameters
+        job_id=prepared.job_id,
+        status=JobStatus.pending if signed else JobStatus.running,
+        shards=prepared.shards,
+        parameters=prepared.parameters,
+        recipe=prepared.recipe,
+        signature_required=signed,
     )
+
+
+@router.post("/{job_id}/signature", response_model=JobRecipe)
+def sign(job_id: Id, body: JobSignature, db: DbDep) -> JobRecipe:
+    """The operator's signature of the job's recipe, checked with the project key: a job waiting for it
+    starts; a running job's signature is replaced (after a key rotation). 422 if it does not verify,
+    409 if the project has no key or the job has ended; nothing changes then. 404 for no such job."""
+    project_key.sign_job(db, job_id, body.signature)
+    return project_key.job_recipe(db, job_id)
+
+
+@router.get("/{job_id}/recipe", response_model=JobRecipe)
+def recipe_of(job_id: Id, db: DbDep) -> JobRecipe:
+    """The job's recipe (what the project key signs) and its signature, if any. 404 for no such job."""
+    return project_key.job_recipe(db, job_id)
 
 
 @router.get("", response_model=list[JobSummary])

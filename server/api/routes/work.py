@@ -19,7 +19,7 @@ from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet
 from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
 from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused
-from crowdtrain.server.services import dispatch, telemetry
+from crowdtrain.server.services import dispatch, project_key, telemetry
 
 router = APIRouter(prefix="/v1", tags=["work"])
 
@@ -30,7 +30,14 @@ def request_work(
 ) -> WorkReply:
     """Ask for up to `free_slots` assignments."""
     assignments = dispatch.request_work(
-        db, storage, host_id, req.free_slots, req.cached_shards, req.resources, settings.presign_seconds
+        db,
+        storage,
+        host_id,
+        req.free_slots,
+        req.cached_shards,
+        req.resources,
+        settings.presign_seconds,
+        frozenset(req.refused_jobs),
     )
     cached = set(req.cached_shards)
     hits = [a.shard.size for a in assignments if a.shard.sha256 in cached]
@@ -43,7 +50,10 @@ def request_work(
         shard_bytes_sent=sum(a.shard.size for a in assignments) - sum(hits),
     )
     return WorkReply(
-        assignments=assignments, retry_after=settings.work_retry_after, heartbeat_interval=settings.heartbeat_interval
+        assignments=assignments,
+        retry_after=settings.work_retry_after,
+        heartbeat_interval=settings.heartbeat_interval,
+        key_rotations=project_key.rotations(db) if any(a.signed for a in assignments) else [],
     )
 
 

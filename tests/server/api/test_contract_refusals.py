@@ -27,6 +27,7 @@ UNKNOWN = [
     ("admin", "POST", f"/v1/jobs/{MISSING}/cancel", f"job {MISSING} does not exist"),
     ("admin", "GET", f"/v1/jobs/{MISSING}/model", f"job {MISSING} does not exist"),
     ("admin", "GET", f"/v1/jobs/{MISSING}/problems", f"job {MISSING} does not exist"),
+    ("admin", "GET", f"/v1/jobs/{MISSING}/recipe", f"job {MISSING} does not exist"),
     ("alice", "POST", f"/v1/assignments/{MISSING}/heartbeat", f"assignment {MISSING} does not exist"),
     ("alice", "POST", f"/v1/assignments/{MISSING}/abandon", f"assignment {MISSING} does not exist"),
     ("alice", "PUT", f"/v1/assignments/{MISSING}/result", f"assignment {MISSING} does not exist"),

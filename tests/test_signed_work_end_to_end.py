@@ -1,0 +1,121 @@
+"""Signed work with real processes: the operator's commands make and use the project key, a real
+client pinned to it trains the work it signs, refuses (and reports, and takes no more of) a job whose
+recipe is unsigned or signed by another key, and follows a key rotation to the new key."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from crowdtrain.core import signing
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.launch.cluster import Cluster, crowdtrain_argv, wait_for
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Job
+from tests.conftest import EXAMPLE_SPEC
+
+pytestmark = pytest.mark.integration
+TASKS = 2
+
+
+def operator(cluster: Cluster, *args: str) -> dict:
+    """A `crowdtrain` command on the operator's machine; its printed JSON."""
+    env = cluster.env | {"CROWDTRAIN_SERVER": cluster.url}
+    done = subprocess.run(crowdtrain_argv(*args), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"crowdtrain {' '.join(args)}: {done.stdout}{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def small_spec(tmp_path: Path, name: str) -> Path:
+    """The demo job cut to one quick epoch: it succeeds when epoch 1's merges are in."""
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
+    spec |= {"name": name, "stop": {"target_accuracy": 0.01, "max_epochs": 1}}
+    spec["model"]["options"] = {"channels": 8, "kernel_size": 5, "layers": 2}
+    spec["training"] |= {"local_epochs": 1}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def wait_status(cluster: Cluster, job_id: int, timeout: float = 240) -> str:
+    def ended() -> bool:
+        with cluster.admin() as http:
+            return http.get(f"/v1/jobs/{job_id}").json()["status"] in ("succeeded", "failed", "cancelled")
+
+    wait_for(ended, timeout, f"job {job_id} did not end")
+    with cluster.admin() as http:
+        return http.get(f"/v1/jobs/{job_id}").json()["status"]
+
+
+def test_a_pinned_client_trains_signed_work_refuses_the_rest_and_follows_a_rotation(
+    make_cluster, tmp_path: Path
+) -> None:
+    cluster = make_cluster()
+    db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
+    key_a = operator(cluster, "admin", "keygen", "--out", str(tmp_path / "a"))
+    key_b = operator(cluster, "admin", "keygen", "--out", str(tmp_path / "b"))
+    assert (tmp_path / "a" / "project.key").stat().st_mode & 0o777 == 0o600
+    operator(cluster, "admin", "project-key", "set", key_a["public_key_file"])
+
+    jobs = {}
+    for name in ("good", "foreign", "unsigned"):
+        created = operator(cluster, "job", "submit", str(small_spec(tmp_path, name)), "--key", key_a["private_key"])
+        assert created["status"] == "running", created
+        jobs[name] = created["job_id"]
+    # A scheduler whose database was tampered with: one recipe now carries another key's signature,
+    # one none at all. The client must not take either.
+    other = signing.load_private_key((tmp_path / "b" / "project.key").read_bytes())
+    with db.begin() as s:
+        foreign = s.get_one(Job, jobs["foreign"])
+        assert foreign.recipe is not None
+        foreign.recipe_public_key, foreign.recipe_signature = (
+            key_b["public_key"],
+            signing.sign(other, foreign.recipe.encode()),
+        )
+        unsigned = s.get_one(Job, jobs["unsigned"])
+        unsigned.recipe_public_key = unsigned.recipe_signature = None
+
+    client = cluster.start_client("pinned", TASKS, "--project-key", key_a["public_key_file"])
+    assert wait_status(cluster, jobs["good"]) == "succeeded", client.tail()
+
+    with cluster.admin() as http:
+        for name, reason in (("foreign", "not by the project key"), ("unsigned", "is unsigned")):
+            problems = http.get(f"/v1/jobs/{jobs[name]}/problems").json()
+            messages = [p["message"] for p in problems["recent"]]
+            assert messages and all("client refused the assignment" in m and reason in m for m in messages), messages
+
+    def given(job_id: int) -> list[str]:
+        with db.begin() as s:
+            return list(s.scalars(select(Assignment.status).where(Assignment.job_id == job_id)))
+
+    refused_counts = {name: len(given(jobs[name])) for name in ("foreign", "unsigned")}
+    for name, count in refused_counts.items():
+        # One work reply's worth at most (the slots plus one prefetched), each handed back as an error.
+        assert 1 <= count <= TASKS + 1, (name, given(jobs[name]))
+        assert set(given(jobs[name])) == {AssignmentStatus.client_error.value}
+
+    # Rotation: the operator makes key C, rotates A -> C, and submits a job signed with C. The client,
+    # pinned to A, follows the statement A signed, trains the job, and trusts only C from now on.
+    key_c = operator(cluster, "admin", "keygen", "--out", str(tmp_path / "c"))
+    operator(
+        cluster, "admin", "project-key", "rotate", "--old", key_a["private_key"], "--new", key_c["public_key_file"]
+    )
+    rotated = operator(cluster, "job", "submit", str(small_spec(tmp_path, "rotated")), "--key", key_c["private_key"])
+    assert wait_status(cluster, rotated["job_id"]) == "succeeded", client.tail()
+    with db.begin() as s:
+        merged = s.scalar(
+            select(func.count())
+            .select_from(Assignment)
+            .where(Assignment.job_id == rotated["job_id"], Assignment.status == AssignmentStatus.merged.value)
+        )
+    assert merged >= 1
+    identity = json.loads((cluster.var_dir / "clients" / "pinned" / "identity.json").read_text())
+    (registration,) = identity.values()
+    assert registration["project_public_key"] == key_c["public_key"]
+    assert sorted(registration["refused_jobs"]) == sorted([jobs["foreign"], jobs["unsigned"]])
+    time.sleep(2)  # a few more polls: the refused jobs still get nothing
+    assert {name: len(given(jobs[name])) for name in refused_counts} == refused_counts
