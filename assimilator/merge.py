@@ -25,18 +25,20 @@ import redis
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.assimilator import validator
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
 from crowdtrain.assimilator.rules import Rule, Update, make_rule, make_update
-from crowdtrain.core.keys import snapshot_key
+from crowdtrain.core.jobspec import ValidationSpec, validation_of
+from crowdtrain.core.keys import snapshot_key, validation_key
 from crowdtrain.core.logs import ids
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import ObjectNotFound, Storage, open_storage
 from crowdtrain.core.tensors import Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256
 from crowdtrain.core.updates import decode_update, upload_of
-from crowdtrain.server.ledger import duplicates, merges, paramstore
+from crowdtrain.server.ledger import duplicates, merges, paramstore, replicas
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,15 @@ class Superseded(Exception):
         self.winner_id = winner_id
 
 
+class Judged(Exception):
+    """The result's workunit is replicated and this call judged (or awaits) its replicas: the outcome
+    for this assignment is `result`, and nothing more is recorded for it here."""
+
+    def __init__(self, result: "MergeResult"):
+        super().__init__(result.reason)
+        self.result = result
+
+
 class JobBroken(Exception):
     """The job itself cannot take merges (its validation set does not fit its model, ...): every
     merge would fail the same way, so the job fails with this message."""
@@ -77,6 +88,8 @@ class Outcome(StrEnum):
     refused = "refused"  # not merged; the assignment is rejected (or was already ended)
     superseded = "superseded"  # not merged: another assignment of its workunit was merged first
     nothing_to_merge = "nothing to merge"  # unknown assignment, or no longer uploaded
+    awaiting_replicas = "awaiting replicas"  # replicated: not judged until its quorum of results is in
+    validated = "validated"  # a replica that agreed with another, which was merged
     failed = "failed"  # a failure that retrying would not remove; the assignment is ended
 
 
@@ -154,6 +167,8 @@ def _assimilate(svc: MergeServices, assignment_id: int, received_at: float | Non
             return _refuse(svc, assignment_id, exc)
         except Superseded as exc:
             return _supersede(svc, assignment_id, exc)
+        except Judged as exc:
+            return exc.result
     assert result.version is not None  # a merged or already merged result names the W_s version holding it
     _record(svc, pending, result.version)
     return result
@@ -168,6 +183,8 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
         raise Superseded(None)
     if not p.workunit_open:
         raise Refused("workunit already done by another assignment", charge=False)
+    if p.quorum > 1 and p.canonical != p.assignment_id:
+        _judge_replicas(svc, p, received_at)  # raises Judged, or returns when this result is the one to merge
     update, base_norm = _checked_update(svc.storage, p)
     norm = params_norm(update.delta)
     assimilation = p.spec["assimilation"]
@@ -224,6 +241,86 @@ def _checked_update(storage: Storage, p: merges.PendingMerge) -> tuple[Update, f
     except (TensorFormatError, ValueError) as exc:
         raise Refused(f"invalid result: {exc}", charge=True) from None
     return update, base_norm
+
+
+def _judge_replicas(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> None:
+    """Judge the workunit's replicas once `quorum` of them are uploaded (crowdtrain.assimilator.validator)
+    and record the verdict; merge the canonical one when it is another's (its own merge ended while
+    it waited). Returns when `p` is the canonical replica, for the caller to merge it; raises Judged
+    with this assignment's outcome otherwise."""
+    uploaded = replicas.uploads(svc.db, p.workunit_id)
+    if len(uploaded) < p.quorum:
+        log.info(
+            "assignment %s: %d of %d replicas uploaded; waiting for the others",
+            p.assignment_id,
+            len(uploaded),
+            p.quorum,
+            extra=ids(job_id=p.job_id, workunit_id=p.workunit_id, assignment_id=p.assignment_id),
+        )
+        raise Judged(MergeResult(Outcome.awaiting_replicas))
+    spec = validation_of(p.spec)
+    measured, malformed, flat = _measure_replicas(svc, p, uploaded, spec)
+    verdict = validator.judge(measured, validator.cosines(flat), _holdout_base_loss(svc, p, spec), spec)
+    invalid = {**verdict.invalid, **malformed}
+    record = replicas.record_verdict(
+        svc.db,
+        p.workunit_id,
+        [u.assignment_id for u in uploaded],
+        verdict.canonical if verdict.canonical not in malformed else None,
+        verdict.more and not malformed,
+        invalid,
+        verdict.charged | frozenset(malformed),
+        spec.max_replicas,
+    )
+    for key in record.ended:
+        svc.storage.delete(key)
+    if record.failed_workunit:
+        close_epochs_after_failure(svc.db, svc.storage, svc.r, [(p.job_id, p.epoch)], evaluate)
+    if record.canonical == p.assignment_id:
+        return
+    if record.canonical is not None:
+        _assimilate(svc, record.canonical, received_at)
+    if p.assignment_id in invalid and record.decided:
+        raise Judged(MergeResult(Outcome.refused, reason=invalid[p.assignment_id]))
+    if record.canonical is not None:
+        raise Judged(MergeResult(Outcome.validated, reason=f"agrees with replica {record.canonical}"))
+    raise Judged(MergeResult(Outcome.awaiting_replicas))
+
+
+def _measure_replicas(
+    svc: MergeServices, p: merges.PendingMerge, uploaded: list[replicas.Upload], spec: ValidationSpec
+) -> tuple[list[validator.Replica], dict[int, str], dict[int, np.ndarray]]:
+    """Each replica's ||Δ|| and the held-out loss of W_s + Δ, and its flat Δ; a result that cannot be
+    read as an update is invalid at once (assignment id -> why)."""
+    _, server = paramstore.read(svc.r, p.job_id)
+    x, y = _holdout(svc, p, spec)
+    measured, malformed, flat = [], {}, {}
+    for u in uploaded:
+        try:
+            update, _ = _checked_update(
+                svc.storage,
+                replace(p, assignment_id=u.assignment_id, base_version=u.base_version, upload_key=u.upload_key),
+            )
+        except Refused as exc:
+            malformed[u.assignment_id] = exc.reason
+            continue
+        moved = {k: v + update.delta[k] if k in update.delta else v for k, v in server.items()}
+        loss, _ = evaluate(p.job_id, p.model_config, moved, x, y)
+        flat[u.assignment_id] = validator.flat_update(update.delta)
+        measured.append(validator.Replica(u.assignment_id, float(np.linalg.norm(flat[u.assignment_id])), loss))
+    return measured, malformed, flat
+
+
+def _holdout(svc: MergeServices, p: merges.PendingMerge, spec: ValidationSpec) -> tuple[np.ndarray, np.ndarray]:
+    x, y = _validation_set(svc.storage, validation_key(p.job_id))
+    return x[: spec.holdout_examples], y[: spec.holdout_examples]
+
+
+def _holdout_base_loss(svc: MergeServices, p: merges.PendingMerge, spec: ValidationSpec) -> float:
+    """The held-out loss of W_s itself, which a valid replica's may exceed by the tolerance at most."""
+    _, server = paramstore.read(svc.r, p.job_id)
+    x, y = _holdout(svc, p, spec)
+    return evaluate(p.job_id, p.model_config, server, x, y)[0]
 
 
 def _guarded(

@@ -62,10 +62,14 @@ def token_revoke(token_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token:
 @host_app.command("list")
 def host_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
     with admin_client(server, admin_token) as http:
-        print_rows(
-            checked_rows(http.get("/v1/admin/hosts")),
-            ["id", "name", "device", "last_seen", "revoked", "results_valid", "results_failed"],
-        )
+        rows = checked_rows(http.get("/v1/admin/hosts"))
+    for row in rows:  # the date and the reason are on the dashboard's hosts page and in the API
+        row["quarantined"] = "yes" if row.get("quarantined_until") else ""
+    print_rows(
+        rows,
+        ["id", "name", "device", "revoked", "results_valid", "results_failed", "reputation", "quarantined"],
+        {"results_valid": "valid", "results_failed": "failed"},
+    )
 
 
 @host_app.command("revoke")
@@ -73,6 +77,13 @@ def host_revoke(host_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: T
     """Refuse a host from now on; its running assignments are dispatched again at once."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/admin/hosts/{host_id}/revoke"))))
+
+
+@host_app.command("release")
+def host_release(host_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """End a host's quarantine (repeated refused results) now; it gets work again, on probation."""
+    with admin_client(server, admin_token) as http:
+        typer.echo(json.dumps(checked(http.post(f"/v1/admin/hosts/{host_id}/release"))))
 
 
 @app.command("keygen")

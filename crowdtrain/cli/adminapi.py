@@ -56,8 +56,16 @@ def checked_rows(resp: httpx.Response) -> list[dict[str, Any]]:
     return document
 
 
-def print_rows(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    table = Table(*columns)
+def print_rows(rows: list[dict[str, Any]], columns: list[str], headers: dict[str, str] | None = None) -> None:
+    """A table of `columns` of `rows`, under `headers` where given (shorter names keep it within 80 columns);
+    floats with 3 significant digits, None as empty."""
+    table = Table(*((headers or {}).get(c, c) for c in columns))
     for row in rows:
-        table.add_row(*(str(row.get(c, "")) for c in columns))
+        table.add_row(*(_cell(row.get(c)) for c in columns))
     Console().print(table)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -254,6 +254,61 @@ class SchedulingSpec(_Strict):
     )
 
 
+class ValidationSpec(_Strict):
+    """Replication and validation of results (BOINC's adaptive replication, for updates that are never
+    bit-identical): a replicated workunit is trained by `quorum` hosts, and their results are compared
+    by crowdtrain.assimilator.validator before one of them is merged."""
+
+    replicate_untrusted: bool = Field(
+        False,
+        description="Replicate every workunit given to a host with fewer than trusted_after consecutive valid "
+        "results (new, or refused lately)",
+    )
+    replication: float = Field(
+        0.0, ge=0, le=1, description="The fraction of trusted hosts' workunits replicated too (spot checks)"
+    )
+    trusted_after: int = Field(10, ge=0, le=100_000, description="Consecutive valid results that make a host trusted")
+    max_replicas: int = Field(
+        3, ge=2, le=5, description="Replicas at most: two that disagree get a third to settle the vote"
+    )
+    min_cosine: float = Field(
+        0.1,
+        ge=-1,
+        le=1,
+        description="Two replicas agree only if the cosine of their updates is at least this (honest replicas of "
+        "one workunit measured 0.3 from scratch on builtin:mnist1d; random noise 0.0, sign-flipped -1)",
+    )
+    max_norm_ratio: float = Field(
+        3.0, gt=1, le=1000, description="... and the larger update's norm is at most this times the smaller's"
+    )
+    loss_tolerance: float = Field(
+        0.25,
+        gt=0,
+        le=100,
+        description="... and their held-out losses differ by at most this fraction of the smaller; a result "
+        "whose held-out loss exceeds W_s's by more than this fraction cannot be valid",
+    )
+    holdout_examples: int = Field(
+        512, ge=16, le=100_000, description="Validation examples each replica's held-out loss is measured on"
+    )
+    quarantine_after: int | None = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="A host whose results this job refuses this many times in a row (counting refusals in any "
+        "job) is quarantined: no work for 24 h, with the reason shown to the operator; null: never",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicate_untrusted or self.replication > 0
+
+
+def validation_of(spec: dict[str, Any]) -> ValidationSpec:
+    """The validation section of a stored job spec (jobs stored before it existed replicate nothing)."""
+    return ValidationSpec.model_validate(spec.get("validation", {}))
+
+
 def scheduling_of(spec: dict[str, Any]) -> SchedulingSpec:
     """The scheduling section of a stored job spec, with the defaults of fields added since it was stored."""
     return SchedulingSpec.model_validate(spec.get("scheduling", {}))
@@ -308,6 +363,7 @@ class JobSpec(_Strict):
     assimilation: AssimilationSpec = Field(default_factory=AssimilationSpec)
     stop: StopSpec
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    validation: ValidationSpec = Field(default_factory=ValidationSpec)
     dedloc: DedlocSpec | None = Field(None, description="Required in dedloc mode, refused otherwise")
 
     @model_validator(mode="after")

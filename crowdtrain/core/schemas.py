@@ -10,10 +10,11 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import annotated_types as at
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints, computed_field
 
 from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.jobspec import UploadSpec
+from crowdtrain.core.reputation import score
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 
 INT32_MAX = 2**31 - 1
@@ -132,6 +133,17 @@ class HostPublic(BaseModel):
     mean_turnaround: float | None
     account: str
     credit: float = Field(..., description="Cobblestones earned by merged results (crowdtrain.core.credit)")
+    consecutive_refused: int
+    quarantined_until: UtcDatetime | None = Field(
+        ..., description="No work for the host until then (repeated refusals); release it to end it sooner"
+    )
+    quarantine_reason: str
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def reputation(self) -> float:
+        """The share of valid results, a new host starting at 0.5 (crowdtrain.core.reputation.score)."""
+        return score(self.results_valid, self.results_failed)
 
 
 class HostCredit(BaseModel):

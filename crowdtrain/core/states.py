@@ -41,6 +41,9 @@ class AssignmentStatus(StrEnum):
     # Another assignment of the same workunit (a straggler's duplicate, or the straggler itself)
     # was merged first: this one is not merged, not charged and not credited.
     superseded = "superseded"
+    # A replica that agreed with the one merged for its workunit (crowdtrain.assimilator.validator):
+    # valid and credited, not merged (W_s takes one result per workunit).
+    validated = "validated"
 
     @property
     def counts_as_error(self) -> bool:

@@ -22,7 +22,7 @@ from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_of
-from crowdtrain.server.ledger import states
+from crowdtrain.server.ledger import reputation, states
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
 from crowdtrain.server.ledger.models import (
     Assignment,
@@ -285,8 +285,7 @@ def end_assignment(
     if wu.status != WorkunitStatus.in_progress.value:
         return wu  # already done by a duplicate, or cancelled with its job: nobody is charged
     if host is not None:
-        host.results_failed += 1
-        host.consecutive_valid = 0
+        reputation.count_failure(host, s.get_one(Job, a.job_id), outcome, a.message)
     # A duplicate of this workunit may still be running elsewhere: then it stays in progress.
     others = (
         s.query(Assignment)

@@ -48,6 +48,7 @@ def claim_straggler_duplicates(
         .where(
             Workunit.job_id == job.id,
             Workunit.status == WorkunitStatus.in_progress.value,
+            Workunit.quorum == 1,  # a replicated workunit gets replicas (ledger.replicas), not duplicates
             Assignment.status == AssignmentStatus.in_progress.value,
             Assignment.host_id != host.id,
             Assignment.sent_at <= now - timedelta(seconds=running_for),

@@ -19,15 +19,14 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core.credit import result_credit
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger import paramstore, replicas, reputation, states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
-from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Shard, Workunit, utcnow
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,8 @@ class PendingMerge:
     workunit_open: bool  # no other assignment finished the workunit
     workunit_done: bool  # another assignment of the workunit (a straggler's duplicate) was merged
     already_merged: bool  # the ledger recorded the merge (a redelivered task)
+    quorum: int = 1  # replicas compared before one is merged (ledger.replicas)
+    canonical: int | None = None  # the replica the validator chose, once it has judged them
 
 
 def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge | None:
@@ -78,6 +79,8 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
             workunit_open=wu.status == WorkunitStatus.in_progress.value,
             workunit_done=wu.status == WorkunitStatus.done.value,
             already_merged=a.status == AssignmentStatus.merged.value,
+            quorum=wu.quorum,
+            canonical=wu.canonical_assignment_id,
         )
 
 
@@ -112,14 +115,8 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
             wu.finished_at = a.finished_at
         job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
         job.param_version = max(job.param_version, version)
-        _count_valid(host, (a.finished_at - a.sent_at).total_seconds())
-        a.credit = result_credit(
-            s.get_one(Shard, wu.shard_id).examples,
-            job.spec["training"]["local_epochs"],
-            a.local_fraction,
-            job.training_flops,
-        )
-        host.credit += a.credit
+        reputation.count_valid(host, (a.finished_at - a.sent_at).total_seconds())
+        replicas.grant_credit(s, a, host, job, wu)
         superseded_uploads = supersede_siblings(s, a, siblings)
         job_id, workunit_id = a.job_id, a.workunit_id
     log.info(
@@ -129,15 +126,6 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
         extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id),
     )
     return superseded_uploads
-
-
-def _count_valid(host: Host, turnaround: float) -> None:
-    """A valid result: the host's counts and its mean turnaround (an exponential average)."""
-    host.results_valid += 1
-    host.consecutive_valid += 1
-    host.mean_turnaround = (
-        turnaround if host.mean_turnaround is None else (0.8 * host.mean_turnaround + 0.2 * turnaround)
-    )
 
 
 def reject_result(

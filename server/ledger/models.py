@@ -98,6 +98,10 @@ class Workunit(Base):
     shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id"))
     status: Mapped[str] = mapped_column(String(20))
     error_count: Mapped[int] = mapped_column(Integer, default=0)
+    # Results compared before one is merged (validation.replicate_untrusted / replication): 1 = not replicated.
+    quorum: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # The replica the validator chose to merge, once it has judged them.
+    canonical_assignment_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
@@ -124,6 +128,11 @@ class Host(Base):
     results_failed: Mapped[int] = mapped_column(Integer, default=0)
     consecutive_valid: Mapped[int] = mapped_column(Integer, default=0)
     mean_turnaround: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Results refused in a row (reset by a valid one): at Settings.quarantine_after_refusals the host is
+    # quarantined, given no work until `quarantined_until`, with the reason for the operator.
+    consecutive_refused: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    quarantined_until: Mapped[datetime | None] = mapped_column(nullable=True)
+    quarantine_reason: Mapped[str] = mapped_column(String(500), default="", server_default="")
     # The volunteer account the host's credit adds up under (named by the client; "" for none).
     account: Mapped[str] = mapped_column(String(64), default="", server_default="")
     credit: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")  # cobblestones (core.credit)

@@ -21,7 +21,7 @@ TRANSITIONS: dict[type, dict[StrEnum, frozenset[StrEnum]]] = {
     },
     AssignmentStatus: {
         A.in_progress: frozenset({A.uploaded, A.rejected, A.timed_out, A.abandoned, A.client_error, A.superseded}),
-        A.uploaded: frozenset({A.merged, A.rejected, A.superseded}),
+        A.uploaded: frozenset({A.merged, A.rejected, A.superseded, A.validated}),
     },
 }
 

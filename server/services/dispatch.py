@@ -9,12 +9,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import frameworks
-from crowdtrain.core.jobspec import VC_ASGD, scheduling_of
+from crowdtrain.core.jobspec import VC_ASGD, scheduling_of, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources, SignedRecipe
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.updates import upload_of
+from crowdtrain.server.ledger import replicas, reputation
 from crowdtrain.server.ledger.assignments import claim_workunits, open_assignment
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
@@ -85,12 +86,14 @@ def request_work(
     """Give the host up to `free_slots` assignments: ready workunits of the jobs it can run and has not
     refused (their recipe unsigned or signed by a key the host does not trust), split by
     fair share (crowdtrain.server.services.fair_share); then, for slots no job can fill, duplicates of
-    stragglers (crowdtrain.server.ledger.duplicates). No workunit is ever held by two hosts at once,
-    except a straggler's and its one duplicate."""
+    stragglers (crowdtrain.server.ledger.duplicates). Replicas that jobs validating their results want
+    come first (crowdtrain.server.ledger.replicas). No workunit is ever held by two hosts at once,
+    except a straggler's and its one duplicate, and a replicated workunit's replicas. A quarantined
+    host gets nothing."""
     with db.begin() as s:
         host = s.get_one(Host, host_id)
         _note_host(host, resources)
-        if free_slots == 0:
+        if free_slots == 0 or reputation.is_quarantined(host):
             return []
         # Only VC-ASGD jobs have workunits; DeDLOC peers join their job through crowdtrain.server.services.dedloc.
         jobs = {
@@ -102,17 +105,27 @@ def request_work(
         }
         scheduling = {job_id: scheduling_of(job.spec) for job_id, job in jobs.items()}
         weights = {job_id: sched.weight for job_id, sched in scheduling.items()}
+        validation = {job_id: validation_of(job.spec) for job_id, job in jobs.items()}
         running = fair_share.running_assignments(s, list(jobs))
         out: list[AssignmentOut] = []
-        for job, claimed in _claim_fair_share(s, jobs, host, free_slots, cached, running, weights):
+        for job_id, job in jobs.items():
+            if validation[job_id].enabled and len(out) < free_slots:
+                wanted = replicas.claim_replicas(s, job, host, free_slots - len(out))
+                out += _open_assignments(s, storage, job, host, wanted, presign_seconds, "replica, ")
+        for job, claimed in _claim_fair_share(s, jobs, host, free_slots - len(out), cached, running, weights):
+            for wu, _ in claimed:
+                wu.quorum = replicas.quorum_for(host, validation[job.id])
             out += _open_assignments(s, storage, job, host, claimed, presign_seconds)
-        # Slots left over: no job has anything ready, even in an early-released epoch.
+        # Slots left over: no job has anything ready, even in an early-released epoch. A host whose
+        # work the job replicates gets no duplicate (its result would be merged unchecked).
         for job_id in fair_share.by_share(running, weights):
             after = scheduling[job_id].duplicate_after_seconds
-            if len(out) >= free_slots or after is None:
+            if len(out) >= free_slots or after is None or replicas.replicated_host(host, validation[job_id]):
                 continue
             duplicates = claim_straggler_duplicates(s, jobs[job_id], host, free_slots - len(out), after)
-            out += _open_assignments(s, storage, jobs[job_id], host, duplicates, presign_seconds, duplicate=True)
+            out += _open_assignments(
+                s, storage, jobs[job_id], host, duplicates, presign_seconds, "duplicate of a straggler, "
+            )
         return out
 
 
@@ -176,9 +189,10 @@ def _open_assignments(
     host: Host,
     claimed: list[tuple[Workunit, Shard]],
     presign_seconds: int,
-    duplicate: bool = False,
+    kind: str = "",
 ) -> list[AssignmentOut]:
-    """Open the assignments of the claimed workunits (or straggler duplicates) and describe them."""
+    """Open the assignments of the claimed workunits (or straggler duplicates, or replicas: `kind` says
+    which in the log) and describe them."""
     if not claimed:
         return []
     _write_unwritten_shards(s, storage, job, [shard for _, shard in claimed])
@@ -196,7 +210,7 @@ def _open_assignments(
             wu.epoch,
             shard.index,
             host.id,
-            "duplicate of a straggler, " if duplicate else "",
+            kind,
             a.base_version,
             a.local_fraction,
             deadline.isoformat(timespec="seconds"),

@@ -18,7 +18,7 @@ from crowdtrain.core.schemas import (
     JoinTokenPublic,
 )
 from crowdtrain.core.storage import Storage
-from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger import assignments, reputation
 from crowdtrain.server.ledger.models import Host, JoinToken
 
 
@@ -116,3 +116,15 @@ def revoke_host(db: sessionmaker[Session], storage: Storage, r: redis.Redis, hos
     epochs of workunits that failed for good are closed (crowdtrain.server.ledger.assignments.revoke_host).
     NotFound if there is no such host."""
     return assignments.revoke_host(db, storage, r, host_id, evaluate)
+
+
+def release_host(db: sessionmaker[Session], host_id: int) -> HostPublic:
+    """End the host's quarantine now (NotFound if there is no such host); it works on probation, its runs of
+    valid and refused results starting over."""
+    with db.begin() as s:
+        host = s.get(Host, host_id, with_for_update=True)
+        if host is None:
+            raise NotFound(f"host {host_id} does not exist")
+        reputation.release(host)
+        s.flush()
+        return HostPublic.model_validate(host, from_attributes=True)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from datetime import UTC, timedelta
 
 import redis
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.jobspec import VC_ASGD
@@ -18,7 +18,7 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.assignments import time_out_expired
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete
-from crowdtrain.server.ledger.models import Assignment, Job, utcnow
+from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
@@ -50,15 +50,25 @@ def requeue_stalled_merges(
     db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None]
 ) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task), for
-    running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads)."""
+    running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads).
+    A replica that waits for the rest of its quorum (crowdtrain.server.ledger.replicas) is not stalled."""
+    replica = aliased(Assignment)
+    uploaded = (
+        select(func.count())
+        .where(replica.workunit_id == Workunit.id, replica.status == AssignmentStatus.uploaded.value)
+        .correlate(Workunit)
+        .scalar_subquery()
+    )
     with db.begin() as s:
         rows = s.execute(
             select(Assignment.id, Assignment.uploaded_at)
             .join(Job, Job.id == Assignment.job_id)
+            .join(Workunit, Workunit.id == Assignment.workunit_id)
             .where(
                 Job.status == JobStatus.running.value,
                 Assignment.status == AssignmentStatus.uploaded.value,
                 Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after),
+                or_(Workunit.quorum == 1, Workunit.canonical_assignment_id.is_not(None), uploaded >= Workunit.quorum),
             )
             .limit(500)
         ).all()

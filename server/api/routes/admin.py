@@ -64,3 +64,9 @@ def rotate_project_key(req: KeyRotation, db: DbDep) -> ProjectKeyOut:
     """Rotate the project key with a statement signed by the key in use (422 if it does not verify,
     409 if it names another old key or a key used before); clients follow it to the new key."""
     return project_key.rotate(db, req)
+
+
+@router.post("/hosts/{host_id}/release", response_model=HostPublic)
+def release_host(host_id: Id, db: DbDep) -> HostPublic:
+    """End a host's quarantine now (404 if there is no such host): it gets work again, on probation."""
+    return hosts.release_host(db, host_id)

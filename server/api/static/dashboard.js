@@ -202,6 +202,10 @@ function jobPage() {
   });
 }
 
+function quarantined(h) {
+  return h.quarantined_until !== null && new Date(h.quarantined_until) > new Date();
+}
+
 function hostsPage() {
   poll("/dashboard/api/hosts", (hosts) => fillTable("hosts", hosts, (h) => [
     String(h.id), h.name, h.device, h.frameworks.join(", "), h.cpus + (h.gpu ? " / " + h.gpu : ""),
@@ -209,6 +213,9 @@ function hostsPage() {
     [num(h.results_valid) + " / " + num(h.results_failed), "num"], [num(h.consecutive_valid), "num"],
     [h.mean_turnaround === null ? "–" : duration(h.mean_turnaround), "num"], ago(h.last_seen),
     h.revoked ? ["revoked", "revoked"] : "no",
+    [pct(h.reputation), "num"], h.account || "–", [credit(h.credit), "num"],
+    quarantined(h) ? ["until " + new Date(h.quarantined_until).toLocaleString("en-GB") + ": " + h.quarantine_reason,
+      "revoked"] : "no",
   ]));
 }
 

@@ -24,6 +24,7 @@ def api(tmp_path_factory):
     try:
         spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
         spec["scheduling"].update(deadline_seconds=600, max_errors=100)
+        spec["validation"] = {"quarantine_after": None}  # one host sends every refused body
         with cluster.admin() as http:
             job_id = http.post("/v1/jobs", json=spec).json()["job_id"]
         token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "h"}).json()[

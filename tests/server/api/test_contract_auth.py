@@ -29,6 +29,7 @@ ADMIN_ROUTES = [
     ("POST", "/v1/admin/join-tokens/1/revoke"),
     ("GET", "/v1/admin/hosts"),
     ("POST", "/v1/admin/hosts/1/revoke"),
+    ("POST", "/v1/admin/hosts/1/release"),
     ("GET", "/v1/admin/project-key"),
     ("POST", "/v1/admin/project-key"),
     ("POST", "/v1/admin/project-key/rotations"),

@@ -1,0 +1,138 @@
+"""Validation of a replicated workunit's results by quorum: which replicas are valid, which one is merged.
+
+Training results are never bit-identical across hosts (other seeds, other hardware), so replicas are
+compared by what can be compared: their updates' directions (cosine) and norms, and the loss of
+W_s + Δ on a held-out slice of the validation set. Two replicas *agree* when all three are close
+(thresholds: crowdtrain.core.jobspec.ValidationSpec). A replica is *implausible* on its own when its
+update is zero (a host that returns the base unchanged) or not finite, or when its held-out loss
+exceeds W_s's by more than the tolerance (a sign-flipped, scaled or poisoned update).
+
+The verdict, as BOINC's validator gives it: the largest group of plausible replicas that all agree
+pairwise, if it has at least two, is valid and the rest invalid (charged to their hosts); the
+group's replica with the lowest held-out loss is the canonical one, merged into W_s. Without such a
+group, another replica is asked for, up to `max_replicas`; at the bound the workunit is inconclusive:
+every replica is refused uncharged (only the implausible ones are charged) and it is trained again.
+
+What it can catch: updates that disagree with an honest replica in direction or size (sign-flipped,
+scaled, random noise, training on permuted labels, a replayed old result) and updates that make the
+held-out loss worse. What it cannot: hostile hosts that are a majority of a workunit's replicas and
+agree with each other (colluding hosts), and a subtle poisoning that moves an update by less than the
+spread between honest replicas. Unreplicated results are checked by the merge policy's bounds only.
+
+No I/O: the merge (crowdtrain.assimilator.merge) measures the replicas and applies the verdict.
+"""
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from crowdtrain.core.jobspec import ValidationSpec
+from crowdtrain.core.tensors import Params
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One uploaded result of the workunit, measured: ||Δ|| and the held-out loss of W_s + Δ."""
+
+    assignment_id: int
+    norm: float
+    holdout_loss: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    valid: tuple[int, ...] = ()  # assignment ids, the canonical one among them
+    invalid: dict[int, str] = field(default_factory=dict)  # assignment id -> why
+    canonical: int | None = None  # the one to merge
+    more: bool = False  # no decision: ask for another replica
+    charged: frozenset[int] = frozenset()  # the invalid ones that count against their hosts
+
+    @property
+    def decided(self) -> bool:
+        return not self.more
+
+
+def flat_update(delta: Params) -> np.ndarray:
+    """Δ's floating-point tensors as one float64 vector, in name order (the same for every replica)."""
+    parts = [np.asarray(delta[k], dtype=np.float64).ravel() for k in sorted(delta) if delta[k].dtype.kind == "f"]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def cosines(updates: dict[int, np.ndarray]) -> dict[tuple[int, int], float]:
+    """The cosine of every pair of flat updates, keyed (smaller id, larger id); 0 when one is zero."""
+    out = {}
+    for i, j in itertools.combinations(sorted(updates), 2):
+        a, b = updates[i], updates[j]
+        denominator = float(np.linalg.norm(a) * np.linalg.norm(b))
+        out[(i, j)] = float(a @ b) / denominator if denominator > 0 else 0.0
+    return out
+
+
+def implausible(replica: Replica, base_loss: float, spec: ValidationSpec) -> str | None:
+    """Why a replica cannot be valid whatever the others say, or None."""
+    if not math.isfinite(replica.norm) or not math.isfinite(replica.holdout_loss):
+        return "its update or held-out loss is not finite"
+    if replica.norm == 0:
+        return "its update is zero: it returned the base model unchanged"
+    if replica.holdout_loss > base_loss * (1 + spec.loss_tolerance):
+        return (
+            f"W_s + its update has held-out loss {replica.holdout_loss:.4f}, more than "
+            f"{spec.loss_tolerance:.0%} above W_s's {base_loss:.4f}"
+        )
+    return None
+
+
+def disagreement(a: Replica, b: Replica, cosine: float, spec: ValidationSpec) -> str | None:
+    """Why two replicas do not agree, or None when they do."""
+    if cosine < spec.min_cosine:
+        return f"update cosine {cosine:.2f} < {spec.min_cosine}"
+    ratio = max(a.norm, b.norm) / min(a.norm, b.norm)
+    if ratio > spec.max_norm_ratio:
+        return f"update norm ratio {ratio:.2f} > {spec.max_norm_ratio}"
+    gap = abs(a.holdout_loss - b.holdout_loss)
+    if gap > spec.loss_tolerance * min(a.holdout_loss, b.holdout_loss):
+        losses = f"{a.holdout_loss:.4f} and {b.holdout_loss:.4f}"
+        return f"held-out losses {losses} differ by more than {spec.loss_tolerance:.0%}"
+    return None
+
+
+def judge(
+    replicas: Sequence[Replica], pair_cosines: dict[tuple[int, int], float], base_loss: float, spec: ValidationSpec
+) -> Verdict:
+    """The verdict on a workunit's uploaded replicas (see the module docstring)."""
+    by_id = {r.assignment_id: r for r in replicas}
+    bad = {r.assignment_id: why for r in replicas if (why := implausible(r, base_loss, spec)) is not None}
+    plausible = sorted(i for i in by_id if i not in bad)
+
+    def why_not(i: int, j: int) -> str | None:
+        key = (min(i, j), max(i, j))
+        return disagreement(by_id[i], by_id[j], pair_cosines.get(key, 0.0), spec)
+
+    group: tuple[int, ...] = ()
+    for size in range(len(plausible), 1, -1):
+        groups = [
+            g
+            for g in itertools.combinations(plausible, size)
+            if all(why_not(i, j) is None for i, j in itertools.combinations(g, 2))
+        ]
+        if groups:
+            group = min(groups, key=lambda g: (sum(by_id[i].holdout_loss for i in g), g))
+            break
+    if group:
+        canonical = min(group, key=lambda i: (by_id[i].holdout_loss, i))
+        invalid = dict(bad)
+        for i in plausible:
+            if i not in group:
+                invalid[i] = (
+                    f"disagrees with replica {canonical}: {why_not(i, canonical) or 'not in the agreeing group'}"
+                )
+        return Verdict(valid=group, invalid=invalid, canonical=canonical, charged=frozenset(invalid))
+    if len(replicas) < spec.max_replicas:
+        return Verdict(more=True)
+    invalid = dict(bad)
+    for i in plausible:
+        invalid[i] = f"inconclusive: no two of {len(replicas)} replicas agree"
+    return Verdict(invalid=invalid, charged=frozenset(bad))

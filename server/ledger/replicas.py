@@ -1,0 +1,220 @@
+"""Replicated workunits: how many hosts train one, handing out the replicas, and recording the
+validator's verdict (crowdtrain.assimilator.validator).
+
+A workunit's `quorum` is set when a host first claims it (`quorum_for`): 2 when the job replicates
+that host's work (a host not yet trusted, or a spot check), else 1. While it has fewer live replicas
+(in progress or uploaded) than its quorum and no verdict, other hosts may claim a replica
+(`claim_replicas`): never a host that already had an assignment of it, nor one of the same volunteer
+account as a live holder. Its uploaded results wait until `quorum` of them are in; the verdict then
+ends each one (`record_verdict`): the canonical replica goes on to be merged, the others that agree
+end `validated` (valid and credited, not merged), the rest `rejected`. A workunit is judged once:
+the verdict is recorded under the workunit's lock, and a second judgement finds it there.
+"""
+
+import logging
+import random
+from dataclasses import dataclass
+
+from sqlalchemy import exists, func, select
+from sqlalchemy.orm import Session, aliased, sessionmaker
+
+from crowdtrain.core import reputation
+from crowdtrain.core.credit import result_credit
+from crowdtrain.core.jobspec import ValidationSpec
+from crowdtrain.core.logs import ids
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.server.ledger import reputation as host_record
+from crowdtrain.server.ledger import states
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
+
+log = logging.getLogger(__name__)
+
+LIVE = (AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value)
+
+
+def replicated_host(host: Host, spec: ValidationSpec) -> bool:
+    """Whether the job replicates all of this host's work: it is not trusted yet, and the job says so."""
+    return spec.replicate_untrusted and not reputation.trusted(host.consecutive_valid, spec.trusted_after)
+
+
+def quorum_for(host: Host, spec: ValidationSpec, rng: random.Random | None = None) -> int:
+    """The quorum of a workunit `host` claims first: replicated for a host not yet trusted (when the
+    job replicates those) and for a `replication` share of the others' work."""
+    if replicated_host(host, spec):
+        return 2
+    if spec.replication > 0 and (rng or random).random() < spec.replication:
+        return 2
+    return 1
+
+
+def claim_replicas(s: Session, job: Job, host: Host, limit: int) -> list[tuple[Workunit, Shard]]:
+    """Lock up to `limit` workunits of `job` that want another replica and that `host` may take, oldest
+    epoch first. Locked with SKIP LOCKED like any claim, then counted again once locked (another
+    scheduler may have committed a replica since the first query's snapshot)."""
+    other = aliased(Assignment)
+    live = (
+        select(func.count())
+        .where(other.workunit_id == Workunit.id, other.status.in_(LIVE))
+        .correlate(Workunit)
+        .scalar_subquery()
+    )
+    had_it = exists().where(other.workunit_id == Workunit.id, other.host_id == host.id)
+    query = (
+        select(Workunit)
+        .where(
+            Workunit.job_id == job.id,
+            Workunit.status == WorkunitStatus.in_progress.value,
+            Workunit.quorum > 1,
+            Workunit.canonical_assignment_id.is_(None),
+            live < Workunit.quorum,
+            ~had_it,
+        )
+        .order_by(Workunit.epoch, Workunit.id)
+        .limit(limit)
+        .with_for_update(of=Workunit, skip_locked=True)
+    )
+    if host.account:
+        holder = aliased(Host)
+        same_account = exists().where(
+            other.workunit_id == Workunit.id,
+            other.status.in_(LIVE),
+            other.host_id == holder.id,
+            holder.account == host.account,
+        )
+        query = query.where(~same_account)
+    candidates = s.scalars(query).all()
+    if not candidates:
+        return []
+    counts = dict(
+        s.execute(
+            select(Assignment.workunit_id, func.count())
+            .where(Assignment.workunit_id.in_([wu.id for wu in candidates]), Assignment.status.in_(LIVE))
+            .group_by(Assignment.workunit_id)
+        ).all()
+    )
+    claimed = [wu for wu in candidates if counts.get(wu.id, 0) < wu.quorum and wu.canonical_assignment_id is None]
+    shards = {sh.id: sh for sh in s.scalars(select(Shard).where(Shard.id.in_({wu.shard_id for wu in claimed})))}
+    return [(wu, shards[wu.shard_id]) for wu in claimed]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """An uploaded replica, as the validator measures it."""
+
+    assignment_id: int
+    base_version: int
+    upload_key: str
+
+
+def uploads(db: sessionmaker[Session], workunit_id: int) -> list[Upload]:
+    """The workunit's uploaded results, by assignment id."""
+    with db.begin() as s:
+        rows = s.execute(
+            select(Assignment.id, Assignment.base_version, Assignment.upload_key)
+            .where(Assignment.workunit_id == workunit_id, Assignment.status == AssignmentStatus.uploaded.value)
+            .order_by(Assignment.id)
+        ).all()
+    return [Upload(aid, base, key) for aid, base, key in rows if key is not None]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the ledger holds once a verdict is recorded (or found recorded)."""
+
+    canonical: int | None  # the replica to merge; None: no decision (awaiting) or inconclusive
+    decided: bool
+    ended: list[str]  # upload keys of replicas ended by this call, to delete
+    failed_workunit: bool = False  # inconclusive at max_errors: the workunit failed for good
+
+
+def record_verdict(
+    db: sessionmaker[Session],
+    workunit_id: int,
+    judged: list[int],
+    canonical: int | None,
+    more: bool,
+    invalid: dict[int, str],
+    charged: frozenset[int],
+    max_replicas: int,
+) -> Recorded:
+    """Apply the validator's verdict on the `judged` uploaded replicas of a workunit, once.
+
+    Lock order as everywhere: assignments (by id) -> hosts (by id) -> workunit -> job. A verdict
+    already recorded is returned as it is; one judged on other replicas than those now uploaded is
+    not applied (a later upload's merge judges again)."""
+    with db.begin() as s:
+        replicas = s.scalars(
+            select(Assignment)
+            .where(Assignment.workunit_id == workunit_id, Assignment.status == AssignmentStatus.uploaded.value)
+            .order_by(Assignment.id)
+            .with_for_update()
+        ).all()
+        hosts = {
+            h.id: h
+            for h in s.scalars(
+                select(Host).where(Host.id.in_({a.host_id for a in replicas})).order_by(Host.id).with_for_update()
+            )
+        }
+        wu = s.get_one(Workunit, workunit_id, with_for_update=True)
+        if wu.canonical_assignment_id is not None:
+            return Recorded(wu.canonical_assignment_id, True, [])
+        if wu.status != WorkunitStatus.in_progress.value or sorted(a.id for a in replicas) != sorted(judged):
+            return Recorded(None, False, [])
+        if more:
+            wu.quorum = min(max(wu.quorum, len(replicas) + 1), max_replicas)
+            log.info(
+                "workunit %s: replicas %s do not agree; asking for replica %d",
+                wu.id,
+                judged,
+                wu.quorum,
+                extra=ids(job_id=wu.job_id, workunit_id=wu.id),
+            )
+            return Recorded(None, False, [])
+        job = s.get_one(Job, wu.job_id)
+        now = utcnow()
+        ended = []
+        for a in replicas:
+            host = hosts[a.host_id]
+            if a.id in invalid:
+                states.move(a, AssignmentStatus.rejected)
+                a.message = f"refused by replica validation: {invalid[a.id]}"[:1000]
+                if a.id in charged:
+                    host_record.count_failure(host, job, AssignmentStatus.rejected, a.message)
+            elif a.id != canonical:
+                states.move(a, AssignmentStatus.validated)
+                a.message = f"agrees with replica {canonical}, which was merged"
+                host_record.count_valid(host, (now - a.sent_at).total_seconds())
+                grant_credit(s, a, host, job, wu)
+            else:
+                continue
+            a.finished_at = now
+            if a.upload_key:
+                ended.append(a.upload_key)
+            log.info(
+                "assignment %s: %s (%s)",
+                a.id,
+                a.status,
+                a.message,
+                extra=ids(job_id=a.job_id, workunit_id=wu.id, assignment_id=a.id, host_id=a.host_id),
+            )
+        if canonical is not None:
+            wu.canonical_assignment_id = canonical
+            return Recorded(canonical, True, ended)
+        # Inconclusive: trained again from scratch, as after any failure.
+        wu.error_count += 1
+        failed = wu.error_count >= job.spec["scheduling"]["max_errors"]
+        states.move(wu, WorkunitStatus.failed if failed else WorkunitStatus.ready)
+        if failed:
+            wu.finished_at = now
+        return Recorded(None, True, ended, failed_workunit=failed)
+
+
+def grant_credit(s: Session, a: Assignment, host: Host, job: Job, wu: Workunit) -> None:
+    """A valid result's credit (crowdtrain.core.credit): the training it was asked for."""
+    a.credit = result_credit(
+        s.get_one(Shard, wu.shard_id).examples,
+        job.spec["training"]["local_epochs"],
+        a.local_fraction,
+        job.training_flops,
+    )
+    host.credit += a.credit

@@ -1,0 +1,75 @@
+"""The replica validator as a pure function: agreement by direction, norm and held-out loss."""
+
+import numpy as np
+import pytest
+
+from crowdtrain.assimilator.validator import Replica, cosines, flat_update, judge
+from crowdtrain.core.jobspec import ValidationSpec
+
+SPEC = ValidationSpec(replicate_untrusted=True)
+BASE_LOSS = 1.0
+
+
+def _replicas(*rows: tuple[int, list[float], float]) -> tuple[list[Replica], dict]:
+    """(assignment id, update vector, held-out loss) -> the replicas and their pairwise cosines."""
+    updates = {i: np.array(v, dtype=np.float64) for i, v, _ in rows}
+    replicas = [Replica(i, float(np.linalg.norm(updates[i])), loss) for i, _, loss in rows]
+    return replicas, cosines(updates)
+
+
+def test_two_agreeing_replicas_are_valid_and_the_lower_loss_is_merged() -> None:
+    replicas, cos = _replicas((1, [1.0, 0.1], 0.8), (2, [0.9, 0.2], 0.75))
+    verdict = judge(replicas, cos, BASE_LOSS, SPEC)
+    assert verdict.decided and set(verdict.valid) == {1, 2} and verdict.canonical == 2 and not verdict.invalid
+
+
+@pytest.mark.parametrize(
+    ("hostile", "loss", "reason"),
+    [
+        ([-1.0, -0.1], 0.8, "cosine"),  # sign-flipped
+        ([10.0, 1.0], 0.8, "norm ratio"),  # scaled
+        ([0.1, -1.0], 0.8, "cosine"),  # noise of plausible norm, another direction
+        ([1.0, 0.1], 0.4, "held-out losses"),  # same update, a loss that cannot be the same model's
+    ],
+    ids=["sign-flipped", "scaled", "noise", "loss"],
+)
+def test_two_disagreeing_replicas_ask_for_a_third_which_settles_it(hostile, loss, reason) -> None:
+    honest = (1, [1.0, 0.1], 0.8)
+    replicas, cos = _replicas(honest, (2, hostile, loss))
+    assert judge(replicas, cos, BASE_LOSS, SPEC).more
+
+    replicas, cos = _replicas(honest, (2, hostile, loss), (3, [0.95, 0.15], 0.82))
+    verdict = judge(replicas, cos, BASE_LOSS, SPEC)
+    assert set(verdict.valid) == {1, 3} and verdict.canonical == 1
+    assert list(verdict.invalid) == [2] and reason in verdict.invalid[2] and verdict.charged == {2}
+
+
+@pytest.mark.parametrize(
+    ("update", "loss", "reason"),
+    [([0.0, 0.0], 1.0, "zero"), ([1.0, 0.1], 1.6, "held-out loss"), ([1.0, 0.1], float("nan"), "not finite")],
+    ids=["lazy", "worse-than-base", "nan"],
+)
+def test_an_implausible_replica_is_invalid_whatever_the_others_say(update, loss, reason) -> None:
+    replicas, cos = _replicas((1, [1.0, 0.1], 0.8), (2, update, loss), (3, [0.9, 0.1], 0.8))
+    verdict = judge(replicas, cos, BASE_LOSS, SPEC)
+    assert set(verdict.valid) == {1, 3} and reason in verdict.invalid[2] and 2 in verdict.charged
+
+
+def test_no_agreement_at_the_bound_is_inconclusive_and_charges_only_the_implausible() -> None:
+    replicas, cos = _replicas((1, [1.0, 0.0], 0.8), (2, [0.0, 1.0], 0.8), (3, [0.0, 0.0], 0.8))
+    verdict = judge(replicas, cos, BASE_LOSS, SPEC)
+    assert verdict.decided and verdict.canonical is None and not verdict.valid
+    assert set(verdict.invalid) == {1, 2, 3} and verdict.charged == {3} and "inconclusive" in verdict.invalid[1]
+
+
+def test_a_colluding_majority_wins_the_vote() -> None:
+    """What the validator cannot catch: two hostile replicas that agree outvote one honest one."""
+    replicas, cos = _replicas((1, [1.0, 0.1], 0.8), (2, [-1.0, -0.1], 0.9), (3, [-1.0, -0.12], 0.9))
+    verdict = judge(replicas, cos, BASE_LOSS, SPEC)
+    assert set(verdict.valid) == {2, 3} and 1 in verdict.invalid
+
+
+def test_flat_updates_take_float_tensors_in_name_order() -> None:
+    delta = {"b": np.array([3.0], dtype=np.float32), "a": np.array([[1.0, 2.0]]), "n": np.array([7], dtype=np.int64)}
+    assert flat_update(delta).tolist() == [1.0, 2.0, 3.0]
+    assert cosines({1: np.array([1.0, 0.0]), 2: np.array([0.0, 0.0])}) == {(1, 2): 0.0}
