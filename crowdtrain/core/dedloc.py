@@ -14,6 +14,7 @@ order (`combine_parts`), so every member ends with bit-identical values.
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -129,3 +130,13 @@ def digest(params: Mapping[str, np.ndarray]) -> str:
         h.update(repr(a.shape).encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+def dissenters(digests: dict[str, str]) -> list[str]:
+    """The members whose result differs from the one most members reported; every member when no result
+    has more reports than all others. No I/O."""
+    counts = Counter(digests.values())
+    ranked = counts.most_common()
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        return sorted(digests)
+    return sorted(peer for peer, digest in digests.items() if digest != ranked[0][0])

@@ -337,6 +337,13 @@ class DedlocSpec(_Strict):
         description="Peers per all-reduce group; more peers form several groups whose sums are combined exactly",
     )
     report_interval: float = Field(1.0, gt=0, le=60, description="Seconds between a peer's progress reports")
+    exclude_after: int | None = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="A peer blamed for this many aborted attempts in a row (it timed out, failed, or reported a "
+        "result the other members did not) takes no part in matchmaking for the rest of the job; null: never",
+    )
 
     @model_validator(mode="after")
     def _micro_fits(self) -> "DedlocSpec":

@@ -128,6 +128,11 @@ def dedloc_state_claim(job_id: int, step: int) -> str:
     return f"{PREFIX}:job:{job_id}:dedloc:state-claim:{step}"
 
 
+def dedloc_strikes(job_id: int) -> str:
+    """Hash peer id -> aborted attempts in a row it was blamed for (cleared when it commits a step)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:strikes"
+
+
 def dedloc_aborts(job_id: int) -> str:
     """Hash "step:attempt" -> JSON {members, reason}: every aborted attempt, for the operator."""
     return f"{PREFIX}:job:{job_id}:dedloc:aborts"

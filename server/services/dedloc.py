@@ -128,7 +128,8 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
     # Closing does not wait for the state upload of the last step: if its uploader died, the next
     # step's members upload a newer one, and newcomers sync to that.
     if rnd.phase == "accumulating" and rnd.step < max_steps:
-        live = live_peers(r, job_id, spec)
+        shut_out = excluded(r, job_id, spec)
+        live = {p: v for p, v in live_peers(r, job_id, spec).items() if p not in shut_out}
         reported = {
             keys.text(k): int(v)
             for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
@@ -149,6 +150,8 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
                 rnd.candidates,
             )
     if rnd.phase == "matchmaking" and (set(rnd.ready) >= set(rnd.candidates) or now > rnd.deadline):
+        shut_out = excluded(r, job_id, spec)
+        rnd.ready = {p: n for p, n in rnd.ready.items() if p not in shut_out}
         if not rnd.ready:
             log.warning(
                 "job %s: step %d attempt %d found no members; accumulating again", job_id, rnd.step, rnd.attempt
@@ -174,16 +177,18 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
             )
     if rnd.phase == "reducing" and now > rnd.deadline:
         missing = sorted(set(rnd.members) - set(rnd.done))
-        abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}")
+        abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}", missing)
     return rnd
 
 
-def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str) -> None:
-    """Abort the running attempt for every member; its members are the candidates of the retry."""
+def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str, blamed: list[str]) -> None:
+    """Abort the running attempt for every member; its members but the excluded are the candidates of
+    the retry. `blamed` are the members that caused it: one strike each (`excluded`)."""
+    shut_out = blame(r, job_id, spec, blamed)
     r.hset(
         keys.dedloc_aborts(job_id),
         f"{rnd.step}:{rnd.attempt}",
-        json.dumps({"members": rnd.members, "reason": reason[:500], "at": time.time()}),
+        json.dumps({"members": rnd.members, "reason": reason[:500], "blamed": blamed, "at": time.time()}),
     )
     log.warning(
         "job %s: step %d attempt %d aborted (%s); retrying without the peers that do not answer",
@@ -192,7 +197,7 @@ def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str
         rnd.attempt,
         reason,
     )
-    rnd.candidates, rnd.ready, rnd.done = list(rnd.members), {}, {}
+    rnd.candidates, rnd.ready, rnd.done = [m for m in rnd.members if m not in shut_out], {}, {}
     rnd.members, rnd.examples, rnd.groups, rnd.relayed = [], {}, [], []
     rnd.phase, rnd.attempt = "matchmaking", rnd.attempt + 1
     rnd.deadline = time.time() + spec.matchmaking_timeout
@@ -213,7 +218,7 @@ def record_done(
         return None
     if len(set(rnd.done.values())) != 1:
         # Members disagree on the averaged gradient: applying it would fork the collaboration.
-        abort(r, job_id, rnd, spec, f"members' results differ: {rnd.done}")
+        abort(r, job_id, rnd, spec, f"members' results differ: {rnd.done}", dedloc.dissenters(rnd.done))
         return None
     commit = {
         "step": step,
@@ -225,6 +230,7 @@ def record_done(
         "at": time.time(),
     }
     r.hset(keys.dedloc_commits(job_id), str(step), json.dumps(commit))
+    r.hdel(keys.dedloc_strikes(job_id), *rnd.members)  # their runs of blamed aborts end
     log.info(
         "job %s: step %d committed (attempt %d, %d members, %d examples)",
         job_id,
@@ -237,6 +243,27 @@ def record_done(
     rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
     r.expire(keys.dedloc_progress(job_id, step), ARTIFACT_TTL)
     return commit
+
+
+def blame(r: redis.Redis, job_id: int, spec: DedlocSpec, peers: list[str]) -> set[str]:
+    """One strike for each of `peers`; returns the peers excluded now (spec.exclude_after strikes in a row)."""
+    for peer in peers:
+        strikes = r.hincrby(keys.dedloc_strikes(job_id), peer, 1)
+        if spec.exclude_after is not None and strikes == spec.exclude_after:
+            log.warning(
+                "job %s: peer %s excluded from matchmaking after %d aborted attempts in a row it was blamed for",
+                job_id,
+                peer,
+                strikes,
+            )
+    return excluded(r, job_id, spec)
+
+
+def excluded(r: redis.Redis, job_id: int, spec: DedlocSpec) -> set[str]:
+    """Peers that take no part in matchmaking any more (spec.exclude_after)."""
+    if spec.exclude_after is None:
+        return set()
+    return {keys.text(p) for p, n in r.hgetall(keys.dedloc_strikes(job_id)).items() if int(n) >= spec.exclude_after}
 
 
 def commit_of(r: redis.Redis, job_id: int, step: int) -> dict | None:

@@ -88,7 +88,8 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
     if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
         r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
-    if rnd.phase == "matchmaking" and req.examples > 0:
+    # A peer excluded for repeated aborts (spec.exclude_after) is never a member again.
+    if rnd.phase == "matchmaking" and req.examples > 0 and req.peer_id not in dedloc.excluded(r, view.id, view.spec):
         if req.peer_id not in rnd.candidates:
             rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
         rnd.ready[req.peer_id] = req.examples
@@ -133,7 +134,7 @@ def report(
                 commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
             else:
                 dedloc.check_member(rnd, peer_id, step, attempt)
-                dedloc.abort(r, job_id, rnd, view.spec, f"{peer_id} failed: {message}")
+                dedloc.abort(r, job_id, rnd, view.spec, f"{peer_id} failed: {message}", [peer_id])
                 commit = None
         except RoundGone as exc:
             raise DedlocProblem(RefusalKind.conflict, str(exc)) from None

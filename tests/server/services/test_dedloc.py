@@ -1,5 +1,6 @@
 """The DeDLOC rendezvous: round phases on a real Redis, and the `/v1/dedloc` API's refusals."""
 
+import json
 import time
 
 import httpx
@@ -8,6 +9,7 @@ import pytest
 import redis
 
 from crowdtrain.core import keys
+from crowdtrain.core.dedloc import dissenters
 from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Cluster
@@ -97,6 +99,56 @@ def test_members_that_disagree_on_the_result_abort_instead_of_forking(private_re
     with pytest.raises(dedloc.NotAMember):
         rnd.phase, rnd.members = "reducing", ["a"]
         dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 1, "d1")
+
+
+def _reduce(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
+    """Close the step with these peers' examples and make them the members."""
+    _report(r, rnd, **examples)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    rnd.ready.update(examples)
+    time.sleep(SPEC.matchmaking_timeout + 0.05)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.phase == "reducing", rnd
+
+
+def test_a_peer_that_keeps_timing_out_is_excluded_and_the_others_commit(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a", "b", "c")
+    _reduce(r, rnd, a=50, b=50, c=50)
+    for attempt in range(SPEC.exclude_after or 0):
+        assert rnd.attempt == attempt and "c" in rnd.members
+        dedloc.record_done(r, 1, rnd, SPEC, "a", 0, attempt, "d")
+        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, attempt, "d")
+        time.sleep(SPEC.averaging_timeout + 0.05)  # c never reports
+        dedloc.advance(r, 1, rnd, SPEC, 10)
+        assert rnd.phase == "matchmaking"
+        rnd.ready.update(a=50, b=50, c=50)  # c keeps saying it is ready
+        time.sleep(SPEC.matchmaking_timeout + 0.05)
+        dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert dedloc.excluded(r, 1, SPEC) == {"c"}
+    assert rnd.members == ["a", "b"], "the excluded peer is no member, even when it says it is ready"
+    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, rnd.attempt, "d")
+    assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, rnd.attempt, "d")["members"] == ["a", "b"]
+    _report(r, rnd, a=30, b=30, c=500)
+    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert rnd.phase == "accumulating", "an excluded peer's examples do not close a step"
+    assert r.hget(keys.dedloc_strikes(1), "a") is None, "a commit clears its members' strikes"
+
+
+def test_the_member_whose_result_differs_from_the_majority_is_blamed(private_redis) -> None:
+    r = private_redis
+    rnd = _joined(r, "a", "b", "c")
+    _reduce(r, rnd, a=50, b=50, c=50)
+    for peer, digest in (("a", "d1"), ("b", "d1"), ("c", "forged")):
+        dedloc.record_done(r, 1, rnd, SPEC, peer, 0, 0, digest)
+    assert rnd.phase == "matchmaking" and rnd.attempt == 1
+    assert {keys.text(k): int(v) for k, v in r.hgetall(keys.dedloc_strikes(1)).items()} == {"c": 1}
+    assert json.loads(r.hget(keys.dedloc_aborts(1), "0:0"))["blamed"] == ["c"]
+
+
+def test_dissenters_are_the_minority_or_everyone_on_a_tie() -> None:
+    assert dissenters({"a": "x", "b": "x", "c": "y"}) == ["c"]
+    assert dissenters({"a": "x", "b": "y"}) == ["a", "b"]
 
 
 def test_no_step_closes_past_max_steps(private_redis) -> None:
