@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core import frameworks
 from crowdtrain.core.schemas import AssignmentProblem, JobProblems, ProblemCount
 from crowdtrain.core.states import AssignmentStatus, JobStatus
+from crowdtrain.server.ledger import reputation
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
 from crowdtrain.server.services.dispatch import host_can_run
 from crowdtrain.server.services.jobs import ACTIVE_HOST_WINDOW, JobNotFound
@@ -59,6 +60,18 @@ def job_problems(db: sessionmaker[Session], job_id: int, limit: int = 20) -> Job
         hosts = s.scalars(select(Host).where(Host.revoked.is_(False))).all()
         able = [h for h in hosts if host_can_run(h, job)]
         active = [h for h in able if h.last_seen > utcnow() - ACTIVE_HOST_WINDOW]
+        waiting = s.scalar(
+            select(func.count())
+            .select_from(Assignment)
+            .join(Workunit, Workunit.id == Assignment.workunit_id)
+            .where(
+                Assignment.job_id == job_id,
+                Assignment.status == AssignmentStatus.uploaded.value,
+                Workunit.quorum > 1,
+                Workunit.canonical_assignment_id.is_(None),
+            )
+        )
+        quarantined = sum(1 for h in able if reputation.is_quarantined(h))
         return JobProblems(
             job_id=job.id,
             status=JobStatus(job.status),
@@ -83,7 +96,8 @@ def job_problems(db: sessionmaker[Session], job_id: int, limit: int = 20) -> Job
             hosts_registered=len(hosts),
             hosts_able=len(able),
             hosts_able_active=len(active),
-            findings=findings(job, len(hosts), len(able), len(active), counts),
+            findings=findings(job, len(hosts), len(able), len(active), counts)
+            + replication_findings(job, waiting or 0, quarantined, len(able)),
         )
 
 
@@ -111,5 +125,23 @@ def findings(job: Job, registered: int, able: int, active: int, counts: Counter[
         out.append(
             f"{counts[AssignmentStatus.timed_out]} assignments timed out: hosts may be too slow for "
             f"scheduling.deadline_seconds={job.spec['scheduling']['deadline_seconds']}"
+        )
+    return out
+
+
+def replication_findings(job: Job, waiting: int, quarantined: int, able: int) -> list[str]:
+    """Sentences about replicated work and quarantined hosts (crowdtrain.server.ledger.replicas, reputation)."""
+    out: list[str] = []
+    if job.status != JobStatus.running.value:
+        return out
+    if waiting:
+        out.append(
+            f"{waiting} results wait for replicas from other hosts (validation replicates untrusted hosts' work): "
+            "a replica goes to a host that has not had the workunit, of another volunteer account"
+        )
+    if quarantined:
+        out.append(
+            f"{quarantined} of the {able} hosts able to run this job are quarantined after repeated refused results: "
+            "see `crowdtrain admin host list`"
         )
     return out

@@ -27,6 +27,7 @@ from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit
+from crowdtrain.server.services.diagnosis import job_problems
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host, release_host
 from crowdtrain.workgen.generator import submit_job
@@ -116,6 +117,7 @@ def test_two_honest_replicas_agree_one_is_merged_and_both_are_credited(svc) -> N
     p.upload(alice, a, p.trained(a))
     assert assimilate(svc, a.assignment_id).outcome is Outcome.awaiting_replicas
     assert paramstore.read(svc.r, p.job_id)[0] == 0, "nothing merged before the quorum is in"
+    assert "1 results wait for replicas" in " ".join(job_problems(svc.db, p.job_id).findings)
     p.upload(bob, b, p.trained(b))
     result = assimilate(svc, b.assignment_id)
 
@@ -183,6 +185,7 @@ def test_repeated_refusals_quarantine_a_host_until_the_operator_releases_it(svc)
     valid, failed, _, quarantined = p.record(mallory)
     assert (valid, failed, quarantined) == (0, 2, True)
     assert p.work(mallory, 4) == [], "a quarantined host gets no work"
+    assert "1 of the 1 hosts able to run this job are quarantined" in " ".join(job_problems(svc.db, p.job_id).findings)
     with svc.db.begin() as s:
         reason = s.get_one(Host, mallory).quarantine_reason
     assert "2 results refused in a row" in reason and "invalid result" in reason, reason
