@@ -298,6 +298,12 @@ def test_the_production_file_builds_the_default_images_on_the_default_network(se
     assert services["minio"]["image"] == "minio/minio" and services["createbucket"]["image"] == "minio/mc"
 
 
+def test_every_service_keeps_a_rotated_log(services: dict) -> None:
+    for name, service in services.items():
+        logging = service.get("logging") or {}
+        assert logging.get("driver") == "json-file" and {"max-size", "max-file"} <= set(logging["options"]), name
+
+
 def test_required_variables_fail_loudly_when_unset() -> None:
     with pytest.raises(KeyError, match="POSTGRES_PASSWORD"):
         load_compose({})

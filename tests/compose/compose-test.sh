@@ -157,6 +157,15 @@ check_accounting() {
     dc exec -T scheduler python - "$JOB_ID" <tests/compose/check_accounting.py
 }
 
+backups() { # README's backup commands (Redis's with the test's port), and what each wrote is readable
+    dc exec -T postgres pg_dump -U crowdtrain -Fc crowdtrain >"$WORK/crowdtrain.pgdump"
+    dc exec -T postgres pg_restore --list <"$WORK/crowdtrain.pgdump" | grep -q 'TABLE DATA public assignments'
+    dc exec -T redis sh -c 'redis-cli -p 16379 --rdb /data/backup.rdb >/dev/null && cat /data/backup.rdb' \
+        >"$WORK/redis.rdb"
+    [ "$(head -c 5 "$WORK/redis.rdb")" = REDIS ]
+    ls -l "$WORK/crowdtrain.pgdump" "$WORK/redis.rdb"
+}
+
 for port in "${PORTS[@]}"; do
     if (: <"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
         echo "port $port is in use on this machine; docker-compose.test.yml needs it" >&2
@@ -187,6 +196,8 @@ timed "stack up (scheduler answering)" stack_up
 dc ps
 timed "job done (restart included)" run_job
 timed "exact accounting" check_accounting
+say "backups of PostgreSQL and Redis"
+backups
 
 say "images"
 docker images --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E '^crowdtrain'
