@@ -37,7 +37,7 @@ test: $(STAMP)
 # docker-compose.yml built and run by a real Docker engine, on a local Debian base image (README, Deploy):
 # root, docker.io, docker-compose and debootstrap needed. Not part of `make test` or .ci/run: it takes as long.
 compose-test: $(STAMP)
-	PIP=$(VENV)/bin/pip tests/compose/compose-test.sh
+	PIP=$(VENV)/bin/pip PYTHON=$(PY) tests/compose/compose-test.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_latency.py

@@ -304,6 +304,38 @@ def test_every_service_keeps_a_rotated_log(services: dict) -> None:
         assert logging.get("driver") == "json-file" and {"max-size", "max-file"} <= set(logging["options"]), name
 
 
+TEST_OVERRIDE = ROOT / "tests" / "compose" / "docker-compose.test.yml"
+PULLED = {"postgres", "redis", "minio", "createbucket"}  # the services whose images come from a registry
+
+
+def test_the_compose_test_override_replaces_only_what_cannot_be_pulled(services: dict) -> None:
+    """`make compose-test`'s override: registry images become the local stand-in, the project's images keep
+    their names and Dockerfiles and only gain build arguments, and every service joins the host's network."""
+    override = interpolate(yaml.safe_load(TEST_OVERRIDE.read_text()), filled_in())["services"]
+    assert set(override) == set(services)
+    for name, service in override.items():
+        assert service["network_mode"] == "host", name
+        if name in PULLED:
+            assert service["image"] == "crowdtrain-compose-backing", name
+        else:
+            assert "image" not in service, f"{name}: the override keeps the project's image"
+            assert set(service["build"]) == {"network", "args"}, name
+            assert service["build"]["args"]["BASE_IMAGE"] == "crowdtrain-compose-base:bookworm"
+    # The server processes differ from production in their addresses alone.
+    for name in SERVER_SERVICES:
+        assert set(environment(override[name])) <= {*environment(services[name]), "CROWDTRAIN_SERVER"}, name
+
+
+def test_make_compose_test_runs_the_script_and_stays_out_of_make_test_and_ci() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ncompose-test:", 1)[1].split("\n\n", 1)[0]
+    assert "tests/compose/compose-test.sh" in recipe
+    test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "compose" not in test_recipe
+    assert "compose-test" not in (ROOT / ".ci" / "run").read_text()
+    assert "make compose-test" in (ROOT / "README.md").read_text()
+
+
 def test_required_variables_fail_loudly_when_unset() -> None:
     with pytest.raises(KeyError, match="POSTGRES_PASSWORD"):
         load_compose({})

@@ -19,13 +19,28 @@ BASE_IMAGE=crowdtrain-compose-base:bookworm
 PORTS=(15432 16379 19000 18000) # PostgreSQL, Redis, S3 (moto), scheduler: as in docker-compose.test.yml
 SCHEDULER=http://127.0.0.1:18000
 PIP=${PIP:-.venv/bin/pip}
+PYTHON=${PYTHON:-.venv/bin/python} # with PyYAML
 WORK=$(mktemp -d /tmp/crowdtrain-compose-test.XXXXXX)
 TIMINGS=()
 STARTED_DOCKERD=
 
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else COMPOSE=(docker-compose); fi
-dc() { "${COMPOSE[@]}" -p "$PROJECT" --env-file "$WORK/.env" \
-    -f docker-compose.yml -f tests/compose/docker-compose.test.yml --profile client "$@"; }
+# Every command runs on docker-compose.yml with the override, merged once by compose itself (`config`) and
+# rid of the published ports, which an engine refuses beside host networking and an override cannot remove.
+dc() { "${COMPOSE[@]}" -p "$PROJECT" -f "$WORK/compose.yml" --profile client "$@"; }
+
+render_compose_file() {
+    "${COMPOSE[@]}" -p "$PROJECT" --env-file "$WORK/.env" --profile client \
+        -f docker-compose.yml -f tests/compose/docker-compose.test.yml config >"$WORK/merged.yml"
+    "$PYTHON" - "$WORK/merged.yml" "$WORK/compose.yml" <<'PY'
+import sys, yaml
+compose = yaml.safe_load(open(sys.argv[1]))
+for service in compose["services"].values():
+    if service.get("network_mode") == "host":
+        service.pop("ports", None)
+yaml.safe_dump(compose, open(sys.argv[2], "w"), sort_keys=False)
+PY
+}
 
 say() { printf '\n== %s: %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 timed() { # timed LABEL COMMAND...: run, and keep its duration for the summary
@@ -38,12 +53,12 @@ timed() { # timed LABEL COMMAND...: run, and keep its duration for the summary
 teardown() {
     local rc=$?
     trap - EXIT INT TERM
-    if [ "$rc" -ne 0 ] && [ -f "$WORK/.env" ]; then
+    if [ "$rc" -ne 0 ] && [ -f "$WORK/compose.yml" ]; then
         say "FAILED (exit $rc); the last lines of each service's log"
         dc logs --no-color --tail 30 2>/dev/null || true
     fi
     say "tearing down"
-    [ -f "$WORK/.env" ] && dc down --volumes --remove-orphans --timeout 30 || true
+    if [ -f "$WORK/compose.yml" ]; then dc down --volumes --remove-orphans --timeout 30 || true; fi
     rm -f wheelhouse/*.whl
     rm -rf "$WORK"
     if [ -n "$STARTED_DOCKERD" ]; then
@@ -159,7 +174,8 @@ check_accounting() {
 
 backups() { # README's backup commands (Redis's with the test's port), and what each wrote is readable
     dc exec -T postgres pg_dump -U crowdtrain -Fc crowdtrain >"$WORK/crowdtrain.pgdump"
-    dc exec -T postgres pg_restore --list <"$WORK/crowdtrain.pgdump" | grep -q 'TABLE DATA public assignments'
+    dc exec -T postgres pg_restore --list <"$WORK/crowdtrain.pgdump" >"$WORK/pgdump.list"
+    grep -q 'TABLE DATA public assignments' "$WORK/pgdump.list"
     dc exec -T redis sh -c 'redis-cli -p 16379 --rdb /data/backup.rdb >/dev/null && cat /data/backup.rdb' \
         >"$WORK/redis.rdb"
     [ "$(head -c 5 "$WORK/redis.rdb")" = REDIS ]
@@ -179,6 +195,7 @@ start_dockerd
 say "local Debian base image"
 timed "base image ($BASE_IMAGE)" build_base_image
 write_env_file
+render_compose_file
 ADMIN_TOKEN=$(sed -n 's/^CROWDTRAIN_ADMIN_TOKEN=//p' "$WORK/.env")
 
 say "building the images"
@@ -186,11 +203,18 @@ fetch_torch_wheel
 timed "build crowdtrain-compose-backing" dc build postgres
 timed "build crowdtrain-server" dc build scheduler
 timed "build crowdtrain-client" dc build client
+build_tensorflow_client() { # the client's TensorFlow variant, built as an operator would, with this base
+    docker build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
+        --build-arg CLIENT_EXTRAS=client,tensorflow -f Dockerfile.client -t crowdtrain-client:tensorflow .
+    docker run --rm --network none --entrypoint python crowdtrain-client:tensorflow -c \
+        'import tensorflow, torch; print("tensorflow", tensorflow.__version__, "torch", torch.__version__)'
+}
+timed "build crowdtrain-client:tensorflow" build_tensorflow_client
 
 say "bringing the stack up (2 parameter-server containers)"
 stack_up() {
     dc up -d --scale assimilator=2 scheduler assimilator transitioner
-    wait_until 180 "the scheduler answered" curl -fsS -o /dev/null "$SCHEDULER/v1/health"
+    wait_until 180 "the scheduler answered" curl -fs -o /dev/null "$SCHEDULER/v1/health"
 }
 timed "stack up (scheduler answering)" stack_up
 dc ps
