@@ -108,6 +108,18 @@ fetch_torch_wheel() {
     }
 }
 
+build_tensorflow_client() { # the client's TensorFlow variant, built as an operator would, with this base
+    docker build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
+        --build-arg CLIENT_EXTRAS=client,tensorflow -f Dockerfile.client -t crowdtrain-client:tensorflow .
+    docker run --rm --network none --entrypoint python crowdtrain-client:tensorflow -c \
+        'import tensorflow, torch; print("tensorflow", tensorflow.__version__, "torch", torch.__version__)'
+}
+
+stack_up() {
+    dc up -d --scale assimilator=2 scheduler assimilator transitioner
+    wait_until 180 "the scheduler answered" curl -fs -o /dev/null "$SCHEDULER/v1/health"
+}
+
 secret() { python3 -c 'import secrets; print(secrets.token_urlsafe(24))'; }
 
 write_env_file() {
@@ -136,7 +148,10 @@ wait_until() { # wait_until SECONDS WHAT COMMAND...
     done
 }
 
-client_registered() { dc exec -T scheduler crowdtrain admin host list 2>/dev/null | grep -q .; }
+client_registered() {
+    [ "$(curl -fs -H "Authorization: Bearer $ADMIN_TOKEN" "$SCHEDULER/v1/admin/hosts" |
+        python3 -c 'import json, sys; print(len(json.load(sys.stdin)))')" -ge 1 ]
+}
 merged_at_least() { [ "$(job_field "$JOB_ID" 'st["assignments"].get("merged", 0)')" -ge "$1" ]; }
 job_finished() {
     local status
@@ -191,7 +206,7 @@ done
 
 say "Docker engine"
 start_dockerd
-"${COMPOSE[@]}" version | head -1
+echo "$("${COMPOSE[@]}" version --short) ($(command -v "${COMPOSE[0]}") ${COMPOSE[*]:1}), engine $(docker version -f '{{.Server.Version}}')"
 say "local Debian base image"
 timed "base image ($BASE_IMAGE)" build_base_image
 write_env_file
@@ -203,19 +218,9 @@ fetch_torch_wheel
 timed "build crowdtrain-compose-backing" dc build postgres
 timed "build crowdtrain-server" dc build scheduler
 timed "build crowdtrain-client" dc build client
-build_tensorflow_client() { # the client's TensorFlow variant, built as an operator would, with this base
-    docker build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
-        --build-arg CLIENT_EXTRAS=client,tensorflow -f Dockerfile.client -t crowdtrain-client:tensorflow .
-    docker run --rm --network none --entrypoint python crowdtrain-client:tensorflow -c \
-        'import tensorflow, torch; print("tensorflow", tensorflow.__version__, "torch", torch.__version__)'
-}
 timed "build crowdtrain-client:tensorflow" build_tensorflow_client
 
 say "bringing the stack up (2 parameter-server containers)"
-stack_up() {
-    dc up -d --scale assimilator=2 scheduler assimilator transitioner
-    wait_until 180 "the scheduler answered" curl -fs -o /dev/null "$SCHEDULER/v1/health"
-}
 timed "stack up (scheduler answering)" stack_up
 dc ps
 timed "job done (restart included)" run_job
@@ -227,4 +232,4 @@ say "images"
 docker images --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E '^crowdtrain'
 say "timings"
 printf '%s\n' "${TIMINGS[@]}"
-say "compose-test passed"
+say "compose-test passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
