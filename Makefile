@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench compose-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ PYTEST := $(PY) -m pytest -ra -p no:cacheprovider
 test: $(STAMP)
 	$(PYTEST) --durations=15 -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS)
 	$(PYTEST) -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# docker-compose.yml built and run by a real Docker engine, on a local Debian base image (README, Deploy):
+# root, docker.io, docker-compose and debootstrap needed. Not part of `make test` or .ci/run: it takes as long.
+compose-test: $(STAMP)
+	PIP=$(VENV)/bin/pip PYTHON=$(PY) tests/compose/compose-test.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_latency.py

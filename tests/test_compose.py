@@ -259,8 +259,12 @@ def test_server_s3_credentials_are_minio_root_credentials(services: dict) -> Non
     assert server["AWS_DEFAULT_REGION"]
 
 
+# Variables Compose itself reads from .env, not interpolated in the file.
+COMPOSE_OWN = {"COMPOSE_PROJECT_NAME"}
+
+
 def test_every_interpolated_variable_is_listed_in_env_example() -> None:
-    used = compose_variables(yaml.safe_load(COMPOSE_FILE.read_text()))
+    used = compose_variables(yaml.safe_load(COMPOSE_FILE.read_text())) | COMPOSE_OWN
     listed = set(env_example())
     assert used - listed == set(), f"missing from .env.example: {sorted(used - listed)}"
     assert listed - used == set(), f"listed in .env.example but unused: {sorted(listed - used)}"
@@ -274,6 +278,62 @@ def test_every_env_example_variable_has_a_comment() -> None:
             assert above.startswith("# ") and not _LISTED.fullmatch(above), (
                 f".env.example line {i + 1} ({line}) has no comment line above it"
             )
+
+
+def test_both_compose_generations_accept_the_file(compose: dict) -> None:
+    """docker-compose 1.29 (the Python v1) refuses a top-level `name:` and knows no other top-level keys
+    than these; the project is named by COMPOSE_PROJECT_NAME in .env instead, which v1 and v2 both read."""
+    assert set(compose) <= {"services", "volumes", "networks", "secrets", "configs"} | {
+        k for k in compose if k.startswith("x-")
+    }, sorted(compose)
+    assert example_values()["COMPOSE_PROJECT_NAME"] == "crowdtrain"
+
+
+def test_the_production_file_builds_the_default_images_on_the_default_network(services: dict) -> None:
+    """Build arguments and host networking belong to `make compose-test`'s override, never to production."""
+    for name, service in services.items():
+        assert "network_mode" not in service, name
+        assert "args" not in (service.get("build") or {}), name
+    assert services["postgres"]["image"] == "postgres:16" and services["redis"]["image"] == "redis:7"
+    assert services["minio"]["image"] == "minio/minio" and services["createbucket"]["image"] == "minio/mc"
+
+
+def test_every_service_keeps_a_rotated_log(services: dict) -> None:
+    for name, service in services.items():
+        logging = service.get("logging") or {}
+        assert logging.get("driver") == "json-file" and {"max-size", "max-file"} <= set(logging["options"]), name
+
+
+TEST_OVERRIDE = ROOT / "tests" / "compose" / "docker-compose.test.yml"
+PULLED = {"postgres", "redis", "minio", "createbucket"}  # the services whose images come from a registry
+
+
+def test_the_compose_test_override_replaces_only_what_cannot_be_pulled(services: dict) -> None:
+    """`make compose-test`'s override: registry images become the local stand-in, the project's images keep
+    their names and Dockerfiles and only gain build arguments, and every service joins the host's network."""
+    override = interpolate(yaml.safe_load(TEST_OVERRIDE.read_text()), filled_in())["services"]
+    assert set(override) == set(services)
+    for name, service in override.items():
+        assert service["network_mode"] == "host", name
+        if name in PULLED:
+            assert service["image"] == "crowdtrain-compose-backing", name
+        else:
+            assert "image" not in service, f"{name}: the override keeps the project's image"
+            assert set(service["build"]) == {"network", "args"}, name
+            assert service["build"]["args"]["BASE_IMAGE"] == "crowdtrain-compose-base:bookworm"
+    # The server processes differ from production in their addresses alone.
+    for name in SERVER_SERVICES:
+        assert set(environment(override[name])) <= {*environment(services[name]), "CROWDTRAIN_SERVER"}, name
+
+
+def test_make_compose_test_runs_the_script_and_stays_out_of_make_test_and_ci() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ncompose-test:", 1)[1].split("\n\n", 1)[0]
+    assert "tests/compose/compose-test.sh" in recipe
+    test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "compose" not in test_recipe
+    assert "compose-test" not in (ROOT / ".ci" / "run").read_text()
+    assert "make compose-test" in (ROOT / "README.md").read_text()
 
 
 def test_required_variables_fail_loudly_when_unset() -> None:
@@ -312,7 +372,7 @@ def _pip_installs(dockerfile: Path) -> list[str]:
 
 def test_the_client_image_installs_the_client_extra_only() -> None:
     installs = " ".join(_pip_installs(ROOT / "Dockerfile.client"))
-    assert '".[client]"' in installs or "'.[client]'" in installs or " .[client]" in installs
+    assert '".[${CLIENT_EXTRAS}]"' in installs and _args(ROOT / "Dockerfile.client")["CLIENT_EXTRAS"] == "client"
     assert "[server]" not in installs and "[dev]" not in installs
     assert dockerfile_entrypoint(ROOT / "Dockerfile.client") == ["crowdtrain"]
 
@@ -324,12 +384,56 @@ def test_the_server_image_installs_the_server_tensorflow_and_data_extras() -> No
     assert ".[server,tensorflow,data]" in installs and "[dev]" not in installs
 
 
+def _args(dockerfile: Path) -> dict[str, str]:
+    """The build arguments a Dockerfile declares, with their defaults."""
+    args = {}
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("ARG "):
+            name, _, default = line.removeprefix("ARG ").partition("=")
+            args[name.strip()] = default.strip()
+    return args
+
+
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
 def test_images_install_the_makefiles_torch_cpu_build_first(dockerfile: str) -> None:
     pinned = re.search(r"torch==[\w.]+", (ROOT / "Makefile").read_text()).group()
     installs = _pip_installs(ROOT / dockerfile)
-    assert pinned in installs[0] and "download.pytorch.org/whl/cpu" in installs[0], installs
-    assert "FROM python:3.11-slim" in (ROOT / dockerfile).read_text()
+    assert pinned in installs[0] and '--index-url "$TORCH_INDEX_URL"' in installs[0], installs
+    # Production builds take the CPU-only build from PyTorch's index unless told otherwise.
+    assert _args(ROOT / dockerfile)["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
+def test_images_build_on_the_official_python_image_unless_told_otherwise(dockerfile: str) -> None:
+    text = (ROOT / dockerfile).read_text()
+    assert _args(ROOT / dockerfile)["BASE_IMAGE"] == "python:3.11-slim"
+    froms = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
+    assert froms and set(froms) == {"${BASE_IMAGE}"}, froms
+    # Pip installs into a virtual environment (Debian's own Python refuses system installs, PEP 668),
+    # which the image's PATH puts first, so `crowdtrain` and `python` are the environment's.
+    assert "python3 -m venv /opt/venv" in text and "PATH=/opt/venv/bin:$PATH" in text
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
+def test_images_take_wheels_from_the_wheelhouse_but_do_not_keep_them(dockerfile: str) -> None:
+    text = (ROOT / dockerfile).read_text()
+    assert "COPY wheelhouse /wheelhouse" in text
+    assert all("--find-links /wheelhouse" in line for line in _pip_installs(ROOT / dockerfile))
+    # The final stage copies the virtual environment alone, not the wheelhouse or the sources.
+    final_stage = text.rsplit("\nFROM ", 1)[1]
+    assert "COPY --from=build /opt/venv /opt/venv" in final_stage and "wheelhouse" not in final_stage
+
+
+def test_the_wheelhouse_ships_empty() -> None:
+    """Production builds find nothing there: git keeps its README alone."""
+    assert (ROOT / "wheelhouse" / "README.md").is_file()
+    assert "wheelhouse/*.whl" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_client_image_has_a_tensorflow_variant() -> None:
+    assert _args(ROOT / "Dockerfile.client")["CLIENT_EXTRAS"] == "client"
+    assert "CLIENT_EXTRAS=client,tensorflow" in (ROOT / "Dockerfile.client").read_text()
+    assert "tensorflow" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
 
 def _copied(dockerfile: Path) -> set[str]:
