@@ -207,3 +207,23 @@ def test_a_valid_result_ends_a_run_of_refusals(svc) -> None:
     assert p.record(host)[3] is False, "two refusals, but not in a row"
     with svc.db.begin() as s:
         assert s.scalar(select(Host.consecutive_refused).where(Host.id == host)) == 1
+
+
+def test_the_hosts_of_an_inconclusive_vote_may_replicate_the_workunit_trained_again(svc) -> None:
+    """With only two hosts, both of the first vote, the second vote's replica still finds a host."""
+    p = _project(svc, replicate_untrusted=True, max_replicas=2)
+    alice, bob = p.host("alice"), p.host("bob")
+    [a] = p.work(alice)
+    [b] = p.work(bob)
+    assert b.workunit_id == a.workunit_id
+    for host, assignment in ((alice, a), (bob, b)):  # both lazy: no two plausible replicas agree
+        p.upload(host, assignment, p.base(assignment))
+        assimilate(svc, assignment.assignment_id)
+    assert p.status(a.assignment_id) == p.status(b.assignment_id) == AssignmentStatus.rejected.value
+    assert p.workunit(a.workunit_id)[0] == WorkunitStatus.ready.value, "inconclusive: trained again"
+
+    assert a.workunit_id in {w.workunit_id for w in p.work(alice, 8)}
+    replicas = [w for w in p.work(bob, 8) if w.workunit_id == a.workunit_id]
+    assert len(replicas) == 1, "bob, who voted last time, holds a replica of the new vote"
+    assert p.workunit(a.workunit_id)[1] == 2
+    assert [w for w in p.work(alice, 8) if w.workunit_id == a.workunit_id] == [], "never two replicas of one vote"
