@@ -13,6 +13,7 @@ crash anywhere in it, completes what is missing and changes nothing else. No Cel
 task in crowdtrain.assimilator.worker.tasks only wraps it.
 """
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator import validator
 from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
+from crowdtrain.assimilator.policy import Policy, apply_with_policy, merged_alone, params_norm
 from crowdtrain.assimilator.rules import Rule, Update, make_rule, make_update
 from crowdtrain.core.jobspec import ValidationSpec, validation_of
 from crowdtrain.core.keys import snapshot_key, validation_key
@@ -183,8 +184,11 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
         raise Superseded(None)
     if not p.workunit_open:
         raise Refused("workunit already done by another assignment", charge=False)
+    replayed = _replay_of(svc, p)  # noted first, whether replicated or not, so that an original precedes its replays
     if p.quorum > 1 and p.canonical != p.assignment_id:
         _judge_replicas(svc, p, received_at)  # raises Judged, or returns when this result is the one to merge
+    elif replayed is not None:
+        raise Refused(_replay_reason(replayed), charge=True)
     update, base_norm = _checked_update(svc.storage, p)
     norm = params_norm(update.delta)
     assimilation = p.spec["assimilation"]
@@ -243,6 +247,30 @@ def _checked_update(storage: Storage, p: merges.PendingMerge) -> tuple[Update, f
     return update, base_norm
 
 
+def _digest(params: Params) -> str:
+    """sha256 over W_c's tensors, by name: the same weights give the same digest however they travelled."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode() + b"\0" + np.ascontiguousarray(params[name]).tobytes())
+    return h.hexdigest()
+
+
+def _replay_of(svc: MergeServices, p: merges.PendingMerge) -> int | None:
+    """The earlier assignment of the job whose result had exactly this result's W_c (a host uploading
+    an old result again), else None; this result's W_c is noted for those after it. A result that
+    cannot be read is left to the checks that refuse it."""
+    try:
+        update, _ = _checked_update(svc.storage, p)
+    except Refused:
+        return None
+    first = paramstore.first_with_digest(svc.r, p.job_id, _digest(update.client), p.assignment_id)
+    return None if first == p.assignment_id else first
+
+
+def _replay_reason(first: int) -> str:
+    return f"its weights are those of assignment {first}'s result: a replayed result"
+
+
 def _judge_replicas(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> None:
     """Judge the workunit's replicas once `quorum` of them are uploaded (crowdtrain.assimilator.validator)
     and record the verdict; merge the canonical one when it is another's (its own merge ended while
@@ -259,8 +287,13 @@ def _judge_replicas(svc: MergeServices, p: merges.PendingMerge, received_at: flo
         )
         raise Judged(MergeResult(Outcome.awaiting_replicas))
     spec = validation_of(p.spec)
-    measured, malformed, flat = _measure_replicas(svc, p, uploaded, spec)
-    verdict = validator.judge(measured, validator.cosines(flat), _holdout_base_loss(svc, p, spec), spec)
+    measured, malformed, flat, base_loss = _measure_replicas(svc, p, uploaded, spec)
+    verdict = validator.judge(measured, validator.cosines(flat), base_loss, spec)
+    if verdict.more and malformed:
+        # A malformed replica ends the vote: the others are judged as at the bound (inconclusive unless
+        # two agree), never left valid by default.
+        bound = spec.model_copy(update={"max_replicas": len(measured)})
+        verdict = validator.judge(measured, validator.cosines(flat), base_loss, bound)
     invalid = {**verdict.invalid, **malformed}
     record = replicas.record_verdict(
         svc.db,
@@ -289,10 +322,15 @@ def _judge_replicas(svc: MergeServices, p: merges.PendingMerge, received_at: flo
 
 def _measure_replicas(
     svc: MergeServices, p: merges.PendingMerge, uploaded: list[replicas.Upload], spec: ValidationSpec
-) -> tuple[list[validator.Replica], dict[int, str], dict[int, np.ndarray]]:
-    """Each replica's ||Δ|| and the held-out loss of W_s + Δ, and its flat Δ; a result that cannot be
-    read as an update is invalid at once (assignment id -> why)."""
-    _, server = paramstore.read(svc.r, p.job_id)
+) -> tuple[list[validator.Replica], dict[int, str], dict[int, np.ndarray], float]:
+    """Each replica's ||Δ|| and the held-out loss of W_s after the job's rule merged it alone
+    (crowdtrain.assimilator.policy.merged_alone), its flat Δ, and the held-out loss of W_s itself; a
+    result that cannot be read as an update is invalid at once (assignment id -> why)."""
+    version, server = paramstore.read(svc.r, p.job_id)
+    _, state = paramstore.read_state(svc.r, p.job_id)
+    assimilation = p.spec["assimilation"]
+    rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
+    state = rule.initial_state(server) if state is None else state
     x, y = _holdout(svc, p, spec)
     measured, malformed, flat = [], {}, {}
     for u in uploaded:
@@ -304,23 +342,21 @@ def _measure_replicas(
         except Refused as exc:
             malformed[u.assignment_id] = exc.reason
             continue
-        moved = {k: v + update.delta[k] if k in update.delta else v for k, v in server.items()}
+        first = paramstore.first_with_digest(svc.r, p.job_id, _digest(update.client), u.assignment_id)
+        if first != u.assignment_id:
+            malformed[u.assignment_id] = _replay_reason(first)
+            continue
+        moved = merged_alone(policy, rule, server, state, replace(update, staleness=version - u.base_version))
         loss, _ = evaluate(p.job_id, p.model_config, moved, x, y)
         flat[u.assignment_id] = validator.flat_update(update.delta)
         measured.append(validator.Replica(u.assignment_id, float(np.linalg.norm(flat[u.assignment_id])), loss))
-    return measured, malformed, flat
+    base_loss, _ = evaluate(p.job_id, p.model_config, server, x, y)
+    return measured, malformed, flat, base_loss
 
 
 def _holdout(svc: MergeServices, p: merges.PendingMerge, spec: ValidationSpec) -> tuple[np.ndarray, np.ndarray]:
     x, y = _validation_set(svc.storage, validation_key(p.job_id))
     return x[: spec.holdout_examples], y[: spec.holdout_examples]
-
-
-def _holdout_base_loss(svc: MergeServices, p: merges.PendingMerge, spec: ValidationSpec) -> float:
-    """The held-out loss of W_s itself, which a valid replica's may exceed by the tolerance at most."""
-    _, server = paramstore.read(svc.r, p.job_id)
-    x, y = _holdout(svc, p, spec)
-    return evaluate(p.job_id, p.model_config, server, x, y)[0]
 
 
 def _guarded(

@@ -135,6 +135,18 @@ class Policy:
         )
 
 
+def merged_alone(policy: Policy, rule: Rule, server: Params, state: Params, update: Update) -> Params:
+    """W_s as `rule` would leave it after merging `update` alone (clipped as the policy clips), computed
+    on copies: `server` and `state` are left as they are. The validator measures a replica here, at
+    the point its merge would make, not at W_s + Δ: VC-ASGD averages W_c into W_s, and W_s + Δ of a
+    result a few merges stale is a point no merge produces (for this job's honest results it measured
+    20-110% above W_s's held-out loss, where the merge itself does not move it much). The policy's
+    bounds are not checked here; they are when the chosen replica is merged."""
+    moved = {k: np.array(v, copy=True) for k, v in server.items()}
+    rule.apply(moved, {k: np.array(v, copy=True) for k, v in state.items()}, clipped(update, policy.clip_norm))
+    return moved
+
+
 def apply_with_policy(
     policy: Policy,
     rule: Rule,

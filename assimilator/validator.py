@@ -1,11 +1,14 @@
 """Validation of a replicated workunit's results by quorum: which replicas are valid, which one is merged.
 
 Training results are never bit-identical across hosts (other seeds, other hardware), so replicas are
-compared by what can be compared: their updates' directions (cosine) and norms, and the loss of
-W_s + Δ on a held-out slice of the validation set. Two replicas *agree* when all three are close
-(thresholds: crowdtrain.core.jobspec.ValidationSpec). A replica is *implausible* on its own when its
-update is zero (a host that returns the base unchanged) or not finite, or when its held-out loss
-exceeds W_s's by more than the tolerance (a sign-flipped, scaled or poisoned update).
+compared by what can be compared: their updates' directions (cosine) and norms, and the loss, on a
+held-out slice of the validation set, of W_s as the job's merge rule would leave it after merging
+the replica alone (crowdtrain.assimilator.policy.merged_alone: α·W_s + (1 − α)·W_c for VC-ASGD).
+Two replicas *agree* when all three are close (thresholds: crowdtrain.core.jobspec.ValidationSpec).
+A replica is *implausible* on its own when its update is zero (a host that returns the base
+unchanged) or not finite, or when its held-out loss exceeds W_s's by more than the tolerance (a
+sign-flipped, scaled or poisoned update). A replica whose weights are exactly those of an earlier
+result of the job (a replayed result) never reaches the validator: the merge refuses it as malformed.
 
 The verdict, as BOINC's validator gives it: the largest group of plausible replicas that all agree
 pairwise, if it has at least two, is valid and the rest invalid (charged to their hosts); the
@@ -35,7 +38,7 @@ from crowdtrain.core.tensors import Params
 
 @dataclass(frozen=True)
 class Replica:
-    """One uploaded result of the workunit, measured: ||Δ|| and the held-out loss of W_s + Δ."""
+    """One uploaded result of the workunit, measured: ||Δ|| and the held-out loss of W_s merged with it."""
 
     assignment_id: int
     norm: float
@@ -79,7 +82,7 @@ def implausible(replica: Replica, base_loss: float, spec: ValidationSpec) -> str
         return "its update is zero: it returned the base model unchanged"
     if replica.holdout_loss > base_loss * (1 + spec.loss_tolerance):
         return (
-            f"W_s + its update has held-out loss {replica.holdout_loss:.4f}, more than "
+            f"W_s merged with it has held-out loss {replica.holdout_loss:.4f}, more than "
             f"{spec.loss_tolerance:.0%} above W_s's {base_loss:.4f}"
         )
     return None

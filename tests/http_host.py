@@ -3,33 +3,53 @@
 import time
 
 import httpx
+import numpy as np
 
-from crowdtrain.core.tensors import Params, decode, encode
+from crowdtrain.core.tensors import Params, decode, decode_shard, encode
 
 
 class ScriptedHost:
-    """Registers with the cluster's join token, asks for work, reads snapshots and uploads results."""
+    """Registers with the cluster's join token (under a volunteer `account`, if given), asks for work,
+    reads snapshots and shards, and uploads results."""
 
-    def __init__(self, url: str, join_token: str, name: str):
-        token = httpx.post(f"{url}/v1/hosts", json={"join_token": join_token, "name": name}, timeout=60).json()[
-            "host_token"
-        ]
+    def __init__(self, url: str, join_token: str, name: str, account: str = ""):
+        registered = httpx.post(
+            f"{url}/v1/hosts", json={"join_token": join_token, "name": name, "account": account}, timeout=60
+        ).json()
+        self.host_id: int = registered["host_id"]
+        token = registered["host_token"]
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+
+    def ask(self, slots: int = 1) -> list[dict]:
+        """One request for work: the assignments given (none when there is nothing for this host)."""
+        resp = self.http.post("/v1/work", json={"free_slots": slots})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["assignments"]
 
     def next_assignment(self, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            resp = self.http.post("/v1/work", json={"free_slots": 1})
-            assert resp.status_code == 200, resp.text
-            if resp.json()["assignments"]:
-                return resp.json()["assignments"][0]
+            given = self.ask()
+            if given:
+                return given[0]
             time.sleep(0.5)
         raise AssertionError(f"no work within {timeout}s")
 
-    def snapshot(self, assignment: dict) -> Params:
-        resp = self.http.get(assignment["snapshot"]["url"])
+    def _get(self, url: str) -> bytes:
+        resp = self.http.get(url)
         assert resp.status_code == 200, resp.text
-        return decode(resp.content)
+        return resp.content
 
-    def upload(self, assignment: dict, params: Params) -> httpx.Response:
-        return self.http.put(f"/v1/assignments/{assignment['assignment_id']}/result", content=encode(params))
+    def snapshot(self, assignment: dict) -> Params:
+        return decode(self._get(assignment["snapshot"]["url"]))
+
+    def shard(self, assignment: dict) -> tuple[np.ndarray, np.ndarray]:
+        """The assignment's training examples and labels, as the client reads them."""
+        return decode_shard(self._get(assignment["shard"]["url"]))
+
+    def upload(self, assignment: dict, params: Params, metrics: dict | None = None) -> httpx.Response:
+        """PUT W_c (a job whose upload is `weights`), with the metrics a client reports (train_loss,
+        examples, seconds) if given."""
+        return self.http.put(
+            f"/v1/assignments/{assignment['assignment_id']}/result", content=encode(params), params=metrics or {}
+        )

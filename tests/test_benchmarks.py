@@ -1,7 +1,9 @@
 """The pure parts of the benchmarks (no benchmark runs here): benchmarks/learning_efficiency.py and the
-modules beside it that it imports (efficiency_tasks, efficiency_runs, efficiency_report)."""
+modules beside it that it imports (efficiency_tasks, efficiency_runs, efficiency_report), and
+benchmarks/adversarial.py (its forged updates and its summary)."""
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +159,75 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
     # every 25 examples, at the first batch boundary at or after it (an epoch's first batch is never one)
     assert [e for e, _ in hook.points] == [30, 50, 80, 110, 130, 150, 180, 210, 230, 250, 280]
     assert all(names == sorted(state_to_numpy(build_model("mlp", [4], 2, hidden=[8]))) for names in seen)
+
+
+adversarial = _load("adversarial")
+
+
+def test_the_adversarial_benchmark_runs_as_a_script():
+    script = BENCHMARKS / "adversarial.py"
+    root = str(BENCHMARKS.parent)
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+        cwd=root,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--strategies" in done.stdout
+
+
+def test_forged_updates_are_what_each_strategy_says_of_the_honest_update():
+    rng = np.random.default_rng(0)
+    base = {"w": np.array([1.0, 1.0, 1.0], np.float32), "n": np.array(7, np.int64)}
+    honest = {"w": np.array([1.0, 3.0, 1.0], np.float32), "n": np.array(7, np.int64)}  # Δ = (0, 2, 0)
+    np.testing.assert_allclose(adversarial.sign_flipped(base, honest, rng)["w"], [1.0, -1.0, 1.0])
+    np.testing.assert_allclose(adversarial.scaled(base, honest, rng)["w"], [1.0, 21.0, 1.0])
+    noisy = adversarial.noise(base, honest, rng)
+    assert np.linalg.norm(noisy["w"] - base["w"]) == pytest.approx(2.0, rel=1e-5), "noise of the honest norm"
+    assert all(f["n"] == 7 for f in (noisy, adversarial.scaled(base, honest, rng))), "integer tensors kept"
+
+
+def test_the_permuted_labels_move_every_class():
+    perm = adversarial.class_derangement(10, np.random.default_rng(0))
+    assert sorted(perm) == list(range(10)) and not np.any(perm == np.arange(10))
+
+
+def test_adversarial_summary_ratio_is_against_the_clean_run_and_the_goal_needs_no_credit_for_replay():
+    def row(strategy, examples, **extra):
+        return {
+            "strategy": strategy,
+            "seed": 0,
+            "job_status": "succeeded",
+            "examples_to_target": examples,
+            "examples_trained_to_target": examples,
+            "seconds_to_target": 10.0,
+            "honest_refused": 0,
+        } | extra
+
+    hostile = {
+        "hostile_attacks": 5,
+        "hostile_merged": 0,
+        "hostile_attacks_merged": 0,
+        "hostile_validated": 0,
+        "hostile_results": {"rejected": 5},
+        "hostile_reputation": 0.2,
+        "hostile_credit": 1.0,
+        "hostile_quarantined": True,
+    }
+    rows = [
+        row("clean", 20000),
+        row("clean-unvalidated", 25000),
+        row("lazy", 24000, **hostile, hostile_attack_credit=0.0),
+        row("replay", 22000, **hostile, hostile_attack_credit=0.5),
+        row("noise", 30000, **hostile, hostile_attack_credit=0.0),
+        row("scaled", None, **hostile, hostile_attack_credit=0.0, job_status="timeout"),
+    ]
+    by = {s["strategy"]: s for s in adversarial.summarize(rows)}
+    assert by["lazy"]["ratio"] == 1.2 and by["lazy"]["ratio_to_unvalidated"] == 0.96 and by["lazy"]["goal_met"]
+    assert by["replay"]["ratio"] == 1.1 and not by["replay"]["goal_met"], "credit for a replayed result"
+    assert by["noise"]["ratio"] == 1.5 and not by["noise"]["goal_met"]
+    assert by["scaled"]["ratio"] is None and not by["scaled"]["goal_met"]
+    assert "goal_met" not in by["clean"]

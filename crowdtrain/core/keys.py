@@ -46,6 +46,12 @@ def closed(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:closed"
 
 
+def result_digests(job_id: int) -> str:
+    """Hash sha256 of a result's W_c -> the assignment that first brought it: the same W_c under another
+    assignment is a replayed result (crowdtrain.assimilator.merge)."""
+    return f"{PREFIX}:job:{job_id}:result-digests"
+
+
 def merge_log(job_id: int) -> str:
     """Hash assignment id -> JSON {version, merged_at, received_at}: when each merge landed."""
     return f"{PREFIX}:job:{job_id}:merge-log"

@@ -181,6 +181,14 @@ def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | Non
     return None if raw is None else int(json.loads(raw)["version"])
 
 
+def first_with_digest(r: redis.Redis, job_id: int, digest: str, assignment_id: int) -> int:
+    """The assignment that first brought a result whose W_c has this digest: `assignment_id`, recorded
+    now, unless an earlier one did (asking again for the same assignment changes nothing)."""
+    key = keys.result_digests(job_id)
+    r.hsetnx(key, digest, assignment_id)
+    return int(r.hget(key, digest) or assignment_id)
+
+
 def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:
     """Norms of the job's last `NORMS_KEPT` merged updates, newest first."""
     return [float(v) for v in r.lrange(keys.update_norms(job_id), 0, -1)]

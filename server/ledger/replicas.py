@@ -4,11 +4,14 @@ validator's verdict (crowdtrain.assimilator.validator).
 A workunit's `quorum` is set when a host first claims it (`quorum_for`): 2 when the job replicates
 that host's work (a host not yet trusted, or a spot check), else 1. While it has fewer live replicas
 (in progress or uploaded) than its quorum and no verdict, other hosts may claim a replica
-(`claim_replicas`): never a host that already had an assignment of it, nor one of the same volunteer
-account as a live holder. Its uploaded results wait until `quorum` of them are in; the verdict then
-ends each one (`record_verdict`): the canonical replica goes on to be merged, the others that agree
-end `validated` (valid and credited, not merged), the rest `rejected`. A workunit is judged once:
-the verdict is recorded under the workunit's lock, and a second judgement finds it there.
+(`claim_replicas`): never a host that holds a live replica of it, nor one of the same volunteer
+account as a live holder, so that no host or account votes twice. The hosts of an inconclusive vote
+may hold replicas of the next one: its replicas all ended with it, and a workunit that only hosts
+of past votes may replicate would otherwise wait for a new host forever. Its uploaded results wait
+until `quorum` of them are in; the verdict then ends each one (`record_verdict`): the canonical
+replica goes on to be merged, the others that agree end `validated` (valid and credited, not
+merged), the rest `rejected`. A workunit is judged once: the verdict is recorded under the
+workunit's lock, and a second judgement finds it there.
 """
 
 import logging
@@ -58,7 +61,7 @@ def claim_replicas(s: Session, job: Job, host: Host, limit: int) -> list[tuple[W
         .correlate(Workunit)
         .scalar_subquery()
     )
-    had_it = exists().where(other.workunit_id == Workunit.id, other.host_id == host.id)
+    holds_it = exists().where(other.workunit_id == Workunit.id, other.host_id == host.id, other.status.in_(LIVE))
     query = (
         select(Workunit)
         .where(
@@ -67,7 +70,7 @@ def claim_replicas(s: Session, job: Job, host: Host, limit: int) -> list[tuple[W
             Workunit.quorum > 1,
             Workunit.canonical_assignment_id.is_(None),
             live < Workunit.quorum,
-            ~had_it,
+            ~holds_it,
         )
         .order_by(Workunit.epoch, Workunit.id)
         .limit(limit)

@@ -10,6 +10,7 @@ from crowdtrain.assimilator.policy import (
     UpdateBound,
     apply_with_policy,
     clipped,
+    merged_alone,
     norm_limit,
     norm_refusal,
     params_norm,
@@ -100,3 +101,33 @@ def test_the_policy_wraps_any_rule_refusing_before_the_rule_sees_the_update() ->
     assert apply_with_policy(policy, rule, server, {}, fresh, 10, 5.0, [], 1.4) is None
     np.testing.assert_allclose(server["w"], [0.6, 0.8], rtol=1e-6)  # clipped to norm 1 by the policy
     assert "exceeds" in apply_with_policy(policy, rule, server, {}, fresh, 10, 1e6, [], 1.4)
+
+
+def test_merged_alone_is_the_point_the_rules_merge_would_make_and_leaves_w_s_as_it_was() -> None:
+    """A VC-ASGD result is measured at alpha·W_s + (1 − alpha)·W_c, not at W_s + Δ: for a stale result
+    the two differ by everything W_s has moved since its base."""
+    spec = AssimilationSpec(rule="vc-asgd", alpha=0.6).model_dump()
+    server = {"w": np.array([1.0, 1.0], np.float32)}
+    base = {"w": np.array([0.0, 0.0], np.float32)}  # W_s moved by (1, 1) since this result's base
+    client = {"w": np.array([0.5, 0.0], np.float32)}
+    update = Update(client, {"w": client["w"] - base["w"]}, staleness=3, epoch=1)
+    moved = merged_alone(Policy.from_spec(spec), make_rule(spec), server, {}, update)
+    np.testing.assert_allclose(moved["w"], [0.8, 0.6], rtol=1e-6)  # 0.6·(1, 1) + 0.4·(0.5, 0); W_s + Δ: (1.5, 1)
+    np.testing.assert_array_equal(server["w"], [1.0, 1.0])
+
+
+def test_merged_alone_is_what_the_policy_wrapped_rule_merges_and_keeps_a_stateful_rules_state() -> None:
+    spec = AssimilationSpec(rule="delta", outer_optimizer="nesterov", clip_norm=1.0).model_dump()
+    policy, rule = Policy.from_spec(spec), make_rule(spec)
+    server = {"w": np.zeros(2, np.float32)}
+    state = rule.initial_state(server)
+    assert state, "Nesterov keeps its momentum beside W_s"
+    before = {k: v.copy() for k, v in state.items()}
+    moved = merged_alone(policy, rule, server, state, _update([3.0, 4.0]))
+
+    merged, merged_state = {k: v.copy() for k, v in server.items()}, {k: v.copy() for k, v in state.items()}
+    assert apply_with_policy(policy, rule, merged, merged_state, _update([3.0, 4.0]), 10, 5.0, [], 10.0) is None
+    np.testing.assert_allclose(moved["w"], merged["w"], rtol=1e-6)  # clipped to norm 1, then the Nesterov step
+    np.testing.assert_array_equal(server["w"], [0.0, 0.0])
+    for k, v in before.items():
+        np.testing.assert_array_equal(state[k], v)

@@ -210,3 +210,54 @@ def test_a_valid_result_ends_a_run_of_refusals(svc) -> None:
     assert p.record(host)[3] is False, "two refusals, but not in a row"
     with svc.db.begin() as s:
         assert s.scalar(select(Host.consecutive_refused).where(Host.id == host)) == 1
+
+
+def test_the_hosts_of_an_inconclusive_vote_may_replicate_the_workunit_trained_again(svc) -> None:
+    """With only two hosts, both of the first vote, the second vote's replica still finds a host. (Both
+    return the base unchanged: bob's upload is also a copy of alice's, a replay, which ends the vote;
+    alice's lazy replica is judged, not left valid by default.)"""
+    p = _project(svc, replicate_untrusted=True, max_replicas=2)
+    alice, bob = p.host("alice"), p.host("bob")
+    [a] = p.work(alice)
+    [b] = p.work(bob)
+    assert b.workunit_id == a.workunit_id
+    for host, assignment in ((alice, a), (bob, b)):  # both lazy: no two plausible replicas agree
+        p.upload(host, assignment, p.base(assignment))
+        assimilate(svc, assignment.assignment_id)
+    assert p.status(a.assignment_id) == p.status(b.assignment_id) == AssignmentStatus.rejected.value
+    assert p.workunit(a.workunit_id)[0] == WorkunitStatus.ready.value, "inconclusive: trained again"
+    assert p.record(alice)[2] == p.record(bob)[2] == 0.0, "no credit: bob's copy of alice's weights ended the vote"
+
+    assert a.workunit_id in {w.workunit_id for w in p.work(alice, 8)}
+    replicas = [w for w in p.work(bob, 8) if w.workunit_id == a.workunit_id]
+    assert len(replicas) == 1, "bob, who voted last time, holds a replica of the new vote"
+    assert p.workunit(a.workunit_id)[1] == 2
+    assert [w for w in p.work(alice, 8) if w.workunit_id == a.workunit_id] == [], "never two replicas of one vote"
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_replayed_result_is_refused_charged_and_earns_nothing(svc, replicated) -> None:
+    """A host uploads its first result again for a later assignment: the same weights under another
+    assignment are refused as a replay, whether the workunit is replicated or not."""
+    p = _project(svc, replicate_untrusted=replicated)
+    mallory, honest = p.host("mallory"), p.host("honest")
+    [first] = p.work(mallory)
+    old = p.trained(first)
+    p.upload(mallory, first, old)
+    assimilate(svc, first.assignment_id)
+    credit = p.record(mallory)[2]
+    [later] = p.work(mallory)
+    if replicated:
+        [replica] = [a for a in p.work(honest, 4) if a.workunit_id == later.workunit_id]
+        p.upload(honest, replica, p.trained(replica))
+    p.upload(mallory, later, old)
+    assimilate(svc, later.assignment_id)
+
+    assert p.status(later.assignment_id) == AssignmentStatus.rejected.value
+    with svc.db.begin() as s:
+        message = s.get_one(Assignment, later.assignment_id).message
+    assert f"those of assignment {first.assignment_id}'s result: a replayed result" in message, message
+    valid, failed, after, _ = p.record(mallory)
+    assert failed >= 1 and after == credit, "charged, and no credit for the replay"
+    if not replicated:
+        assert assimilate(svc, first.assignment_id).outcome is Outcome.already_merged, "the original is no replay"

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -14,6 +15,7 @@ from fastapi.testclient import TestClient
 from crowdtrain.assimilator.merge import MergeServices, assimilate
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.storage import open_storage
+from crowdtrain.core.tensors import decode, encode
 from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.api.deps import SESSION_COOKIE
 from crowdtrain.server.ledger.models import Assignment
@@ -58,9 +60,13 @@ def site(tmp_path_factory) -> Iterator[Site]:
             alice = sched.register("alice-laptop", account="alice")
             sched.register("bob-desktop")  # no account: anonymous
             work = ok(alice.post("/v1/work", json={"free_slots": 3})).json()["assignments"]
-            snapshot = alice.get(work[0]["snapshot"]["url"]).content
-            for a in work[:2]:
-                ok(alice.put(f"/v1/assignments/{a['assignment_id']}/result?examples=1000&seconds=2", content=snapshot))
+            snapshot = decode(alice.get(work[0]["snapshot"]["url"]).content)
+            for i, a in enumerate(work[:2]):
+                # Two results of one snapshot, not the same weights twice (the second would be a replay).
+                nudge = np.float32(1e-3 * i)
+                result = {k: v + nudge.astype(v.dtype) if v.dtype.kind == "f" else v for k, v in snapshot.items()}
+                url = f"/v1/assignments/{a['assignment_id']}/result?examples=1000&seconds=2"
+                ok(alice.put(url, content=encode(result)))
             refused = alice.put(f"/v1/assignments/{work[2]['assignment_id']}/result", content=b"not safetensors")
             assert refused.status_code == 422, refused.text
             services = MergeServices(sched.db, open_storage(sched.settings.resolved_storage_url), r, snapshots_kept=3)

@@ -1,0 +1,477 @@
+"""Adversarial benchmark: the example job with hostile hosts in 20% of its slots, one strategy at a time.
+
+What it measures
+    For each hostile strategy: whether the example job (examples/mnist1d-cnn.yaml, target 0.90, with
+    a `validation:` section that replicates untrusted hosts' work) still reaches its target; the
+    examples it needs to first reach it (examples of the merged results up to the first evaluation
+    of W_s at or above the target), divided by those of the same job with no hostile host (`clean`),
+    measured in the same run; how many hostile results were merged, validated and refused; and the
+    hostile host's final reputation, credit and quarantine. The credit of hostile results is given
+    apart from the host's: a replaying host's first result is honest work, and earns credit.
+    `clean-unvalidated` is the job without `validation:`, so the cost of replication shows beside
+    `clean`: the examples trained by every host up to the target (replicas that were not merged
+    included) and the seconds to target.
+
+How
+    One `Cluster` (private redis-server, scheduler on SQLite, transitioner, Celery parameter
+    servers) for the whole run; per (strategy, seed) a job with the spec's seed set to the seed, four
+    real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3:
+    a vote that asks for a third replica needs a third account, and replicas never share one), and,
+    unless clean, one hostile host with 1 slot (20% of the 5 slots) under account
+    `hostile`, scripted over HTTP from this process (tests/http_host.py). Fresh hosts every job: a
+    host's reputation is its own. The hostile host asks for work, downloads the snapshot W_base and
+    the shard as a client does, and uploads (Δ: the update of honest training from W_base with the
+    client's trainer and the assignment's recipe):
+        sign-flip   W_base − Δ
+        scaled      W_base + 10·Δ
+        noise       W_base + Gaussian noise of norm ||Δ||
+        permuted    trained from W_base on the shard with its labels mapped by a fixed permutation
+                    of the classes (no class keeps its label)
+        replay      its first result (trained honestly), uploaded again for every later assignment
+        lazy        W_base unchanged
+    reporting the metrics an honest client would. Validation: replicate_untrusted, trusted_after 4
+    (the honest hosts are trusted after 4 valid results in a row, then spot-checked at replication
+    0.1; a hostile host is never trusted: no strategy returns 4 valid results in a row by design,
+    and a replaying host's one honest result is not enough), the spec's defaults for the rest
+    (quarantine after 5 refusals in a row). Figures come from the ledger (`assignments`, `metrics`)
+    and `GET /v1/admin/hosts`.
+
+Run
+    PYTHONPATH=. .venv/bin/python benchmarks/adversarial.py --quick
+    PYTHONPATH=. .venv/bin/python benchmarks/adversarial.py [--strategies sign-flip,lazy,...] [--seeds 2]
+    A job takes 1-2 minutes on 2 cores: --quick runs 5 jobs, the default 16.
+
+Progress and a table go to stderr; the last line on stdout is one JSON object with the figures.
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.table import Table
+from sqlalchemy import select
+
+from crowdtrain.client.trainers import limit_threads, train
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.tensors import Params
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Job, Metric
+from efficiency_report import console, examples_to_target, merge_curve, ratio, say
+from tests.http_host import ScriptedHost
+
+EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
+TERMINAL = ("succeeded", "failed", "cancelled")
+CLEAN, UNVALIDATED = "clean", "clean-unvalidated"
+STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy")
+QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
+VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
+HONEST_CLIENTS, HONEST_TASKS = 4, 1  # 4 honest slots beside 1 hostile slot: 20%
+GOAL_RATIO = 1.3
+
+
+# ---------------------------------------------------------------- what a hostile host uploads
+
+
+def _along(base: Params, honest: Params, scale: float) -> Params:
+    """W_base + scale·Δ, with Δ = honest − W_base, for every float tensor."""
+    return {k: (v + scale * (honest[k] - v)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in base.items()}
+
+
+def sign_flipped(base: Params, honest: Params, rng: np.random.Generator) -> Params:
+    return _along(base, honest, -1.0)
+
+
+def scaled(base: Params, honest: Params, rng: np.random.Generator) -> Params:
+    return _along(base, honest, 10.0)
+
+
+def noise(base: Params, honest: Params, rng: np.random.Generator) -> Params:
+    """W_base + Gaussian noise whose norm is the honest update's (over all float tensors)."""
+    floats = [k for k, v in base.items() if v.dtype.kind == "f"]
+    draw = {k: rng.standard_normal(base[k].shape) for k in floats}
+    delta_norm = np.sqrt(sum(float(np.sum((honest[k] - base[k]).astype(np.float64) ** 2)) for k in floats))
+    draw_norm = np.sqrt(sum(float(np.sum(d**2)) for d in draw.values()))
+    return {k: (v + delta_norm / draw_norm * draw[k]).astype(v.dtype) if k in draw else v for k, v in base.items()}
+
+
+FORGED: dict[str, Callable[[Params, Params, np.random.Generator], Params]] = {
+    "sign-flip": sign_flipped,
+    "scaled": scaled,
+    "noise": noise,
+}
+
+
+def class_derangement(num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of the classes that moves every one of them (label i becomes perm[i] != i)."""
+    while True:
+        perm = rng.permutation(num_classes)
+        if not np.any(perm == np.arange(num_classes)):
+            return perm
+
+
+class HostileHost(threading.Thread):
+    """One hostile host with one slot, playing `strategy` until stopped: ask for work, fetch what a
+    client fetches, upload the forged result. Records (assignment id, attack?, HTTP status) per upload."""
+
+    def __init__(self, cluster: Cluster, name: str, strategy: str, seed: int):
+        super().__init__(name=f"hostile-{strategy}", daemon=True)
+        self.host = ScriptedHost(cluster.url, cluster.join_token, name, account="hostile")
+        self.strategy = strategy
+        self.rng = np.random.default_rng(seed)
+        self.stopping = threading.Event()
+        self.uploads: list[tuple[int, bool, int]] = []
+        self.first: Params | None = None  # replay: the result it replays
+        self.perm: np.ndarray | None = None
+        self.error = ""
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(120)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                given = self.host.ask()
+                if not given:  # nothing ready, or quarantined
+                    self.stopping.wait(1.0)
+                    continue
+                a = given[0]
+                params, metrics, attack = self.forge(a, self.host.snapshot(a), *self.host.shard(a))
+                resp = self.host.upload(a, params, metrics)
+                self.uploads.append((a["assignment_id"], attack, resp.status_code))
+            except (httpx.HTTPError, AssertionError) as exc:  # the cluster going away at the end of a job
+                self.error = f"{type(exc).__name__}: {exc}"[:300]
+                self.stopping.wait(1.0)
+
+    def forge(self, a: dict, base: Params, x: np.ndarray, y: np.ndarray) -> tuple[Params, dict, bool]:
+        """The params to upload, the metrics to report, and whether the upload is an attack."""
+        recipe, fraction = a["recipe"], a["local_fraction"]
+        claimed = {"examples": round(len(x) * recipe["training"]["local_epochs"] * fraction), "seconds": 5.0}
+        if self.strategy == "lazy":
+            return base, claimed | {"train_loss": 0.5}, True
+        if self.strategy == "replay" and self.first is not None:
+            return self.first, claimed | {"train_loss": 0.5}, True
+        if self.strategy == "permuted":
+            if self.perm is None:
+                self.perm = class_derangement(recipe["model"]["num_classes"], self.rng)
+            y = self.perm[y]
+        result = train("pytorch", recipe, base, x, y, local_fraction=fraction)
+        metrics = {"train_loss": result.train_loss, "examples": result.examples, "seconds": result.seconds}
+        if self.strategy == "replay":
+            self.first = result.params
+            return result.params, metrics, False
+        if self.strategy == "permuted":
+            return result.params, metrics, True
+        return FORGED[self.strategy](base, result.params, self.rng), metrics, True
+
+
+# ---------------------------------------------------------------- one job
+
+
+def job_spec(seed: int, validated: bool) -> dict:
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    spec["seed"] = seed
+    if validated:
+        spec["validation"] = spec.get("validation", {}) | VALIDATION
+    return spec
+
+
+def wait_for_job(cluster: Cluster, job_id: int, clients: list, timeout: float, label: str) -> str:
+    """Poll the job until it ends (its status) or `timeout` passes ('timeout'); progress every 15 s."""
+    deadline, shown = time.monotonic() + timeout, time.monotonic()
+    with cluster.admin() as http:
+        while True:
+            st = http.get(f"/v1/jobs/{job_id}").json()
+            if st["status"] in TERMINAL:
+                return st["status"]
+            if time.monotonic() > deadline:
+                return "timeout"
+            if not all(s.alive for s in cluster.services + clients):
+                dead = [s.name for s in cluster.services + clients if not s.alive]
+                raise RuntimeError(f"processes exited: {dead}\n" + "\n".join(s.tail(10) for s in clients))
+            if time.monotonic() - shown > 15:
+                shown = time.monotonic()
+                best = st["best_epoch_accuracy"]
+                say(
+                    f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
+                    + ("-" if best is None else f"{best:.4f}")
+                )
+            time.sleep(1.0)
+
+
+def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | None) -> dict:
+    """From the ledger: examples merged to target, examples trained to target, and what became of
+    the hostile host's results."""
+    db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        started = job.started_at
+        rows = s.execute(
+            select(
+                Assignment.id,
+                Assignment.host_id,
+                Assignment.status,
+                Assignment.merged_version,
+                Assignment.examples,
+                Assignment.uploaded_at,
+                Assignment.credit,
+                Assignment.message,
+            ).where(Assignment.job_id == job_id)
+        ).all()
+        metrics = s.execute(
+            select(Metric.param_version, Metric.val_accuracy, Metric.created_at)
+            .where(Metric.job_id == job_id)
+            .order_by(Metric.param_version)
+        ).all()
+    db.kw["bind"].dispose()
+    merged = [r for r in rows if r.merged_version is not None]
+    curve = merge_curve(
+        [(r.merged_version, r.examples or 0) for r in merged], [(m.param_version, m.val_accuracy) for m in metrics]
+    )
+    hit = next((m for m, (_, acc) in zip(metrics, curve, strict=True) if acc >= target), None)
+    until = hit.created_at if hit is not None else None
+    trained = [r for r in rows if r.uploaded_at is not None and (until is None or r.uploaded_at <= until)]
+    return {
+        "examples_to_target": examples_to_target(curve, target),
+        "best_accuracy": round(max((a for _, a in curve), default=0.0), 4),
+        "merges": len(merged),
+        "seconds_to_target": round((until - started).total_seconds(), 1) if until and started else None,
+        "examples_trained_to_target": sum(r.examples or 0 for r in trained) if until else None,
+        "hostile": {r.id: (r.status, r.credit or 0.0, r.message) for r in rows if r.host_id == hostile_id},
+    }
+
+
+def reason(message: str) -> str:
+    """A refusal's reason with its figures left out, so that like refusals count together."""
+    return re.sub(r"-?\d+(\.\d+)?", "#", message.removeprefix("refused by replica validation: "))[:90]
+
+
+def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
+    """One job with the honest clients and, unless clean, one hostile host playing `strategy`."""
+    label = f"{strategy} seed {seed}"
+    spec = job_spec(seed, validated=strategy != UNVALIDATED)
+    target = spec["stop"]["target_accuracy"]
+    job_id = cluster.submit(spec)["job_id"]
+    say(f"{label}: job {job_id}")
+    started = time.monotonic()
+    clients = [
+        cluster.start_client(f"j{job_id}-honest-{i}", HONEST_TASKS, "--account", f"honest-{i}")
+        for i in range(HONEST_CLIENTS)
+    ]
+    hostile = None if strategy in (CLEAN, UNVALIDATED) else HostileHost(cluster, f"j{job_id}-hostile", strategy, seed)
+    try:
+        if hostile is not None:
+            hostile.start()
+        status = wait_for_job(cluster, job_id, clients, timeout, label)
+    finally:
+        if hostile is not None:
+            hostile.stop()
+        with cluster.admin() as http:
+            http.post(f"/v1/jobs/{job_id}/cancel")
+        for c in clients:
+            c.stop()
+    seconds = round(time.monotonic() - started, 1)
+    figures = job_figures(cluster, job_id, target, hostile.host.host_id if hostile else None)
+    results = figures.pop("hostile")
+    row = {"strategy": strategy, "seed": seed, "job_id": job_id, "job_status": status, "seconds": seconds} | figures
+    with cluster.admin() as http:
+        records = {h["name"]: h for h in http.get("/v1/admin/hosts").json() if h["name"].startswith(f"j{job_id}-")}
+    honest = [h for name, h in records.items() if "-honest-" in name]
+    row["honest_refused"] = sum(h["results_failed"] for h in honest)
+    row["honest_quarantined"] = sum(h["quarantined_until"] is not None for h in honest)
+    if hostile is not None:
+        row |= hostile_figures(hostile, results, records[f"j{job_id}-hostile"])
+    say(f"{label}: {describe(row)}")
+    return row
+
+
+def hostile_figures(hostile: HostileHost, results: dict[int, tuple[str, float, str]], record: dict) -> dict:
+    """What became of the hostile host's results (by final status), its attacks merged and credited,
+    the main reasons for its refusals, and its record (reputation, credit, quarantine)."""
+    attacks = [aid for aid, attack, _ in hostile.uploads if attack]
+    return {
+        "hostile_uploads": len(hostile.uploads),
+        "hostile_attacks": len(attacks),
+        "hostile_results": dict(Counter(status for status, _, _ in results.values())),
+        "hostile_merged": sum(status == "merged" for status, _, _ in results.values()),
+        "hostile_validated": sum(status == "validated" for status, _, _ in results.values()),
+        "hostile_attacks_merged": sum(results.get(aid, ("",))[0] == "merged" for aid in attacks),
+        "hostile_attack_credit": round(sum(results.get(aid, ("", 0.0))[1] for aid in attacks), 6),
+        "hostile_refusals": dict(
+            Counter(reason(msg) for status, _, msg in results.values() if status == "rejected").most_common(4)
+        ),
+        "hostile_reputation": round(record["reputation"], 3),
+        "hostile_credit": round(record["credit"], 6),
+        "hostile_quarantined": record["quarantined_until"] is not None,
+        "hostile_quarantine_reason": record["quarantine_reason"][:200],
+        "hostile_error": hostile.error,
+    }
+
+
+def describe(row: dict) -> str:
+    text = (
+        f"{row['job_status']} in {row['seconds']}s; target at {row['examples_to_target']} examples merged "
+        f"({row['examples_trained_to_target']} trained, {row['seconds_to_target']}s), {row['merges']} merges"
+    )
+    if "hostile_reputation" in row:
+        text += (
+            f"; hostile: {row['hostile_results']}, attacks merged {row['hostile_attacks_merged']}, "
+            f"reputation {row['hostile_reputation']}, credit {row['hostile_credit']:.3g} "
+            f"(for attacks {row['hostile_attack_credit']:.3g}), quarantined {row['hostile_quarantined']}; "
+            f"refusals {row['hostile_refusals']}"
+        )
+    return text
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _mean(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.mean(present), 3) if present else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per strategy: means over seeds; the ratio to `clean` (and to `clean-unvalidated`) is the
+    ratio of mean examples to target, null unless every seed of both reached the target."""
+
+    def every_seed(strategy: str) -> list[dict] | None:
+        rs = [r for r in rows if r["strategy"] == strategy]
+        return rs if rs and all(r["examples_to_target"] is not None for r in rs) else None
+
+    out = []
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        rs = [r for r in rows if r["strategy"] == strategy]
+        reached = every_seed(strategy)
+        examples = _mean([r["examples_to_target"] for r in reached]) if reached else None
+        clean, unvalidated = every_seed(CLEAN), every_seed(UNVALIDATED)
+        s = {
+            "strategy": strategy,
+            "seeds": len(rs),
+            "succeeded": sum(r["job_status"] == "succeeded" for r in rs),
+            "examples_to_target": examples,
+            "ratio": ratio(examples, _mean([r["examples_to_target"] for r in clean]) if clean else None),
+            "ratio_to_unvalidated": ratio(
+                examples, _mean([r["examples_to_target"] for r in unvalidated]) if unvalidated else None
+            ),
+            "examples_trained_to_target": _mean([r["examples_trained_to_target"] for r in rs]),
+            "seconds_to_target": _mean([r["seconds_to_target"] for r in rs]),
+            "honest_refused": sum(r["honest_refused"] for r in rs),
+        }
+        if "hostile_reputation" in rs[0]:
+            s |= {
+                "hostile_attacks": sum(r["hostile_attacks"] for r in rs),
+                "hostile_merged": sum(r["hostile_merged"] for r in rs),
+                "hostile_attacks_merged": sum(r["hostile_attacks_merged"] for r in rs),
+                "hostile_validated": sum(r["hostile_validated"] for r in rs),
+                "hostile_rejected": sum(r["hostile_results"].get("rejected", 0) for r in rs),
+                "hostile_reputation": _mean([r["hostile_reputation"] for r in rs]),
+                "hostile_credit": round(sum(r["hostile_credit"] for r in rs), 6),
+                "hostile_attack_credit": round(sum(r["hostile_attack_credit"] for r in rs), 6),
+                "hostile_quarantined": sum(r["hostile_quarantined"] for r in rs),
+            }
+            s["goal_met"] = bool(
+                s["succeeded"] == len(rs)
+                and s["ratio"] is not None
+                and s["ratio"] <= GOAL_RATIO
+                and (strategy not in ("lazy", "replay") or s["hostile_attack_credit"] == 0)
+            )
+        out.append(s)
+    return out
+
+
+def _cell(v) -> str:
+    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def print_table(summary: list[dict]) -> None:
+    t = Table(title="adversarial: the example job with a hostile host in 1 of 5 slots")
+    cols = {
+        "strategy": "strategy",
+        "succeeded": "succeeded",
+        "examples_to_target": "examples",
+        "ratio": "ratio",
+        "ratio_to_unvalidated": "ratio unval.",
+        "examples_trained_to_target": "trained",
+        "seconds_to_target": "s to target",
+        "hostile_attacks": "attacks",
+        "hostile_attacks_merged": "attacks merged",
+        "hostile_validated": "validated",
+        "hostile_rejected": "refused",
+        "hostile_reputation": "reputation",
+        "hostile_credit": "credit",
+        "hostile_attack_credit": "attack credit",
+        "hostile_quarantined": "quarantined",
+        "honest_refused": "honest refused",
+        "goal_met": "goal",
+    }
+    for title in cols.values():
+        t.add_column(title)
+    for s in summary:
+        t.add_row(*(_cell(s.get(c)) for c in cols))
+    console.print(t)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help=f"comma-separated, of {', '.join(STRATEGIES)} (the clean runs always run)",
+    )
+    parser.add_argument("--seeds", type=int, default=2, help="jobs per strategy, seeds 0..N-1")
+    parser.add_argument("--quick", action="store_true", help=f"one seed, {', '.join(QUICK_STRATEGIES)} only")
+    parser.add_argument("--job-timeout", type=float, default=300, help="seconds a job may run")
+    parser.add_argument("--out", type=Path, help="also write the JSON figures here (the runs so far after each job)")
+    args = parser.parse_args()
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; expected some of {list(STRATEGIES)}")
+    if args.quick:
+        strategies, args.seeds = [s for s in strategies if s in QUICK_STRATEGIES], 1
+    limit_threads(1)  # the hostile host trains in this process, on one thread like each client slot
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(var_dir=Path(tmp)).start()
+        try:
+            for seed in range(args.seeds):
+                for strategy in (CLEAN, UNVALIDATED, *strategies):
+                    rows.append(run_job(cluster, strategy, seed, args.job_timeout))
+                    if args.out:  # the runs so far, should the benchmark be stopped
+                        args.out.write_text(json.dumps({"runs": rows}, indent=2))
+        finally:
+            cluster.stop()
+    summary = summarize(rows)
+    print_table(summary)
+    figures = {
+        "benchmark": "adversarial",
+        "hostile_share_of_slots": 1 / (HONEST_CLIENTS * HONEST_TASKS + 1),
+        "validation": VALIDATION,
+        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": ["lazy", "replay"]},
+        "summary": summary,
+        "runs": rows,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2))
+    print(json.dumps(figures), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
