@@ -1,8 +1,9 @@
 """Simulated hosts: many registered clients in one process that ask for work and upload results
 without training. A load generator for the scheduler and the parameter servers.
 
-Each host returns the snapshot it was given as its "trained" parameters: a valid result of the
-right names, shapes and dtypes, so every upload goes through the whole validate-and-merge path.
+Each host returns the snapshot it was given, one weight moved (`result_of`), as its "trained"
+parameters: a valid result of the right names, shapes and dtypes, so every upload goes through the
+whole validate-and-merge path.
 """
 
 import asyncio
@@ -13,6 +14,19 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from crowdtrain.core.tensors import decode, encode
+
+
+def result_of(snapshot: bytes, assignment_id: int) -> bytes:
+    """A simulated host's result: the snapshot it was sent, with one weight moved by an amount of its own.
+    Returning the snapshot unchanged would be a lazy host's result, and the same weights twice a replay,
+    which the parameter servers refuse (crowdtrain.assimilator.merge)."""
+    params = decode(snapshot)
+    name = next(k for k in sorted(params) if params[k].dtype.kind == "f" and params[k].size)
+    moved = params[name].copy()
+    moved.flat[0] += np.float32(1e-3 * (1 + assignment_id % 1000))
+    return encode({**params, name: moved})
+
 
 @dataclass
 class SimulationStats:
@@ -22,7 +36,8 @@ class SimulationStats:
     dispatched: int = 0
     uploads: int = 0
     refused: int = 0
-    server_errors: int = 0  # 5xx answers
+    server_errors: int = 0  # 5xx answers, but for backpressure
+    busy: int = 0  # uploads answered 503 with Retry-After (the upload slots were full), then sent again
     transport_errors: dict[str, int] = field(default_factory=dict)  # dropped connections and the like
     seconds: float = 0.0
 
@@ -40,6 +55,7 @@ class SimulationStats:
             "uploads": self.uploads,
             "refused": self.refused,
             "server_errors": self.server_errors,
+            "busy": self.busy,
             "transport_errors": self.transport_errors,
         }
 
@@ -96,10 +112,8 @@ class _Simulation:
                 self.last_dispatch = time.monotonic()
                 for a in reply["assignments"]:
                     self.stats.dispatched += 1
-                    body = await self.snapshot(http, a["snapshot"], auth)
-                    up = await self.request(
-                        http, "PUT", f"/v1/assignments/{a['assignment_id']}/result", content=body, headers=auth
-                    )
+                    body = result_of(await self.snapshot(http, a["snapshot"], auth), a["assignment_id"])
+                    up = await self.upload(http, a["assignment_id"], body, auth)
                     if up.status_code == 202:
                         self.stats.uploads += 1
                     elif up.status_code >= 500:
@@ -115,6 +129,16 @@ class _Simulation:
                 name = type(exc).__name__
                 self.stats.transport_errors[name] = self.stats.transport_errors.get(name, 0) + 1
                 await asyncio.sleep(0.5)
+
+    async def upload(self, http: httpx.AsyncClient, assignment_id: int, body: bytes, auth: dict) -> httpx.Response:
+        """Upload a result. A 503 with Retry-After is the scheduler's backpressure (its upload slots are
+        full), not a failure: wait as it says and send again (the real client retries it with backoff too)."""
+        while True:
+            up = await self.request(http, "PUT", f"/v1/assignments/{assignment_id}/result", content=body, headers=auth)
+            if up.status_code != 503 or "retry-after" not in up.headers or self.stopped:
+                return up
+            self.stats.busy += 1
+            await asyncio.sleep(float(up.headers["retry-after"]))
 
     def stop(self) -> None:
         """End the run early: each host finishes the request or upload it is in, then stops."""
