@@ -31,15 +31,16 @@ def job_status(db, job_id: int) -> str:
 def test_500_simulated_hosts_on_postgresql(make_cluster, postgres_url: str) -> None:
     cluster = make_cluster(postgres_url, server_workers=3, assimilator_concurrency=2)
     spec = load_job_spec(EXAMPLE_SPEC)
-    spec.dataset.subsets = 100
-    spec.stop.target_accuracy = 1.0  # never met: the job runs its 3 epochs, 300 workunits
-    spec.stop.max_epochs = 3
+    spec.dataset.subsets = 50
+    # Never met: the job runs its 2 epochs, 100 workunits, so 500 hosts contend for every claim and one epoch release.
+    spec.stop.target_accuracy = 1.0
+    spec.stop.max_epochs = 2
     spec.scheduling.deadline_seconds = 20  # a result lost to a refused request is re-dispatched soon
     # No straggler duplicates: this test holds that concurrent claims never give one workunit to two hosts.
     spec.scheduling.duplicate_after_seconds = None
     with cluster.admin() as http:
         job_id = http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
-    # The hosts ask for work until the job has run its 3 epochs; then SIGTERM ends the simulation,
+    # The hosts ask for work until the job has run its 2 epochs; then SIGTERM ends the simulation,
     # which still prints its figures. (A fixed idle window to end it would be too short on a loaded
     # machine, where an epoch's close can take long, and wasted time on a quiet one.)
     sim = subprocess.Popen(
@@ -71,12 +72,12 @@ def test_500_simulated_hosts_on_postgresql(make_cluster, postgres_url: str) -> N
     assert sim.returncode == 0, err[-3000:]
     figures = json.loads(out.strip().splitlines()[-1])
     print("load:", json.dumps(figures))
-    assert figures["dispatched"] >= 300 and figures["server_errors"] == 0
+    assert figures["dispatched"] >= 100 and figures["server_errors"] == 0
 
     settle(cluster, db)
     with db.begin() as s:
         job = s.get_one(Job, job_id)
-        assert job.status == "failed" and "max_epochs=3" in job.status_message, job.status_message
+        assert job.status == "failed" and "max_epochs=2" in job.status_message, job.status_message
         assert {wu.status for wu in s.scalars(select(Workunit).where(Workunit.job_id == job_id))} <= {"done", "failed"}
         assignments = s.scalars(
             select(Assignment).where(Assignment.job_id == job_id).order_by(Assignment.sent_at)

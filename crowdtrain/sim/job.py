@@ -241,8 +241,20 @@ class SimJob:
         return statistics.fmean(figures) if figures else None
 
     def _close_epoch_if_complete(self, epoch: int, now: float) -> None:
-        if not self.running or self.open_count[epoch]:
-            return
+        if not self.running or self.open_count[epoch] or any(self.open_count[e] for e in range(1, epoch)):
+            return  # an epoch that closed before an older one waits for it
+        closed = epoch
+        while not self._apply_stop_rule(closed):
+            if closed >= self.current_epoch:
+                self._release_epoch(self.current_epoch + 1)
+                return
+            closed += 1
+            if self.open_count[closed]:
+                if not self.ready and self._next_epoch_releasable():
+                    self._release_epoch(self.current_epoch + 1)
+                return
+
+    def _apply_stop_rule(self, epoch: int) -> bool:
         figure = self.epoch_figures[epoch] = self.epoch_accuracy(epoch)
         stop = self.spec["stop"]
         shown = "n/a" if figure is None else f"{figure:.4f}"
@@ -250,14 +262,15 @@ class SimJob:
             self._finish(
                 SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}"
             )
-        elif epoch >= stop["max_epochs"]:
+            return True
+        if epoch >= stop["max_epochs"]:
             self._finish(
                 "failed",
                 f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
                 f"< target {stop['target_accuracy']}",
             )
-        elif epoch == self.current_epoch or (not self.ready and self._next_epoch_releasable()):
-            self._release_epoch(self.current_epoch + 1)
+            return True
+        return False
 
     def _finish(self, outcome: str, message: str) -> None:
         """The job ends; its final accuracy is that of the exported (last) W_s."""

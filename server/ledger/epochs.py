@@ -160,7 +160,12 @@ def close_epoch_if_complete(
     """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
     accuracy reached) or fails (max_epochs reached), its model exported (`evaluate` scores it when
     no metric of that version is recorded); else the next epoch is released. Safe to call repeatedly.
-    One transaction."""
+    One transaction.
+
+    The stop rule reads epochs in order. An epoch released early can close before an older one; it
+    then waits, and the older epoch's closing applies the rule to it as well, so that no job ends
+    while an older epoch still has work running (which would be cancelled and its examples lost).
+    """
     # Most calls find the epoch still open: answer those without queueing on the job row's lock.
     with db.begin() as s:
         if _open_workunits(s, job_id, epoch):
@@ -169,41 +174,58 @@ def close_epoch_if_complete(
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
             return
-        figure = epoch_accuracy(s, job_id, epoch)
-        stop = job.spec["stop"]
-        shown = "n/a" if figure is None else f"{figure:.4f}"
-        if figure is not None and figure >= stop["target_accuracy"]:
-            _finish(
-                s,
-                storage,
-                r,
-                job,
-                JobStatus.succeeded,
-                evaluate,
-                f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}",
-            )
-        elif epoch >= stop["max_epochs"]:
-            _finish(
-                s,
-                storage,
-                r,
-                job,
-                JobStatus.failed,
-                evaluate,
-                f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
-                f"< target {stop['target_accuracy']}",
-            )
-        else:
+        if _open_before(s, job_id, epoch):
             log.info(
-                "job %s: epoch %d closed with accuracy %s (target %s)",
+                "job %s: epoch %d closed before an older one; the stop rule waits for it",
                 job_id,
                 epoch,
-                shown,
-                stop["target_accuracy"],
                 extra=ids(job_id=job_id, epoch=epoch),
             )
-            if epoch == job.current_epoch or next_epoch_releasable(s, job):
+            return
+        closed = epoch
+        while not _apply_stop_rule(s, storage, r, job, closed, evaluate):
+            if closed >= job.current_epoch:
                 release_epoch(s, job, job.current_epoch + 1)
+                return
+            closed += 1
+            if _open_workunits(s, job_id, closed):
+                if next_epoch_releasable(s, job):
+                    release_epoch(s, job, job.current_epoch + 1)
+                return
+
+
+def _open_before(s: Session, job_id: int, epoch: int) -> int:
+    return s.execute(
+        select(func.count())
+        .select_from(Workunit)
+        .where(Workunit.job_id == job_id, Workunit.epoch < epoch, Workunit.status.in_(_OPEN))
+    ).scalar_one()
+
+
+def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epoch: int, evaluate: Evaluate) -> bool:
+    """The stop rule for a closed `epoch` whose older epochs are all closed: True if it ended the job."""
+    figure = epoch_accuracy(s, job.id, epoch)
+    stop = job.spec["stop"]
+    shown = "n/a" if figure is None else f"{figure:.4f}"
+    if figure is not None and figure >= stop["target_accuracy"]:
+        message = f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}"
+        _finish(s, storage, r, job, JobStatus.succeeded, evaluate, message)
+        return True
+    if epoch >= stop["max_epochs"]:
+        message = (
+            f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} < target {stop['target_accuracy']}"
+        )
+        _finish(s, storage, r, job, JobStatus.failed, evaluate, message)
+        return True
+    log.info(
+        "job %s: epoch %d closed with accuracy %s (target %s)",
+        job.id,
+        epoch,
+        shown,
+        stop["target_accuracy"],
+        extra=ids(job_id=job.id, epoch=epoch),
+    )
+    return False
 
 
 def close_epochs_after_failure(

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.rules import merge_vc_asgd
@@ -18,7 +18,7 @@ from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, release_epoch
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
@@ -90,3 +90,47 @@ def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path)
     assert json.loads(meta["job_spec"])["name"] == spec.name and meta["param_version"] == "1"
     stored = paramstore.read_blob(r, job_id)[1]
     assert exported.endswith(stored[8 + int.from_bytes(stored[:8], "little") :])
+
+
+@pytest.mark.parametrize(
+    ("target", "max_epochs", "status", "current_epoch"),
+    [
+        (0.5, 5, JobStatus.succeeded, 2),  # epoch 2 reaches the target
+        (0.99, 2, JobStatus.failed, 2),  # epoch 2 is the last
+        (0.99, 5, JobStatus.running, 3),  # neither: epoch 3 is released
+    ],
+)
+def test_a_newer_epoch_that_closes_first_waits_for_the_older(
+    sqlite_url, private_redis, tmp_path, target, max_epochs, status, current_epoch
+) -> None:
+    """Epoch 2, released early, closes while a workunit of epoch 1 is still running: the stop rule
+    waits (the running workunit is not cancelled), then applies to both epochs once epoch 1 closes."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy, spec.stop.max_epochs = target, max_epochs
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    with db.begin() as s:
+        release_epoch(s, s.get_one(Job, job_id), 2)
+    with db.begin() as s:
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+        straggler = s.scalars(select(Workunit.id).where(Workunit.job_id == job_id, Workunit.epoch == 1)).first()
+        s.execute(update(Workunit).where(Workunit.id == straggler).values(status="in_progress"))
+        s.add(Metric(job_id=job_id, epoch=1, param_version=0, val_loss=2.0, val_accuracy=0.1))
+        s.add(Metric(job_id=job_id, epoch=2, param_version=0, val_loss=1.0, val_accuracy=0.9))
+
+    close_epoch_if_complete(db, storage, r, job_id, 2, evaluate)
+
+    with db.begin() as s:
+        assert s.get_one(Job, job_id).status == JobStatus.running.value
+        assert s.get_one(Workunit, straggler).status == "in_progress"
+        s.execute(update(Workunit).where(Workunit.id == straggler).values(status="done"))
+
+    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert (job.status, job.current_epoch) == (status.value, current_epoch)
+        assert s.scalar(select(func.count()).select_from(Workunit).where(Workunit.status == "cancelled")) == 0
+        if status != JobStatus.running:
+            assert "epoch 2" in job.status_message or "max_epochs=2" in job.status_message
