@@ -1,13 +1,20 @@
-"""Work requests the scheduler serves per second on PostgreSQL, with 10,000 registered hosts.
+"""Work requests the scheduler serves per second on PostgreSQL, and what each costs in CPU, at
+1k, 10k and 100k registered hosts and 20k and 200k ready workunits.
 
 What it measures
-    How many `POST /v1/work {"free_slots": 1}` requests per second the scheduler answers, how
-    many assignments those answers hand out, and the p50/p95 latency of one work request, with
-    3 uvicorn workers in front of PostgreSQL and 10,000 hosts registered. Each request is real
-    HTTP from a random one of the 10,000 hosts and goes through everything a client's poll does:
-    host authentication, the `last_seen` update, the `FOR UPDATE SKIP LOCKED` claim of a ready
-    workunit, the new assignment row, the telemetry counters in Redis and the JSON answer. No
-    shard or snapshot is downloaded and nothing is uploaded: this is dispatch alone.
+    How many `POST /v1/work {"free_slots": 1}` requests per second 3 uvicorn workers in front of
+    PostgreSQL answer, their p50/p95 latency, and the CPU milliseconds per request spent by the
+    scheduler's processes and by PostgreSQL's (utime + stime from /proc, summed over the
+    processes, divided by the requests answered in the same window). Each request is real HTTP
+    from a random registered host and goes through everything a client's poll does: host
+    authentication, the `last_seen` update, the claim of a ready workunit, the new assignment row,
+    the telemetry counters in Redis and the JSON answer. No shard or snapshot is downloaded and
+    nothing is uploaded: this is dispatch alone.
+
+    The load generator is lean on purpose, so that it measures the scheduler and not itself: raw
+    HTTP/1.1 on asyncio streams over keep-alive connections, each request's bytes built once per
+    host, the answer's assignments counted without parsing its JSON. Its own CPU per request is
+    reported too (`loadgen_cpu_ms_per_request`); it shares the 2 cores with everything else.
 
     Beside our figure it prints BOINC's published one: about 8.8 million jobs a day, ~100 per
     second (Anderson, "BOINC: A Platform for Volunteer Computing", J. Grid Computing 2020).
@@ -16,27 +23,22 @@ How
     A fresh PostgreSQL database is created (and dropped at the end) and a real `Cluster` runs
     in a temporary directory: a private redis-server, the scheduler with 3 uvicorn workers, the
     transitioner and one Celery parameter server. A job is submitted through the admin API on a
-    small random npz cut into many one-example shards, so that work does not run out during the
-    run (epoch 1 holds one workunit per shard; early release adds epoch 2 once it is all handed
-    out, and no more, since nothing is ever uploaded).
-
-    Setup inserts the 10,000 hosts as rows (`crowdtrain.server.ledger.models.Host` with the sha256 of a random
-    token, in one transaction) rather than making 10,000 HTTP registrations; only the measured
-    work requests go over HTTP.
-
-    The load is one asyncio/httpx client with `--concurrency` requests in flight at all times.
-    After `--warmup` seconds, only requests that complete inside the next `--seconds` are counted.
-    The load generator shares the machine with the scheduler and PostgreSQL, so on a small
-    machine it competes with them for CPU: the figures are a lower bound for the server alone.
+    small random npz. The scale is then set directly in the database, which is what 100k HTTP
+    registrations and 200k shard uploads would leave there, in a fraction of the time: hosts are
+    inserted as rows (the sha256 of a random token each), and before every measured window the
+    job's current epoch is topped up with shards (rows naming the job's one real shard object) and
+    ready workunits, to the window's count. Windows run from the smallest scale to the largest.
 
 Run
-    .venv/bin/python benchmarks/dispatch_throughput.py [--seconds 30] [--concurrency 64]
+    .venv/bin/python benchmarks/dispatch_throughput.py [--seconds 10] [--concurrency 64]
+        [--scales 1000:20000,10000:20000,100000:20000,10000:200000]
 
     PostgreSQL: CROWDTRAIN_BENCH_DATABASE_URL, else CROWDTRAIN_TEST_DATABASE_URL, else
     postgresql+psycopg://postgres@127.0.0.1:5432/test (any database on the server; the script
     creates its own beside it).
 
-Progress goes to stderr; the last line on stdout is one JSON object with the figures.
+Progress goes to stderr; the last line on stdout is one JSON object: the headline figures (10k
+hosts, 20k ready workunits) at its top level, and every window in `scales`.
 """
 
 import argparse
@@ -51,9 +53,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
-from sqlalchemy import create_engine, insert
+from sqlalchemy import create_engine, insert, text
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from crowdtrain.launch.cluster import Cluster, fresh_postgres_database
@@ -65,13 +67,18 @@ DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEDULER_WORKERS = 3
 FEATURES = 8
 NUM_CLASSES = 2
+SHARDS_SUBMITTED = 8
 VALIDATION_EXAMPLES = 16
 MODEL = {"name": "mlp", "options": {"hidden": [8]}}
+HEADLINE = (10_000, 20_000)
+DEFAULT_SCALES = "1000:20000,10000:20000,100000:20000,10000:200000"
 BOINC_JOBS_PER_S = 100  # ~8.8M jobs/day
 BOINC_CITATION = (
     "BOINC: ~8.8M jobs/day, ~100/s (Anderson, 'BOINC: A Platform for Volunteer Computing', J. Grid Computing 2020)"
 )
-PROGRESS_EVERY_S = 5.0
+GOAL_REQUESTS_PER_S = 1000
+GOAL_SCHEDULER_CPU_MS = 1.5
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def log(message: str) -> None:
@@ -87,42 +94,117 @@ def admin_database_url() -> str:
     )
 
 
-def write_dataset(path: Path, shards: int, seed: int = 0) -> None:
+def write_dataset(path: Path, seed: int = 0) -> None:
     """Random features, one example per shard, plus a tiny validation split."""
     rng = np.random.default_rng(seed)
     np.savez(
         path,
-        x=rng.standard_normal((shards, FEATURES), dtype=np.float32),
-        y=np.arange(shards, dtype=np.int64) % NUM_CLASSES,
+        x=rng.standard_normal((SHARDS_SUBMITTED, FEATURES), dtype=np.float32),
+        y=np.arange(SHARDS_SUBMITTED, dtype=np.int64) % NUM_CLASSES,
         x_val=rng.standard_normal((VALIDATION_EXAMPLES, FEATURES), dtype=np.float32),
         y_val=np.arange(VALIDATION_EXAMPLES, dtype=np.int64) % NUM_CLASSES,
     )
 
 
-def job_spec(dataset: Path, shards: int) -> dict:
+def job_spec(dataset: Path) -> dict:
     """A job that never finishes by itself and whose assignments stay out for an hour."""
     return {
         "name": "dispatch-throughput-benchmark",
         "model": MODEL,
-        "dataset": {"source": f"npz:{dataset}", "subsets": shards},
+        "dataset": {"source": f"npz:{dataset}", "subsets": SHARDS_SUBMITTED},
         "stop": {"target_accuracy": 1.0, "max_epochs": 1000},
-        "scheduling": {"deadline_seconds": 3600},
+        "scheduling": {"deadline_seconds": 3600, "duplicate_after_seconds": None},
     }
 
 
-def insert_hosts(database_url: str, count: int) -> list[str]:
-    """Register `count` hosts as rows in one transaction; returns their bearer tokens."""
+def insert_hosts(engine: Engine, first: int, count: int) -> list[str]:
+    """Register `count` more hosts as rows; returns their bearer tokens."""
     tokens = [secrets.token_urlsafe(32) for _ in range(count)]
-    engine = create_engine(database_url)
-    try:
-        with Session(engine) as s, s.begin():
-            s.execute(
-                insert(Host),
-                [{"name": f"bench-{i}", "token_hash": hash_token(t), "device": "cpu"} for i, t in enumerate(tokens)],
-            )
-    finally:
-        engine.dispose()
+    with Session(engine) as s, s.begin():
+        s.execute(
+            insert(Host),
+            [
+                {"name": f"bench-{first + i}", "token_hash": hash_token(t), "device": "cpu"}
+                for i, t in enumerate(tokens)
+            ],
+        )
     return tokens
+
+
+def top_up_ready(engine: Engine, job_id: int, ready: int) -> int:
+    """Give the job's current epoch `ready` ready workunits, adding shard rows (copies of its first
+    shard's reference) and workunits as needed; returns how many were added."""
+    with engine.begin() as c:
+        epoch = c.execute(text("SELECT current_epoch FROM jobs WHERE id = :j"), {"j": job_id}).scalar_one()
+        have = c.execute(
+            text("SELECT count(*) FROM workunits WHERE job_id = :j AND epoch = :e AND status = 'ready'"),
+            {"j": job_id, "e": epoch},
+        ).scalar_one()
+        missing = max(0, ready - have)
+        if missing == 0:
+            return 0
+        base = c.execute(
+            text("SELECT coalesce(max(index), -1) + 1 FROM shards WHERE job_id = :j AND epoch = 0"), {"j": job_id}
+        ).scalar_one()
+        c.execute(
+            text(
+                "INSERT INTO shards (job_id, epoch, index, key, sha256, size, examples) "
+                "SELECT s.job_id, 0, :base + g, s.key, s.sha256, s.size, s.examples "
+                "FROM shards s, generate_series(0, :n - 1) g WHERE s.job_id = :j AND s.epoch = 0 AND s.index = 0"
+            ),
+            {"j": job_id, "base": base, "n": missing},
+        )
+        c.execute(
+            text(
+                "INSERT INTO workunits (job_id, epoch, shard_id, status, error_count, quorum, created_at) "
+                "SELECT :j, :e, id, 'ready', 0, 1, now() FROM shards WHERE job_id = :j AND epoch = 0 AND index >= :base"
+            ),
+            {"j": job_id, "e": epoch, "base": base},
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        c.execute(text("VACUUM ANALYZE workunits"))
+        c.execute(text("VACUUM ANALYZE shards"))
+    return missing
+
+
+# --- CPU from /proc ---------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[int, int, str]:
+    """(parent pid, utime + stime in clock ticks, command name) of a live process."""
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    name = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[1]), int(fields[11]) + int(fields[12]), name
+
+
+def _processes() -> dict[int, tuple[int, int, str]]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                out[int(entry)] = _stat(int(entry))
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                continue
+    return out
+
+
+def cpu_seconds(root: int) -> tuple[float, float]:
+    """CPU seconds so far of the process tree under `root` (the scheduler) and of every PostgreSQL
+    process on the machine."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in procs:
+            tree += procs[pid][1]
+        stack += children.get(pid, [])
+    postgres = sum(ticks for _, ticks, name in procs.values() if name.startswith("postgres"))
+    return tree / CLOCK_TICKS, postgres / CLOCK_TICKS
 
 
 # --- load --------------------------------------------------------------------------------------
@@ -137,75 +219,119 @@ class Window:
     latencies: list[float] = field(default_factory=list)
     dispatches: int = 0
     empty: int = 0  # 200 answers without an assignment: the job ran out of ready workunits
-    errors: int = 0  # answers other than 200
-    transport_errors: int = 0  # no answer at all (refused, reset, timed out)
     status_codes: dict[int, int] = field(default_factory=dict)
+    transport_errors: int = 0
 
     def contains(self, t: float) -> bool:
         return self.start <= t <= self.end
 
 
-@dataclass
-class Load:
-    tokens: list[str]
-    window: Window
-    total: int = 0  # every completed request, warm-up included
-
-    async def worker(self, http: httpx.AsyncClient, seed: int) -> None:
-        rng = random.Random(seed)
-        w = self.window
-        while time.monotonic() < w.end:
-            auth = {"Authorization": f"Bearer {rng.choice(self.tokens)}"}
-            start = time.monotonic()
-            try:
-                resp = await http.post("/v1/work", json={"free_slots": 1}, headers=auth)
-            except httpx.HTTPError:
-                if w.contains(time.monotonic()):
-                    w.transport_errors += 1
-                await asyncio.sleep(0.1)
-                continue
-            done = time.monotonic()
-            self.total += 1
-            if not w.contains(done):
-                continue
-            w.latencies.append(done - start)
-            if resp.status_code != 200:
-                w.errors += 1
-                w.status_codes[resp.status_code] = w.status_codes.get(resp.status_code, 0) + 1
-                continue
-            n = len(resp.json()["assignments"])
-            w.dispatches += n
-            w.empty += n == 0
-
-    async def progress(self) -> None:
-        w = self.window
-        last_n, last_t = 0, time.monotonic()
-        while time.monotonic() < w.end:
-            await asyncio.sleep(PROGRESS_EVERY_S)
-            now = time.monotonic()
-            phase = "warm-up" if now < w.start else "measuring"
-            log(
-                f"{phase}: {(self.total - last_n) / (now - last_t):.0f} requests/s over the last "
-                f"{now - last_t:.1f}s ({self.total} in all)"
-            )
-            last_n, last_t = self.total, now
+def work_requests(tokens: list[str]) -> list[bytes]:
+    body = b'{"free_slots":1}'
+    return [
+        b"POST /v1/work HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {t}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+        for t in tokens
+    ]
 
 
-async def drive(url: str, tokens: list[str], concurrency: int, warmup: float, seconds: float) -> Window:
+async def lean_worker(port: int, requests: list[bytes], w: Window, seed: int) -> int:
+    """One keep-alive connection sending work requests back to back until the window ends."""
+    rng = random.Random(seed)
+    done = 0
+    while time.monotonic() < w.end:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            w.transport_errors += 1
+            await asyncio.sleep(0.1)
+            continue
+        try:
+            while time.monotonic() < w.end:
+                start = time.monotonic()
+                writer.write(rng.choice(requests))
+                head = await reader.readuntil(b"\r\n\r\n")
+                at = head.lower().find(b"content-length:")
+                length = int(head[at + 15 : head.index(b"\r\n", at)]) if at >= 0 else 0
+                body = await reader.readexactly(length)
+                finished = time.monotonic()
+                done += 1
+                if not w.contains(finished):
+                    continue
+                w.latencies.append(finished - start)
+                code = int(head[9:12])
+                if code != 200:
+                    w.status_codes[code] = w.status_codes.get(code, 0) + 1
+                    continue
+                n = body.count(b'"assignment_id"')
+                w.dispatches += n
+                w.empty += n == 0
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            w.transport_errors += 1
+        finally:
+            writer.close()
+    return done
+
+
+async def drive(port: int, requests: list[bytes], concurrency: int, warmup: float, seconds: float) -> Window:
     now = time.monotonic()
-    load = Load(tokens, Window(start=now + warmup, end=now + warmup + seconds))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http:
-        await asyncio.gather(load.progress(), *(load.worker(http, i) for i in range(concurrency)))
-    return load.window
+    window = Window(start=now + warmup, end=now + warmup + seconds)
+    await asyncio.gather(*(lean_worker(port, requests, window, i) for i in range(concurrency)))
+    return window
 
 
-# --- main --------------------------------------------------------------------------------------
+# --- one window ----------------------------------------------------------------------------------
 
 
-def run(var_dir: Path, hosts: int, shards: int, concurrency: int, warmup: float, seconds: float) -> dict:
+def measure(cluster: Cluster, requests: list[bytes], concurrency: int, warmup: float, seconds: float) -> dict:
+    server = next(svc for svc in cluster.services if svc.name == "server")
+    assert server.proc is not None
+    cpu_before: tuple[float, float] | None = None
+
+    async def run() -> Window:
+        nonlocal cpu_before
+        task = asyncio.ensure_future(drive(cluster.port, requests, concurrency, warmup, seconds))
+        await asyncio.sleep(warmup)
+        cpu_before = cpu_seconds(server.proc.pid), time.process_time()  # type: ignore[union-attr]
+        return await task
+
+    window = asyncio.run(run())
+    (sched_after, pg_after), loadgen_after = cpu_seconds(server.proc.pid), time.process_time()
+    assert cpu_before is not None
+    (sched_before, pg_before), loadgen_before = cpu_before
+    answered = max(1, len(window.latencies))
+    lat_ms = np.array(window.latencies or [float("nan")]) * 1000
+    return {
+        "requests_per_s": round(len(window.latencies) / seconds, 1),
+        "dispatches_per_s": round(window.dispatches / seconds, 1),
+        "p50_ms": round(float(np.percentile(lat_ms, 50)), 1),
+        "p95_ms": round(float(np.percentile(lat_ms, 95)), 1),
+        "scheduler_cpu_ms_per_request": round((sched_after - sched_before) * 1000 / answered, 3),
+        "postgres_cpu_ms_per_request": round((pg_after - pg_before) * 1000 / answered, 3),
+        "loadgen_cpu_ms_per_request": round((loadgen_after - loadgen_before) * 1000 / answered, 3),
+        "requests": len(window.latencies),
+        "errors": sum(window.status_codes.values()),
+        "status_codes": window.status_codes,
+        "transport_errors": window.transport_errors,
+        "empty_replies": window.empty,
+    }
+
+
+def parse_scales(text_: str) -> list[tuple[int, int]]:
+    scales = []
+    for part in text_.split(","):
+        hosts, _, ready = part.partition(":")
+        scales.append((int(hosts), int(ready)))
+    if any(h < 1 or r < 1 for h, r in scales):
+        raise ValueError("every scale needs hosts >= 1 and ready workunits >= 1")
+    return sorted(scales)
+
+
+def run(var_dir: Path, scales: list[tuple[int, int]], concurrency: int, warmup: float, seconds: float) -> dict:
     dataset = var_dir / "bench.npz"
-    write_dataset(dataset, shards)
+    write_dataset(dataset)
+    rows = []
     with fresh_postgres_database(admin_database_url()) as database_url:
         cluster = Cluster(
             var_dir=var_dir / "cluster",
@@ -213,54 +339,56 @@ def run(var_dir: Path, hosts: int, shards: int, concurrency: int, warmup: float,
             server_workers=SCHEDULER_WORKERS,
             assimilator_concurrency=1,
         )
+        engine = create_engine(database_url)
         try:
-            log(
-                f"starting redis, the scheduler ({SCHEDULER_WORKERS} workers), the transitioner and one "
-                "parameter server on PostgreSQL ..."
-            )
+            log(f"starting redis, the scheduler ({SCHEDULER_WORKERS} workers), the transitioner and one parameter server")
             cluster.start()
-            started = time.monotonic()
-            # tens of thousands of shards are written one file each
-            job = cluster.submit(job_spec(dataset, shards), timeout=900)
-            log(f"job {job['job_id']}: {job['shards']:,} shards submitted in {time.monotonic() - started:.1f}s")
-            started = time.monotonic()
-            tokens = insert_hosts(database_url, hosts)
-            log(f"{hosts:,} hosts inserted in {time.monotonic() - started:.1f}s")
-            log(f"{concurrency} requests in flight: {warmup:.0f}s warm-up, then {seconds:.0f}s measured ...")
-            window = asyncio.run(drive(cluster.url, tokens, concurrency, warmup, seconds))
+            job_id = cluster.submit(job_spec(dataset), timeout=300)["job_id"]
+            tokens: list[str] = []
+            for hosts, ready in scales:
+                started = time.monotonic()
+                if len(tokens) < hosts:
+                    tokens += insert_hosts(engine, len(tokens), hosts - len(tokens))
+                added = top_up_ready(engine, job_id, ready)
+                log(
+                    f"{hosts:,} hosts, {ready:,} ready workunits ({added:,} added) in "
+                    f"{time.monotonic() - started:.1f}s; {concurrency} requests in flight, "
+                    f"{warmup:.0f}s warm-up, {seconds:.0f}s measured ..."
+                )
+                figures = measure(cluster, work_requests(tokens[:hosts]), concurrency, warmup, seconds)
+                log(
+                    f"  {figures['requests_per_s']} requests/s, p50 {figures['p50_ms']} ms, "
+                    f"p95 {figures['p95_ms']} ms; CPU ms per request: scheduler "
+                    f"{figures['scheduler_cpu_ms_per_request']}, PostgreSQL {figures['postgres_cpu_ms_per_request']}, "
+                    f"load generator {figures['loadgen_cpu_ms_per_request']}"
+                )
+                if figures["status_codes"] or figures["empty_replies"]:
+                    log(f"  non-200 answers {figures['status_codes']}, empty answers {figures['empty_replies']}")
+                rows.append({"registered_hosts": hosts, "ready_workunits": ready} | figures)
         finally:
             log("stopping the cluster")
             cluster.stop()
-    if window.status_codes:
-        log(f"non-200 answers: {window.status_codes}")
-    if window.empty:
-        log(f"warning: {window.empty} answers carried no assignment (the job ran out of ready workunits)")
-    return report(hosts, shards, concurrency, seconds, window)
+            engine.dispose()
+    return report(rows, concurrency, seconds)
 
 
-def report(hosts: int, shards: int, concurrency: int, seconds: float, w: Window) -> dict:
-    lat_ms = np.array(w.latencies or [float("nan")]) * 1000
-    requests_per_s = len(w.latencies) / seconds
+def report(rows: list[dict], concurrency: int, seconds: float) -> dict:
+    headline = next(
+        (r for r in rows if (r["registered_hosts"], r["ready_workunits"]) == HEADLINE), rows[len(rows) // 2]
+    )
     return {
         "benchmark": "dispatch_throughput",
         "database": "postgresql",
         "scheduler_workers": SCHEDULER_WORKERS,
-        "registered_hosts": hosts,
         "concurrency": concurrency,
         "seconds": seconds,
-        "requests": len(w.latencies),
-        "requests_per_s": round(requests_per_s, 1),
-        "dispatches": w.dispatches,
-        "dispatches_per_s": round(w.dispatches / seconds, 1),
-        "p50_ms": round(float(np.percentile(lat_ms, 50)), 1),
-        "p95_ms": round(float(np.percentile(lat_ms, 95)), 1),
-        "errors": w.errors,
+        **headline,
+        "goal_requests_per_s": GOAL_REQUESTS_PER_S,
+        "goal_scheduler_cpu_ms_per_request": GOAL_SCHEDULER_CPU_MS,
         "boinc_jobs_per_s": BOINC_JOBS_PER_S,
-        "ratio_to_boinc": round(w.dispatches / seconds / BOINC_JOBS_PER_S, 2),
+        "ratio_to_boinc": round(headline["dispatches_per_s"] / BOINC_JOBS_PER_S, 2),
         "boinc_source": BOINC_CITATION,
-        "transport_errors": w.transport_errors,
-        "empty_replies": w.empty,
-        "shards": shards,
+        "scales": rows,
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
@@ -268,27 +396,30 @@ def report(hosts: int, shards: int, concurrency: int, seconds: float, w: Window)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds, after the warm-up")
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per window, after the warm-up")
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load before each window")
     parser.add_argument("--concurrency", type=int, default=64, help="work requests in flight at once")
-    parser.add_argument("--hosts", type=int, default=10_000, help="registered hosts")
     parser.add_argument(
-        "--shards",
-        type=int,
-        default=20_000,
-        help="one-example shards of the job (epoch 1 and 2 together hold twice as many workunits)",
+        "--scales",
+        default=DEFAULT_SCALES,
+        help="windows as HOSTS:READY_WORKUNITS, comma-separated (run from the smallest to the largest)",
     )
     args = parser.parse_args()
-    if args.seconds <= 0 or args.warmup < 0 or args.concurrency < 1 or args.hosts < 1 or args.shards < 1:
-        parser.error("--seconds, --concurrency, --hosts and --shards must be positive, --warmup not negative")
+    try:
+        scales = parse_scales(args.scales)
+    except ValueError as exc:
+        parser.error(f"--scales: {exc}")
+    if args.seconds <= 0 or args.warmup < 0 or args.concurrency < 1:
+        parser.error("--seconds and --concurrency must be positive, --warmup not negative")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-") as tmp:
-        figures = run(Path(tmp), args.hosts, args.shards, args.concurrency, args.warmup, args.seconds)
+        figures = run(Path(tmp), scales, args.concurrency, args.warmup, args.seconds)
     figures["wall_s"] = round(time.monotonic() - started, 1)
     log(BOINC_CITATION)
     log(
-        f"ours: {figures['dispatches_per_s']} dispatches/s ({figures['requests_per_s']} requests/s), "
-        f"p50 {figures['p50_ms']} ms, p95 {figures['p95_ms']} ms: {figures['ratio_to_boinc']}x BOINC's rate"
+        f"ours at {figures['registered_hosts']:,} hosts: {figures['requests_per_s']} requests/s, p50 "
+        f"{figures['p50_ms']} ms, scheduler CPU {figures['scheduler_cpu_ms_per_request']} ms/request "
+        f"(goals: {GOAL_REQUESTS_PER_S}/s, {GOAL_SCHEDULER_CPU_MS} ms)"
     )
     print(json.dumps(figures))
 

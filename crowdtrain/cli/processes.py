@@ -17,6 +17,7 @@ from crowdtrain.core.settings import InsecureSettings, check_secrets, get_settin
 from crowdtrain.core.storage import open_storage
 from crowdtrain.launch.supervise import supervise as run_supervised
 from crowdtrain.migrations import upgrade
+from crowdtrain.server.api.transport import NoDelayHttpToolsProtocol
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.services.transitioner import run_forever
@@ -53,7 +54,14 @@ def server(
     else:
         configure_logging()
     uvicorn.run(
-        "crowdtrain.server.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning"
+        "crowdtrain.server.api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="warning",
+        http=NoDelayHttpToolsProtocol,
+        loop="uvloop",
     )
 
 

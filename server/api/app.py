@@ -38,7 +38,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="crowdtrain scheduler", version="0.1.0", responses=boundary.ERROR_RESPONSES, lifespan=_announce_serving
     )
     boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
-    app.dependency_overrides[get_settings] = lambda: settings
+    # Read by crowdtrain.server.api.deps.app_settings. Not a dependency override: FastAPI analyses an
+    # override's signature again on every request, which cost a third of a work request's CPU.
+    app.state.settings = settings
     for module in (hosts, work, files, jobs, datasets, admin, metrics):
         app.include_router(module.router)
     app.include_router(dedloc.router)

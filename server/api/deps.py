@@ -6,25 +6,33 @@ Refusals raised here (NotAuthorized, Throttled) are answered by the app's one re
 
 import hmac
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from functools import wraps
 from typing import Annotated
 
 import redis
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.refusals import RefusalKind
-from crowdtrain.core.settings import Settings, get_settings
+from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.services import sessions
-from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
+from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host, hash_token
 from crowdtrain.server.services.throttle import FailureBudget
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+async def app_settings(request: Request) -> Settings:
+    """The settings the app was built with (crowdtrain.server.api.app.create_app)."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+SettingsDep = Annotated[Settings, Depends(app_settings)]
 
 
 def cache_once(make: Callable) -> Callable:
@@ -42,7 +50,11 @@ def cache_once(make: Callable) -> Callable:
     return get
 
 
-def get_db(settings: SettingsDep) -> sessionmaker[Session]:
+# The dependencies below only look things up: they are coroutines, so that FastAPI does not send
+# each of them to its thread pool (a hop of its own per dependency and request).
+
+
+async def get_db(settings: SettingsDep) -> sessionmaker[Session]:
     return session_factory(settings.resolved_database_url)
 
 
@@ -51,7 +63,7 @@ def _storage(url: str, endpoint: str | None, public_endpoint: str | None) -> Sto
     return open_storage(url, endpoint, public_endpoint)
 
 
-def get_storage(settings: SettingsDep) -> Storage:
+async def get_storage(settings: SettingsDep) -> Storage:
     return _storage(settings.resolved_storage_url, settings.s3_endpoint_url, settings.s3_public_endpoint_url)
 
 
@@ -60,7 +72,7 @@ def _redis(url: str) -> redis.Redis:
     return paramstore.connect(url)
 
 
-def get_redis(settings: SettingsDep) -> redis.Redis:
+async def get_redis(settings: SettingsDep) -> redis.Redis:
     return _redis(settings.redis_url)
 
 
@@ -75,7 +87,7 @@ def _unauthorized(message: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
 
 
-def failure_budget(request: Request, r: RedisDep, settings: SettingsDep) -> Iterator[FailureBudget]:
+async def failure_budget(request: Request, r: RedisDep, settings: SettingsDep) -> AsyncIterator[FailureBudget]:
     """The caller's address's budget of failed authentications: refused at once (Throttled) if it is
     used up, and spent by every NotAuthorized raised while the request is answered."""
     address = request.client.host if request.client else "unknown"
@@ -106,7 +118,45 @@ def require_admin(creds: BearerDep, settings: SettingsDep, _: FailureBudgetDep) 
         raise NotAuthorized("admin token required", RefusalKind.unauthenticated)
 
 
+class _KnownHostTokens:
+    """Hashes of host tokens this process has seen admitted. Only a gate before the request's body is
+    read, so that a caller with a wrong token learns nothing but 401: the route authenticates the token
+    again in its own transaction, so a host revoked since is refused there all the same."""
+
+    LIMIT = 500_000
+
+    def __init__(self) -> None:
+        self._hashes: set[str] = set()
+
+    def __contains__(self, token_hash: str) -> bool:
+        return token_hash in self._hashes
+
+    def add(self, token_hash: str) -> None:
+        if len(self._hashes) >= self.LIMIT:
+            self._hashes.clear()
+        self._hashes.add(token_hash)
+
+
+_known_host_tokens = _KnownHostTokens()
+
+
+async def host_token(creds: BearerDep, db: DbDep, _: FailureBudgetDep) -> str:
+    """The host token the request carries (401 if none, or not a live host's), for a route that
+    authenticates it again inside its own transaction (crowdtrain.server.services.dispatch.serve_work).
+    A token first seen by this process is looked up at once (one thread-pool hop); after that, the
+    route's transaction is the only lookup. A NotAuthorized raised here or there spends the failure
+    budget like any other."""
+    if creds is None:
+        raise _unauthorized("missing host token (Authorization: Bearer ...)")
+    token_hash = hash_token(creds.credentials)
+    if token_hash not in _known_host_tokens:
+        await run_in_threadpool(authenticate_host, db, creds.credentials)
+        _known_host_tokens.add(token_hash)
+    return creds.credentials
+
+
 HostDep = Annotated[int, Depends(current_host)]
+HostTokenDep = Annotated[str, Depends(host_token)]
 AdminDep = Depends(require_admin)
 
 

@@ -3,6 +3,7 @@ quarantine (crowdtrain.core.reputation). Called inside the transaction that ends
 the host's row locked."""
 
 import logging
+from datetime import datetime
 
 from crowdtrain.core import reputation
 from crowdtrain.core.jobspec import validation_of
@@ -43,7 +44,12 @@ def count_failure(host: Host, job: Job, outcome: AssignmentStatus, message: str)
 
 
 def is_quarantined(host: Host) -> bool:
-    return host.quarantined_until is not None and host.quarantined_until > utcnow()
+    return quarantined(host.quarantined_until)
+
+
+def quarantined(until: datetime | None) -> bool:
+    """Whether a host quarantined `until` (None: never) is still in quarantine."""
+    return until is not None and until > utcnow()
 
 
 def release(host: Host) -> None:

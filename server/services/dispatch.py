@@ -1,76 +1,175 @@
 """Handing workunits to hosts: atomic claims, fair share between jobs, locality, reliability, early
 epoch release, straggler duplicates at an epoch's tail, and the share of the local epochs each host
-trains (dynamic local work, crowdtrain.server.services.local_work)."""
+trains (dynamic local work, crowdtrain.server.services.local_work).
+
+A work request is the scheduler's most frequent call, so its common case is kept lean: one
+transaction on one connection, plain SQL statements (the host's row, the running jobs' live
+columns, one claim statement per preference that also returns the shard, one insert of the
+assignments), no ORM object, and what never changes in a job after submission (its spec parsed,
+its recipe, which frameworks run it) read once per process (`JobTerms`). The rarer paths — an
+epoch's release, straggler duplicates, replicas for validation, a re-dealt epoch's shards — load
+the ORM rows they need and run the ledger's procedures in the same transaction.
+"""
 
 import logging
-from datetime import timedelta
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, Engine, Row, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import frameworks
-from crowdtrain.core.jobspec import VC_ASGD, scheduling_of, validation_of
+from crowdtrain.core.jobspec import VC_ASGD, SchedulingSpec, ValidationSpec, scheduling_of, validation_of
 from crowdtrain.core.logs import ids
+from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources, SignedRecipe
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.updates import upload_of
 from crowdtrain.server.ledger import replicas, reputation
-from crowdtrain.server.ledger.assignments import claim_workunits, open_assignment
+from crowdtrain.server.ledger.assignments import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
-from crowdtrain.server.ledger.models import (
-    Assignment,
-    Host,
-    Job,
-    Shard,
-    Workunit,
-    utcnow,
-)
+from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import fair_share, local_work
+from crowdtrain.server.services.hosts import NotAuthorized, hash_token
 from crowdtrain.workgen.generator import write_epoch_shards
 
 log = logging.getLogger(__name__)
 
 LAST_SEEN_RESOLUTION = timedelta(seconds=15)
 
-
-def _assignment_out(
-    a: Assignment, wu: Workunit, shard: Shard, job: Job, storage: Storage, presign_seconds: int
-) -> AssignmentOut:
-    # Written at submission, or (a re-dealt epoch's shard) before its first dispatch; v0 is published at submission.
-    assert shard.sha256 is not None and job.snapshot_key is not None and job.snapshot_sha256 is not None
-    # Object storage that can presign serves the bytes itself; otherwise the scheduler does.
-    shard_url = storage.presigned_url(shard.key, presign_seconds) or f"/v1/shards/{shard.id}"
-    snapshot_url = (
-        storage.presigned_url(job.snapshot_key, presign_seconds)
-        or f"/v1/jobs/{job.id}/snapshots/{job.snapshot_version}"
-    )
-    return AssignmentOut(
-        assignment_id=a.id,
-        job_id=job.id,
-        workunit_id=wu.id,
-        epoch=wu.epoch,
-        shard_index=shard.index,
-        base_version=a.base_version,
-        deadline=a.deadline,
-        local_fraction=a.local_fraction,
-        recipe=Recipe(
-            model=job.model_config_,
-            training=job.spec["training"],
-            seed=job.spec["seed"] + a.id,
-            upload=upload_of(job.spec.get("assimilation", {})),
-        ),
-        shard=FileRef(url=shard_url, sha256=shard.sha256, size=shard.size),
-        snapshot=FileRef(url=snapshot_url, sha256=job.snapshot_sha256, size=job.param_bytes),
-        signed=_signed_recipe(job),
-    )
+_HOST_COLUMNS = (
+    Host.id,
+    Host.revoked,
+    Host.consecutive_valid,
+    Host.frameworks,
+    Host.last_seen,
+    Host.quarantined_until,
+    Host.cpus,
+    Host.ram_bytes,
+    Host.gpu,
+    Host.device,
+)
+_JOB_LIVE_COLUMNS = (
+    Job.id,
+    Job.created_at,
+    Job.current_epoch,
+    Job.snapshot_version,
+    Job.snapshot_key,
+    Job.snapshot_sha256,
+    Job.param_bytes,
+    Job.recipe_public_key,
+    Job.recipe_signature,
+)
 
 
-def _signed_recipe(job: Job) -> SignedRecipe | None:
-    if job.recipe is None or job.recipe_public_key is None or job.recipe_signature is None:
-        return None
-    return SignedRecipe(recipe=job.recipe, public_key=job.recipe_public_key, signature=job.recipe_signature)
+# Built once: building SQLAlchemy expressions costs more CPU than executing them.
+_HOST_BY_TOKEN = select(*_HOST_COLUMNS).where(Host.token_hash == bindparam("token_hash"))
+_HOST_BY_ID = select(*_HOST_COLUMNS).where(Host.id == bindparam("seen_host"))
+_LIVE_JOBS = (
+    select(*_JOB_LIVE_COLUMNS).where(Job.status == JobStatus.running.value, Job.mode == VC_ASGD).order_by(Job.id)
+)
+_JOB_TERMS = select(Job.id, Job.spec, Job.model_config_.label("model_config_"), Job.recipe).where(
+    Job.id.in_(bindparam("ids", expanding=True))
+)
+_HOST_SEEN = update(Host).where(Host.id == bindparam("seen_host")).values(last_seen=bindparam("now"))
+
+
+@dataclass
+class JobTerms:
+    """What a running job's dispatch needs that never changes after its submission, read once per
+    process: its spec parsed, the recipe every assignment carries (but for its seed), and which of
+    the frameworks hosts declare can train its model."""
+
+    job_id: int
+    spec: dict[str, Any]
+    model_config: dict[str, Any]
+    recipe_text: str | None
+    scheduling: SchedulingSpec
+    validation: ValidationSpec
+    recipe: Recipe
+    runnable: dict[str, bool] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, row: Row) -> "JobTerms":
+        spec = row.spec
+        return cls(
+            job_id=row.id,
+            spec=spec,
+            model_config=row.model_config_,
+            recipe_text=row.recipe,
+            scheduling=scheduling_of(spec),
+            validation=validation_of(spec),
+            recipe=Recipe(
+                model=row.model_config_,
+                training=spec["training"],
+                seed=spec["seed"],
+                upload=upload_of(spec.get("assimilation", {})),
+            ),
+        )
+
+    def runs_on(self, host_frameworks: str) -> bool:
+        """Whether one of the frameworks a host declared (comma-separated) trains the job's model."""
+        if host_frameworks not in self.runnable:
+            self.runnable[host_frameworks] = frameworks.pick(self.model_config, host_frameworks.split(",")) is not None
+        return self.runnable[host_frameworks]
+
+
+class _TermsCache:
+    """JobTerms of the running jobs. A job is known by its database, id and creation time, so that
+    a database made again under the same URL (tests do) cannot lend its terms to another job; jobs
+    that no longer run are forgotten."""
+
+    def __init__(self) -> None:
+        self._terms: dict[tuple[str, int, datetime], JobTerms] = {}
+        self._lock = threading.Lock()
+
+    def of(self, c: Connection, live: Mapping[int, Row]) -> dict[int, JobTerms]:
+        database = str(c.engine.url)
+        wanted = {job_id: (database, job_id, row.created_at) for job_id, row in live.items()}
+        with self._lock:
+            missing = [job_id for job_id, key in wanted.items() if key not in self._terms]
+        if missing:
+            rows = c.execute(_JOB_TERMS, {"ids": missing}).all()
+            with self._lock:
+                self._terms.update({wanted[row.id]: JobTerms.read(row) for row in rows})
+        with self._lock:
+            if len(self._terms) > 4 * max(1, len(wanted)):
+                keep = set(wanted.values())
+                self._terms = {key: t for key, t in self._terms.items() if key in keep}
+            return {job_id: self._terms[key] for job_id, key in wanted.items()}
+
+
+_terms = _TermsCache()
+
+
+class _PresignedUrls:
+    """Presigned download URLs, reused while more than half of their life is left."""
+
+    def __init__(self) -> None:
+        self._urls: dict[str, tuple[float, str | None]] = {}
+        self._lock = threading.Lock()
+
+    def url(self, storage: Storage, key: str, seconds: int) -> str | None:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._urls.get(key)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        url = storage.presigned_url(key, seconds)
+        with self._lock:
+            if len(self._urls) > 100_000:
+                self._urls.clear()
+            self._urls[key] = (now + seconds / 2, url)
+        return url
+
+
+_presigned = _PresignedUrls()
 
 
 def request_work(
@@ -83,146 +182,270 @@ def request_work(
     presign_seconds: int = 900,
     refused_jobs: frozenset[int] = frozenset(),
 ) -> list[AssignmentOut]:
-    """Give the host up to `free_slots` assignments: ready workunits of the jobs it can run and has not
-    refused (their recipe unsigned or signed by a key the host does not trust), split by
-    fair share (crowdtrain.server.services.fair_share); then, for slots no job can fill, duplicates of
+    """Give the host `host_id` up to `free_slots` assignments (see `serve_work`)."""
+    with _engine(db).begin() as c:
+        host = c.execute(_HOST_BY_ID, {"seen_host": host_id}).one()
+        return _dispatch(c, storage, host, free_slots, cached, resources, presign_seconds, refused_jobs)
+
+
+def serve_work(
+    db: sessionmaker[Session],
+    storage: Storage,
+    token: str,
+    free_slots: int,
+    cached: list[str],
+    resources: Resources | None,
+    presign_seconds: int = 900,
+    refused_jobs: frozenset[int] = frozenset(),
+) -> list[AssignmentOut]:
+    """Authenticate the host by its bearer `token` (NotAuthorized if it is no live host's) and give it
+    up to `free_slots` assignments, in one transaction: ready workunits of the jobs it can run and has
+    not refused (their recipe unsigned or signed by a key the host does not trust), split by fair
+    share (crowdtrain.server.services.fair_share); then, for slots no job can fill, duplicates of
     stragglers (crowdtrain.server.ledger.duplicates). Replicas that jobs validating their results want
     come first (crowdtrain.server.ledger.replicas). No workunit is ever held by two hosts at once,
     except a straggler's and its one duplicate, and a replicated workunit's replicas. A quarantined
     host gets nothing."""
-    with db.begin() as s:
-        host = s.get_one(Host, host_id)
-        _note_host(host, resources)
-        if free_slots == 0 or reputation.is_quarantined(host):
-            return []
-        # Only VC-ASGD jobs have workunits; DeDLOC peers join their job through crowdtrain.server.services.dedloc.
-        jobs = {
-            job.id: job
-            for job in s.scalars(
-                select(Job).where(Job.status == JobStatus.running.value, Job.mode == VC_ASGD).order_by(Job.id)
-            )
-            if job.id not in refused_jobs and host_can_run(host, job)
+    with _engine(db).begin() as c:
+        host = c.execute(_HOST_BY_TOKEN, {"token_hash": hash_token(token)}).first()
+        if host is None or host.revoked:
+            raise NotAuthorized("unknown or revoked host token", RefusalKind.unauthenticated)
+        return _dispatch(c, storage, host, free_slots, cached, resources, presign_seconds, refused_jobs)
+
+
+def _engine(db: sessionmaker[Session]) -> Engine:
+    engine = db.kw["bind"]
+    assert isinstance(engine, Engine)
+    return engine
+
+
+def _dispatch(
+    c: Connection,
+    storage: Storage,
+    host: Row,
+    free_slots: int,
+    cached: list[str],
+    resources: Resources | None,
+    presign_seconds: int,
+    refused_jobs: frozenset[int],
+) -> list[AssignmentOut]:
+    host_frameworks = _note_host(c, host, resources)
+    if free_slots == 0 or reputation.quarantined(host.quarantined_until):
+        return []
+    # Only VC-ASGD jobs have workunits; DeDLOC peers join their job through crowdtrain.server.services.dedloc.
+    live = {row.id: row for row in c.execute(_LIVE_JOBS) if row.id not in refused_jobs}
+    terms = {j: t for j, t in _terms.of(c, live).items() if t.runs_on(host_frameworks)}
+    if not terms:
+        return []
+    with _Request(c, storage, host, live, terms, presign_seconds) as request:
+        request.fill(free_slots, cached)
+        return request.out
+
+
+def _note_host(c: Connection, host: Row, resources: Resources | None) -> str:
+    """Record that the host asked (at most every LAST_SEEN_RESOLUTION) and what it declared, with one
+    statement when anything changed; returns the frameworks it runs."""
+    now = utcnow()
+    values: dict[str, Any] = {}
+    if now - host.last_seen > LAST_SEEN_RESOLUTION:  # spare a row write on most polls
+        values["last_seen"] = now
+    host_frameworks = host.frameworks
+    if resources is not None:
+        declared = {
+            "cpus": resources.cpus,
+            "ram_bytes": resources.ram_bytes,
+            "gpu": resources.gpu,
+            "device": resources.device,
+            "frameworks": ",".join(resources.frameworks),
         }
-        scheduling = {job_id: scheduling_of(job.spec) for job_id, job in jobs.items()}
-        weights = {job_id: sched.weight for job_id, sched in scheduling.items()}
-        validation = {job_id: validation_of(job.spec) for job_id, job in jobs.items()}
-        running = fair_share.running_assignments(s, list(jobs))
-        out: list[AssignmentOut] = []
-        for job_id, job in jobs.items():
-            if validation[job_id].enabled and len(out) < free_slots:
-                wanted = replicas.claim_replicas(s, job, host, free_slots - len(out))
-                out += _open_assignments(s, storage, job, host, wanted, presign_seconds, "replica, ")
-        for job, claimed in _claim_fair_share(s, jobs, host, free_slots - len(out), cached, running, weights):
-            for wu, _ in claimed:
-                wu.quorum = replicas.quorum_for(host, validation[job.id])
-            out += _open_assignments(s, storage, job, host, claimed, presign_seconds)
+        values |= {k: v for k, v in declared.items() if getattr(host, k) != v}
+        host_frameworks = declared["frameworks"]
+    if list(values) == ["last_seen"]:
+        c.execute(_HOST_SEEN, {"seen_host": host.id, "now": now})
+    elif values:
+        c.execute(update(Host).where(Host.id == host.id).values(**values))
+    return host_frameworks
+
+
+def _set_quorum(c: Connection, claimed: list[Claim], quorum: int) -> None:
+    c.execute(update(Workunit).where(Workunit.id.in_([cl.workunit_id for cl in claimed])).values(quorum=quorum))
+
+
+class _Request:
+    """One work request's answer as it is built on the connection `c`, in its transaction; the rarer
+    paths get an ORM session joined to that transaction, and the rows they need loaded once."""
+
+    def __init__(
+        self,
+        c: Connection,
+        storage: Storage,
+        host: Row,
+        live: Mapping[int, Row],
+        terms: Mapping[int, JobTerms],
+        presign_seconds: int,
+    ):
+        self.c, self.storage, self.host, self.live, self.terms = c, storage, host, live, terms
+        self.presign_seconds = presign_seconds
+        self.out: list[AssignmentOut] = []
+        self._session: Session | None = None
+        self._jobs: dict[int, Job] = {}
+        self._host: Host | None = None
+
+    def __enter__(self) -> "_Request":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._session is not None:
+            if exc[0] is None:
+                self._session.flush()  # the connection's transaction commits it with the rest
+            self._session.close()
+
+    @property
+    def s(self) -> Session:
+        if self._session is None:
+            self._session = Session(bind=self.c, expire_on_commit=False)
+        return self._session
+
+    def fill(self, free_slots: int, cached: list[str]) -> None:
+        """Replicas first, then ready workunits split by fair share, then straggler duplicates."""
+        c, host, terms = self.c, self.host, self.terms
+        weights = {j: t.scheduling.weight for j, t in terms.items()}
+        running = fair_share.running_assignments(self.s, list(terms)) if len(terms) > 1 else {}
+        for job_id, t in terms.items():
+            if t.validation.enabled and len(self.out) < free_slots:
+                wanted = replicas.claim_replicas(self.s, self.job(job_id), self.host_row(), free_slots - len(self.out))
+                self.open(job_id, [Claim.of(wu, sh) for wu, sh in wanted], "replica, ")
+        reliable = host.consecutive_valid >= RELIABLE_AFTER
+        open_jobs = dict(weights)
+        while len(self.out) < free_slots and open_jobs:
+            plan = fair_share.split_slots(free_slots - len(self.out), running, open_jobs)
+            for job_id, n in plan.items():
+                if n == 0:
+                    continue
+                claimed = claim_workunits(c, job_id, reliable, n, cached)
+                if len(claimed) < n and self.newer_epoch(job_id):
+                    claimed += claim_workunits(c, job_id, reliable, n - len(claimed), cached)
+                if claimed:
+                    running[job_id] = running.get(job_id, 0) + len(claimed)
+                    if terms[job_id].validation.enabled:
+                        _set_quorum(c, claimed, replicas.quorum_for(self.host_row(), terms[job_id].validation))
+                    self.open(job_id, claimed)
+                if len(claimed) < n:
+                    del open_jobs[job_id]
         # Slots left over: no job has anything ready, even in an early-released epoch. A host whose
         # work the job replicates gets no duplicate (its result would be merged unchecked).
         for job_id in fair_share.by_share(running, weights):
-            after = scheduling[job_id].duplicate_after_seconds
-            if len(out) >= free_slots or after is None or replicas.replicated_host(host, validation[job_id]):
+            after = terms[job_id].scheduling.duplicate_after_seconds
+            if len(self.out) >= free_slots or after is None:
                 continue
-            duplicates = claim_straggler_duplicates(s, jobs[job_id], host, free_slots - len(out), after)
-            out += _open_assignments(
-                s, storage, jobs[job_id], host, duplicates, presign_seconds, "duplicate of a straggler, "
+            if replicas.replicated_host(self.host_row(), terms[job_id].validation):
+                continue
+            duplicates = claim_straggler_duplicates(
+                self.s, self.job(job_id), self.host_row(), free_slots - len(self.out), after
             )
-        return out
+            self.open(job_id, [Claim.of(wu, sh) for wu, sh in duplicates], "duplicate of a straggler, ")
 
+    def job(self, job_id: int) -> Job:
+        if job_id not in self._jobs:
+            self._jobs[job_id] = self.s.get_one(Job, job_id)
+        return self._jobs[job_id]
 
-def _note_host(host: Host, resources: Resources | None) -> None:
-    """Record that the host asked (at most every LAST_SEEN_RESOLUTION) and what it declared."""
-    now = utcnow()
-    if now - host.last_seen > LAST_SEEN_RESOLUTION:  # spare a row write on most polls
-        host.last_seen = now
-    if resources is not None:
-        host.cpus, host.ram_bytes, host.gpu, host.device = (
-            resources.cpus,
-            resources.ram_bytes,
-            resources.gpu,
-            resources.device,
+    def newer_epoch(self, job_id: int) -> bool:
+        """For a claim that came up short: whether a newer epoch than the one this request first saw
+        is now there to claim from, released by another request meanwhile or by this one
+        (crowdtrain.server.ledger.epochs.release_next_epoch_early)."""
+        job = self.job(job_id)
+        return job.current_epoch > self.live[job_id].current_epoch or release_next_epoch_early(self.s, job)
+
+    def host_row(self) -> Host:
+        if self._host is None:
+            self._host = self.s.get_one(Host, self.host.id)
+        return self._host
+
+    def open(self, job_id: int, claimed: list[Claim], kind: str = "") -> None:
+        """Open the assignments of the claimed workunits (or straggler duplicates, or replicas: `kind`
+        says which in the log) and describe them."""
+        if not claimed:
+            return
+        if any(cl.shard_sha256 is None for cl in claimed):
+            claimed = self._write_unwritten_shards(job_id, claimed)
+        live, t = self.live[job_id], self.terms[job_id]
+        fraction = (
+            local_work.fraction_for(self.s, self.job(job_id), self.host.id)
+            if t.spec["training"].get("dynamic_local_work")
+            else 1.0
         )
-        if host.frameworks != (declared := ",".join(resources.frameworks)):
-            host.frameworks = declared
+        now = utcnow()
+        deadline = now + timedelta(seconds=t.scheduling.deadline_seconds)
+        opened = open_assignments(self.c, claimed, job_id, self.host.id, live.snapshot_version, fraction, now, deadline)
+        for cl in claimed:
+            assignment_id = opened[cl.workunit_id]
+            self.out.append(self._describe(assignment_id, cl, live, t, fraction, deadline))
+            log.info(
+                "assignment %s: job %s epoch %d shard %d -> host %s (%sbase v%d, local fraction %.2f, deadline %s)",
+                assignment_id,
+                job_id,
+                cl.epoch,
+                cl.shard_index,
+                self.host.id,
+                kind,
+                live.snapshot_version,
+                fraction,
+                deadline.isoformat(timespec="seconds"),
+                extra=ids(
+                    job_id=job_id,
+                    epoch=cl.epoch,
+                    workunit_id=cl.workunit_id,
+                    assignment_id=assignment_id,
+                    host_id=self.host.id,
+                ),
+            )
 
+    def _write_unwritten_shards(self, job_id: int, claimed: list[Claim]) -> list[Claim]:
+        """Write the re-dealt shards of an epoch (dataset.reshuffle_each_epoch) before handing one out."""
+        job = self.job(job_id)
+        for epoch in sorted({cl.shard_epoch for cl in claimed if cl.shard_sha256 is None}):
+            write_epoch_shards(self.s, self.storage, job, epoch)
+        self.s.flush()
+        shards = {
+            sh.id: sh for sh in self.s.scalars(select(Shard).where(Shard.id.in_({cl.shard_id for cl in claimed})))
+        }
+        return [
+            Claim(cl.workunit_id, cl.epoch, sh.id, sh.index, sh.epoch, sh.key, sh.sha256, sh.size)
+            for cl in claimed
+            for sh in (shards[cl.shard_id],)
+        ]
 
-def _claim_fair_share(
-    s: Session,
-    jobs: dict[int, Job],
-    host: Host,
-    slots: int,
-    cached: list[str],
-    running: dict[int, int],
-    weights: dict[int, float],
-) -> list[tuple[Job, list[tuple[Workunit, Shard]]]]:
-    """Claim up to `slots` ready workunits among `jobs`, split by fair share; a job that gives fewer
-    than its part has nothing more, and the rest is split again among the others. `running` is
-    updated with what was claimed."""
-    given: list[tuple[Job, list[tuple[Workunit, Shard]]]] = []
-    open_jobs = dict(weights)
-    while slots > 0 and open_jobs:
-        plan = fair_share.split_slots(slots, running, open_jobs)
-        for job_id, n in plan.items():
-            if n == 0:
-                continue
-            claimed = _claim_ready(s, jobs[job_id], host, n, cached)
-            if claimed:
-                given.append((jobs[job_id], claimed))
-                running[job_id] = running.get(job_id, 0) + len(claimed)
-                slots -= len(claimed)
-            if len(claimed) < n:
-                del open_jobs[job_id]
-    return given
-
-
-def _claim_ready(s: Session, job: Job, host: Host, n: int, cached: list[str]) -> list[tuple[Workunit, Shard]]:
-    """Up to `n` ready workunits of `job`, releasing its next epoch early when the current one runs out."""
-    claimed = claim_workunits(s, job, host, n, cached)
-    if len(claimed) < n and release_next_epoch_early(s, job):
-        claimed += claim_workunits(s, job, host, n - len(claimed), cached)
-    return claimed
-
-
-def _open_assignments(
-    s: Session,
-    storage: Storage,
-    job: Job,
-    host: Host,
-    claimed: list[tuple[Workunit, Shard]],
-    presign_seconds: int,
-    kind: str = "",
-) -> list[AssignmentOut]:
-    """Open the assignments of the claimed workunits (or straggler duplicates, or replicas: `kind` says
-    which in the log) and describe them."""
-    if not claimed:
-        return []
-    _write_unwritten_shards(s, storage, job, [shard for _, shard in claimed])
-    fraction = local_work.fraction_for(s, job, host.id)
-    now = utcnow()
-    deadline = now + timedelta(seconds=job.spec["scheduling"]["deadline_seconds"])
-    out = []
-    for wu, shard in claimed:
-        a = open_assignment(s, wu, job, host, fraction, now, deadline)
-        out.append(_assignment_out(a, wu, shard, job, storage, presign_seconds))
-        log.info(
-            "assignment %s: job %s epoch %d shard %d -> host %s (%sbase v%d, local fraction %.2f, deadline %s)",
-            a.id,
-            job.id,
-            wu.epoch,
-            shard.index,
-            host.id,
-            kind,
-            a.base_version,
-            a.local_fraction,
-            deadline.isoformat(timespec="seconds"),
-            extra=ids(job_id=job.id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id, host_id=host.id),
+    def _describe(
+        self, assignment_id: int, cl: Claim, live: Row, t: JobTerms, fraction: float, deadline: datetime
+    ) -> AssignmentOut:
+        # Written at submission, or (a re-dealt epoch's shard) before its first dispatch; v0 is published at submission.
+        assert cl.shard_sha256 is not None and live.snapshot_key is not None and live.snapshot_sha256 is not None
+        # Object storage that can presign serves the bytes itself; otherwise the scheduler does.
+        shard_url = _presigned.url(self.storage, cl.shard_key, self.presign_seconds) or f"/v1/shards/{cl.shard_id}"
+        snapshot_url = (
+            _presigned.url(self.storage, live.snapshot_key, self.presign_seconds)
+            or f"/v1/jobs/{live.id}/snapshots/{live.snapshot_version}"
         )
-    return out
-
-
-def _write_unwritten_shards(s: Session, storage: Storage, job: Job, shards: list[Shard]) -> None:
-    """Write the re-dealt shards of an epoch (dataset.reshuffle_each_epoch) before handing one out."""
-    for epoch in sorted({sh.epoch for sh in shards if sh.sha256 is None}):
-        write_epoch_shards(s, storage, job, epoch)
+        signed = (
+            SignedRecipe(recipe=t.recipe_text, public_key=live.recipe_public_key, signature=live.recipe_signature)
+            if t.recipe_text is not None and live.recipe_public_key is not None and live.recipe_signature is not None
+            else None
+        )
+        return AssignmentOut.model_construct(
+            assignment_id=assignment_id,
+            job_id=live.id,
+            workunit_id=cl.workunit_id,
+            epoch=cl.epoch,
+            shard_index=cl.shard_index,
+            base_version=live.snapshot_version,
+            deadline=deadline.replace(tzinfo=UTC),  # as the schema's UtcDatetime makes it, unvalidated here
+            local_fraction=fraction,
+            recipe=t.recipe.model_copy(update={"seed": t.spec["seed"] + assignment_id}),
+            shard=FileRef(url=shard_url, sha256=cl.shard_sha256, size=cl.shard_size),
+            snapshot=FileRef(url=snapshot_url, sha256=live.snapshot_sha256, size=live.param_bytes),
+            signed=signed,
+        )
 
 
 def host_can_run(host: Host, job: Job) -> bool:

@@ -36,12 +36,9 @@ class FailureBudget:
     def check(self) -> None:
         """Raise Throttled if the address has used up its failures in the current window."""
         key = keys.auth_failures(self.address)
-        with self.r.pipeline(transaction=False) as pipe:
-            pipe.get(key)
-            pipe.ttl(key)
-            count, ttl = pipe.execute()
+        count = self.r.get(key)  # one round trip for every request; the window's end only when refused
         if count is not None and int(count) >= self.limit:
-            raise Throttled(self.address, max(int(ttl), 1))
+            raise Throttled(self.address, max(int(self.r.ttl(key)), 1))
 
     def spend(self) -> None:
         """Count one failure; the first of a window starts it (INCR keeps the expiry SET gave)."""

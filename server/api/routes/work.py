@@ -1,7 +1,9 @@
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, status
+import redis
+from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
@@ -14,9 +16,11 @@ from crowdtrain.core.schemas import (
     WorkReply,
     WorkRequest,
 )
+from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.core.storage import Storage
 from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
-from crowdtrain.server.api.deps import DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.api.deps import DbDep, HostDep, HostTokenDep, RedisDep, SettingsDep, StorageDep
 from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused
 from crowdtrain.server.services import dispatch, project_key, telemetry
@@ -25,14 +29,24 @@ router = APIRouter(prefix="/v1", tags=["work"])
 
 
 @router.post("/work", response_model=WorkReply)
-def request_work(
-    req: WorkRequest, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep
-) -> WorkReply:
+async def request_work(
+    req: WorkRequest, token: HostTokenDep, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep
+) -> Response:
     """Ask for up to `free_slots` assignments."""
-    assignments = dispatch.request_work(
+    body = await run_in_threadpool(_serve_work, req, token, db, storage, r, settings)
+    # Serialised here, once: the reply is built from validated parts, and FastAPI would validate it again.
+    return Response(body, media_type="application/json")
+
+
+def _serve_work(
+    req: WorkRequest, token: str, db: sessionmaker[Session], storage: Storage, r: redis.Redis, settings: Settings
+) -> bytes:
+    """One thread-pool hop for the whole request: authentication and dispatch in one transaction
+    (crowdtrain.server.services.dispatch.serve_work), the telemetry counters, the answer's bytes."""
+    assignments = dispatch.serve_work(
         db,
         storage,
-        host_id,
+        token,
         req.free_slots,
         req.cached_shards,
         req.resources,
@@ -49,11 +63,15 @@ def request_work(
         shard_bytes_saved=sum(hits),
         shard_bytes_sent=sum(a.shard.size for a in assignments) - sum(hits),
     )
-    return WorkReply(
-        assignments=assignments,
-        retry_after=settings.work_retry_after,
-        heartbeat_interval=settings.heartbeat_interval,
-        key_rotations=project_key.rotations(db) if any(a.signed for a in assignments) else [],
+    return (
+        WorkReply(
+            assignments=assignments,
+            retry_after=settings.work_retry_after,
+            heartbeat_interval=settings.heartbeat_interval,
+            key_rotations=project_key.rotations(db) if any(a.signed for a in assignments) else [],
+        )
+        .model_dump_json()
+        .encode()
     )
 
 
