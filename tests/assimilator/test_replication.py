@@ -24,9 +24,12 @@ from crowdtrain.core.updates import encode_result
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit
+from crowdtrain.server.ledger.models import Job as JobRow
+from crowdtrain.server.ledger.replicas import replica_wait
 from crowdtrain.server.services.diagnosis import job_problems
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host, release_host
+from crowdtrain.server.services.transitioner import close_stalled_votes
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
@@ -256,3 +259,41 @@ def test_a_replayed_result_is_refused_charged_and_earns_nothing(services, replic
     assert failed >= 1 and after == credit, "charged, and no credit for the replay"
     if not replicated:
         assert assimilate(services, first.assignment_id).outcome is Outcome.already_merged, "the original is no replay"
+
+
+def test_a_vote_no_replica_comes_for_closes_inconclusive_and_counts_toward_max_errors(services) -> None:
+    """Two hosts of one volunteer account: the replica of a workunit one of them uploaded may go to
+    neither, so the vote would wait forever. The transitioner closes it after the bound, the results
+    are refused uncharged, and at max_errors the workunit fails."""
+    p = _project(services, replicate_untrusted=True, replica_wait_seconds=1)
+    with services.db.begin() as s:
+        job = s.get_one(JobRow, p.job_id)
+        job.spec = job.spec | {"scheduling": job.spec["scheduling"] | {"max_errors": 2}}
+    alice = p.host("alice")
+    laptop = register_host(services.db, HostRegister(join_token=TOKEN, name="laptop", account="alice"), TOKEN).host_id
+    assert replica_wait({"scheduling": {"deadline_seconds": 90}}) == 90, "the deadline when validation says nothing"
+
+    workunit = None
+    for error in (1, 2):
+        [a] = [w for w in p.work(alice, 8) if workunit in (None, w.workunit_id)][:1]
+        workunit = a.workunit_id
+        p.upload(alice, a, p.trained(a))
+        assert assimilate(services, a.assignment_id).outcome is Outcome.awaiting_replicas
+        assert all(w.workunit_id != a.workunit_id for w in p.work(laptop, 8)), "never a replica to the same account"
+        assert close_stalled_votes(services.db, services.storage, services.r) == 0, "not before the bound"
+        time.sleep(1.1)
+        assert close_stalled_votes(services.db, services.storage, services.r) == 1
+
+        with services.db.begin() as s:
+            ended = s.get_one(Assignment, a.assignment_id)
+            status, message, upload_key = ended.status, ended.message, ended.upload_key
+            errors = s.get_one(Workunit, a.workunit_id).error_count
+        assert status == AssignmentStatus.rejected.value and errors == error
+        assert "replica vote closed inconclusive" in message and "no host took another in 1 s" in message, message
+        assert upload_key is not None and not services.storage.exists(upload_key), "its upload is deleted"
+        expected = WorkunitStatus.ready if error == 1 else WorkunitStatus.failed
+        assert p.workunit(a.workunit_id)[0] == expected.value
+        problems = job_problems(services.db, p.job_id)
+        assert any("replica vote closed inconclusive" in x.message for x in problems.recent)
+    assert p.record(alice)[:3] == (0, 0, 0.0), "nothing charged, nothing credited"
+    assert close_stalled_votes(services.db, services.storage, services.r) == 0
