@@ -181,7 +181,7 @@ def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | Non
     return None if raw is None else int(json.loads(raw)["version"])
 
 
-def _while_open(r: redis.Redis, job_id: int, queue: Callable[[redis.client.Pipeline], None]) -> list | None:
+def _while_open(r: redis.Redis, job_id: int, queue: Callable[[redis.client.Pipeline], object]) -> list | None:
     """Run the commands `queue` adds to a MULTI unless the job's merges are closed (its end deletes
     what they write: `forget_finished`, which a later write would bring back); their replies, or None."""
     with r.pipeline() as pipe:

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from crowdtrain.client.trust import WorkRefused, check_peer_recipe, initial_state_sha256
 from crowdtrain.core import signing
+from crowdtrain.core.schemas_dedloc import PeerJoined
+from crowdtrain.core.tensors import sha256
+from tests.server.api.conftest import dedloc_spec
 from tests.server.inprocess import Scheduler, ok, private_scheduler, write_small_npz
 
 
@@ -105,3 +109,43 @@ def test_a_signed_job_cannot_reshuffle_its_shards(sched: Scheduler, dataset: Pat
     answer = admin.post("/v1/jobs", json=spec(dataset, reshuffle_each_epoch=True))
     assert answer.status_code == 422 and "reshuffle_each_epoch" in answer.json()["detail"]
     assert sched.rows() == before
+
+
+def test_a_signed_dedloc_job_carries_its_recipe_to_peers_and_shows_a_peers_refusal(sched: Scheduler) -> None:
+    """Submission signs a DeDLOC job like any other: its recipe covers what a peer runs, a joining peer
+    gets it signed and checks it (crowdtrain.client.trust), and a refusal leaves the collaboration and
+    is in the job's problems."""
+    admin = sched.admin()
+    key = ok(admin.get("/v1/admin/project-key")).json()["public_key"]
+    signer = {PUB_A: KEY_A, PUB_B: KEY_B}.get(key)
+    if signer is None:
+        ok(admin.post("/v1/admin/project-key", json={"public_key": PUB_A}))
+        key, signer = PUB_A, KEY_A
+    created = ok(admin.post("/v1/jobs", json=dedloc_spec())).json()
+    job_id, recipe = created["job_id"], created["recipe"]
+    document = json.loads(recipe)
+    assert (created["status"], document["mode"], document["training"]["max_steps"]) == ("pending", "dedloc", 10)
+    peer = sched.register("peer")
+    assert peer.post(f"/v1/dedloc/jobs/{job_id}/join", json={}).status_code == 409, "no peer before signing"
+    ok(admin.post(f"/v1/jobs/{job_id}/signature", json={"signature": signing.sign(signer, recipe.encode())}))
+
+    joined = PeerJoined.model_validate(ok(peer.post(f"/v1/dedloc/jobs/{job_id}/join", json={})).json())
+    assert joined.signed is not None and joined.signed.recipe == recipe
+    assert check_peer_recipe(joined, key, joined.key_rotations).pinned == key
+    state = ok(peer.get(f"/v1/dedloc/jobs/{job_id}/states/latest"))
+    assert sha256(state.content) == initial_state_sha256(joined) == document["initial_snapshot"]
+
+    other = PUB_B if key != PUB_B else PUB_A
+    with pytest.raises(WorkRefused, match="not by the project key") as refused:
+        check_peer_recipe(joined, other, [])
+    body = {"peer_id": joined.peer_id, "message": f"peer refused the job: {refused.value}"}
+    assert sched.register("stranger").post(f"/v1/dedloc/jobs/{job_id}/refusal", json=body).status_code == 403
+    ok(peer.post(f"/v1/dedloc/jobs/{job_id}/refusal", json=body))
+    findings = ok(admin.get(f"/v1/jobs/{job_id}/problems")).json()["findings"]
+    assert any(
+        f"peer {joined.peer_id} refused to train this job" in f and "not by the project key" in f for f in findings
+    )
+    assert (
+        peer.post(f"/v1/dedloc/jobs/{job_id}/progress", json={"peer_id": joined.peer_id, "step": -1}).status_code == 403
+    )
+    ok(admin.post(f"/v1/jobs/{job_id}/cancel"))
