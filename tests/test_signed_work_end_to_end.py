@@ -1,6 +1,7 @@
 """Signed work with real processes: the operator's commands make and use the project key, a real
 client pinned to it trains the work it signs, refuses (and reports, and takes no more of) a job whose
-recipe is unsigned or signed by another key, and follows a key rotation to the new key."""
+recipe is unsigned or signed by another key, and follows a key rotation to the new key; a DeDLOC peer
+pinned to it does the same with the jobs it is started for."""
 
 import json
 import subprocess
@@ -13,10 +14,11 @@ from sqlalchemy import func, select
 from crowdtrain.core import signing
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
-from crowdtrain.launch.cluster import Cluster, crowdtrain_argv, wait_for
+from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
 from tests.conftest import EXAMPLE_SPEC
+from tests.test_dedloc_end_to_end import dedloc_spec, start_peer
 
 pytestmark = pytest.mark.integration
 TASKS = 2
@@ -119,3 +121,50 @@ def test_a_pinned_client_trains_signed_work_refuses_the_rest_and_follows_a_rotat
     assert sorted(registration["refused_jobs"]) == sorted([jobs["foreign"], jobs["unsigned"]])
     time.sleep(2)  # a few more polls: the refused jobs still get nothing
     assert {name: len(given(jobs[name])) for name in refused_counts} == refused_counts
+
+
+def test_a_pinned_dedloc_peer_joins_signed_work_and_refuses_the_rest_for_good(make_cluster, tmp_path: Path) -> None:
+    """DeDLOC peers check their job's signed recipe with the same rules: a peer pinned to the project key
+    joins a job it signed, refuses (and reports, and never joins again) one signed by another key or unsigned."""
+    cluster = make_cluster()
+    db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
+    key_a = operator(cluster, "admin", "keygen", "--out", str(tmp_path / "a"))
+    key_b = operator(cluster, "admin", "keygen", "--out", str(tmp_path / "b"))
+    operator(cluster, "admin", "project-key", "set", key_a["public_key_file"])
+    jobs = {}
+    for name in ("good", "foreign", "unsigned"):
+        path = tmp_path / f"dedloc-{name}.json"
+        path.write_text(json.dumps(dedloc_spec(max_steps=50) | {"name": name}))
+        jobs[name] = operator(cluster, "job", "submit", str(path), "--key", key_a["private_key"])["job_id"]
+    other = signing.load_private_key((tmp_path / "b" / "project.key").read_bytes())
+    with db.begin() as s:
+        foreign = s.get_one(Job, jobs["foreign"])
+        assert foreign.recipe is not None
+        foreign.recipe_public_key = key_b["public_key"]
+        foreign.recipe_signature = signing.sign(other, foreign.recipe.encode())
+        unsigned = s.get_one(Job, jobs["unsigned"])
+        unsigned.recipe_public_key = unsigned.recipe_signature = None
+
+    def peer(job: str, name: str) -> Service:
+        cache = cluster.var_dir / "peers" / name
+        return start_peer(cluster, jobs[job], name, "--project-key", key_a["public_key_file"], "--cache", str(cache))
+
+    good = peer("good", "good-peer")
+    wait_for(lambda: "applied step 0" in good.tail(500), 120, "the pinned peer did not train the job its key signed")
+    good.stop()
+
+    for job, reason in (("foreign", "not by the project key"), ("unsigned", "is unsigned")):
+        refusing = peer(job, f"{job}-peer")
+        assert refusing.proc is not None and refusing.proc.wait(120) == 3, refusing.tail()
+        with cluster.admin() as http:
+            findings = http.get(f"/v1/jobs/{jobs[job]}/problems").json()["findings"]
+        assert any("refused to train this job" in f and reason in f for f in findings), findings
+        identity = json.loads((cluster.var_dir / "peers" / f"{job}-peer" / "identity.json").read_text())
+        (registration,) = identity.values()
+        assert registration["refused_jobs"] == [jobs[job]]
+        again = peer(job, f"{job}-peer")  # the same cache: it does not even join
+        assert again.proc is not None and again.proc.wait(60) == 3, again.tail()
+        assert "was refused before" in again.tail(500)
+        with cluster.admin() as http:
+            findings = http.get(f"/v1/jobs/{jobs[job]}/problems").json()["findings"]
+        assert len([f for f in findings if "refused to train this job" in f]) == 1, findings

@@ -132,11 +132,12 @@ def _create_job(
             job_id,
             spec.name,
             model_config,
-            recorded["training"],
+            signing.recipe_training(recorded),
             upload_of(recorded.get("assimilation", {})).model_dump(mode="json"),
             spec.seed,
             [row.sha256 for row in shard_rows if row.sha256 is not None],
             sha256(initial),
+            spec.mode,
         )
     )
     jobs.start_job(db, job_id, shard_rows, sha256(initial), recipe, hold_for_signature)

@@ -6,7 +6,8 @@ from typing import Any
 
 import httpx
 
-from crowdtrain.core.schemas_dedloc import PeerJoined, Progress, ProgressReply, StoreOp, StoreReply
+from crowdtrain.core.schemas import HostRegistered
+from crowdtrain.core.schemas_dedloc import PeerJoined, PeerRefusal, Progress, ProgressReply, StoreOp, StoreReply
 
 
 class Refused(Exception):
@@ -45,9 +46,20 @@ class PeerAPI:
             return resp
         raise AssertionError("unreachable")
 
-    def register(self, join_token: str, name: str) -> None:
-        resp = self.request("POST", "/v1/hosts", json={"join_token": join_token, "name": name})
-        self.http.headers["Authorization"] = f"Bearer {resp.json()['host_token']}"
+    def register(self, join_token: str, name: str) -> HostRegistered:
+        """Register a host and use its token from now on."""
+        body = {"join_token": join_token, "name": name}
+        registered = HostRegistered.model_validate(self.request("POST", "/v1/hosts", json=body).json())
+        self.use_token(registered.host_token)
+        return registered
+
+    def use_token(self, host_token: str) -> None:
+        self.http.headers["Authorization"] = f"Bearer {host_token}"
+
+    def refuse(self, message: str) -> None:
+        """Tell the scheduler this peer will not train its job, and why; it leaves the collaboration."""
+        body = PeerRefusal(peer_id=self.peer_id, message=message[:1000])
+        self.request("POST", f"{self.base}/refusal", json=body.model_dump())
 
     @property
     def base(self) -> str:

@@ -21,6 +21,7 @@ import torch
 from crowdtrain.client.dedloc.allreduce import group_process_group, reduce_round, result_digest
 from crowdtrain.client.dedloc.api import PeerAPI, Refused
 from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
+from crowdtrain.client.trust import ProjectTrust, initial_state_sha256
 from crowdtrain.core import dedloc as math
 from crowdtrain.core.schemas_dedloc import PeerJoined, ProgressReply, RoundPlanOut
 from crowdtrain.core.tensors import decode_shard, sha256
@@ -28,6 +29,11 @@ from crowdtrain.core.zoo import build_model, state_to_numpy
 
 log = logging.getLogger(__name__)
 ROUND_POLL = 0.1
+REFUSED = 3  # the exit code of a peer that refused its job's recipe (crowdtrain.client.trust)
+
+
+class JobRefused(Exception):
+    """The job's recipe is not the project's signed work (crowdtrain.client.trust); the message says why."""
 
 
 def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -58,6 +64,23 @@ class Accumulator:
         self.indices = []
 
 
+def attach(api: PeerAPI, trust: ProjectTrust, join_token: str, name: str) -> None:
+    """Use the registration `trust` keeps for the scheduler (its identity file), or register with the
+    join token; then load the project key the peer trusts and the jobs it has refused."""
+    known = trust.identities.get(trust.server_url) if trust.identities is not None else None
+    if known is None:
+        registered = api.register(join_token, name)
+        pin = trust.key_to_pin(registered.project_public_key)
+        known = {"host_id": registered.host_id, "project_public_key": pin, "refused_jobs": trust.refused_jobs}
+        if trust.identities is not None:
+            known = trust.identities.save(
+                trust.server_url, registered.host_id, registered.host_token, [], pin, trust.refused_jobs
+            )
+    else:
+        api.use_token(known["host_token"])
+    trust.load(known)
+
+
 @dataclass(frozen=True)
 class PeerOptions:
     job_id: int
@@ -70,8 +93,10 @@ class PeerOptions:
 
 
 class DedlocPeer:
-    def __init__(self, api: PeerAPI, options: PeerOptions):
+    def __init__(self, api: PeerAPI, options: PeerOptions, trust: ProjectTrust | None = None):
         self.api, self.o = api, options
+        self.trust = trust  # None: the peer checks no signature (and pins no key)
+        self.initial_sha256: str | None = None  # the signed recipe's state of step 0
         self.step = -1
         self.reduced: tuple[int, int, torch.Tensor] | None = None  # (step, attempt, average) awaiting commit
         self.frozen = False  # `reported` is promised to a round: no fresh examples move into it
@@ -82,7 +107,17 @@ class DedlocPeer:
 
     # -- set-up -----------------------------------------------------------------------------------
     def join(self) -> PeerJoined:
+        """Join the job, once what the scheduler gave is checked against its signed recipe (JobRefused,
+        reported to the scheduler, if it is not the project's signed work)."""
+        if self.trust is not None and self.o.job_id in self.trust.refused_jobs:
+            raise JobRefused(f"job {self.o.job_id} was refused before (its recipe is not the project's signed work)")
         joined = self.api.join(self.o.job_id, self.o.relayed)
+        if self.trust is not None:
+            reason = self.trust.check_peer(joined)
+            if reason is not None:
+                self._report_refusal(reason)
+                raise JobRefused(reason)
+            self.initial_sha256 = initial_state_sha256(joined)
         self.recipe = joined.recipe
         self.spec = joined.recipe["dedloc"]
         m = joined.recipe["model"]
@@ -113,11 +148,27 @@ class DedlocPeer:
         )
         return joined
 
+    def _report_refusal(self, reason: str) -> None:
+        try:
+            self.api.refuse(f"peer refused the job: {reason}")
+        except Exception as exc:  # the scheduler drops a silent peer from its rounds all the same
+            log.warning("peer %s: could not report the refusal (%s)", self.api.peer_id, exc)
+
     def sync_state(self) -> None:
-        """Load the newest state; keeps the accumulated gradients (they join the next step)."""
+        """Load the newest state; keeps the accumulated gradients (they join the next step). The state
+        of step 0 must be the signed recipe's (JobRefused, reported, if not)."""
         step, blob = self.api.latest_state()
         if step == self.step:
             return
+        if step == 0 and self.initial_sha256 is not None and sha256(blob) != self.initial_sha256:
+            assert self.trust is not None  # only a checked recipe sets initial_sha256
+            reason = self.trust.refuse(
+                self.o.job_id,
+                f"peer {self.api.peer_id}",
+                f"job {self.o.job_id}'s state of step 0 is not the initial snapshot its signed recipe names",
+            )
+            self._report_refusal(reason)
+            raise JobRefused(reason)
         load_state(self.model, self.opt, blob)
         stale = self.reported.examples + self.fresh.examples and step > self.grads_step + 1
         if stale:  # gradients of parameters more than one step old would pull the model back
@@ -170,8 +221,13 @@ class DedlocPeer:
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, stop_after: float | None = None) -> int:
-        self.join()
-        self.sync_state()
+        """Train until the job finishes (0), or REFUSED if its recipe is not the project's signed work."""
+        try:
+            self.join()
+            self.sync_state()
+        except JobRefused as exc:
+            log.error("peer of job %s: refused the job: %s", self.o.job_id, exc)
+            return REFUSED
         last_poll = 0.0
         started = time.monotonic()
         while stop_after is None or time.monotonic() - started < stop_after:

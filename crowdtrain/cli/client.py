@@ -11,8 +11,10 @@ from crowdtrain.cli.options import (
     JoinTokenFileOpt,
     JoinTokenOpt,
     OptionalServerOpt,
+    ProjectKeyOpt,
     configure_logging,
     resolve_join_token,
+    resolve_project_key,
 )
 from crowdtrain.client.cachelock import CacheInUse
 from crowdtrain.client.devices import DeviceUnavailable, detect_accelerators, resolve_device
@@ -20,7 +22,6 @@ from crowdtrain.client.preferences import Preferences, PreferencesError, load_pr
 from crowdtrain.client.status import is_running, now_utc, read_status, render
 from crowdtrain.client.trainers import available_frameworks, limit_threads
 from crowdtrain.client.worker import VolunteerClient
-from crowdtrain.core import signing
 from crowdtrain.core.frameworks import Framework, is_framework
 
 app = typer.Typer(
@@ -107,14 +108,7 @@ def client(
         str | None,
         typer.Option(help="Comma list of frameworks to train with: pytorch, tensorflow (default: all installed)"),
     ] = None,
-    project_key: Annotated[
-        str | None,
-        typer.Option(
-            help="The project's public key (its project.pub file, or the key itself) to pin when joining: only "
-            "work it signs is run (default: the key the scheduler names at registration, trust on first use)",
-            show_default=False,
-        ),
-    ] = None,
+    project_key: ProjectKeyOpt = None,
 ) -> None:
     """Run the volunteer client until stopped (SIGTERM/Ctrl-C abandon running work and exit cleanly).
 
@@ -144,7 +138,7 @@ def client(
             account=account,
         ),
     )
-    pinned = _project_key(project_key) if project_key else None
+    pinned = resolve_project_key(project_key) if project_key else None
     configure_logging()
     chosen = _client_frameworks(frameworks)
     if prefs.threads:
@@ -175,16 +169,6 @@ def client(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
-
-
-def _project_key(given: str) -> str:
-    """--project-key as a public key: a file holding one (project.pub), or the key's text."""
-    path = Path(given).expanduser()
-    try:
-        text = path.read_text(errors="replace") if path.is_file() else given
-        return signing.check_public_key(text[:1000])
-    except (OSError, signing.NotAKey) as exc:
-        raise typer.BadParameter(f"not a project public key file or value: {exc}", param_hint="--project-key") from None
 
 
 def _client_preferences(config: Path | None, overrides: dict) -> tuple[Preferences, str]:

@@ -1,12 +1,12 @@
 """What several command groups share: how help pages are laid out, the scheduler's URL, the log set-up and
-the join token a client or peer registers with."""
+the join token a client or peer registers with, and the project key it pins."""
 
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from crowdtrain.core import logs
+from crowdtrain.core import logs, signing
 from crowdtrain.core.settings import get_settings
 
 # Click's plain help layout, with every default shown: an option's description gets what is left of the
@@ -62,3 +62,23 @@ def resolve_join_token(token: str | None, token_file: Path | None) -> str:
             f"required: --join-token-file, {JOIN_TOKEN_ENV} or --join-token", param_hint="--join-token"
         )
     return token
+
+
+ProjectKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="The project's public key (its project.pub file, or the key itself) to pin when joining: only "
+        "work it signs is run (default: the key the scheduler names at registration, trust on first use)",
+        show_default=False,
+    ),
+]
+
+
+def resolve_project_key(given: str) -> str:
+    """--project-key as a public key: a file holding one (project.pub), or the key's text."""
+    path = Path(given).expanduser()
+    try:
+        text = path.read_text(errors="replace") if path.is_file() else given
+        return signing.check_public_key(text[:1000])
+    except (OSError, signing.NotAKey) as exc:
+        raise typer.BadParameter(f"not a project public key file or value: {exc}", param_hint="--project-key") from None

@@ -10,12 +10,16 @@ from crowdtrain.cli.options import (
     HELP_LAYOUT,
     JoinTokenFileOpt,
     JoinTokenOpt,
+    ProjectKeyOpt,
     ServerOpt,
     configure_logging,
     resolve_join_token,
+    resolve_project_key,
 )
 from crowdtrain.client.dedloc.api import PeerAPI
-from crowdtrain.client.dedloc.peer import DedlocPeer, PeerOptions
+from crowdtrain.client.dedloc.peer import DedlocPeer, PeerOptions, attach
+from crowdtrain.client.identity import Identities
+from crowdtrain.client.trust import ProjectTrust
 
 app = typer.Typer(add_completion=False, **HELP_LAYOUT)
 
@@ -57,9 +61,21 @@ def peer(
         str | None,
         typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT", show_default=False),
     ] = None,
+    project_key: ProjectKeyOpt = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder keeping this peer's registration, the project key it trusts and the jobs it refused, "
+            "across runs (default: none kept; each run registers anew)",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Run a peer of a synchronous DeDLOC job until the job finishes."""
+    """Run a peer of a synchronous DeDLOC job until the job finishes. A job whose recipe is unsigned
+    (when the peer trusts a project key) or signed by another key is refused: reported to the
+    scheduler, never joined again, exit code 3."""
     join_token = resolve_join_token(join_token, join_token_file)
+    pinned = resolve_project_key(project_key) if project_key else None
     configure_logging()
     if data_rank >= data_world:
         raise typer.BadParameter(f"must be below --data-world ({data_world})", param_hint="--data-rank")
@@ -67,7 +83,9 @@ def peer(
     if threads:
         torch.set_num_threads(threads)
     api = PeerAPI(server)
-    api.register(join_token, name)
+    identities = Identities(cache.expanduser() / "identity.json") if cache is not None else None
+    trust = ProjectTrust(identities, server, pinned)
+    attach(api, trust, join_token, name)
     options = PeerOptions(
         job_id=job,
         relayed=relayed,
@@ -77,4 +95,5 @@ def peer(
         trace=trace,
         kill_at=at,
     )
-    raise typer.Exit(DedlocPeer(api, options).run())
+    code = DedlocPeer(api, options, trust).run()
+    raise typer.Exit(code)

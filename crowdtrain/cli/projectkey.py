@@ -85,7 +85,8 @@ def recipe_differences(recipe: str, spec: JobSpec) -> list[str]:
         "name": document.get("name") == spec.name,
         "seed": document.get("seed") == spec.seed,
         "model": all(model.get(k) == v for k, v in expected.items() if k not in ("input_shape", "num_classes")),
-        "training": document.get("training") == recorded["training"],
+        "mode": document.get("mode", "vc-asgd") == spec.mode,
+        "training": document.get("training") == signing.recipe_training(recorded),
         "upload": document.get("upload") == upload_of(recorded.get("assimilation", {})).model_dump(mode="json"),
     }
     return [name for name, ok in checks.items() if not ok]

@@ -291,6 +291,14 @@ class ValidationSpec(_Strict):
     holdout_examples: int = Field(
         512, ge=16, le=100_000, description="Validation examples each replica's held-out loss is measured on"
     )
+    replica_wait_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=7 * 86_400,
+        description="A vote whose results wait this long for another replica, none being sent, closes "
+        "inconclusive: its results are refused uncharged and the workunit counts an error (max_errors fails "
+        "it); null: the job's scheduling.deadline_seconds",
+    )
     quarantine_after: int | None = Field(
         5,
         ge=1,

@@ -144,6 +144,12 @@ def dedloc_aborts(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:dedloc:aborts"
 
 
+def dedloc_refusals(job_id: int) -> str:
+    """Hash host id -> JSON {peer_id, message, at}: hosts whose peer refused to join the job (its recipe
+    unsigned, or not signed by the key the peer trusts), kept for the operator after the job ends."""
+    return f"{PREFIX}:job:{job_id}:dedloc:refusals"
+
+
 # Object storage: every key a job's bytes are stored under.
 def shard_key(job_id: int, epoch: int, index: int) -> str:
     """One shard of training data. Epoch 0 is the deal every epoch shares (it keeps the layout of jobs

@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from crowdtrain.core.schemas import INT32_MAX, INT64_MAX, WireRequest
+from crowdtrain.core.schemas import INT32_MAX, INT64_MAX, KeyRotation, SignedRecipe, WireRequest
 
 PEER_ID = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -29,6 +29,22 @@ class PeerJoined(BaseModel):
     shards: list[ShardRef]
     step: int = Field(..., description="The step the collaboration is accumulating")
     state_step: int = Field(..., description="The newest uploaded state: parameters at the start of this step")
+    signed: SignedRecipe | None = Field(
+        None,
+        description="The job's signed recipe, which `recipe`, `shards` and the state of step 0 must agree with; "
+        "None: unsigned",
+    )
+    key_rotations: list[KeyRotation] = Field(
+        default_factory=list,
+        description="Every rotation of the project key, oldest first: a peer follows them from the key it trusts",
+    )
+
+
+class PeerRefusal(WireRequest):
+    """A peer will not train the job it joined: its recipe is unsigned, or not signed by the key it trusts."""
+
+    peer_id: str = Field(..., pattern=PEER_ID)
+    message: str = Field(..., max_length=1000)
 
 
 class Progress(WireRequest):

@@ -1,8 +1,9 @@
 """Signed work: the operator's Ed25519 project key signs each job's recipe, and clients check it.
 
-What is signed is a recipe's canonical JSON text (`canonical_json`): the job's id and name, the
-model configuration (a Keras model's JSON included), the training settings, the upload encoding,
-the seed, the sha256 of every shard of the submission's deal and of W_s version 0. The scheduler
+What is signed is a recipe's canonical JSON text (`canonical_json`): the job's id, name and mode, the
+model configuration (a Keras model's JSON included), the training settings (a DeDLOC job's: its
+`dedloc` section and max_steps), the upload encoding, the seed, the sha256 of every shard of the
+submission's deal and of W_s version 0 (a DeDLOC job's state at step 0). The scheduler
 keeps that text and sends it, with its signature, beside every assignment; a client verifies the
 bytes it received, never a re-encoding of them.
 
@@ -47,16 +48,20 @@ def recipe_document(
     seed: int,
     shards: list[str],
     initial_snapshot: str,
+    mode: str = "vc-asgd",
 ) -> dict[str, Any]:
     """The recipe of a job as it is signed: what a client trains with, and the hashes of what it trains on.
 
     `shards` are the sha256 of the submission's shards in index order, `initial_snapshot` the sha256
     of W_s version 0. A client checks an assignment against it: the same model, training settings and
-    upload, seed + assignment id as the seed, a shard among `shards`, and W_s v0 if it starts from v0."""
+    upload, seed + assignment id as the seed, a shard among `shards`, and W_s v0 if it starts from v0.
+    A DeDLOC peer (`mode` "dedloc") checks the model, `training` (what `dedloc_training` makes), the
+    seed, the shards and the state of step 0 against it."""
     return {
         "format": RECIPE_FORMAT,
         "job_id": job_id,
         "name": name,
+        "mode": mode,
         "model": model,
         "training": training,
         "upload": upload,
@@ -64,6 +69,20 @@ def recipe_document(
         "shards": shards,
         "initial_snapshot": initial_snapshot,
     }
+
+
+def dedloc_training(dedloc: dict[str, Any], max_steps: int) -> dict[str, Any]:
+    """The training settings of a DeDLOC job's recipe: its `dedloc` section (JSON) and its max_steps."""
+    return {"dedloc": dedloc, "max_steps": max_steps}
+
+
+def recipe_training(spec: dict[str, Any]) -> dict[str, Any]:
+    """The training settings a job's recipe signs, from its spec as JSON: what a client trains with, or
+    what a DeDLOC peer runs."""
+    if spec.get("mode") == "dedloc":
+        return dedloc_training(spec["dedloc"], spec["stop"]["max_steps"])
+    training: dict[str, Any] = spec["training"]
+    return training
 
 
 def _b64decode(text: str, size: int, what: str) -> bytes:

@@ -276,8 +276,10 @@ def _finish(
 
 def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
     """Close the job's merges (paramstore.close_merges) as part of the transaction `s` that ends it:
-    reopened if `s` rolls back. Returns the assignment ids W_s holds, final once `s` commits."""
+    reopened if `s` rolls back, and what only its merges read is deleted once `s` commits
+    (paramstore.forget_finished). Returns the assignment ids W_s holds, final once `s` commits."""
     event.listen(s, "after_rollback", lambda _: paramstore.reopen_merges(r, job_id), once=True)
+    event.listen(s, "after_commit", lambda _: paramstore.forget_finished(r, job_id), once=True)
     return paramstore.close_merges(r, job_id)
 
 

@@ -181,12 +181,35 @@ def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | Non
     return None if raw is None else int(json.loads(raw)["version"])
 
 
+def _while_open(r: redis.Redis, job_id: int, queue: Callable[[redis.client.Pipeline], object]) -> list | None:
+    """Run the commands `queue` adds to a MULTI unless the job's merges are closed (its end deletes
+    what they write: `forget_finished`, which a later write would bring back); their replies, or None."""
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(keys.closed(job_id))
+                if pipe.exists(keys.closed(job_id)):
+                    pipe.unwatch()
+                    return None
+                pipe.multi()
+                queue(pipe)
+                return pipe.execute()
+            except redis.WatchError:
+                continue
+
+
 def first_with_digest(r: redis.Redis, job_id: int, digest: str, assignment_id: int) -> int:
     """The assignment that first brought a result whose W_c has this digest: `assignment_id`, recorded
-    now, unless an earlier one did (asking again for the same assignment changes nothing)."""
+    now, unless an earlier one did (asking again for the same assignment changes nothing). Once the
+    job's merges are closed nothing is recorded, and `assignment_id` is returned (it merges nothing)."""
     key = keys.result_digests(job_id)
-    r.hsetnx(key, digest, assignment_id)
-    return int(r.hget(key, digest) or assignment_id)
+
+    def queue(pipe: redis.client.Pipeline) -> None:
+        pipe.hsetnx(key, digest, assignment_id)
+        pipe.hget(key, digest)
+
+    replies = _while_open(r, job_id, queue)
+    return assignment_id if replies is None else int(replies[1] or assignment_id)
 
 
 def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:
@@ -303,8 +326,23 @@ def reopen_merges(r: redis.Redis, job_id: int) -> None:
 
 
 def count_merge_failure(r: redis.Redis, job_id: int) -> int:
-    """Count one more merge that failed for good; returns how many failed since the last merge."""
-    return int(r.incr(keys.merge_failures(job_id)))
+    """Count one more merge in a row that failed; returns the count (0, counting nothing, once the
+    job's merges are closed: no count can fail it then)."""
+    replies = _while_open(r, job_id, lambda pipe: pipe.incr(keys.merge_failures(job_id)))
+    return 0 if replies is None else int(replies[0])
+
+
+def forget_finished(r: redis.Redis, job_id: int) -> None:
+    """Delete what only a running job's merges read, once its end is committed: the digests of its
+    results (replays), the norms of its recent updates, its count of failed merges, and which
+    assignment W_s took each workunit from. Kept: the closed flag, the merged set and the merge log
+    (a late merge task records what W_s holds from them) and W_s itself (exported; a late task reads it)."""
+    r.delete(
+        keys.result_digests(job_id),
+        keys.update_norms(job_id),
+        keys.merge_failures(job_id),
+        keys.merged_workunits(job_id),
+    )
 
 
 def keep_snapshot(r: redis.Redis, job_id: int, version: int) -> None:

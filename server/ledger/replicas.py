@@ -11,21 +11,24 @@ of past votes may replicate would otherwise wait for a new host forever. Its upl
 until `quorum` of them are in; the verdict then ends each one (`record_verdict`): the canonical
 replica goes on to be merged, the others that agree end `validated` (valid and credited, not
 merged), the rest `rejected`. A workunit is judged once: the verdict is recorded under the
-workunit's lock, and a second judgement finds it there.
+workunit's lock, and a second judgement finds it there. A vote that waits for a replica no host
+comes for (every other account's hosts quarantined, or none left) is closed by the transitioner
+(`close_stalled_votes`), inconclusive, so that its epoch never waits forever.
 """
 
 import logging
 import random
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from crowdtrain.core import reputation
 from crowdtrain.core.credit import result_credit
-from crowdtrain.core.jobspec import ValidationSpec
+from crowdtrain.core.jobspec import ValidationSpec, scheduling_of, validation_of
 from crowdtrain.core.logs import ids
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import reputation as host_record
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
@@ -221,3 +224,107 @@ def grant_credit(s: Session, a: Assignment, host: Host, job: Job, wu: Workunit) 
         job.training_flops,
     )
     host.credit += a.credit
+
+
+def replica_wait(job_spec: dict) -> float:
+    """Seconds a vote waits for another replica before it closes inconclusive: the job's
+    validation.replica_wait_seconds, else its scheduling.deadline_seconds."""
+    return validation_of(job_spec).replica_wait_seconds or scheduling_of(job_spec).deadline_seconds
+
+
+@dataclass(frozen=True)
+class StalledVote:
+    """A vote closed inconclusive for want of a replica: its workunit, and what became of it."""
+
+    job_id: int
+    epoch: int
+    workunit_id: int
+    failed: bool  # at max_errors: the workunit failed for good, and its epoch may close
+    ended: list[str]  # upload keys of the results refused with it, to delete
+    message: str
+
+
+def _waiting_votes(s: Session) -> list[int]:
+    """Replicated workunits of running jobs whose uploaded results wait for a replica that no host holds."""
+    a = aliased(Assignment)
+
+    def count(status: AssignmentStatus):
+        return (
+            select(func.count())
+            .where(a.workunit_id == Workunit.id, a.status == status.value)
+            .correlate(Workunit)
+            .scalar_subquery()
+        )
+
+    uploaded, running = count(AssignmentStatus.uploaded), count(AssignmentStatus.in_progress)
+    return list(
+        s.scalars(
+            select(Workunit.id)
+            .join(Job, Job.id == Workunit.job_id)
+            .where(
+                Job.status == JobStatus.running.value,
+                Workunit.status == WorkunitStatus.in_progress.value,
+                Workunit.quorum > 1,
+                Workunit.canonical_assignment_id.is_(None),
+                running == 0,
+                uploaded > 0,
+                uploaded < Workunit.quorum,
+            )
+            .order_by(Workunit.id)
+            .limit(500)
+        )
+    )
+
+
+def close_stalled_votes(db: sessionmaker[Session], now: datetime | None = None) -> list[StalledVote]:
+    """Close, inconclusive, every vote whose results have waited `replica_wait` seconds for another
+    replica with none sent: its uploaded results are refused, uncharged (nothing was found wrong
+    with them) and uncredited, and the workunit counts an error and is trained again, or fails at
+    the job's max_errors, as after any inconclusive vote. One transaction per workunit, each checked
+    again under the lock order of `record_verdict`, so a replica claimed or uploaded meanwhile wins."""
+    now = now or utcnow()
+    with db.begin() as s:
+        candidates = _waiting_votes(s)
+    return [vote for wu_id in candidates if (vote := _close_if_stalled(db, wu_id, now)) is not None]
+
+
+def _close_if_stalled(db: sessionmaker[Session], workunit_id: int, now: datetime) -> StalledVote | None:
+    with db.begin() as s:
+        replicas = s.scalars(
+            select(Assignment).where(Assignment.workunit_id == workunit_id).order_by(Assignment.id).with_for_update()
+        ).all()
+        wu = s.get_one(Workunit, workunit_id, with_for_update=True)
+        job = s.get_one(Job, wu.job_id)
+        uploaded = [a for a in replicas if a.status == AssignmentStatus.uploaded.value]
+        running = any(a.status == AssignmentStatus.in_progress.value for a in replicas)
+        if (
+            job.status != JobStatus.running.value
+            or wu.status != WorkunitStatus.in_progress.value
+            or wu.canonical_assignment_id is not None
+            or running
+            or not uploaded
+            or len(uploaded) >= wu.quorum
+        ):
+            return None
+        wait = replica_wait(job.spec)
+        last = max(max(a.sent_at, a.uploaded_at or a.sent_at) for a in replicas)
+        if now - last < timedelta(seconds=wait):
+            return None
+        max_errors = job.spec["scheduling"]["max_errors"]
+        wu.error_count += 1
+        failed = wu.error_count >= max_errors
+        message = (
+            f"replica vote closed inconclusive: {len(uploaded)} of {wu.quorum} replicas uploaded and no host took "
+            f"another in {wait:.0f} s (a replica goes to a host without one, of another volunteer account, not "
+            f"quarantined); the workunit {'failed' if failed else 'is trained again'} "
+            f"(error {wu.error_count} of max_errors={max_errors})"
+        )
+        for a in uploaded:
+            states.move(a, AssignmentStatus.rejected)
+            a.message, a.finished_at = message, now
+        states.move(wu, WorkunitStatus.failed if failed else WorkunitStatus.ready)
+        if failed:
+            wu.finished_at = now
+        log.warning("workunit %s: %s", wu.id, message, extra=ids(job_id=wu.job_id, workunit_id=wu.id))
+        ended = [a.upload_key for a in uploaded if a.upload_key]
+        return StalledVote(wu.job_id, wu.epoch, wu.id, failed, ended, message)

@@ -7,6 +7,7 @@ crowdtrain.server.services.dedloc; the routes only move data in and out."""
 import json
 import logging
 import secrets
+import time
 
 import redis
 from sqlalchemy import select
@@ -18,7 +19,8 @@ from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.refusals import Refusal, RefusalKind
-from crowdtrain.core.schemas_dedloc import Outcome, PeerJoined, ShardRef
+from crowdtrain.core.schemas import SignedRecipe
+from crowdtrain.core.schemas_dedloc import Outcome, PeerJoined, PeerRefusal, ShardRef
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import (
@@ -30,7 +32,7 @@ from crowdtrain.core.tensors import (
 )
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.server.services import access, dedloc
+from crowdtrain.server.services import access, dedloc, project_key
 from crowdtrain.server.services.dedloc import NotAMember, Round
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,11 @@ class JobView:
         self.manifest = job.param_manifest
         self.seed = job.spec["seed"]
         self.validation_key = job.validation_key
+        self.signed = (
+            SignedRecipe(recipe=job.recipe, public_key=job.recipe_public_key, signature=job.recipe_signature)
+            if job.recipe is not None and job.recipe_public_key is not None and job.recipe_signature is not None
+            else None
+        )
 
 
 def job_view(db: sessionmaker[Session], job_id: int) -> JobView:
@@ -100,13 +107,41 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     )
     recipe = {
         "model": view.model_config,
-        "dedloc": view.spec.model_dump(),
+        "dedloc": view.spec.model_dump(mode="json"),
         "seed": view.seed,
         "max_steps": view.max_steps,
     }
     return PeerJoined(
-        peer_id=peer_id, job_id=job_id, recipe=recipe, shards=shards, step=rnd.step, state_step=rnd.state_step
+        peer_id=peer_id,
+        job_id=job_id,
+        recipe=recipe,
+        shards=shards,
+        step=rnd.step,
+        state_step=rnd.state_step,
+        signed=view.signed,
+        key_rotations=project_key.rotations(db) if view.signed is not None else [],
     )
+
+
+def refuse(r: redis.Redis, job_id: int, host_id: int, refusal: PeerRefusal) -> None:
+    """A peer of `host_id` will not train the job (its recipe is unsigned, or signed by a key the peer
+    does not trust): it leaves the collaboration, and its reason is kept for the operator (the job's
+    problems). Saying it again changes nothing but the time."""
+    try:
+        dedloc.touch(r, job_id, refusal.peer_id, host_id)
+    except NotAMember as exc:
+        raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
+    r.hdel(keys.dedloc_peers(job_id), refusal.peer_id)
+    entry = {"peer_id": refusal.peer_id, "message": refusal.message, "at": time.time()}
+    r.hset(keys.dedloc_refusals(job_id), str(host_id), json.dumps(entry))
+    log.warning(
+        "job %s: peer %s (host %s) refused to train it and left: %s", job_id, refusal.peer_id, host_id, refusal.message
+    )
+
+
+def refusals(r: redis.Redis, job_id: int) -> dict[int, dict]:
+    """Hosts whose peer refused the job -> {peer_id, message, at}, as `refuse` kept them."""
+    return {int(k): json.loads(v) for k, v in r.hgetall(keys.dedloc_refusals(job_id)).items()}
 
 
 def joined_round(r: redis.Redis, job_id: int) -> Round:

@@ -30,10 +30,13 @@ def problem_reason(message: str) -> str:
     return reason[:REASON_LENGTH] or "(no message)"
 
 
-def job_problems(db: sessionmaker[Session], job_id: int, limit: int = 20) -> JobProblems:
+def job_problems(
+    db: sessionmaker[Session], job_id: int, limit: int = 20, peer_refusals: dict[int, dict] | None = None
+) -> JobProblems:
     """The job's problems (JobNotFound if there is no such job): every assignment that ended in a client
     error, a refusal or a timeout counted by status and by reason, the `limit` latest in full, and the
-    hosts that could run it."""
+    hosts that could run it; for a DeDLOC job, the hosts whose peer refused it (`peer_refusals`, as
+    crowdtrain.server.services.dedloc_jobs.refusals gives them)."""
     with db.begin() as s:
         job = s.get(Job, job_id)
         if job is None:
@@ -97,7 +100,8 @@ def job_problems(db: sessionmaker[Session], job_id: int, limit: int = 20) -> Job
             hosts_able=len(able),
             hosts_able_active=len(active),
             findings=findings(job, len(hosts), len(able), len(active), counts)
-            + replication_findings(job, waiting or 0, quarantined, len(able)),
+            + replication_findings(job, waiting or 0, quarantined, len(able))
+            + refusal_findings(peer_refusals or {}, limit),
         )
 
 
@@ -145,3 +149,9 @@ def replication_findings(job: Job, waiting: int, quarantined: int, able: int) ->
             "see `crowdtrain admin host list`"
         )
     return out
+
+
+def refusal_findings(peer_refusals: dict[int, dict], limit: int) -> list[str]:
+    """A sentence per host (the `limit` latest) whose DeDLOC peer refused to train the job, with its reason."""
+    latest = sorted(peer_refusals.items(), key=lambda kv: -kv[1]["at"])[:limit]
+    return [f"host {host}'s peer {r['peer_id']} refused to train this job: {r['message']}" for host, r in latest]

@@ -1,5 +1,6 @@
 """The transitioner: times out assignments past their deadline, re-queues merges that stalled (or
-ends them, once their job no longer runs), and closes epochs whose closing was lost."""
+ends them, once their job no longer runs), closes replica votes that no replica comes for, and
+closes epochs whose closing was lost."""
 
 import logging
 import threading
@@ -16,8 +17,9 @@ from crowdtrain.core.jobspec import VC_ASGD
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
+from crowdtrain.server.ledger import replicas
 from crowdtrain.server.ledger.assignments import time_out_expired
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
 from crowdtrain.server.services import telemetry
 
@@ -30,6 +32,18 @@ def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: red
     expired = time_out_expired(db, storage, r, evaluate, limit)
     telemetry.count(r, "timeouts", expired)
     return expired
+
+
+def close_stalled_votes(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> int:
+    """Close, inconclusive, the replica votes that waited past their bound for a replica no host took
+    (crowdtrain.server.ledger.replicas.close_stalled_votes): their results are deleted, and the epochs
+    of workunits that failed for it are closed. Returns how many votes were closed."""
+    closed = replicas.close_stalled_votes(db)
+    for vote in closed:
+        for key in vote.ended:
+            storage.delete(key)
+    close_epochs_after_failure(db, storage, r, [(v.job_id, v.epoch) for v in closed if v.failed], evaluate)
+    return len(closed)
 
 
 def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> None:
@@ -113,6 +127,7 @@ def run_forever(
     while not stop.is_set():
         try:
             reap_expired_assignments(db, storage, r)
+            close_stalled_votes(db, storage, r)
             close_finished_epochs(db, storage, r)
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)

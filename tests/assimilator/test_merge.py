@@ -18,13 +18,10 @@ from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
 from crowdtrain.core.schemas import HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
-from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
-from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.assignments import store_result
-from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.services.dispatch import request_work
@@ -33,20 +30,6 @@ from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
 ALPHA = 0.6  # the demo job's constant VC-ASGD alpha
-
-
-@pytest.fixture(autouse=True)
-def _no_cached_models() -> None:
-    """Each test's Redis is new, but job ids repeat: W_s cached by an earlier test must not be taken for this one's."""
-    paramstore._cache.clear()
-
-
-@pytest.fixture
-def services(sqlite_url, private_redis, tmp_path) -> MergeServices:
-    upgrade(sqlite_url)
-    return MergeServices(
-        session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis, snapshots_kept=3
-    )
 
 
 @dataclass

@@ -7,9 +7,16 @@ from pathlib import Path
 import pytest
 
 from crowdtrain.client.identity import Identities
-from crowdtrain.client.trust import ProjectTrust, WorkRefused, check_assignment
+from crowdtrain.client.trust import (
+    ProjectTrust,
+    WorkRefused,
+    check_assignment,
+    check_peer_recipe,
+    initial_state_sha256,
+)
 from crowdtrain.core import signing
 from crowdtrain.core.schemas import AssignmentOut, FileRef, KeyRotation, Recipe, SignedRecipe
+from crowdtrain.core.schemas_dedloc import PeerJoined, ShardRef
 
 MODEL = {"name": "mlp", "framework": "pytorch", "input_shape": [40], "num_classes": 10, "options": {}}
 TRAINING = {"lr": 0.01, "batch_size": 32}
@@ -130,3 +137,79 @@ def test_the_pin_and_refused_jobs_are_kept_with_the_registration(tmp_path: Path,
     again = ProjectTrust(identities, "http://s")
     again.load(identities.get("http://s") or {})
     assert (again.pinned, again.refused_jobs) == (signing.public_key_text(a), [5])
+
+
+DEDLOC = {"target_batch_size": 96, "micro_batch_size": 16, "lr": 0.05}
+
+
+def joined(key=None, text: str | None = None, **changes) -> PeerJoined:
+    """What a DeDLOC peer is given on joining job 5, signed by `key` (unsigned if None)."""
+    text = text or signing.canonical_json(
+        signing.recipe_document(5, "j", MODEL, signing.dedloc_training(DEDLOC, 40), UPLOAD, 3, SHARDS, V0, "dedloc")
+    )
+    signed = (
+        SignedRecipe(recipe=text, public_key=signing.public_key_text(key), signature=signing.sign(key, text.encode()))
+        if key is not None
+        else None
+    )
+    fields = dict(
+        peer_id="h1-abcd",
+        job_id=5,
+        recipe={"model": MODEL, "dedloc": DEDLOC, "seed": 3, "max_steps": 40},
+        shards=[ShardRef(id=i + 1, index=i, sha256=sha, size=10, examples=5) for i, sha in enumerate(SHARDS)],
+        step=0,
+        state_step=0,
+        signed=signed,
+    )
+    return PeerJoined.model_validate(fields | changes)
+
+
+def test_a_peer_checks_its_job_by_the_rules_of_an_assignment(keys) -> None:
+    a, b = keys
+    pinned = signing.public_key_text(a)
+    assert check_peer_recipe(joined(a), pinned, []).pinned == pinned
+    assert initial_state_sha256(joined(a)) == V0
+    assert check_peer_recipe(joined(), None, []).pinned is None, "no key pinned: unsigned work runs"
+    with pytest.raises(WorkRefused, match="unsigned"):
+        check_peer_recipe(joined(), pinned, [])
+    with pytest.raises(WorkRefused, match="not by the project key"):
+        check_peer_recipe(joined(b), pinned, [])
+    rotation = KeyRotation(
+        old_public_key=pinned,
+        new_public_key=signing.public_key_text(b),
+        signature=signing.sign_rotation(a, signing.public_key_text(b)),
+    )
+    assert check_peer_recipe(joined(b), pinned, [rotation]).rotated
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"recipe": {"model": MODEL, "dedloc": DEDLOC | {"lr": 5.0}, "seed": 3, "max_steps": 40}}, "training"),
+        ({"recipe": {"model": MODEL, "dedloc": DEDLOC, "seed": 4, "max_steps": 40}}, "seed"),
+        (
+            {"recipe": {"model": MODEL | {"options": {"hidden": [9]}}, "dedloc": DEDLOC, "seed": 3, "max_steps": 40}},
+            "model",
+        ),
+        ({"shards": [ShardRef(id=1, index=0, sha256="d" * 64, size=10, examples=5)]}, "shards"),
+        ({"job_id": 6}, "job_id"),
+    ],
+)
+def test_a_peer_refuses_a_job_that_differs_from_its_signed_recipe(keys, changes, field) -> None:
+    a, _ = keys
+    with pytest.raises(WorkRefused, match=f"differs from its signed recipe in: {field}"):
+        check_peer_recipe(joined(a, **changes), signing.public_key_text(a), [])
+
+
+def test_a_peer_refused_job_is_kept_with_its_registration(keys, tmp_path: Path) -> None:
+    a, b = keys
+    identities = Identities(tmp_path / "identity.json")
+    identities.save("http://s", 1, "t", [], signing.public_key_text(a))
+    trust = ProjectTrust(identities, "http://s")
+    trust.load(identities.get("http://s") or {})
+    assert trust.check_peer(joined(a)) is None
+    assert "not by the project key" in (trust.check_peer(joined(b)) or "")
+    assert (identities.get("http://s") or {})["refused_jobs"] == [5]
+    memory_only = ProjectTrust(None, "http://s", signing.public_key_text(a))
+    memory_only.load({"project_public_key": signing.public_key_text(a)})
+    assert memory_only.check_peer(joined()) is not None and memory_only.refused_jobs == [5]

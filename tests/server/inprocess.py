@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import redis
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -19,9 +20,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.settings import Settings
+from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.api.app import create_app
 from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Base
 
 ADMIN_TOKEN = "test-admin"
 JOIN_TOKEN = "test-join"
@@ -73,6 +76,11 @@ class Scheduler:
     def stored_files(self) -> list[Path]:
         return [p for p in self.storage_dir.rglob("*") if p.is_file()]
 
+    def rows(self) -> tuple:
+        """Every row of every table: equal before and after a request that must change nothing."""
+        with self.db.begin() as s:
+            return tuple(tuple(map(tuple, s.execute(select(table)).all())) for table in Base.metadata.sorted_tables)
+
 
 @contextmanager
 def scheduler_app(var_dir: Path, r: redis.Redis, **settings) -> Iterator[Scheduler]:
@@ -92,6 +100,28 @@ def scheduler_app(var_dir: Path, r: redis.Redis, **settings) -> Iterator[Schedul
     app = create_app(configured)
     with TestClient(app) as http:
         yield Scheduler(app, http, session_factory(configured.resolved_database_url), var_dir / "storage", configured)
+
+
+@contextmanager
+def private_scheduler(tmp: Path, **settings) -> Iterator[Scheduler]:
+    """`scheduler_app` under `tmp` with a private Redis of its own, stopped after."""
+    port = free_port()
+    svc = start_redis(tmp / "redis", port)
+    r = redis.Redis(port=port)
+    try:
+        with scheduler_app(tmp / "var", r, **settings) as sched:
+            yield sched
+    finally:
+        r.close()
+        svc.stop()
+
+
+def write_small_npz(path: Path) -> Path:
+    """A dataset that prepares in a blink: 60 examples of 16 features in 3 classes, 12 for validation."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(60, 16)).astype(np.float32), np.arange(60) % 3
+    np.savez(path, x=x, y=y, x_val=x[:12], y_val=y[:12])
+    return path
 
 
 def ok(resp: httpx.Response) -> httpx.Response:

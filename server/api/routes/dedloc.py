@@ -8,8 +8,10 @@ from crowdtrain.core.schemas import Finite, Id
 from crowdtrain.core.schemas_dedloc import (
     AbortOut,
     CommitOut,
+    Outcome,
     PeerJoin,
     PeerJoined,
+    PeerRefusal,
     Progress,
     ProgressReply,
     ReplyOk,
@@ -30,6 +32,15 @@ admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "adm
 def join(job_id: Id, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep) -> PeerJoined:
     """Join the collaboration; the answer names the recipe, the shards and the step to sync to."""
     return dedloc_jobs.join(db, r, job_id, host_id, req.relayed)
+
+
+@router.post("/refusal", response_model=ReplyOk)
+def refuse(job_id: Id, req: PeerRefusal, host_id: HostDep, r: RedisDep) -> ReplyOk:
+    """The peer will not train this job (its recipe is unsigned, or not signed by the key the peer
+    trusts): it leaves the collaboration, and the job's problems show why. 403 for a peer that has not
+    joined (or is another host's)."""
+    dedloc_jobs.refuse(r, job_id, host_id, req)
+    return ReplyOk(status=Outcome.recorded)
 
 
 @router.post("/progress", response_model=ProgressReply)

@@ -88,10 +88,11 @@ def status_of(job_id: Id, db: DbDep, metrics: bool = False) -> JobStatusOut:
 
 
 @router.get("/{job_id}/problems", response_model=JobProblems)
-def problems_of(job_id: Id, db: DbDep, limit: Annotated[int, Query(ge=0, le=1000)] = 20) -> JobProblems:
+def problems_of(job_id: Id, db: DbDep, r: RedisDep, limit: Annotated[int, Query(ge=0, le=1000)] = 20) -> JobProblems:
     """Why a job is stuck or failed: its assignments that ended in a client error, a refused upload or
-    a timeout, by reason and the `limit` latest in full, and whether hosts can run it. 404 for no such job."""
-    return diagnosis.job_problems(db, job_id, limit)
+    a timeout, by reason and the `limit` latest in full, whether hosts can run it, and the DeDLOC peers
+    that refused it. 404 for no such job."""
+    return diagnosis.job_problems(db, job_id, limit, dedloc_jobs.refusals(r, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobCancelled)

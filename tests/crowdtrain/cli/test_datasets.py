@@ -6,25 +6,17 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 import typer
 
 from crowdtrain.cli.datasets import file_sha256, pack_folder, upload_dataset
 from crowdtrain.core import keys
-from crowdtrain.launch.cluster import free_port, start_redis
-from tests.server.inprocess import Scheduler, scheduler_app
+from tests.server.inprocess import Scheduler, private_scheduler
 
 
 @pytest.fixture(scope="module")
 def sched(tmp_path_factory) -> Iterator[Scheduler]:
-    tmp = tmp_path_factory.mktemp("uploads")
-    port = free_port()
-    svc = start_redis(tmp / "redis", port)
-    try:
-        with scheduler_app(tmp / "var", redis.Redis(port=port)) as app:
-            yield app
-    finally:
-        svc.stop()
+    with private_scheduler(tmp_path_factory.mktemp("uploads")) as app:
+        yield app
 
 
 def test_a_folder_is_uploaded_once_as_its_tar_archive(sched: Scheduler, tmp_path, capsys) -> None:

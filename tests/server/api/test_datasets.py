@@ -6,12 +6,10 @@ import hashlib
 from collections.abc import Iterator
 
 import pytest
-import redis
 
 from crowdtrain.core import keys
-from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.ledger.models import Job
-from tests.server.inprocess import Scheduler, scheduler_app
+from tests.server.inprocess import Scheduler, private_scheduler
 
 pytest.importorskip("pyarrow")
 LIMIT = 4096  # bytes: dataset_max_bytes of this scheduler
@@ -20,14 +18,8 @@ CSV = "a,b,label\n" + "".join(f"{i},{-i},{'cat' if i % 2 else 'dog'}\n" for i in
 
 @pytest.fixture(scope="module")
 def sched(tmp_path_factory) -> Iterator[Scheduler]:
-    tmp = tmp_path_factory.mktemp("datasets")
-    port = free_port()
-    svc = start_redis(tmp / "redis", port)
-    try:
-        with scheduler_app(tmp / "var", redis.Redis(port=port), dataset_max_bytes=LIMIT) as app:
-            yield app
-    finally:
-        svc.stop()
+    with private_scheduler(tmp_path_factory.mktemp("datasets"), dataset_max_bytes=LIMIT) as app:
+        yield app
 
 
 def sha(data: bytes) -> str:

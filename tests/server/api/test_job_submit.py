@@ -6,11 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 
-from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.ledger.models import Job, Shard, Workunit
-from tests.server.inprocess import scheduler_app
+from tests.server.inprocess import private_scheduler
 
 UPLOAD_LIMIT = 200_000  # bytes: cnn1d at the defaults (43 kB) fits, mlp hidden [256, 256] (0.3 MB) does not
 
@@ -18,14 +16,8 @@ UPLOAD_LIMIT = 200_000  # bytes: cnn1d at the defaults (43 kB) fits, mlp hidden 
 @pytest.fixture(scope="module")
 def scheduler(tmp_path_factory) -> Iterator:
     """One in-process scheduler for the module: every refusal must leave it empty."""
-    tmp = tmp_path_factory.mktemp("scheduler")
-    port = free_port()
-    svc = start_redis(tmp / "redis", port)
-    try:
-        with scheduler_app(tmp, redis.Redis(port=port), upload_max_bytes=UPLOAD_LIMIT) as app:
-            yield app
-    finally:
-        svc.stop()
+    with private_scheduler(tmp_path_factory.mktemp("scheduler"), upload_max_bytes=UPLOAD_LIMIT) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from sqlalchemy import func, select, update
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.rules import merge_vc_asgd
+from crowdtrain.core import keys
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.keys import final_key
 from crowdtrain.core.modelfile import model_metadata, read_metadata
@@ -18,7 +19,8 @@ from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, release_epoch
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
+from crowdtrain.server.ledger.jobs import cancel_job
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
@@ -134,3 +136,31 @@ def test_a_newer_epoch_that_closes_first_waits_for_the_older(
         assert s.scalar(select(func.count()).select_from(Workunit).where(Workunit.status == "cancelled")) == 0
         if status != JobStatus.running:
             assert "epoch 2" in job.status_message or "max_epochs=2" in job.status_message
+
+
+@pytest.mark.parametrize("end", ["failed", "cancelled"])
+def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_redis, tmp_path, end) -> None:
+    """The replay digests, recent norms, failed-merge count and workunit owners go with the job's end;
+    what a late merge task still reads (the closed flag, the merged set, the merge log, W_s) stays, and
+    a late task writes none of the deleted keys back."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    job_id = submit_job(db, storage, r, load_job_spec(EXAMPLE_SPEC), Settings().upload_max_bytes).job_id
+    _, w0 = paramstore.read(r, job_id)
+    paramstore.merge_once(r, job_id, 1, lambda ws, _s, _v: ws, update_norm=1.0, workunit_id=7)
+    assert paramstore.first_with_digest(r, job_id, "a" * 64, 1) == 1
+    assert paramstore.count_merge_failure(r, job_id) == 1
+    forgotten = [keys.result_digests, keys.update_norms, keys.merge_failures, keys.merged_workunits]
+    kept = [keys.closed, keys.merged, keys.merge_log, keys.version, keys.params_size]
+    assert all(r.exists(key(job_id)) for key in forgotten + kept[1:])
+
+    if end == "failed":
+        assert fail_job(db, storage, r, job_id, "given up", evaluate)
+    else:
+        assert cancel_job(db, r, job_id) == JobStatus.cancelled.value
+
+    assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []
+    assert [key.__name__ for key in kept if not r.exists(key(job_id))] == []
+    assert paramstore.first_with_digest(r, job_id, "a" * 64, 2) == 2, "a late task records no digest"
+    assert paramstore.count_merge_failure(r, job_id) == 0
+    assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []

@@ -4,23 +4,16 @@ import pytest
 import redis
 
 from crowdtrain.core import keys
-from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.server.services.throttle import WINDOW_SECONDS
-from tests.server.inprocess import scheduler_app
+from tests.server.inprocess import private_scheduler, scheduler_app
 
 LIMIT = 3
 
 
 @pytest.fixture(scope="module")
 def sched(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("throttle")
-    port = free_port()
-    svc = start_redis(tmp / "redis", port)
-    try:
-        with scheduler_app(tmp / "var", redis.Redis(port=port), auth_failures_per_minute=LIMIT) as sched:
-            yield sched
-    finally:
-        svc.stop()
+    with private_scheduler(tmp_path_factory.mktemp("throttle"), auth_failures_per_minute=LIMIT) as app:
+        yield app
 
 
 def _join(sched, token: str, address: str):
