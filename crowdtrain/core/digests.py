@@ -23,5 +23,5 @@ def weights_digest(params: Params) -> str:
     h = xxhash.xxh3_128()
     for name in sorted(params):
         h.update(name.encode() + b"\0")
-        h.update(np.ascontiguousarray(params[name]).reshape(-1).view(np.uint8))
+        h.update(np.ascontiguousarray(params[name]).reshape(-1).view(np.uint8).data)
     return h.hexdigest()
