@@ -1,9 +1,11 @@
 """One merge of a parameter server: an uploaded result into W_s, and its outcome into the ledger.
 
-`assimilate` loads the upload, decodes its update once, checks it against the snapshot the host
-started from, merges it with the job's rule under the policy every rule obeys (staleness bound,
-update-norm bound, clipping: crowdtrain.assimilator.policy), records the outcome, evaluates W_s
-when due, publishes a snapshot when due, and closes the epoch when it is complete.
+`assimilate` reads the upload once from where the scheduler stored it (crowdtrain.assimilator.inputs:
+a weights upload the scheduler checked and hashed is neither checked nor hashed again), refuses a
+replayed result, has a replicated one voted on (crowdtrain.assimilator.replica_vote), merges it
+with the job's rule under the policy every rule obeys (staleness bound, update-norm bound,
+clipping: crowdtrain.assimilator.policy), records the outcome, evaluates W_s when due, publishes a
+snapshot when due, and closes the epoch when it is complete.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
 assignment, and at most one assignment per workunit (paramstore.merge_once: a straggler's duplicate
@@ -13,33 +15,29 @@ crash anywhere in it, completes what is missing and changes nothing else. No Cel
 task in crowdtrain.assimilator.worker.tasks only wraps it.
 """
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import redis
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.assimilator import validator
 from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.assimilator.policy import Policy, apply_with_policy, merged_alone, params_norm
-from crowdtrain.assimilator.rules import Rule, Update, make_rule, make_update
-from crowdtrain.core.jobspec import ValidationSpec, validation_of
-from crowdtrain.core.keys import snapshot_key, validation_key
+from crowdtrain.assimilator.inputs import Refused, Result, read_result, replay_of, replay_reason, validation_set
+from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
+from crowdtrain.assimilator.replica_vote import judge_replicas
+from crowdtrain.assimilator.rules import Rule, make_rule
+from crowdtrain.core.keys import snapshot_key
 from crowdtrain.core.logs import ids
 from crowdtrain.core.settings import Settings
-from crowdtrain.core.storage import ObjectNotFound, Storage, open_storage
-from crowdtrain.core.tensors import Params, TensorFormatError, check_against_manifest, decode, decode_shard, sha256
-from crowdtrain.core.updates import decode_update, upload_of
-from crowdtrain.server.ledger import duplicates, merges, paramstore, replicas
+from crowdtrain.core.storage import Storage, open_storage
+from crowdtrain.core.tensors import Params, sha256
+from crowdtrain.server.ledger import duplicates, merges, paramstore
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
@@ -47,15 +45,6 @@ log = logging.getLogger(__name__)
 # Failures that go away (a lost database race or connection, Redis unreachable): `assimilate` raises
 # them for its caller to run it again. Any other failure ends the assignment (see `_failed`).
 TRANSIENT = (OperationalError, redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
-
-
-class Refused(Exception):
-    """The result must not be merged (stale, too large an update, malformed, its inputs gone).
-    `charge`: whether the refusal counts against its workunit and host."""
-
-    def __init__(self, reason: str, charge: bool):
-        super().__init__(reason)
-        self.reason, self.charge = reason, charge
 
 
 class Superseded(Exception):
@@ -122,18 +111,6 @@ class MergeServices:
         )
 
 
-@lru_cache(maxsize=8)
-def _validation_set(storage: Storage, key: str) -> tuple[np.ndarray, np.ndarray]:
-    return decode_shard(storage.get(key))
-
-
-@lru_cache(maxsize=4)
-def _base_snapshot(storage: Storage, key: str) -> tuple[Params, float]:
-    """A published W_s snapshot (read-only) and its norm: what results based on it are measured against."""
-    params = decode(storage.get(key))
-    return params, params_norm(params)
-
-
 def assimilate(svc: MergeServices, assignment_id: int, received_at: float | None = None) -> MergeResult:
     """Merge the uploaded result of `assignment_id` into W_s and record what happened.
 
@@ -184,16 +161,24 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
         raise Superseded(None)
     if not p.workunit_open:
         raise Refused("workunit already done by another assignment", charge=False)
-    replayed = _replay_of(svc, p)  # noted first, whether replicated or not, so that an original precedes its replays
+    try:
+        result: Result | None = read_result(svc.storage, svc.r, p)
+        unreadable = None
+    except Refused as exc:  # left to refuse below, after a replicated result's vote
+        result, unreadable = None, exc
+    # The digest is noted first, whether replicated or not, so that an original precedes its replays.
+    replayed = None if result is None else replay_of(svc.r, p.job_id, p.assignment_id, result.digest)
     if p.quorum > 1 and p.canonical != p.assignment_id:
-        _judge_replicas(svc, p, received_at)  # raises Judged, or returns when this result is the one to merge
+        _vote(svc, p, received_at)  # raises Judged, or returns when this result is the one to merge
     elif replayed is not None:
-        raise Refused(_replay_reason(replayed), charge=True)
-    update, base_norm = _checked_update(svc.storage, p)
-    norm = params_norm(update.delta)
+        raise Refused(replay_reason(replayed), charge=True)
+    if result is None:
+        assert unreadable is not None
+        raise unreadable
+    norm = params_norm(result.update.delta)
     assimilation = p.spec["assimilation"]
     rule = make_rule(assimilation)
-    merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), update, norm, base_norm)
+    merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), result, norm)
     try:
         outcome = paramstore.merge_once(
             svc.r,
@@ -217,160 +202,33 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
     return MergeResult(Outcome.merged, outcome.version)
 
 
-def _checked_update(storage: Storage, p: merges.PendingMerge) -> tuple[Update, float]:
-    """The result as an `Update` (its Δ decoded once, its staleness still 0) and ||W_base||.
-
-    Raises Refused, uncharged, when the upload or the snapshot it started from is gone, and,
-    charged, when the upload is malformed (not the model's tensors, or not finite once applied).
-    """
-    try:
-        blob = storage.get(p.upload_key)
-    except ObjectNotFound:
-        raise Refused(
-            f"the upload {p.upload_key} is missing from storage; the workunit will be dispatched again", charge=False
-        ) from None
-    try:
-        base, base_norm = _base_snapshot(storage, snapshot_key(p.job_id, p.base_version))
-    except ObjectNotFound:
-        raise Refused(
-            f"the snapshot v{p.base_version} this result started from is gone, so its update cannot be "
-            "checked; the workunit will be dispatched again",
-            charge=False,
-        ) from None
-    upload = upload_of(p.spec["assimilation"])
-    try:
-        update = make_update(base, decode_update(blob, p.manifest, upload), upload.send, 0, p.epoch)
-        if upload.send != "weights":
-            check_against_manifest(update.client, p.manifest)  # W_base + Δ may overflow
-    except (TensorFormatError, ValueError) as exc:
-        raise Refused(f"invalid result: {exc}", charge=True) from None
-    return update, base_norm
-
-
-def _digest(params: Params) -> str:
-    """sha256 over W_c's tensors, by name: the same weights give the same digest however they travelled."""
-    h = hashlib.sha256()
-    for name in sorted(params):
-        h.update(name.encode() + b"\0" + np.ascontiguousarray(params[name]).tobytes())
-    return h.hexdigest()
-
-
-def _replay_of(svc: MergeServices, p: merges.PendingMerge) -> int | None:
-    """The earlier assignment of the job whose result had exactly this result's W_c (a host uploading
-    an old result again), else None; this result's W_c is noted for those after it. A result that
-    cannot be read is left to the checks that refuse it."""
-    try:
-        update, _ = _checked_update(svc.storage, p)
-    except Refused:
-        return None
-    first = paramstore.first_with_digest(svc.r, p.job_id, _digest(update.client), p.assignment_id)
-    return None if first == p.assignment_id else first
-
-
-def _replay_reason(first: int) -> str:
-    return f"its weights are those of assignment {first}'s result: a replayed result"
-
-
-def _judge_replicas(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> None:
-    """Judge the workunit's replicas once `quorum` of them are uploaded (crowdtrain.assimilator.validator)
-    and record the verdict; merge the canonical one when it is another's (its own merge ended while
-    it waited). Returns when `p` is the canonical replica, for the caller to merge it; raises Judged
-    with this assignment's outcome otherwise."""
-    uploaded = replicas.uploads(svc.db, p.workunit_id)
-    if len(uploaded) < p.quorum:
-        log.info(
-            "assignment %s: %d of %d replicas uploaded; waiting for the others",
-            p.assignment_id,
-            len(uploaded),
-            p.quorum,
-            extra=ids(job_id=p.job_id, workunit_id=p.workunit_id, assignment_id=p.assignment_id),
-        )
-        raise Judged(MergeResult(Outcome.awaiting_replicas))
-    spec = validation_of(p.spec)
-    measured, malformed, flat, base_loss = _measure_replicas(svc, p, uploaded, spec)
-    verdict = validator.judge(measured, validator.cosines(flat), base_loss, spec)
-    if verdict.more and malformed:
-        # A malformed replica ends the vote: the others are judged as at the bound (inconclusive unless
-        # two agree), never left valid by default.
-        bound = spec.model_copy(update={"max_replicas": len(measured)})
-        verdict = validator.judge(measured, validator.cosines(flat), base_loss, bound)
-    invalid = {**verdict.invalid, **malformed}
-    record = replicas.record_verdict(
-        svc.db,
-        p.workunit_id,
-        [u.assignment_id for u in uploaded],
-        verdict.canonical if verdict.canonical not in malformed else None,
-        verdict.more and not malformed,
-        invalid,
-        verdict.charged | frozenset(malformed),
-        spec.max_replicas,
-    )
-    for key in record.ended:
-        svc.storage.delete(key)
-    if record.failed_workunit:
-        close_epochs_after_failure(svc.db, svc.storage, svc.r, [(p.job_id, p.epoch)], evaluate)
-    if record.canonical == p.assignment_id:
+def _vote(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> None:
+    """The replica vote (crowdtrain.assimilator.replica_vote) for a replicated result: returns when `p`
+    is the canonical replica, for the caller to merge it; merges the canonical one when it is
+    another's (its own merge ended while it waited); raises Judged with this assignment's outcome."""
+    vote = judge_replicas(svc.db, svc.storage, svc.r, p)
+    if vote.canonical == p.assignment_id:
         return
-    if record.canonical is not None:
-        _assimilate(svc, record.canonical, received_at)
-    if p.assignment_id in invalid and record.decided:
-        raise Judged(MergeResult(Outcome.refused, reason=invalid[p.assignment_id]))
-    if record.canonical is not None:
-        raise Judged(MergeResult(Outcome.validated, reason=f"agrees with replica {record.canonical}"))
+    if vote.canonical is not None:
+        _assimilate(svc, vote.canonical, received_at)
+    if vote.refused is not None:
+        raise Judged(MergeResult(Outcome.refused, reason=vote.refused))
+    if vote.canonical is not None:
+        raise Judged(MergeResult(Outcome.validated, reason=f"agrees with replica {vote.canonical}"))
     raise Judged(MergeResult(Outcome.awaiting_replicas))
 
 
-def _measure_replicas(
-    svc: MergeServices, p: merges.PendingMerge, uploaded: list[replicas.Upload], spec: ValidationSpec
-) -> tuple[list[validator.Replica], dict[int, str], dict[int, np.ndarray], float]:
-    """Each replica's ||Δ|| and the held-out loss of W_s after the job's rule merged it alone
-    (crowdtrain.assimilator.policy.merged_alone), its flat Δ, and the held-out loss of W_s itself; a
-    result that cannot be read as an update is invalid at once (assignment id -> why)."""
-    version, server = paramstore.read(svc.r, p.job_id)
-    _, state = paramstore.read_state(svc.r, p.job_id)
-    assimilation = p.spec["assimilation"]
-    rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
-    state = rule.initial_state(server) if state is None else state
-    x, y = _holdout(svc, p, spec)
-    measured, malformed, flat = [], {}, {}
-    for u in uploaded:
-        try:
-            update, _ = _checked_update(
-                svc.storage,
-                replace(p, assignment_id=u.assignment_id, base_version=u.base_version, upload_key=u.upload_key),
-            )
-        except Refused as exc:
-            malformed[u.assignment_id] = exc.reason
-            continue
-        first = paramstore.first_with_digest(svc.r, p.job_id, _digest(update.client), u.assignment_id)
-        if first != u.assignment_id:
-            malformed[u.assignment_id] = _replay_reason(first)
-            continue
-        moved = merged_alone(policy, rule, server, state, replace(update, staleness=version - u.base_version))
-        loss, _ = evaluate(p.job_id, p.model_config, moved, x, y)
-        flat[u.assignment_id] = validator.flat_update(update.delta)
-        measured.append(validator.Replica(u.assignment_id, float(np.linalg.norm(flat[u.assignment_id])), loss))
-    base_loss, _ = evaluate(p.job_id, p.model_config, server, x, y)
-    return measured, malformed, flat, base_loss
-
-
-def _holdout(svc: MergeServices, p: merges.PendingMerge, spec: ValidationSpec) -> tuple[np.ndarray, np.ndarray]:
-    x, y = _validation_set(svc.storage, validation_key(p.job_id))
-    return x[: spec.holdout_examples], y[: spec.holdout_examples]
-
-
 def _guarded(
-    r: redis.Redis, p: merges.PendingMerge, rule: Rule, policy: Policy, update: Update, norm: float, base_norm: float
+    r: redis.Redis, p: merges.PendingMerge, rule: Rule, policy: Policy, result: Result, norm: float
 ) -> paramstore.Merge:
     """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates,
     clip. Run inside merge_once's transaction, perhaps more than once: only the staleness, which
     depends on the version W_s has then, and the recent norms are taken anew each time."""
 
     def merge(server: Params, state: Params, version: int) -> Params:
-        now = replace(update, staleness=version - p.base_version)
-        refusal = apply_with_policy(
-            policy, rule, server, state, now, version, norm, paramstore.recent_update_norms(r, p.job_id), base_norm
-        )
+        now = replace(result.update, staleness=version - p.base_version)
+        recent = paramstore.recent_update_norms(r, p.job_id)
+        refusal = apply_with_policy(policy, rule, server, state, now, version, norm, recent, result.base_norm)
         if refusal:
             raise Refused(refusal, charge=True)
         return server
@@ -402,6 +260,7 @@ def _record(svc: MergeServices, p: merges.PendingMerge, version: int) -> None:
     _publish_snapshot_if_due(svc, p.job_id, sched, version)
     for key in [p.upload_key, *merges.record_merge(svc.db, p.assignment_id, version)]:
         svc.storage.delete(key)
+    paramstore.forget_checked_upload(svc.r, p.job_id, p.upload_key)
     close_epoch_if_complete(svc.db, svc.storage, svc.r, p.job_id, p.epoch, evaluate)
 
 
@@ -412,7 +271,7 @@ def _record_metric(svc: MergeServices, p: merges.PendingMerge) -> None:
         return
     version, params = paramstore.read(svc.r, p.job_id)
     try:
-        x, y = _validation_set(svc.storage, validation_key)
+        x, y = validation_set(svc.storage, validation_key)
         loss, acc = evaluate(p.job_id, p.model_config, params, x, y)
     except TRANSIENT:
         raise

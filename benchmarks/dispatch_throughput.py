@@ -341,7 +341,7 @@ def run(var_dir: Path, scales: list[tuple[int, int]], concurrency: int, warmup: 
         )
         engine = create_engine(database_url)
         try:
-            log(f"starting redis, the scheduler ({SCHEDULER_WORKERS} workers), the transitioner and one parameter server")
+            log(f"starting redis, the scheduler ({SCHEDULER_WORKERS} workers), the transitioner, a parameter server")
             cluster.start()
             job_id = cluster.submit(job_spec(dataset), timeout=300)["job_id"]
             tokens: list[str] = []

@@ -1,36 +1,46 @@
-"""Merge latency of one VC-ASGD update of a ~5M-parameter model, against raw Redis GET+SET.
+"""Merge latency and throughput of VC-ASGD updates of a ~5M-parameter model, against the Redis floor.
 
 What it measures
-    The time from "upload received" by the scheduler to "W_s updated in Redis" for one merge of
-    the zoo's `resnet` with `{width: 86, blocks: 2}` (5.01M parameters, float32, ~20 MB). The
-    span covers the upload's validation and storage write, the database updates, the Celery
-    hand-off, reading the upload back, decoding, the merge math, encoding and the SET of W_s.
+    The time from "upload received" by the scheduler (its body in hand, before it is checked) to
+    "W_s updated in Redis" for one merge of the zoo's `resnet` with `{width: 86, blocks: 2}` (5.01M
+    parameters, float32, ~20 MB). The span covers the upload's check and digest, its storage write,
+    the database updates, the Celery hand-off, the parameter server's one read of the upload, the
+    merge math and the MULTI/EXEC that writes W_s.
 
     Both ends come from the Redis hash `keys.merge_log(job_id)` (assignment id -> JSON
-    {version, received_at, merged_at}): `received_at` is taken when the upload handler starts,
+    {version, received_at, merged_at}): `received_at` is taken when the upload's body is in hand,
     `merged_at` right after the MULTI/EXEC that wrote W_s: that gives `merge_p50_s`/`merge_p95_s`.
     As a cross-check this script also notes when it first sees the entry, which is written in the
     same transaction as W_s (polled every few ms): `observed_p50_s`/`observed_p95_s`.
 
-    As the baseline, the same run times a plain Redis GET + SET of the same bytes (the encoded
-    W_s) against the same private Redis.
+    The floor, timed in the same run against the same Redis: W_s's bytes written as the parameter
+    store writes them, 1 MB chunks in one MULTI/EXEC (`floor_p50_s`, `floor_ratio_p50` = merge p50 /
+    floor p50, goal <= 2). A plain GET + SET of the same bytes as one value is kept for comparison
+    (`redis_get_set_*`, `ratio_p50`); it is not a floor.
+
+    Throughput: for P = 1, 2 and 4 parameter-server processes (`--concurrency P` of one Celery
+    worker), a fresh cluster queues `--backlog` uploads while its parameter server is stopped, then
+    starts it and times the merges draining the queue: (merges - 1) / (last merged_at - first)
+    (`merges_per_s`). Every process of the cluster and this script share the machine's cores.
 
 How
-    A real `Cluster` (SQLite, private redis-server, local storage, scheduler, transitioner, one
-    Celery parameter server) runs in a temporary directory. No client processes: this script is
-    the host. It registers over HTTP, submits a job on a small random npz, takes one assignment at
-    a time, uploads a slightly perturbed copy of W_s v0, and waits until the scheduler reports that
-    merge recorded before the next upload, so every merge is measured in isolation.
-    The first samples are warm-up and are not counted.
+    A real `Cluster` (SQLite, private redis-server, local storage, scheduler, transitioner, Celery
+    parameter servers) runs in a temporary directory. No client processes: this script is the host.
+    It registers over HTTP, submits a job on a small random npz, takes assignments and uploads a
+    slightly perturbed copy of W_s v0, changed in one value for each upload (the same weights
+    twice would be refused as a replay). For the latency it waits until the scheduler reports each
+    merge recorded before the next upload, so every merge is measured in isolation; the first
+    samples are warm-up and are not counted.
 
 Run
-    .venv/bin/python benchmarks/merge_latency.py [--samples N]
+    .venv/bin/python benchmarks/merge_latency.py [--samples N] [--backlog N] [--processes 1 2 4]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -44,7 +54,7 @@ import numpy as np
 import redis
 
 from crowdtrain.core import keys
-from crowdtrain.core.tensors import Params, decode, encode
+from crowdtrain.core.tensors import Params, decode, encode, views
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger import paramstore
 
@@ -58,6 +68,7 @@ MERGE_TIMEOUT_S = 60.0
 POLL_S = 0.002
 PAPER_SECONDS_PER_UPDATE = 0.87  # VC-ASGD paper, 4.97M-parameter network
 GOAL_S = 0.1
+FLOOR_RATIO_GOAL = 2.0
 
 
 def log(message: str) -> None:
@@ -134,6 +145,15 @@ def client_result(snapshot: bytes) -> bytes:
     return encode(perturbed(decode(snapshot)))
 
 
+def variant(body: bytes, i: int) -> bytes:
+    """`body` with one value of its first floating-point tensor moved by `i` steps: other weights, so
+    that no upload is refused as a replay of another."""
+    out = bytearray(body)
+    first = next(a for a in views(out).values() if a.dtype.kind == "f" and a.size)
+    first.reshape(-1)[0] += np.asarray(1e-3 * (i + 1), first.dtype)
+    return bytes(out)
+
+
 # --- one merge ---------------------------------------------------------------------------------
 
 
@@ -155,11 +175,11 @@ def upload(host: httpx.Client, assignment_id: int, body: bytes) -> None:
     )
 
 
-def wait_until(condition: Callable[[], bool], what: str, cluster: Cluster) -> None:
-    deadline = time.monotonic() + MERGE_TIMEOUT_S
+def wait_until(condition: Callable[[], bool], what: str, cluster: Cluster, timeout: float = MERGE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {MERGE_TIMEOUT_S}s\n{cluster.service('assimilator').tail()}")
+            raise TimeoutError(f"{what} within {timeout}s\n{cluster.service('assimilator').tail()}")
         time.sleep(POLL_S)
 
 
@@ -209,7 +229,7 @@ def measure_merges(
     timings = []
     for i in range(WARMUP + samples):
         assignment_id = first_assignment if i == 0 else take_assignment(host)["assignment_id"]
-        timing = measure_merge(cluster, host, r, job_id, assignment_id, body)
+        timing = measure_merge(cluster, host, r, job_id, assignment_id, variant(body, i))
         label = "warm-up" if i < WARMUP else f"sample {i - WARMUP + 1}/{samples}"
         log(f"{label}: merge {timing.logged_s * 1000:.1f} ms (first seen after {timing.observed_s * 1000:.1f} ms)")
         if i >= WARMUP:
@@ -236,6 +256,65 @@ def measure_raw_redis(r: redis.Redis, blob: bytes, repetitions: int) -> list[flo
     return timings[WARMUP:]
 
 
+def measure_chunked_write(r: redis.Redis, blob: bytes, repetitions: int) -> list[float]:
+    """`blob` written as the parameter store writes W_s (1 MB chunks, one MULTI/EXEC) on scratch keys:
+    the floor of a merge, which must write W_s once."""
+    scratch_job = 10**9
+    timings = []
+    try:
+        for _ in range(WARMUP + repetitions):
+            start = time.perf_counter()
+            with r.pipeline(transaction=True) as pipe:
+                paramstore._queue_blob_write(pipe, scratch_job, blob)
+                pipe.execute()
+            timings.append(time.perf_counter() - start)
+    finally:
+        r.delete(*(keys.params_chunk(scratch_job, i) for i in range(-(-len(blob) // paramstore.CHUNK_BYTES))))
+    return timings[WARMUP:]
+
+
+# --- throughput ----------------------------------------------------------------------------------
+
+
+def take_assignments(host: httpx.Client, n: int) -> list[dict]:
+    taken: list[dict] = []
+    while len(taken) < n:
+        given = check(host.post("/v1/work", json={"free_slots": min(256, n - len(taken))}))["assignments"]
+        if not given:
+            raise RuntimeError(f"the scheduler gave {len(taken)} of {n} assignments")
+        taken += given
+    return taken
+
+
+def measure_throughput(processes: int, backlog: int, var_dir: Path) -> dict:
+    """Merges per second of `processes` parameter-server processes draining `backlog` queued uploads."""
+    dataset = var_dir / "throughput.npz"
+    write_dataset(dataset, backlog)
+    cluster = Cluster(var_dir=var_dir / f"cluster-p{processes}", assimilator_concurrency=processes)
+    try:
+        cluster.start()
+        r = paramstore.connect(cluster.redis_url)
+        job_id = cluster.submit(job_spec(dataset, backlog))["job_id"]
+        assimilator = cluster.service("assimilator")
+        with register_host(cluster) as host:
+            taken = take_assignments(host, backlog)
+            snapshot = host.get(taken[0]["snapshot"]["url"])
+            snapshot.raise_for_status()
+            body = client_result(snapshot.content)
+            assimilator.stop(timeout=60)  # the uploads queue up while no parameter server runs
+            for i, a in enumerate(taken):
+                upload(host, a["assignment_id"], variant(body, 10_000 + i))
+            log(f"P={processes}: {backlog} uploads queued; starting the parameter server")
+            assimilator.start()
+            wait_until(lambda: merges_recorded(cluster, job_id) >= backlog, f"{backlog} merges", cluster, 600)
+        merged_at = sorted(json.loads(v)["merged_at"] for v in r.hvals(keys.merge_log(job_id)))
+    finally:
+        cluster.stop()
+    rate = (len(merged_at) - 1) / (merged_at[-1] - merged_at[0])
+    log(f"P={processes}: {len(merged_at)} merges, {rate:.1f} merges/s")
+    return {"processes": processes, "merges": len(merged_at), "merges_per_s": round(rate, 2)}
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -259,17 +338,20 @@ def run(samples: int, var_dir: Path) -> dict:
             log(f"W_s v0 is {len(w0.content):,} bytes; measuring {WARMUP} + {samples} merges ...")
             merges = measure_merges(cluster, host, r, job_id, first["assignment_id"], body, samples)
         _, blob = paramstore.read_blob(r, job_id)
+        log(f"measuring {WARMUP} + {samples} chunked MULTI/EXEC writes of {len(blob):,} bytes (the floor) ...")
+        floor = measure_chunked_write(r, blob, samples)
         log(f"measuring {WARMUP} + {samples} raw Redis GET+SET of {len(blob):,} bytes ...")
         raw = measure_raw_redis(r, blob, samples)
     finally:
         log("stopping the cluster")
         cluster.stop()
-    return report(job["parameters"], len(blob), merges, raw)
+    return report(job["parameters"], len(blob), merges, floor, raw)
 
 
-def report(parameters: int, size: int, merges: list[MergeTiming], raw: list[float]) -> dict:
+def report(parameters: int, size: int, merges: list[MergeTiming], floor: list[float], raw: list[float]) -> dict:
     merge_p50, merge_p95 = percentiles([m.logged_s for m in merges])
     seen_p50, seen_p95 = percentiles([m.observed_s for m in merges])
+    floor_p50, floor_p95 = percentiles(floor)
     raw_p50, raw_p95 = percentiles(raw)
     return {
         "benchmark": "merge_latency",
@@ -281,6 +363,10 @@ def report(parameters: int, size: int, merges: list[MergeTiming], raw: list[floa
         "merge_p95_s": round(merge_p95, 4),
         "observed_p50_s": round(seen_p50, 4),
         "observed_p95_s": round(seen_p95, 4),
+        "floor_p50_s": round(floor_p50, 4),
+        "floor_p95_s": round(floor_p95, 4),
+        "floor_ratio_p50": round(merge_p50 / floor_p50, 2),
+        "floor_ratio_goal": FLOOR_RATIO_GOAL,
         "redis_get_set_p50_s": round(raw_p50, 4),
         "redis_get_set_p95_s": round(raw_p95, 4),
         "ratio_p50": round(merge_p50 / raw_p50, 2),
@@ -293,12 +379,20 @@ def report(parameters: int, size: int, merges: list[MergeTiming], raw: list[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=30, help=f"measured merges, after {WARMUP} warm-up ones")
+    parser.add_argument("--backlog", type=int, default=40, help="queued uploads each throughput run drains")
+    parser.add_argument("--processes", type=int, nargs="*", default=[1, 2, 4], help="parameter servers per run")
     args = parser.parse_args()
-    if args.samples < 1:
-        parser.error("--samples must be at least 1")
+    if args.samples < 1 or args.backlog < 2:
+        parser.error("--samples must be at least 1 and --backlog at least 2")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-") as tmp:
         figures = run(args.samples, Path(tmp))
+        throughput = [measure_throughput(p, args.backlog, Path(tmp)) for p in args.processes]
+    figures["throughput"] = throughput
+    rates = {t["processes"]: t["merges_per_s"] for t in throughput}
+    if 1 in rates and 2 in rates:
+        figures["speedup_p2"] = round(rates[2] / rates[1], 2)
+    figures["cpu_cores"] = os.cpu_count()
     figures["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(figures))
 

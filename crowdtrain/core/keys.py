@@ -47,9 +47,16 @@ def closed(job_id: int) -> str:
 
 
 def result_digests(job_id: int) -> str:
-    """Hash sha256 of a result's W_c -> the assignment that first brought it: the same W_c under another
-    assignment is a replayed result (crowdtrain.assimilator.merge)."""
+    """Hash digest of a result's W_c (crowdtrain.core.digests) -> the assignment that first brought it:
+    the same W_c under another assignment is a replayed result (crowdtrain.assimilator.uploads)."""
     return f"{PREFIX}:job:{job_id}:result-digests"
+
+
+def checked_upload(job_id: int, upload_key: str) -> str:
+    """The digest of the weights W_c that the stored upload `upload_key` carries, set by the scheduler
+    that checked it (crowdtrain.server.ledger.assignments.store_result): the parameter server neither
+    checks nor hashes those bytes again. Expires on its own (paramstore.CHECKED_UPLOAD_SECONDS)."""
+    return f"{PREFIX}:job:{job_id}:checked-upload:{upload_key}"
 
 
 def merge_log(job_id: int) -> str:

@@ -15,6 +15,7 @@ from sqlalchemy import ColumnElement, Connection, Update, bindparam, insert, sel
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
+from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.jobspec import SchedulingSpec, UploadSpec, scheduling_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
@@ -22,8 +23,8 @@ from crowdtrain.core.schemas import HostPublic, ResultMetrics
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
-from crowdtrain.core.updates import decode_update, upload_of
-from crowdtrain.server.ledger import reputation, states
+from crowdtrain.core.updates import decode_update, upload_of, upload_spec
+from crowdtrain.server.ledger import paramstore, reputation, states
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
 from crowdtrain.server.ledger.models import (
     Assignment,
@@ -84,14 +85,19 @@ def _check_in_progress(a: Assignment) -> None:
         )
 
 
-def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> None:
+def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> str | None:
     """Raise ResultRefused unless `body` is a result encoded as `upload` says (default: weights as
     float32) for a model with `manifest`: names, shapes, the encoding's dtypes, scales, finite decoded
-    values (crowdtrain.core.updates.decode_update). The header is bounded before it is parsed. No I/O."""
+    values (crowdtrain.core.updates.decode_update). The header is bounded before it is parsed. No I/O.
+
+    Returns the digest of the W_c a weights upload carries (crowdtrain.core.digests), taken in the
+    same pass, for `store_result` to record; None for a Δ upload, whose W_c = W_base + Δ only the
+    parameter server, which holds W_base, can form."""
     try:
-        decode_update(body, manifest, upload)
+        carried = decode_update(body, manifest, upload)
     except (TensorFormatError, ValueError) as exc:
         raise ResultRefused(f"result rejected: {exc}") from exc
+    return weights_digest(carried) if upload_spec(upload).send == "weights" else None
 
 
 def refuse_result(
@@ -129,15 +135,26 @@ def store_result(
     body: bytes,
     metrics: ResultMetrics,
     enqueue: Callable[[int, float], None],
+    *,
+    r: redis.Redis | None = None,
+    digest: str | None = None,
+    received_at: float | None = None,
 ) -> AssignmentStatus:
     """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
 
     The body is written to storage under a key of its own before the (short) transaction, so the
     database's write lock is never held over the transfer; a losing concurrent upload deletes its copy.
+    Given `digest` (what `check_result` returned for this body) and `r`, it is recorded under that
+    key before the commit (paramstore.note_checked_upload): the parameter server that merges the
+    result reads the bytes once and neither checks nor hashes them again. Keyed by the upload, not
+    the assignment, so two racing uploads of one assignment cannot pair one's bytes with the other's
+    digest. `received_at`: when the body was in hand (default: now), where a merge's latency starts.
     """
-    received_at = time.time()
+    received_at = time.time() if received_at is None else received_at
     key = keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
     storage.put(key, body)
+    if digest is not None and r is not None:
+        paramstore.note_checked_upload(r, job_id, key, digest)
     try:
         with db.begin() as s:
             a = _own_assignment(s, assignment_id, host_id)

@@ -156,6 +156,12 @@ def read_state(r: redis.Redis, job_id: int) -> tuple[int, Params | None]:
     return version, None if state_blob is None else decode(state_blob)
 
 
+def read_with_state(r: redis.Redis, job_id: int) -> tuple[int, Params, Params | None]:
+    """A consistent (version, W_s, rule state or None) in one read, as read-only views of the bytes."""
+    version, blob, state_blob = _read_blobs(r, job_id, with_state=True)
+    return version, views(blob), None if state_blob is None else views(state_blob)
+
+
 def _read_blobs(r: redis.Redis, job_id: int, with_state: bool) -> tuple[int, bytes, bytes | None]:
     """(version, W_s blob, rule-state blob or None) read in one MULTI, so all three belong together
     (the sizes, read first, change only when the version does: a caller comparing versions sees it)."""
@@ -210,6 +216,24 @@ def first_with_digest(r: redis.Redis, job_id: int, digest: str, assignment_id: i
 
     replies = _while_open(r, job_id, queue)
     return assignment_id if replies is None else int(replies[1] or assignment_id)
+
+
+CHECKED_UPLOAD_SECONDS = 7 * 24 * 3600  # after that, an upload still unmerged is checked again in full
+
+
+def note_checked_upload(r: redis.Redis, job_id: int, upload_key: str, digest: str) -> None:
+    """Record that the upload stored under `upload_key` was checked and carries W_c with `digest`."""
+    r.set(keys.checked_upload(job_id, upload_key), digest, ex=CHECKED_UPLOAD_SECONDS)
+
+
+def checked_upload_digest(r: redis.Redis, job_id: int, upload_key: str) -> str | None:
+    """The digest `note_checked_upload` recorded for the upload, or None (never checked so, or expired)."""
+    raw = r.get(keys.checked_upload(job_id, upload_key))
+    return None if raw is None else keys.text(raw)
+
+
+def forget_checked_upload(r: redis.Redis, job_id: int, upload_key: str) -> None:
+    r.delete(keys.checked_upload(job_id, upload_key))
 
 
 def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:

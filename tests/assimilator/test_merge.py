@@ -11,17 +11,19 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
+from crowdtrain.assimilator.inputs import read_result, replay_of
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
 from crowdtrain.core import keys
 from crowdtrain.core.credit import COBBLESTONE_FLOPS
+from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
 from crowdtrain.core.schemas import HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
-from crowdtrain.server.ledger import paramstore
-from crowdtrain.server.ledger.assignments import store_result
+from crowdtrain.server.ledger import merges, paramstore
+from crowdtrain.server.ledger.assignments import check_result, store_result
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.services.dispatch import request_work
@@ -57,6 +59,32 @@ class Job:
 
     def upload_weights(self, assignment_id: int, client: Params) -> None:
         self.upload(assignment_id, encode_result(client, self.w0, self.upload_spec))
+
+    def upload_checked(self, assignment_id: int, client: Params) -> str | None:
+        """Upload as the scheduler's route does: checked once, its digest recorded beside the body."""
+        body = encode_result(client, self.w0, self.upload_spec)
+        with self.svc.db.begin() as s:
+            manifest = s.get_one(JobRow, self.job_id).param_manifest
+        digest = check_result(body, manifest, self.upload_spec)
+        store_result(
+            self.svc.db,
+            self.svc.storage,
+            self.host_id,
+            self.job_id,
+            assignment_id,
+            body,
+            ResultMetrics(),
+            enqueue=lambda *_: None,
+            r=self.svc.r,
+            digest=digest,
+        )
+        return digest
+
+    def upload_key(self, assignment_id: int) -> str:
+        with self.svc.db.begin() as s:
+            key = s.get_one(Assignment, assignment_id).upload_key
+        assert key is not None
+        return key
 
     def w_s(self) -> tuple[int, Params]:
         return paramstore.read(self.svc.r, self.job_id)
@@ -220,6 +248,57 @@ def test_a_delivery_that_died_after_merging_is_completed_by_the_next(services) -
     assert job.assignment(a) == (AssignmentStatus.merged.value, 1, "")
     assert job.workunit(a) == (WorkunitStatus.done.value, 0)
     assert job.metrics() == 1
+
+
+@pytest.mark.parametrize("died_after_reading", [False, True], ids=["redelivered", "first-delivery-died"])
+def test_a_result_checked_at_upload_is_read_once_and_merged_once(services, died_after_reading) -> None:
+    """The scheduler's check and digest go with the stored bytes: the parameter server merges them
+    without hashing again, a redelivery merges nothing more, and a delivery that died after reading
+    the result (its digest already noted) leaves it to the next, which merges it, not as a replay."""
+    job = _job(services)
+    [a] = job.assignments
+    client = _moved(job.w0, 0.01)
+    digest = job.upload_checked(a, client)
+    key = job.upload_key(a)
+    assert digest == weights_digest(client)
+    assert paramstore.checked_upload_digest(services.r, job.job_id, key) == digest
+    if died_after_reading:
+        pending = merges.pending_merge(services.db, a)
+        assert pending is not None
+        assert replay_of(services.r, job.job_id, a, read_result(services.storage, services.r, pending).digest) is None
+
+    first = assimilate(services, a, received_at=time.time())
+    again = assimilate(services, a)
+
+    assert (first, again) == (MergeResult(Outcome.merged, 1), MergeResult(Outcome.already_merged, 1))
+    version, w_s = job.w_s()
+    assert version == 1
+    _assert_params_equal(w_s, _vc_asgd(job.w0, client))
+    assert job.assignment(a) == (AssignmentStatus.merged.value, 1, "")
+    assert job.credit(a)[0] == pytest.approx(job.expected_credit(a)), "credited once"
+    assert services.r.hget(keys.result_digests(job.job_id), digest) == str(a).encode()
+    assert paramstore.checked_upload_digest(services.r, job.job_id, key) is None, "the record goes with the upload"
+    assert not services.storage.exists(key)
+
+
+def test_a_result_checked_at_upload_that_replays_an_earlier_one_is_refused(services) -> None:
+    """The digest the scheduler took is the one the parameter server would: a replay is still caught."""
+    job = _job(services, assignments=2)
+    first, second = job.assignments
+    client = _moved(job.w0, 0.01)
+    job.upload_weights(first, client)  # hashed by the parameter server
+    assert assimilate(services, first).outcome is Outcome.merged
+    job.upload_checked(second, client)  # hashed by the scheduler
+
+    result = assimilate(services, second)
+
+    _assert_refused_unchanged_since(job, result, f"those of assignment {first}'s result", 1)
+
+
+def _assert_refused_unchanged_since(job: Job, result: MergeResult, reason: str, version: int) -> None:
+    assert result.outcome is Outcome.refused and reason in result.reason, result
+    assert job.assignment(job.assignments[-1])[0] == AssignmentStatus.rejected.value
+    assert job.w_s()[0] == version
 
 
 def _merge_in_place(server: Params, client: Params) -> Params:

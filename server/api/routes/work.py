@@ -1,3 +1,5 @@
+import time
+from functools import partial
 from typing import Annotated
 
 import redis
@@ -104,15 +106,25 @@ async def upload_result(
     """Upload the result (safetensors body: W_c, or Δ as the job's assimilation.upload says); metrics
     ride in the query string.
 
-    The assignment is checked before the body is read, and the body before any transaction; a body
-    refused for its content ends the assignment `rejected`, so its workunit is dispatched again at once.
+    The assignment is checked before the body is read, and the body before any transaction, once:
+    the check's digest of W_c is stored beside the body for the parameter server. A body refused for
+    its content ends the assignment `rejected`, so its workunit is dispatched again at once.
     """
     job_id, manifest, upload = await run_in_threadpool(assignments.upload_target, db, host_id, assignment_id)
     try:
         async with upload_body(request, settings.upload_max_bytes) as body:
-            await run_in_threadpool(assignments.check_result, body, manifest, upload)
+            received_at = time.time()
+            digest = await run_in_threadpool(assignments.check_result, body, manifest, upload)
             status_ = await run_in_threadpool(
-                assignments.store_result, db, storage, host_id, job_id, assignment_id, body, metrics, enqueue_merge
+                partial(assignments.store_result, r=r, digest=digest, received_at=received_at),
+                db,
+                storage,
+                host_id,
+                job_id,
+                assignment_id,
+                body,
+                metrics,
+                enqueue_merge,
             )
             size = len(body)
     except (ResultRefused, BodyTooLarge) as exc:
