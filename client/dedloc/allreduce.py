@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # One bucket is one chunk of the relay, so a bucket reduced is a chunk ready to upload.
 BUCKET_FLOATS = RELAY_CHUNK_FLOATS
-STORE_ADDRESS_KEY = "tcpstore-address"
+STORE_ADDRESS_KEY = "tcpstore-address"  # then "/" and the session: a stale address is never read
 
 
 def result_digest(t: torch.Tensor) -> str:
@@ -61,9 +61,9 @@ def rendezvous(api: PeerAPI, plan: RoundPlanOut) -> HeldGroup:
     if plan.rank == 0:
         host = local_address(str(api.http.base_url))
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        round_store.set(STORE_ADDRESS_KEY, f"{host}:{store.port}")
+        round_store.set(f"{STORE_ADDRESS_KEY}/{plan.session}", f"{host}:{store.port}")
     else:
-        host, port = round_store.get(STORE_ADDRESS_KEY).decode().rsplit(":", 1)
+        host, port = round_store.get(f"{STORE_ADDRESS_KEY}/{plan.session}").decode().rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     prefix = plan.session or f"{plan.step}.{plan.attempt}"
     pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), plan.rank, len(plan.group_members), timeout)

@@ -90,12 +90,12 @@ def plan_round(members: Sequence[str], relayed: set[str], max_group_size: int) -
     return RoundPlan(form_groups(direct, max_group_size), sorted(p for p in members if p in relayed))
 
 
-def group_sessions(groups: Sequence[Sequence[str]], kept: Mapping[str, str], step: int, attempt: int) -> list[str]:
-    """The process-group session of each group of attempt (step, attempt): the session its members
-    kept from the last round when that round committed with exactly this group (same members, same
-    ranks), else a new one named after this attempt (`new_session`). A kept session costs no
-    rendezvous: its members reuse the process group they already hold."""
-    return [kept.get(group_key(g), f"{step}.{attempt}.{i}") for i, g in enumerate(groups)]
+def group_sessions(groups: Sequence[Sequence[str]], kept: Mapping[str, str], tag: str) -> list[str]:
+    """The process-group session of each group of a reduction: the session its members kept from the
+    last round when that round committed with exactly this group (same members, same ranks), else a
+    new one named after the reduction's `tag` (`new_session`), unique in the job. A kept session
+    costs no rendezvous: its members reuse the process group they already hold."""
+    return [kept.get(group_key(g), f"{tag}.{i}") for i, g in enumerate(groups)]
 
 
 def group_key(group: Sequence[str]) -> str:
@@ -103,9 +103,9 @@ def group_key(group: Sequence[str]) -> str:
     return ",".join(group)
 
 
-def new_session(session: str, step: int, attempt: int) -> bool:
-    """The session was made for attempt (step, attempt): its members rendezvous before they reduce."""
-    return session.startswith(f"{step}.{attempt}.")
+def new_session(session: str, tag: str) -> bool:
+    """The session was made for the reduction tagged `tag`: its members rendezvous before they reduce."""
+    return session.startswith(f"{tag}.")
 
 
 def combine_parts(parts: Sequence[Params]) -> Params:

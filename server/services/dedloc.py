@@ -57,6 +57,7 @@ class Round:
     relayed: list[str] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)  # one per group (see the module docstring)
     kept: dict[str, str] = field(default_factory=dict)  # group key -> session, from the last commit
+    formed: int = 0  # reductions formed in this job: (step, attempt) may repeat, a session must not
     done: dict[str, str] = field(default_factory=dict)
     state_step: int = 0
     finished: bool = False
@@ -64,6 +65,12 @@ class Round:
     @property
     def total(self) -> int:
         return sum(self.examples.values())
+
+    @property
+    def tag(self) -> str:
+        """Names the running reduction's new sessions: unique in the job, since a step that finds no
+        members goes back to accumulating and its next reduction is attempt 0 again."""
+        return f"{self.step}.{self.attempt}.{self.formed}"
 
     @property
     def plan(self) -> dedloc.RoundPlan:
@@ -170,7 +177,8 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
             rnd.examples = dict(rnd.ready)
             plan = dedloc.plan_round(rnd.members, relayed, spec.max_group_size)
             rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}
-            rnd.sessions = dedloc.group_sessions(plan.groups, rnd.kept, rnd.step, rnd.attempt)
+            rnd.formed += 1
+            rnd.sessions = dedloc.group_sessions(plan.groups, rnd.kept, rnd.tag)
             rnd.phase, rnd.deadline = "reducing", now + spec.averaging_timeout
             dropped = sorted(set(rnd.candidates) - set(rnd.ready))
             log.info(

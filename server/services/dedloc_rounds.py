@@ -46,7 +46,7 @@ def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
         group_members=members,
         rank=members.index(peer_id) if group is not None else None,
         session=session,
-        new_session=session is None or math.new_session(session, rnd.step, rnd.attempt),
+        new_session=session is None or math.new_session(session, rnd.tag),
         needs_combining=rnd.plan.needs_combining,
         parts=rnd.plan.parts,
         averaging_timeout=spec.averaging_timeout,

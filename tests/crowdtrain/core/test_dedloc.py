@@ -54,10 +54,10 @@ def test_group_sums_combined_equal_the_global_weighted_average() -> None:
 
 def test_a_group_keeps_its_session_only_when_it_meets_again_unchanged() -> None:
     kept = {dedloc.group_key(["a", "b"]): "3.0.0", dedloc.group_key(["c", "d"]): "3.0.1"}
-    sessions = dedloc.group_sessions([["a", "b"], ["c", "e"], ["d", "c"]], kept, 4, 1)
-    assert sessions == ["3.0.0", "4.1.1", "4.1.2"]  # same members in other ranks is another group
-    assert [dedloc.new_session(s, 4, 1) for s in sessions] == [False, True, True]
-    assert not dedloc.new_session("4.1.2", 4, 11) and not dedloc.new_session("14.1.2", 4, 1)
+    sessions = dedloc.group_sessions([["a", "b"], ["c", "e"], ["d", "c"]], kept, "4.1.7")
+    assert sessions == ["3.0.0", "4.1.7.1", "4.1.7.2"]  # same members in other ranks is another group
+    assert [dedloc.new_session(s, "4.1.7") for s in sessions] == [False, True, True]
+    assert not dedloc.new_session("4.1.7.2", "4.1.77") and not dedloc.new_session("14.1.7.2", "4.1.7")
 
 
 def test_the_relay_sums_chunk_by_chunk_to_the_bits_of_whole_parts() -> None:

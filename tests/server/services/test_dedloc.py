@@ -171,11 +171,11 @@ def test_the_same_members_meet_again_in_their_kept_process_group(private_redis) 
     r, spec = private_redis, SPEC.model_copy(update={"max_group_size": 4})
     rnd = _joined(r, "a", "b", "c")
     _close(r, rnd, spec, a=50, b=50, c=50)
-    assert rnd.sessions == ["0.0.0"]
+    assert rnd.sessions == ["0.0.1.0"]
     _commit(r, rnd, spec)
     for step in (1, 2):
         _close(r, rnd, spec, a=50, b=50, c=50)
-        assert rnd.step == step and rnd.sessions == ["0.0.0"], "no new rendezvous for the same members"
+        assert rnd.step == step and rnd.sessions == ["0.0.1.0"], "no new rendezvous for the same members"
         _commit(r, rnd, spec)
 
 
@@ -185,7 +185,7 @@ def test_a_member_gone_or_an_abort_makes_a_new_process_group(private_redis) -> N
     _close(r, rnd, spec, a=50, b=50, c=50)
     _commit(r, rnd, spec)
     _close(r, rnd, spec, a=60, b=60)  # c is gone: a and b meet without it
-    assert rnd.members == ["a", "b"] and rnd.sessions == ["1.0.0"]
+    assert rnd.members == ["a", "b"] and rnd.sessions == ["1.0.2.0"]
     dedloc.record_done(r, 1, rnd, spec, "a", 1, 0, "d")
     time.sleep(spec.averaging_timeout + 0.05)  # b never reports: the attempt is aborted
     dedloc.advance(r, 1, rnd, spec, 10)
@@ -193,10 +193,10 @@ def test_a_member_gone_or_an_abort_makes_a_new_process_group(private_redis) -> N
     rnd.ready.update(a=60, b=60)
     time.sleep(spec.matchmaking_timeout + 0.05)
     dedloc.advance(r, 1, rnd, spec, 10)
-    assert rnd.members == ["a", "b"] and rnd.sessions == ["1.1.0"], "a retry never reuses a group that failed"
+    assert rnd.members == ["a", "b"] and rnd.sessions == ["1.1.3.0"], "a retry never reuses a group that failed"
     _commit(r, rnd, spec)
     _close(r, rnd, spec, a=60, b=60)
-    assert rnd.sessions == ["1.1.0"]
+    assert rnd.sessions == ["1.1.3.0"]
 
 
 def test_no_step_closes_past_max_steps(private_redis) -> None:
