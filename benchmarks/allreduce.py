@@ -11,7 +11,7 @@ What it measures
     and the all-reduce alone. Per round, the slowest member's time (a round ends for everyone when
     its slowest member is done). `first_round_s` is round 1; `later_round_s` the median of the
     others; `round_s` the median of all (as before kept groups, when every round was a first one).
-    `rendezvous_s` and `allreduce_s` split the median round; `later_over_tcp` is
+    `rendezvous_s` and `allreduce_s` split the median round (`first_rendezvous_s`: round 1's); `later_over_tcp` is
     `later_round_s / tcp_once_s`.
     The rows with `relayed: 1` are rounds of the same number of members where one is relayed: the
     others all-reduce in one group, its rank 0 streams the group's sum to the scheduler while the
@@ -170,6 +170,7 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
         "rendezvous_s": statistics.median(rendezvous),
         "allreduce_s": statistics.median(allreduce),
         "first_round_s": per_round[0],
+        "first_rendezvous_s": rendezvous[0],
         "later_round_s": statistics.median(later),
         "later_rendezvous_s": statistics.median(rendezvous[1:] or rendezvous),
         # rounds whose group met in the process group it kept from the round before (no rendezvous)
@@ -207,6 +208,7 @@ def main() -> None:
         "peers": top["peers"],
         "tcp_once_s": top["tcp_once_s"],
         "first_round_s": top["first_round_s"],
+        "first_rendezvous_s": top["first_rendezvous_s"],
         "later_round_s": top["later_round_s"],
         "later_over_tcp": top["later_over_tcp"],
         "relayed_later_round_s": relayed["later_round_s"],
@@ -225,7 +227,7 @@ def measure_size(cluster, n: int, peer_counts: list[int], repeats: int) -> list[
         row = run_config(cluster, n, k, 0, repeats)
         row["later_over_tcp"] = row["later_round_s"] / bound
         _log(
-            f"  {k} peers: first round {row['first_round_s']:.3f}s (rendezvous {row['rendezvous_s']:.3f}s), "
+            f"  {k} peers: first round {row['first_round_s']:.3f}s (rendezvous {row['first_rendezvous_s']:.3f}s), "
             f"later rounds {row['later_round_s']:.3f}s = {row['later_over_tcp']:.1f}x the raw send"
         )
         rows.append({"parameters": n, "peers": k, "relayed": 0, "tcp_once_s": bound, **row})
