@@ -1,33 +1,44 @@
 """Time of one DeDLOC round for 5M and 25M float32 parameters with 2, 3 and 4 peers, against the
-time of sending the same bytes once over a raw loopback TCP socket, and the relayed path's time.
+time of sending the same bytes once over a raw loopback TCP socket, the first round of a group
+against its later rounds (the kept process group), and the relayed path against the direct one.
 
 What it measures
-    `round_s`: from the moment a peer is told to reduce until it holds the group's average: the
-    rendezvous through the scheduler (a `torch.distributed` Store whose set/get go over HTTP to
-    Redis) that builds this round's `ProcessGroupGloo`, plus the Gloo all-reduce itself. The figure
-    per configuration is the median over repetitions of the slowest member's time (a round ends
-    for everyone when its slowest member is done). `rendezvous_s` and `allreduce_s` split it.
-    The row with `relayed: 1` is the same for a round of 3 members where one is relayed: the two direct peers
-    all-reduce, their group's rank 0 uploads the group's sum, the relayed peer uploads its weighted
-    gradient, the scheduler adds the parts and each member downloads the total (HTTP + Redis). Its
-    `round_s` is all of that; its `rendezvous_s`/`allreduce_s` split is not measured (0 / round_s).
+    `round_s`: from the moment a peer is told to reduce until it holds the group's average, as the
+    peer does it (`ProcessGroups.for_round`, then `reduce_round`): in a group's first round the
+    rendezvous (rank 0 hosts a TCPStore and publishes its address with one request to the
+    scheduler; the others fetch it with one request) that builds the group's `ProcessGroupGloo`,
+    then the bucketed Gloo all-reduce; in later rounds of the same members the kept process group
+    and the all-reduce alone. Per round, the slowest member's time (a round ends for everyone when
+    its slowest member is done). `first_round_s` is round 1; `later_round_s` the median of the
+    others; `round_s` the median of all (as before kept groups, when every round was a first one).
+    `rendezvous_s` and `allreduce_s` split the median round (`first_rendezvous_s`: round 1's); `later_over_tcp` is
+    `later_round_s / tcp_once_s`.
+    The rows with `relayed: 1` are rounds of the same number of members where one is relayed: the
+    others all-reduce in one group, its rank 0 streams the group's sum to the scheduler while the
+    buckets complete, the relayed peer streams its weighted gradient, the scheduler sums the parts
+    chunk by chunk, the relayed peer and rank 0 stream the total back as it is summed, and rank 0
+    broadcasts it to its group. `relayed_over_direct` is its `later_round_s` over the direct row's.
 
     The bound, measured in the same run: `tcp_once_s`, the time to send the vector's bytes once
     from one process to another over a loopback TCP socket (sender in a child process, receiver
     here, timed from the first byte requested to the last byte received). A ring all-reduce moves
-    about 2(k-1)/k of the vector per member, so it cannot beat this by much on one machine.
+    about 2(k-1)/k of the vector per member, so it cannot beat this by much on one machine; with
+    k peers sharing few cores it moves k times that through the same cores.
 
 How
     A real `Cluster` (SQLite, private redis-server, local storage, one uvicorn scheduler) runs in
     a temporary directory. For each configuration a small dedloc job is submitted and k peer
     processes join it; each reports one example so the step closes with all k as members, runs
     the round on a synthetic vector of the configured size, reports its result and waits for the
-    commit; repeated `--repeats` times. Peers on this machine share its cores.
+    commit; repeated `--repeats` times (the same members each time). Peers on this machine share
+    its cores, and so does the scheduler: figures on a shared machine are noisy.
 
 Run
-    .venv/bin/python benchmarks/allreduce.py [--repeats 3] [--sizes 5000000,25000000] [--peers 2,3,4]
+    .venv/bin/python benchmarks/allreduce.py [--repeats 4] [--sizes 5000000,25000000] [--peers 2,3,4]
 
-Progress goes to stderr; the last line on stdout is one JSON object with the figures.
+Progress goes to stderr; the last line on stdout is one JSON object with the figures, and its
+`headline` the largest size with the most peers: `later_over_tcp` (goal <= 2) and
+`relayed_over_direct` (goal <= 4).
 """
 
 import argparse
@@ -39,7 +50,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,16 +71,15 @@ def _log(msg: str) -> None:
 
 def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, repeats: int, out) -> None:
     import torch
-    import torch.distributed as dist
 
-    from crowdtrain.client.dedloc.allreduce import reduce_round, result_digest
+    from crowdtrain.client.dedloc.allreduce import ProcessGroups, reduce_round, result_digest
     from crowdtrain.client.dedloc.api import PeerAPI
-    from crowdtrain.client.dedloc.store import RoundStore
 
     torch.set_num_threads(1)
     api = PeerAPI(url)
     api.register(join_token, f"bench-{os.getpid()}")
     api.join(job_id, relayed)
+    groups = ProcessGroups(api)
     vec = torch.full((n,), 1.0 + os.getpid() % 7)
     rows = []
     for step in range(repeats):
@@ -78,21 +87,20 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
             time.sleep(0.01)
         plan = reply.round
         t0 = time.perf_counter()
-        if plan.needs_combining:
-            average = reduce_round(api, plan, vec)
-            t1 = t0
-        else:
-            store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
-            pg = dist.ProcessGroupGloo(
-                store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout)
-            )
-            t1 = time.perf_counter()
-            average = vec.clone().mul_(1.0 / plan.total)
-            pg.allreduce([average]).wait()
-            del pg
+        if not plan.relayed and len(plan.group_members) > 1:
+            groups.for_round(plan)
+        t1 = time.perf_counter()
+        average = reduce_round(api, plan, vec, groups)
         t2 = time.perf_counter()
         api.report(plan.step, plan.attempt, True, result_digest(average))
-        rows.append({"round_s": t2 - t0, "rendezvous_s": t1 - t0, "allreduce_s": t2 - t1})
+        rows.append(
+            {
+                "round_s": t2 - t0,
+                "rendezvous_s": t1 - t0,
+                "allreduce_s": t2 - t1,
+                "kept": None if plan.relayed else not plan.new_session,
+            }
+        )
         while api.progress(step, 0, plan.attempt, None).action != "apply":
             time.sleep(0.01)
     out.put(rows)
@@ -156,10 +164,17 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
     per_round = [max(r[i]["round_s"] for r in results) for i in range(repeats)]
     rendezvous = [max(r[i]["rendezvous_s"] for r in results) for i in range(repeats)]
     allreduce = [max(r[i]["allreduce_s"] for r in results) for i in range(repeats)]
+    later = per_round[1:] or per_round
     return {
         "round_s": statistics.median(per_round),
         "rendezvous_s": statistics.median(rendezvous),
         "allreduce_s": statistics.median(allreduce),
+        "first_round_s": per_round[0],
+        "first_rendezvous_s": rendezvous[0],
+        "later_round_s": statistics.median(later),
+        "later_rendezvous_s": statistics.median(rendezvous[1:] or rendezvous),
+        # rounds whose group met in the process group it kept from the round before (no rendezvous)
+        "kept_group_rounds": sum(all(r[i]["kept"] is not False for r in results) for i in range(repeats)),
         "rounds": per_round,
     }
 
@@ -168,7 +183,7 @@ def main() -> None:
     from crowdtrain.launch.cluster import Cluster
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--sizes", default="5000000,25000000")
     ap.add_argument("--peers", default="2,3,4")
     args = ap.parse_args()
@@ -181,22 +196,50 @@ def main() -> None:
         ).start()
         try:
             for n in sizes:
-                nbytes = 4 * n
-                bound = statistics.median(tcp_once(nbytes) for _ in range(args.repeats))
-                _log(f"{n} floats ({nbytes / 1e6:.0f} MB): raw loopback TCP once {bound:.3f}s")
-                for k in peer_counts:
-                    row = run_config(cluster, n, k, 0, args.repeats)
-                    _log(
-                        f"  {k} peers: round {row['round_s']:.3f}s (rendezvous {row['rendezvous_s']:.3f}s, "
-                        f"all-reduce {row['allreduce_s']:.3f}s)"
-                    )
-                    figures["configs"].append({"parameters": n, "peers": k, "relayed": 0, "tcp_once_s": bound, **row})
-                relayed = run_config(cluster, n, 3, 1, args.repeats)
-                _log(f"  3 peers, 1 relayed: round {relayed['round_s']:.3f}s")
-                figures["configs"].append({"parameters": n, "peers": 3, "relayed": 1, "tcp_once_s": bound, **relayed})
+                figures["configs"] += measure_size(cluster, n, peer_counts, args.repeats)
         finally:
             cluster.stop()
+    direct = [c for c in figures["configs"] if not c["relayed"]]
+    top = max(direct, key=lambda c: (c["parameters"], c["peers"]))
+    same = (top["parameters"], top["peers"])
+    relayed = next(c for c in figures["configs"] if c["relayed"] and (c["parameters"], c["peers"]) == same)
+    figures["headline"] = {
+        "parameters": top["parameters"],
+        "peers": top["peers"],
+        "tcp_once_s": top["tcp_once_s"],
+        "first_round_s": top["first_round_s"],
+        "first_rendezvous_s": top["first_rendezvous_s"],
+        "later_round_s": top["later_round_s"],
+        "later_over_tcp": top["later_over_tcp"],
+        "relayed_later_round_s": relayed["later_round_s"],
+        "relayed_over_direct": relayed["relayed_over_direct"],
+    }
     print(json.dumps(figures))
+
+
+def measure_size(cluster, n: int, peer_counts: list[int], repeats: int) -> list[dict]:
+    """The rows of one vector size: each peer count direct, and the largest with one peer relayed."""
+    nbytes = 4 * n
+    bound = statistics.median(tcp_once(nbytes) for _ in range(repeats))
+    _log(f"{n} floats ({nbytes / 1e6:.0f} MB): raw loopback TCP once {bound:.3f}s")
+    rows = []
+    for k in peer_counts:
+        row = run_config(cluster, n, k, 0, repeats)
+        row["later_over_tcp"] = row["later_round_s"] / bound
+        _log(
+            f"  {k} peers: first round {row['first_round_s']:.3f}s (rendezvous {row['first_rendezvous_s']:.3f}s), "
+            f"later rounds {row['later_round_s']:.3f}s = {row['later_over_tcp']:.1f}x the raw send"
+        )
+        rows.append({"parameters": n, "peers": k, "relayed": 0, "tcp_once_s": bound, **row})
+    k = max(peer_counts)
+    relayed = run_config(cluster, n, k, 1, repeats)
+    relayed["relayed_over_direct"] = relayed["later_round_s"] / rows[-1]["later_round_s"]
+    _log(
+        f"  {k} peers, 1 relayed: first round {relayed['first_round_s']:.3f}s, later rounds "
+        f"{relayed['later_round_s']:.3f}s = {relayed['relayed_over_direct']:.1f}x direct"
+    )
+    rows.append({"parameters": n, "peers": k, "relayed": 1, "tcp_once_s": bound, **relayed})
+    return rows
 
 
 if __name__ == "__main__":

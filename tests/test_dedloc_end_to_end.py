@@ -186,6 +186,14 @@ def test_three_peers_train_exactly_like_one_process_on_the_same_global_batches(
     for step, by_peer in seen.items():
         assert len(by_peer) == 3 and len(set(by_peer.values())) == 1, (step, by_peer)
         assert set(by_peer.values()) == {dedloc.digest(stored_state(cluster, job_id, step))}
+    if max_group_size == 16 and all(c["attempt"] == 0 for c in done.values()):
+        # One group, the same members in every step and no abort: one rendezvous in five steps.
+        assert all(new_process_groups(cluster, f"peer-{i}") == 1 for i in range(3))
+
+
+def new_process_groups(cluster: Cluster, name: str) -> int:
+    """How many process groups the peer process `name` built (a rendezvous each), from its log."""
+    return (cluster.var_dir / "logs" / f"{name}.log").read_text().count("new process group for session")
 
 
 def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> None:
@@ -216,6 +224,18 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it
     assert not killed & set(done[2]["members"])
     assert done[2]["attempt"] >= 1 and len(done[2]["members"]) == 2, done[2]
     assert all(len(done[s]["members"]) == 2 for s in range(2, 6))
+    # A survivor builds a process group only where its group is new: the first step, a step whose
+    # members differ from the last commit's, and every retry; the other steps reuse the kept one.
+    for name in ("peer-0", "peer-1"):
+        me = peer_ids(cluster, name)
+        rounds = [(int(k.split(":")[0]), int(k.split(":")[1]), a["members"]) for k, a in aborted.items()]
+        rounds += [(s, c["attempt"], c["members"]) for s, c in done.items()]
+        made = sum(
+            1
+            for s, a, members in rounds
+            if me & set(members) and (a > 0 or s == 0 or done[s - 1]["members"] != members)
+        )
+        assert new_process_groups(cluster, name) == made, (name, sorted(rounds))
     # Nobody stepped on the aborted attempt: the survivors applied step 2 once, from the retry.
     applied = [(t["step"], t["attempt"]) for t in traces(cluster) if t["step"] == 2]
     assert applied == [(2, done[2]["attempt"])] * 2, applied

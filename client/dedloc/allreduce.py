@@ -1,57 +1,167 @@
 """One round's reduction as a member performs it: weight, all-reduce within the group over
-torch.distributed (Gloo), and combine with the other parts through the scheduler when needed."""
+torch.distributed (Gloo), and combine with the other parts through the scheduler when needed.
+
+A group's process group is kept across rounds (`ProcessGroups`) while the scheduler names the same
+session; a new session meets through a TCPStore that the group's rank 0 hosts, whose address is the
+only key that travels through the scheduler. The vector is reduced in buckets of
+`BUCKET_FLOATS`, each all-reduced asynchronously as soon as it is weighted, so weighting,
+communication and (in a round that needs combining) the upload of the group's sum pipeline.
+"""
 
 import hashlib
-import time
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
+import httpx
 import torch
 import torch.distributed as dist
 
 from crowdtrain.client.dedloc.api import PeerAPI
 from crowdtrain.client.dedloc.store import RoundStore
+from crowdtrain.core.dedloc import RELAY_CHUNK_FLOATS
 from crowdtrain.core.schemas_dedloc import RoundPlanOut
-from crowdtrain.core.tensors import decode, encode
+
+log = logging.getLogger(__name__)
+
+# One bucket is one chunk of the relay, so a bucket reduced is a chunk ready to upload.
+BUCKET_FLOATS = RELAY_CHUNK_FLOATS
+STORE_ADDRESS_KEY = "tcpstore-address"  # then "/" and the session: a stale address is never read
 
 
 def result_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()
 
 
-def group_process_group(api: PeerAPI, plan: RoundPlanOut) -> dist.ProcessGroupGloo:
-    """This peer's member of its group's process group for this round only; joining it connects to the others."""
+def local_address(server: str) -> str:
+    """This machine's address on the route to the scheduler (no packet is sent): where the other
+    members of a group, who reach the scheduler too, can reach this peer's store."""
+    url = httpx.URL(server)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((url.host, url.port or (443 if url.scheme == "https" else 80)))
+        return str(probe.getsockname()[0])
+
+
+@dataclass
+class HeldGroup:
+    session: str | None
+    pg: dist.ProcessGroupGloo
+    store: dist.Store  # rank 0's store serves the group's other members for as long as the group lives
+
+
+def rendezvous(api: PeerAPI, plan: RoundPlanOut) -> HeldGroup:
+    """Build the group's process group: rank 0 starts a TCPStore and publishes its address with one
+    request to the scheduler; the others fetch it (one long-polled request) and meet there."""
     if plan.rank is None:  # the scheduler gives a rank to every member of a group, and none to a relayed peer
         raise ValueError(f"step {plan.step} attempt {plan.attempt}: this peer has no rank in a group to reduce with")
-    store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
-    return dist.ProcessGroupGloo(store, plan.rank, len(plan.group_members), timedelta(seconds=plan.averaging_timeout))
+    timeout = timedelta(seconds=plan.averaging_timeout)
+    round_store = RoundStore(api, plan.step, plan.attempt, plan.averaging_timeout)
+    if plan.rank == 0:
+        host = local_address(str(api.http.base_url))
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        round_store.set(f"{STORE_ADDRESS_KEY}/{plan.session}", f"{host}:{store.port}")
+    else:
+        host, port = round_store.get(f"{STORE_ADDRESS_KEY}/{plan.session}").decode().rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    prefix = plan.session or f"{plan.step}.{plan.attempt}"
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), plan.rank, len(plan.group_members), timeout)
+    return HeldGroup(plan.session, pg, store)
 
 
-def group_allreduce(api: PeerAPI, plan: RoundPlanOut, flat: torch.Tensor) -> None:
-    """Sum `flat` in place over the group's members with a process group made for this round only."""
-    pg = group_process_group(api, plan)
-    try:
-        # torch's stubs leave out Backend.allreduce, which ProcessGroupGloo has at run time.
-        pg.allreduce([flat]).wait()  # type: ignore[attr-defined]
-    finally:
-        del pg
+class ProcessGroups:
+    """The process group this peer holds, kept across rounds for as long as the scheduler names its
+    session. Holds at most one: a round of another session drops it (closing its connections)."""
+
+    def __init__(self, api: PeerAPI):
+        self.api = api
+        self.held: HeldGroup | None = None
+
+    def for_round(self, plan: RoundPlanOut) -> dist.ProcessGroupGloo:
+        if self.held is not None and plan.session is not None and self.held.session == plan.session:
+            return self.held.pg
+        self.drop()
+        if not plan.new_session:
+            # The others reuse a group this peer no longer holds: fail, so the round is retried anew.
+            raise RuntimeError(f"step {plan.step} attempt {plan.attempt}: session {plan.session} is not held here")
+        self.held = rendezvous(self.api, plan)
+        log.info(
+            "peer %s: new process group for session %s (rank %s of %d)",
+            self.api.peer_id,
+            plan.session,
+            plan.rank,
+            len(plan.group_members),
+        )
+        return self.held.pg
+
+    def drop(self) -> None:
+        """Forget the held group (after a failed round, or for another session)."""
+        self.held = None
 
 
-def reduce_round(api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor) -> torch.Tensor:
+def _buckets(n: int) -> list[slice]:
+    return [slice(start, min(start + BUCKET_FLOATS, n)) for start in range(0, n, BUCKET_FLOATS)]
+
+
+def _chunks(out: torch.Tensor, pending: list[tuple[slice, dist.Work | None]]) -> Iterator[bytes]:
+    """The bytes of `out` bucket by bucket, each once its all-reduce (if any) is complete."""
+    array = out.numpy()
+    for bucket, work in pending:
+        if work is not None:
+            work.wait()
+        yield array[bucket].tobytes()
+
+
+def reduce_round(
+    api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups: ProcessGroups | None = None
+) -> torch.Tensor:
     """The round's average gradient Σ_i g_i / N, identical on every member.
 
     `summed_grads` (the gradient of this peer's summed loss) is never modified: the reduction works
-    on a copy, so a failed round leaves the peer's accumulated gradients intact.
+    on a copy, so a failed round leaves the peer's accumulated gradients intact. A failure drops the
+    held process group (a peer of it may be gone or out of step); the caller reports the failure.
     """
-    contribution = summed_grads.detach().clone()
-    contribution.mul_(1.0 / plan.total)
-    deadline = time.monotonic() + plan.averaging_timeout
-    if not plan.relayed and len(plan.group_members) > 1:
-        group_allreduce(api, plan, contribution)
+    groups = groups or ProcessGroups(api)
+    try:
+        return _reduce(api, plan, summed_grads, groups)
+    except BaseException:
+        groups.drop()
+        raise
+
+
+def _reduce(api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    source = summed_grads.detach()
+    out = torch.empty_like(source)
+    scale = 1.0 / plan.total
+    pg = groups.for_round(plan) if not plan.relayed and len(plan.group_members) > 1 else None
+    pending: list[tuple[slice, dist.Work | None]] = []
+    for bucket in _buckets(len(out)):
+        torch.mul(source[bucket], scale, out=out[bucket])  # the same float product as `mul_(1 / N)`
+        # torch's stubs leave out Backend.allreduce, which ProcessGroupGloo has at run time.
+        pending.append((bucket, pg.allreduce([out[bucket]]) if pg is not None else None))  # type: ignore[attr-defined]
     if not plan.needs_combining:
-        return contribution
+        for _, work in pending:
+            if work is not None:
+                work.wait()
+        return out
     part = f"relay-{api.peer_id}" if plan.relayed else f"group-{plan.group}"
     if plan.relayed or plan.rank == 0:
-        api.put_part(plan.step, plan.attempt, part, encode({"g": contribution.numpy()}))
-    total = decode(api.total(plan.step, plan.attempt, deadline))["g"]
-    return torch.from_numpy(np.array(total, dtype=np.float32, copy=True))
+        api.put_part(plan.step, plan.attempt, part, len(out), _chunks(out, pending))
+        broadcasts = []
+
+        def arrived(start: int, stop: int) -> None:
+            if pg is not None:  # the group's other members get the total from their rank 0
+                broadcasts.append(pg.broadcast(out[start:stop], 0))  # type: ignore[attr-defined]
+
+        api.total_into(plan.step, plan.attempt, out.numpy(), BUCKET_FLOATS, arrived)
+        for work in broadcasts:
+            work.wait()
+        return out
+    assert pg is not None  # a member with a rank other than 0 is in a group of two or more
+    for _, work in pending:
+        if work is not None:
+            work.wait()
+    for work in [pg.broadcast(out[bucket], 0) for bucket in _buckets(len(out))]:  # type: ignore[attr-defined]
+        work.wait()
+    return out

@@ -2,9 +2,11 @@
 
 import base64
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
+import numpy as np
 
 from crowdtrain.core.schemas import HostRegistered
 from crowdtrain.core.schemas_dedloc import PeerJoined, PeerRefusal, Progress, ProgressReply, StoreOp, StoreReply
@@ -105,20 +107,41 @@ class PeerAPI:
             self.request("POST", f"{self.base}/rounds/{step}/{attempt}/store/{op}", json=body.model_dump()).json()
         )
 
-    def put_part(self, step: int, attempt: int, part: str, blob: bytes) -> None:
-        self.request(
-            "PUT", f"{self.base}/rounds/{step}/{attempt}/parts/{part}", params={"peer_id": self.peer_id}, content=blob
+    def put_part(self, step: int, attempt: int, part: str, size: int, chunks: Iterable[bytes]) -> str:
+        """Stream a part of `size` float32 (raw little-endian) as `chunks` come; sent once (a stream
+        cannot be replayed: a failure fails the round)."""
+        resp = self.request(
+            "PUT",
+            f"{self.base}/rounds/{step}/{attempt}/parts/{part}",
+            attempts=1,
+            params={"peer_id": self.peer_id, "size": size},
+            content=chunks,
         )
+        return resp.json()["status"]
 
-    def total(self, step: int, attempt: int, deadline: float) -> bytes:
-        """The round's combined sum; waits for the last part until `deadline` (time.monotonic)."""
-        while time.monotonic() < deadline:
-            resp = self.request(
-                "GET", f"{self.base}/rounds/{step}/{attempt}/total", params={"peer_id": self.peer_id, "wait": 2.0}
-            )
-            if resp.status_code == 200:
-                return resp.content
-        raise TimeoutError(f"step {step} attempt {attempt}: parts did not all arrive in time")
+    def total_into(
+        self, step: int, attempt: int, out: np.ndarray, chunk_floats: int, arrived: Callable[[int, int], None]
+    ) -> None:
+        """Read the round's total into `out` (float32) as the scheduler sums it, calling
+        `arrived(start, stop)` for each chunk of `chunk_floats` floats once it is all in `out`."""
+        raw = out.view(np.uint8)
+        got, announced = 0, 0
+        url = f"{self.base}/rounds/{step}/{attempt}/total"
+        with self.http.stream("GET", url, params={"peer_id": self.peer_id, "size": out.size}) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise Refused(resp.status_code, resp.text)
+            for piece in resp.iter_raw():
+                if got + len(piece) > raw.size:
+                    raise ValueError(f"step {step} attempt {attempt}: the total is longer than {out.size} floats")
+                raw[got : got + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+                got += len(piece)
+                while announced < out.size and (got // 4 >= announced + chunk_floats or got == raw.size):
+                    stop = min(announced + chunk_floats, out.size)
+                    arrived(announced, stop)
+                    announced = stop
+        if got != raw.size:
+            raise TimeoutError(f"step {step} attempt {attempt}: the total stopped after {got} of {raw.size} bytes")
 
     def put_state(self, step: int, blob: bytes) -> str:
         return self.request("PUT", f"{self.base}/states/{step}", params={"peer_id": self.peer_id}, content=blob).json()[

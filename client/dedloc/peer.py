@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from crowdtrain.client.dedloc.allreduce import group_process_group, reduce_round, result_digest
+from crowdtrain.client.dedloc.allreduce import ProcessGroups, reduce_round, result_digest
 from crowdtrain.client.dedloc.api import PeerAPI, Refused
 from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
 from crowdtrain.client.trust import ProjectTrust, initial_state_sha256
@@ -104,6 +104,7 @@ class DedlocPeer:
         self.grads_step = -1  # the step whose parameters the oldest accumulated gradient was computed at
         self.others = 0  # examples the other peers had reported for this step, as last heard
         self.share = 1  # report at once on holding this many unreported examples (target / live peers)
+        self.groups = ProcessGroups(api)  # this peer's process group, kept while its group meets unchanged
 
     # -- set-up -----------------------------------------------------------------------------------
     def join(self) -> PeerJoined:
@@ -283,7 +284,7 @@ class DedlocPeer:
         if self.o.kill_at == (plan.step, plan.attempt) and not plan.relayed:
             self._die_mid_allreduce(plan)
         try:
-            average = reduce_round(self.api, plan, self.reported.grads)
+            average = reduce_round(self.api, plan, self.reported.grads, self.groups)
         except Exception as exc:  # any failure of the collective: the round is aborted for everyone
             log.warning(
                 "peer %s: step %d attempt %d failed (%s); reporting it", self.api.peer_id, plan.step, plan.attempt, exc
@@ -311,7 +312,7 @@ class DedlocPeer:
         """Fault injection for tests: join the collective, then vanish while the others reduce."""
         # Connect to the group like any member, so the others enter the all-reduce and wait on this
         # peer, then die without a word: SIGKILL, no clean-up, no report.
-        pg = group_process_group(self.api, plan)
+        pg = self.groups.for_round(plan)
         log.warning(
             "peer %s: SIGKILLing itself in the middle of step %d attempt %d", self.api.peer_id, plan.step, plan.attempt
         )

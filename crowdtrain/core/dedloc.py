@@ -22,6 +22,10 @@ import numpy as np
 
 Params = dict[str, np.ndarray]
 
+# A round's parts and total travel through the scheduler in chunks of this many float32 (8 MiB):
+# held one at a time, summed as soon as every part has the chunk, read by members as they are summed.
+RELAY_CHUNK_FLOATS = 1 << 21
+
 
 def step_is_full(reported: Mapping[str, int], target_batch_size: int) -> bool:
     """The collaboration has accumulated a global batch: the step may close."""
@@ -86,6 +90,24 @@ def plan_round(members: Sequence[str], relayed: set[str], max_group_size: int) -
     return RoundPlan(form_groups(direct, max_group_size), sorted(p for p in members if p in relayed))
 
 
+def group_sessions(groups: Sequence[Sequence[str]], kept: Mapping[str, str], tag: str) -> list[str]:
+    """The process-group session of each group of a reduction: the session its members kept from the
+    last round when that round committed with exactly this group (same members, same ranks), else a
+    new one named after the reduction's `tag` (`new_session`), unique in the job. A kept session
+    costs no rendezvous: its members reuse the process group they already hold."""
+    return [kept.get(group_key(g), f"{tag}.{i}") for i, g in enumerate(groups)]
+
+
+def group_key(group: Sequence[str]) -> str:
+    """A group's members in rank order, as one string (a peer id never holds a comma)."""
+    return ",".join(group)
+
+
+def new_session(session: str, tag: str) -> bool:
+    """The session was made for the reduction tagged `tag`: its members rendezvous before they reduce."""
+    return session.startswith(f"{tag}.")
+
+
 def combine_parts(parts: Sequence[Params]) -> Params:
     """Sum partial sums (groups' all-reduce results, relayed peers' weighted gradients) in the given
     order. Every caller that passes the same parts in the same order gets bit-identical sums."""
@@ -104,6 +126,22 @@ def combine_parts(parts: Sequence[Params]) -> Params:
             acc += p[name]
         out[name] = acc
     return out
+
+
+def combine_chunks(chunks: Sequence[bytes]) -> bytes:
+    """Chunk i of the round's total from chunk i of every part (raw little-endian float32), added in
+    the plan's order like `combine_parts`: the same bits as combining the whole parts."""
+    if not chunks or len({len(c) for c in chunks}) != 1 or len(chunks[0]) % 4:
+        raise ValueError(f"chunks of a round differ in size or are not float32: {[len(c) for c in chunks]}")
+    acc = np.frombuffer(chunks[0], dtype="<f4").copy()
+    for chunk in chunks[1:]:
+        acc += np.frombuffer(chunk, dtype="<f4")
+    return acc.tobytes()
+
+
+def chunk_count(size: int) -> int:
+    """How many relay chunks carry `size` floats."""
+    return -(-size // RELAY_CHUNK_FLOATS)
 
 
 def learning_rate(step: int, lr: float, schedule: str, warmup_steps: int, max_steps: int) -> float:

@@ -126,14 +126,19 @@ def dedloc_store(job_id: int, step: int, attempt: int, group: int) -> str:
     return f"{PREFIX}:job:{job_id}:dedloc:store:{step}:{attempt}:{group}:"
 
 
-def dedloc_part(job_id: int, step: int, attempt: int, part: str) -> str:
-    """One part of a round's sum (a group's all-reduce result or a relayed peer's gradient)."""
-    return f"{PREFIX}:job:{job_id}:dedloc:part:{step}:{attempt}:{part}"
+def dedloc_part(job_id: int, step: int, attempt: int, part: str, chunk: int) -> str:
+    """One chunk of one part of a round's sum (a group's all-reduce result or a relayed peer's gradient)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:part:{step}:{attempt}:{part}:{chunk}"
 
 
-def dedloc_total(job_id: int, step: int, attempt: int) -> str:
-    """The combined sum of a round's parts, as every member downloads it."""
-    return f"{PREFIX}:job:{job_id}:dedloc:total:{step}:{attempt}"
+def dedloc_total(job_id: int, step: int, attempt: int, chunk: int) -> str:
+    """One chunk of the combined sum of a round's parts, as members read it."""
+    return f"{PREFIX}:job:{job_id}:dedloc:total:{step}:{attempt}:{chunk}"
+
+
+def dedloc_part_size(job_id: int, step: int, attempt: int) -> str:
+    """The float32 count of every part of a round: the first upload sets it, the others must match it."""
+    return f"{PREFIX}:job:{job_id}:dedloc:part-size:{step}:{attempt}"
 
 
 def dedloc_state_claim(job_id: int, step: int) -> str:

@@ -67,6 +67,10 @@ class RoundPlanOut(BaseModel):
     group: int | None
     group_members: list[str]
     rank: int | None
+    session: str | None = Field(
+        None, description="The group's process-group session: a member that holds it reuses its process group"
+    )
+    new_session: bool = Field(True, description="The session starts in this attempt: its members rendezvous first")
     needs_combining: bool
     parts: list[str]
     averaging_timeout: float

@@ -152,6 +152,27 @@ async def receive_to_file(request: Request, file: IO[bytes], limit: int) -> tupl
     return digest.hexdigest(), size
 
 
+async def fixed_chunks(request: Request, chunk_bytes: int, length: int) -> AsyncIterator[bytes]:
+    """The request body cut into chunks of `chunk_bytes` (the last one shorter), holding one at a
+    time; the body must be exactly `length` bytes (413 beyond it, 400 when it ends short)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > length:
+        raise BodyTooLarge(length, int(declared))
+    pending, size = bytearray(), 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > length:
+            raise BodyTooLarge(length)
+        pending += piece
+        while len(pending) >= chunk_bytes:
+            yield bytes(pending[:chunk_bytes])
+            del pending[:chunk_bytes]
+    if size != length:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"body ended after {size} of its {length} bytes")
+    if pending:
+        yield bytes(pending)
+
+
 def upload_body(request: Request, limit: int):
     """`async with upload_body(request, limit) as body:` through the app's UploadSlots."""
     return request.app.state.upload_slots.body(request, limit)

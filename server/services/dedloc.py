@@ -7,6 +7,11 @@ One job's round lives in Redis as one JSON document (`keys.dedloc_round`) that m
     reducing     --(every member reported the same result digest)--> accumulating at step + 1 (committed)
     reducing     --(a member failed, or averaging_timeout)--> matchmaking, attempt + 1 (aborted)
 
+Each group of a reduction has a process-group session (`sessions`). A group made of exactly the
+members, in the same ranks, of a group of the last round keeps that group's session when the last
+round committed (`kept`), so its members reuse their process group and skip the rendezvous; an
+abort forgets every kept session, so the retry's groups rendezvous anew whoever failed.
+
 Each transition is one read-modify-write under the job's Redis lock, so any number of scheduler
 workers agree. Nothing moves on a timer: the deadlines are checked by every peer request, and live
 peers poll at least every `report_interval` seconds.
@@ -50,6 +55,9 @@ class Round:
     examples: dict[str, int] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)
     relayed: list[str] = field(default_factory=list)
+    sessions: list[str] = field(default_factory=list)  # one per group (see the module docstring)
+    kept: dict[str, str] = field(default_factory=dict)  # group key -> session, from the last commit
+    formed: int = 0  # reductions formed in this job: (step, attempt) may repeat, a session must not
     done: dict[str, str] = field(default_factory=dict)
     state_step: int = 0
     finished: bool = False
@@ -57,6 +65,12 @@ class Round:
     @property
     def total(self) -> int:
         return sum(self.examples.values())
+
+    @property
+    def tag(self) -> str:
+        """Names the running reduction's new sessions: unique in the job, since a step that finds no
+        members goes back to accumulating and its next reduction is attempt 0 again."""
+        return f"{self.step}.{self.attempt}.{self.formed}"
 
     @property
     def plan(self) -> dedloc.RoundPlan:
@@ -163,15 +177,18 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
             rnd.examples = dict(rnd.ready)
             plan = dedloc.plan_round(rnd.members, relayed, spec.max_group_size)
             rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}
+            rnd.formed += 1
+            rnd.sessions = dedloc.group_sessions(plan.groups, rnd.kept, rnd.tag)
             rnd.phase, rnd.deadline = "reducing", now + spec.averaging_timeout
             dropped = sorted(set(rnd.candidates) - set(rnd.ready))
             log.info(
-                "job %s: step %d attempt %d reduces %d examples: groups %s, relayed %s%s",
+                "job %s: step %d attempt %d reduces %d examples: groups %s (sessions %s), relayed %s%s",
                 job_id,
                 rnd.step,
                 rnd.attempt,
                 rnd.total,
                 rnd.groups,
+                rnd.sessions,
                 rnd.relayed,
                 f", without {dropped}" if dropped else "",
             )
@@ -199,6 +216,7 @@ def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str
     )
     rnd.candidates, rnd.ready, rnd.done = [m for m in rnd.members if m not in shut_out], {}, {}
     rnd.members, rnd.examples, rnd.groups, rnd.relayed = [], {}, [], []
+    rnd.sessions, rnd.kept = [], {}  # a member may hold a broken process group: every group meets anew
     rnd.phase, rnd.attempt = "matchmaking", rnd.attempt + 1
     rnd.deadline = time.time() + spec.matchmaking_timeout
 
@@ -239,8 +257,10 @@ def record_done(
         len(rnd.members),
         rnd.total,
     )
+    rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
     rnd.step, rnd.phase, rnd.attempt = step + 1, "accumulating", 0
     rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
+    rnd.sessions = []
     r.expire(keys.dedloc_progress(job_id, step), ARTIFACT_TTL)
     return commit
 

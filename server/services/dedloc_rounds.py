@@ -1,14 +1,13 @@
 """Service layer of the DeDLOC mode, a round's bookkeeping: what a peer's progress report does and
-what it is told to do next, a member's outcome of its reduction, the torch.distributed Store of its
-all-reduce group, and the parts of a round and their total. The job's side (opening, joining,
-states) is in crowdtrain.server.services.dedloc_jobs, the round's phases themselves in
-crowdtrain.server.services.dedloc; the routes only move data in and out."""
+what it is told to do next, a member's outcome of its reduction, and the torch.distributed Store of
+its all-reduce group. The parts of a round and their total are in crowdtrain.server.services.dedloc_relay,
+the job's side (opening, joining, states) in crowdtrain.server.services.dedloc_jobs, the round's phases
+themselves in crowdtrain.server.services.dedloc; the routes only move data in and out."""
 
 import base64
 import time
 from typing import Any, cast
 
-import numpy as np
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,7 +24,6 @@ from crowdtrain.core.schemas_dedloc import (
     StoreOp,
     StoreReply,
 )
-from crowdtrain.core.tensors import decode, encode
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.services import dedloc
 from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
@@ -35,6 +33,8 @@ from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_v
 def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
     group = dedloc.group_of(rnd, peer_id)
     members = rnd.groups[group] if group is not None else []
+    # A round written before sessions existed has none: its groups rendezvous for that round only.
+    session = rnd.sessions[group] if group is not None and group < len(rnd.sessions) else None
     return RoundPlanOut(
         step=rnd.step,
         attempt=rnd.attempt,
@@ -45,6 +45,8 @@ def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
         group=group,
         group_members=members,
         rank=members.index(peer_id) if group is not None else None,
+        session=session,
+        new_session=session is None or math.new_session(session, rnd.tag),
         needs_combining=rnd.plan.needs_combining,
         parts=rnd.plan.parts,
         averaging_timeout=spec.averaging_timeout,
@@ -149,7 +151,7 @@ def report(
     return Outcome.recorded if ok else Outcome.aborted
 
 
-def _running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
+def running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
     try:
         dedloc.touch(r, job_id, peer_id, host_id)
         rnd = joined_round(r, job_id)
@@ -171,7 +173,7 @@ def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
     Keys live under a prefix per job, step, attempt and group, expire after an hour, and can be
     touched only by that group's members while the attempt runs.
     """
-    rnd = _running_member(r, job_id, host_id, req.peer_id, step, attempt)
+    rnd = running_member(r, job_id, host_id, req.peer_id, step, attempt)
     group = dedloc.group_of(rnd, req.peer_id)
     if group is None:
         raise DedlocProblem(RefusalKind.forbidden, f"peer {req.peer_id} is relayed: it has no all-reduce group")
@@ -219,44 +221,3 @@ def _wait_for(fetch, seconds: float):
         if got is not None or time.monotonic() >= end:
             return got
         time.sleep(0.005)
-
-
-def put_part(
-    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, body: bytes
-) -> Outcome:
-    """A group's sum (from its rank 0) or a relayed member's weighted gradient. When every part of
-    the round is in, their sum is computed once, in the plan's order, for every member to download."""
-    rnd = _running_member(r, job_id, host_id, peer_id, step, attempt)
-    group = dedloc.group_of(rnd, peer_id)
-    mine = f"relay-{peer_id}" if group is None else f"group-{group}"
-    if part != mine or (group is not None and rnd.groups[group][0] != peer_id):
-        raise DedlocProblem(
-            RefusalKind.forbidden,
-            f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, uploaded by the group's rank 0)",
-        )
-    try:
-        tensors = decode(body)
-    except ValueError as exc:
-        raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
-    if set(tensors) != {"g"} or tensors["g"].dtype != np.float32 or tensors["g"].ndim != 1:
-        raise DedlocProblem(RefusalKind.malformed, "a part is one 1-D float32 tensor named 'g'")
-    r.set(keys.dedloc_part(job_id, step, attempt, part), body, ex=dedloc.ARTIFACT_TTL)
-    with dedloc.lock(r, job_id):
-        names = [keys.dedloc_part(job_id, step, attempt, p) for p in rnd.plan.parts]
-        blobs = [b for b in r.mget(names) if isinstance(b, bytes)]  # a missing part is None
-        if len(blobs) == len(names) and not r.exists(keys.dedloc_total(job_id, step, attempt)):
-            parts = [decode(b) for b in blobs]
-            if len({p["g"].shape for p in parts}) != 1:
-                raise DedlocProblem(RefusalKind.malformed, "parts of this round differ in size")
-            total = math.combine_parts(parts)
-            r.set(keys.dedloc_total(job_id, step, attempt), encode(total), ex=dedloc.ARTIFACT_TTL)
-            return Outcome.combined
-    return Outcome.stored
-
-
-def get_total(
-    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, wait: float
-) -> bytes | None:
-    """The round's combined sum, or None if not every part is in yet (after up to `wait` seconds)."""
-    _running_member(r, job_id, host_id, peer_id, step, attempt)
-    return _wait_for(lambda: r.get(keys.dedloc_total(job_id, step, attempt)), wait)

@@ -1,10 +1,12 @@
 """`/v1/dedloc`: the rendezvous of the synchronous DeDLOC mode (peers use their host token)."""
 
-from fastapi import APIRouter, HTTPException, Request, status
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from typing import Annotated
 
-from crowdtrain.core.schemas import Finite, Id
+from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response, StreamingResponse
+
+from crowdtrain.core.schemas import INT32_MAX, Id
 from crowdtrain.core.schemas_dedloc import (
     AbortOut,
     CommitOut,
@@ -20,9 +22,15 @@ from crowdtrain.core.schemas_dedloc import (
     StoreOpName,
     StoreReply,
 )
-from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, octet_stream_body, upload_body
+from crowdtrain.server.api.boundary import (
+    UPLOAD_RESPONSES,
+    BodyTooLarge,
+    fixed_chunks,
+    octet_stream_body,
+    upload_body,
+)
 from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.services import dedloc_jobs, dedloc_rounds
+from crowdtrain.server.services import dedloc_jobs, dedloc_relay, dedloc_rounds
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
 admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "admin"], dependencies=[AdminDep])
@@ -72,7 +80,7 @@ def store(job_id: Id, step: Id, attempt: Id, op: str, req: StoreOp, host_id: Hos
     "/rounds/{step}/{attempt}/parts/{part}",
     response_model=ReplyOk,
     responses=UPLOAD_RESPONSES,
-    openapi_extra=octet_stream_body("One float32 tensor 'g' (safetensors)"),
+    openapi_extra=octet_stream_body("`size` float32, raw little-endian, streamed"),
 )
 async def put_part(
     job_id: Id,
@@ -80,33 +88,42 @@ async def put_part(
     attempt: Id,
     part: str,
     peer_id: str,
+    size: Annotated[int, Query(ge=1, le=INT32_MAX)],
     request: Request,
     host_id: HostDep,
     r: RedisDep,
     settings: SettingsDep,
 ) -> ReplyOk:
-    """A group's sum or a relayed member's weighted gradient (safetensors, one float32 tensor 'g')."""
-    async with upload_body(request, settings.upload_max_bytes) as body:
-        return ReplyOk(
-            status=await run_in_threadpool(
-                dedloc_rounds.put_part, r, job_id, host_id, peer_id, step, attempt, part, body
-            )
-        )
+    """A group's sum or a relayed member's weighted gradient, streamed: stored and summed chunk by chunk."""
+    if 4 * size > settings.upload_max_bytes:
+        raise BodyTooLarge(settings.upload_max_bytes, 4 * size)
+    parts = await run_in_threadpool(dedloc_relay.check_part, r, job_id, host_id, peer_id, step, attempt, part, size)
+    outcome, index = Outcome.stored, 0
+    async for chunk in fixed_chunks(request, dedloc_relay.CHUNK_BYTES, 4 * size):
+        if await run_in_threadpool(dedloc_relay.put_chunk, r, job_id, step, attempt, parts, part, index, chunk):
+            outcome = Outcome.combined
+        index += 1
+    return ReplyOk(status=outcome)
 
 
 @router.get(
     "/rounds/{step}/{attempt}/total",
-    response_class=Response,
-    responses={204: {"description": "Parts of the round are still missing: ask again"}},
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}, "description": "`size` float32, streamed"}},
 )
 def get_total(
-    job_id: Id, step: Id, attempt: Id, peer_id: str, host_id: HostDep, r: RedisDep, wait: Finite = 2.0
-) -> Response:
-    """The sum of every part of the round: 200 with safetensors, or 204 while parts are missing."""
-    blob = dedloc_rounds.get_total(r, job_id, host_id, peer_id, step, attempt, min(max(wait, 0.0), 5.0))
-    if blob is None:
-        return Response(status_code=status.HTTP_204_NO_CONTENT)
-    return Response(blob, media_type="application/octet-stream")
+    job_id: Id,
+    step: Id,
+    attempt: Id,
+    peer_id: str,
+    size: Annotated[int, Query(ge=1, le=INT32_MAX)],
+    host_id: HostDep,
+    r: RedisDep,
+) -> StreamingResponse:
+    """The sum of every part of the round, streamed as it is summed; a body shorter than `size`
+    float32 means the attempt ended before its total was complete."""
+    chunks = dedloc_relay.total_chunks(r, job_id, host_id, peer_id, step, attempt, size)
+    return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
 @router.put(

@@ -52,6 +52,28 @@ def test_group_sums_combined_equal_the_global_weighted_average() -> None:
     np.testing.assert_allclose(combined["w"], expected, rtol=1e-5, atol=1e-7)
 
 
+def test_a_group_keeps_its_session_only_when_it_meets_again_unchanged() -> None:
+    kept = {dedloc.group_key(["a", "b"]): "3.0.0", dedloc.group_key(["c", "d"]): "3.0.1"}
+    sessions = dedloc.group_sessions([["a", "b"], ["c", "e"], ["d", "c"]], kept, "4.1.7")
+    assert sessions == ["3.0.0", "4.1.7.1", "4.1.7.2"]  # same members in other ranks is another group
+    assert [dedloc.new_session(s, "4.1.7") for s in sessions] == [False, True, True]
+    assert not dedloc.new_session("4.1.7.2", "4.1.77") and not dedloc.new_session("14.1.7.2", "4.1.7")
+
+
+def test_the_relay_sums_chunk_by_chunk_to_the_bits_of_whole_parts() -> None:
+    rng = np.random.default_rng(1)
+    size = 2 * dedloc.RELAY_CHUNK_FLOATS + 5
+    parts = [{"g": rng.normal(size=size).astype(np.float32)} for _ in range(3)]
+    whole = dedloc.combine_parts(parts)["g"].tobytes()
+    chunks = [
+        dedloc.combine_chunks([p["g"][i : i + dedloc.RELAY_CHUNK_FLOATS].tobytes() for p in parts])
+        for i in range(0, size, dedloc.RELAY_CHUNK_FLOATS)
+    ]
+    assert dedloc.chunk_count(size) == len(chunks) == 3 and b"".join(chunks) == whole
+    with pytest.raises(ValueError):
+        dedloc.combine_chunks([b"\0" * 8, b"\0" * 4])
+
+
 def test_combine_refuses_mismatched_parts() -> None:
     with pytest.raises(ValueError):
         dedloc.combine_parts([{"w": np.zeros(2)}, {"v": np.zeros(2)}])

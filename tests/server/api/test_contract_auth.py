@@ -18,8 +18,8 @@ HOST_ROUTES = [
     ("POST", "/v1/dedloc/jobs/1/progress"),
     ("POST", "/v1/dedloc/jobs/1/rounds/0/0/report"),
     ("POST", "/v1/dedloc/jobs/1/rounds/0/0/store/set"),
-    ("PUT", "/v1/dedloc/jobs/1/rounds/0/0/parts/p?peer_id=x"),
-    ("GET", "/v1/dedloc/jobs/1/rounds/0/0/total?peer_id=x"),
+    ("PUT", "/v1/dedloc/jobs/1/rounds/0/0/parts/p?peer_id=x&size=1"),
+    ("GET", "/v1/dedloc/jobs/1/rounds/0/0/total?peer_id=x&size=1"),
     ("PUT", "/v1/dedloc/jobs/1/states/1?peer_id=x"),
     ("GET", "/v1/dedloc/jobs/1/states/latest"),
 ]

@@ -151,6 +151,54 @@ def test_dissenters_are_the_minority_or_everyone_on_a_tie() -> None:
     assert dissenters({"a": "x", "b": "y"}) == ["a", "b"]
 
 
+def _commit(r: redis.Redis, rnd: dedloc.Round, spec: DedlocSpec) -> None:
+    step, attempt = rnd.step, rnd.attempt
+    for peer in rnd.members:
+        dedloc.record_done(r, 1, rnd, spec, peer, step, attempt, "d")
+    assert rnd.step == step + 1, rnd
+
+
+def _close(r: redis.Redis, rnd: dedloc.Round, spec: DedlocSpec, **examples: int) -> None:
+    _report(r, rnd, **examples)
+    dedloc.advance(r, 1, rnd, spec, 10)
+    rnd.ready.update(examples)
+    time.sleep(spec.matchmaking_timeout + 0.05)
+    dedloc.advance(r, 1, rnd, spec, 10)
+    assert rnd.phase == "reducing", rnd
+
+
+def test_the_same_members_meet_again_in_their_kept_process_group(private_redis) -> None:
+    r, spec = private_redis, SPEC.model_copy(update={"max_group_size": 4})
+    rnd = _joined(r, "a", "b", "c")
+    _close(r, rnd, spec, a=50, b=50, c=50)
+    assert rnd.sessions == ["0.0.1.0"]
+    _commit(r, rnd, spec)
+    for step in (1, 2):
+        _close(r, rnd, spec, a=50, b=50, c=50)
+        assert rnd.step == step and rnd.sessions == ["0.0.1.0"], "no new rendezvous for the same members"
+        _commit(r, rnd, spec)
+
+
+def test_a_member_gone_or_an_abort_makes_a_new_process_group(private_redis) -> None:
+    r, spec = private_redis, SPEC.model_copy(update={"max_group_size": 4})
+    rnd = _joined(r, "a", "b", "c")
+    _close(r, rnd, spec, a=50, b=50, c=50)
+    _commit(r, rnd, spec)
+    _close(r, rnd, spec, a=60, b=60)  # c is gone: a and b meet without it
+    assert rnd.members == ["a", "b"] and rnd.sessions == ["1.0.2.0"]
+    dedloc.record_done(r, 1, rnd, spec, "a", 1, 0, "d")
+    time.sleep(spec.averaging_timeout + 0.05)  # b never reports: the attempt is aborted
+    dedloc.advance(r, 1, rnd, spec, 10)
+    assert rnd.phase == "matchmaking" and rnd.kept == {}
+    rnd.ready.update(a=60, b=60)
+    time.sleep(spec.matchmaking_timeout + 0.05)
+    dedloc.advance(r, 1, rnd, spec, 10)
+    assert rnd.members == ["a", "b"] and rnd.sessions == ["1.1.3.0"], "a retry never reuses a group that failed"
+    _commit(r, rnd, spec)
+    _close(r, rnd, spec, a=60, b=60)
+    assert rnd.sessions == ["1.1.3.0"]
+
+
 def test_no_step_closes_past_max_steps(private_redis) -> None:
     r = private_redis
     rnd = _joined(r, "a")
@@ -241,7 +289,9 @@ def test_parts_and_states_only_from_members(api) -> None:
     cluster, job_id, _, hosts, peer = api
     blob = encode({"g": np.zeros(4, np.float32)})
     resp = hosts["alice"].put(
-        f"/v1/dedloc/jobs/{job_id}/rounds/0/0/parts/group-0", params={"peer_id": peer}, content=blob
+        f"/v1/dedloc/jobs/{job_id}/rounds/0/0/parts/group-0",
+        params={"peer_id": peer, "size": 4},
+        content=np.zeros(4, np.float32).tobytes(),
     )
     assert resp.status_code == 409
     resp = hosts["alice"].put(f"/v1/dedloc/jobs/{job_id}/states/1", params={"peer_id": peer}, content=blob)

@@ -1,0 +1,99 @@
+"""Service layer of the DeDLOC mode, the relay: the parts of a round that needs combining (each
+group's sum from its rank 0, each relayed member's weighted gradient) and their total.
+
+A part travels as raw little-endian float32, cut into chunks of `RELAY_CHUNK_FLOATS` that go to
+Redis as they arrive. Chunk i of the total is chunk i of every part added in the plan's order
+(`combine_chunks`, the same bits as `combine_parts` over whole parts); the upload that completes it
+computes it, writes it once (SET NX: two that race write the same bytes) and deletes the parts'
+chunks. Members read the total chunk by chunk as it is written, so nothing holds a whole part and
+the sum of the first chunks travels while the last ones are still being uploaded.
+"""
+
+import time
+from collections.abc import Iterator
+
+import redis
+
+from crowdtrain.core import dedloc as math
+from crowdtrain.core import keys
+from crowdtrain.core.refusals import RefusalKind
+from crowdtrain.server.services import dedloc
+from crowdtrain.server.services.dedloc_jobs import DedlocProblem, joined_round
+from crowdtrain.server.services.dedloc_rounds import running_member
+
+CHUNK_BYTES = 4 * math.RELAY_CHUNK_FLOATS
+POLL = 0.002  # seconds between looks for a chunk of the total that is not summed yet
+RECHECK = 0.5  # seconds between looks at whether the round still runs, while a reader waits
+
+
+def check_part(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, size: int
+) -> list[str]:
+    """Refuse the upload of `part` unless it is the caller's (a relayed member's own, or its group's
+    from the group's rank 0) in the running attempt and `size` is the round's; the round's parts."""
+    rnd = running_member(r, job_id, host_id, peer_id, step, attempt)
+    group = dedloc.group_of(rnd, peer_id)
+    mine = f"relay-{peer_id}" if group is None else f"group-{group}"
+    if part != mine or (group is not None and rnd.groups[group][0] != peer_id):
+        raise DedlocProblem(
+            RefusalKind.forbidden,
+            f"peer {peer_id} may not upload part {part!r} (its part is {mine!r}, uploaded by the group's rank 0)",
+        )
+    _check_size(r, job_id, step, attempt, size)
+    return rnd.plan.parts
+
+
+def _check_size(r: redis.Redis, job_id: int, step: int, attempt: int, size: int) -> None:
+    name = keys.dedloc_part_size(job_id, step, attempt)
+    r.set(name, size, nx=True, ex=dedloc.ARTIFACT_TTL)
+    agreed = int(r.get(name) or size)
+    if agreed != size:
+        raise DedlocProblem(RefusalKind.malformed, f"parts of this round have {agreed} floats, not {size}")
+
+
+def put_chunk(
+    r: redis.Redis, job_id: int, step: int, attempt: int, parts: list[str], part: str, index: int, chunk: bytes
+) -> bool:
+    """Store chunk `index` of `part`; True when that completed chunk `index` of the total."""
+    r.set(keys.dedloc_part(job_id, step, attempt, part, index), chunk, ex=dedloc.ARTIFACT_TTL)
+    names = [keys.dedloc_part(job_id, step, attempt, p, index) for p in parts]
+    chunks = [c for c in r.mget(names) if isinstance(c, bytes)]  # a chunk not uploaded yet is None
+    total = keys.dedloc_total(job_id, step, attempt, index)
+    if len(chunks) < len(names) or r.exists(total):
+        return False
+    try:
+        summed = math.combine_chunks(chunks)
+    except ValueError as exc:
+        raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
+    r.set(total, summed, ex=dedloc.ARTIFACT_TTL, nx=True)
+    r.delete(*names)
+    return True
+
+
+def total_chunks(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, size: int
+) -> Iterator[bytes]:
+    """The round's total, chunk by chunk as it is summed, for a member of the running attempt.
+
+    Refuses at once (before anything is sent) a caller that is not a member or a size that is not
+    the round's; the stream ends early when the attempt ends (aborted or timed out) before its total
+    is complete, and the member sees a short body.
+    """
+    running_member(r, job_id, host_id, peer_id, step, attempt)
+    _check_size(r, job_id, step, attempt, size)
+    return _stream_total(r, job_id, step, attempt, size)
+
+
+def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: int) -> Iterator[bytes]:
+    for index in range(math.chunk_count(size)):
+        name, checked = keys.dedloc_total(job_id, step, attempt, index), time.monotonic()
+        while (chunk := r.get(name)) is None:
+            if time.monotonic() - checked > RECHECK:
+                rnd, checked = joined_round(r, job_id), time.monotonic()
+                if rnd.phase != "reducing" or (rnd.step, rnd.attempt) != (step, attempt):
+                    return
+                if time.time() > rnd.deadline:
+                    return
+            time.sleep(POLL)
+        assert isinstance(chunk, bytes)  # ours are bytes (no `decode_responses`)
+        yield chunk
