@@ -429,12 +429,9 @@ def claim_workunits(c: Connection, job_id: int, reliable: bool, limit: int, cach
         claimed += sorted(((wu_id, epoch, shard_id) for wu_id, epoch, shard_id in rows), key=lambda w: (w[1], w[0]))
     if not claimed:
         return []
-    shards = {row.id: row for row in c.execute(_SHARDS, {"ids": sorted({shard_id for _, _, shard_id in claimed})})}
-    return [
-        Claim(wu_id, epoch, sh.id, sh.index, sh.epoch, sh.key, sh.sha256, sh.size)
-        for wu_id, epoch, shard_id in claimed
-        for sh in (shards[shard_id],)
-    ]
+    # Rows are read by position: a row's `index` would be the tuple method, not the column.
+    shards = {row[0]: row for row in c.execute(_SHARDS, {"ids": sorted({shard_id for _, _, shard_id in claimed})})}
+    return [Claim(wu_id, epoch, *shards[shard_id]) for wu_id, epoch, shard_id in claimed]
 
 
 _OPEN_ASSIGNMENT = insert(Assignment).returning(Assignment.workunit_id, Assignment.id, sort_by_parameter_order=True)

@@ -9,11 +9,12 @@ import pytest
 from sqlalchemy import func, select
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.schemas import WorkReply
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
-from crowdtrain.server.ledger.models import Assignment, Job, Workunit
+from crowdtrain.server.ledger.models import Assignment, Job, Shard, Workunit
 from crowdtrain.server.services.transitioner import close_finished_epochs
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
@@ -203,3 +204,34 @@ def test_a_heartbeat_reply_carries_the_extended_deadline(scheduler) -> None:
     assert beat["keep_going"] is True
     sent_deadline, extended = (datetime.fromisoformat(d) for d in (given["deadline"], beat["deadline"]))
     assert extended > sent_deadline  # now + deadline_seconds, counted from the heartbeat
+
+
+def test_a_work_reply_describes_each_assignment_as_the_ledger_holds_it(scheduler) -> None:
+    """The reply is built from plain rows, unvalidated: every field must still be the ledger's, of its
+    wire type, and the reply must read back as the schema says."""
+    spec = load_job_spec(EXAMPLE_SPEC)
+    created = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers)
+    assert created.status_code == 201, created.text
+    host = scheduler.register_host()
+    reply = scheduler.http.post("/v1/work", json={"free_slots": 3}, headers=host)
+    assert reply.status_code == 200
+    given = WorkReply.model_validate_json(reply.content).assignments
+    assert len(given) == 3
+    with scheduler.db.begin() as s:
+        job = s.get_one(Job, created.json()["job_id"])
+        for a in given:
+            row = s.get_one(Assignment, a.assignment_id)
+            wu = s.get_one(Workunit, a.workunit_id)
+            shard = s.get_one(Shard, wu.shard_id)
+            assert (row.workunit_id, row.host_id, row.base_version) == (wu.id, row.host_id, job.snapshot_version)
+            assert (a.job_id, a.epoch, a.shard_index, a.base_version) == (
+                job.id,
+                wu.epoch,
+                shard.index,
+                job.snapshot_version,
+            )
+            assert (a.shard.sha256, a.shard.size) == (shard.sha256, shard.size)
+            assert (a.snapshot.sha256, a.snapshot.size) == (job.snapshot_sha256, job.param_bytes)
+            assert a.deadline.tzinfo is not None and a.deadline.replace(tzinfo=None) == row.deadline
+            assert a.recipe.seed == job.spec["seed"] + a.assignment_id and a.recipe.model == job.model_config_
+    assert sorted(a.shard_index for a in given) == sorted({a.shard_index for a in given}), "three distinct shards"
