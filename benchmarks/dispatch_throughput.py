@@ -325,7 +325,7 @@ def parse_scales(text_: str) -> list[tuple[int, int]]:
         scales.append((int(hosts), int(ready)))
     if any(h < 1 or r < 1 for h, r in scales):
         raise ValueError("every scale needs hosts >= 1 and ready workunits >= 1")
-    return sorted(scales)
+    return sorted(scales, key=lambda hr: (hr[1], hr[0]))  # ready workunits only grow between windows
 
 
 def run(var_dir: Path, scales: list[tuple[int, int]], concurrency: int, warmup: float, seconds: float) -> dict:

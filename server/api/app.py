@@ -16,6 +16,7 @@ from crowdtrain.core import logs
 from crowdtrain.core.schemas import Health
 from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
+from crowdtrain.server.api.deps import Clients
 from crowdtrain.server.api.routes import admin, dashboard, datasets, dedloc, files, hosts, jobs, metrics, work
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="crowdtrain scheduler", version="0.1.0", responses=boundary.ERROR_RESPONSES, lifespan=_announce_serving
     )
     boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
-    # Read by crowdtrain.server.api.deps.app_settings. Not a dependency override: FastAPI analyses an
+    # Read by crowdtrain.server.api.deps. Not a dependency override: FastAPI analyses an
     # override's signature again on every request, which cost a third of a work request's CPU.
-    app.state.settings = settings
+    app.state.clients = Clients(settings)
     for module in (hosts, work, files, jobs, datasets, admin, metrics):
         app.include_router(module.router)
     app.include_router(dedloc.router)

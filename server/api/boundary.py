@@ -15,12 +15,13 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import IO
+from typing import IO, TypeVar
 
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,6 +29,7 @@ from crowdtrain.core.refusals import Refusal, RefusalKind
 from crowdtrain.core.schemas import ErrorOut
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 # The one translation of the domain's refusals into HTTP.
 REFUSAL_STATUS: dict[RefusalKind, int] = {
@@ -56,6 +58,35 @@ def octet_stream_body(description: str) -> dict:
             "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
         }
     }
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` of a route that parses its JSON body itself (`parse_json_body`): the body `model`
+    describes, required."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: object) -> object:  # the models' own definitions, in place of references to them
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
+def parse_json_body(model: type[M], body: bytes) -> M:
+    """A JSON request body as `model`, refused as FastAPI refuses a body it parses (422, RequestValidationError)."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)], body=body
+        ) from None
 
 
 class BodyTooLarge(HTTPException):

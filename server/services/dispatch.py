@@ -14,7 +14,7 @@ the ORM rows they need and run the ledger's procedures in the same transaction.
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,7 +26,7 @@ from crowdtrain.core import frameworks
 from crowdtrain.core.jobspec import VC_ASGD, SchedulingSpec, ValidationSpec, scheduling_of, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import RefusalKind
-from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources, SignedRecipe
+from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources, SignedRecipe, WorkRequest
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.updates import upload_of
@@ -192,16 +192,14 @@ def serve_work(
     db: sessionmaker[Session],
     storage: Storage,
     token: str,
-    free_slots: int,
-    cached: list[str],
-    resources: Resources | None,
+    read_request: Callable[[], WorkRequest],
     presign_seconds: int = 900,
-    refused_jobs: frozenset[int] = frozenset(),
-) -> list[AssignmentOut]:
-    """Authenticate the host by its bearer `token` (NotAuthorized if it is no live host's) and give it
-    up to `free_slots` assignments, in one transaction: ready workunits of the jobs it can run and has
-    not refused (their recipe unsigned or signed by a key the host does not trust), split by fair
-    share (crowdtrain.server.services.fair_share); then, for slots no job can fill, duplicates of
+) -> tuple[WorkRequest, list[AssignmentOut]]:
+    """Authenticate the host by its bearer `token` (NotAuthorized if it is no live host's), then read
+    its request (`read_request`, which may refuse it) and give it up to `free_slots` assignments, all
+    in one transaction: ready workunits of the jobs it can run and has not refused (their recipe
+    unsigned or signed by a key the host does not trust), split by fair share
+    (crowdtrain.server.services.fair_share); then, for slots no job can fill, duplicates of
     stragglers (crowdtrain.server.ledger.duplicates). Replicas that jobs validating their results want
     come first (crowdtrain.server.ledger.replicas). No workunit is ever held by two hosts at once,
     except a straggler's and its one duplicate, and a replicated workunit's replicas. A quarantined
@@ -210,7 +208,18 @@ def serve_work(
         host = c.execute(_HOST_BY_TOKEN, {"token_hash": hash_token(token)}).first()
         if host is None or host.revoked:
             raise NotAuthorized("unknown or revoked host token", RefusalKind.unauthenticated)
-        return _dispatch(c, storage, host, free_slots, cached, resources, presign_seconds, refused_jobs)
+        req = read_request()
+        given = _dispatch(
+            c,
+            storage,
+            host,
+            req.free_slots,
+            req.cached_shards,
+            req.resources,
+            presign_seconds,
+            frozenset(req.refused_jobs),
+        )
+        return req, given
 
 
 def _engine(db: sessionmaker[Session]) -> Engine:

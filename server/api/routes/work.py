@@ -2,10 +2,8 @@ import time
 from functools import partial
 from typing import Annotated
 
-import redis
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
@@ -18,47 +16,51 @@ from crowdtrain.core.schemas import (
     WorkReply,
     WorkRequest,
 )
-from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus
-from crowdtrain.core.storage import Storage
-from crowdtrain.server.api.boundary import UPLOAD_RESPONSES, BodyTooLarge, octet_stream_body, upload_body
-from crowdtrain.server.api.deps import DbDep, HostDep, HostTokenDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.api.boundary import (
+    UPLOAD_RESPONSES,
+    BodyTooLarge,
+    json_body,
+    octet_stream_body,
+    parse_json_body,
+    upload_body,
+)
+from crowdtrain.server.api.deps import DbDep, HostCall, HostCallDep, HostDep, RedisDep, SettingsDep, StorageDep
 from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused
 from crowdtrain.server.services import dispatch, project_key, telemetry
+from crowdtrain.server.services.hosts import NotAuthorized
 
 router = APIRouter(prefix="/v1", tags=["work"])
 
 
-@router.post("/work", response_model=WorkReply)
-async def request_work(
-    req: WorkRequest, token: HostTokenDep, db: DbDep, storage: StorageDep, r: RedisDep, settings: SettingsDep
-) -> Response:
-    """Ask for up to `free_slots` assignments."""
-    body = await run_in_threadpool(_serve_work, req, token, db, storage, r, settings)
+@router.post("/work", response_model=WorkReply, openapi_extra=json_body(WorkRequest))
+async def request_work(request: Request, call: HostCallDep) -> Response:
+    """Ask for up to `free_slots` assignments (a WorkRequest body).
+
+    The body is read by the route itself, after the token is authenticated, so that a wrong token is
+    answered 401 whatever the body; FastAPI would validate it first."""
+    body = await request.body()
+    try:
+        reply = await run_in_threadpool(_serve_work, body, call)
+    except NotAuthorized:
+        call.budget.spend()
+        raise
     # Serialised here, once: the reply is built from validated parts, and FastAPI would validate it again.
-    return Response(body, media_type="application/json")
+    return Response(reply, media_type="application/json")
 
 
-def _serve_work(
-    req: WorkRequest, token: str, db: sessionmaker[Session], storage: Storage, r: redis.Redis, settings: Settings
-) -> bytes:
+def _serve_work(body: bytes, call: HostCall) -> bytes:
     """One thread-pool hop for the whole request: authentication and dispatch in one transaction
     (crowdtrain.server.services.dispatch.serve_work), the telemetry counters, the answer's bytes."""
-    assignments = dispatch.serve_work(
-        db,
-        storage,
-        token,
-        req.free_slots,
-        req.cached_shards,
-        req.resources,
-        settings.presign_seconds,
-        frozenset(req.refused_jobs),
+    settings = call.settings
+    req, assignments = dispatch.serve_work(
+        call.db, call.storage, call.token, lambda: parse_json_body(WorkRequest, body), settings.presign_seconds
     )
     cached = set(req.cached_shards)
     hits = [a.shard.size for a in assignments if a.shard.sha256 in cached]
     telemetry.count(
-        r,
+        call.r,
         "work_requests",
         dispatches=len(assignments),
         dispatches_cached_shard=len(hits),
@@ -70,7 +72,7 @@ def _serve_work(
             assignments=assignments,
             retry_after=settings.work_retry_after,
             heartbeat_interval=settings.heartbeat_interval,
-            key_rotations=project_key.rotations(db) if any(a.signed for a in assignments) else [],
+            key_rotations=project_key.rotations(call.db) if any(a.signed for a in assignments) else [],
         )
         .model_dump_json()
         .encode()

@@ -15,6 +15,7 @@ HOST_ROUTES = [
     ("GET", "/v1/shards/1"),
     ("GET", "/v1/jobs/1/snapshots/0"),
     ("POST", "/v1/dedloc/jobs/1/join"),
+    ("POST", "/v1/dedloc/jobs/1/refusal"),
     ("POST", "/v1/dedloc/jobs/1/progress"),
     ("POST", "/v1/dedloc/jobs/1/rounds/0/0/report"),
     ("POST", "/v1/dedloc/jobs/1/rounds/0/0/store/set"),
