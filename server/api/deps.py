@@ -158,12 +158,11 @@ class HostCall:
 
 async def host_call(request: Request, creds: BearerDep) -> HostCall:
     """The host token the request carries (401 if none), for a route that authenticates it inside its
-    own transaction; refused at once (Throttled) if the address has used up its failure budget. The
-    route spends the budget when its authentication fails (`HostCall.budget`)."""
+    own transaction and checks and spends the address's failure budget itself (`HostCall.budget`,
+    crowdtrain.server.services.throttle.FailureBudget.admit)."""
     clients = _clients(request)
     address = request.client.host if request.client else "unknown"
     budget = FailureBudget(clients.redis, address, clients.settings.auth_failures_per_minute)
-    budget.check()
     if creds is None:
         raise _unauthorized("missing host token (Authorization: Bearer ...)")
     return HostCall(creds.credentials, clients.settings, clients.db, clients.storage, clients.redis, budget)

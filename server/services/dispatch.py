@@ -194,6 +194,7 @@ def serve_work(
     token: str,
     read_request: Callable[[], WorkRequest],
     presign_seconds: int = 900,
+    before_commit: Callable[[WorkRequest, list[AssignmentOut]], None] | None = None,
 ) -> tuple[WorkRequest, list[AssignmentOut]]:
     """Authenticate the host by its bearer `token` (NotAuthorized if it is no live host's), then read
     its request (`read_request`, which may refuse it) and give it up to `free_slots` assignments, all
@@ -203,7 +204,8 @@ def serve_work(
     stragglers (crowdtrain.server.ledger.duplicates). Replicas that jobs validating their results want
     come first (crowdtrain.server.ledger.replicas). No workunit is ever held by two hosts at once,
     except a straggler's and its one duplicate, and a replicated workunit's replicas. A quarantined
-    host gets nothing."""
+    host gets nothing. `before_commit` sees what is given before it is committed, and may still undo
+    it all by raising."""
     with _engine(db).begin() as c:
         host = c.execute(_HOST_BY_TOKEN, {"token_hash": hash_token(token)}).first()
         if host is None or host.revoked:
@@ -219,6 +221,8 @@ def serve_work(
             presign_seconds,
             frozenset(req.refused_jobs),
         )
+        if before_commit is not None:
+            before_commit(req, given)
         return req, given
 
 

@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
+from crowdtrain.core.schemas import AssignmentOut
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
 
@@ -44,6 +45,20 @@ def count(r: redis.Redis, event: str, n: int = 1, **more: int) -> None:
             pipe.execute()
     except redis.RedisError as exc:
         log.debug("metrics %s not counted: %s", sorted(events), exc)
+
+
+def work_request_events(cached_shards: list[str], given: list[AssignmentOut]) -> dict[str, int]:
+    """The counters one work request adds: itself, its dispatches, and what the hosts' shard caches saved."""
+    cached = set(cached_shards)
+    hits = [a.shard.size for a in given if a.shard.sha256 in cached]
+    sent = sum(a.shard.size for a in given)
+    return {
+        "work_requests": 1,
+        "dispatches": len(given),
+        "dispatches_cached_shard": len(hits),
+        "shard_bytes_saved": sum(hits),
+        "shard_bytes_sent": sent - sum(hits),
+    }
 
 
 def observe_merge_latency(r: redis.Redis, seconds: float) -> None:

@@ -7,7 +7,9 @@ from fastapi.concurrency import run_in_threadpool
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
+from crowdtrain.core import keys
 from crowdtrain.core.schemas import (
+    AssignmentOut,
     ClientError,
     HeartbeatReply,
     Id,
@@ -41,37 +43,37 @@ async def request_work(request: Request, call: HostCallDep) -> Response:
     The body is read by the route itself, after the token is authenticated, so that a wrong token is
     answered 401 whatever the body; FastAPI would validate it first."""
     body = await request.body()
-    try:
-        reply = await run_in_threadpool(_serve_work, body, call)
-    except NotAuthorized:
-        call.budget.spend()
-        raise
+    reply = await run_in_threadpool(_serve_work, body, call)
     # Serialised here, once: the reply is built from validated parts, and FastAPI would validate it again.
     return Response(reply, media_type="application/json")
 
 
 def _serve_work(body: bytes, call: HostCall) -> bytes:
     """One thread-pool hop for the whole request: authentication and dispatch in one transaction
-    (crowdtrain.server.services.dispatch.serve_work), the telemetry counters, the answer's bytes."""
-    settings = call.settings
-    req, assignments = dispatch.serve_work(
-        call.db, call.storage, call.token, lambda: parse_json_body(WorkRequest, body), settings.presign_seconds
-    )
-    cached = set(req.cached_shards)
-    hits = [a.shard.size for a in assignments if a.shard.sha256 in cached]
-    telemetry.count(
-        call.r,
-        "work_requests",
-        dispatches=len(assignments),
-        dispatches_cached_shard=len(hits),
-        shard_bytes_saved=sum(hits),
-        shard_bytes_sent=sum(a.shard.size for a in assignments) - sum(hits),
-    )
+    (crowdtrain.server.services.dispatch.serve_work), then, before it commits, the failure budget's
+    check and the telemetry counters in one Redis round trip; the answer's bytes."""
+
+    def admit(req: WorkRequest, given: list[AssignmentOut]) -> None:
+        call.budget.admit(keys.METRIC_COUNTERS, telemetry.work_request_events(req.cached_shards, given))
+
+    try:
+        _, assignments = dispatch.serve_work(
+            call.db,
+            call.storage,
+            call.token,
+            lambda: parse_json_body(WorkRequest, body),
+            call.settings.presign_seconds,
+            admit,
+        )
+    except NotAuthorized:
+        call.budget.check()  # an address that has used up its failures is answered 429 from now on
+        call.budget.spend()
+        raise
     return (
         WorkReply(
             assignments=assignments,
-            retry_after=settings.work_retry_after,
-            heartbeat_interval=settings.heartbeat_interval,
+            retry_after=call.settings.work_retry_after,
+            heartbeat_interval=call.settings.heartbeat_interval,
             key_rotations=project_key.rotations(call.db) if any(a.signed for a in assignments) else [],
         )
         .model_dump_json()
