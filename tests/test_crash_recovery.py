@@ -5,10 +5,8 @@ import os
 import random
 import re
 import signal
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -97,7 +95,7 @@ class Crashes:
     def _kill(self) -> None:
         if self.name == "scheduler-worker":
             # One of the workers; uvicorn's supervisor (the service's process) starts a new one.
-            os.kill(random.choice(self._scheduler_workers()), signal.SIGKILL)
+            os.kill(random.choice(self.cluster.scheduler_workers()), signal.SIGKILL)
             return
         self.log_offset = self.service.log_path.stat().st_size
         self.service.signal(signal.SIGKILL)
@@ -121,7 +119,7 @@ class Crashes:
             return "transitioner running every" in log
         if self.name == "assimilator":  # Celery's worker has imported the merge task and consumes
             return re.search(r"celery\.apps\.worker: \S+ ready\.", log) is not None
-        workers = self._scheduler_workers()
+        workers = self.cluster.scheduler_workers()
         return len(workers) == self.cluster.server_workers and all(
             f"scheduler process {pid} serving" in log for pid in workers
         )
@@ -130,19 +128,6 @@ class Crashes:
         with self.service.log_path.open("rb") as f:
             f.seek(self.log_offset)
             return f.read().decode(errors="replace")
-
-    def _scheduler_workers(self) -> list[int]:
-        """The uvicorn supervisor's worker processes (its other child is multiprocessing's resource tracker)."""
-        found = subprocess.run(["pgrep", "-P", str(self.service.proc.pid)], capture_output=True, text=True).stdout
-        workers = []
-        for pid in map(int, found.split()):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:  # it exited since pgrep saw it
-                continue
-            if b"spawn_main" in cmdline:
-                workers.append(pid)
-        return workers
 
 
 @pytest.mark.parametrize("component", ["assimilator", "transitioner", "server", "scheduler-worker", "redis"])

@@ -217,6 +217,22 @@ class Cluster:
             raise
         return self
 
+    def scheduler_workers(self) -> list[int]:
+        """Pids of the scheduler's uvicorn worker processes (its supervisor's other child is
+        multiprocessing's resource tracker)."""
+        server = next(svc for svc in self.services if svc.name == "server")
+        assert server.proc is not None
+        found = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout
+        workers = []
+        for pid in map(int, found.split()):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:  # it exited since pgrep saw it
+                continue
+            if b"spawn_main" in cmdline:
+                workers.append(pid)
+        return workers
+
     def _healthy(self) -> bool:
         try:
             return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200

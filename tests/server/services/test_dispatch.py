@@ -1,5 +1,7 @@
 """Claiming work is atomic: simultaneous requests never get the same workunit."""
 
+import os
+import signal
 import threading
 import time
 from datetime import datetime
@@ -12,6 +14,7 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import WorkReply
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import open_storage
+from crowdtrain.launch.cluster import wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import next_epoch_releasable, release_epoch
 from crowdtrain.server.ledger.models import Assignment, Job, Shard, Workunit
@@ -235,3 +238,85 @@ def test_a_work_reply_describes_each_assignment_as_the_ledger_holds_it(scheduler
             assert a.deadline.tzinfo is not None and a.deadline.replace(tzinfo=None) == row.deadline
             assert a.recipe.seed == job.spec["seed"] + a.assignment_id and a.recipe.model == job.model_config_
     assert sorted(a.shard_index for a in given) == sorted({a.shard_index for a in given}), "three distinct shards"
+
+
+def test_a_scheduler_worker_killed_in_the_middle_of_claims_loses_nothing_and_gives_nothing_twice(
+    make_cluster, postgres_url
+) -> None:
+    """40 hosts ask for work back to back while one of the 3 scheduler workers is SIGKILLed. A claim
+    the dead worker had committed but never answered is an assignment no host knows of: it must time
+    out and its workunit be dispatched again. At no time is a workunit held by two assignments, and
+    every assignment a host was told of is in the ledger."""
+    cluster = make_cluster(postgres_url, server_workers=3)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.dataset.subsets = 150
+    spec.stop.max_epochs = 50
+    spec.scheduling.deadline_seconds = 6  # an orphaned assignment times out soon
+    spec.scheduling.duplicate_after_seconds = None
+    with cluster.admin() as http:
+        job_id = http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
+    tokens = register_hosts(cluster, 40)
+    told: dict[int, int] = {}  # assignment id -> workunit id, as the hosts were told
+    failures: list[str] = []
+    cut: list[str] = []  # requests the killed worker never answered
+    stop = threading.Event()
+
+    def ask(token: str) -> None:
+        while not stop.is_set():
+            try:
+                with httpx.Client(base_url=cluster.url, timeout=30, headers={"Authorization": f"Bearer {token}"}) as c:
+                    while not stop.is_set():
+                        resp = c.post("/v1/work", json={"free_slots": 1})
+                        if resp.status_code != 200:
+                            failures.append(f"{resp.status_code} {resp.text[:200]}")
+                            continue
+                        for a in resp.json()["assignments"]:
+                            told[a["assignment_id"]] = a["workunit_id"]
+            except httpx.TransportError as exc:  # the worker serving this connection died
+                cut.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=ask, args=(t,)) for t in tokens]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(told) >= 30, 60, "no work was dispatched")
+        victim = cluster.scheduler_workers()[0]
+        os.kill(victim, signal.SIGKILL)
+        dispatched_at_kill = len(told)
+        wait_for(lambda: len(told) >= dispatched_at_kill + 30, 60, "no work was dispatched after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not failures, failures[:3]
+
+    db = session_factory(postgres_url)
+
+    def ledger() -> tuple[dict[int, str], dict[int, list[int]]]:
+        with db.begin() as s:
+            wus = dict(s.execute(select(Workunit.id, Workunit.status).where(Workunit.job_id == job_id)).all())
+            live: dict[int, list[int]] = {}
+            for a_id, wu_id in s.execute(
+                select(Assignment.id, Assignment.workunit_id).where(
+                    Assignment.job_id == job_id, Assignment.status == AssignmentStatus.in_progress.value
+                )
+            ):
+                live.setdefault(wu_id, []).append(a_id)
+        return wus, live
+
+    wus, live = ledger()
+    assert all(len(held) == 1 for held in live.values()), "a workunit held by two assignments"
+    assert {wu for wu, st in wus.items() if st == WorkunitStatus.in_progress.value} == set(live)
+    held_ids = {a for held in live.values() for a in held}
+    assert set(told) <= held_ids, "a host was told of an assignment the ledger does not hold"
+    orphans = held_ids - set(told)
+    print(f"{len(told)} assignments told; {len(cut)} requests cut by the kill, {len(orphans)} of them committed")
+    # No host heartbeats here: every assignment, the orphans with the rest, times out at its deadline,
+    # and every workunit is ready to be dispatched again: none is left held by an assignment nobody runs.
+    wait_for(lambda: not ledger()[1], 60, "assignments were never timed out")
+    wus, _ = ledger()
+    assert set(wus.values()) == {WorkunitStatus.ready.value}, wus
+    with db.begin() as s:
+        assert {s.get_one(Assignment, a).status for a in held_ids} == {AssignmentStatus.timed_out.value}
+    with httpx.Client(base_url=cluster.url, timeout=30, headers={"Authorization": f"Bearer {tokens[0]}"}) as c:
+        assert c.post("/v1/work", json={"free_slots": 1}).json()["assignments"], "the workunits are dispatched again"
