@@ -293,5 +293,10 @@ def test_an_idle_client_duplicates_the_straggler_and_the_first_result_wins(make_
         assert sorted(runs) == [("merged", "alice"), ("superseded", "straggler")]
         assert s.scalar(select(func.count()).select_from(Assignment).where(Assignment.job_id == job_id)) == 5
         assert s.scalar(select(Host.results_failed).where(Host.name == "straggler")) == 0
+        merged_workunits = s.scalars(
+            select(Assignment.workunit_id).where(Assignment.job_id == job_id, Assignment.status == "merged")
+        ).all()
+    assert len(merged_workunits) == len(set(merged_workunits)) == 4, "one merge per workunit"
     r = redis.Redis.from_url(cluster.redis_url)
-    assert int(r.get(keys.version(job_id))) == 4 == r.hlen(keys.merged_workunits(job_id))
+    assert int(r.get(keys.version(job_id))) == 4 == r.scard(keys.merged(job_id))
+    assert not r.exists(keys.merged_workunits(job_id)), "only merges read it: it ends with the job"

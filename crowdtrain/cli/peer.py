@@ -71,9 +71,10 @@ def peer(
         ),
     ] = None,
 ) -> None:
-    """Run a peer of a synchronous DeDLOC job until the job finishes. A job whose recipe is unsigned
-    (when the peer trusts a project key) or signed by another key is refused: reported to the
-    scheduler, never joined again, exit code 3."""
+    """Run a peer of a synchronous DeDLOC job until the job finishes.
+
+    A job whose recipe is unsigned (when the peer trusts a project key) or signed by another key is
+    refused: reported to the scheduler, never joined again, exit code 3."""
     join_token = resolve_join_token(join_token, join_token_file)
     pinned = resolve_project_key(project_key) if project_key else None
     configure_logging()
