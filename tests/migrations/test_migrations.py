@@ -2,7 +2,7 @@
 
 import pytest
 from alembic import command
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from crowdtrain.migrations import alembic_config, upgrade
 from crowdtrain.server.ledger.models import Base
@@ -66,3 +66,25 @@ def test_0005_downgrade_moves_re_dealt_epochs_onto_the_submission_shards(databas
     engine.dispose()
     assert moved == [(1, submitted[0]), (1, submitted[1]), (2, submitted[0]), (2, submitted[1])]
     upgrade(database_url)
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_the_claim_tables_are_vacuumed_after_a_hundredth_of_their_rows_change(database_url: str) -> None:
+    """Claims leave a dead row version each; PostgreSQL's default waits for a fifth of the table."""
+    from crowdtrain.server.ledger.db import normalize_url
+
+    upgrade(database_url)
+    engine = create_engine(normalize_url(database_url))
+
+    def options() -> dict[str, set[str]]:
+        with engine.connect() as c:
+            rows = c.execute(
+                text("SELECT relname, reloptions FROM pg_class WHERE relname IN ('workunits', 'assignments')")
+            ).all()
+        return {name: set(opts or []) for name, opts in rows}
+
+    for table, opts in options().items():
+        assert {"autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000"} <= opts, table
+    command.downgrade(alembic_config(database_url), "0008")
+    assert options() == {"workunits": set(), "assignments": set()}
+    engine.dispose()
