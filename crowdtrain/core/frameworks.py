@@ -45,3 +45,10 @@ def able_to_run(model_config: dict[str, Any]) -> list[str]:
 def pick(model_config: dict[str, Any], have: Collection[str]) -> str | None:
     """The framework to train `model_config` with, among `have`: the job's own if possible."""
     return next((f for f in able_to_run(model_config) if f in have), None)
+
+
+def runs_on(model_config: dict[str, Any], host_frameworks: str) -> bool:
+    """Whether one of the frameworks a host declared (comma-separated, as the ledger keeps them)
+    trains `model_config` (a Keras JSON model needs TensorFlow; a zoo model, any framework with a
+    port of it)."""
+    return pick(model_config, host_frameworks.split(",")) is not None

@@ -13,7 +13,6 @@ from crowdtrain.core.schemas import AssignmentProblem, JobProblems, ProblemCount
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import reputation
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
-from crowdtrain.server.services.dispatch import host_can_run
 from crowdtrain.server.services.jobs import ACTIVE_HOST_WINDOW, JobNotFound
 
 PROBLEMS = (AssignmentStatus.client_error, AssignmentStatus.rejected, AssignmentStatus.timed_out)
@@ -61,7 +60,7 @@ def job_problems(
             .limit(limit)
         ).all()
         hosts = s.scalars(select(Host).where(Host.revoked.is_(False))).all()
-        able = [h for h in hosts if host_can_run(h, job)]
+        able = [h for h in hosts if frameworks.runs_on(job.model_config_, h.frameworks)]
         active = [h for h in able if h.last_seen > utcnow() - ACTIVE_HOST_WINDOW]
         waiting = s.scalar(
             select(func.count())

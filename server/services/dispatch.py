@@ -3,10 +3,10 @@ epoch release, straggler duplicates at an epoch's tail, and the share of the loc
 trains (dynamic local work, crowdtrain.server.services.local_work).
 
 A work request is the scheduler's most frequent call, so its common case is kept lean: one
-transaction on one connection, plain SQL statements (the host's row, the running jobs' live
-columns, one claim statement per preference that also returns the shard, one insert of the
-assignments), no ORM object, and what never changes in a job after submission (its spec parsed,
-its recipe, which frameworks run it) read once per process (`JobTerms`). The rarer paths — an
+transaction on one connection, plain SQL statements (the host's row with the running jobs' live
+columns, one claim statement per preference, the claimed shards, one insert of the assignments),
+no ORM object, and what never changes in a job after submission (its spec parsed, its recipe,
+which frameworks run it) read once per process (crowdtrain.server.services.job_terms). The rarer paths — an
 epoch's release, straggler duplicates, replicas for validation, a re-dealt epoch's shards — load
 the ORM rows they need and run the ledger's procedures in the same transaction.
 """
@@ -14,22 +14,19 @@ the ORM rows they need and run the ledger's procedures in the same transaction.
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, bindparam, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, Row, Select, and_, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core import frameworks
-from crowdtrain.core.jobspec import VC_ASGD, SchedulingSpec, ValidationSpec, scheduling_of, validation_of
+from crowdtrain.core.jobspec import VC_ASGD
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import RefusalKind
-from crowdtrain.core.schemas import AssignmentOut, FileRef, Recipe, Resources, SignedRecipe, WorkRequest
+from crowdtrain.core.schemas import AssignmentOut, FileRef, Resources, SignedRecipe, WorkRequest
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.core.updates import upload_of
 from crowdtrain.server.ledger import replicas, reputation
 from crowdtrain.server.ledger.assignments import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
@@ -37,6 +34,7 @@ from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import fair_share, local_work
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
+from crowdtrain.server.services.job_terms import LIVE_JOB_COLUMNS, JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
 
 log = logging.getLogger(__name__)
@@ -55,97 +53,35 @@ _HOST_COLUMNS = (
     Host.gpu,
     Host.device,
 )
-_JOB_LIVE_COLUMNS = (
-    Job.id,
-    Job.created_at,
-    Job.current_epoch,
-    Job.snapshot_version,
-    Job.snapshot_key,
-    Job.snapshot_sha256,
-    Job.param_bytes,
-    Job.recipe_public_key,
-    Job.recipe_signature,
-)
+_LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
+
+
+def _host_and_live_jobs(host: ColumnElement[bool]) -> Select:
+    """The host's row, once per running VC-ASGD job with that job's live columns beside it (once
+    with none when no job runs): authentication and what dispatch reads of the jobs, in one round
+    trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
+    crowdtrain.server.services.dedloc."""
+    running = and_(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
+    return (
+        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS))
+        .select_from(Host)
+        .outerjoin(Job, running)
+        .where(host)
+        .order_by(Job.id)
+    )
 
 
 # Built once: building SQLAlchemy expressions costs more CPU than executing them.
-_HOST_BY_TOKEN = select(*_HOST_COLUMNS).where(Host.token_hash == bindparam("token_hash"))
-_HOST_BY_ID = select(*_HOST_COLUMNS).where(Host.id == bindparam("seen_host"))
-_LIVE_JOBS = (
-    select(*_JOB_LIVE_COLUMNS).where(Job.status == JobStatus.running.value, Job.mode == VC_ASGD).order_by(Job.id)
-)
-_JOB_TERMS = select(Job.id, Job.spec, Job.model_config_.label("model_config_"), Job.recipe).where(
-    Job.id.in_(bindparam("ids", expanding=True))
-)
+_HOST_BY_TOKEN = _host_and_live_jobs(Host.token_hash == bindparam("token_hash"))
+_HOST_BY_ID = _host_and_live_jobs(Host.id == bindparam("seen_host"))
 _HOST_SEEN = update(Host).where(Host.id == bindparam("seen_host")).values(last_seen=bindparam("now"))
 
 
-@dataclass
-class JobTerms:
-    """What a running job's dispatch needs that never changes after its submission, read once per
-    process: its spec parsed, the recipe every assignment carries (but for its seed), and which of
-    the frameworks hosts declare can train its model."""
-
-    job_id: int
-    spec: dict[str, Any]
-    model_config: dict[str, Any]
-    recipe_text: str | None
-    scheduling: SchedulingSpec
-    validation: ValidationSpec
-    recipe: Recipe
-    runnable: dict[str, bool] = field(default_factory=dict)
-
-    @classmethod
-    def read(cls, row: Row) -> "JobTerms":
-        spec = row.spec
-        return cls(
-            job_id=row.id,
-            spec=spec,
-            model_config=row.model_config_,
-            recipe_text=row.recipe,
-            scheduling=scheduling_of(spec),
-            validation=validation_of(spec),
-            recipe=Recipe(
-                model=row.model_config_,
-                training=spec["training"],
-                seed=spec["seed"],
-                upload=upload_of(spec.get("assimilation", {})),
-            ),
-        )
-
-    def runs_on(self, host_frameworks: str) -> bool:
-        """Whether one of the frameworks a host declared (comma-separated) trains the job's model."""
-        if host_frameworks not in self.runnable:
-            self.runnable[host_frameworks] = frameworks.pick(self.model_config, host_frameworks.split(",")) is not None
-        return self.runnable[host_frameworks]
+def _live_jobs(rows: Sequence[Row]) -> dict[int, LiveJob]:
+    return {row.job_id: LiveJob(*row[_LIVE_JOB_FIELDS:]) for row in rows if row.job_id is not None}
 
 
-class _TermsCache:
-    """JobTerms of the running jobs. A job is known by its database, id and creation time, so that
-    a database made again under the same URL (tests do) cannot lend its terms to another job; jobs
-    that no longer run are forgotten."""
-
-    def __init__(self) -> None:
-        self._terms: dict[tuple[str, int, datetime], JobTerms] = {}
-        self._lock = threading.Lock()
-
-    def of(self, c: Connection, live: Mapping[int, Row]) -> dict[int, JobTerms]:
-        database = str(c.engine.url)
-        wanted = {job_id: (database, job_id, row.created_at) for job_id, row in live.items()}
-        with self._lock:
-            missing = [job_id for job_id, key in wanted.items() if key not in self._terms]
-        if missing:
-            rows = c.execute(_JOB_TERMS, {"ids": missing}).all()
-            with self._lock:
-                self._terms.update({wanted[row.id]: JobTerms.read(row) for row in rows})
-        with self._lock:
-            if len(self._terms) > 4 * max(1, len(wanted)):
-                keep = set(wanted.values())
-                self._terms = {key: t for key, t in self._terms.items() if key in keep}
-            return {job_id: self._terms[key] for job_id, key in wanted.items()}
-
-
-_terms = _TermsCache()
+_terms = TermsCache()
 
 
 class _PresignedUrls:
@@ -184,8 +120,8 @@ def request_work(
 ) -> list[AssignmentOut]:
     """Give the host `host_id` up to `free_slots` assignments (see `serve_work`)."""
     with _engine(db).begin() as c:
-        host = c.execute(_HOST_BY_ID, {"seen_host": host_id}).one()
-        return _dispatch(c, storage, host, free_slots, cached, resources, presign_seconds, refused_jobs)
+        rows = c.execute(_HOST_BY_ID, {"seen_host": host_id}).all()
+        return _dispatch(c, storage, rows, free_slots, cached, resources, presign_seconds, refused_jobs)
 
 
 def serve_work(
@@ -207,14 +143,14 @@ def serve_work(
     host gets nothing. `before_commit` sees what is given before it is committed, and may still undo
     it all by raising."""
     with _engine(db).begin() as c:
-        host = c.execute(_HOST_BY_TOKEN, {"token_hash": hash_token(token)}).first()
-        if host is None or host.revoked:
+        rows = c.execute(_HOST_BY_TOKEN, {"token_hash": hash_token(token)}).all()
+        if not rows or rows[0].revoked:
             raise NotAuthorized("unknown or revoked host token", RefusalKind.unauthenticated)
         req = read_request()
         given = _dispatch(
             c,
             storage,
-            host,
+            rows,
             req.free_slots,
             req.cached_shards,
             req.resources,
@@ -235,18 +171,19 @@ def _engine(db: sessionmaker[Session]) -> Engine:
 def _dispatch(
     c: Connection,
     storage: Storage,
-    host: Row,
+    rows: Sequence[Row],
     free_slots: int,
     cached: list[str],
     resources: Resources | None,
     presign_seconds: int,
     refused_jobs: frozenset[int],
 ) -> list[AssignmentOut]:
+    """Serve the host of `rows` (`_host_and_live_jobs`)."""
+    host = rows[0]
     host_frameworks = _note_host(c, host, resources)
     if free_slots == 0 or reputation.quarantined(host.quarantined_until):
         return []
-    # Only VC-ASGD jobs have workunits; DeDLOC peers join their job through crowdtrain.server.services.dedloc.
-    live = {row.id: row for row in c.execute(_LIVE_JOBS) if row.id not in refused_jobs}
+    live = {job_id: job for job_id, job in _live_jobs(rows).items() if job_id not in refused_jobs}
     terms = {j: t for j, t in _terms.of(c, live).items() if t.runs_on(host_frameworks)}
     if not terms:
         return []
@@ -293,7 +230,7 @@ class _Request:
         c: Connection,
         storage: Storage,
         host: Row,
-        live: Mapping[int, Row],
+        live: Mapping[int, LiveJob],
         terms: Mapping[int, JobTerms],
         presign_seconds: int,
     ):
@@ -430,7 +367,7 @@ class _Request:
         ]
 
     def _describe(
-        self, assignment_id: int, cl: Claim, live: Row, t: JobTerms, fraction: float, deadline: datetime
+        self, assignment_id: int, cl: Claim, live: LiveJob, t: JobTerms, fraction: float, deadline: datetime
     ) -> AssignmentOut:
         # Written at submission, or (a re-dealt epoch's shard) before its first dispatch; v0 is published at submission.
         assert cl.shard_sha256 is not None and live.snapshot_key is not None and live.snapshot_sha256 is not None
@@ -459,9 +396,3 @@ class _Request:
             snapshot=FileRef(url=snapshot_url, sha256=live.snapshot_sha256, size=live.param_bytes),
             signed=signed,
         )
-
-
-def host_can_run(host: Host, job: Job) -> bool:
-    """Whether one of the host's frameworks trains the job's model (a Keras JSON model needs
-    TensorFlow; a zoo model, any framework with a port of it)."""
-    return frameworks.pick(job.model_config_, host.frameworks.split(",")) is not None
