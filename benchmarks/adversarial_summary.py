@@ -4,9 +4,7 @@ table."""
 
 import statistics
 
-from rich.table import Table
-
-from efficiency_report import console, ratio
+from efficiency_report import print_summary_table, ratio
 
 CLEAN, UNVALIDATED = "clean", "clean-unvalidated"
 GOAL_RATIO = 1.3
@@ -66,12 +64,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _cell(v) -> str:
-    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
-
-
 def print_table(summary: list[dict]) -> None:
-    t = Table(title="adversarial: the example job with a hostile host in 1 of 5 slots")
     cols = {
         "strategy": "strategy",
         "succeeded": "succeeded",
@@ -91,8 +84,4 @@ def print_table(summary: list[dict]) -> None:
         "honest_refused": "honest refused",
         "goal_met": "goal",
     }
-    for title in cols.values():
-        t.add_column(title)
-    for s in summary:
-        t.add_row(*(_cell(s.get(c)) for c in cols))
-    console.print(t)
+    print_summary_table("adversarial: the example job with a hostile host in 1 of 5 slots", cols, summary)
