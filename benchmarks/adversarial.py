@@ -63,9 +63,9 @@ from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
 from efficiency_report import examples_to_target, merge_curve, say
 from hostile_strategies import HostileHost
+from job_progress import wait_for_job
 
 EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
-TERMINAL = ("succeeded", "failed", "cancelled")
 STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy")
 QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
 VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
@@ -81,29 +81,6 @@ def job_spec(seed: int, validated: bool) -> dict:
     if validated:
         spec["validation"] = spec.get("validation", {}) | VALIDATION
     return spec
-
-
-def wait_for_job(cluster: Cluster, job_id: int, clients: list, timeout: float, label: str) -> str:
-    """Poll the job until it ends (its status) or `timeout` passes ('timeout'); progress every 15 s."""
-    deadline, shown = time.monotonic() + timeout, time.monotonic()
-    with cluster.admin() as http:
-        while True:
-            st = http.get(f"/v1/jobs/{job_id}").json()
-            if st["status"] in TERMINAL:
-                return st["status"]
-            if time.monotonic() > deadline:
-                return "timeout"
-            if not all(s.alive for s in cluster.services + clients):
-                dead = [s.name for s in cluster.services + clients if not s.alive]
-                raise RuntimeError(f"processes exited: {dead}\n" + "\n".join(s.tail(10) for s in clients))
-            if time.monotonic() - shown > 15:
-                shown = time.monotonic()
-                best = st["best_epoch_accuracy"]
-                say(
-                    f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
-                    + ("-" if best is None else f"{best:.4f}")
-                )
-            time.sleep(1.0)
 
 
 def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | None) -> dict:
