@@ -47,133 +47,29 @@ Progress and a table go to stderr; the last line on stdout is one JSON object wi
 import argparse
 import json
 import re
-import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-import numpy as np
-from rich.table import Table
 from sqlalchemy import select
 
-from crowdtrain.client.trainers import limit_threads, train
+from adversarial_summary import CLEAN, GOAL_RATIO, UNVALIDATED, print_table, summarize
+from crowdtrain.client.trainers import limit_threads
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.tensors import Params
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
-from efficiency_report import console, examples_to_target, merge_curve, ratio, say
-from tests.http_host import ScriptedHost
+from efficiency_report import examples_to_target, merge_curve, say
+from hostile_strategies import HostileHost
+from job_progress import wait_for_job
 
 EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
-TERMINAL = ("succeeded", "failed", "cancelled")
-CLEAN, UNVALIDATED = "clean", "clean-unvalidated"
 STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy")
 QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
 VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
 HONEST_CLIENTS, HONEST_TASKS = 4, 1  # 4 honest slots beside 1 hostile slot: 20%
-GOAL_RATIO = 1.3
-
-
-# ---------------------------------------------------------------- what a hostile host uploads
-
-
-def _along(base: Params, honest: Params, scale: float) -> Params:
-    """W_base + scale·Δ, with Δ = honest − W_base, for every float tensor."""
-    return {k: (v + scale * (honest[k] - v)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in base.items()}
-
-
-def sign_flipped(base: Params, honest: Params, rng: np.random.Generator) -> Params:
-    return _along(base, honest, -1.0)
-
-
-def scaled(base: Params, honest: Params, rng: np.random.Generator) -> Params:
-    return _along(base, honest, 10.0)
-
-
-def noise(base: Params, honest: Params, rng: np.random.Generator) -> Params:
-    """W_base + Gaussian noise whose norm is the honest update's (over all float tensors)."""
-    floats = [k for k, v in base.items() if v.dtype.kind == "f"]
-    draw = {k: rng.standard_normal(base[k].shape) for k in floats}
-    delta_norm = np.sqrt(sum(float(np.sum((honest[k] - base[k]).astype(np.float64) ** 2)) for k in floats))
-    draw_norm = np.sqrt(sum(float(np.sum(d**2)) for d in draw.values()))
-    return {k: (v + delta_norm / draw_norm * draw[k]).astype(v.dtype) if k in draw else v for k, v in base.items()}
-
-
-FORGED: dict[str, Callable[[Params, Params, np.random.Generator], Params]] = {
-    "sign-flip": sign_flipped,
-    "scaled": scaled,
-    "noise": noise,
-}
-
-
-def class_derangement(num_classes: int, rng: np.random.Generator) -> np.ndarray:
-    """A permutation of the classes that moves every one of them (label i becomes perm[i] != i)."""
-    while True:
-        perm = rng.permutation(num_classes)
-        if not np.any(perm == np.arange(num_classes)):
-            return perm
-
-
-class HostileHost(threading.Thread):
-    """One hostile host with one slot, playing `strategy` until stopped: ask for work, fetch what a
-    client fetches, upload the forged result. Records (assignment id, attack?, HTTP status) per upload."""
-
-    def __init__(self, cluster: Cluster, name: str, strategy: str, seed: int):
-        super().__init__(name=f"hostile-{strategy}", daemon=True)
-        self.host = ScriptedHost(cluster.url, cluster.join_token, name, account="hostile")
-        self.strategy = strategy
-        self.rng = np.random.default_rng(seed)
-        self.stopping = threading.Event()
-        self.uploads: list[tuple[int, bool, int]] = []
-        self.first: Params | None = None  # replay: the result it replays
-        self.perm: np.ndarray | None = None
-        self.error = ""
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(120)
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                given = self.host.ask()
-                if not given:  # nothing ready, or quarantined
-                    self.stopping.wait(1.0)
-                    continue
-                a = given[0]
-                params, metrics, attack = self.forge(a, self.host.snapshot(a), *self.host.shard(a))
-                resp = self.host.upload(a, params, metrics)
-                self.uploads.append((a["assignment_id"], attack, resp.status_code))
-            except (httpx.HTTPError, AssertionError) as exc:  # the cluster going away at the end of a job
-                self.error = f"{type(exc).__name__}: {exc}"[:300]
-                self.stopping.wait(1.0)
-
-    def forge(self, a: dict, base: Params, x: np.ndarray, y: np.ndarray) -> tuple[Params, dict, bool]:
-        """The params to upload, the metrics to report, and whether the upload is an attack."""
-        recipe, fraction = a["recipe"], a["local_fraction"]
-        claimed = {"examples": round(len(x) * recipe["training"]["local_epochs"] * fraction), "seconds": 5.0}
-        if self.strategy == "lazy":
-            return base, claimed | {"train_loss": 0.5}, True
-        if self.strategy == "replay" and self.first is not None:
-            return self.first, claimed | {"train_loss": 0.5}, True
-        if self.strategy == "permuted":
-            if self.perm is None:
-                self.perm = class_derangement(recipe["model"]["num_classes"], self.rng)
-            y = self.perm[y]
-        result = train("pytorch", recipe, base, x, y, local_fraction=fraction)
-        metrics = {"train_loss": result.train_loss, "examples": result.examples, "seconds": result.seconds}
-        if self.strategy == "replay":
-            self.first = result.params
-            return result.params, metrics, False
-        if self.strategy == "permuted":
-            return result.params, metrics, True
-        return FORGED[self.strategy](base, result.params, self.rng), metrics, True
 
 
 # ---------------------------------------------------------------- one job
@@ -185,29 +81,6 @@ def job_spec(seed: int, validated: bool) -> dict:
     if validated:
         spec["validation"] = spec.get("validation", {}) | VALIDATION
     return spec
-
-
-def wait_for_job(cluster: Cluster, job_id: int, clients: list, timeout: float, label: str) -> str:
-    """Poll the job until it ends (its status) or `timeout` passes ('timeout'); progress every 15 s."""
-    deadline, shown = time.monotonic() + timeout, time.monotonic()
-    with cluster.admin() as http:
-        while True:
-            st = http.get(f"/v1/jobs/{job_id}").json()
-            if st["status"] in TERMINAL:
-                return st["status"]
-            if time.monotonic() > deadline:
-                return "timeout"
-            if not all(s.alive for s in cluster.services + clients):
-                dead = [s.name for s in cluster.services + clients if not s.alive]
-                raise RuntimeError(f"processes exited: {dead}\n" + "\n".join(s.tail(10) for s in clients))
-            if time.monotonic() - shown > 15:
-                shown = time.monotonic()
-                best = st["best_epoch_accuracy"]
-                say(
-                    f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
-                    + ("-" if best is None else f"{best:.4f}")
-                )
-            time.sleep(1.0)
 
 
 def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | None) -> dict:
@@ -332,95 +205,6 @@ def describe(row: dict) -> str:
             f"refusals {row['hostile_refusals']}"
         )
     return text
-
-
-# ---------------------------------------------------------------- summary
-
-
-def _mean(values: list) -> float | None:
-    present = [v for v in values if v is not None]
-    return round(statistics.mean(present), 3) if present else None
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """One row per strategy: means over seeds; the ratio to `clean` (and to `clean-unvalidated`) is the
-    ratio of mean examples to target, null unless every seed of both reached the target."""
-
-    def every_seed(strategy: str) -> list[dict] | None:
-        rs = [r for r in rows if r["strategy"] == strategy]
-        return rs if rs and all(r["examples_to_target"] is not None for r in rs) else None
-
-    out = []
-    for strategy in dict.fromkeys(r["strategy"] for r in rows):
-        rs = [r for r in rows if r["strategy"] == strategy]
-        reached = every_seed(strategy)
-        examples = _mean([r["examples_to_target"] for r in reached]) if reached else None
-        clean, unvalidated = every_seed(CLEAN), every_seed(UNVALIDATED)
-        s = {
-            "strategy": strategy,
-            "seeds": len(rs),
-            "succeeded": sum(r["job_status"] == "succeeded" for r in rs),
-            "examples_to_target": examples,
-            "ratio": ratio(examples, _mean([r["examples_to_target"] for r in clean]) if clean else None),
-            "ratio_to_unvalidated": ratio(
-                examples, _mean([r["examples_to_target"] for r in unvalidated]) if unvalidated else None
-            ),
-            "examples_trained_to_target": _mean([r["examples_trained_to_target"] for r in rs]),
-            "seconds_to_target": _mean([r["seconds_to_target"] for r in rs]),
-            "honest_refused": sum(r["honest_refused"] for r in rs),
-        }
-        if "hostile_reputation" in rs[0]:
-            s |= {
-                "hostile_attacks": sum(r["hostile_attacks"] for r in rs),
-                "hostile_merged": sum(r["hostile_merged"] for r in rs),
-                "hostile_attacks_merged": sum(r["hostile_attacks_merged"] for r in rs),
-                "hostile_validated": sum(r["hostile_validated"] for r in rs),
-                "hostile_rejected": sum(r["hostile_results"].get("rejected", 0) for r in rs),
-                "hostile_reputation": _mean([r["hostile_reputation"] for r in rs]),
-                "hostile_credit": round(sum(r["hostile_credit"] for r in rs), 6),
-                "hostile_attack_credit": round(sum(r["hostile_attack_credit"] for r in rs), 6),
-                "hostile_quarantined": sum(r["hostile_quarantined"] for r in rs),
-            }
-            s["goal_met"] = bool(
-                s["succeeded"] == len(rs)
-                and s["ratio"] is not None
-                and s["ratio"] <= GOAL_RATIO
-                and (strategy not in ("lazy", "replay") or s["hostile_attack_credit"] == 0)
-            )
-        out.append(s)
-    return out
-
-
-def _cell(v) -> str:
-    return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def print_table(summary: list[dict]) -> None:
-    t = Table(title="adversarial: the example job with a hostile host in 1 of 5 slots")
-    cols = {
-        "strategy": "strategy",
-        "succeeded": "succeeded",
-        "examples_to_target": "examples",
-        "ratio": "ratio",
-        "ratio_to_unvalidated": "ratio unval.",
-        "examples_trained_to_target": "trained",
-        "seconds_to_target": "s to target",
-        "hostile_attacks": "attacks",
-        "hostile_attacks_merged": "attacks merged",
-        "hostile_validated": "validated",
-        "hostile_rejected": "refused",
-        "hostile_reputation": "reputation",
-        "hostile_credit": "credit",
-        "hostile_attack_credit": "attack credit",
-        "hostile_quarantined": "quarantined",
-        "honest_refused": "honest refused",
-        "goal_met": "goal",
-    }
-    for title in cols.values():
-        t.add_column(title)
-    for s in summary:
-        t.add_row(*(_cell(s.get(c)) for c in cols))
-    console.print(t)
 
 
 # ---------------------------------------------------------------- command line

@@ -4,17 +4,18 @@
 What it measures
     How many `POST /v1/work {"free_slots": 1}` requests per second 3 uvicorn workers in front of
     PostgreSQL answer, their p50/p95 latency, and the CPU milliseconds per request spent by the
-    scheduler's processes and by PostgreSQL's (utime + stime from /proc, summed over the
-    processes, divided by the requests answered in the same window). Each request is real HTTP
-    from a random registered host and goes through everything a client's poll does: host
-    authentication, the `last_seen` update, the claim of a ready workunit, the new assignment row,
-    the telemetry counters in Redis and the JSON answer. No shard or snapshot is downloaded and
-    nothing is uploaded: this is dispatch alone.
+    scheduler's processes and by PostgreSQL's (utime + stime from /proc, summed over the processes
+    by process_cpu.py beside this script, divided by the requests answered in the same window). Each
+    request is real HTTP from a random registered host and goes through everything a client's poll
+    does: host authentication, the `last_seen` update, the claim of a ready workunit, the new
+    assignment row, the telemetry counters in Redis and the JSON answer. No shard or snapshot is
+    downloaded and nothing is uploaded: this is dispatch alone.
 
-    The load generator is lean on purpose, so that it measures the scheduler and not itself: raw
-    HTTP/1.1 on asyncio streams over keep-alive connections, each request's bytes built once per
-    host, the answer's assignments counted without parsing its JSON. Its own CPU per request is
-    reported too (`loadgen_cpu_ms_per_request`); it shares the 2 cores with everything else.
+    The load generator (work_request_load.py beside this script) is lean on purpose, so that it
+    measures the scheduler and not itself: raw HTTP/1.1 on asyncio streams over keep-alive
+    connections, each request's bytes built once per host, the answer's assignments counted
+    without parsing its JSON. Its own CPU per request is reported too
+    (`loadgen_cpu_ms_per_request`); it shares the 2 cores with everything else.
 
     Beside our figure it prints BOINC's published one: about 8.8 million jobs a day, ~100 per
     second (Anderson, "BOINC: A Platform for Volunteer Computing", J. Grid Computing 2020).
@@ -45,12 +46,10 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import secrets
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +61,8 @@ from crowdtrain.launch.cluster import Cluster, fresh_postgres_database
 from crowdtrain.server.ledger.db import normalize_url
 from crowdtrain.server.ledger.models import Host
 from crowdtrain.server.services.hosts import hash_token
+from process_cpu import cpu_seconds
+from work_request_load import Window, drive, work_requests
 
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 SCHEDULER_WORKERS = 3
@@ -78,7 +79,6 @@ BOINC_CITATION = (
 )
 GOAL_REQUESTS_PER_S = 1000
 GOAL_SCHEDULER_CPU_MS = 1.5
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def log(message: str) -> None:
@@ -165,126 +165,6 @@ def top_up_ready(engine: Engine, job_id: int, ready: int) -> int:
         c.execute(text("VACUUM ANALYZE workunits"))
         c.execute(text("VACUUM ANALYZE shards"))
     return missing
-
-
-# --- CPU from /proc ---------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[int, int, int, str]:
-    """(parent pid, utime + stime, and the same of its exited children that it waited for, in clock
-    ticks; command name) of a live process."""
-    with open(f"/proc/{pid}/stat") as f:
-        raw = f.read()
-    name = raw[raw.index("(") + 1 : raw.rindex(")")]
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]), name
-
-
-def _processes() -> dict[int, tuple[int, int, int, str]]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                out[int(entry)] = _stat(int(entry))
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                continue
-    return out
-
-
-def cpu_seconds(root: int) -> tuple[float, float]:
-    """CPU seconds so far of the process tree under `root` (the scheduler) and of PostgreSQL's
-    processes, counting processes that have exited (a backend, a worker) through their parent's
-    waited-for children's time."""
-    procs = _processes()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _, _) in procs.items():
-        children.setdefault(ppid, []).append(pid)
-    tree, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in procs:
-            tree += procs[pid][1] + (procs[pid][2] if pid == root else 0)
-        stack += children.get(pid, [])
-    postgres = 0
-    for ppid, own, reaped, name in procs.values():
-        if name.startswith("postgres"):
-            is_postmaster = not procs.get(ppid, (0, 0, 0, ""))[3].startswith("postgres")
-            postgres += own + (reaped if is_postmaster else 0)
-    return tree / CLOCK_TICKS, postgres / CLOCK_TICKS
-
-
-# --- load --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Window:
-    """What completed between `start` and `end` (monotonic seconds)."""
-
-    start: float
-    end: float
-    latencies: list[float] = field(default_factory=list)
-    dispatches: int = 0
-    empty: int = 0  # 200 answers without an assignment: the job ran out of ready workunits
-    status_codes: dict[int, int] = field(default_factory=dict)
-    transport_errors: int = 0
-
-    def contains(self, t: float) -> bool:
-        return self.start <= t <= self.end
-
-
-def work_requests(tokens: list[str]) -> list[bytes]:
-    body = b'{"free_slots":1}'
-    return [
-        b"POST /v1/work HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {t}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-        for t in tokens
-    ]
-
-
-async def lean_worker(port: int, requests: list[bytes], w: Window, seed: int) -> int:
-    """One keep-alive connection sending work requests back to back until the window ends."""
-    rng = random.Random(seed)
-    done = 0
-    while time.monotonic() < w.end:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            w.transport_errors += 1
-            await asyncio.sleep(0.1)
-            continue
-        try:
-            while time.monotonic() < w.end:
-                start = time.monotonic()
-                writer.write(rng.choice(requests))
-                head = await reader.readuntil(b"\r\n\r\n")
-                at = head.lower().find(b"content-length:")
-                length = int(head[at + 15 : head.index(b"\r\n", at)]) if at >= 0 else 0
-                body = await reader.readexactly(length)
-                finished = time.monotonic()
-                done += 1
-                if not w.contains(finished):
-                    continue
-                w.latencies.append(finished - start)
-                code = int(head[9:12])
-                if code != 200:
-                    w.status_codes[code] = w.status_codes.get(code, 0) + 1
-                    continue
-                n = body.count(b'"assignment_id"')
-                w.dispatches += n
-                w.empty += n == 0
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            w.transport_errors += 1
-        finally:
-            writer.close()
-    return done
-
-
-async def drive(port: int, requests: list[bytes], concurrency: int, warmup: float, seconds: float) -> Window:
-    now = time.monotonic()
-    window = Window(start=now + warmup, end=now + warmup + seconds)
-    await asyncio.gather(*(lean_worker(port, requests, window, i) for i in range(concurrency)))
-    return window
 
 
 # --- one window ----------------------------------------------------------------------------------

@@ -154,8 +154,18 @@ def _cell(v) -> str:
     return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def print_summary_table(title: str, columns: dict[str, str], summary: list[dict]) -> None:
+    """`summary` as a table on stderr, one row per entry: `columns` maps each key to its heading
+    (a missing or None value shows as -)."""
+    t = Table(title=title)
+    for heading in columns.values():
+        t.add_column(heading)
+    for s in summary:
+        t.add_row(*(_cell(s.get(c)) for c in columns))
+    console.print(t)
+
+
 def print_table(summary: list[dict]) -> None:
-    t = Table(title="learning efficiency: examples to target / single-process examples")
     cols = {
         "task": "task",
         "rule": "rule",
@@ -173,11 +183,7 @@ def print_table(summary: list[dict]) -> None:
         "simulated_speedup": "sim speedup",
         "status": "status",
     }
-    for title in cols.values():
-        t.add_column(title)
-    for s in summary:
-        t.add_row(*(_cell(s.get(c)) for c in cols))
-    console.print(t)
+    print_summary_table("learning efficiency: examples to target / single-process examples", cols, summary)
     for s in summary:
         if s["note"]:
             say(f"  {s['task']} {s['rule']} {s['mode']} {s['slots']}: {s['note']}")

@@ -28,9 +28,7 @@ from efficiency_report import (
     upload_sizes,
 )
 from efficiency_tasks import Task, epoch_budget, job_spec, unsupported_reason
-
-TERMINAL = ("succeeded", "failed", "cancelled")
-
+from job_progress import wait_for_job
 
 # ---------------------------------------------------------------- baseline
 
@@ -105,29 +103,6 @@ def client_slots(slots: int, per_client: int) -> list[int]:
     return [per_client] * (slots // per_client) + ([slots % per_client] if slots % per_client else [])
 
 
-def _wait_for_job(cluster: Cluster, job_id: int, clients: list, timeout: float, label: str) -> str:
-    """Poll the job until it ends (its status) or `timeout` passes ('timeout'); progress every 15 s."""
-    deadline, shown = time.monotonic() + timeout, 0.0
-    with cluster.admin() as http:
-        while True:
-            st = http.get(f"/v1/jobs/{job_id}").json()
-            if st["status"] in TERMINAL:
-                return st["status"]
-            if time.monotonic() > deadline:
-                return "timeout"
-            if not all(s.alive for s in cluster.services) or not any(c.alive for c in clients):
-                dead = [s.name for s in cluster.services + clients if not s.alive]
-                raise RuntimeError(f"processes exited: {dead}\n" + "\n".join(s.tail(10) for s in clients))
-            if time.monotonic() - shown > 15:
-                shown = time.monotonic()
-                best = st["best_epoch_accuracy"]
-                say(
-                    f"  {label}: epoch {st['current_epoch']}, {st['merges']} merges, best epoch accuracy "
-                    + ("-" if best is None else f"{best:.4f}")
-                )
-            time.sleep(1.0)
-
-
 def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
     """Examples-vs-accuracy curve and costs of a job, from the database and the scheduler's log."""
     db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
@@ -179,7 +154,7 @@ def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, bas
         cluster.start_client(f"j{job_id}-c{i}", n) for i, n in enumerate(client_slots(slots, args.slots_per_client))
     ]
     try:
-        status = _wait_for_job(cluster, job_id, clients, args.job_timeout, label)
+        status = wait_for_job(cluster, job_id, clients, args.job_timeout, label, every_client=False)
     finally:
         with cluster.admin() as http:
             http.post(f"/v1/jobs/{job_id}/cancel")

@@ -1,6 +1,6 @@
 """The pure parts of the benchmarks (no benchmark runs here): benchmarks/learning_efficiency.py and the
 modules beside it that it imports (efficiency_tasks, efficiency_runs, efficiency_report), and
-benchmarks/adversarial.py (its forged updates and its summary)."""
+benchmarks/adversarial.py (its forged updates, hostile_strategies, and its summary, adversarial_summary)."""
 
 import importlib
 import os
@@ -161,7 +161,8 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
     assert all(names == sorted(state_to_numpy(build_model("mlp", [4], 2, hidden=[8]))) for names in seen)
 
 
-adversarial = _load("adversarial")
+hostile_strategies = _load("hostile_strategies")
+adversarial_summary = _load("adversarial_summary")
 
 
 def test_the_adversarial_benchmark_runs_as_a_script():
@@ -183,15 +184,15 @@ def test_forged_updates_are_what_each_strategy_says_of_the_honest_update():
     rng = np.random.default_rng(0)
     base = {"w": np.array([1.0, 1.0, 1.0], np.float32), "n": np.array(7, np.int64)}
     honest = {"w": np.array([1.0, 3.0, 1.0], np.float32), "n": np.array(7, np.int64)}  # Δ = (0, 2, 0)
-    np.testing.assert_allclose(adversarial.sign_flipped(base, honest, rng)["w"], [1.0, -1.0, 1.0])
-    np.testing.assert_allclose(adversarial.scaled(base, honest, rng)["w"], [1.0, 21.0, 1.0])
-    noisy = adversarial.noise(base, honest, rng)
+    np.testing.assert_allclose(hostile_strategies.sign_flipped(base, honest, rng)["w"], [1.0, -1.0, 1.0])
+    np.testing.assert_allclose(hostile_strategies.scaled(base, honest, rng)["w"], [1.0, 21.0, 1.0])
+    noisy = hostile_strategies.noise(base, honest, rng)
     assert np.linalg.norm(noisy["w"] - base["w"]) == pytest.approx(2.0, rel=1e-5), "noise of the honest norm"
-    assert all(f["n"] == 7 for f in (noisy, adversarial.scaled(base, honest, rng))), "integer tensors kept"
+    assert all(f["n"] == 7 for f in (noisy, hostile_strategies.scaled(base, honest, rng))), "integer tensors kept"
 
 
 def test_the_permuted_labels_move_every_class():
-    perm = adversarial.class_derangement(10, np.random.default_rng(0))
+    perm = hostile_strategies.class_derangement(10, np.random.default_rng(0))
     assert sorted(perm) == list(range(10)) and not np.any(perm == np.arange(10))
 
 
@@ -225,7 +226,7 @@ def test_adversarial_summary_ratio_is_against_the_clean_run_and_the_goal_needs_n
         row("noise", 30000, **hostile, hostile_attack_credit=0.0),
         row("scaled", None, **hostile, hostile_attack_credit=0.0, job_status="timeout"),
     ]
-    by = {s["strategy"]: s for s in adversarial.summarize(rows)}
+    by = {s["strategy"]: s for s in adversarial_summary.summarize(rows)}
     assert by["lazy"]["ratio"] == 1.2 and by["lazy"]["ratio_to_unvalidated"] == 0.96 and by["lazy"]["goal_met"]
     assert by["replay"]["ratio"] == 1.1 and not by["replay"]["goal_met"], "credit for a replayed result"
     assert by["noise"]["ratio"] == 1.5 and not by["noise"]["goal_met"]

@@ -14,7 +14,7 @@ from crowdtrain.cli.options import HELP_LAYOUT
 from crowdtrain.cli.plot import plot_accuracy
 from crowdtrain.cli.progress import watch
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.schemas import JobStatusOut
+from crowdtrain.core.schemas_jobs import JobStatusOut
 from crowdtrain.launch.cluster import Cluster
 
 DEMO_TIMEOUT = 600

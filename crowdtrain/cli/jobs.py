@@ -16,7 +16,7 @@ from crowdtrain.cli.progress import jobs_table, now_utc, problems_view, status_t
 from crowdtrain.cli.projectkey import KeyOpt, read_private_key, sign_job
 from crowdtrain.core.datasetspec import FORMATS
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.schemas import JobProblems, JobStatusOut, JobSummary
+from crowdtrain.core.schemas_jobs import JobProblems, JobStatusOut, JobSummary
 from crowdtrain.core.specfile import SpecFileError
 
 app = typer.Typer(

@@ -4,7 +4,7 @@ against the seconds since the job started or the training examples merged so far
 from enum import StrEnum
 from pathlib import Path
 
-from crowdtrain.core.schemas import JobStatusOut, MetricPoint
+from crowdtrain.core.schemas_jobs import JobStatusOut, MetricPoint
 
 
 class Against(StrEnum):

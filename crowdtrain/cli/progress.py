@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from crowdtrain.core.schemas import JobProblems, JobStatusOut, JobSummary
+from crowdtrain.core.schemas_jobs import JobProblems, JobStatusOut, JobSummary
 
 
 def _pct(v: float | None) -> str:

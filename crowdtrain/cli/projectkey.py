@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from crowdtrain.cli.adminapi import checked
 from crowdtrain.core import signing
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.core.schemas import JobRecipe
+from crowdtrain.core.schemas_jobs import JobRecipe
 from crowdtrain.core.updates import upload_of
 
 PRIVATE_KEY_FILE = "project.key"

@@ -1,106 +1,22 @@
-"""The job spec: what an operator submits (YAML or JSON), validated with clear errors."""
+"""The job spec: what an operator submits (YAML or JSON), validated with clear errors. Its dataset
+and model sections have modules of their own (crowdtrain.core.datasetspec, crowdtrain.core.modelspec)."""
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from crowdtrain.core.datasetspec import DatasetSpec, resolve_relative_source
 from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS, Framework
-from crowdtrain.core.specfile import SpecFileError, load_yaml, read_bounded
+from crowdtrain.core.modelspec import MAX_KERAS_JSON_BYTES, ModelSpec
+from crowdtrain.core.specfile import SpecFileError, SpecSection, load_yaml, read_bounded
 
-ZOO_MODELS = ("mlp", "cnn1d", "resnet")
 VC_ASGD: Final = "vc-asgd"  # the one job mode whose work is epochs of workunits
 DEDLOC: Final = "dedloc"  # synchronous rounds of peers (crowdtrain.server.services.dedloc); never workunits
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-# Bounds that keep a zoo model buildable at all; whether it fits the upload limit is checked at
-# submission by building it without memory (crowdtrain.core.zoo.check_model).
-MAX_WIDTH = 65_536
-MAX_DEPTH = 64
-# Builder arguments the scheduler sets itself, never options, and where each comes from.
-BUILDER_ARGUMENTS = {
-    "seed": "the job's top-level seed",
-    "name": "model.name",
-    "input_shape": "the dataset's examples",
-    "num_classes": "the dataset's labels (dataset.classes)",
-}
-MAX_KERAS_JSON_BYTES = 8 * 1024 * 1024
-
-
-class MLPOptions(_Strict):
-    hidden: list[Annotated[StrictInt, Field(ge=1, le=MAX_WIDTH)]] = Field(
-        [256, 256], max_length=MAX_DEPTH, description="Hidden layer widths"
-    )
-
-
-class CNN1DOptions(_Strict):
-    channels: StrictInt = Field(32, ge=1, le=MAX_WIDTH)
-    kernel_size: StrictInt = Field(5, ge=1, le=4096)
-    layers: StrictInt = Field(3, ge=1, le=MAX_DEPTH, description="Each but the last halves the length")
-
-
-class ResNetOptions(_Strict):
-    width: StrictInt = Field(16, ge=1, le=MAX_WIDTH)
-    blocks: StrictInt = Field(2, ge=1, le=MAX_DEPTH)
-
-
-# The keyword options of each zoo builder (crowdtrain.core.zoo, crowdtrain.core.zoo_keras); a test keeps
-# these in step with the builders' signatures.
-ZOO_OPTIONS: dict[str, type[_Strict]] = {"mlp": MLPOptions, "cnn1d": CNN1DOptions, "resnet": ResNetOptions}
-
-
-def check_zoo_options(model: str, options: dict[str, Any]) -> None:
-    """Raise ValueError naming `model.options.KEY` and the problem, for options the builder of
-    `model` cannot take: an argument the scheduler sets itself, an unknown key, a bad value."""
-    schema = ZOO_OPTIONS[model]
-    for key in options:
-        if key in BUILDER_ARGUMENTS:
-            raise ValueError(
-                f"model.options.{key}: not an option of {model!r}: the scheduler sets it from {BUILDER_ARGUMENTS[key]}"
-            )
-        if key not in schema.model_fields:
-            raise ValueError(
-                f"model.options.{key}: not an option of {model!r}; it takes {', '.join(schema.model_fields)}"
-            )
-    try:
-        schema.model_validate(options)
-    except ValidationError as exc:
-        raise ValueError(
-            "; ".join(
-                f"model.options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
-            )
-        ) from None
-
-
-class ModelSpec(_Strict):
-    name: Literal["mlp", "cnn1d", "resnet", "keras"] = Field(
-        ..., description="A zoo model, or 'keras' for the Keras model JSON given in `keras`"
-    )
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the zoo builder")
-    keras: dict[str, Any] | None = Field(
-        None,
-        description="A Keras model's JSON config (`model.to_json()`), loaded in safe mode: no Lambda layers "
-        "or other code. It must output logits. In a spec file, `keras_file: PATH` reads it.",
-    )
-
-    @model_validator(mode="after")
-    def _keras_json_with_keras_name(self) -> "ModelSpec":
-        if (self.name == KERAS_MODEL) != (self.keras is not None):
-            raise ValueError("model.keras (a Keras model JSON) is given exactly when model.name is 'keras'")
-        if self.keras is not None and self.options:
-            raise ValueError("model.options are for zoo models; a Keras JSON model has its settings inside")
-        if self.name in ZOO_OPTIONS:
-            check_zoo_options(self.name, self.options)
-        return self
-
-
-class TrainingSpec(_Strict):
+class TrainingSpec(SpecSection):
     local_epochs: int = Field(1, ge=1, le=1000)
     batch_size: int = Field(32, ge=1, le=65536)
     optimizer: Literal["sgd", "adam"] = "adam"
@@ -121,7 +37,7 @@ class TrainingSpec(_Strict):
     )
 
 
-class UploadSpec(_Strict):
+class UploadSpec(SpecSection):
     """What a client sends back: its weights W_c, or its update Δ = W_c − W_base, encoded."""
 
     send: Literal["weights", "delta"] = "weights"
@@ -147,7 +63,7 @@ MERGE_RULES = ("vc-asgd", "delta", "fedbuff")
 OUTER_OPTIMIZERS = ("none", "nesterov", "delayed-nesterov", "adam")
 
 
-class AssimilationSpec(_Strict):
+class AssimilationSpec(SpecSection):
     rule: Literal["vc-asgd", "delta", "fedbuff"] = Field(
         "vc-asgd",
         description="vc-asgd: W_s <- a*W_s + (1-a)*W_c; delta: W_s <- W_s + server_lr * s(tau) * Δ; "
@@ -217,7 +133,7 @@ class AssimilationSpec(_Strict):
         return self
 
 
-class StopSpec(_Strict):
+class StopSpec(SpecSection):
     target_accuracy: float = Field(..., gt=0, le=1)
     max_epochs: int = Field(50, ge=1, le=100_000)
     max_steps: int | None = Field(
@@ -225,7 +141,7 @@ class StopSpec(_Strict):
     )
 
 
-class SchedulingSpec(_Strict):
+class SchedulingSpec(SpecSection):
     deadline_seconds: float = Field(120, gt=0)
     max_errors: int = Field(3, ge=1)
     eval_every: int = Field(1, ge=1, description="Evaluate W_s on the validation set every N merges")
@@ -254,7 +170,7 @@ class SchedulingSpec(_Strict):
     )
 
 
-class ValidationSpec(_Strict):
+class ValidationSpec(SpecSection):
     """Replication and validation of results (BOINC's adaptive replication, for updates that are never
     bit-identical): a replicated workunit is trained by `quorum` hosts, and their results are compared
     by crowdtrain.assimilator.validator before one of them is merged."""
@@ -322,7 +238,7 @@ def scheduling_of(spec: dict[str, Any]) -> SchedulingSpec:
     return SchedulingSpec.model_validate(spec.get("scheduling", {}))
 
 
-class DedlocSpec(_Strict):
+class DedlocSpec(SpecSection):
     """Synchronous DeDLOC training: peers accumulate gradients until the collaboration has
     `target_batch_size` examples, then all-reduce them and take one optimizer step together."""
 
@@ -363,7 +279,7 @@ class DedlocSpec(_Strict):
         return self
 
 
-class JobSpec(_Strict):
+class JobSpec(SpecSection):
     name: str = Field(..., min_length=1, max_length=200)
     mode: Literal["vc-asgd", "dedloc"] = VC_ASGD
     framework: Framework = Field(

@@ -1,4 +1,7 @@
-"""Wire schemas: one pydantic model per request and per response of the `/v1` API.
+"""Wire schemas: one pydantic model per request and per response of the `/v1` API. This module holds
+the types every route shares and the schemas of hosts, work, results and the project key; the job
+API's are in crowdtrain.core.schemas_jobs, the dashboard's in crowdtrain.core.schemas_dashboard and
+the DeDLOC mode's in crowdtrain.core.schemas_dedloc.
 
 Untrusted input is typed here once: request bodies are strict (no `false` for 0, no "3" for 3),
 floats are finite, and every integer that reaches the database is bounded to its column, so that no
@@ -15,7 +18,7 @@ from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, 
 from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.reputation import score
-from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
+from crowdtrain.core.states import AssignmentStatus
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -146,15 +149,6 @@ class HostPublic(BaseModel):
         return score(self.results_valid, self.results_failed)
 
 
-class HostCredit(BaseModel):
-    """A host as the public sees it: no name, address or token."""
-
-    host_id: int
-    account: str
-    credit: float
-    results: int = Field(..., description="Results merged into a model")
-
-
 class WorkRequest(WireRequest):
     free_slots: int = Field(..., ge=0, le=256)
     resources: Resources | None = None
@@ -268,40 +262,6 @@ class ClientError(WireRequest):
     message: str = Field(..., max_length=1000)
 
 
-class DatasetStored(BaseModel):
-    """An uploaded dataset in the scheduler's object storage; jobs name it as `FORMAT:sha256:HEX`."""
-
-    sha256: Sha256
-    created: bool = Field(..., description="False when the scheduler already had these bytes (nothing was sent)")
-
-
-class JobCreated(BaseModel):
-    job_id: int
-    status: JobStatus
-    shards: int
-    parameters: int
-    recipe: str = Field(..., description="The job's recipe (canonical JSON) for the operator's key to sign")
-    signature_required: bool = Field(
-        ...,
-        description="True when the scheduler has a project key: the job stays pending until "
-        "`POST /v1/jobs/{id}/signature` brings the recipe's signature",
-    )
-
-
-class JobRecipe(BaseModel):
-    """A job's recipe, and its signature if it has one."""
-
-    job_id: int
-    status: JobStatus
-    recipe: str
-    public_key: PublicKey | None
-    signature: Signature | None
-
-
-class JobSignature(WireRequest):
-    signature: Signature = Field(..., description="Ed25519 signature (base64) of the recipe's UTF-8 bytes")
-
-
 class ProjectKeySet(WireRequest):
     public_key: PublicKey
 
@@ -312,174 +272,5 @@ class ProjectKeyOut(BaseModel):
     rotations: list[KeyRotation] = Field(..., description="Every rotation so far, oldest first")
 
 
-class EpochFigures(BaseModel):
-    epoch: int
-    workunits: int
-    done: int
-    failed: int
-    merges: int
-    mean_accuracy: float | None
-    min_accuracy: float | None
-    max_accuracy: float | None
-
-
-class MetricPoint(BaseModel):
-    epoch: int
-    param_version: int
-    val_accuracy: float
-    val_loss: float
-    t: float = Field(..., description="Seconds since the job started")
-    examples: int | None = Field(
-        None,
-        description="Training examples in the results merged into W_s up to this version "
-        "(None where merges do not count them, as in dedloc mode)",
-    )
-
-
-class JobStatusOut(BaseModel):
-    job_id: int
-    name: str
-    status: JobStatus
-    status_message: str
-    current_epoch: int
-    param_version: int
-    snapshot_version: int | None
-    target_accuracy: float
-    max_epochs: int
-    best_epoch_accuracy: float | None
-    final_accuracy: float | None
-    merges: int
-    active_hosts: int
-    assignments: dict[AssignmentStatus, int] = Field(
-        ..., description="How many of the job's assignments are in each status"
-    )
-    epochs: list[EpochFigures]
-    metrics: list[MetricPoint] = Field(default_factory=list)
-    elapsed_seconds: float | None
-
-
-class JobSummary(BaseModel):
-    """One job in the list of jobs."""
-
-    job_id: int
-    name: str
-    status: JobStatus
-    current_epoch: int
-    mode: str = "vc-asgd"
-    max_epochs: int | None = None
-    accuracy: float | None = Field(
-        None, description="The exported model's validation accuracy once the job has ended, else the latest merge's"
-    )
-    created_at: UtcDatetime | None = None
-
-
-class AssignmentProblem(BaseModel):
-    """An assignment of the job that ended without a merge, and what it said."""
-
-    assignment_id: int
-    host_id: int
-    host_name: str
-    epoch: int
-    status: AssignmentStatus
-    message: str
-    finished_at: UtcDatetime | None
-
-
-class ProblemCount(BaseModel):
-    status: AssignmentStatus
-    reason: str = Field(..., description="The message with its particulars (numbers, times) left out")
-    count: int
-
-
-class JobProblems(BaseModel):
-    """Why a job is stuck or failed: what its status says, the assignments that ended in an error, a
-    refusal or a timeout (counted by reason, the recent ones in full), and whether hosts can run it."""
-
-    job_id: int
-    status: JobStatus
-    status_message: str
-    counts: dict[AssignmentStatus, int] = Field(..., description="Assignments that ended without a merge, by status")
-    reasons: list[ProblemCount] = Field(..., description="The same, by reason, most frequent first")
-    recent: list[AssignmentProblem] = Field(..., description="The latest of them, newest first")
-    hosts_registered: int = Field(..., description="Hosts not revoked")
-    hosts_able: int = Field(..., description="Hosts not revoked with a framework that trains the job's model")
-    hosts_able_active: int = Field(..., description="Of those, the ones seen in the last minute")
-    findings: list[str] = Field(..., description="What the figures above suggest, one sentence each")
-
-
-class JobCancelled(BaseModel):
-    job_id: int
-    status: JobStatus
-
-
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
-
-
-class Staleness(BaseModel):
-    """Staleness τ of merged results: W_s's version when the result was merged less the version it started from."""
-
-    merges: int = Field(..., description="Merged results counted")
-    mean: float | None
-    max: int | None
-    recent_mean: float | None = Field(..., description="Mean over the latest merges (up to 20)")
-
-
-class JobDashboard(BaseModel):
-    """Everything the operator's job page shows: the status with every validation point, merge rate,
-    staleness, workunits by status and the job's problems."""
-
-    job: JobStatusOut
-    workunits: dict[WorkunitStatus, int] = Field(..., description="The job's workunits by status, every epoch")
-    epoch_workunits: dict[WorkunitStatus, int] = Field(..., description="The current epoch's workunits by status")
-    merges_per_second: float = Field(
-        ..., description="Merges per second over the last minute (or the job's life, if shorter)"
-    )
-    merges_per_second_overall: float | None = Field(..., description="Merges per second since the job started")
-    staleness: Staleness
-    problems: JobProblems
-
-
-class HostFigures(HostPublic):
-    """A host on the operator's hosts page: its record, frameworks and what it has done."""
-
-    frameworks: list[str]
-    results_merged: int = Field(..., description="Its results merged into W_s, every job")
-    examples: int = Field(..., description="Training examples in its merged results")
-    examples_per_second: float | None = Field(..., description="Training throughput of its merged results")
-
-
-class ProjectJob(BaseModel):
-    """A job as volunteers see it: progress only."""
-
-    name: str
-    status: JobStatus
-    current_epoch: int
-    max_epochs: int | None
-    best_accuracy: float | None = Field(..., description="The best validation accuracy measured")
-    results_merged: int
-    examples: int = Field(..., description="Training examples in its merged results")
-
-
-class Volunteer(BaseModel):
-    """One volunteer account's contribution: the hosts that registered under it count together (hosts
-    with no account, as one "anonymous")."""
-
-    name: str
-    hosts: int
-    results_merged: int
-    results_valid: int
-    examples: int
-    credit: float = Field(..., description="Cobblestones earned by merged results (crowdtrain.core.credit)")
-
-
-class ProjectPublic(BaseModel):
-    """The public project page: the project's progress and its volunteers' contributions, no secrets."""
-
-    jobs: list[ProjectJob]
-    volunteers: list[Volunteer] = Field(..., description="Most credit first")
-    hosts: list[HostCredit] = Field(..., description="Hosts by number, most credit first; no name or address")
-    hosts_active: int = Field(..., description="Hosts seen in the last 2 minutes")
-    results_merged: int
-    examples: int
-    credit: float = Field(..., description="Cobblestones earned by every host")

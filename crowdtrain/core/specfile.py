@@ -1,5 +1,6 @@
 """Reading an operator's spec file: bounded in size before it is read, and in YAML alias expansion
-before it is constructed, so that a few hundred bytes cannot expand into gigabytes."""
+before it is constructed, so that a few hundred bytes cannot expand into gigabytes; and the base of
+the sections it is validated into."""
 
 import re
 from itertools import accumulate
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 MAX_SPEC_BYTES = 1024 * 1024
 # Nodes of the document with every alias expanded: a plain 1 MiB file has at most about this many,
@@ -14,6 +16,13 @@ MAX_SPEC_BYTES = 1024 * 1024
 MAX_SPEC_NODES = 500_000
 # PyYAML's scanner takes time quadratic in the nesting of [ and {, and its composer recurses.
 MAX_FLOW_DEPTH = 100
+
+
+class SpecSection(BaseModel):
+    """A section of a spec file: a key it does not know is refused (a misspelt key would otherwise
+    fall back to the default silently)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class SpecFileError(ValueError):

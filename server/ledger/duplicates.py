@@ -31,7 +31,7 @@ def claim_straggler_duplicates(
 ) -> list[tuple[Workunit, Shard]]:
     """Lock up to `limit` in-progress workunits of `job` to duplicate for `host`, oldest straggler
     first: each has exactly one live assignment, in progress for at least `running_for` seconds on
-    another host. The caller opens the duplicates (ledger.assignments.open_assignment) in `s`.
+    another host. The caller opens the duplicates (crowdtrain.server.ledger.claims.open_assignments) in `s`.
 
     Only for a job with nothing ready to give. Workunit rows are locked with SKIP LOCKED like any
     claim, and their live assignments counted again once locked: under READ COMMITTED the first

@@ -11,10 +11,10 @@ from datetime import timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core.schemas import (
+from crowdtrain.core.schemas import HostPublic
+from crowdtrain.core.schemas_dashboard import (
     HostCredit,
     HostFigures,
-    HostPublic,
     JobDashboard,
     ProjectJob,
     ProjectPublic,

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import frameworks
-from crowdtrain.core.schemas import AssignmentProblem, JobProblems, ProblemCount
+from crowdtrain.core.schemas_jobs import AssignmentProblem, JobProblems, ProblemCount
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import reputation
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow

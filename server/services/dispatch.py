@@ -28,7 +28,7 @@ from crowdtrain.core.schemas import AssignmentOut, FileRef, Resources, SignedRec
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import replicas, reputation
-from crowdtrain.server.ledger.assignments import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
+from crowdtrain.server.ledger.claims import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow

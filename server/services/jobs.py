@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.jobspec import DEDLOC
 from crowdtrain.core.refusals import NotFound
-from crowdtrain.core.schemas import EpochFigures, JobStatusOut, JobSummary, MetricPoint
+from crowdtrain.core.schemas_jobs import EpochFigures, JobStatusOut, JobSummary, MetricPoint
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow

@@ -10,7 +10,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import signing
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
-from crowdtrain.core.schemas import JobRecipe, KeyRotation, ProjectKeyOut
+from crowdtrain.core.schemas import KeyRotation, ProjectKeyOut
+from crowdtrain.core.schemas_jobs import JobRecipe
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Job, ProjectKey

@@ -14,7 +14,9 @@ from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from crowdtrain.core.schemas import HostFigures, Id, JobDashboard, JobSummary, ProjectPublic
+from crowdtrain.core.schemas import Id
+from crowdtrain.core.schemas_dashboard import HostFigures, JobDashboard, ProjectPublic
+from crowdtrain.core.schemas_jobs import JobSummary
 from crowdtrain.server.api.deps import (
     SESSION_COOKIE,
     DbDep,

@@ -13,7 +13,8 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from crowdtrain.core import keys
-from crowdtrain.core.schemas import DatasetStored, Sha256
+from crowdtrain.core.schemas import Sha256
+from crowdtrain.core.schemas_jobs import DatasetStored
 from crowdtrain.server.api.boundary import octet_stream_body, receive_to_file
 from crowdtrain.server.api.deps import AdminDep, SettingsDep, StorageDep
 

@@ -7,8 +7,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.core.schemas import (
-    Id,
+from crowdtrain.core.schemas import Id
+from crowdtrain.core.schemas_jobs import (
     JobCancelled,
     JobCreated,
     JobProblems,

@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from crowdtrain.cli.progress import age, jobs_table, problems_view
-from crowdtrain.core.schemas import JobProblems, JobSummary
+from crowdtrain.core.schemas_jobs import JobProblems, JobSummary
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 

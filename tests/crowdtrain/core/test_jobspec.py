@@ -99,27 +99,6 @@ def test_model_options_the_builder_cannot_take_are_refused(model: dict, words: s
     assert words in str(err.value)
 
 
-def test_the_option_schemas_are_the_zoo_builders_keyword_arguments() -> None:
-    import inspect
-
-    from crowdtrain.core import zoo, zoo_keras
-    from crowdtrain.core.jobspec import BUILDER_ARGUMENTS, ZOO_OPTIONS
-
-    builders = {
-        **{(n, "pytorch"): b for n, b in zoo._BUILDERS.items()},
-        **{(n, "tensorflow"): b for n, b in zoo_keras._BUILDERS.items()},
-    }
-    for (name, _), builder in builders.items():
-        params = inspect.signature(builder).parameters
-        assert list(params)[:2] == ["input_shape", "num_classes"]
-        assert list(params)[2:] == list(ZOO_OPTIONS[name].model_fields), name
-        defaults = ZOO_OPTIONS[name]().model_dump()
-        assert {k: p.default for k, p in list(params.items())[2:]} == {
-            k: tuple(v) if isinstance(v, list) else v for k, v in defaults.items()
-        }, name
-    assert {"input_shape", "num_classes"} <= set(BUILDER_ARGUMENTS)
-
-
 def test_a_relative_dataset_path_is_refused_by_the_spec(tmp_path) -> None:
     data = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
     data["dataset"]["source"] = "npz:data/x.npz"

@@ -1,0 +1,107 @@
+"""The hostile strategies of benchmarks/adversarial.py: what each uploads in place of an honest
+result (pure functions of W_base and the honest result), and the scripted host that plays one over
+HTTP (tests/http_host.py)."""
+
+import threading
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+
+from crowdtrain.client.trainers import train
+from crowdtrain.core.tensors import Params
+from crowdtrain.launch.cluster import Cluster
+from tests.http_host import ScriptedHost
+
+
+def _along(base: Params, honest: Params, scale: float) -> Params:
+    """W_base + scale·Δ, with Δ = honest − W_base, for every float tensor."""
+    return {k: (v + scale * (honest[k] - v)).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in base.items()}
+
+
+def sign_flipped(base: Params, honest: Params, rng: np.random.Generator) -> Params:
+    return _along(base, honest, -1.0)
+
+
+def scaled(base: Params, honest: Params, rng: np.random.Generator) -> Params:
+    return _along(base, honest, 10.0)
+
+
+def noise(base: Params, honest: Params, rng: np.random.Generator) -> Params:
+    """W_base + Gaussian noise whose norm is the honest update's (over all float tensors)."""
+    floats = [k for k, v in base.items() if v.dtype.kind == "f"]
+    draw = {k: rng.standard_normal(base[k].shape) for k in floats}
+    delta_norm = np.sqrt(sum(float(np.sum((honest[k] - base[k]).astype(np.float64) ** 2)) for k in floats))
+    draw_norm = np.sqrt(sum(float(np.sum(d**2)) for d in draw.values()))
+    return {k: (v + delta_norm / draw_norm * draw[k]).astype(v.dtype) if k in draw else v for k, v in base.items()}
+
+
+FORGED: dict[str, Callable[[Params, Params, np.random.Generator], Params]] = {
+    "sign-flip": sign_flipped,
+    "scaled": scaled,
+    "noise": noise,
+}
+
+
+def class_derangement(num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of the classes that moves every one of them (label i becomes perm[i] != i)."""
+    while True:
+        perm = rng.permutation(num_classes)
+        if not np.any(perm == np.arange(num_classes)):
+            return perm
+
+
+class HostileHost(threading.Thread):
+    """One hostile host with one slot, playing `strategy` until stopped: ask for work, fetch what a
+    client fetches, upload the forged result. Records (assignment id, attack?, HTTP status) per upload."""
+
+    def __init__(self, cluster: Cluster, name: str, strategy: str, seed: int):
+        super().__init__(name=f"hostile-{strategy}", daemon=True)
+        self.host = ScriptedHost(cluster.url, cluster.join_token, name, account="hostile")
+        self.strategy = strategy
+        self.rng = np.random.default_rng(seed)
+        self.stopping = threading.Event()
+        self.uploads: list[tuple[int, bool, int]] = []
+        self.first: Params | None = None  # replay: the result it replays
+        self.perm: np.ndarray | None = None
+        self.error = ""
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(120)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                given = self.host.ask()
+                if not given:  # nothing ready, or quarantined
+                    self.stopping.wait(1.0)
+                    continue
+                a = given[0]
+                params, metrics, attack = self.forge(a, self.host.snapshot(a), *self.host.shard(a))
+                resp = self.host.upload(a, params, metrics)
+                self.uploads.append((a["assignment_id"], attack, resp.status_code))
+            except (httpx.HTTPError, AssertionError) as exc:  # the cluster going away at the end of a job
+                self.error = f"{type(exc).__name__}: {exc}"[:300]
+                self.stopping.wait(1.0)
+
+    def forge(self, a: dict, base: Params, x: np.ndarray, y: np.ndarray) -> tuple[Params, dict, bool]:
+        """The params to upload, the metrics to report, and whether the upload is an attack."""
+        recipe, fraction = a["recipe"], a["local_fraction"]
+        claimed = {"examples": round(len(x) * recipe["training"]["local_epochs"] * fraction), "seconds": 5.0}
+        if self.strategy == "lazy":
+            return base, claimed | {"train_loss": 0.5}, True
+        if self.strategy == "replay" and self.first is not None:
+            return self.first, claimed | {"train_loss": 0.5}, True
+        if self.strategy == "permuted":
+            if self.perm is None:
+                self.perm = class_derangement(recipe["model"]["num_classes"], self.rng)
+            y = self.perm[y]
+        result = train("pytorch", recipe, base, x, y, local_fraction=fraction)
+        metrics = {"train_loss": result.train_loss, "examples": result.examples, "seconds": result.seconds}
+        if self.strategy == "replay":
+            self.first = result.params
+            return result.params, metrics, False
+        if self.strategy == "permuted":
+            return result.params, metrics, True
+        return FORGED[self.strategy](base, result.params, self.rng), metrics, True

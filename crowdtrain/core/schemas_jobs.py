@@ -1,0 +1,142 @@
+"""Wire schemas of the operator's job API (`/v1/jobs`, `/v1/datasets`): a submitted job, its recipe
+and signature, its status with its metrics, the list of jobs, a job's problems and its cancellation.
+The types they share with every route (ids, hashes, keys, UTC datetimes) are crowdtrain.core.schemas'."""
+
+from pydantic import BaseModel, Field
+
+from crowdtrain.core.schemas import PublicKey, Sha256, Signature, UtcDatetime, WireRequest
+from crowdtrain.core.states import AssignmentStatus, JobStatus
+
+
+class DatasetStored(BaseModel):
+    """An uploaded dataset in the scheduler's object storage; jobs name it as `FORMAT:sha256:HEX`."""
+
+    sha256: Sha256
+    created: bool = Field(..., description="False when the scheduler already had these bytes (nothing was sent)")
+
+
+class JobCreated(BaseModel):
+    job_id: int
+    status: JobStatus
+    shards: int
+    parameters: int
+    recipe: str = Field(..., description="The job's recipe (canonical JSON) for the operator's key to sign")
+    signature_required: bool = Field(
+        ...,
+        description="True when the scheduler has a project key: the job stays pending until "
+        "`POST /v1/jobs/{id}/signature` brings the recipe's signature",
+    )
+
+
+class JobRecipe(BaseModel):
+    """A job's recipe, and its signature if it has one."""
+
+    job_id: int
+    status: JobStatus
+    recipe: str
+    public_key: PublicKey | None
+    signature: Signature | None
+
+
+class JobSignature(WireRequest):
+    signature: Signature = Field(..., description="Ed25519 signature (base64) of the recipe's UTF-8 bytes")
+
+
+class EpochFigures(BaseModel):
+    epoch: int
+    workunits: int
+    done: int
+    failed: int
+    merges: int
+    mean_accuracy: float | None
+    min_accuracy: float | None
+    max_accuracy: float | None
+
+
+class MetricPoint(BaseModel):
+    epoch: int
+    param_version: int
+    val_accuracy: float
+    val_loss: float
+    t: float = Field(..., description="Seconds since the job started")
+    examples: int | None = Field(
+        None,
+        description="Training examples in the results merged into W_s up to this version "
+        "(None where merges do not count them, as in dedloc mode)",
+    )
+
+
+class JobStatusOut(BaseModel):
+    job_id: int
+    name: str
+    status: JobStatus
+    status_message: str
+    current_epoch: int
+    param_version: int
+    snapshot_version: int | None
+    target_accuracy: float
+    max_epochs: int
+    best_epoch_accuracy: float | None
+    final_accuracy: float | None
+    merges: int
+    active_hosts: int
+    assignments: dict[AssignmentStatus, int] = Field(
+        ..., description="How many of the job's assignments are in each status"
+    )
+    epochs: list[EpochFigures]
+    metrics: list[MetricPoint] = Field(default_factory=list)
+    elapsed_seconds: float | None
+
+
+class JobSummary(BaseModel):
+    """One job in the list of jobs."""
+
+    job_id: int
+    name: str
+    status: JobStatus
+    current_epoch: int
+    mode: str = "vc-asgd"
+    max_epochs: int | None = None
+    accuracy: float | None = Field(
+        None, description="The exported model's validation accuracy once the job has ended, else the latest merge's"
+    )
+    created_at: UtcDatetime | None = None
+
+
+class AssignmentProblem(BaseModel):
+    """An assignment of the job that ended without a merge, and what it said."""
+
+    assignment_id: int
+    host_id: int
+    host_name: str
+    epoch: int
+    status: AssignmentStatus
+    message: str
+    finished_at: UtcDatetime | None
+
+
+class ProblemCount(BaseModel):
+    status: AssignmentStatus
+    reason: str = Field(..., description="The message with its particulars (numbers, times) left out")
+    count: int
+
+
+class JobProblems(BaseModel):
+    """Why a job is stuck or failed: what its status says, the assignments that ended in an error, a
+    refusal or a timeout (counted by reason, the recent ones in full), and whether hosts can run it."""
+
+    job_id: int
+    status: JobStatus
+    status_message: str
+    counts: dict[AssignmentStatus, int] = Field(..., description="Assignments that ended without a merge, by status")
+    reasons: list[ProblemCount] = Field(..., description="The same, by reason, most frequent first")
+    recent: list[AssignmentProblem] = Field(..., description="The latest of them, newest first")
+    hosts_registered: int = Field(..., description="Hosts not revoked")
+    hosts_able: int = Field(..., description="Hosts not revoked with a framework that trains the job's model")
+    hosts_able_active: int = Field(..., description="Of those, the ones seen in the last minute")
+    findings: list[str] = Field(..., description="What the figures above suggest, one sentence each")
+
+
+class JobCancelled(BaseModel):
+    job_id: int
+    status: JobStatus
