@@ -14,6 +14,7 @@ from typing import Annotated
 import redis
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.refusals import RefusalKind
@@ -145,8 +146,9 @@ def require_admin(creds: BearerDep, settings: SettingsDep, _: FailureBudgetDep) 
 
 @dataclass(frozen=True)
 class HostCall:
-    """What a host's hot route needs, gathered by one dependency (`host_call`) instead of six: FastAPI
-    spends more CPU solving dependencies than a work request spends on its SQL."""
+    """What a host's hot route needs, gathered from the request without FastAPI's dependency
+    solving (`host_call`, for a crowdtrain.server.api.lean.LeanRoute): on the work route that
+    machinery cost more CPU than the request's SQL."""
 
     token: str
     settings: Settings
@@ -156,20 +158,20 @@ class HostCall:
     budget: FailureBudget
 
 
-async def host_call(request: Request, creds: BearerDep) -> HostCall:
+def host_call(request: Request) -> HostCall:
     """The host token the request carries (401 if none), for a route that authenticates it inside its
     own transaction and checks and spends the address's failure budget itself (`HostCall.budget`,
     crowdtrain.server.services.throttle.FailureBudget.admit)."""
-    clients = _clients(request)
-    address = request.client.host if request.client else "unknown"
-    budget = FailureBudget(clients.redis, address, clients.settings.auth_failures_per_minute)
-    if creds is None:
+    scheme, token = get_authorization_scheme_param(request.headers.get("authorization"))
+    if scheme.lower() != "bearer" or not token:
         raise _unauthorized("missing host token (Authorization: Bearer ...)")
-    return HostCall(creds.credentials, clients.settings, clients.db, clients.storage, clients.redis, budget)
+    c = _clients(request)
+    address = request.client.host if request.client else "unknown"
+    budget = FailureBudget(c.redis, address, c.settings.auth_failures_per_minute)
+    return HostCall(token, c.settings, c.db, c.storage, c.redis, budget)
 
 
 HostDep = Annotated[int, Depends(current_host)]
-HostCallDep = Annotated[HostCall, Depends(host_call)]
 AdminDep = Depends(require_admin)
 
 

@@ -27,7 +27,8 @@ from crowdtrain.server.api.boundary import (
     parse_json_body,
     upload_body,
 )
-from crowdtrain.server.api.deps import DbDep, HostCall, HostCallDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.api.deps import DbDep, HostCall, HostDep, RedisDep, SettingsDep, StorageDep, host_call
+from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
 from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused
 from crowdtrain.server.services import dispatch, project_key, telemetry
@@ -36,16 +37,26 @@ from crowdtrain.server.services.hosts import NotAuthorized
 router = APIRouter(prefix="/v1", tags=["work"])
 
 
-@router.post("/work", response_model=WorkReply, openapi_extra=json_body(WorkRequest))
-async def request_work(request: Request, call: HostCallDep) -> Response:
+async def request_work(request: Request) -> Response:
     """Ask for up to `free_slots` assignments (a WorkRequest body).
 
-    The body is read by the route itself, after the token is authenticated, so that a wrong token is
-    answered 401 whatever the body; FastAPI would validate it first."""
+    A LeanRoute: the route reads its token and body itself. The body is parsed after the token is
+    authenticated, so that a wrong token is answered 401 whatever the body."""
+    call = host_call(request)
     body = await request.body()
     reply = await run_in_threadpool(_serve_work, body, call)
     # Serialised here, once: the reply is built from validated parts, and FastAPI would validate it again.
     return Response(reply, media_type="application/json")
+
+
+router.add_api_route(
+    "/work",
+    request_work,
+    methods=["POST"],
+    response_model=WorkReply,
+    openapi_extra=json_body(WorkRequest) | HOST_TOKEN_SECURITY,
+    route_class_override=LeanRoute,
+)
 
 
 def _serve_work(body: bytes, call: HostCall) -> bytes:
