@@ -31,7 +31,7 @@ from crowdtrain.core.tensors import (
     views,
 )
 from crowdtrain.core.updates import decode_update, upload_of
-from crowdtrain.server.ledger import merges, paramstore
+from crowdtrain.server.ledger import merges, result_records
 
 
 class Refused(Exception):
@@ -89,7 +89,7 @@ def read_result(storage: Storage, r: redis.Redis, p: merges.PendingMerge) -> Res
             charge=False,
         ) from None
     upload = upload_of(p.spec["assimilation"])
-    digest = paramstore.checked_upload_digest(r, p.job_id, p.upload_key) if upload.send == "weights" else None
+    digest = result_records.checked_upload_digest(r, p.job_id, p.upload_key) if upload.send == "weights" else None
     try:
         if digest is not None:
             # Checked by the scheduler: the header is still parsed within its bounds, and the
@@ -109,7 +109,7 @@ def read_result(storage: Storage, r: redis.Redis, p: merges.PendingMerge) -> Res
 def replay_of(r: redis.Redis, job_id: int, assignment_id: int, digest: str) -> int | None:
     """The earlier assignment of the job whose result had exactly this W_c (a host uploading an old
     result again), else None; this result's digest is noted for those after it."""
-    first = paramstore.first_with_digest(r, job_id, digest, assignment_id)
+    first = result_records.first_with_digest(r, job_id, digest, assignment_id)
     return None if first == assignment_id else first
 
 

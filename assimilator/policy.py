@@ -43,13 +43,26 @@ class UpdateBound:
         )
 
 
+NORM_BLOCK = 1 << 16  # elements squared per step: 512 KB of float64, in cache
+
+
 def params_norm(params: Params) -> float:
-    """L2 norm over all floating-point tensors (integer counters are not parameters)."""
+    """L2 norm over all floating-point tensors (integer counters are not parameters), summed in float64.
+
+    Block by block through one reused float64 buffer, with numpy's own loops rather than BLAS: a
+    float64 copy of a 5M-parameter model and a BLAS dot took 3 ms alone, and 30-470 ms where BLAS's
+    threads spun waiting for cores that the other parameter servers and Redis held (2 cores).
+    """
+    buffer = np.empty(NORM_BLOCK, np.float64)
     total = 0.0
     for v in params.values():
-        if v.dtype.kind == "f":
-            flat = v.astype(np.float64).ravel()
-            total += float(np.dot(flat, flat))
+        if v.dtype.kind != "f":
+            continue
+        flat = v.reshape(-1)
+        for start in range(0, flat.size, NORM_BLOCK):
+            block = buffer[: min(NORM_BLOCK, flat.size - start)]
+            np.square(flat[start : start + block.size], out=block, dtype=np.float64)
+            total += float(block.sum())
     return float(total**0.5)
 
 

@@ -24,7 +24,7 @@ from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_of, upload_spec
-from crowdtrain.server.ledger import paramstore, reputation, states
+from crowdtrain.server.ledger import reputation, result_records, states
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
 from crowdtrain.server.ledger.models import (
     Assignment,
@@ -145,7 +145,7 @@ def store_result(
     The body is written to storage under a key of its own before the (short) transaction, so the
     database's write lock is never held over the transfer; a losing concurrent upload deletes its copy.
     Given `digest` (what `check_result` returned for this body) and `r`, it is recorded under that
-    key before the commit (paramstore.note_checked_upload): the parameter server that merges the
+    key before the commit (result_records.note_checked_upload): the parameter server that merges the
     result reads the bytes once and neither checks nor hashes them again. Keyed by the upload, not
     the assignment, so two racing uploads of one assignment cannot pair one's bytes with the other's
     digest. `received_at`: when the body was in hand (default: now), where a merge's latency starts.
@@ -154,7 +154,7 @@ def store_result(
     key = keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
     storage.put(key, body)
     if digest is not None and r is not None:
-        paramstore.note_checked_upload(r, job_id, key, digest)
+        result_records.note_checked_upload(r, job_id, key, digest)
     try:
         with db.begin() as s:
             a = _own_assignment(s, assignment_id, host_id)

@@ -108,7 +108,6 @@ class Ledger:
 @pytest.fixture
 def ledger(database_url, private_redis, tmp_path) -> Ledger:
     upgrade(database_url)
-    paramstore._cache.clear()  # job ids repeat across tests' databases
     return Ledger(session_factory(database_url), open_storage((tmp_path / "storage").as_uri()), private_redis, tmp_path)
 
 
