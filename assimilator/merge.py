@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.inputs import Refused, Result, read_result, replay_of, replay_reason, validation_set
-from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
+from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.replica_vote import judge_replicas
 from crowdtrain.assimilator.rules import Rule, make_rule
 from crowdtrain.core.keys import snapshot_key
@@ -175,7 +175,7 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
     if result is None:
         assert unreadable is not None
         raise unreadable
-    norm = params_norm(result.update.delta)
+    norm = result.norm
     assimilation = p.spec["assimilation"]
     rule = make_rule(assimilation)
     merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), result, norm)

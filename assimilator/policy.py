@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from crowdtrain.assimilator.rules.update import Rule, Update
+from crowdtrain.assimilator.rules.update import Rule, Update, params_norm
 from crowdtrain.core.tensors import Params
 
 
@@ -41,29 +41,6 @@ class UpdateBound:
             warmup=assimilation.get("update_norm_warmup", 5),
             max_update_norm=assimilation.get("max_update_norm"),
         )
-
-
-NORM_BLOCK = 1 << 16  # elements squared per step: 512 KB of float64, in cache
-
-
-def params_norm(params: Params) -> float:
-    """L2 norm over all floating-point tensors (integer counters are not parameters), summed in float64.
-
-    Block by block through one reused float64 buffer, with numpy's own loops rather than BLAS: a
-    float64 copy of a 5M-parameter model and a BLAS dot took 3 ms alone, and 30-470 ms where BLAS's
-    threads spun waiting for cores that the other parameter servers and Redis held (2 cores).
-    """
-    buffer = np.empty(NORM_BLOCK, np.float64)
-    total = 0.0
-    for v in params.values():
-        if v.dtype.kind != "f":
-            continue
-        flat = v.reshape(-1)
-        for start in range(0, flat.size, NORM_BLOCK):
-            block = buffer[: min(NORM_BLOCK, flat.size - start)]
-            np.square(flat[start : start + block.size], out=block, dtype=np.float64)
-            total += float(block.sum())
-    return float(total**0.5)
 
 
 def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> tuple[float, str]:
