@@ -7,6 +7,8 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -126,6 +128,41 @@ def _failed(wu: Workunit) -> list[tuple[int, int]]:
     return [(wu.job_id, wu.epoch)] if wu.status == WorkunitStatus.failed.value else []
 
 
+# Uploads are written to storage from these threads while the scheduler checks them (accept_result).
+_store_threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="upload-store")
+
+
+def accept_result(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    host_id: int,
+    assignment_id: int,
+    target: tuple[int, dict, UploadSpec],
+    body: bytes,
+    metrics: ResultMetrics,
+    enqueue: Callable[[int, float], None],
+    received_at: float,
+) -> AssignmentStatus:
+    """`check_result` and `store_result` for the upload target `upload_target` returned, with the
+    check and the storage write at once (numpy, xxhash and file or socket writes release the GIL):
+    the write no longer waits for the check. A body the check refuses (ResultRefused) has its copy
+    deleted first: nothing of it stays, and nothing stored before is touched."""
+    job_id, manifest, upload = target
+    key = _new_upload_key(job_id, assignment_id)
+    writing = _store_threads.submit(storage.put, key, body)
+    try:
+        digest = check_result(body, manifest, upload)
+    except BaseException:
+        with suppress(Exception):  # a failed write stored nothing (puts are atomic)
+            writing.result()
+        storage.delete(key)
+        raise
+    writing.result()
+    stored = _StoredUpload(host_id, job_id, assignment_id, key, len(body))
+    return _record_upload(db, storage, r, stored, metrics, enqueue, digest, received_at)
+
+
 def store_result(
     db: sessionmaker[Session],
     storage: Storage,
@@ -150,12 +187,41 @@ def store_result(
     the assignment, so two racing uploads of one assignment cannot pair one's bytes with the other's
     digest. `received_at`: when the body was in hand (default: now), where a merge's latency starts.
     """
-    received_at = time.time() if received_at is None else received_at
-    key = keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
+    key = _new_upload_key(job_id, assignment_id)
     storage.put(key, body)
-    if digest is not None and r is not None:
-        result_records.note_checked_upload(r, job_id, key, digest)
+    stored = _StoredUpload(host_id, job_id, assignment_id, key, len(body))
+    return _record_upload(db, storage, r, stored, metrics, enqueue, digest, received_at)
+
+
+def _new_upload_key(job_id: int, assignment_id: int) -> str:
+    return keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
+
+
+@dataclass(frozen=True)
+class _StoredUpload:
+    host_id: int
+    job_id: int
+    assignment_id: int
+    key: str  # where the body is stored
+    size: int
+
+
+def _record_upload(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis | None,
+    upload: _StoredUpload,
+    metrics: ResultMetrics,
+    enqueue: Callable[[int, float], None],
+    digest: str | None,
+    received_at: float | None,
+) -> AssignmentStatus:
+    """The second half of `store_result`, for a body already stored (and deleted here on failure)."""
+    received_at = time.time() if received_at is None else received_at
+    host_id, assignment_id, key = upload.host_id, upload.assignment_id, upload.key
     try:
+        if digest is not None and r is not None:
+            result_records.note_checked_upload(r, upload.job_id, key, digest)
         with db.begin() as s:
             a = _own_assignment(s, assignment_id, host_id)
             _check_in_progress(a)
@@ -170,7 +236,7 @@ def store_result(
     log.info(
         "assignment %s: result uploaded (%d bytes, loss %s), merge queued",
         assignment_id,
-        len(body),
+        upload.size,
         metrics.train_loss,
         extra=ids(assignment_id=assignment_id, host_id=host_id),
     )
