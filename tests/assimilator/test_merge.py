@@ -23,9 +23,9 @@ from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
 from crowdtrain.server.ledger import merges, paramstore, result_records
-from crowdtrain.server.ledger.assignments import check_result, store_result
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
+from crowdtrain.server.ledger.uploads import check_result, store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job

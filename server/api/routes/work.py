@@ -27,7 +27,7 @@ from crowdtrain.server.api.boundary import (
     upload_body,
 )
 from crowdtrain.server.api.deps import DbDep, HostCall, HostCallDep, HostDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger import assignments, uploads
 from crowdtrain.server.ledger.assignments import ResultRefused
 from crowdtrain.server.services import dispatch, project_key, telemetry
 from crowdtrain.server.services.hosts import NotAuthorized
@@ -110,16 +110,16 @@ async def upload_result(
     ride in the query string.
 
     The assignment is checked before the body is read, and the body before any transaction, once,
-    while it is written to storage (assignments.accept_result, one thread-pool hop): the check's
+    while it is written to storage (uploads.accept_result, one thread-pool hop): the check's
     digest of W_c is stored beside the body for the parameter server. A body refused for
     its content ends the assignment `rejected`, so its workunit is dispatched again at once.
     """
-    target = await run_in_threadpool(assignments.upload_target, db, host_id, assignment_id)
+    target = await run_in_threadpool(uploads.upload_target, db, host_id, assignment_id)
     try:
         async with upload_body(request, settings.upload_max_bytes) as body:
             received_at = time.time()
             status_ = await run_in_threadpool(
-                assignments.accept_result,
+                uploads.accept_result,
                 db,
                 storage,
                 r,
