@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.inputs import Refused, Result, read_result, replay_of, replay_reason, validation_set
-from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
+from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.replica_vote import judge_replicas
 from crowdtrain.assimilator.rules import Rule, make_rule
 from crowdtrain.core.keys import snapshot_key
@@ -35,7 +35,7 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import Params, sha256
-from crowdtrain.server.ledger import duplicates, merges, paramstore
+from crowdtrain.server.ledger import duplicates, merges, paramstore, result_records
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete
 from crowdtrain.server.services import telemetry
@@ -175,7 +175,7 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
     if result is None:
         assert unreadable is not None
         raise unreadable
-    norm = params_norm(result.update.delta)
+    norm = result.norm
     assimilation = p.spec["assimilation"]
     rule = make_rule(assimilation)
     merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), result, norm)
@@ -260,7 +260,7 @@ def _record(svc: MergeServices, p: merges.PendingMerge, version: int) -> None:
     _publish_snapshot_if_due(svc, p.job_id, sched, version)
     for key in [p.upload_key, *merges.record_merge(svc.db, p.assignment_id, version)]:
         svc.storage.delete(key)
-    paramstore.forget_checked_upload(svc.r, p.job_id, p.upload_key)
+    result_records.forget_checked_upload(svc.r, p.job_id, p.upload_key)
     close_epoch_if_complete(svc.db, svc.storage, svc.r, p.job_id, p.epoch, evaluate)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from crowdtrain.assimilator.rules.update import Rule, Update
+from crowdtrain.assimilator.rules.update import Rule, Update, params_norm
 from crowdtrain.core.tensors import Params
 
 
@@ -41,16 +41,6 @@ class UpdateBound:
             warmup=assimilation.get("update_norm_warmup", 5),
             max_update_norm=assimilation.get("max_update_norm"),
         )
-
-
-def params_norm(params: Params) -> float:
-    """L2 norm over all floating-point tensors (integer counters are not parameters)."""
-    total = 0.0
-    for v in params.values():
-        if v.dtype.kind == "f":
-            flat = v.astype(np.float64).ravel()
-            total += float(np.dot(flat, flat))
-    return float(total**0.5)
 
 
 def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> tuple[float, str]:

@@ -21,7 +21,7 @@ from crowdtrain.assimilator.rules import make_rule
 from crowdtrain.core.jobspec import ValidationSpec, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.storage import Storage
-from crowdtrain.server.ledger import merges, paramstore, replicas
+from crowdtrain.server.ledger import merges, paramstore, replicas, result_records
 from crowdtrain.server.ledger.epochs import close_epochs_after_failure
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def measure_replicas(
         except Refused as exc:
             malformed[u.assignment_id] = exc.reason
             continue
-        first = paramstore.first_with_digest(r, p.job_id, result.digest, u.assignment_id)
+        first = result_records.first_with_digest(r, p.job_id, result.digest, u.assignment_id)
         if first != u.assignment_id:
             malformed[u.assignment_id] = replay_reason(first)
             continue

@@ -66,6 +66,7 @@ VALIDATION_EXAMPLES = 8
 WARMUP = 2
 MERGE_TIMEOUT_S = 60.0
 POLL_S = 0.002
+DRAIN_POLL_S = 0.5  # while the throughput runs drain their backlog
 PAPER_SECONDS_PER_UPDATE = 0.87  # VC-ASGD paper, 4.97M-parameter network
 GOAL_S = 0.1
 FLOOR_RATIO_GOAL = 2.0
@@ -175,12 +176,14 @@ def upload(host: httpx.Client, assignment_id: int, body: bytes) -> None:
     )
 
 
-def wait_until(condition: Callable[[], bool], what: str, cluster: Cluster, timeout: float = MERGE_TIMEOUT_S) -> None:
+def wait_until(
+    condition: Callable[[], bool], what: str, cluster: Cluster, timeout: float = MERGE_TIMEOUT_S, poll: float = POLL_S
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout}s\n{cluster.service('assimilator').tail()}")
-        time.sleep(POLL_S)
+        time.sleep(poll)
 
 
 def merge_entry(r: redis.Redis, job_id: int, assignment_id: int) -> dict | None:
@@ -306,7 +309,11 @@ def measure_throughput(processes: int, backlog: int, var_dir: Path) -> dict:
                 upload(host, a["assignment_id"], variant(body, 10_000 + i))
             log(f"P={processes}: {backlog} uploads queued; starting the parameter server")
             assimilator.start()
-            wait_until(lambda: merges_recorded(cluster, job_id) >= backlog, f"{backlog} merges", cluster, 600)
+            # Polled slowly: the rate comes from the merge log's timestamps, and each poll is a request
+            # that the scheduler serves on the cores the parameter servers are measured on.
+            wait_until(
+                lambda: merges_recorded(cluster, job_id) >= backlog, f"{backlog} merges", cluster, 600, DRAIN_POLL_S
+            )
         merged_at = sorted(json.loads(v)["merged_at"] for v in r.hvals(keys.merge_log(job_id)))
     finally:
         cluster.stop()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.assimilator.policy import params_norm
+from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params

@@ -83,10 +83,10 @@ def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_data
 
 def test_upload_sizes_read_from_scheduler_log_lines():
     log = (
-        "2026-11-23 11:00:00 INFO crowdtrain.server.ledger.assignments: "
+        "2026-11-23 11:00:00 INFO crowdtrain.server.ledger.uploads: "
         "assignment 7: result uploaded (43960 bytes, loss 0.5), merge queued\n"
         "unrelated line\n"
-        "2026-11-23 11:00:01 INFO crowdtrain.server.ledger.assignments: "
+        "2026-11-23 11:00:01 INFO crowdtrain.server.ledger.uploads: "
         "assignment 12: result uploaded (11000 bytes, loss None), merge queued\n"
     )
     assert report.upload_sizes(log) == {7: 43960, 12: 11000}

@@ -30,6 +30,18 @@ def version(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:version"
 
 
+def params_tag(job_id: int) -> str:
+    """A random token written with every new W_s (initialised, restored or merged): a parameter server
+    that holds the W_s of the token it wrote last needs not read it back (paramstore.merge_once)."""
+    return f"{PREFIX}:job:{job_id}:params-tag"
+
+
+def merge_lease(job_id: int) -> str:
+    """Lease a parameter server holds while it merges into the job's W_s, so that the others wait instead
+    of computing merges that the exactly-once transaction would throw away (paramstore.merge_once)."""
+    return f"{PREFIX}:job:{job_id}:merge-lease"
+
+
 def merged(job_id: int) -> str:
     """Set of assignment ids already merged into W_s (the exactly-once ledger)."""
     return f"{PREFIX}:job:{job_id}:merged"
@@ -54,8 +66,8 @@ def result_digests(job_id: int) -> str:
 
 def checked_upload(job_id: int, upload_key: str) -> str:
     """The digest of the weights W_c that the stored upload `upload_key` carries, set by the scheduler
-    that checked it (crowdtrain.server.ledger.assignments.store_result): the parameter server neither
-    checks nor hashes those bytes again. Expires on its own (paramstore.CHECKED_UPLOAD_SECONDS)."""
+    that checked it (crowdtrain.server.ledger.uploads.store_result): the parameter server neither
+    checks nor hashes those bytes again. Expires on its own (result_records.CHECKED_UPLOAD_SECONDS)."""
     return f"{PREFIX}:job:{job_id}:checked-upload:{upload_key}"
 
 

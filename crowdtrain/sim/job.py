@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crowdtrain.assimilator.policy import Policy, apply_with_policy, params_norm
+from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.rules import make_rule, make_update
+from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.paramstore import NORMS_KEPT
 

@@ -1,30 +1,23 @@
-"""Assignments once opened: what hosts report (uploads, heartbeats, abandonments, errors),
-time-outs and revocations; claiming workunits and opening their assignments is
-crowdtrain.server.ledger.claims. Ending an assignment returns its workunit to the pool, or fails it
-after `max_errors`; the epochs whose workunits failed are then closed by
-crowdtrain.server.ledger.epochs.close_epochs_after_failure."""
+"""Assignments once opened: what hosts report (heartbeats, abandonments, errors, refused uploads;
+a result's upload itself is crowdtrain.server.ledger.uploads), time-outs and revocations; claiming
+workunits and opening their assignments is crowdtrain.server.ledger.claims. Ending an assignment
+returns its workunit to the pool, or fails it after `max_errors`; the epochs whose workunits failed
+are then closed by crowdtrain.server.ledger.epochs.close_epochs_after_failure."""
 
 import logging
-import secrets
-import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core import keys
-from crowdtrain.core.digests import weights_digest
-from crowdtrain.core.jobspec import SchedulingSpec, UploadSpec, scheduling_of
+from crowdtrain.core.jobspec import SchedulingSpec, scheduling_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
-from crowdtrain.core.schemas import HostPublic, ResultMetrics
+from crowdtrain.core.schemas import HostPublic
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.core.tensors import TensorFormatError
-from crowdtrain.core.updates import decode_update, upload_of, upload_spec
-from crowdtrain.server.ledger import paramstore, reputation, states
+from crowdtrain.server.ledger import reputation, states
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
 
@@ -42,7 +35,7 @@ class ResultProblem(Refusal):
 # concurrent transitions on PostgreSQL cannot deadlock.
 
 
-def _own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
+def own_assignment(s: Session, assignment_id: int, host_id: int) -> Assignment:
     a = s.get(Assignment, assignment_id, with_for_update=True)
     # Someone else's assignment is reported exactly like a missing one: ids are not secrets to probe.
     if a is None or a.host_id != host_id:
@@ -55,42 +48,6 @@ class ResultRefused(ResultProblem):
 
     def __init__(self, message: str, kind: RefusalKind = RefusalKind.unacceptable):
         super().__init__(kind, message)
-
-
-def upload_target(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[int, dict, UploadSpec]:
-    """(job id, parameter manifest, upload encoding) a result must match, checked before the body is
-    read: the assignment exists, is the caller's and is in progress (else ResultProblem not_found/conflict).
-    Read only."""
-    with db.begin() as s:
-        a = s.get(Assignment, assignment_id)
-        if a is None or a.host_id != host_id:
-            raise ResultProblem(RefusalKind.not_found, f"assignment {assignment_id} does not exist or is not yours")
-        _check_in_progress(a)
-        job = s.get_one(Job, a.job_id)
-        return a.job_id, job.param_manifest, upload_of(job.spec.get("assimilation", {}))
-
-
-def _check_in_progress(a: Assignment) -> None:
-    if a.status != AssignmentStatus.in_progress.value:
-        raise ResultProblem(
-            RefusalKind.conflict,
-            f"assignment {a.id} is {a.status}; a result can be uploaded once, while the assignment is in progress",
-        )
-
-
-def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> str | None:
-    """Raise ResultRefused unless `body` is a result encoded as `upload` says (default: weights as
-    float32) for a model with `manifest`: names, shapes, the encoding's dtypes, scales, finite decoded
-    values (crowdtrain.core.updates.decode_update). The header is bounded before it is parsed. No I/O.
-
-    Returns the digest of the W_c a weights upload carries (crowdtrain.core.digests), taken in the
-    same pass, for `store_result` to record; None for a Δ upload, whose W_c = W_base + Δ only the
-    parameter server, which holds W_base, can form."""
-    try:
-        carried = decode_update(body, manifest, upload)
-    except (TensorFormatError, ValueError) as exc:
-        raise ResultRefused(f"result rejected: {exc}") from exc
-    return weights_digest(carried) if upload_spec(upload).send == "weights" else None
 
 
 def refuse_result(
@@ -107,7 +64,7 @@ def refuse_result(
     (`evaluate` scores the final model if that ends the job). Nothing happens if the assignment is
     no longer in progress."""
     with db.begin() as s:
-        a = _own_assignment(s, assignment_id, host_id)
+        a = own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
             return
         failed = _failed(end_assignment(s, a, AssignmentStatus.rejected, f"upload refused: {reason}"))
@@ -119,60 +76,6 @@ def _failed(wu: Workunit) -> list[tuple[int, int]]:
     return [(wu.job_id, wu.epoch)] if wu.status == WorkunitStatus.failed.value else []
 
 
-def store_result(
-    db: sessionmaker[Session],
-    storage: Storage,
-    host_id: int,
-    job_id: int,
-    assignment_id: int,
-    body: bytes,
-    metrics: ResultMetrics,
-    enqueue: Callable[[int, float], None],
-    *,
-    r: redis.Redis | None = None,
-    digest: str | None = None,
-    received_at: float | None = None,
-) -> AssignmentStatus:
-    """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
-
-    The body is written to storage under a key of its own before the (short) transaction, so the
-    database's write lock is never held over the transfer; a losing concurrent upload deletes its copy.
-    Given `digest` (what `check_result` returned for this body) and `r`, it is recorded under that
-    key before the commit (paramstore.note_checked_upload): the parameter server that merges the
-    result reads the bytes once and neither checks nor hashes them again. Keyed by the upload, not
-    the assignment, so two racing uploads of one assignment cannot pair one's bytes with the other's
-    digest. `received_at`: when the body was in hand (default: now), where a merge's latency starts.
-    """
-    received_at = time.time() if received_at is None else received_at
-    key = keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
-    storage.put(key, body)
-    if digest is not None and r is not None:
-        paramstore.note_checked_upload(r, job_id, key, digest)
-    try:
-        with db.begin() as s:
-            a = _own_assignment(s, assignment_id, host_id)
-            _check_in_progress(a)
-            a.upload_key = key
-            states.move(a, AssignmentStatus.uploaded)
-            a.uploaded_at = utcnow()
-            a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
-            s.get_one(Host, host_id).last_seen = a.uploaded_at
-    except BaseException:
-        storage.delete(key)
-        raise
-    log.info(
-        "assignment %s: result uploaded (%d bytes, loss %s), merge queued",
-        assignment_id,
-        len(body),
-        metrics.train_loss,
-        extra=ids(assignment_id=assignment_id, host_id=host_id),
-    )
-    # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
-    # transitioner re-queues merges that stay uploaded too long.
-    enqueue(assignment_id, received_at)
-    return AssignmentStatus.uploaded
-
-
 def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tuple[bool, str, datetime | None]:
     """Record that the host is still working and extend its lease; returns (whether the work is
     still wanted, why not, the assignment's deadline now).
@@ -182,7 +85,7 @@ def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tu
     work, a silent one is timed out at its last deadline, and a hung one at the bound.
     """
     with db.begin() as s:
-        a = _own_assignment(s, assignment_id, host_id)
+        a = own_assignment(s, assignment_id, host_id)
         now = utcnow()
         s.get_one(Host, host_id).last_seen = now
         if a.status != AssignmentStatus.in_progress.value:
@@ -215,7 +118,7 @@ def give_up(
     not the host's or no longer in progress); the workunit goes back to ready, or fails after
     `max_errors`, and then its epoch is closed if complete (`evaluate` as in `refuse_result`)."""
     with db.begin() as s:
-        a = _own_assignment(s, assignment_id, host_id)
+        a = own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
             raise ResultProblem(RefusalKind.conflict, f"assignment {assignment_id} is {a.status}, not in progress")
         failed = _failed(end_assignment(s, a, outcome, message))

@@ -64,7 +64,7 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
             return None
         job = s.get_one(Job, a.job_id)
         wu = s.get_one(Workunit, a.workunit_id)
-        assert a.upload_key is not None  # set with the status uploaded (assignments.store_result)
+        assert a.upload_key is not None  # set with the status uploaded (uploads.store_result)
         return PendingMerge(
             assignment_id=a.id,
             job_id=job.id,

@@ -15,20 +15,33 @@ assignment's workunit, the transaction also watches the workunit -> assignment m
 and its duplicate, the first to merge is the only one W_s takes. The state
 is written only together with the version, so watching the version covers it.
 
+A parameter-server process keeps the W_s it wrote last, with the random tag written beside it
+(`keys.params_tag`); a merge that finds that tag in Redis reads only the small keys, not W_s. Any
+other write of W_s (another process's merge, a restore) writes another tag, and the next merge here
+reads W_s again. One job's merges take a lease (`keys.merge_lease`) around the transaction, so the
+servers queue for it instead of computing merges that a losing EXEC would throw away: the lease
+saves work, and nothing else rests on it (one that lapses costs a retry, never a second merge).
+
 When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
 it, the merged-set is final, and the ledger can end the job's other results knowing that none of
 them will land in W_s later.
 """
 
 import json
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import cast
 
 import redis
+from redis.exceptions import LockNotOwnedError
 
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import Params, decode, encode, views
+from crowdtrain.server.ledger import w_s_cache
+from crowdtrain.server.ledger.w_s_cache import CachedModel
 
 CHUNK_BYTES = 1 << 20
 NORMS_KEPT = 50  # accepted update norms remembered per job: the window of the norm bound's median
@@ -58,22 +71,8 @@ class MergeOutcome:
     applied_now: bool  # False when an earlier delivery already merged it
 
 
-@dataclass
-class _Cached:
-    """The W_s and rule state this process wrote last: safetensors buffers and numpy views into them.
-
-    A merge updates the views in place, so the buffers are the new blobs: no decode, no encode.
-    """
-
-    version: int
-    blob: bytearray
-    params: Params
-    state_blob: bytearray
-    state: Params
-
-
-# A parameter-server process runs one merge at a time; keeping its last W_s saves a 20 MB read.
-_cache: dict[int, _Cached] = {}
+MERGE_LEASE_SECONDS = 30.0  # a holder that dies or stalls loses its job's merge lease after this long
+LEASE_POLL_SECONDS = 0.002
 
 
 def connect(url: str) -> redis.Redis:
@@ -133,6 +132,7 @@ def initialise_blob(r: redis.Redis, job_id: int, blob: bytes, version: int, stat
                 if state_blob is not None:
                     _queue_state_write(pipe, job_id, state_blob)
                 pipe.set(keys.version(job_id), version)
+                pipe.set(keys.params_tag(job_id), _new_tag())
                 pipe.execute()
                 return True
             except redis.WatchError:
@@ -141,8 +141,8 @@ def initialise_blob(r: redis.Redis, job_id: int, blob: bytes, version: int, stat
 
 def read_blob(r: redis.Redis, job_id: int) -> tuple[int, bytes]:
     """A consistent (version, safetensors blob) of W_s."""
-    version, blob, _ = _read_blobs(r, job_id, with_state=False)
-    return version, blob
+    blobs = _read_blobs(r, job_id, with_state=False)
+    return blobs.version, blobs.params
 
 
 def read(r: redis.Redis, job_id: int) -> tuple[int, Params]:
@@ -152,34 +152,44 @@ def read(r: redis.Redis, job_id: int) -> tuple[int, Params]:
 
 def read_state(r: redis.Redis, job_id: int) -> tuple[int, Params | None]:
     """A consistent (version, rule state) of the job; the state is None until a merge created it."""
-    version, _, state_blob = _read_blobs(r, job_id, with_state=True)
-    return version, None if state_blob is None else decode(state_blob)
+    blobs = _read_blobs(r, job_id, with_state=True)
+    return blobs.version, None if blobs.state is None else decode(blobs.state)
 
 
 def read_with_state(r: redis.Redis, job_id: int) -> tuple[int, Params, Params | None]:
     """A consistent (version, W_s, rule state or None) in one read, as read-only views of the bytes."""
-    version, blob, state_blob = _read_blobs(r, job_id, with_state=True)
-    return version, views(blob), None if state_blob is None else views(state_blob)
+    blobs = _read_blobs(r, job_id, with_state=True)
+    return blobs.version, views(blobs.params), None if blobs.state is None else views(blobs.state)
 
 
-def _read_blobs(r: redis.Redis, job_id: int, with_state: bool) -> tuple[int, bytes, bytes | None]:
-    """(version, W_s blob, rule-state blob or None) read in one MULTI, so all three belong together
-    (the sizes, read first, change only when the version does: a caller comparing versions sees it)."""
+@dataclass(frozen=True)
+class _Blobs:
+    version: int
+    tag: str | None
+    params: bytes
+    state: bytes | None
+
+
+def _read_blobs(r: redis.Redis, job_id: int, with_state: bool) -> _Blobs:
+    """W_s's version, tag, blob and (`with_state`) the rule-state blob or None, read in one MULTI, so
+    all belong together (the sizes, read first, change only when the version does: a caller comparing
+    versions sees it)."""
     size, state_size = r.mget(keys.params_size(job_id), keys.rule_state_size(job_id))
     if size is None:
         raise NoServerModel(f"job {job_id} has no server model in Redis")
     n = _chunk_count(int(size))
     n_state = _chunk_count(int(state_size)) if with_state and state_size is not None else 0
     with r.pipeline(transaction=True) as pipe:
-        pipe.get(keys.version(job_id))
+        pipe.mget(keys.version(job_id), keys.params_tag(job_id))
         for i in range(n):
             pipe.get(keys.params_chunk(job_id, i))
         for i in range(n_state):
             pipe.get(keys.rule_state_chunk(job_id, i))
-        version, *chunks = pipe.execute()
+        (version, tag), *chunks = pipe.execute()
     if version is None or any(c is None for c in chunks):
         raise NoServerModel(f"job {job_id} has an incomplete server model in Redis")
-    return int(version), b"".join(chunks[:n]), b"".join(chunks[n:]) if n_state else None
+    state = b"".join(chunks[n:]) if n_state else None
+    return _Blobs(int(version), None if tag is None else keys.text(tag), b"".join(chunks[:n]), state)
 
 
 def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | None:
@@ -187,7 +197,7 @@ def merged_version(r: redis.Redis, job_id: int, assignment_id: int) -> int | Non
     return None if raw is None else int(json.loads(raw)["version"])
 
 
-def _while_open(r: redis.Redis, job_id: int, queue: Callable[[redis.client.Pipeline], object]) -> list | None:
+def while_open(r: redis.Redis, job_id: int, queue: Callable[[redis.client.Pipeline], object]) -> list | None:
     """Run the commands `queue` adds to a MULTI unless the job's merges are closed (its end deletes
     what they write: `forget_finished`, which a later write would bring back); their replies, or None."""
     with r.pipeline() as pipe:
@@ -202,38 +212,6 @@ def _while_open(r: redis.Redis, job_id: int, queue: Callable[[redis.client.Pipel
                 return pipe.execute()
             except redis.WatchError:
                 continue
-
-
-def first_with_digest(r: redis.Redis, job_id: int, digest: str, assignment_id: int) -> int:
-    """The assignment that first brought a result whose W_c has this digest: `assignment_id`, recorded
-    now, unless an earlier one did (asking again for the same assignment changes nothing). Once the
-    job's merges are closed nothing is recorded, and `assignment_id` is returned (it merges nothing)."""
-    key = keys.result_digests(job_id)
-
-    def queue(pipe: redis.client.Pipeline) -> None:
-        pipe.hsetnx(key, digest, assignment_id)
-        pipe.hget(key, digest)
-
-    replies = _while_open(r, job_id, queue)
-    return assignment_id if replies is None else int(replies[1] or assignment_id)
-
-
-CHECKED_UPLOAD_SECONDS = 7 * 24 * 3600  # after that, an upload still unmerged is checked again in full
-
-
-def note_checked_upload(r: redis.Redis, job_id: int, upload_key: str, digest: str) -> None:
-    """Record that the upload stored under `upload_key` was checked and carries W_c with `digest`."""
-    r.set(keys.checked_upload(job_id, upload_key), digest, ex=CHECKED_UPLOAD_SECONDS)
-
-
-def checked_upload_digest(r: redis.Redis, job_id: int, upload_key: str) -> str | None:
-    """The digest `note_checked_upload` recorded for the upload, or None (never checked so, or expired)."""
-    raw = r.get(keys.checked_upload(job_id, upload_key))
-    return None if raw is None else keys.text(raw)
-
-
-def forget_checked_upload(r: redis.Redis, job_id: int, upload_key: str) -> None:
-    r.delete(keys.checked_upload(job_id, upload_key))
 
 
 def recent_update_norms(r: redis.Redis, job_id: int) -> list[float]:
@@ -261,78 +239,123 @@ def merge_once(
     starts as `initial_state(W_s)` (empty without one). Raises MergesClosed once the job's merges
     are closed. The merge also records `update_norm` among the recent ones and resets the job's
     count of failed merges. The norms change only together with the version, which is watched:
-    `merge` may read them consistently.
+    `merge` may read them consistently. Runs under the job's merge lease (see the module's docstring).
     """
-    vkey, mkey, lkey, member = keys.version(job_id), keys.merged(job_id), keys.merge_log(job_id), str(assignment_id)
-    ckey, wkey = keys.closed(job_id), keys.merged_workunits(job_id)
-    with r.pipeline() as pipe:
+    m = _Merging(job_id, assignment_id, merge, received_at, update_norm, initial_state, workunit_id)
+    with _merge_lease(r, job_id), r.pipeline() as pipe:
         while True:
             try:
-                pipe.watch(vkey, mkey, ckey, wkey)
-                if pipe.sismember(mkey, member):
-                    pipe.unwatch()
-                    return MergeOutcome(merged_version(r, job_id, assignment_id) or 0, applied_now=False)
-                if pipe.exists(ckey):
-                    pipe.unwatch()
-                    raise MergesClosed(f"job {job_id} is no longer running")
-                if workunit_id is not None and (owner := pipe.hget(wkey, str(workunit_id))) is not None:
-                    pipe.unwatch()
-                    raise WorkunitMerged(workunit_id, int(owner))
-                raw_version = pipe.get(vkey)
-                if raw_version is None:
-                    raise NoServerModel(f"job {job_id} has no server model in Redis")
-                version = int(raw_version)
-                # Taken out of the cache while it is modified: a failed attempt must not leave it stale.
-                cached = _cache.pop(job_id, None)
-                if cached is None or cached.version != version:
-                    cached = _load(r, job_id, initial_state)
-                    if cached.version != version:
-                        continue  # another merge landed in between; start over
-                params, state = dict(cached.params), dict(cached.state)
-                new = merge(cached.params, cached.state, version)
-                if (
-                    any(new[k] is not params[k] for k in params)
-                    or cached.state.keys() != state.keys()
-                    or any(cached.state[k] is not state[k] for k in state)
-                ):
-                    raise ValueError("merge functions must update W_s and the rule's state in place")
-                pipe.multi()
-                _queue_blob_write(pipe, job_id, cached.blob)
-                _queue_state_write(pipe, job_id, cached.state_blob)
-                pipe.set(vkey, version + 1)
-                pipe.sadd(mkey, member)
-                if workunit_id is not None:
-                    pipe.hset(wkey, str(workunit_id), member)
-                pipe.hset(lkey, member, json.dumps({"version": version + 1, "received_at": received_at}))
-                if update_norm is not None:
-                    pipe.lpush(keys.update_norms(job_id), update_norm)
-                    pipe.ltrim(keys.update_norms(job_id), 0, NORMS_KEPT - 1)
-                pipe.delete(keys.merge_failures(job_id))
-                pipe.execute()
-                merged_at = time.time()
-                r.hset(
-                    lkey,
-                    member,
-                    json.dumps({"version": version + 1, "received_at": received_at, "merged_at": merged_at}),
-                )
-                cached.version = version + 1
-                _cache[job_id] = cached
-                return MergeOutcome(version + 1, applied_now=True)
+                outcome = _merge_attempt(r, pipe, m)
             except redis.WatchError:
                 continue
+            if outcome is not None:
+                return outcome
 
 
-def _load(r: redis.Redis, job_id: int, initial_state: Callable[[Params], Params] | None) -> _Cached:
-    """W_s and the rule's state as Redis holds them, as writable views; a state Redis lacks is made
-    from `initial_state(W_s)` (and written by the merge that made it)."""
-    version, blob, state_blob = _read_blobs(r, job_id, with_state=True)
-    cached = _Cached(version, bytearray(blob), {}, bytearray(), {})
-    cached.params = views(cached.blob)
-    if state_blob is None:
-        state_blob = encode(initial_state(cached.params) if initial_state is not None else {})
-    cached.state_blob = bytearray(state_blob)
-    cached.state = views(cached.state_blob)
-    return cached
+@dataclass(frozen=True)
+class _Merging:
+    """One merge_once call."""
+
+    job_id: int
+    assignment_id: int
+    merge: Merge
+    received_at: float | None
+    update_norm: float | None
+    initial_state: Callable[[Params], Params] | None
+    workunit_id: int | None
+
+
+@contextmanager
+def _merge_lease(r: redis.Redis, job_id: int) -> Iterator[None]:
+    """Hold the job's merge lease while the body runs, or run it without once MERGE_LEASE_SECONDS have
+    passed waiting (a holder that stalled): the transaction is exactly-once either way."""
+    lease = r.lock(
+        keys.merge_lease(job_id),
+        timeout=MERGE_LEASE_SECONDS,
+        sleep=LEASE_POLL_SECONDS,
+        blocking_timeout=MERGE_LEASE_SECONDS,
+    )
+    held = lease.acquire()
+    try:
+        yield
+    finally:
+        if held:
+            with suppress(LockNotOwnedError):  # it lapsed while this merge ran; another may hold it now
+                lease.release()
+
+
+def _merge_attempt(r: redis.Redis, pipe: redis.client.Pipeline, m: _Merging) -> MergeOutcome | None:
+    """One optimistic try: the outcome, or None to try again (W_s moved while it was read); raises
+    WatchError when the EXEC lost to another write."""
+    vkey, member = keys.version(m.job_id), str(m.assignment_id)
+    pipe.watch(vkey, keys.merged(m.job_id), keys.closed(m.job_id), keys.merged_workunits(m.job_id))
+    # Read on another connection, in one round trip: a change after the WATCH fails the EXEC anyway.
+    with r.pipeline(transaction=False) as reads:
+        reads.sismember(keys.merged(m.job_id), member)
+        reads.exists(keys.closed(m.job_id))
+        reads.hget(keys.merged_workunits(m.job_id), str(m.workunit_id))
+        reads.mget(vkey, keys.params_tag(m.job_id))
+        merged, closed, owner, (raw_version, raw_tag) = reads.execute()
+    if merged or closed or (m.workunit_id is not None and owner is not None) or raw_version is None:
+        pipe.unwatch()
+        if merged:
+            return MergeOutcome(merged_version(r, m.job_id, m.assignment_id) or 0, applied_now=False)
+        if closed:
+            raise MergesClosed(f"job {m.job_id} is no longer running")
+        if raw_version is None:
+            raise NoServerModel(f"job {m.job_id} has no server model in Redis")
+        raise WorkunitMerged(cast(int, m.workunit_id), int(owner))
+    version, tag = int(raw_version), None if raw_tag is None else keys.text(raw_tag)
+    cached = w_s_cache.take(m.job_id, tag)
+    if cached is None:
+        blobs = _read_blobs(r, m.job_id, with_state=True)
+        cached = CachedModel.of(blobs.tag, blobs.version, blobs.params, blobs.state, m.initial_state)
+        if (cached.version, cached.tag) != (version, tag):
+            pipe.unwatch()
+            return None  # another merge landed in between; start over
+    _apply(m.merge, cached, version)
+    pipe.multi()
+    _queue_merge_writes(pipe, m, cached, version + 1)
+    pipe.execute()
+    merged_at = time.time()
+    log_entry = {"version": version + 1, "received_at": m.received_at, "merged_at": merged_at}
+    r.hset(keys.merge_log(m.job_id), member, json.dumps(log_entry))
+    w_s_cache.keep(m.job_id, cached)
+    return MergeOutcome(version + 1, applied_now=True)
+
+
+def _apply(merge: Merge, cached: CachedModel, version: int) -> None:
+    """Run `merge` on the cached W_s and state, which it must change in place."""
+    params, state = dict(cached.params), dict(cached.state)
+    new = merge(cached.params, cached.state, version)
+    if (
+        any(new[k] is not params[k] for k in params)
+        or cached.state.keys() != state.keys()
+        or any(cached.state[k] is not state[k] for k in state)
+    ):
+        raise ValueError("merge functions must update W_s and the rule's state in place")
+
+
+def _queue_merge_writes(pipe: redis.client.Pipeline, m: _Merging, cached: CachedModel, version: int) -> None:
+    """The MULTI of a merge: W_s, its state, version and new tag, and the records of the assignment."""
+    job_id, member = m.job_id, str(m.assignment_id)
+    cached.version, cached.tag = version, _new_tag()
+    _queue_blob_write(pipe, job_id, cached.blob)
+    _queue_state_write(pipe, job_id, cached.state_blob)
+    pipe.set(keys.version(job_id), version)
+    pipe.set(keys.params_tag(job_id), cached.tag)
+    pipe.sadd(keys.merged(job_id), member)
+    if m.workunit_id is not None:
+        pipe.hset(keys.merged_workunits(job_id), str(m.workunit_id), member)
+    pipe.hset(keys.merge_log(job_id), member, json.dumps({"version": version, "received_at": m.received_at}))
+    if m.update_norm is not None:
+        pipe.lpush(keys.update_norms(job_id), m.update_norm)
+        pipe.ltrim(keys.update_norms(job_id), 0, NORMS_KEPT - 1)
+    pipe.delete(keys.merge_failures(job_id))
+
+
+def _new_tag() -> str:
+    return secrets.token_hex(8)
 
 
 def close_merges(r: redis.Redis, job_id: int) -> set[int]:
@@ -352,7 +375,7 @@ def reopen_merges(r: redis.Redis, job_id: int) -> None:
 def count_merge_failure(r: redis.Redis, job_id: int) -> int:
     """Count one more merge in a row that failed; returns the count (0, counting nothing, once the
     job's merges are closed: no count can fail it then)."""
-    replies = _while_open(r, job_id, lambda pipe: pipe.incr(keys.merge_failures(job_id)))
+    replies = while_open(r, job_id, lambda pipe: pipe.incr(keys.merge_failures(job_id)))
     return 0 if replies is None else int(replies[0])
 
 

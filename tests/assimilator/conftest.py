@@ -6,14 +6,7 @@ import pytest
 from crowdtrain.assimilator.merge import MergeServices
 from crowdtrain.core.storage import open_storage
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
-
-
-@pytest.fixture(autouse=True)
-def _no_cached_models() -> None:
-    """Each test's Redis is new, but job ids repeat: W_s cached by an earlier test must not be taken for this one's."""
-    paramstore._cache.clear()
 
 
 @pytest.fixture

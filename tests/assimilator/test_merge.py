@@ -22,10 +22,10 @@ from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
-from crowdtrain.server.ledger import merges, paramstore
-from crowdtrain.server.ledger.assignments import check_result, store_result
+from crowdtrain.server.ledger import merges, paramstore, result_records
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
+from crowdtrain.server.ledger.uploads import check_result, store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job
@@ -45,27 +45,8 @@ class Job:
     w0: Params
     upload_spec: dict  # the job's assimilation.upload
 
-    def upload(self, assignment_id: int, body: bytes) -> None:
-        store_result(
-            self.svc.db,
-            self.svc.storage,
-            self.host_id,
-            self.job_id,
-            assignment_id,
-            body,
-            ResultMetrics(),
-            enqueue=lambda *_: None,
-        )
-
-    def upload_weights(self, assignment_id: int, client: Params) -> None:
-        self.upload(assignment_id, encode_result(client, self.w0, self.upload_spec))
-
-    def upload_checked(self, assignment_id: int, client: Params) -> str | None:
-        """Upload as the scheduler's route does: checked once, its digest recorded beside the body."""
-        body = encode_result(client, self.w0, self.upload_spec)
-        with self.svc.db.begin() as s:
-            manifest = s.get_one(JobRow, self.job_id).param_manifest
-        digest = check_result(body, manifest, self.upload_spec)
+    def upload(self, assignment_id: int, body: bytes, digest: str | None = None) -> None:
+        """Store `body` as the scheduler does; with `digest`, as checked at upload (its digest recorded beside it)."""
         store_result(
             self.svc.db,
             self.svc.storage,
@@ -78,6 +59,17 @@ class Job:
             r=self.svc.r,
             digest=digest,
         )
+
+    def upload_weights(self, assignment_id: int, client: Params) -> None:
+        self.upload(assignment_id, encode_result(client, self.w0, self.upload_spec))
+
+    def upload_checked(self, assignment_id: int, client: Params) -> str | None:
+        """Upload as the scheduler's route does: checked once, its digest recorded beside the body."""
+        body = encode_result(client, self.w0, self.upload_spec)
+        with self.svc.db.begin() as s:
+            manifest = s.get_one(JobRow, self.job_id).param_manifest
+        digest = check_result(body, manifest, self.upload_spec)
+        self.upload(assignment_id, body, digest)
         return digest
 
     def upload_key(self, assignment_id: int) -> str:
@@ -261,7 +253,7 @@ def test_a_result_checked_at_upload_is_read_once_and_merged_once(services, died_
     digest = job.upload_checked(a, client)
     key = job.upload_key(a)
     assert digest == weights_digest(client)
-    assert paramstore.checked_upload_digest(services.r, job.job_id, key) == digest
+    assert result_records.checked_upload_digest(services.r, job.job_id, key) == digest
     if died_after_reading:
         pending = merges.pending_merge(services.db, a)
         assert pending is not None
@@ -277,7 +269,7 @@ def test_a_result_checked_at_upload_is_read_once_and_merged_once(services, died_
     assert job.assignment(a) == (AssignmentStatus.merged.value, 1, "")
     assert job.credit(a)[0] == pytest.approx(job.expected_credit(a)), "credited once"
     assert services.r.hget(keys.result_digests(job.job_id), digest) == str(a).encode()
-    assert paramstore.checked_upload_digest(services.r, job.job_id, key) is None, "the record goes with the upload"
+    assert result_records.checked_upload_digest(services.r, job.job_id, key) is None, "the record goes with the upload"
     assert not services.storage.exists(key)
 
 

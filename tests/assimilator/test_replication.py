@@ -22,10 +22,10 @@ from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
 from crowdtrain.server.ledger import paramstore
-from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.replicas import replica_wait
+from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.services.diagnosis import job_problems
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host, release_host

@@ -1,5 +1,4 @@
 import time
-from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -29,7 +28,7 @@ from crowdtrain.server.api.boundary import (
 )
 from crowdtrain.server.api.deps import DbDep, HostCall, HostDep, RedisDep, SettingsDep, StorageDep, host_call
 from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
-from crowdtrain.server.ledger import assignments
+from crowdtrain.server.ledger import assignments, uploads
 from crowdtrain.server.ledger.assignments import ResultRefused
 from crowdtrain.server.services import dispatch, project_key, telemetry
 from crowdtrain.server.services.hosts import NotAuthorized
@@ -121,25 +120,27 @@ async def upload_result(
     """Upload the result (safetensors body: W_c, or Δ as the job's assimilation.upload says); metrics
     ride in the query string.
 
-    The assignment is checked before the body is read, and the body before any transaction, once:
-    the check's digest of W_c is stored beside the body for the parameter server. A body refused for
+    The assignment is checked before the body is read, and the body before any transaction, once,
+    while it is written to storage (uploads.accept_result, one thread-pool hop): the check's
+    digest of W_c is stored beside the body for the parameter server. A body refused for
     its content ends the assignment `rejected`, so its workunit is dispatched again at once.
     """
-    job_id, manifest, upload = await run_in_threadpool(assignments.upload_target, db, host_id, assignment_id)
+    target = await run_in_threadpool(uploads.upload_target, db, host_id, assignment_id)
     try:
         async with upload_body(request, settings.upload_max_bytes) as body:
             received_at = time.time()
-            digest = await run_in_threadpool(assignments.check_result, body, manifest, upload)
             status_ = await run_in_threadpool(
-                partial(assignments.store_result, r=r, digest=digest, received_at=received_at),
+                uploads.accept_result,
                 db,
                 storage,
+                r,
                 host_id,
-                job_id,
                 assignment_id,
+                target,
                 body,
                 metrics,
                 enqueue_merge,
+                received_at,
             )
             size = len(body)
     except (ResultRefused, BodyTooLarge) as exc:

@@ -17,7 +17,7 @@ from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.ledger import paramstore, result_records
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
 from crowdtrain.server.ledger.jobs import cancel_job
@@ -156,7 +156,7 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
     job_id = submit_job(db, storage, r, load_job_spec(EXAMPLE_SPEC), Settings().upload_max_bytes).job_id
     _, w0 = paramstore.read(r, job_id)
     paramstore.merge_once(r, job_id, 1, lambda ws, _s, _v: ws, update_norm=1.0, workunit_id=7)
-    assert paramstore.first_with_digest(r, job_id, "a" * 64, 1) == 1
+    assert result_records.first_with_digest(r, job_id, "a" * 64, 1) == 1
     assert paramstore.count_merge_failure(r, job_id) == 1
     forgotten = [keys.result_digests, keys.update_norms, keys.merge_failures, keys.merged_workunits]
     kept = [keys.closed, keys.merged, keys.merge_log, keys.version, keys.params_size]
@@ -169,6 +169,6 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
 
     assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []
     assert [key.__name__ for key in kept if not r.exists(key(job_id))] == []
-    assert paramstore.first_with_digest(r, job_id, "a" * 64, 2) == 2, "a late task records no digest"
+    assert result_records.first_with_digest(r, job_id, "a" * 64, 2) == 2, "a late task records no digest"
     assert paramstore.count_merge_failure(r, job_id) == 0
     assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []

@@ -10,13 +10,7 @@ import pytest
 from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import encode
-from crowdtrain.server.ledger import paramstore
-
-
-@pytest.fixture(autouse=True)
-def _no_cached_models() -> None:
-    """Each test's Redis is new, but job ids repeat: W_s cached by an earlier test must not be taken for this one's."""
-    paramstore._cache.clear()
+from crowdtrain.server.ledger import paramstore, w_s_cache
 
 
 def _w(value: float) -> dict[str, np.ndarray]:
@@ -146,7 +140,7 @@ def test_the_rule_state_is_created_by_the_first_merge_and_written_with_w_s(priva
 def test_a_redelivered_merge_takes_one_momentum_step(private_redis) -> None:
     paramstore.initialise(private_redis, 1, _w(0.0))
     first = _merge_with(private_redis, 1, 42, NESTEROV)
-    paramstore._cache.clear()  # the redelivery may reach another parameter server
+    w_s_cache.clear()  # the redelivery may reach another parameter server
     again = _merge_with(private_redis, 1, 42, NESTEROV)
     assert (first.applied_now, again.applied_now, again.version) == (True, False, 1)
     version, state = paramstore.read_state(private_redis, 1)
@@ -256,9 +250,78 @@ def test_restoring_w_s_resets_the_rule_state(private_redis) -> None:
     for aid in (1, 2, 3):
         _merge_with(private_redis, 1, aid, NESTEROV)
     private_redis.delete(keys.version(1))
-    paramstore._cache.clear()
+    # This process still holds W_s v3 with its rule state: the restore's new tag must make it read W_s again.
     assert paramstore.initialise_blob(private_redis, 1, encode(_w(0.0)), 3)
     assert paramstore.read_state(private_redis, 1) == (3, None)
     assert not private_redis.keys(keys.rule_state_chunk(1, 0))
     _merge_with(private_redis, 1, 4, NESTEROV)
     assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 1
+
+
+# ---- the W_s a parameter-server process keeps between merges, and the merge lease -------------------------
+
+
+BIG = 1 << 20  # float32 values: a 4 MB W_s, whose reading back shows in the bytes Redis sends
+
+
+def _half_way_to_one(r, job_id: int, assignment_id: int, size: int = 1000) -> paramstore.MergeOutcome:
+    return paramstore.merge_once(
+        r,
+        job_id,
+        assignment_id,
+        lambda ws, _state, v: merge_vc_asgd(ws, {"w": np.ones(size, np.float32), "steps": np.array(0)}, 0.5, out=ws),
+    )
+
+
+def _sent_by_redis(r, job_id: int, assignment_ids: range) -> int:
+    """Bytes Redis sent while this process merged `assignment_ids` into the job's W_s of BIG values."""
+    before = r.info("stats")["total_net_output_bytes"]
+    for aid in assignment_ids:
+        _half_way_to_one(r, job_id, aid, BIG)
+    return int(r.info("stats")["total_net_output_bytes"] - before)
+
+
+def test_a_process_that_wrote_w_s_last_merges_without_reading_it_back(private_redis) -> None:
+    paramstore.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
+    assert _sent_by_redis(private_redis, 1, range(1, 2)) > 4 * BIG, "the first merge reads W_s"
+    assert _sent_by_redis(private_redis, 1, range(2, 5)) < BIG // 10, "the next ones find it here, by its tag"
+    np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1 - 0.5**4)
+
+
+def test_a_cached_w_s_is_read_again_after_another_process_merged(private_redis) -> None:
+    """This process caches W_s v1; a second process merges v2; this one's next merge must start from v2."""
+    paramstore.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
+    _half_way_to_one(private_redis, 1, 1, BIG)
+    port = private_redis.connection_pool.connection_kwargs["port"]
+    other = multiprocessing.get_context("fork").Process(
+        target=lambda: _half_way_to_one(paramstore.connect(f"redis://127.0.0.1:{port}/0"), 1, 2, BIG)
+    )
+    other.start()
+    other.join()
+    assert other.exitcode == 0
+    assert _sent_by_redis(private_redis, 1, range(3, 4)) > 4 * BIG, "W_s is read again"
+    version, params = paramstore.read(private_redis, 1)
+    assert version == 3
+    np.testing.assert_allclose(params["w"], 1 - 0.5**3)  # from a stale copy: 0.75
+
+
+def test_a_merge_waits_for_the_job_s_merge_lease(private_redis) -> None:
+    """Another server holds the lease: this merge computes nothing until it is released, then merges once."""
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    lease = private_redis.lock(keys.merge_lease(1), timeout=30)
+    assert lease.acquire(blocking=False)
+    merging = threading.Thread(target=_half_way_to_one, args=(private_redis, 1, 1))
+    merging.start()
+    merging.join(0.3)
+    assert merging.is_alive() and paramstore.read(private_redis, 1)[0] == 0
+    lease.release()
+    merging.join(10)
+    assert not merging.is_alive()
+    assert paramstore.read(private_redis, 1)[0] == 1 and private_redis.scard(keys.merged(1)) == 1
+
+
+def test_a_lapsed_lease_does_not_stop_merges(private_redis) -> None:
+    """A server that died holding the lease holds it only until it lapses."""
+    paramstore.initialise(private_redis, 1, _w(0.0))
+    assert private_redis.lock(keys.merge_lease(1), timeout=0.3).acquire(blocking=False)
+    assert _half_way_to_one(private_redis, 1, 1).version == 1

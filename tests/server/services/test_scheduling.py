@@ -26,9 +26,10 @@ from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import encode
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore
-from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbeat, store_result, time_out_expired
+from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbeat, time_out_expired
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit, utcnow
+from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.fair_share import split_slots
 from crowdtrain.workgen.generator import submit_job
@@ -108,7 +109,6 @@ class Ledger:
 @pytest.fixture
 def ledger(database_url, private_redis, tmp_path) -> Ledger:
     upgrade(database_url)
-    paramstore._cache.clear()  # job ids repeat across tests' databases
     return Ledger(session_factory(database_url), open_storage((tmp_path / "storage").as_uri()), private_redis, tmp_path)
 
 

@@ -16,10 +16,10 @@ from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import paramstore, states
-from crowdtrain.server.ledger.assignments import store_result
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_merges
 from crowdtrain.server.ledger.models import Assignment, Host, Job
+from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.jobs import cancel_job
 from crowdtrain.server.services.transitioner import (
