@@ -40,7 +40,7 @@ class LiveJob:
     snapshot_version: int
     snapshot_key: str | None
     snapshot_sha256: str | None
-    param_bytes: int | None
+    param_bytes: int
     recipe_public_key: str | None
     recipe_signature: str | None
 
