@@ -78,7 +78,7 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
     torch.set_num_threads(1)
     api = PeerAPI(url)
     api.register(join_token, f"bench-{os.getpid()}")
-    api.join(job_id, relayed)
+    compression = api.join(job_id, relayed).recipe["dedloc"]["compression"]
     groups = ProcessGroups(api)
     vec = torch.full((n,), 1.0 + os.getpid() % 7)
     rows = []
@@ -90,7 +90,7 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
         if not plan.relayed and len(plan.group_members) > 1:
             groups.for_round(plan)
         t1 = time.perf_counter()
-        average = reduce_round(api, plan, vec, groups)
+        average = reduce_round(api, plan, vec, groups, compression)
         t2 = time.perf_counter()
         api.report(plan.step, plan.attempt, True, result_digest(average))
         rows.append(
@@ -137,9 +137,48 @@ def tcp_once(nbytes: int) -> float:
     return elapsed
 
 
-def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
+def _gloo_member(rank: int, k: int, port: int, n: int, dtype: str, repeats: int, out) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    pg = dist.ProcessGroupGloo(store, rank, k, timeout)
+    vec = torch.full((n,), 1.0 + rank, dtype=getattr(torch, dtype))
+    times = []
+    for _ in range(repeats):
+        pg.barrier().wait()
+        t0 = time.perf_counter()
+        pg.allreduce([vec]).wait()
+        times.append(time.perf_counter() - t0)
+    out.put(times)
+
+
+def gloo_bare(n: int, k: int, repeats: int, dtype: str = "float32") -> float:
+    """Seconds of one plain `ProcessGroupGloo.allreduce` of `n` values among `k` processes, outside
+    crowdtrain (one tensor, no buckets, no scaling): the median of the rounds after the first, each
+    round's slowest member."""
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_gloo_member, args=(r, k, host.port, n, dtype, repeats, out)) for r in range(k)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    per_round = [max(r[i] for r in results) for i in range(repeats)]
+    return statistics.median(per_round[1:] or per_round)
+
+
+def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, compression: str = "none") -> dict:
     spec = SPEC | {
-        "name": f"bench-{n}-{peers}-{relayed}",
+        "name": f"bench-{n}-{peers}-{relayed}-{compression}",
         "dedloc": {
             "target_batch_size": peers,
             "micro_batch_size": 1,
@@ -147,6 +186,7 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int) -> dict:
             "averaging_timeout": 300,
             "max_group_size": 16,
             "report_interval": 0.1,
+            "compression": compression,
         },
     }
     job_id = cluster.submit(spec)["job_id"]
@@ -186,6 +226,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--sizes", default="5000000,25000000")
     ap.add_argument("--peers", default="2,3,4")
+    ap.add_argument("--compressions", default="none,float16", help="wire formats (dedloc.compression) to measure")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     peer_counts = [int(x) for x in args.peers.split(",")]
@@ -196,10 +237,10 @@ def main() -> None:
         ).start()
         try:
             for n in sizes:
-                figures["configs"] += measure_size(cluster, n, peer_counts, args.repeats)
+                figures["configs"] += measure_size(cluster, n, peer_counts, args.repeats, args.compressions.split(","))
         finally:
             cluster.stop()
-    direct = [c for c in figures["configs"] if not c["relayed"]]
+    direct = [c for c in figures["configs"] if not c["relayed"] and c["compression"] == "none"]
     top = max(direct, key=lambda c: (c["parameters"], c["peers"]))
     same = (top["parameters"], top["peers"])
     relayed = next(c for c in figures["configs"] if c["relayed"] and (c["parameters"], c["peers"]) == same)
@@ -211,34 +252,58 @@ def main() -> None:
         "first_rendezvous_s": top["first_rendezvous_s"],
         "later_round_s": top["later_round_s"],
         "later_over_tcp": top["later_over_tcp"],
+        "gloo_bare_s": top["gloo_bare_s"],
+        "later_over_gloo": top["later_over_gloo"],
+        **{
+            f"{c['compression']}_{name}": c[name]
+            for c in figures["configs"]
+            if c["compression"] != "none" and (c["parameters"], c["peers"]) == same
+            for name in ("later_round_s", "later_over_tcp", "gloo_bare_s")
+        },
         "relayed_later_round_s": relayed["later_round_s"],
         "relayed_over_direct": relayed["relayed_over_direct"],
     }
     print(json.dumps(figures))
 
 
-def measure_size(cluster, n: int, peer_counts: list[int], repeats: int) -> list[dict]:
-    """The rows of one vector size: each peer count direct, and the largest with one peer relayed."""
+def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compressions: list[str]) -> list[dict]:
+    """The rows of one vector size: each peer count direct, the largest in each other wire format,
+    and the largest with one peer relayed; each with the bounds measured just before it."""
     nbytes = 4 * n
     bound = statistics.median(tcp_once(nbytes) for _ in range(repeats))
     _log(f"{n} floats ({nbytes / 1e6:.0f} MB): raw loopback TCP once {bound:.3f}s")
     rows = []
     for k in peer_counts:
+        bare = gloo_bare(n, k, repeats)
         row = run_config(cluster, n, k, 0, repeats)
-        row["later_over_tcp"] = row["later_round_s"] / bound
+        row |= {"gloo_bare_s": bare, "later_over_tcp": row["later_round_s"] / bound}
+        row["later_over_gloo"] = row["later_round_s"] / bare
         _log(
             f"  {k} peers: first round {row['first_round_s']:.3f}s (rendezvous {row['first_rendezvous_s']:.3f}s), "
-            f"later rounds {row['later_round_s']:.3f}s = {row['later_over_tcp']:.1f}x the raw send"
+            f"later rounds {row['later_round_s']:.3f}s = {row['later_over_tcp']:.1f}x the raw send, "
+            f"{row['later_over_gloo']:.2f}x a bare Gloo all-reduce ({bare:.3f}s)"
         )
-        rows.append({"parameters": n, "peers": k, "relayed": 0, "tcp_once_s": bound, **row})
+        rows.append({"parameters": n, "peers": k, "relayed": 0, "compression": "none", "tcp_once_s": bound, **row})
     k = max(peer_counts)
+    for compression in [c for c in compressions if c != "none"]:
+        bare = gloo_bare(n, k, repeats, compression)
+        row = run_config(cluster, n, k, 0, repeats, compression)
+        row |= {"gloo_bare_s": bare, "later_over_tcp": row["later_round_s"] / bound}
+        row["later_over_gloo"] = row["later_round_s"] / bare
+        _log(
+            f"  {k} peers, {compression} on the wire: later rounds {row['later_round_s']:.3f}s = "
+            f"{row['later_over_tcp']:.1f}x the raw send, {row['later_over_gloo']:.2f}x a bare {compression} Gloo "
+            f"all-reduce ({bare:.3f}s)"
+        )
+        rows.append({"parameters": n, "peers": k, "relayed": 0, "compression": compression, "tcp_once_s": bound, **row})
     relayed = run_config(cluster, n, k, 1, repeats)
-    relayed["relayed_over_direct"] = relayed["later_round_s"] / rows[-1]["later_round_s"]
+    direct = next(r for r in rows if r["peers"] == k and r["compression"] == "none")
+    relayed["relayed_over_direct"] = relayed["later_round_s"] / direct["later_round_s"]
     _log(
         f"  {k} peers, 1 relayed: first round {relayed['first_round_s']:.3f}s, later rounds "
         f"{relayed['later_round_s']:.3f}s = {relayed['relayed_over_direct']:.1f}x direct"
     )
-    rows.append({"parameters": n, "peers": k, "relayed": 1, "tcp_once_s": bound, **relayed})
+    rows.append({"parameters": n, "peers": k, "relayed": 1, "compression": "none", "tcp_once_s": bound, **relayed})
     return rows
 
 

@@ -112,9 +112,10 @@ class BucketedAllReduce:
     soon as it is `start`ed; `settled` waits for them in order and leaves each one's sum in `out`.
 
     With a compressed wire (`wire_dtype`, the job spec's `dedloc.compression`) a bucket is clamped
-    to the format's range over the group's size, cast into a buffer of that format, all-reduced there (Gloo sums in it) and
-    cast back: half the bytes on the wire. Gloo hands every member the same reduced bits, so members
-    still agree exactly with one another. Without a group (`pg` None) nothing travels or is cast.
+    to the format's range over the group's size, cast into a buffer of that format, all-reduced
+    there (Gloo sums in it) and cast back: half the bytes on the wire. Gloo hands every member the
+    same reduced bits, so members still agree exactly with one another. Without a group (`pg` None)
+    nothing travels or is cast.
     """
 
     def __init__(self, out: torch.Tensor, pg: dist.ProcessGroupGloo | None, wire_dtype: torch.dtype | None):

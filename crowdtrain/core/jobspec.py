@@ -349,8 +349,9 @@ class DedlocSpec(_Strict):
         "none",
         description="The number format of gradients on the wire of a group's all-reduce: 'none' sends float32 "
         "(every step exactly large-batch SGD); 'float16' or 'bfloat16' send half the bytes, and the group sums "
-        "in that format (float16: relative error about 2^-11 per addition, each member's values clamped to +-65504 over the group's size; "
-        "bfloat16: about 2^-8, float32's range). Sums combined through the scheduler stay float32",
+        "in that format (float16: relative error about 2^-11 per addition, each member's values clamped to "
+        "+-65504 over the group's size; bfloat16: about 2^-8, float32's range). Sums combined through the "
+        "scheduler stay float32",
     )
     exclude_after: int | None = Field(
         3,
