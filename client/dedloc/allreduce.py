@@ -80,6 +80,15 @@ class ProcessGroups:
     def __init__(self, api: PeerAPI):
         self.api = api
         self.held: HeldGroup | None = None
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def buffer(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A vector of `size` values of `dtype`, the same one every round: a fresh 100 MB vector costs
+        its page faults on every round, as much as the all-reduce itself on two loaded cores."""
+        held = self.buffers.get(dtype)
+        if held is None or len(held) != size:
+            held = self.buffers[dtype] = torch.empty(size, dtype=dtype)
+        return held
 
     def for_round(self, plan: RoundPlanOut) -> dist.ProcessGroupGloo:
         if self.held is not None and plan.session is not None and self.held.session == plan.session:
@@ -111,16 +120,17 @@ class BucketedAllReduce:
     """The buckets of one reduction of `out` (float32) over `pg`, each all-reduced asynchronously as
     soon as it is `start`ed; `settled` waits for them in order and leaves each one's sum in `out`.
 
-    With a compressed wire (`wire_dtype`, the job spec's `dedloc.compression`) a bucket is clamped
+    With a compressed wire (`wire`, a vector of the format of the job spec's `dedloc.compression`,
+    as long as `out`) a bucket is clamped
     to the format's range over the group's size, cast into a buffer of that format, all-reduced
     there (Gloo sums in it) and cast back: half the bytes on the wire. Gloo hands every member the
     same reduced bits, so members still agree exactly with one another. Without a group (`pg` None)
     nothing travels or is cast.
     """
 
-    def __init__(self, out: torch.Tensor, pg: dist.ProcessGroupGloo | None, wire_dtype: torch.dtype | None):
+    def __init__(self, out: torch.Tensor, pg: dist.ProcessGroupGloo | None, wire: torch.Tensor | None):
         self.out, self.pg = out, pg
-        self.wire = out if wire_dtype is None or pg is None else torch.empty(len(out), dtype=wire_dtype)
+        self.wire = out if wire is None or pg is None else wire
         # Each member's values are clamped to 1/size of the format's range, so the group's sum stays finite.
         self.limit = torch.finfo(self.wire.dtype).max / (pg.size() if pg is not None else 1)
         self.pending: list[tuple[slice, dist.Work | None]] = []
@@ -155,7 +165,8 @@ def reduce_round(
     groups: ProcessGroups | None = None,
     compression: str = "none",
 ) -> torch.Tensor:
-    """The round's average gradient Σ_i g_i / N, identical on every member.
+    """The round's average gradient Σ_i g_i / N, identical on every member: a vector of `groups`
+    that its next round overwrites (copy what must outlive it).
 
     `summed_grads` (the gradient of this peer's summed loss) is never modified: the reduction works
     on a copy, so a failed round leaves the peer's accumulated gradients intact. `compression` (the
@@ -176,10 +187,10 @@ def _reduce(
     api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups: ProcessGroups, wire: torch.dtype | None
 ) -> torch.Tensor:
     source = summed_grads.detach()
-    out = torch.empty_like(source)
+    out = groups.buffer(len(source), source.dtype)
     scale = 1.0 / plan.total
     pg = groups.for_round(plan) if not plan.relayed and len(plan.group_members) > 1 else None
-    reduction = BucketedAllReduce(out, pg, wire)
+    reduction = BucketedAllReduce(out, pg, groups.buffer(len(out), wire) if wire is not None else None)
     for bucket in _buckets(len(out)):
         torch.mul(source[bucket], scale, out=out[bucket])  # the same float product as `mul_(1 / N)`
         reduction.start(bucket)

@@ -57,7 +57,7 @@ def member(rank: int, port: int, results) -> None:
     for compression in COMPRESSIONS:  # rounds of one kept group, one per wire format
         average = reduce_round(api, plan, grads, groups, compression)
         assert torch.equal(grads, gradient(rank)), "the accumulated gradients were modified"
-        results.put((compression, rank, average.numpy()))
+        results.put((compression, rank, average.numpy().copy()))  # the next round reuses its vector
 
 
 @pytest.fixture(scope="module")
