@@ -19,11 +19,17 @@ What it measures
     chunk by chunk, the relayed peer and rank 0 stream the total back as it is summed, and rank 0
     broadcasts it to its group. `relayed_over_direct` is its `later_round_s` over the direct row's.
 
-    The bound, measured in the same run: `tcp_once_s`, the time to send the vector's bytes once
+    The bounds, measured in the same run: `tcp_once_s`, the time to send the vector's bytes once
     from one process to another over a loopback TCP socket (sender in a child process, receiver
     here, timed from the first byte requested to the last byte received). A ring all-reduce moves
     about 2(k-1)/k of the vector per member, so it cannot beat this by much on one machine; with
-    k peers sharing few cores it moves k times that through the same cores.
+    k peers sharing few cores it moves k times that through the same cores: 2(k-1) vectors, 6 for
+    4 peers, through the cores that moved one in `tcp_once_s`. `gloo_bare_s`: one plain
+    `ProcessGroupGloo.allreduce` of the same vector among k fresh processes outside crowdtrain (no
+    scheduler, no buckets, no scaling; median of the rounds after the first), so `later_over_gloo`
+    is what crowdtrain adds to Gloo's own cost on this machine.
+    Rows with `compression` other than "none" run the job with that `dedloc.compression` (16-bit
+    floats on the all-reduce's wire) next to a bare Gloo all-reduce in that format.
 
 How
     A real `Cluster` (SQLite, private redis-server, local storage, one uvicorn scheduler) runs in
@@ -35,10 +41,11 @@ How
 
 Run
     .venv/bin/python benchmarks/allreduce.py [--repeats 4] [--sizes 5000000,25000000] [--peers 2,3,4]
+        [--compressions none,float16]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures, and its
-`headline` the largest size with the most peers: `later_over_tcp` (goal <= 2) and
-`relayed_over_direct` (goal <= 4).
+`headline` the largest size with the most peers: `later_over_tcp` (goal <= 2), `later_over_gloo`,
+the compressed rows' figures and `relayed_over_direct` (goal <= 4).
 """
 
 import argparse
