@@ -12,7 +12,8 @@ What it measures
     its slowest member is done). `first_round_s` is round 1; `later_round_s` the median of the
     others; `round_s` the median of all (as before kept groups, when every round was a first one).
     `rendezvous_s` and `allreduce_s` split the median round (`first_rendezvous_s`: round 1's); `later_over_tcp` is
-    `later_round_s / tcp_once_s`.
+    `later_round_s / tcp_once_s`. `later_start_skew_s`: how much later than the first member the last
+    one heard of the round (peers poll every 10 ms here), time the first spends waiting for the last.
     The rows with `relayed: 1` are rounds of the same number of members where one is relayed: the
     others all-reduce in one group, its rank 0 streams the group's sum to the scheduler while the
     buckets complete, the relayed peer streams its weighted gradient, the scheduler sums the parts
@@ -41,7 +42,7 @@ How
 
 Run
     .venv/bin/python benchmarks/allreduce.py [--repeats 4] [--sizes 5000000,25000000] [--peers 2,3,4]
-        [--compressions none,float16]
+        [--compressions none,float16,bfloat16]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures, and its
 `headline` the largest size with the most peers: `later_over_tcp` (goal <= 2), `later_over_gloo`,
@@ -93,7 +94,7 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
         while (reply := api.progress(step, 1, None, None)).action != "reduce":
             time.sleep(0.01)
         plan = reply.round
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         if not plan.relayed and len(plan.group_members) > 1:
             groups.for_round(plan)
         t1 = time.perf_counter()
@@ -106,6 +107,7 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
                 "rendezvous_s": t1 - t0,
                 "allreduce_s": t2 - t1,
                 "kept": None if plan.relayed else not plan.new_session,
+                "started": started,
             }
         )
         while api.progress(step, 0, plan.attempt, None).action != "apply":
@@ -211,6 +213,8 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, compress
     per_round = [max(r[i]["round_s"] for r in results) for i in range(repeats)]
     rendezvous = [max(r[i]["rendezvous_s"] for r in results) for i in range(repeats)]
     allreduce = [max(r[i]["allreduce_s"] for r in results) for i in range(repeats)]
+    # How much later than the first member the last one heard of the round (the first waits for it).
+    skew = [max(r[i]["started"] for r in results) - min(r[i]["started"] for r in results) for i in range(repeats)]
     later = per_round[1:] or per_round
     return {
         "round_s": statistics.median(per_round),
@@ -220,6 +224,7 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, compress
         "first_rendezvous_s": rendezvous[0],
         "later_round_s": statistics.median(later),
         "later_rendezvous_s": statistics.median(rendezvous[1:] or rendezvous),
+        "later_start_skew_s": statistics.median(skew[1:] or skew),
         # rounds whose group met in the process group it kept from the round before (no rendezvous)
         "kept_group_rounds": sum(all(r[i]["kept"] is not False for r in results) for i in range(repeats)),
         "rounds": per_round,
@@ -233,7 +238,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--sizes", default="5000000,25000000")
     ap.add_argument("--peers", default="2,3,4")
-    ap.add_argument("--compressions", default="none,float16", help="wire formats (dedloc.compression) to measure")
+    ap.add_argument("--compressions", default="none,float16,bfloat16", help="dedloc.compression values")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     peer_counts = [int(x) for x in args.peers.split(",")]
@@ -259,6 +264,7 @@ def main() -> None:
         "first_rendezvous_s": top["first_rendezvous_s"],
         "later_round_s": top["later_round_s"],
         "later_over_tcp": top["later_over_tcp"],
+        "later_start_skew_s": top["later_start_skew_s"],
         "gloo_bare_s": top["gloo_bare_s"],
         "later_over_gloo": top["later_over_gloo"],
         **{
