@@ -71,11 +71,12 @@ def put_chunk(
     chunk before it reads, so of two racing uploads at least the later one sees both."""
     r.set(keys.dedloc_part(job_id, step, attempt, part, index), chunk, ex=dedloc.ARTIFACT_TTL)
     others = [keys.dedloc_part(job_id, step, attempt, p, index) for p in parts if p != part]
-    found = r.mget(others) if others else []
+    found = [c for c in (r.mget(others) if others else []) if isinstance(c, bytes)]  # one not uploaded yet is None
     total = keys.dedloc_total(job_id, step, attempt, index)
-    if any(not isinstance(c, bytes) for c in found) or r.exists(total):  # a chunk not uploaded yet is None
+    if len(found) < len(others) or r.exists(total):
         return False
-    by_part = dict(zip((p for p in parts if p != part), found, strict=True)) | {part: chunk}
+    by_part: dict[str, bytes | bytearray] = dict(zip((p for p in parts if p != part), found, strict=True))
+    by_part[part] = chunk
     try:
         summed = math.combine_chunks([by_part[p] for p in parts])
     except ValueError as exc:
