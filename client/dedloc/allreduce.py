@@ -117,26 +117,31 @@ def _buckets(n: int) -> list[slice]:
 
 
 class BucketedAllReduce:
-    """The buckets of one reduction of `out` (float32) over `pg`, each all-reduced asynchronously as
-    soon as it is `start`ed; `settled` waits for them in order and leaves each one's sum in `out`.
+    """The buckets of one reduction into `out` (float32) over `pg`, each scaled and all-reduced
+    asynchronously as soon as it is `start`ed; `settled` waits for them in order and leaves each
+    one's sum in `out`.
 
     With a compressed wire (`wire`, a vector of the format of the job spec's `dedloc.compression`,
-    as long as `out`) a bucket is clamped
-    to the format's range over the group's size, cast into a buffer of that format, all-reduced
-    there (Gloo sums in it) and cast back: half the bytes on the wire. Gloo hands every member the
-    same reduced bits, so members still agree exactly with one another. Without a group (`pg` None)
-    nothing travels or is cast.
+    as long as `out`) a bucket is scaled into that format, all-reduced there (Gloo sums in it) and
+    cast back: half the bytes on the wire. float16 values are first clamped to the format's range
+    over the group's size, so the group's sum stays finite; bfloat16 has float32's range. Gloo
+    hands every member the same reduced bits, so members still agree exactly with one another.
+    Without a group (`pg` None) nothing travels or is cast.
     """
 
     def __init__(self, out: torch.Tensor, pg: dist.ProcessGroupGloo | None, wire: torch.Tensor | None):
         self.out, self.pg = out, pg
         self.wire = out if wire is None or pg is None else wire
-        # Each member's values are clamped to 1/size of the format's range, so the group's sum stays finite.
-        self.limit = torch.finfo(self.wire.dtype).max / (pg.size() if pg is not None else 1)
+        clamped = self.wire.dtype == torch.float16
+        self.limit = torch.finfo(torch.float16).max / pg.size() if clamped and pg is not None else None
         self.pending: list[tuple[slice, dist.Work | None]] = []
 
-    def start(self, bucket: slice) -> None:
-        if self.wire is not self.out:
+    def start(self, bucket: slice, source: torch.Tensor, scale: float) -> None:
+        """Scale `source[bucket]` (the same float product as `mul_(scale)`) and all-reduce it."""
+        if self.limit is None:  # float32, or bfloat16 cast as the product is stored
+            torch.mul(source[bucket], scale, out=self.wire[bucket])
+        else:
+            torch.mul(source[bucket], scale, out=self.out[bucket])
             self.wire[bucket].copy_(self.out[bucket].clamp_(-self.limit, self.limit))
         # torch's stubs leave out Backend.allreduce, which ProcessGroupGloo has at run time.
         work = self.pg.allreduce([self.wire[bucket]]) if self.pg is not None else None  # type: ignore[attr-defined]
@@ -192,8 +197,7 @@ def _reduce(
     pg = groups.for_round(plan) if not plan.relayed and len(plan.group_members) > 1 else None
     reduction = BucketedAllReduce(out, pg, groups.buffer(len(out), wire) if wire is not None else None)
     for bucket in _buckets(len(out)):
-        torch.mul(source[bucket], scale, out=out[bucket])  # the same float product as `mul_(1 / N)`
-        reduction.start(bucket)
+        reduction.start(bucket, source, scale)
     if not plan.needs_combining:
         for _ in reduction.settled():
             pass
