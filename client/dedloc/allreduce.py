@@ -5,7 +5,8 @@ A group's process group is kept across rounds (`ProcessGroups`) while the schedu
 session; a new session meets through a TCPStore that the group's rank 0 hosts, whose address is the
 only key that travels through the scheduler. The vector is reduced in buckets of
 `BUCKET_FLOATS`, each all-reduced asynchronously as soon as it is weighted, so weighting,
-communication and (in a round that needs combining) the upload of the group's sum pipeline.
+communication and (in a round that needs combining) the upload of the group's sum pipeline. A job
+may send the all-reduce's buckets as 16-bit floats (`BucketedAllReduce`).
 """
 
 import hashlib
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # One bucket is one chunk of the relay, so a bucket reduced is a chunk ready to upload.
 BUCKET_FLOATS = RELAY_CHUNK_FLOATS
+# The job spec's `dedloc.compression`: the number format of a group's all-reduce (None: float32, exact).
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STORE_ADDRESS_KEY = "tcpstore-address"  # then "/" and the session: a stale address is never read
 
 
@@ -77,6 +80,15 @@ class ProcessGroups:
     def __init__(self, api: PeerAPI):
         self.api = api
         self.held: HeldGroup | None = None
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def buffer(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A vector of `size` values of `dtype`, the same one every round: a fresh 100 MB vector costs
+        its page faults on every round, as much as the all-reduce itself on two loaded cores."""
+        held = self.buffers.get(dtype)
+        if held is None or len(held) != size:
+            held = self.buffers[dtype] = torch.empty(size, dtype=dtype)
+        return held
 
     def for_round(self, plan: RoundPlanOut) -> dist.ProcessGroupGloo:
         if self.held is not None and plan.session is not None and self.held.session == plan.session:
@@ -104,54 +116,99 @@ def _buckets(n: int) -> list[slice]:
     return [slice(start, min(start + BUCKET_FLOATS, n)) for start in range(0, n, BUCKET_FLOATS)]
 
 
-def _chunks(out: torch.Tensor, pending: list[tuple[slice, dist.Work | None]]) -> Iterator[bytes]:
-    """The bytes of `out` bucket by bucket, each once its all-reduce (if any) is complete."""
-    array = out.numpy()
-    for bucket, work in pending:
-        if work is not None:
-            work.wait()
+class BucketedAllReduce:
+    """The buckets of one reduction into `out` (float32) over `pg`, each scaled and all-reduced
+    asynchronously as soon as it is `start`ed; `settled` waits for them in order and leaves each
+    one's sum in `out`.
+
+    With a compressed wire (`wire`, a vector of the format of the job spec's `dedloc.compression`,
+    as long as `out`) a bucket is scaled into that format, all-reduced there (Gloo sums in it) and
+    cast back: half the bytes on the wire. float16 values are first clamped to the format's range
+    over the group's size, so the group's sum stays finite; bfloat16 has float32's range. Gloo
+    hands every member the same reduced bits, so members still agree exactly with one another.
+    Without a group (`pg` None) nothing travels or is cast.
+    """
+
+    def __init__(self, out: torch.Tensor, pg: dist.ProcessGroupGloo | None, wire: torch.Tensor | None):
+        self.out, self.pg = out, pg
+        self.wire = out if wire is None or pg is None else wire
+        clamped = self.wire.dtype == torch.float16
+        self.limit = torch.finfo(torch.float16).max / pg.size() if clamped and pg is not None else None
+        self.pending: list[tuple[slice, dist.Work | None]] = []
+
+    def start(self, bucket: slice, source: torch.Tensor, scale: float) -> None:
+        """Scale `source[bucket]` (the same float product as `mul_(scale)`) and all-reduce it."""
+        if self.limit is None:  # float32, or bfloat16 cast as the product is stored
+            torch.mul(source[bucket], scale, out=self.wire[bucket])
+        else:
+            torch.mul(source[bucket], scale, out=self.out[bucket])
+            self.wire[bucket].copy_(self.out[bucket].clamp_(-self.limit, self.limit))
+        # torch's stubs leave out Backend.allreduce, which ProcessGroupGloo has at run time.
+        work = self.pg.allreduce([self.wire[bucket]]) if self.pg is not None else None  # type: ignore[attr-defined]
+        self.pending.append((bucket, work))
+
+    def settled(self) -> Iterator[slice]:
+        for bucket, work in self.pending:
+            if work is not None:
+                work.wait()
+            if self.wire is not self.out:
+                self.out[bucket].copy_(self.wire[bucket])
+            yield bucket
+
+
+def _chunks(reduction: BucketedAllReduce) -> Iterator[bytes]:
+    """The bytes of the reduced vector bucket by bucket, each once its all-reduce (if any) is complete."""
+    array = reduction.out.numpy()
+    for bucket in reduction.settled():
         yield array[bucket].tobytes()
 
 
 def reduce_round(
-    api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups: ProcessGroups | None = None
+    api: PeerAPI,
+    plan: RoundPlanOut,
+    summed_grads: torch.Tensor,
+    groups: ProcessGroups | None = None,
+    compression: str = "none",
 ) -> torch.Tensor:
-    """The round's average gradient Σ_i g_i / N, identical on every member.
+    """The round's average gradient Σ_i g_i / N, identical on every member: a vector of `groups`
+    that its next round overwrites (copy what must outlive it).
 
     `summed_grads` (the gradient of this peer's summed loss) is never modified: the reduction works
-    on a copy, so a failed round leaves the peer's accumulated gradients intact. A failure drops the
-    held process group (a peer of it may be gone or out of step); the caller reports the failure.
+    on a copy, so a failed round leaves the peer's accumulated gradients intact. `compression` (the
+    job spec's `dedloc.compression`) is the number format of the group's all-reduce. A failure drops
+    the held process group (a peer of it may be gone or out of step); the caller reports the failure.
     """
     groups = groups or ProcessGroups(api)
+    if compression not in WIRE_DTYPES:
+        raise ValueError(f"unknown all-reduce compression {compression!r}; known: {', '.join(WIRE_DTYPES)}")
     try:
-        return _reduce(api, plan, summed_grads, groups)
+        return _reduce(api, plan, summed_grads, groups, WIRE_DTYPES[compression])
     except BaseException:
         groups.drop()
         raise
 
 
-def _reduce(api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+def _reduce(
+    api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups: ProcessGroups, wire: torch.dtype | None
+) -> torch.Tensor:
     source = summed_grads.detach()
-    out = torch.empty_like(source)
+    out = groups.buffer(len(source), source.dtype)
     scale = 1.0 / plan.total
     pg = groups.for_round(plan) if not plan.relayed and len(plan.group_members) > 1 else None
-    pending: list[tuple[slice, dist.Work | None]] = []
+    reduction = BucketedAllReduce(out, pg, groups.buffer(len(out), wire) if wire is not None else None)
     for bucket in _buckets(len(out)):
-        torch.mul(source[bucket], scale, out=out[bucket])  # the same float product as `mul_(1 / N)`
-        # torch's stubs leave out Backend.allreduce, which ProcessGroupGloo has at run time.
-        pending.append((bucket, pg.allreduce([out[bucket]]) if pg is not None else None))  # type: ignore[attr-defined]
+        reduction.start(bucket, source, scale)
     if not plan.needs_combining:
-        for _, work in pending:
-            if work is not None:
-                work.wait()
+        for _ in reduction.settled():
+            pass
         return out
     part = f"relay-{api.peer_id}" if plan.relayed else f"group-{plan.group}"
     if plan.relayed or plan.rank == 0:
-        api.put_part(plan.step, plan.attempt, part, len(out), _chunks(out, pending))
+        api.put_part(plan.step, plan.attempt, part, len(out), _chunks(reduction))
         broadcasts = []
 
         def arrived(start: int, stop: int) -> None:
-            if pg is not None:  # the group's other members get the total from their rank 0
+            if pg is not None:  # the group's other members get the total (float32) from their rank 0
                 broadcasts.append(pg.broadcast(out[start:stop], 0))  # type: ignore[attr-defined]
 
         api.total_into(plan.step, plan.attempt, out.numpy(), BUCKET_FLOATS, arrived)
@@ -159,9 +216,8 @@ def _reduce(api: PeerAPI, plan: RoundPlanOut, summed_grads: torch.Tensor, groups
             work.wait()
         return out
     assert pg is not None  # a member with a rank other than 0 is in a group of two or more
-    for _, work in pending:
-        if work is not None:
-            work.wait()
+    for _ in reduction.settled():
+        pass
     for work in [pg.broadcast(out[bucket], 0) for bucket in _buckets(len(out))]:  # type: ignore[attr-defined]
         work.wait()
     return out

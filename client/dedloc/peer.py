@@ -284,7 +284,9 @@ class DedlocPeer:
         if self.o.kill_at == (plan.step, plan.attempt) and not plan.relayed:
             self._die_mid_allreduce(plan)
         try:
-            average = reduce_round(self.api, plan, self.reported.grads, self.groups)
+            # A job stored before `compression` existed has none in its recipe: float32, as it ran then.
+            compression = self.spec.get("compression", "none")
+            average = reduce_round(self.api, plan, self.reported.grads, self.groups, compression)
         except Exception as exc:  # any failure of the collective: the round is aborted for everyone
             log.warning(
                 "peer %s: step %d attempt %d failed (%s); reporting it", self.api.peer_id, plan.step, plan.attempt, exc

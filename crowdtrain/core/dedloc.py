@@ -128,7 +128,7 @@ def combine_parts(parts: Sequence[Params]) -> Params:
     return out
 
 
-def combine_chunks(chunks: Sequence[bytes]) -> bytes:
+def combine_chunks(chunks: Sequence[bytes | bytearray]) -> bytes:
     """Chunk i of the round's total from chunk i of every part (raw little-endian float32), added in
     the plan's order like `combine_parts`: the same bits as combining the whole parts."""
     if not chunks or len({len(c) for c in chunks}) != 1 or len(chunks[0]) % 4:

@@ -261,6 +261,14 @@ class DedlocSpec(SpecSection):
         description="Peers per all-reduce group; more peers form several groups whose sums are combined exactly",
     )
     report_interval: float = Field(1.0, gt=0, le=60, description="Seconds between a peer's progress reports")
+    compression: Literal["none", "float16", "bfloat16"] = Field(
+        "none",
+        description="The number format of gradients on the wire of a group's all-reduce: 'none' sends float32 "
+        "(every step exactly large-batch SGD); 'float16' or 'bfloat16' send half the bytes, and the group sums "
+        "in that format (float16: relative error about 2^-11 per addition, each member's values clamped to "
+        "+-65504 over the group's size; bfloat16: about 2^-8, float32's range). Sums combined through the "
+        "scheduler stay float32",
+    )
     exclude_after: int | None = Field(
         3,
         ge=1,

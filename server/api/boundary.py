@@ -183,25 +183,28 @@ async def receive_to_file(request: Request, file: IO[bytes], limit: int) -> tupl
     return digest.hexdigest(), size
 
 
-async def fixed_chunks(request: Request, chunk_bytes: int, length: int) -> AsyncIterator[bytes]:
+async def fixed_chunks(request: Request, chunk_bytes: int, length: int) -> AsyncIterator[bytearray]:
     """The request body cut into chunks of `chunk_bytes` (the last one shorter), holding one at a
-    time; the body must be exactly `length` bytes (413 beyond it, 400 when it ends short)."""
+    time; the body must be exactly `length` bytes (413 beyond it, 400 when it ends short). Each
+    piece received is copied once, into the chunk it belongs to; a chunk yielded is the caller's."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > length:
         raise BodyTooLarge(length, int(declared))
-    pending, size = bytearray(), 0
+    chunk, filled, size = bytearray(min(chunk_bytes, length)), 0, 0
     async for piece in request.stream():
         size += len(piece)
         if size > length:
             raise BodyTooLarge(length)
-        pending += piece
-        while len(pending) >= chunk_bytes:
-            yield bytes(pending[:chunk_bytes])
-            del pending[:chunk_bytes]
+        view = memoryview(piece)
+        while view:
+            take = min(len(view), len(chunk) - filled)
+            chunk[filled : filled + take] = view[:take]
+            filled, view = filled + take, view[take:]
+            if filled == len(chunk):
+                yield chunk
+                chunk, filled = bytearray(min(chunk_bytes, length - size + len(view))), 0
     if size != length:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"body ended after {size} of its {length} bytes")
-    if pending:
-        yield bytes(pending)
 
 
 def upload_body(request: Request, limit: int):

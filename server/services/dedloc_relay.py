@@ -6,10 +6,13 @@ Redis as they arrive. Chunk i of the total is chunk i of every part added in the
 (`combine_chunks`, the same bits as `combine_parts` over whole parts); the upload that completes it
 computes it, writes it once (SET NX: two that race write the same bytes) and deletes the parts'
 chunks. Members read the total chunk by chunk as it is written, so nothing holds a whole part and
-the sum of the first chunks travels while the last ones are still being uploaded.
+the sum of the first chunks travels while the last ones are still being uploaded. The process that
+sums a chunk keeps it a while (`RecentTotals`), so its own readers need not fetch it back from Redis.
 """
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import redis
@@ -24,6 +27,7 @@ from crowdtrain.server.services.dedloc_rounds import running_member
 CHUNK_BYTES = 4 * math.RELAY_CHUNK_FLOATS
 POLL = 0.002  # seconds between looks for a chunk of the total that is not summed yet
 RECHECK = 0.5  # seconds between looks at whether the round still runs, while a reader waits
+RECENT_TOTAL_BYTES = 256 << 20  # total chunks kept in this process for its readers (`RecentTotals`)
 
 
 def check_part(
@@ -52,22 +56,60 @@ def _check_size(r: redis.Redis, job_id: int, step: int, attempt: int, size: int)
 
 
 def put_chunk(
-    r: redis.Redis, job_id: int, step: int, attempt: int, parts: list[str], part: str, index: int, chunk: bytes
+    r: redis.Redis,
+    job_id: int,
+    step: int,
+    attempt: int,
+    parts: list[str],
+    part: str,
+    index: int,
+    chunk: bytes | bytearray,
 ) -> bool:
-    """Store chunk `index` of `part`; True when that completed chunk `index` of the total."""
+    """Store chunk `index` of `part`; True when that completed chunk `index` of the total.
+
+    The other parts' chunks are read back, this one is used as uploaded: every uploader writes its
+    chunk before it reads, so of two racing uploads at least the later one sees both."""
     r.set(keys.dedloc_part(job_id, step, attempt, part, index), chunk, ex=dedloc.ARTIFACT_TTL)
-    names = [keys.dedloc_part(job_id, step, attempt, p, index) for p in parts]
-    chunks = [c for c in r.mget(names) if isinstance(c, bytes)]  # a chunk not uploaded yet is None
+    others = [keys.dedloc_part(job_id, step, attempt, p, index) for p in parts if p != part]
+    found = [c for c in (r.mget(others) if others else []) if isinstance(c, bytes)]  # one not uploaded yet is None
     total = keys.dedloc_total(job_id, step, attempt, index)
-    if len(chunks) < len(names) or r.exists(total):
+    if len(found) < len(others) or r.exists(total):
         return False
+    by_part: dict[str, bytes | bytearray] = dict(zip((p for p in parts if p != part), found, strict=True))
+    by_part[part] = chunk
     try:
-        summed = math.combine_chunks(chunks)
+        summed = math.combine_chunks([by_part[p] for p in parts])
     except ValueError as exc:
         raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
-    r.set(total, summed, ex=dedloc.ARTIFACT_TTL, nx=True)
-    r.delete(*names)
+    if r.set(total, summed, ex=dedloc.ARTIFACT_TTL, nx=True):
+        _recent_totals.put(total, summed)
+    r.delete(keys.dedloc_part(job_id, step, attempt, part, index), *others)
     return True
+
+
+class RecentTotals:
+    """The total chunks this process summed last, up to `limit` bytes: a member streaming the total
+    from the process that summed it reads them here instead of from Redis (another process's reader
+    finds them in Redis). Only a chunk this process wrote first (SET NX) is kept, so both agree."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.chunks: OrderedDict[str, bytes] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def put(self, name: str, chunk: bytes) -> None:
+        with self.lock:
+            self.chunks[name] = chunk
+            self.held += len(chunk)
+            while self.held > self.limit:
+                self.held -= len(self.chunks.popitem(last=False)[1])
+
+    def get(self, name: str) -> bytes | None:
+        with self.lock:
+            return self.chunks.get(name)
+
+
+_recent_totals = RecentTotals(RECENT_TOTAL_BYTES)
 
 
 def total_chunks(
@@ -87,7 +129,7 @@ def total_chunks(
 def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: int) -> Iterator[bytes]:
     for index in range(math.chunk_count(size)):
         name, checked = keys.dedloc_total(job_id, step, attempt, index), time.monotonic()
-        while (chunk := r.get(name)) is None:
+        while (chunk := _recent_totals.get(name) or r.get(name)) is None:
             if time.monotonic() - checked > RECHECK:
                 rnd, checked = joined_round(r, job_id), time.monotonic()
                 if rnd.phase != "reducing" or (rnd.step, rnd.attempt) != (step, attempt):

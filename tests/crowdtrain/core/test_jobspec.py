@@ -4,7 +4,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from crowdtrain.core.jobspec import JobSpec, load_job_spec
+from crowdtrain.core.jobspec import DedlocSpec, JobSpec, load_job_spec
 from tests.conftest import EXAMPLE_SPEC
 
 
@@ -175,3 +175,18 @@ def test_job_submit_refuses_an_unreadable_spec_with_one_line_and_exit_code_2(tmp
     )
     assert result.returncode == 2
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("compression", ["none", "float16", "bfloat16"])
+def test_a_dedloc_job_names_its_all_reduce_compression(compression: str) -> None:
+    section = DedlocSpec.model_validate({"target_batch_size": 64, "compression": compression})
+    assert section.compression == compression
+    assert DedlocSpec.model_validate({"target_batch_size": 64}).compression == "none"  # exact by default
+
+
+@pytest.mark.parametrize("compression", ["fp16", "int8", "", None])
+def test_an_unknown_compression_is_refused_with_the_formats_it_could_be(compression: str | None) -> None:
+    with pytest.raises(ValidationError) as err:
+        DedlocSpec.model_validate({"target_batch_size": 64, "compression": compression})
+    message = str(err.value)
+    assert "compression" in message and all(f"'{c}'" in message for c in ("none", "float16", "bfloat16"))
