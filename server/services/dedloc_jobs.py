@@ -107,7 +107,9 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     )
     recipe = {
         "model": view.model_config,
-        "dedloc": view.spec.model_dump(mode="json"),
+        # As recorded at submission, which the signed recipe holds: a dump of DedlocSpec would add the
+        # fields of later versions and no longer match a job signed before them.
+        "dedloc": view.job_spec["dedloc"],
         "seed": view.seed,
         "max_steps": view.max_steps,
     }

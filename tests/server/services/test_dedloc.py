@@ -13,8 +13,10 @@ from crowdtrain.core.dedloc import dissenters
 from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.services import dedloc
 from tests.conftest import EXAMPLE_SPEC
+from tests.server.inprocess import scheduler_app
 
 SPEC = DedlocSpec(
     target_batch_size=100, micro_batch_size=10, matchmaking_timeout=0.3, averaging_timeout=0.3, max_group_size=2
@@ -297,3 +299,21 @@ def test_parts_and_states_only_from_members(api) -> None:
     resp = hosts["alice"].put(f"/v1/dedloc/jobs/{job_id}/states/1", params={"peer_id": peer}, content=blob)
     assert resp.status_code == 403 and "did not commit step 0" in resp.text
     assert not (cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc" / "state-00000001.safetensors").exists()
+
+
+def test_a_peer_is_given_the_dedloc_section_as_the_job_recorded_it(tmp_path, private_redis) -> None:
+    """A job recorded before a field of the section existed (here `compression`) is joined with the
+    section it recorded, which is what its signed recipe holds, and the field's default applies."""
+    spec = load_job_spec(EXAMPLE_SPEC.parent / "mnist1d-dedloc.yaml")
+    with scheduler_app(tmp_path, private_redis) as app:
+        created = app.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=app.admin_headers)
+        assert created.status_code == 201, created.text
+        job_id = created.json()["job_id"]
+        with app.db.begin() as s:
+            job = s.get_one(Job, job_id)
+            recorded = {k: v for k, v in job.spec["dedloc"].items() if k != "compression"}
+            job.spec = {**job.spec, "dedloc": recorded}
+        joined = app.http.post(f"/v1/dedloc/jobs/{job_id}/join", json={}, headers=app.register_host())
+        assert joined.status_code == 200, joined.text
+        assert joined.json()["recipe"]["dedloc"] == recorded
+        assert DedlocSpec.model_validate(recorded).compression == "none"
