@@ -55,16 +55,8 @@ def _claim_statement(extra: ColumnElement[bool] | None) -> Update:
         update(Workunit)
         .where(Workunit.id.in_(ready.scalar_subquery()))
         .values(status=WorkunitStatus.in_progress.value)
-        .returning(Workunit.id, Workunit.epoch, *_SHARD_OF_WORKUNIT)
+        .returning(Workunit.id, Workunit.epoch, Workunit.shard_id)
     )
-
-
-# The claimed workunit's shard, returned by the claim itself: a subquery by primary key per column,
-# because SQLite's RETURNING cannot name a table joined with UPDATE … FROM. Saves a round trip.
-_SHARD_OF_WORKUNIT = tuple(
-    select(column).where(Shard.id == Workunit.shard_id).correlate(Workunit).scalar_subquery()
-    for column in (Shard.id, Shard.index, Shard.epoch, Shard.key, Shard.sha256, Shard.size)
-)
 
 
 # Built once: a work request runs some of these on every call, and building SQLAlchemy expressions
@@ -81,12 +73,15 @@ _CLAIM = {
     "fresh": _claim_statement(Workunit.error_count == 0),
     "any": _claim_statement(None),
 }
+_SHARDS = select(Shard.id, Shard.index, Shard.epoch, Shard.key, Shard.sha256, Shard.size).where(
+    Shard.id.in_(bindparam("ids", expanding=True))
+)
 
 
 def claim_workunits(c: Connection, job_id: int, reliable: bool, limit: int, cached: list[str]) -> list[Claim]:
     """Claim up to `limit` ready workunits of the job in the transaction of `c`: locked (concurrent
-    claimers skip each other's rows), moved to in progress and returned with their shards by one
-    statement per preference.
+    claimers skip each other's rows) and moved to in progress by one statement per preference; then
+    their shards are read by one more.
 
     Preferences are tried as separate statements, each an index range scan on (job, status, epoch, id):
     first workunits whose shard the host has cached (sha256 in `cached`), then retried workunits if
@@ -94,7 +89,7 @@ def claim_workunits(c: Connection, job_id: int, reliable: bool, limit: int, cach
     preferences at once would sort every ready workunit of the job on each request.
     """
     preferences = (["cached"] if cached else []) + ["retried" if reliable else "fresh", "any"]
-    claimed: list[Claim] = []
+    claimed: list[tuple[int, int, int]] = []  # (workunit id, epoch, shard id)
     for preference in preferences:
         if len(claimed) >= limit:
             break
@@ -102,8 +97,12 @@ def claim_workunits(c: Connection, job_id: int, reliable: bool, limit: int, cach
         if preference == "cached":
             params["claim_cached"] = cached
         rows = c.execute(_CLAIM[preference], params).all()
-        claimed += sorted((Claim(*row) for row in rows), key=lambda cl: (cl.epoch, cl.workunit_id))
-    return claimed
+        claimed += sorted(((wu_id, epoch, shard_id) for wu_id, epoch, shard_id in rows), key=lambda w: (w[1], w[0]))
+    if not claimed:
+        return []
+    # Rows are read by position: a row's `index` would be the tuple method, not the column.
+    shards = {row[0]: row for row in c.execute(_SHARDS, {"ids": sorted({shard_id for _, _, shard_id in claimed})})}
+    return [Claim(wu_id, epoch, *shards[shard_id]) for wu_id, epoch, shard_id in claimed]
 
 
 _OPEN_ASSIGNMENT = insert(Assignment).returning(Assignment.workunit_id, Assignment.id, sort_by_parameter_order=True)
