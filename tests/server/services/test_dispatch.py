@@ -8,7 +8,7 @@ from datetime import datetime
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import WorkReply
@@ -326,3 +326,34 @@ def test_a_scheduler_worker_killed_in_the_middle_of_claims_loses_nothing_and_giv
         assert {s.get_one(Assignment, a).status for a in held_ids | set(told)} == {AssignmentStatus.timed_out.value}
     with httpx.Client(base_url=cluster.url, timeout=30, headers={"Authorization": f"Bearer {tokens[0]}"}) as c:
         assert c.post("/v1/work", json={"free_slots": 1}).json()["assignments"], "the workunits are dispatched again"
+
+
+def test_a_work_request_is_one_transaction_of_four_statements(scheduler) -> None:
+    """The common case of the scheduler's most frequent call: the host's row with the running jobs,
+    one claim, the claimed shard, one insert of the assignment; no pre-ping, no second transaction.
+    Each statement more is a round trip and CPU on both sides of it."""
+    spec = load_job_spec(EXAMPLE_SPEC)
+    created = scheduler.http.post("/v1/jobs", json=spec.model_dump(mode="json"), headers=scheduler.admin_headers)
+    assert created.status_code == 201, created.text
+    host = scheduler.register_host()
+    assert len(scheduler.http.post("/v1/work", json={"free_slots": 1}, headers=host).json()["assignments"]) == 1
+
+    engine = scheduler.db.kw["bind"]
+    seen: list[str] = []
+
+    def note(_conn, _cursor, statement, *_):
+        seen.append(statement.split(None, 1)[0].upper())
+
+    def note_commit(_conn) -> None:
+        seen.append("COMMIT")
+
+    event.listen(engine, "before_cursor_execute", note)
+    event.listen(engine, "commit", note_commit)
+    try:
+        reply = scheduler.http.post("/v1/work", json={"free_slots": 1}, headers=host)
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+        event.remove(engine, "commit", note_commit)
+
+    assert len(reply.json()["assignments"]) == 1
+    assert seen == ["BEGIN", "SELECT", "UPDATE", "SELECT", "INSERT", "COMMIT"]
