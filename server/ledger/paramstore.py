@@ -30,18 +30,16 @@ them will land in W_s later.
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import redis
 from redis.connection import Encoder, PythonRespSerializer
-from redis.exceptions import LockNotOwnedError
 
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import Params, decode, encode, views
-from crowdtrain.server.ledger import w_s_cache
+from crowdtrain.server.ledger import merge_lease, w_s_cache
 from crowdtrain.server.ledger.w_s_cache import CachedModel
 
 CHUNK_BYTES = 1 << 20
@@ -71,10 +69,6 @@ class NoServerModel(RuntimeError):
 class MergeOutcome:
     version: int  # version of W_s that includes this assignment
     applied_now: bool  # False when an earlier delivery already merged it
-
-
-MERGE_LEASE_SECONDS = 30.0  # a holder that dies or stalls loses its job's merge lease after this long
-LEASE_POLL_SECONDS = 0.002
 
 
 def connect(url: str) -> redis.Redis:
@@ -248,7 +242,7 @@ def merge_once(
     `merge` may read them consistently. Runs under the job's merge lease (see the module's docstring).
     """
     m = _Merging(job_id, assignment_id, merge, received_at, update_norm, initial_state, workunit_id)
-    with _merge_lease(r, job_id), r.pipeline() as pipe:
+    with merge_lease.held(r, job_id), r.pipeline() as pipe:
         while True:
             try:
                 outcome = _merge_attempt(r, pipe, m)
@@ -269,25 +263,6 @@ class _Merging:
     update_norm: float | None
     initial_state: Callable[[Params], Params] | None
     workunit_id: int | None
-
-
-@contextmanager
-def _merge_lease(r: redis.Redis, job_id: int) -> Iterator[None]:
-    """Hold the job's merge lease while the body runs, or run it without once MERGE_LEASE_SECONDS have
-    passed waiting (a holder that stalled): the transaction is exactly-once either way."""
-    lease = r.lock(
-        keys.merge_lease(job_id),
-        timeout=MERGE_LEASE_SECONDS,
-        sleep=LEASE_POLL_SECONDS,
-        blocking_timeout=MERGE_LEASE_SECONDS,
-    )
-    held = lease.acquire()
-    try:
-        yield
-    finally:
-        if held:
-            with suppress(LockNotOwnedError):  # it lapsed while this merge ran; another may hold it now
-                lease.release()
 
 
 def _merge_attempt(r: redis.Redis, pipe: redis.client.Pipeline, m: _Merging) -> MergeOutcome | None:
