@@ -279,6 +279,15 @@ def main() -> None:
     print(json.dumps(figures))
 
 
+def direct_row(cluster, n: int, k: int, repeats: int, bound: float, compression: str) -> dict:
+    """The rounds of k direct peers with `compression` on the wire, beside a bare Gloo all-reduce of
+    the same vector in the same format and the raw send `bound`."""
+    bare = gloo_bare(n, k, repeats, "float32" if compression == "none" else compression)
+    row = run_config(cluster, n, k, 0, repeats, compression)
+    later = row["later_round_s"]
+    return row | {"gloo_bare_s": bare, "later_over_tcp": later / bound, "later_over_gloo": later / bare}
+
+
 def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compressions: list[str]) -> list[dict]:
     """The rows of one vector size: each peer count direct, the largest in each other wire format,
     and the largest with one peer relayed; each with the bounds measured just before it."""
@@ -287,10 +296,8 @@ def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compress
     _log(f"{n} floats ({nbytes / 1e6:.0f} MB): raw loopback TCP once {bound:.3f}s")
     rows = []
     for k in peer_counts:
-        bare = gloo_bare(n, k, repeats)
-        row = run_config(cluster, n, k, 0, repeats)
-        row |= {"gloo_bare_s": bare, "later_over_tcp": row["later_round_s"] / bound}
-        row["later_over_gloo"] = row["later_round_s"] / bare
+        row = direct_row(cluster, n, k, repeats, bound, "none")
+        bare = row["gloo_bare_s"]
         _log(
             f"  {k} peers: first round {row['first_round_s']:.3f}s (rendezvous {row['first_rendezvous_s']:.3f}s), "
             f"later rounds {row['later_round_s']:.3f}s = {row['later_over_tcp']:.1f}x the raw send, "
@@ -299,10 +306,8 @@ def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compress
         rows.append({"parameters": n, "peers": k, "relayed": 0, "compression": "none", "tcp_once_s": bound, **row})
     k = max(peer_counts)
     for compression in [c for c in compressions if c != "none"]:
-        bare = gloo_bare(n, k, repeats, compression)
-        row = run_config(cluster, n, k, 0, repeats, compression)
-        row |= {"gloo_bare_s": bare, "later_over_tcp": row["later_round_s"] / bound}
-        row["later_over_gloo"] = row["later_round_s"] / bare
+        row = direct_row(cluster, n, k, repeats, bound, compression)
+        bare = row["gloo_bare_s"]
         _log(
             f"  {k} peers, {compression} on the wire: later rounds {row['later_round_s']:.3f}s = "
             f"{row['later_over_tcp']:.1f}x the raw send, {row['later_over_gloo']:.2f}x a bare {compression} Gloo "
