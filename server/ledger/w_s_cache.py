@@ -45,7 +45,11 @@ class CachedModel:
         return cls(tag, version, params_buffer, params, state_buffer, views(state_buffer))
 
 
-_held: dict[int, CachedModel] = {}
+# Jobs whose W_s a process holds at once, the most recently merged: a parameter server serves jobs
+# one after another for as long as it runs, and those that ended would otherwise stay in its memory.
+JOBS_HELD = 4
+
+_held: dict[int, CachedModel] = {}  # in the order they were last kept
 
 
 def take(job_id: int, tag: str | None) -> CachedModel | None:
@@ -56,8 +60,12 @@ def take(job_id: int, tag: str | None) -> CachedModel | None:
 
 
 def keep(job_id: int, model: CachedModel) -> None:
-    """Hold `model`, the W_s this process has just written, for the job's next merge."""
+    """Hold `model`, the W_s this process has just written, for the job's next merge; the least
+    recently merged job's beyond JOBS_HELD is let go."""
+    _held.pop(job_id, None)
     _held[job_id] = model
+    while len(_held) > JOBS_HELD:
+        del _held[next(iter(_held))]
 
 
 def clear() -> None:
