@@ -18,7 +18,7 @@ How
     real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3:
     a vote that asks for a third replica needs a third account, and replicas never share one), and,
     unless clean, one hostile host with 1 slot (20% of the 5 slots) under account
-    `hostile`, scripted over HTTP from this process (tests/http_host.py). Fresh hosts every job: a
+    `hostile`, scripted over HTTP from this process (crowdtrain/launch/scripted_host.py). Fresh hosts every job: a
     host's reputation is its own. The hostile host asks for work, downloads the snapshot W_base and
     the shard as a client does, and uploads (Δ: the update of honest training from W_base with the
     client's trainer and the assignment's recipe):

@@ -1,6 +1,6 @@
 """The hostile strategies of benchmarks/adversarial.py: what each uploads in place of an honest
 result (pure functions of W_base and the honest result), and the scripted host that plays one over
-HTTP (tests/http_host.py)."""
+HTTP (crowdtrain/launch/scripted_host.py)."""
 
 import threading
 from collections.abc import Callable
@@ -11,7 +11,7 @@ import numpy as np
 from crowdtrain.client.trainers import train
 from crowdtrain.core.tensors import Params
 from crowdtrain.launch.cluster import Cluster
-from tests.http_host import ScriptedHost
+from crowdtrain.launch.scripted_host import ScriptedHost
 
 
 def _along(base: Params, honest: Params, scale: float) -> Params:

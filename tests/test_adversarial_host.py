@@ -17,10 +17,10 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.launch.scripted_host import ScriptedHost
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job
 from tests.conftest import EXAMPLE_SPEC
-from tests.http_host import ScriptedHost
 
 pytestmark = pytest.mark.integration
 ATTACKS = ("1e30", "sign-flipped x100", "noise")

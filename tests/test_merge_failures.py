@@ -11,10 +11,10 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import encode_shard
 from crowdtrain.launch.cluster import wait_for
+from crowdtrain.launch.scripted_host import ScriptedHost
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
 from tests.conftest import EXAMPLE_SPEC
-from tests.http_host import ScriptedHost
 
 pytestmark = pytest.mark.integration
 STUCK_UPLOAD_S = 2.0  # the transitioner queues a merge again this long after its upload

@@ -17,11 +17,11 @@ from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.updates import upload_sizes
 from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.launch.scripted_host import ScriptedHost
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit
 from crowdtrain.workgen.datasets import load_dataset
 from tests.conftest import EXAMPLE_SPEC
-from tests.http_host import ScriptedHost
 
 pytestmark = pytest.mark.integration
 JOB_TIMEOUT = 420

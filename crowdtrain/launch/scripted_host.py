@@ -1,4 +1,4 @@
-"""A host scripted over the HTTP API, for tests that need to upload exactly what they choose."""
+"""A host scripted over the HTTP API, for tests and benchmarks that need to upload exactly what they choose."""
 
 import time
 
