@@ -108,6 +108,7 @@ class Workunit(Base):
 
 class Host(Base):
     __tablename__ = "hosts"
+    __table_args__ = (Index("ix_hosts_network_created_at", "network", "created_at"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -136,6 +137,10 @@ class Host(Base):
     # The volunteer account the host's credit adds up under (named by the client; "" for none).
     account: Mapped[str] = mapped_column(String(64), default="", server_default="")
     credit: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")  # cobblestones (core.credit)
+    # The address the host registered from, and its network prefix (core.addresses): registration limits and
+    # replica spread count networks, not the names hosts give themselves.
+    address: Mapped[str] = mapped_column(String(45), default="", server_default="")
+    network: Mapped[str] = mapped_column(String(50), default="", server_default="")
 
 
 class JoinToken(Base):
@@ -149,6 +154,10 @@ class JoinToken(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(default=False)
     hosts_registered: Mapped[int] = mapped_column(Integer, default=0)
+    # A token issued to one volunteer account: hosts registered with it are under that account, whatever they
+    # name ("" for a project-wide token, whose hosts name their own account). None: the default limit.
+    account: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    registrations_per_hour: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Assignment(Base):

@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.core.addresses import canonical_address, network_prefix
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.schemas import (
     HostPublic,
@@ -43,7 +44,10 @@ def _join_token_id(s: Session, token: str, bootstrap_token: str) -> int | None:
     return row.id
 
 
-def register_host(db: sessionmaker[Session], req: HostRegister, bootstrap_token: str) -> HostRegistered:
+def register_host(
+    db: sessionmaker[Session], req: HostRegister, bootstrap_token: str, address: str = ""
+) -> HostRegistered:
+    """Register a host that called from `address` (the peer address the scheduler saw, "" if unknown)."""
     token = secrets.token_urlsafe(32)
     with db.begin() as s:
         join_id = _join_token_id(s, req.join_token, bootstrap_token)
@@ -58,6 +62,8 @@ def register_host(db: sessionmaker[Session], req: HostRegister, bootstrap_token:
             frameworks=",".join(r.frameworks),
             join_token_id=join_id,
             account=req.account,
+            address=canonical_address(address),
+            network=network_prefix(address),
         )
         s.add(host)
         if join_id is not None:

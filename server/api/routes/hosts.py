@@ -1,6 +1,6 @@
 """`/v1/hosts`: registration with a join token."""
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Request, status
 
 from crowdtrain.core.schemas import HostRegister, HostRegistered
 from crowdtrain.core.storage import download_origin
@@ -13,7 +13,7 @@ router = APIRouter(prefix="/v1", tags=["hosts"])
 
 @router.post("/hosts", response_model=HostRegistered, status_code=status.HTTP_201_CREATED)
 def register(
-    req: HostRegister, db: DbDep, settings: SettingsDep, storage: StorageDep, _: FailureBudgetDep
+    req: HostRegister, request: Request, db: DbDep, settings: SettingsDep, storage: StorageDep, _: FailureBudgetDep
 ) -> HostRegistered:
     """Register a client with a join token (one issued with `crowdtrain admin join-token create`, or the
     bootstrap token from the settings); answers the host token to use from now on, and the object
@@ -21,7 +21,8 @@ def register(
     project's public key if it signs its work (a client given none pins it: trust on first use).
 
     An invalid or revoked join token is refused (403) and spends the caller's failure budget."""
-    registered = register_host(db, req, settings.join_token)
+    address = request.client.host if request.client else ""
+    registered = register_host(db, req, settings.join_token, address)
     origin = download_origin(storage)
     return registered.model_copy(
         update={"download_origins": [origin] if origin else [], "project_public_key": current_key(db)}
