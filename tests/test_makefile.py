@@ -52,7 +52,11 @@ def test_a_failure_in_the_parallel_pass_still_runs_the_serial_pass_and_fails_mak
 @pytest.mark.parametrize(
     ("files", "returncode", "summary"),
     [
-        ({"passes": PASSING, "serial": SERIAL_FAILING}, 2, ["parallel pass passed", "serial pass failed (pytest exit 1)"]),
+        (
+            {"passes": PASSING, "serial": SERIAL_FAILING},
+            2,
+            ["parallel pass passed", "serial pass failed (pytest exit 1)"],
+        ),
         ({"passes": PASSING}, 0, ["parallel pass passed", "serial pass ran no test (pytest exit 5, accepted)"]),
         ({"serial": SERIAL_PASSING}, 2, ["parallel pass failed (pytest exit 5)", "serial pass passed"]),
     ],
