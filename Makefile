@@ -27,12 +27,22 @@ demo: $(STAMP)
 # the processes they start, so more workers than cores pay (TEST_WORKERS=0 runs them in one process).
 # Tests marked `serial` judge the machine's own load: they run after the others, alone, in a second pass
 # (which may find none when PYTEST_ARGS selects a few tests: pytest's exit 5 is accepted there only).
+# Both passes always run, a failure in the first included; the last two lines say how each ended, and
+# `make test` fails if either failed.
 TEST_WORKERS ?= 4
 PYTEST := $(PY) -m pytest -ra -p no:cacheprovider
+PARALLEL_PASS := $(PYTEST) --durations=15 -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS)
+SERIAL_PASS := $(PYTEST) -m serial $(PYTEST_ARGS)
 
 test: $(STAMP)
-	$(PYTEST) --durations=15 -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS)
-	$(PYTEST) -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@echo "make test: parallel pass, $(TEST_WORKERS) workers, -m 'not serial'"; parallel=0; $(PARALLEL_PASS) || parallel=$$?; \
+	echo "make test: serial pass, -m serial"; serial=0; $(SERIAL_PASS) || serial=$$?; \
+	outcome() { case $$2 in 0) echo "make test: $$1 pass passed";; \
+		5) if [ $$1 = serial ]; then echo "make test: serial pass ran no test (pytest exit 5, accepted)"; \
+		   else echo "make test: $$1 pass failed (pytest exit 5)"; fi;; \
+		*) echo "make test: $$1 pass failed (pytest exit $$2)";; esac; }; \
+	outcome parallel $$parallel; outcome serial $$serial; \
+	[ $$parallel -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
 
 # docker-compose.yml built and run by a real Docker engine, on a local Debian base image (README, Deploy):
 # root, docker.io, docker-compose and debootstrap needed. Not part of `make test` or .ci/run: it takes as long.

@@ -37,8 +37,8 @@ How
     and `GET /v1/admin/hosts`.
 
 Run
-    PYTHONPATH=. .venv/bin/python benchmarks/adversarial.py --quick
-    PYTHONPATH=. .venv/bin/python benchmarks/adversarial.py [--strategies sign-flip,lazy,...] [--seeds 2]
+    .venv/bin/python benchmarks/adversarial.py --quick
+    .venv/bin/python benchmarks/adversarial.py [--strategies sign-flip,lazy,...] [--seeds 2]
     A job takes 1-2 minutes on 2 cores: --quick runs 5 jobs, the default 16.
 
 Progress and a table go to stderr; the last line on stdout is one JSON object with the figures.

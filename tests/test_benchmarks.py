@@ -1,9 +1,15 @@
-"""The pure parts of the benchmarks (no benchmark runs here): benchmarks/learning_efficiency.py and the
-modules beside it that it imports (efficiency_tasks, efficiency_runs, efficiency_report), and
-benchmarks/adversarial.py (its forged updates, hostile_strategies, and its summary, adversarial_summary)."""
+"""Every benchmark runs as its docstring says, and the pure parts of the benchmarks (no benchmark runs
+here, only `--help`): benchmarks/learning_efficiency.py and the modules beside it that it imports
+(efficiency_tasks, efficiency_runs, efficiency_report), and benchmarks/adversarial.py (its forged
+updates, hostile_strategies, and its summary, adversarial_summary).
 
+An entry point of benchmarks/ is a module with `if __name__ == "__main__":` and a `Run` section in its
+docstring; a module without that guard is a part that entry points import by name, and says so."""
+
+import ast
 import importlib
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +39,59 @@ runs = _load("efficiency_runs")
 report = _load("efficiency_report")
 
 
-def test_the_benchmark_runs_as_a_script_importing_the_modules_beside_it():
-    script = BENCHMARKS / "learning_efficiency.py"
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+ROOT = BENCHMARKS.parent
+MAIN_GUARD = 'if __name__ == "__main__":'
+MODULES = sorted(BENCHMARKS.glob("*.py"))
+ENTRY_POINTS = [m for m in MODULES if MAIN_GUARD in m.read_text()]
+
+
+def _run_commands(module: Path) -> list[list[str]]:
+    """The commands of the module docstring's `Run` section (its lines naming a file of benchmarks/)."""
+    doc = ast.get_docstring(ast.parse(module.read_text())) or ""
+    _, found, section = doc.partition("\nRun\n")
+    lines = section.split("\n\n", 1)[0].splitlines() if found else []
+    return [shlex.split(line.split("#", 1)[0]) for line in lines if "benchmarks/" in line]
+
+
+def _imported(module: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS, ids=lambda p: p.stem)
+def test_each_benchmark_runs_its_help_as_its_docstring_says(script: Path) -> None:
+    """As documented: `.venv/bin/python benchmarks/NAME.py ...` from the repository root, and nothing set
+    in the environment (no PYTHONPATH): the modules beside it import by name, the package as installed."""
+    commands = _run_commands(script)
+    assert commands, f"{script.name}: its docstring has no `Run` section naming its command"
+    for argv in commands:
+        assert argv[:2] == [".venv/bin/python", f"benchmarks/{script.name}"], " ".join(argv)
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    python = str(venv_python) if venv_python.exists() else sys.executable
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [python, f"benchmarks/{script.name}", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "--sim-slots" in done.stdout
+    assert done.stdout.startswith("usage:"), done.stdout[:500]
+
+
+def test_no_benchmark_imports_the_test_tree() -> None:
+    importing = {m.name for m in MODULES if any(n == "tests" or n.startswith("tests.") for n in _imported(m))}
+    assert not importing, f"benchmarks importing `tests`: {sorted(importing)}"
+
+
+def test_a_benchmark_module_without_a_main_guard_is_a_part_an_entry_point_imports() -> None:
+    """Telling entry points apart: a part has no `Run` section, and some benchmark imports it by name."""
+    imported_here = set().union(*(_imported(m) for m in MODULES))
+    for part in (m for m in MODULES if m not in ENTRY_POINTS):
+        assert not _run_commands(part), f"{part.name} says how to run it but has no `{MAIN_GUARD}`"
+        assert part.stem in imported_here, f"{part.name}: neither an entry point nor imported by one"
 
 
 def test_examples_to_target_is_the_first_point_at_or_above_the_target_in_order_of_examples():
@@ -163,21 +217,6 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
 
 hostile_strategies = _load("hostile_strategies")
 adversarial_summary = _load("adversarial_summary")
-
-
-def test_the_adversarial_benchmark_runs_as_a_script():
-    script = BENCHMARKS / "adversarial.py"
-    root = str(BENCHMARKS.parent)
-    done = subprocess.run(
-        [sys.executable, str(script), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": root},
-        cwd=root,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "--strategies" in done.stdout
 
 
 def test_forged_updates_are_what_each_strategy_says_of_the_honest_update():

@@ -36,11 +36,21 @@ def submit(cluster: Cluster, **scheduling) -> int:
         return resp.json()["job_id"]
 
 
+def job_status(http: httpx.Client, job_id: int) -> dict:
+    """GET is idempotent: asked again once if the pooled connection it went on was closed under it."""
+    try:
+        resp = http.get(f"/v1/jobs/{job_id}")
+    except httpx.TransportError:
+        resp = http.get(f"/v1/jobs/{job_id}")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
 def wait_finished(cluster: Cluster, job_id: int, timeout: float = JOB_TIMEOUT) -> dict:
     deadline = time.monotonic() + timeout
     with cluster.admin() as http:
         while time.monotonic() < deadline:
-            st = http.get(f"/v1/jobs/{job_id}").json()
+            st = job_status(http, job_id)
             if st["status"] in ("succeeded", "failed", "cancelled"):
                 return st
             dead = [s.name for s in cluster.services if not s.alive]

@@ -17,7 +17,7 @@ from crowdtrain.core.settings import InsecureSettings, check_secrets, get_settin
 from crowdtrain.core.storage import open_storage
 from crowdtrain.launch.supervise import supervise as run_supervised
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.api.transport import NoDelayHttpToolsProtocol
+from crowdtrain.server.api.transport import KEEP_ALIVE_S, NoDelayHttpToolsProtocol
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.services.transitioner import run_forever
@@ -62,6 +62,7 @@ def server(
         log_level="warning",
         http=NoDelayHttpToolsProtocol,
         loop="uvloop",
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 

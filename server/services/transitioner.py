@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 
 import redis
 from sqlalchemy import func, or_, select
@@ -34,11 +34,13 @@ def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: red
     return expired
 
 
-def close_stalled_votes(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> int:
+def close_stalled_votes(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, now: datetime | None = None
+) -> int:
     """Close, inconclusive, the replica votes that waited past their bound for a replica no host took
-    (crowdtrain.server.ledger.replicas.close_stalled_votes): their results are deleted, and the epochs
-    of workunits that failed for it are closed. Returns how many votes were closed."""
-    closed = replicas.close_stalled_votes(db)
+    by `now` (crowdtrain.server.ledger.replicas.close_stalled_votes): their results are deleted, and the
+    epochs of workunits that failed for it are closed. Returns how many votes were closed."""
+    closed = replicas.close_stalled_votes(db, now)
     for vote in closed:
         for key in vote.ended:
             storage.delete(key)

@@ -7,6 +7,7 @@ their results are judged by quorum before one is merged. Then reputation: trust,
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
 from crowdtrain.server.ledger import paramstore
-from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit
+from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit, utcnow
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.replicas import replica_wait
 from crowdtrain.server.ledger.uploads import store_result
@@ -275,14 +276,16 @@ def test_a_vote_no_replica_comes_for_closes_inconclusive_and_counts_toward_max_e
 
     workunit = None
     for error in (1, 2):
+        before_sent = utcnow()  # the clock passed in: however long the steps below take on a loaded machine
         [a] = [w for w in p.work(alice, 8) if workunit in (None, w.workunit_id)][:1]
         workunit = a.workunit_id
         p.upload(alice, a, p.trained(a))
         assert assimilate(services, a.assignment_id).outcome is Outcome.awaiting_replicas
         assert all(w.workunit_id != a.workunit_id for w in p.work(laptop, 8)), "never a replica to the same account"
-        assert close_stalled_votes(services.db, services.storage, services.r) == 0, "not before the bound"
-        time.sleep(1.1)
-        assert close_stalled_votes(services.db, services.storage, services.r) == 1
+        within = before_sent + timedelta(seconds=0.9)  # under the 1 s bound, counted from its send at the earliest
+        assert close_stalled_votes(services.db, services.storage, services.r, now=within) == 0, "not before the bound"
+        past = utcnow() + timedelta(seconds=1.1)
+        assert close_stalled_votes(services.db, services.storage, services.r, now=past) == 1
 
         with services.db.begin() as s:
             ended = s.get_one(Assignment, a.assignment_id)

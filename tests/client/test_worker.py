@@ -88,20 +88,29 @@ def test_prefetch_holds_the_next_assignment_with_its_files_while_training(
     cluster = make_cluster(sqlite_url)
     submit_slow_job(cluster)
     client = cluster.start_client("volunteer", 1, "--prefetch" if prefetch else "--no-prefetch")
-    wait_for(lambda: len(host_assignments(sqlite_url, "volunteer")) >= 1, 60, "no work for the client", client)
-    time.sleep(3)  # time enough to ask for and fetch a second one
+    cache = FileCache(cluster.var_dir / "clients" / "volunteer" / "shards")
+
+    def shard_shas(rows: list[tuple[int, str, int]]) -> set[str]:
+        with session_factory(sqlite_url).begin() as s:
+            from crowdtrain.server.ledger.models import Shard
+
+            return {
+                s.scalar(select(Shard.sha256).join(Workunit, Workunit.shard_id == Shard.id).where(Workunit.id == wu_id))
+                for _, _, wu_id in rows
+            }
+
+    def holding_with_shards() -> bool:
+        rows = host_assignments(sqlite_url, "volunteer")
+        return len(rows) >= held and shard_shas(rows) <= set(cache.holds())
+
+    # Waits on the state, not a time: a loaded machine takes longer to ask for and fetch the second one.
+    wait_for(holding_with_shards, 120, f"the client never held {held} assignment(s) with their shards", client)
+    if not prefetch:
+        time.sleep(3)  # time enough to ask for a second one: it does not
     rows = host_assignments(sqlite_url, "volunteer")
     assert len(rows) == held
     assert {status for _, status, _ in rows} == {AssignmentStatus.in_progress.value}
-    with session_factory(sqlite_url).begin() as s:
-        from crowdtrain.server.ledger.models import Shard
-
-        shas = {
-            s.scalar(select(Shard.sha256).join(Workunit, Workunit.shard_id == Shard.id).where(Workunit.id == wu_id))
-            for _, _, wu_id in rows
-        }
-    cache = FileCache(cluster.var_dir / "clients" / "volunteer" / "shards")
-    assert shas <= set(cache.holds()), "the prefetched assignment's shard is not downloaded yet"
+    assert shard_shas(rows) <= set(cache.holds()), "the prefetched assignment's shard is not downloaded yet"
     client.proc.send_signal(signal.SIGTERM)
     assert client.proc.wait(30) == 0, client.tail()
     assert {status for _, status, _ in host_assignments(sqlite_url, "volunteer")} == {AssignmentStatus.abandoned.value}

@@ -154,12 +154,12 @@ def test_uploads_beyond_the_slots_wait_with_503(api) -> None:
     """One upload slot: a second upload while the first is still sending is told to retry later."""
     _, _, host = api
     first, second = _assignment(host), _assignment(host)
-    sending = threading.Event()
+    sending, answered = threading.Event(), threading.Event()
 
     def slow():
         yield b"\0" * 1024
         sending.set()
-        time.sleep(2)
+        answered.wait(120)  # the first upload holds its slot until the second has its answer, however long
         yield b"\0" * 1024
 
     result: list[httpx.Response] = []
@@ -167,7 +167,10 @@ def test_uploads_beyond_the_slots_wait_with_503(api) -> None:
     t.start()
     sending.wait(10)
     time.sleep(0.3)
-    busy = host.put(f"/v1/assignments/{second}/result", content=b"x")
+    try:
+        busy = host.put(f"/v1/assignments/{second}/result", content=b"x")
+    finally:
+        answered.set()
     t.join()
     assert busy.status_code == 503 and busy.headers["Retry-After"] == "2", busy.text
     assert "retry" in _only_detail(busy)
