@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The variable a client or peer reads its join token from (`crowdtrain client`, spot-fleet instances).
+CLIENT_JOIN_TOKEN_ENV = "CROWDTRAIN_CLIENT_JOIN_TOKEN"
+
 
 class Settings(BaseSettings):
     """Server-side settings (scheduler, work generator, parameter servers, transitioner)."""
