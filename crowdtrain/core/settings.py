@@ -1,10 +1,11 @@
 """The one settings object: every `CROWDTRAIN_*` environment variable is read here and nowhere else."""
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The variable a client or peer reads its join token from (`crowdtrain client`, spot-fleet instances).
@@ -43,6 +44,12 @@ class Settings(BaseSettings):
     dashboard_session_seconds: int = Field(
         8 * 3600, ge=60, le=30 * 86400, description="How long a dashboard login lasts (its cookie's lifetime)"
     )
+    trusted_proxies: str = Field(
+        "",
+        description="Comma-separated addresses or networks of the reverse proxies in front of the scheduler, "
+        "whose X-Forwarded-For names the client (the address failed authentication is throttled by); "
+        "empty trusts no proxy: the connecting peer is the client",
+    )
     auth_failures_per_minute: int = Field(
         20,
         ge=1,
@@ -71,6 +78,17 @@ class Settings(BaseSettings):
         "once per scheduler process; more wait with 503",
     )
     upload_retry_after: int = Field(2, ge=1, description="Retry-After seconds of a 503 when upload slots are full")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: str) -> str:
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"not an IP address or network: {entry!r}") from None
+        return ",".join(entries)
 
     @property
     def resolved_database_url(self) -> str:

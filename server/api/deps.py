@@ -114,15 +114,15 @@ def _unauthorized(message: str) -> HTTPException:
 
 
 async def failure_budget(request: Request, r: RedisDep, settings: SettingsDep) -> AsyncIterator[FailureBudget]:
-    """The caller's address's budget of failed authentications: refused at once (Throttled) if it is
-    used up, and spent by every NotAuthorized raised while the request is answered."""
+    """The caller's address's budget of failed authentications, spent by every NotAuthorized raised
+    while the request is answered; once it is used up, such a failure is answered 429 (Throttled).
+    A request whose credential is right is never refused by it."""
     address = request.client.host if request.client else "unknown"
     budget = FailureBudget(r, address, settings.auth_failures_per_minute)
-    budget.check()
     try:
         yield budget
     except NotAuthorized:
-        budget.spend()
+        budget.fail()
         raise
 
 

@@ -105,10 +105,11 @@ def login_token(body: bytes) -> str:
 @operator.post("/login")
 async def login(request: Request, settings: SettingsDep, budget: FailureBudgetDep) -> Response:
     """The login form (`token=...`, form-encoded): the admin token gets a session cookie and the jobs
-    page; anything else the form again with 401, spending the caller's failure budget."""
+    page; anything else the form again with 401, spending the caller's failure budget (429 once it is
+    used up)."""
     token = login_token(await request.body())
     if not sessions.is_admin_token(settings.admin_token, token):
-        await run_in_threadpool(budget.spend)
+        await run_in_threadpool(budget.fail)
         return page("login", "wrong admin token", status.HTTP_401_UNAUTHORIZED)
     resp = RedirectResponse("/dashboard/jobs", status.HTTP_303_SEE_OTHER)
     resp.set_cookie(
