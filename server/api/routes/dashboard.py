@@ -21,6 +21,7 @@ from crowdtrain.server.api.deps import (
     SESSION_COOKIE,
     DbDep,
     FailureBudgetDep,
+    RedisDep,
     RequireSession,
     SessionDep,
     SettingsDep,
@@ -125,8 +126,10 @@ async def login(request: Request, settings: SettingsDep, budget: FailureBudgetDe
 
 
 @operator.post("/logout")
-def logout() -> RedirectResponse:
-    """End the session in this browser (the cookie is dropped; a new admin token ends them all)."""
+def logout(request: Request, settings: SettingsDep, r: RedisDep) -> RedirectResponse:
+    """End the session: on the server (the cookie, wherever copied, admits nothing from now on) and in
+    this browser (the cookie is dropped). A new admin token ends them all."""
+    sessions.end(r, settings.admin_token, request.cookies.get(SESSION_COOKIE))
     resp = RedirectResponse("/dashboard/login", status.HTTP_303_SEE_OTHER)
     resp.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH, secure=True, httponly=True, samesite="strict")
     return resp
