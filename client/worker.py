@@ -134,14 +134,14 @@ class VolunteerClient(AssignmentRunner):
                 self.server_url,
                 reg.host_id,
                 reg.host_token,
-                learned_origins(reg.download_origins),
+                learned_origins(reg.download_origins, self.origins.scheduler),
                 self.trust.key_to_pin(reg.project_public_key),
                 self.trust.refused_jobs,
             )
             log.info("registered with %s as host %s", self.server_url, reg.host_id)
         self.trust.load(known)
         self.api.token = known["host_token"]
-        learned = frozenset(learned_origins(known.get("download_origins", [])))
+        learned = frozenset(learned_origins(known.get("download_origins", []), self.origins.scheduler))
         self.api.origins = Origins(self.origins.scheduler, self.origins.others | learned)
         if learned:
             log.info(

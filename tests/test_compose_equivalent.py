@@ -34,8 +34,8 @@ DOT_ENV = {
     "POSTGRES_PASSWORD": "unused-the-test-database-has-its-own",
     "MINIO_ROOT_USER": "compose-test",
     "MINIO_ROOT_PASSWORD": "compose-test-secret",
-    "CROWDTRAIN_ADMIN_TOKEN": "compose-admin",
-    "CROWDTRAIN_JOIN_TOKEN": "compose-join",
+    "CROWDTRAIN_ADMIN_TOKEN": "compose-admin-Vb3nM8qT1xZ6rK4w",
+    "CROWDTRAIN_JOIN_TOKEN": "compose-join-Gd7pL2sW9hJ5cY0f",
 }
 CONTAINER_ONLY = ("CROWDTRAIN_", "AWS_")
 PRESIGNED = re.compile(r"[?&](X-Amz-)?Signature=")  # SigV4 or SigV2 query-string authentication

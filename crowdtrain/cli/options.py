@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from crowdtrain.core import logs, signing
-from crowdtrain.core.settings import get_settings
+from crowdtrain.core.settings import CLIENT_JOIN_TOKEN_ENV, get_settings
 
 # Click's plain help layout, with every default shown: an option's description gets what is left of the
 # terminal after a name column of at most 30 characters, where typer's rich panels give the option names,
@@ -28,7 +28,7 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 # The join token is a secret: from the environment or a file, it stays out of `ps`.
-JOIN_TOKEN_ENV = "CROWDTRAIN_CLIENT_JOIN_TOKEN"
+JOIN_TOKEN_ENV = CLIENT_JOIN_TOKEN_ENV
 JoinTokenOpt = Annotated[
     str | None,
     typer.Option(

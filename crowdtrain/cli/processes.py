@@ -44,8 +44,9 @@ def server(
     ] = True,
 ) -> None:
     """Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is optional)."""
+    settings = get_settings()
     try:
-        check_secrets(get_settings())
+        check_secrets(settings)
     except InsecureSettings as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
@@ -63,6 +64,10 @@ def server(
         http=NoDelayHttpToolsProtocol,
         loop="uvloop",
         timeout_keep_alive=KEEP_ALIVE_S,
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local process, or a proxy
+        # that passes the header on, could then pick the address failed logins are throttled by.
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=settings.trusted_proxies,
     )
 
 

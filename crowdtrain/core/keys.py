@@ -97,6 +97,12 @@ def auth_failures(address: str) -> str:
     return f"{PREFIX}:auth-failures:{address}"
 
 
+def ended_session(session_id: str) -> str:
+    """Marks a dashboard session ended by logout until the cookie's own expiry (its TTL)
+    (crowdtrain.server.services.sessions)."""
+    return f"{PREFIX}:ended-session:{session_id}"
+
+
 METRIC_COUNTERS = f"{PREFIX}:metrics:counters"  # hash: event name -> count, shared by every process
 MERGE_LATENCY = f"{PREFIX}:metrics:merge-latency"  # hash: histogram buckets, sum and count
 

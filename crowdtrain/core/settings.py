@@ -1,11 +1,16 @@
 """The one settings object: every `CROWDTRAIN_*` environment variable is read here and nowhere else."""
 
+import ipaddress
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The variable a client or peer reads its join token from (`crowdtrain client`, spot-fleet instances).
+CLIENT_JOIN_TOKEN_ENV = "CROWDTRAIN_CLIENT_JOIN_TOKEN"
 
 
 class Settings(BaseSettings):
@@ -40,6 +45,12 @@ class Settings(BaseSettings):
     dashboard_session_seconds: int = Field(
         8 * 3600, ge=60, le=30 * 86400, description="How long a dashboard login lasts (its cookie's lifetime)"
     )
+    trusted_proxies: str = Field(
+        "",
+        description="Comma-separated addresses or networks of the reverse proxies in front of the scheduler, "
+        "whose X-Forwarded-For names the client (the address failed authentication is throttled by); "
+        "empty trusts no proxy: the connecting peer is the client",
+    )
     auth_failures_per_minute: int = Field(
         20,
         ge=1,
@@ -69,6 +80,17 @@ class Settings(BaseSettings):
     )
     upload_retry_after: int = Field(2, ge=1, description="Retry-After seconds of a 503 when upload slots are full")
 
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: str) -> str:
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"not an IP address or network: {entry!r}") from None
+        return ",".join(entries)
+
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.var_dir / 'crowdtrain.db').resolve()}"
@@ -83,6 +105,43 @@ KNOWN_DEFAULT_TOKENS = frozenset(
     {"change-me-admin", "change-me-join", "demo-admin", "demo-join", "change-me", "changeme"}
 )
 MAKE_A_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+MIN_TOKEN_BITS = 128
+# A token of fewer different characters is a pattern (`aaaa…`, `abab…`), not a random string.
+MIN_DISTINCT_CHARACTERS = 8
+_HEX = frozenset("0123456789abcdef")
+_DIGITS = frozenset("0123456789")
+
+
+def token_entropy_bits(token: str) -> float:
+    """An estimate of the entropy of a token, in bits: its length times log2 of the smallest usual
+    alphabet that holds it (digits 10, hexadecimal 16, one letter case with digits 36, base64's
+    two cases, digits, `-_+/` 64, printable ASCII 94), so that `secrets.token_urlsafe(16)` and
+    `secrets.token_hex(16)` (128 bits) pass. A token of fewer than MIN_DISTINCT_CHARACTERS different
+    characters counts 0: a pattern. An estimate of what a random generator could have given, not a
+    proof that one did. No I/O."""
+    chars = set(token)
+    if len(chars) < MIN_DISTINCT_CHARACTERS:
+        return 0.0
+    if chars <= _DIGITS:
+        alphabet = 10
+    elif {c.lower() for c in chars} <= _HEX and (chars <= _HEX or chars.isdisjoint("abcdef")):
+        alphabet = 16
+    elif all(c.isascii() and c.isalnum() for c in chars) and not (
+        any(c.islower() for c in chars) and any(c.isupper() for c in chars)
+    ):
+        alphabet = 36
+    elif all(c.isascii() and (c.isalnum() or c in "-_+/=") for c in chars):
+        alphabet = 64
+    else:
+        alphabet = 94
+    return len(token) * math.log2(alphabet)
+
+
+def _weak_token_problem(name: str, token: str) -> str | None:
+    bits = token_entropy_bits(token)
+    if bits >= MIN_TOKEN_BITS:
+        return None
+    return f"{name} is too easy to guess: about {bits:.0f} bits of entropy, at least {MIN_TOKEN_BITS} needed"
 
 
 class InsecureSettings(ValueError):
@@ -97,11 +156,15 @@ def secrets_problems(settings: Settings) -> list[str]:
         problems.append("CROWDTRAIN_ADMIN_TOKEN is not set (or empty)")
     elif admin in KNOWN_DEFAULT_TOKENS:
         problems.append(f"CROWDTRAIN_ADMIN_TOKEN is the published example value {admin!r}")
+    elif problem := _weak_token_problem("CROWDTRAIN_ADMIN_TOKEN", admin):
+        problems.append(problem)
     if join in KNOWN_DEFAULT_TOKENS:
         problems.append(
             f"CROWDTRAIN_JOIN_TOKEN is the published example value {join!r} (leave it empty to "
             "disable the bootstrap token)"
         )
+    elif join and (problem := _weak_token_problem("CROWDTRAIN_JOIN_TOKEN", join)):
+        problems.append(problem)
     if admin and join == admin:
         problems.append("CROWDTRAIN_JOIN_TOKEN equals CROWDTRAIN_ADMIN_TOKEN: every volunteer would be an operator")
     return problems

@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from crowdtrain.core.settings import CLIENT_JOIN_TOKEN_ENV
+
 FLEET_TAG = "crowdtrain:fleet"
 SERVER_TAG = "crowdtrain:server"
 IMDS_URL = "http://169.254.169.254/latest"
@@ -138,15 +140,15 @@ def template_name(fleet: str) -> str:
 
 
 def client_command(spec: FleetSpec) -> list[str]:
-    """The client's command line on every instance. `${…}` are filled in by systemd from the
-    service's environment file, so that neither the unit file nor the journal holds the token."""
+    """The client's command line on every instance. It holds no token: the client reads its join token
+    from CLIENT_JOIN_TOKEN_ENV, which systemd sets from the root-only environment file (an environment
+    is readable by the process's user and root only, an argument by everyone), so neither `ps`, the unit
+    file nor the journal shows it. `${INSTANCE_ID}` is filled in by systemd from that file."""
     return [
         f"{CLIENT_VENV}/bin/crowdtrain",
         "client",
         "--server",
         spec.server,
-        "--join-token",
-        "${FLEET_JOIN_TOKEN}",
         "--name",
         "${INSTANCE_ID}",
         "--tasks",
@@ -200,7 +202,7 @@ mkdir -p "$(dirname __CLIENT_ENV_FILE__)"
 (
 umask 077
 cat > __CLIENT_ENV_FILE__ <<'CROWDTRAIN_ENV'
-FLEET_JOIN_TOKEN=__JOIN_TOKEN__
+__CLIENT_JOIN_TOKEN_ENV__=__JOIN_TOKEN__
 CROWDTRAIN_ENV
 echo "INSTANCE_ID=$INSTANCE_ID" >> __CLIENT_ENV_FILE__
 )
@@ -244,6 +246,7 @@ def user_data(spec: FleetSpec) -> str:
         "__CLIENT_VENV__": CLIENT_VENV,
         "__IMDS_URL__": IMDS_URL,
         "__CLIENT_ENV_FILE__": CLIENT_ENV_FILE,
+        "__CLIENT_JOIN_TOKEN_ENV__": CLIENT_JOIN_TOKEN_ENV,
         "__JOIN_TOKEN__": spec.join_token,
         "__EXEC_START__": " ".join(client_command(spec)),
         "__STATE_DIR__": STATE_DIR,

@@ -114,15 +114,15 @@ def _unauthorized(message: str) -> HTTPException:
 
 
 async def failure_budget(request: Request, r: RedisDep, settings: SettingsDep) -> AsyncIterator[FailureBudget]:
-    """The caller's address's budget of failed authentications: refused at once (Throttled) if it is
-    used up, and spent by every NotAuthorized raised while the request is answered."""
+    """The caller's address's budget of failed authentications, spent by every NotAuthorized raised
+    while the request is answered; once it is used up, such a failure is answered 429 (Throttled).
+    A request whose credential is right is never refused by it."""
     address = request.client.host if request.client else "unknown"
     budget = FailureBudget(r, address, settings.auth_failures_per_minute)
-    budget.check()
     try:
         yield budget
     except NotAuthorized:
-        budget.spend()
+        budget.fail()
         raise
 
 
@@ -179,16 +179,17 @@ SESSION_COOKIE = "crowdtrain_session"
 READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
 
 
-def has_session(request: Request, settings: SettingsDep) -> bool:
+def has_session(request: Request, settings: SettingsDep, r: RedisDep) -> bool:
     """Whether the request carries a live dashboard session cookie (crowdtrain.server.services.sessions).
 
     Only read-only requests may be admitted by the cookie, so that no other site can make a browser
     change anything with it (CSRF); everything that changes state takes the bearer token alone. A
     forged cookie is not a guess at a secret (it is an HMAC of 256 bits), so it spends no failure budget:
-    a session ended by a new admin token would otherwise throttle the operator's open pages."""
+    a session ended by a new admin token would otherwise throttle the operator's open pages. A session
+    ended by logout admits nothing (crowdtrain.server.services.sessions.is_live)."""
     if request.method not in READ_ONLY_METHODS:
         return False
-    return sessions.is_valid(settings.admin_token, request.cookies.get(SESSION_COOKIE))
+    return sessions.is_live(r, settings.admin_token, request.cookies.get(SESSION_COOKIE))
 
 
 def require_session(logged_in: Annotated[bool, Depends(has_session)]) -> None:

@@ -33,8 +33,10 @@ def test_a_cached_file_is_downloaded_once_even_by_concurrent_slots(tmp_path: Pat
 def test_a_corrupt_download_is_refused_and_not_kept(tmp_path: Path) -> None:
     cache = FileCache(tmp_path)
     digest = hashlib.sha256(b"good").hexdigest()
-    with pytest.raises(HashMismatch):
+    with pytest.raises(HashMismatch) as refused:
         cache.fetch(digest, lambda dest: dest.write_bytes(b"evil"))
+    # The refusal is reported to the scheduler: it must not tell what the URL's content hashes to.
+    assert hashlib.sha256(b"evil").hexdigest() not in str(refused.value)
     assert cache.holds() == []
     assert list(tmp_path.rglob("*.part")) == []
     assert cache.fetch(digest, lambda dest: dest.write_bytes(b"good")).read_bytes() == b"good"

@@ -215,6 +215,26 @@ def test_the_client_refuses_a_hostile_work_reply_and_keeps_working(
     assert victim.stat().st_mtime == old
 
 
+def test_a_refused_download_reports_no_digest_of_what_it_fetched(tmp_path: Path) -> None:
+    """A scheduler that names a local service (here in another spelling of 127.0.0.1) with a made-up
+    sha256 learns from the client's error report that the file was refused, never what it hashes to."""
+    secret = b"a local service's secret"
+    local = RecordingServer(lambda method, path, body: (200, secret))
+    port = local.httpd.server_address[1]
+    reply = work_reply(file_ref(f"http://2130706433:{port}/secret", "0" * 64, len(secret)))
+    scheduler = FakeScheduler(reply, {"/files/snapshot": SNAPSHOT}, download_origins=[f"http://2130706433:{port}"])
+    try:
+        run_client_until(scheduler, tmp_path / "cache", work_requests=2)
+    finally:
+        local.close()
+        scheduler.close()
+    errors = [json.loads(body)["message"] for _, body in scheduler.calls("POST", rf"/v1/assignments/{AID}/error")]
+    assert errors and "does not match its sha256" in errors[0], errors
+    assert not any(sha256(secret) in e for e in errors), errors
+    pinned = json.loads((tmp_path / "cache" / "identity.json").read_text())[scheduler.url]["download_origins"]
+    assert pinned == [f"http://127.0.0.1:{port}"]
+
+
 def test_the_object_store_named_at_registration_is_downloaded_from_without_the_host_token(tmp_path: Path) -> None:
     shard = b"shard bytes from the object store"
     store = RecordingServer(lambda method, path, body: (200, shard))

@@ -26,8 +26,9 @@ from crowdtrain.server.api.app import create_app
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Base
 
-ADMIN_TOKEN = "test-admin"
-JOIN_TOKEN = "test-join"
+# Of at least 128 bits (crowdtrain.core.settings.MIN_TOKEN_BITS), like any token the scheduler accepts.
+ADMIN_TOKEN = "test-admin-Q7mZ2xK9pW4vL8nR3tY6"
+JOIN_TOKEN = "test-join-H5cF8jD2sA9gB4kN7qE1"
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -21,6 +21,7 @@ from crowdtrain.server.api.deps import (
     SESSION_COOKIE,
     DbDep,
     FailureBudgetDep,
+    RedisDep,
     RequireSession,
     SessionDep,
     SettingsDep,
@@ -105,10 +106,11 @@ def login_token(body: bytes) -> str:
 @operator.post("/login")
 async def login(request: Request, settings: SettingsDep, budget: FailureBudgetDep) -> Response:
     """The login form (`token=...`, form-encoded): the admin token gets a session cookie and the jobs
-    page; anything else the form again with 401, spending the caller's failure budget."""
+    page; anything else the form again with 401, spending the caller's failure budget (429 once it is
+    used up)."""
     token = login_token(await request.body())
     if not sessions.is_admin_token(settings.admin_token, token):
-        await run_in_threadpool(budget.spend)
+        await run_in_threadpool(budget.fail)
         return page("login", "wrong admin token", status.HTTP_401_UNAUTHORIZED)
     resp = RedirectResponse("/dashboard/jobs", status.HTTP_303_SEE_OTHER)
     resp.set_cookie(
@@ -124,8 +126,10 @@ async def login(request: Request, settings: SettingsDep, budget: FailureBudgetDe
 
 
 @operator.post("/logout")
-def logout() -> RedirectResponse:
-    """End the session in this browser (the cookie is dropped; a new admin token ends them all)."""
+def logout(request: Request, settings: SettingsDep, r: RedisDep) -> RedirectResponse:
+    """End the session: on the server (the cookie, wherever copied, admits nothing from now on) and in
+    this browser (the cookie is dropped). A new admin token ends them all."""
+    sessions.end(r, settings.admin_token, request.cookies.get(SESSION_COOKIE))
     resp = RedirectResponse("/dashboard/login", status.HTTP_303_SEE_OTHER)
     resp.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH, secure=True, httponly=True, samesite="strict")
     return resp

@@ -60,8 +60,8 @@ router.add_api_route(
 
 def _serve_work(body: bytes, call: HostCall) -> bytes:
     """One thread-pool hop for the whole request: authentication and dispatch in one transaction
-    (crowdtrain.server.services.dispatch.serve_work), then, before it commits, the failure budget's
-    check and the telemetry counters in one Redis round trip; the answer's bytes."""
+    (crowdtrain.server.services.dispatch.serve_work), then, before it commits, the telemetry counters in
+    one Redis round trip; the answer's bytes. Only a wrong token consults the failure budget."""
 
     def admit(req: WorkRequest, given: list[AssignmentOut]) -> None:
         call.budget.admit(keys.METRIC_COUNTERS, telemetry.work_request_events(req.cached_shards, given))

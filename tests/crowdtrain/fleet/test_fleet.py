@@ -18,6 +18,7 @@ import boto3
 import httpx
 import pytest
 
+from crowdtrain.cli.options import JOIN_TOKEN_ENV
 from crowdtrain.fleet.spec import (
     FLEET_TAG,
     SPOT_NOTICE_URL,
@@ -70,6 +71,15 @@ def option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def assert_token_only_in_the_environment(script: str) -> None:
+    """The client's command line (what `ps` shows) holds no join token, not even one systemd expands
+    from the environment file: the client reads it from the variable the file sets."""
+    argv = exec_start(script)
+    assert "--join-token" not in argv and "--join-token-file" not in argv
+    assert not any("JOIN_TOKEN" in arg or TOKEN in arg for arg in argv)
+    assert env_file(script) == [f"{JOIN_TOKEN_ENV}={TOKEN}"]
+
+
 def test_user_data_is_valid_bash(tmp_path: Path) -> None:
     script = tmp_path / "user-data.sh"
     script.write_text(user_data(_spec()))
@@ -84,10 +94,9 @@ def test_user_data_runs_the_client_with_the_token_from_a_root_only_file() -> Non
     assert option(argv, "--server") == SERVER
     assert option(argv, "--tasks") == "2"
     assert option(argv, "--spot-notice-url") == SPOT_NOTICE_URL
-    # systemd fills these in from the environment file; the token is not in the (world-readable) unit.
-    assert option(argv, "--join-token") == "${FLEET_JOIN_TOKEN}"
+    # systemd fills this in from the environment file; the token is not in the (world-readable) unit.
     assert option(argv, "--name") == "${INSTANCE_ID}"
-    assert env_file(script) == [f"FLEET_JOIN_TOKEN={TOKEN}"]
+    assert_token_only_in_the_environment(script)
     assert script.count(TOKEN) == 1
     assert "set -x" not in script.replace("Never `set -x`", "")
     assert "Restart=always" in script
@@ -251,7 +260,7 @@ def test_up_requests_the_asked_types_price_and_user_data(ec2, fleet_cli) -> None
     script = base64.b64decode(version["LaunchTemplateData"]["UserData"]).decode()
     argv = exec_start(script)
     assert option(argv, "--server") == SERVER
-    assert option(argv, "--join-token") == "${FLEET_JOIN_TOKEN}" and env_file(script) == [f"FLEET_JOIN_TOKEN={TOKEN}"]
+    assert_token_only_in_the_environment(script)
     assert option(argv, "--name") == "${INSTANCE_ID}"
     assert option(argv, "--spot-notice-url") == "http://169.254.169.254/latest/meta-data/spot/instance-action"
     assert option(argv, "--tasks") == "2"

@@ -4,6 +4,7 @@ names the field, and none of these refusals changes anything stored."""
 
 import pytest
 
+from crowdtrain.core.settings import MIN_TOKEN_BITS, token_entropy_bits
 from tests.server.api.conftest import World
 
 HOST_ROUTES = [
@@ -114,6 +115,12 @@ def test_a_revoked_join_token_registers_nobody(world: World) -> None:
     resp = world.sched.client().post("/v1/hosts", json={"join_token": token["token"], "name": "late"})
     assert resp.status_code == 403
     assert world.fingerprint() == before
+
+
+def test_issued_join_tokens_are_random_and_of_128_bits_or_more(world: World) -> None:
+    """An operator cannot choose a weak one: the scheduler makes it, whatever the request says."""
+    created = world.sched.admin().post("/v1/admin/join-tokens", json={"label": "weak?", "token": "a"}).json()
+    assert created["token"] != "a" and token_entropy_bits(created["token"]) >= MIN_TOKEN_BITS
 
 
 # (route, body, the field the 422 must name)

@@ -100,9 +100,11 @@ def test_a_wrong_token_gets_the_form_again_with_401_and_spends_the_failure_budge
         assert resp.status_code == 401
         assert "wrong admin token" in resp.text and "<form" in resp.text
         assert SESSION_COOKIE not in browser.cookies
-    # The budget (5 a minute here) is spent: even the right token waits for the window to end.
-    resp = browser.post("/dashboard/login", data={"token": ADMIN_TOKEN})
+    # The budget (5 a minute here) is spent: another guess waits for the window to end...
+    resp = browser.post("/dashboard/login", data={"token": "guess-5"})
     assert resp.status_code == 429 and "Retry-After" in resp.headers
+    # ... but the right token is admitted (only failures are throttled).
+    assert browser.post("/dashboard/login", data={"token": ADMIN_TOKEN}).status_code == 303
 
 
 @pytest.mark.parametrize("body", [b"", b"token=", b"\xff\xfe=%%%", b"a=1&" * 5000, b"token=" + b"x" * 100_000])
@@ -157,6 +159,27 @@ def test_logout_drops_the_cookie(site: Site) -> None:
     assert SESSION_COOKIE not in browser.cookies
     assert browser.get("/dashboard/api/jobs").status_code == 401
     assert browser.get("/dashboard/jobs").status_code == 303
+
+
+def test_logout_ends_the_session_on_the_server_for_the_rest_of_its_life(site: Site) -> None:
+    """A copy of the cookie (another tab, a stolen value) admits nothing after logout, until it expires."""
+    browser = site.logged_in("logout-everywhere")
+    value = browser.cookies[SESSION_COOKIE]
+    copy = TestClient(site.sched.app, base_url=HTTPS, headers={"Cookie": f"{SESSION_COOKIE}={value}"})
+    copy.follow_redirects = False
+    assert copy.get("/dashboard/api/jobs").status_code == 200
+    other = site.logged_in("another-login")  # logged in the same second: a session of its own
+    marks = set(site.r.scan_iter("*ended-session*"))
+    assert browser.post("/dashboard/logout").status_code == 303
+    assert copy.get("/dashboard/api/jobs").status_code == 401
+    assert copy.get("/dashboard/jobs").status_code == 303
+    assert other.get("/dashboard/api/jobs").status_code == 200
+    [mark] = set(site.r.scan_iter("*ended-session*")) - marks
+    assert (
+        site.sched.settings.dashboard_session_seconds - 5
+        <= site.r.ttl(mark)
+        <= site.sched.settings.dashboard_session_seconds
+    )
 
 
 def test_the_job_data_has_the_merges_staleness_workunits_and_refusals(site: Site) -> None:
