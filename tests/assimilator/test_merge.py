@@ -337,7 +337,8 @@ def _shifted(params: Params, shift: float) -> Params:
 
 
 @pytest.mark.parametrize(
-    "upload", [{"send": "weights"}, {"send": "delta", "dtype": "float32"}, {"send": "delta", "dtype": "int8"}],
+    "upload",
+    [{"send": "weights"}, {"send": "delta", "dtype": "float32"}, {"send": "delta", "dtype": "int8"}],
     ids=["weights", "delta", "int8"],
 )
 @pytest.mark.parametrize("shift", [0.0, 0.003], ids=["zero", "constant"])
