@@ -222,3 +222,23 @@ def test_an_uploaded_archive_that_would_escape_or_exceed_its_bound_is_refused(tm
     with pytest.raises(ValueError, match=words):
         unpack_archive(tmp_path / "a.tar", tmp_path / "out", limit)
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_an_image_folder_over_the_pixel_bound_is_refused_from_its_headers_before_decoding(tmp_path) -> None:
+    """A 3000x3000 PNG cut after its header: its pixels cannot even be decoded, so the refusal that
+    names the pixel bound shows the sizes were read from the headers before any image was decoded."""
+    image = pytest.importorskip("PIL.Image")
+    write_images(tmp_path / "images")
+    whole = tmp_path / "big.png"
+    image.new("L", (3000, 3000)).save(whole)
+    (tmp_path / "images" / "blank" / "big.png").write_bytes(whole.read_bytes()[:200])
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    spec = DatasetSpec(source=f"images:{tmp_path / 'images'}", subsets=2)
+
+    with pytest.raises(ValueError) as refused:
+        stage_dataset(spec, 0, LocalStorage(tmp_path / "storage"), scratch, 10**9, max_pixels=1_000_000)
+
+    message = str(refused.value)
+    assert "13 images declare 9,00" in message and "more than the 1,000,000 pixels" in message, message
+    assert "CROWDTRAIN_DATASET_MAX_PIXELS" in message and "resize" in message, message
