@@ -16,6 +16,7 @@ import numpy as np
 from crowdtrain.core.datasetspec import DatasetSpec
 from crowdtrain.workgen.datasets import encode_labels
 from crowdtrain.workgen.optional import require
+from crowdtrain.workgen.read_errors import archive_problem
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 MAX_IMAGES = 1_000_000
@@ -55,7 +56,9 @@ def unpack_archive(archive: Path, into: Path, max_bytes: int) -> Path:
                     )
             tar.extractall(into, members=members, filter="data")
     except (tarfile.TarError, OSError) as exc:
-        raise ValueError(f"dataset.source: the uploaded folder is not a readable tar archive: {exc}") from None
+        with archive.open("rb") as f:
+            head = f.read(8)
+        raise ValueError(f"dataset.source: {archive_problem(str(exc), head)}") from None
     return into
 
 
