@@ -12,6 +12,10 @@ when ||W_base|| < 1, so that a model initialised near zero can still learn). The
 little when a few hosts upload huge updates, which is the point; an operator's absolute
 `max_update_norm` applies as well.
 
+A result whose update carries no training is refused too, with or without the job's validation
+section: W_base uploaded unchanged, or W_base + c everywhere (every tensor of Δ zero or constant). An
+honest update moves different weights differently; a lazy host's moves none, or all alike.
+
 Pure functions over named arrays and plain numbers; no I/O.
 """
 
@@ -84,6 +88,31 @@ def staleness_refusal(base_version: int, version: int, max_staleness: int | None
     return None
 
 
+def _moves_weights_differently(delta: np.ndarray, client: np.ndarray, min_spread: float) -> bool:
+    """Whether Δ of one tensor spreads over more than `min_spread` (relative to its largest weight, and
+    never less than 4 ulps of its dtype, which W_c − W_base of a constant shift rounds to)."""
+    if delta.size == 0:
+        return False
+    low, high = float(delta.min()), float(delta.max())
+    if delta.size == 1 or high == low:
+        return delta.size == 1 and high != 0.0
+    scale = float(np.abs(client).max()) + max(abs(low), abs(high))
+    return high - low > max(min_spread, 4 * float(np.finfo(delta.dtype).eps)) * scale
+
+
+def no_training_refusal(update: Update, min_spread: float | None) -> str | None:
+    """Why `update` must not be merged because it carries no training (every float tensor of Δ zero or
+    constant), or None. Stops at the first tensor that moved, so an honest update costs one tensor."""
+    if min_spread is None or not update.delta:
+        return None
+    if any(_moves_weights_differently(d, update.client[k], min_spread) for k, d in update.delta.items()):
+        return None
+    return (
+        "update carries no training: every tensor of W_c - W_base is zero or constant "
+        f"(spread at most {min_spread:g} of its largest weight)"
+    )
+
+
 def clipped(update: Update, clip_norm: float | None) -> Update:
     """`update` with Δ scaled down to norm `clip_norm` when it is longer (and W_c moved with it, for
     the rules that read W_c: W_c' = W_base + c·Δ = W_c − (1 − c)·Δ); otherwise `update` itself.
@@ -109,19 +138,25 @@ class Policy:
     bound: UpdateBound
     max_staleness: int | None = None
     clip_norm: float | None = None
+    min_update_spread: float | None = 1e-6
 
     @classmethod
     def from_spec(cls, assimilation: dict[str, Any]) -> "Policy":
         return cls(
-            UpdateBound.from_spec(assimilation), assimilation.get("max_staleness"), assimilation.get("clip_norm")
+            UpdateBound.from_spec(assimilation),
+            assimilation.get("max_staleness"),
+            assimilation.get("clip_norm"),
+            assimilation.get("min_update_spread", 1e-6),
         )
 
     def refusal(
         self, update: Update, version: int, norm: float, recent_norms: Sequence[float], base_norm: float
     ) -> str | None:
         """Why `update` (norm ||W_c − W_base|| = `norm`) must not be merged into W_s `version`, or None."""
-        return staleness_refusal(version - update.staleness, version, self.max_staleness) or norm_refusal(
-            norm, self.bound, recent_norms, base_norm
+        return (
+            staleness_refusal(version - update.staleness, version, self.max_staleness)
+            or no_training_refusal(update, self.min_update_spread)
+            or norm_refusal(norm, self.bound, recent_norms, base_norm)
         )
 
 

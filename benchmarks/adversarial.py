@@ -29,6 +29,9 @@ How
                     of the classes (no class keeps its label)
         replay      its first result (trained honestly), uploaded again for every later assignment
         lazy        W_base unchanged
+        lazy-unvalidated
+                    W_base unchanged, in the job without `validation:` (as `clean-unvalidated`): only
+                    the merge policy, which refuses an update that carries no training, stands in its way
     reporting the metrics an honest client would. Validation: replicate_untrusted, trusted_after 4
     (the honest hosts are trusted after 4 valid results in a row, then spot-checked at replication
     0.1; a hostile host is never trusted: no strategy returns 4 valid results in a row by design,
@@ -66,7 +69,7 @@ from hostile_strategies import HostileHost
 from job_progress import wait_for_job
 
 EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
-STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy")
+STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy", "lazy-unvalidated")
 QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
 VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
 HONEST_CLIENTS, HONEST_TASKS = 4, 1  # 4 honest slots beside 1 hostile slot: 20%
@@ -133,7 +136,7 @@ def reason(message: str) -> str:
 def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
     """One job with the honest clients and, unless clean, one hostile host playing `strategy`."""
     label = f"{strategy} seed {seed}"
-    spec = job_spec(seed, validated=strategy != UNVALIDATED)
+    spec = job_spec(seed, validated=not strategy.endswith("-unvalidated"))
     target = spec["stop"]["target_accuracy"]
     job_id = cluster.submit(spec)["job_id"]
     say(f"{label}: job {job_id}")
@@ -247,7 +250,7 @@ def main() -> None:
         "benchmark": "adversarial",
         "hostile_share_of_slots": 1 / (HONEST_CLIENTS * HONEST_TASKS + 1),
         "validation": VALIDATION,
-        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": ["lazy", "replay"]},
+        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": ["lazy", "lazy-unvalidated", "replay"]},
         "summary": summary,
         "runs": rows,
         "seconds": round(time.monotonic() - started, 1),

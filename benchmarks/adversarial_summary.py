@@ -54,11 +54,13 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "hostile_attack_credit": round(sum(r["hostile_attack_credit"] for r in rs), 6),
                 "hostile_quarantined": sum(r["hostile_quarantined"] for r in rs),
             }
+            # A strategy played in the job without validation compares with that job's clean run.
+            goal_ratio = s["ratio_to_unvalidated"] if strategy.endswith("-unvalidated") else s["ratio"]
             s["goal_met"] = bool(
                 s["succeeded"] == len(rs)
-                and s["ratio"] is not None
-                and s["ratio"] <= GOAL_RATIO
-                and (strategy not in ("lazy", "replay") or s["hostile_attack_credit"] == 0)
+                and goal_ratio is not None
+                and goal_ratio <= GOAL_RATIO
+                and (strategy not in ("lazy", "lazy-unvalidated", "replay") or s["hostile_attack_credit"] == 0)
             )
         out.append(s)
     return out

@@ -89,7 +89,7 @@ class HostileHost(threading.Thread):
         """The params to upload, the metrics to report, and whether the upload is an attack."""
         recipe, fraction = a["recipe"], a["local_fraction"]
         claimed = {"examples": round(len(x) * recipe["training"]["local_epochs"] * fraction), "seconds": 5.0}
-        if self.strategy == "lazy":
+        if self.strategy in ("lazy", "lazy-unvalidated"):
             return base, claimed | {"train_loss": 0.5}, True
         if self.strategy == "replay" and self.first is not None:
             return self.first, claimed | {"train_loss": 0.5}, True

@@ -49,12 +49,14 @@ class BadReply(Exception):
 
 
 class Refused(Exception):
-    """The server answered 4xx: retrying the same request will not help."""
+    """The server answered 4xx: retrying the same request will not help. `request` says which one
+    ("PUT /v1/assignments/41/result", "download of /v1/files/...")."""
 
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
+    def __init__(self, status: int, message: str, request: str = ""):
+        super().__init__(f"{request + ': ' if request else ''}HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.request = request
 
 
 class Stopping(Exception):
@@ -202,7 +204,7 @@ class SchedulerAPI:
             finally:
                 resp.close()
             if resp.status_code >= 400:
-                raise Refused(resp.status_code, _detail(reply))
+                raise Refused(resp.status_code, _detail(reply), f"{method} {url}")
             return reply
 
         return attempt()
@@ -284,7 +286,8 @@ class SchedulerAPI:
                 if resp.status_code >= 500:
                     resp.raise_for_status()
                 if resp.status_code != 200:
-                    raise Refused(resp.status_code, _detail(read_at_most(resp, 64 * 1024, "error reply")))
+                    detail = _detail(read_at_most(resp, 64 * 1024, "error reply"))
+                    raise Refused(resp.status_code, detail, f"download of {req.url.copy_with(query=None)}")
                 declared = resp.headers.get("Content-Length", "")
                 if declared.isdigit() and int(declared) > max_bytes:
                     raise TooLarge(f"download of {declared} bytes is larger than the {max_bytes} bytes announced")

@@ -23,7 +23,7 @@ from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import AssignmentStatus, StatusWriter
 from crowdtrain.client.trainers import Cancelled, TrainControl, train
 from crowdtrain.core import frameworks as fw
-from crowdtrain.core.schemas import AssignmentOut, FileRef, Resources, ResultMetrics
+from crowdtrain.core.schemas import AssignmentOut, FileRef, HeartbeatReply, Resources, ResultMetrics
 from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.core.updates import encode_result
 
@@ -132,6 +132,7 @@ class AssignmentRunner:
             self.api.upload(
                 a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples, seconds=result.seconds)
             )
+            r.phase = "uploaded"  # a heartbeat answered from now on crossed this upload
             transfer.record("upload", len(blob), reservation)
             self.upload_seconds = ewma(self.upload_seconds, time.monotonic() - t0)
             log.info(
@@ -153,8 +154,18 @@ class AssignmentRunner:
             log.warning("assignment %s: giving it back: %s", aid, exc)
             self._give_back(r)
         except Refused as exc:
-            log.warning("assignment %s: server refused the result: %s", aid, exc.message)
-            self.journal.forget(aid)
+            if r.phase == "uploading":
+                log.warning("assignment %s: the server refused the result (HTTP %d: %s)", aid, exc.status, exc.message)
+                self.journal.forget(aid)
+            else:  # a snapshot or shard the server no longer serves: let another try it now
+                log.warning(
+                    "assignment %s: the server refused the %s (HTTP %d: %s); giving the assignment back",
+                    aid,
+                    exc.request or "download",
+                    exc.status,
+                    exc.message,
+                )
+                self._give_back(r)
         except Exception as exc:
             if not self.stop.is_set():
                 log.exception("assignment %s: failed", aid)
@@ -171,6 +182,18 @@ class AssignmentRunner:
             self._prune_snapshots()
             self.slot_freed.set()
             self.status.changed()
+
+    def _heard(self, r: Running, reply: HeartbeatReply) -> None:
+        """Act on the reply to a heartbeat for `r`: stop it when the server no longer wants it. A reply
+        that crossed this client's own upload (the assignment is `uploaded`) is no reason to stop."""
+        if reply.keep_going:
+            return
+        aid = r.assignment.assignment_id
+        if r.phase in ("uploading", "uploaded"):
+            log.debug("assignment %s: heartbeat answered after its upload (%s)", aid, reply.reason)
+            return
+        log.info("assignment %s: the server no longer wants it (%s); stopping it", aid, reply.reason)
+        r.control.cancel()
 
     def _fetch(self, cache: FileCache, ref: FileRef, transfer: DailyTransfer, reservation: Reservation | None) -> Path:
         """The verified local copy of `ref`, downloaded (no more than its declared size) if not cached."""

@@ -398,6 +398,4 @@ class VolunteerClient(AssignmentRunner):
                 except Exception as exc:
                     log.debug("heartbeat for %s failed: %s", r.assignment.assignment_id, exc)
                     continue
-                if not reply.keep_going:
-                    log.info("assignment %s: server says stop (%s)", r.assignment.assignment_id, reply.reason)
-                    r.control.cancel()
+                self._heard(r, reply)

@@ -124,3 +124,33 @@ def test_a_hostile_host_cannot_keep_the_example_job_from_its_target(make_cluster
             # The second round of "1e30" uploads the first's weights again: refused as a replay first.
             assert "update norm" in a.message or "a replayed result" in a.message, a.message
     assert failed == len(refused), "each refused update counts against the host"
+
+
+def test_a_lazy_host_in_a_job_without_validation_is_refused_and_counts_nothing(make_cluster, sqlite_url) -> None:
+    """W_base uploaded unchanged, claiming 2^31 - 1 examples, in a job with no `validation:`: the merge
+    policy refuses it (no training), the host is charged and earns no credit, and the public page
+    counts none of its claimed examples."""
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC)
+    assert not spec.validation.enabled
+    cluster.submit(spec.model_dump(mode="json"))
+    lazy = ScriptedHost(cluster.url, cluster.join_token, "lazy", account="lazy")
+    work = lazy.next_assignment()
+    resp = lazy.upload(work, lazy.snapshot(work), {"examples": 2**31 - 1, "seconds": 1, "train_loss": 0.1})
+    assert resp.status_code == 202, resp.text
+    db = _db(cluster)
+
+    def status() -> str:
+        with db.begin() as s:
+            return s.get_one(Assignment, work["assignment_id"]).status
+
+    # The first merge waits for the parameter server to import torch: 20-30 s on 2 busy cores.
+    wait_for(lambda: status() != AssignmentStatus.uploaded.value, 180, "the lazy result was never judged")
+    with db.begin() as s:
+        a = s.get_one(Assignment, work["assignment_id"])
+        host = s.get_one(Host, lazy.host_id)
+        assert a.status == AssignmentStatus.rejected.value and "no training" in a.message, (a.status, a.message)
+        assert (a.credit, host.credit, host.results_failed) == (None, 0.0, 1)
+    with cluster.admin() as http:
+        project = http.get("/v1/project").json()
+    assert project["examples"] == 0 and project["credit"] == 0, project

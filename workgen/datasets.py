@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from crowdtrain.core.datasetspec import MAX_CLASSES
+from crowdtrain.workgen.read_errors import npz_problem
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
                 raise ValueError(f"an npz dataset needs arrays 'x' and 'y', it has {sorted(f.files)}")
             return {name: f[name] for name in ("x", "y", "x_val", "y_val") if name in f}
     except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
-        problem = str(exc) or type(exc).__name__
+        problem = npz_problem(str(exc) or type(exc).__name__)
     raise ValueError(f"dataset.source: {path} is not a readable npz dataset: {problem}")
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from crowdtrain.core.datasetspec import DatasetSpec
 from crowdtrain.workgen.datasets import encode_labels
 from crowdtrain.workgen.optional import require
+from crowdtrain.workgen.read_errors import archive_problem
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 MAX_IMAGES = 1_000_000
@@ -55,7 +56,9 @@ def unpack_archive(archive: Path, into: Path, max_bytes: int) -> Path:
                     )
             tar.extractall(into, members=members, filter="data")
     except (tarfile.TarError, OSError) as exc:
-        raise ValueError(f"dataset.source: the uploaded folder is not a readable tar archive: {exc}") from None
+        with archive.open("rb") as f:
+            head = f.read(8)
+        raise ValueError(f"dataset.source: {archive_problem(str(exc), head)}") from None
     return into
 
 
@@ -113,6 +116,34 @@ def read_hf(path: Path, spec: DatasetSpec) -> FolderArrays:
     return FolderArrays(x, y, x_val, y_val, names)
 
 
+def _declared_pixels(image_module: Any, files: list[Path]) -> int:
+    """The pixels `files` declare in all, from their headers (Pillow's `open` decodes nothing)."""
+    total = 0
+    for path in files:
+        if path.stat().st_size > MAX_IMAGE_FILE_BYTES:
+            raise ValueError(f"dataset image {path.name}: larger than {MAX_IMAGE_FILE_BYTES:,} bytes")
+        try:
+            with image_module.open(path) as im:
+                width, height = im.size
+        except (OSError, image_module.DecompressionBombError) as exc:
+            raise ValueError(f"dataset image {path.name}: cannot be read as an image: {exc}") from None
+        total += width * height
+    return total
+
+
+def _check_pixels(image_module: Any, files: list[Path], spec: DatasetSpec, max_pixels: int) -> None:
+    """Refuse a folder whose images would cost too much to decode, before one is decoded."""
+    total = _declared_pixels(image_module, files)
+    if total > max_pixels:
+        height, width = spec.image_size
+        raise ValueError(
+            f"dataset.source: its {len(files):,} images declare {total:,} pixels in all, more than the "
+            f"{max_pixels:,} pixels this scheduler decodes for one dataset (CROWDTRAIN_DATASET_MAX_PIXELS). "
+            f"Every image is resized to dataset.image_size {height}x{width} anyway: resize them to about "
+            "that size before submitting, or ask the operator to raise the bound"
+        )
+
+
 def _read_image(image_module: Any, path: Path, spec: DatasetSpec) -> np.ndarray:
     """One image as float32 in [0, 1], channels first, resized to spec.image_size."""
     if path.stat().st_size > MAX_IMAGE_FILE_BYTES:
@@ -132,9 +163,10 @@ def _read_image(image_module: Any, path: Path, spec: DatasetSpec) -> np.ndarray:
     return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 
-def read_image_folder(path: Path, spec: DatasetSpec) -> FolderArrays:
+def read_image_folder(path: Path, spec: DatasetSpec, max_pixels: int) -> FolderArrays:
     """One sub-folder per class (its name is the class name; classes in `label_names` order, default
-    sorted); every image resized to `image_size` in `image_mode`, shaped (channels, height, width)."""
+    sorted); every image resized to `image_size` in `image_mode`, shaped (channels, height, width).
+    Refused before any image is decoded when their headers declare more than `max_pixels` in all."""
     image_module = require("PIL.Image", "images")
     if not path.is_dir():
         raise ValueError(f"dataset.source: folder {path} does not exist on the scheduler")
@@ -143,15 +175,17 @@ def read_image_folder(path: Path, spec: DatasetSpec) -> FolderArrays:
     unknown = sorted(set(folders) - set(names))
     if unknown:
         raise ValueError(f"dataset.source: sub-folders {unknown[:10]} are not among dataset.label_names")
-    images: list[np.ndarray] = []
+    files: list[Path] = []
     labels: list[int] = []
     for index, name in enumerate(names):
         folder = path / name
-        files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if folder.is_dir() else []
-        if len(images) + len(files) > MAX_IMAGES:
+        found = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if folder.is_dir() else []
+        if len(files) + len(found) > MAX_IMAGES:
             raise ValueError(f"dataset.source: more than {MAX_IMAGES:,} images")
-        images.extend(_read_image(image_module, f, spec) for f in files)
-        labels.extend([index] * len(files))
+        files.extend(found)
+        labels.extend([index] * len(found))
+    _check_pixels(image_module, files, spec, max_pixels)
+    images = [_read_image(image_module, f, spec) for f in files]
     if not images:
         raise ValueError(
             f"dataset.source: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in the class sub-folders of {path.name}"

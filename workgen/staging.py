@@ -77,18 +77,23 @@ def _local_copy(spec: DatasetSpec, storage: Storage, scratch: Path, max_bytes: i
     return path
 
 
-def stage_dataset(spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int) -> StagedDataset:
+def stage_dataset(
+    spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int, max_pixels: int = 100_000_000
+) -> StagedDataset:
     """Load, check and deal the dataset of `spec`; raises ValueError naming the problem.
 
     `scratch` is an empty folder that must outlive the StagedDataset (tables' shards are files
-    there); `max_bytes` bounds an unpacked upload. Nothing is written to storage."""
+    there); `max_bytes` bounds an unpacked upload, `max_pixels` the pixels an image folder's images
+    declare in all. Nothing is written to storage."""
     try:
-        return _stage(spec, seed, storage, scratch, max_bytes)
+        return _stage(spec, seed, storage, scratch, max_bytes, max_pixels)
     except OSError as exc:  # a path the scheduler may not read, a folder that changed while read
         raise ValueError(f"dataset.source: cannot be read on the scheduler: {exc.strerror or exc}") from None
 
 
-def _stage(spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int) -> StagedDataset:
+def _stage(
+    spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int, max_pixels: int
+) -> StagedDataset:
     if spec.format in ("builtin", "npz") and spec.uploaded_sha256 is None:
         data = load_dataset(spec.source, spec.validation_fraction, spec.classes)
         return _in_memory(data, deal_shards(data.y, spec.subsets, spec.shuffle, seed), spec.label_names)
@@ -108,4 +113,4 @@ def _stage(spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_by
         )
     if spec.format == "hf":
         return _from_folder(read_hf(path, spec), spec, seed)
-    return _from_folder(read_image_folder(path, spec), spec, seed)
+    return _from_folder(read_image_folder(path, spec, max_pixels), spec, seed)

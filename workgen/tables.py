@@ -18,6 +18,7 @@ import numpy as np
 from crowdtrain.core.datasetspec import DatasetSpec
 from crowdtrain.workgen.datasets import check_labels, deal_shards, validation_rows
 from crowdtrain.workgen.optional import require
+from crowdtrain.workgen.read_errors import table_problem
 
 BATCH_ROWS = 65_536  # parquet rows per batch
 CSV_BLOCK_BYTES = 4 * 1024 * 1024  # csv bytes per batch; a longer row is refused
@@ -57,7 +58,7 @@ def _batches(fmt: str, path: Path, columns: list[str], as_float: bool) -> Iterat
             parquet = require("pyarrow.parquet", fmt)
             yield from parquet.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS, columns=columns)
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"dataset.source: {fmt} table {path.name} cannot be read: {exc}") from None
+        raise ValueError(f"dataset.source: {table_problem(fmt, path.name, str(exc), CSV_BLOCK_BYTES)}") from None
 
 
 def table_columns(fmt: str, path: Path) -> list[str]:
@@ -73,7 +74,7 @@ def table_columns(fmt: str, path: Path) -> list[str]:
         else:
             names = require("pyarrow.parquet", fmt).ParquetFile(path).schema_arrow.names
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"dataset.source: {fmt} table {path.name} cannot be read: {exc}") from None
+        raise ValueError(f"dataset.source: {table_problem(fmt, path.name, str(exc), CSV_BLOCK_BYTES)}") from None
     return names
 
 

@@ -120,6 +120,14 @@ class AssimilationSpec(SpecSection):
     update_norm_warmup: int = Field(
         5, ge=1, le=1000, description="Accepted updates needed before the bound follows their median"
     )
+    min_update_spread: float | None = Field(
+        1e-6,
+        ge=0,
+        lt=1,
+        description="Reject results whose update carries no training: every tensor of W_c - W_base zero or "
+        "constant, its values spread (max - min) over at most this fraction of the tensor's largest weight "
+        "(never less than the dtype's rounding); null accepts them",
+    )
 
     @model_validator(mode="after")
     def _options_of_the_rule(self) -> "AssimilationSpec":

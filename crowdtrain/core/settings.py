@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     dataset_max_bytes: int = Field(
         4 * 1024**3, ge=1024, description="Largest dataset an operator may upload (`crowdtrain job submit`)"
     )
+    dataset_max_pixels: int = Field(
+        100_000_000,
+        ge=1,
+        description="Pixels the images of one image-folder dataset may declare in all (read from their headers, "
+        "before any is decoded): decoding costs the scheduler about 1 s of CPU per 35 million",
+    )
     work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")
     heartbeat_interval: float = Field(5.0, description="Seconds between client heartbeats")
     transitioner_interval: float = Field(1.0, description="Seconds between transitioner sweeps")

@@ -8,6 +8,8 @@
   name the field and the problem and never echo the input back.
 - A `Refusal` raised anywhere below a route (crowdtrain.core.refusals) is answered here, with the
   status code REFUSAL_STATUS gives its kind: routes do not translate refusals themselves.
+- Redis unreachable (down, restarting, loading its data) is answered 503 with `Retry-After`, not
+  500: the request may succeed as it is once Redis is back, and the clients retry a 503.
 """
 
 import hashlib
@@ -17,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import IO, TypeVar
 
+import redis
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -44,6 +47,8 @@ REFUSAL_STATUS: dict[RefusalKind, int] = {
 ERROR_RESPONSES: dict[int | str, dict] = {
     "4XX": {"model": ErrorOut, "description": "The request was refused; `detail` says why"},
 }
+# Seconds a caller waits before retrying while Redis is unreachable: about what a restart takes.
+REDIS_RETRY_AFTER = 5
 UPLOAD_RESPONSES: dict[int | str, dict] = {
     503: {"model": ErrorOut, "description": "Too many uploads at once: retry after `Retry-After` seconds"},
 }
@@ -262,6 +267,19 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _on_redis_unreachable(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+    log.warning("%s %s: answered 503: Redis is unreachable: %s", request.method, request.url.path, exc)
+    return JSONResponse(
+        ErrorOut(
+            detail="the scheduler's parameter store (Redis) is unreachable: "
+            f"the server is restarting or degraded; retry in {REDIS_RETRY_AFTER} s"
+        ).model_dump(),
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": str(REDIS_RETRY_AFTER)},
+    )
+
+
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(ErrorOut(detail="internal error").model_dump(), status_code=500)
 
@@ -273,4 +291,6 @@ def install(app: FastAPI, body_max_bytes: int, upload_slots: int, upload_retry_a
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(Refusal, _on_refusal)
+    app.add_exception_handler(redis.ConnectionError, _on_redis_unreachable)
+    app.add_exception_handler(redis.TimeoutError, _on_redis_unreachable)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -14,6 +14,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
+from crowdtrain.core.credit import assigned_examples
 from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.logs import ids
@@ -25,7 +26,7 @@ from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_of, upload_spec
 from crowdtrain.server.ledger import result_records, states
 from crowdtrain.server.ledger.assignments import ResultProblem, ResultRefused, own_assignment
-from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,13 @@ class _StoredUpload:
     size: int
 
 
+def _asked_examples(s: Session, a: Assignment) -> int:
+    """The examples `a` was asked to train (crowdtrain.core.credit.assigned_examples)."""
+    shard = s.get_one(Shard, s.get_one(Workunit, a.workunit_id).shard_id)
+    local_epochs = s.get_one(Job, a.job_id).spec["training"]["local_epochs"]
+    return assigned_examples(shard.examples, local_epochs, a.local_fraction)
+
+
 def _record_upload(
     db: sessionmaker[Session],
     storage: Storage,
@@ -166,16 +174,19 @@ def _record_upload(
             a.upload_key = key
             states.move(a, AssignmentStatus.uploaded)
             a.uploaded_at = utcnow()
-            a.train_loss, a.examples, a.train_seconds = metrics.train_loss, metrics.examples, metrics.seconds
+            # The examples are the work asked for, never the host's figure (which rode in the query string).
+            a.examples = _asked_examples(s, a)
+            a.train_loss, a.train_seconds = metrics.train_loss, metrics.seconds
             s.get_one(Host, host_id).last_seen = a.uploaded_at
     except BaseException:
         storage.delete(key)
         raise
     log.info(
-        "assignment %s: result uploaded (%d bytes, loss %s), merge queued",
+        "assignment %s: result uploaded (%d bytes, loss %s, %s examples reported), merge queued",
         assignment_id,
         upload.size,
         metrics.train_loss,
+        metrics.examples,
         extra=ids(assignment_id=assignment_id, host_id=host_id),
     )
     # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the

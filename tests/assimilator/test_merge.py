@@ -331,6 +331,40 @@ def test_a_result_over_the_update_bound_is_refused(services) -> None:
     assert job.metrics() == 0
 
 
+def _shifted(params: Params, shift: float) -> Params:
+    """W_c: `params` with `shift` added to every float tensor (0: W_base unchanged, a lazy host)."""
+    return {k: (v + np.asarray(shift, v.dtype)) if v.dtype.kind == "f" else v for k, v in params.items()}
+
+
+@pytest.mark.parametrize(
+    "upload",
+    [{"send": "weights"}, {"send": "delta", "dtype": "float32"}, {"send": "delta", "dtype": "int8"}],
+    ids=["weights", "delta", "int8"],
+)
+@pytest.mark.parametrize("shift", [0.0, 0.003], ids=["zero", "constant"])
+def test_a_zero_or_constant_update_is_refused_without_a_validation_section(services, upload, shift) -> None:
+    """A lazy host that uploads W_base (or W_base + c everywhere) did no training: refused, charged, no credit."""
+    job = _job(services, upload=upload)
+    assert not load_job_spec(EXAMPLE_SPEC).validation.enabled
+    [a] = job.assignments
+    job.upload_weights(a, _shifted(job.w0, shift))
+
+    result = assimilate(services, a)
+
+    _assert_refused_unchanged(job, result, "no training", charged=True)
+    version, w_s = job.w_s()
+    assert version == 0
+    _assert_params_equal(w_s, job.w0)
+
+
+def test_a_constant_update_may_be_allowed_by_the_job(services) -> None:
+    job = _job(services, min_update_spread=None)
+    [a] = job.assignments
+    job.upload_weights(a, _shifted(job.w0, 0.003))
+
+    assert assimilate(services, a).outcome is Outcome.merged
+
+
 @pytest.mark.parametrize("body", [b"not a safetensors blob", None], ids=["not-safetensors", "nan-delta"])
 def test_a_malformed_result_is_refused(services, body) -> None:
     job = _job(services, upload={"send": "delta", "dtype": "float32"})

@@ -5,6 +5,7 @@ the scheduler's, and go on asking for work.
 """
 
 import json
+import logging
 import os
 import re
 import threading
@@ -17,8 +18,10 @@ import pytest
 
 import crowdtrain.client.api
 import crowdtrain.client.worker
+from crowdtrain.client.assignment import Running
 from crowdtrain.client.preemption import Notice
 from crowdtrain.client.worker import VolunteerClient
+from crowdtrain.core.schemas import AssignmentOut, HeartbeatReply
 from crowdtrain.core.tensors import sha256
 
 AID = 41
@@ -253,3 +256,46 @@ def test_the_object_store_named_at_registration_is_downloaded_from_without_the_h
     assert pinned == [store.url]
     errors = [json.loads(body)["message"] for _, body in scheduler.calls("POST", rf"/v1/assignments/{AID}/error")]
     assert not any("refusing to download" in e for e in errors), errors
+
+
+def test_a_snapshot_the_scheduler_no_longer_serves_is_logged_as_a_refused_download_and_given_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not "server refused the result: no": no result was sent. The log names the download that was
+    refused and what happens next, and the assignment goes back to the server at once."""
+    reply = work_reply(file_ref("/files/shard", "0" * 64), file_ref("/files/gone", sha256(SNAPSHOT)))
+    scheduler = FakeScheduler(reply, {})
+    caplog.set_level(logging.INFO, logger="crowdtrain.client")
+    try:
+        run_client_until(scheduler, tmp_path / "cache", work_requests=3)
+    finally:
+        scheduler.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("refused the result" in m for m in messages), messages
+    assert (
+        f"assignment {AID}: the server refused the download of {scheduler.url}/files/gone "
+        "(HTTP 404: not here); giving the assignment back"
+    ) in messages, messages
+    assert scheduler.calls("POST", rf"/v1/assignments/{AID}/abandon")
+    assert scheduler.calls("PUT", r".*") == []
+
+
+@pytest.mark.parametrize(("phase", "stopped"), [("training", True), ("uploading", False), ("uploaded", False)])
+def test_a_heartbeat_answered_after_the_clients_own_upload_is_no_reason_to_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, phase: str, stopped: bool
+) -> None:
+    """The server answers "assignment is uploaded" to a heartbeat that crossed the upload: the client
+    says nothing about being stopped; while training, the same answer stops it and says so."""
+    volunteer = VolunteerClient("http://127.0.0.1:9", "join", cache_dir=tmp_path / "cache", frameworks=["pytorch"])
+    a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
+    r = Running(a, phase=phase)
+    caplog.set_level(logging.DEBUG, logger="crowdtrain.client")
+
+    volunteer._heard(r, HeartbeatReply(keep_going=False, reason="assignment is uploaded"))
+
+    assert r.control.cancelled.is_set() is stopped
+    infos = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.INFO]
+    if stopped:
+        assert infos == [f"assignment {AID}: the server no longer wants it (assignment is uploaded); stopping it"]
+    else:
+        assert infos == []

@@ -75,12 +75,13 @@ def test_a_good_dataset_is_converted_and_split() -> None:
 @pytest.mark.parametrize(
     ("content", "words"),
     [
-        (b"", "No data left in file"),
-        (b"PK\x03\x04 not really a zip", "File is not a zip file"),
+        (b"", r"the file is empty: write it with numpy.savez\(path, x=..., y=...\)"),
+        (b"PK\x03\x04 not really a zip", r"it is not an npz file \(not a zip archive\): write it with numpy.savez"),
+        (b"x,y\n1,2\n", "it is neither an npz archive nor a .npy array, and pickles are never loaded"),
         (None, "it holds one array"),
     ],
 )
-def test_an_unreadable_npz_file_is_refused(tmp_path, content: bytes | None, words: str) -> None:
+def test_an_unreadable_npz_file_is_refused_saying_what_to_fix(tmp_path, content: bytes | None, words: str) -> None:
     path = tmp_path / "data.npz"
     if content is None:
         with path.open("wb") as f:

@@ -222,3 +222,59 @@ def test_an_uploaded_archive_that_would_escape_or_exceed_its_bound_is_refused(tm
     with pytest.raises(ValueError, match=words):
         unpack_archive(tmp_path / "a.tar", tmp_path / "out", limit)
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_an_image_folder_over_the_pixel_bound_is_refused_from_its_headers_before_decoding(tmp_path) -> None:
+    """A 3000x3000 PNG cut after its header: its pixels cannot even be decoded, so the refusal that
+    names the pixel bound shows the sizes were read from the headers before any image was decoded."""
+    image = pytest.importorskip("PIL.Image")
+    write_images(tmp_path / "images")
+    whole = tmp_path / "big.png"
+    image.new("L", (3000, 3000)).save(whole)
+    (tmp_path / "images" / "blank" / "big.png").write_bytes(whole.read_bytes()[:200])
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    spec = DatasetSpec(source=f"images:{tmp_path / 'images'}", subsets=2)
+
+    with pytest.raises(ValueError) as refused:
+        stage_dataset(spec, 0, LocalStorage(tmp_path / "storage"), scratch, 10**9, max_pixels=1_000_000)
+
+    message = str(refused.value)
+    assert "13 images declare 9,00" in message and "more than the 1,000,000 pixels" in message, message
+    assert "CROWDTRAIN_DATASET_MAX_PIXELS" in message and "resize" in message, message
+
+
+HEADER_AND_ROWS = "f0,f1,label\n" + "".join(f"{i},{-i},{ANIMALS[i % 3]}\n" for i in range(60))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "words"),
+    [
+        ("csv", HEADER_AND_ROWS + "1,2," + "c" * 5000 + "\n" + HEADER_AND_ROWS[12:], "a row of t.csv is longer than"),
+        ("csv", HEADER_AND_ROWS + '1,"2,cat\n' + HEADER_AND_ROWS, "close every quote"),
+        ("csv", HEADER_AND_ROWS + "1,2\n", "a row of t.csv has 2 values where its header names 3 columns"),
+        ("csv", "", "t.csv is empty: a csv needs a header row"),
+        ("parquet", HEADER_AND_ROWS, "t.parquet is not a parquet file"),
+    ],
+    ids=["row-longer-than-a-block", "quote-never-closed", "missing-value", "empty", "csv-named-parquet"],
+)
+def test_a_table_the_parser_cannot_read_is_refused_saying_what_to_fix(tmp_path, monkeypatch, fmt, text, words) -> None:
+    """Not pyarrow's "straddling object straddles two block boundaries": what is wrong with the file."""
+    monkeypatch.setattr(tables, "CSV_BLOCK_BYTES", 2048)
+    path = tmp_path / f"t.{fmt}"
+    path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        stage(tmp_path, f"{fmt}:{path}")
+    assert words in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize(
+    ("mode", "words"),
+    [("w:gz", "a gzip-compressed tar archive, which is not read"), ("w:bz2", "a bzip2-compressed tar archive")],
+)
+def test_a_compressed_archive_is_refused_saying_to_upload_it_uncompressed(tmp_path, mode, words) -> None:
+    with tarfile.open(tmp_path / "a.tar", mode) as tar:
+        tar.add(Path(__file__), arcname="a/x.png")
+    with pytest.raises(ValueError) as refused:
+        unpack_archive(tmp_path / "a.tar", tmp_path / "out", 10**9)
+    assert words in str(refused.value) and "tar -cf" in str(refused.value), refused.value

@@ -45,6 +45,7 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
             settings.var_dir / "scratch",
             settings.dataset_max_bytes,
             signed,
+            settings.dataset_max_pixels,
         )
     except ValueError as exc:  # the generator's word for a spec it cannot prepare
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None

@@ -26,6 +26,8 @@ from tests.server.inprocess import ADMIN_TOKEN, Scheduler, ok, scheduler_app
 HTTPS = "https://testserver"  # the cookie is Secure: a client sends it back over https only
 OPERATOR_PAGES = ["/dashboard/jobs", "/dashboard/jobs/1", "/dashboard/hosts"]
 OPERATOR_DATA = ["/dashboard/api/jobs", "/dashboard/api/jobs/1", "/dashboard/api/hosts"]
+HOST_EXAMPLES = (2147483647, 10)  # what alice's two uploads claim they trained
+RESULT_EXAMPLES = 2000  # what each was asked for: the shard's 1,000 examples x 2 local epochs
 
 
 @dataclass
@@ -63,9 +65,13 @@ def site(tmp_path_factory) -> Iterator[Site]:
             snapshot = decode(alice.get(work[0]["snapshot"]["url"]).content)
             for i, a in enumerate(work[:2]):
                 # Two results of one snapshot, not the same weights twice (the second would be a replay).
-                nudge = np.float32(1e-3 * i)
-                result = {k: v + nudge.astype(v.dtype) if v.dtype.kind == "f" else v for k, v in snapshot.items()}
-                url = f"/v1/assignments/{a['assignment_id']}/result?examples=1000&seconds=2"
+                rng = np.random.default_rng(i)
+                result = {
+                    k: (v + 1e-3 * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+                    for k, v in snapshot.items()
+                }
+                # The host's own figures: one absurd, one too low. Neither is what the pages count.
+                url = f"/v1/assignments/{a['assignment_id']}/result?examples={HOST_EXAMPLES[i]}&seconds=2"
                 ok(alice.put(url, content=encode(result)))
             refused = alice.put(f"/v1/assignments/{work[2]['assignment_id']}/result", content=b"not safetensors")
             assert refused.status_code == 422, refused.text
@@ -186,7 +192,7 @@ def test_the_job_data_has_the_merges_staleness_workunits_and_refusals(site: Site
     d = ok(site.logged_in("job").get(f"/dashboard/api/jobs/{site.job_id}")).json()
     job = d["job"]
     assert job["merges"] == 2 and len(job["metrics"]) == 2
-    assert [p["examples"] for p in job["metrics"]] == [1000, 2000]
+    assert [p["examples"] for p in job["metrics"]] == [RESULT_EXAMPLES, 2 * RESULT_EXAMPLES]
     assert all(0 <= p["val_accuracy"] <= 1 for p in job["metrics"])
     # Both started from v0: the first merged at v0 (τ 0), the second at v1 (τ 1).
     assert d["staleness"] == {"merges": 2, "mean": 0.5, "max": 1, "recent_mean": 0.5}
@@ -200,12 +206,24 @@ def test_the_job_data_has_the_merges_staleness_workunits_and_refusals(site: Site
 def test_the_hosts_data_has_device_frameworks_throughput_and_reliability(site: Site) -> None:
     hosts = {h["name"]: h for h in ok(site.logged_in("hosts").get("/dashboard/api/hosts")).json()}
     alice, bob = hosts["alice-laptop"], hosts["bob-desktop"]
-    assert alice["results_merged"] == 2 and alice["examples"] == 2000
-    assert alice["examples_per_second"] == pytest.approx(500)
+    assert alice["results_merged"] == 2 and alice["examples"] == 2 * RESULT_EXAMPLES
+    assert alice["examples_per_second"] == pytest.approx(RESULT_EXAMPLES / 2)
     assert alice["results_valid"] == 2 and alice["results_failed"] == 1
     assert alice["frameworks"] and alice["device"] and alice["last_seen"] and alice["revoked"] is False
     assert alice["account"] == "alice" and alice["credit"] > 0 and bob["account"] == "" and bob["credit"] == 0
     assert bob["results_merged"] == 0 and bob["examples_per_second"] is None
+
+
+def test_examples_are_counted_from_the_workunits_never_from_the_hosts_figures(site: Site) -> None:
+    """Each merged result counts the examples it was asked to train (shard x local epochs x fraction),
+    on the public page, the job's progress and the hosts' figures; the host's own claim is not stored."""
+    with site.sched.db.begin() as s:
+        stored = [s.get_one(Assignment, a).examples for a in site.merged]
+    assert stored == [RESULT_EXAMPLES, RESULT_EXAMPLES]
+    public = ok(site.browser("public").get("/v1/project")).json()
+    assert public["examples"] == public["jobs"][0]["examples"] == 2 * RESULT_EXAMPLES
+    job = ok(site.logged_in("job").get(f"/dashboard/api/jobs/{site.job_id}")).json()["job"]
+    assert [p["examples"] for p in job["metrics"]] == [RESULT_EXAMPLES, 2 * RESULT_EXAMPLES]
 
 
 def test_a_job_that_does_not_exist_is_404(site: Site) -> None:
@@ -216,7 +234,7 @@ def test_the_public_project_data_shows_progress_and_contributions_and_no_secrets
     resp = site.browser("public").get("/v1/project")
     assert resp.status_code == 200
     p = resp.json()
-    assert p["results_merged"] == 2 and p["examples"] == 2000
+    assert p["results_merged"] == 2 and p["examples"] == 2 * RESULT_EXAMPLES
     (job,) = p["jobs"]
     assert job["name"] == "mnist1d-cnn" and job["status"] == "running" and job["results_merged"] == 2
     assert 0 < job["best_accuracy"] <= 1
@@ -227,7 +245,7 @@ def test_the_public_project_data_shows_progress_and_contributions_and_no_secrets
         "hosts": 1,
         "results_merged": 2,
         "results_valid": 2,
-        "examples": 2000,
+        "examples": 2 * RESULT_EXAMPLES,
         "credit": alice["credit"],
     }
     assert set(volunteers) == {"alice", "anonymous"} and volunteers["anonymous"]["credit"] == 0

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from crowdtrain.cli.datasets import pack_folder
 from crowdtrain.core import keys
 from crowdtrain.server.ledger.models import Job
 from tests.server.inprocess import Scheduler, private_scheduler
@@ -113,3 +114,23 @@ def test_a_job_naming_a_dataset_never_uploaded_is_refused(sched: Scheduler) -> N
     assert resp.status_code == 422
     assert f"no dataset with sha256 {'c' * 64} was uploaded" in resp.json()["detail"]
     assert sched.count(Job) == jobs
+
+
+def test_an_image_folder_declaring_more_pixels_than_the_bound_is_a_422_and_stores_no_job(tmp_path) -> None:
+    """Images are bounded by the pixels their headers declare, in all, before one is decoded."""
+    image = pytest.importorskip("PIL.Image")
+    folder = tmp_path / "images"
+    for name in ("a", "b"):
+        (folder / name).mkdir(parents=True)
+        for i in range(4):
+            image.new("L", (100, 100), color=255 * (name == "a")).save(folder / name / f"{i}.png")
+    pack_folder(folder, tmp_path / "images.tar")
+    data = (tmp_path / "images.tar").read_bytes()
+    with private_scheduler(tmp_path / "sched", dataset_max_pixels=50_000) as bounded:
+        admin = bounded.admin()
+        assert admin.put(f"/v1/datasets/{sha(data)}", content=data).status_code in (200, 201)
+        resp = admin.post("/v1/jobs", json=job_spec(f"images:sha256:{sha(data)}"))
+        assert resp.status_code == 422, resp.text
+        detail = resp.json()["detail"]
+        assert "8 images declare 80,000 pixels" in detail and "CROWDTRAIN_DATASET_MAX_PIXELS" in detail, detail
+        assert bounded.count(Job) == 0
