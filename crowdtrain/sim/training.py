@@ -128,6 +128,8 @@ class _Simulation:
             build_model(m["name"], data.input_shape, data.num_classes, seed=spec["seed"], **m["options"])
         )
         self.deals = ShardDeals(data.y, spec["dataset"], spec["seed"])
+        if not compute:  # every host returns W_base unchanged: a stand-in for training, not a lazy host
+            spec = {**spec, "assimilation": {**spec["assimilation"], "min_update_spread": None}}
         self.job = SimJob(spec, params, spec["dataset"]["subsets"], self._evaluate if compute else None)
         self.job_id = next(_sim_ids)
         self.timeout = fleet.timeout if fleet.timeout is not None else spec["scheduling"]["deadline_seconds"]
