@@ -58,6 +58,7 @@ def token_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None)
         print_rows(
             checked_rows(http.get("/v1/admin/join-tokens")),
             ["id", "label", "account", "registrations_per_hour", "created_at", "revoked", "hosts_registered"],
+            {"registrations_per_hour": "per hour", "hosts_registered": "hosts"},
         )
 
 
