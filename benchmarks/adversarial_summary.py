@@ -8,6 +8,7 @@ from efficiency_report import print_summary_table, ratio
 
 CLEAN, UNVALIDATED = "clean", "clean-unvalidated"
 GOAL_RATIO = 1.3
+NO_CREDIT_FOR = ("lazy", "replay", "re-register")  # strategies whose attacks must earn nothing
 
 
 def _mean(values: list) -> float | None:
@@ -53,12 +54,13 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "hostile_credit": round(sum(r["hostile_credit"] for r in rs), 6),
                 "hostile_attack_credit": round(sum(r["hostile_attack_credit"] for r in rs), 6),
                 "hostile_quarantined": sum(r["hostile_quarantined"] for r in rs),
+                "hostile_hosts_registered": sum(r.get("hostile_hosts_registered", 1) for r in rs),
             }
             s["goal_met"] = bool(
                 s["succeeded"] == len(rs)
                 and s["ratio"] is not None
                 and s["ratio"] <= GOAL_RATIO
-                and (strategy not in ("lazy", "replay") or s["hostile_attack_credit"] == 0)
+                and (strategy not in NO_CREDIT_FOR or s["hostile_attack_credit"] == 0)
             )
         out.append(s)
     return out
@@ -81,6 +83,7 @@ def print_table(summary: list[dict]) -> None:
         "hostile_credit": "credit",
         "hostile_attack_credit": "attack credit",
         "hostile_quarantined": "quarantined",
+        "hostile_hosts_registered": "hosts",
         "honest_refused": "honest refused",
         "goal_met": "goal",
     }
