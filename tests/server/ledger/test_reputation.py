@@ -1,5 +1,5 @@
-"""The ledger's reputation rules against a real SQLite ledger: the quarantine a new host inherits from its
-account or network, at a given time."""
+"""The ledger's reputation rules against a real SQLite and PostgreSQL ledger: the quarantine a new host
+inherits from its account or network, at a given time."""
 
 from datetime import datetime, timedelta
 
@@ -14,10 +14,11 @@ from crowdtrain.server.ledger.models import Host
 T0 = datetime(2026, 11, 24, 12, 0, 0)
 
 
-@pytest.fixture
-def db(sqlite_url: str) -> sessionmaker[Session]:
-    upgrade(sqlite_url)
-    return session_factory(sqlite_url)
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest) -> sessionmaker[Session]:
+    url = request.getfixturevalue(f"{request.param}_url".replace("postgresql", "postgres"))
+    upgrade(url)
+    return session_factory(url)
 
 
 def add_host(db: sessionmaker[Session], name: str, account: str, network: str, until: datetime | None) -> int:
