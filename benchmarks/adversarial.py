@@ -17,9 +17,10 @@ How
     servers) for the whole run; per (strategy, seed) a job with the spec's seed set to the seed, four
     real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3:
     a vote that asks for a third replica needs a third account, and replicas never share one), and,
-    unless clean, one hostile host with 1 slot (20% of the 5 slots) under account
-    `hostile`, scripted over HTTP from this process (crowdtrain/launch/scripted_host.py). Fresh hosts every job: a
-    host's reputation is its own. The hostile host asks for work, downloads the snapshot W_base and
+    unless clean, one hostile host with 1 slot (20% of the 5 slots) under an account of its own
+    (its name, j<job>-hostile), scripted over HTTP from this process (crowdtrain/launch/scripted_host.py). Fresh
+    hosts and accounts every job: a quarantine follows the account, and a host's reputation is its own.
+    The hostile host asks for work, downloads the snapshot W_base and
     the shard as a client does, and uploads (Δ: the update of honest training from W_base with the
     client's trainer and the assignment's recipe):
         sign-flip   W_base − Δ
@@ -29,9 +30,15 @@ How
                     of the classes (no class keeps its label)
         replay      its first result (trained honestly), uploaded again for every later assignment
         lazy        W_base unchanged
+<<<<<<< HEAD
         lazy-unvalidated
                     W_base unchanged, in the job without `validation:` (as `clean-unvalidated`): only
                     the merge policy, which refuses an update that carries no training, stands in its way
+=======
+        re-register W_base + noise of each tensor's scale, untrained; whenever it is given no work twice
+                    in a row (quarantined) it registers again with the same join token, name and
+                    account and goes on: hostile_hosts_registered counts its hosts, the credit is theirs
+>>>>>>> sybil
     reporting the metrics an honest client would. Validation: replicate_untrusted, trusted_after 4
     (the honest hosts are trusted after 4 valid results in a row, then spot-checked at replication
     0.1; a hostile host is never trusted: no strategy returns 4 valid results in a row by design,
@@ -58,18 +65,18 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from adversarial_summary import CLEAN, GOAL_RATIO, UNVALIDATED, print_table, summarize
+from adversarial_summary import CLEAN, GOAL_RATIO, NO_CREDIT_FOR, UNVALIDATED, print_table, summarize
 from crowdtrain.client.trainers import limit_threads
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
 from efficiency_report import examples_to_target, merge_curve, say
-from hostile_strategies import HostileHost
+from hostile_strategies import HostileHost, hostile_host
 from job_progress import wait_for_job
 
 EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
-STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy", "lazy-unvalidated")
+STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy", "lazy-unvalidated", "re-register")
 QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
 VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
 HONEST_CLIENTS, HONEST_TASKS = 4, 1  # 4 honest slots beside 1 hostile slot: 20%
@@ -86,7 +93,7 @@ def job_spec(seed: int, validated: bool) -> dict:
     return spec
 
 
-def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | None) -> dict:
+def job_figures(cluster: Cluster, job_id: int, target: float, hostile_ids: list[int]) -> dict:
     """From the ledger: examples merged to target, examples trained to target, and what became of
     the hostile host's results."""
     db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
@@ -124,7 +131,7 @@ def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | 
         "merges": len(merged),
         "seconds_to_target": round((until - started).total_seconds(), 1) if until and started else None,
         "examples_trained_to_target": sum(r.examples or 0 for r in trained) if until else None,
-        "hostile": {r.id: (r.status, r.credit or 0.0, r.message) for r in rows if r.host_id == hostile_id},
+        "hostile": {r.id: (r.status, r.credit or 0.0, r.message) for r in rows if r.host_id in hostile_ids},
     }
 
 
@@ -145,7 +152,7 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
         cluster.start_client(f"j{job_id}-honest-{i}", HONEST_TASKS, "--account", f"honest-{i}")
         for i in range(HONEST_CLIENTS)
     ]
-    hostile = None if strategy in (CLEAN, UNVALIDATED) else HostileHost(cluster, f"j{job_id}-hostile", strategy, seed)
+    hostile = None if strategy in (CLEAN, UNVALIDATED) else hostile_host(cluster, f"j{job_id}-hostile", strategy, seed)
     try:
         if hostile is not None:
             hostile.start()
@@ -158,16 +165,19 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
         for c in clients:
             c.stop()
     seconds = round(time.monotonic() - started, 1)
-    figures = job_figures(cluster, job_id, target, hostile.host.host_id if hostile else None)
+    figures = job_figures(cluster, job_id, target, hostile.host_ids if hostile else [])
     results = figures.pop("hostile")
     row = {"strategy": strategy, "seed": seed, "job_id": job_id, "job_status": status, "seconds": seconds} | figures
     with cluster.admin() as http:
-        records = {h["name"]: h for h in http.get("/v1/admin/hosts").json() if h["name"].startswith(f"j{job_id}-")}
+        listed = [h for h in http.get("/v1/admin/hosts").json() if h["name"].startswith(f"j{job_id}-")]
+    records = {h["name"]: h for h in listed}  # a re-registering host's name: its last host
     honest = [h for name, h in records.items() if "-honest-" in name]
     row["honest_refused"] = sum(h["results_failed"] for h in honest)
     row["honest_quarantined"] = sum(h["quarantined_until"] is not None for h in honest)
     if hostile is not None:
         row |= hostile_figures(hostile, results, records[f"j{job_id}-hostile"])
+        row["hostile_hosts_registered"] = len(hostile.host_ids)
+        row["hostile_credit"] = round(sum(h["credit"] for h in listed if h["id"] in hostile.host_ids), 6)
     say(f"{label}: {describe(row)}")
     return row
 
@@ -225,7 +235,7 @@ def main() -> None:
     parser.add_argument("--job-timeout", type=float, default=300, help="seconds a job may run")
     parser.add_argument("--out", type=Path, help="also write the JSON figures here (the runs so far after each job)")
     args = parser.parse_args()
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip() not in ("", CLEAN, UNVALIDATED)]
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
         parser.error(f"unknown strategies {unknown}; expected some of {list(STRATEGIES)}")
@@ -250,7 +260,7 @@ def main() -> None:
         "benchmark": "adversarial",
         "hostile_share_of_slots": 1 / (HONEST_CLIENTS * HONEST_TASKS + 1),
         "validation": VALIDATION,
-        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": ["lazy", "lazy-unvalidated", "replay"]},
+        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": list(NO_CREDIT_FOR)},
         "summary": summary,
         "runs": rows,
         "seconds": round(time.monotonic() - started, 1),

@@ -8,6 +8,7 @@ from efficiency_report import print_summary_table, ratio
 
 CLEAN, UNVALIDATED = "clean", "clean-unvalidated"
 GOAL_RATIO = 1.3
+NO_CREDIT_FOR = ("lazy", "lazy-unvalidated", "replay", "re-register")  # strategies whose attacks must earn nothing
 
 
 def _mean(values: list) -> float | None:
@@ -53,6 +54,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "hostile_credit": round(sum(r["hostile_credit"] for r in rs), 6),
                 "hostile_attack_credit": round(sum(r["hostile_attack_credit"] for r in rs), 6),
                 "hostile_quarantined": sum(r["hostile_quarantined"] for r in rs),
+                "hostile_hosts_registered": sum(r.get("hostile_hosts_registered", 1) for r in rs),
             }
             # A strategy played in the job without validation compares with that job's clean run.
             goal_ratio = s["ratio_to_unvalidated"] if strategy.endswith("-unvalidated") else s["ratio"]
@@ -60,7 +62,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 s["succeeded"] == len(rs)
                 and goal_ratio is not None
                 and goal_ratio <= GOAL_RATIO
-                and (strategy not in ("lazy", "lazy-unvalidated", "replay") or s["hostile_attack_credit"] == 0)
+                and (strategy not in NO_CREDIT_FOR or s["hostile_attack_credit"] == 0)
             )
         out.append(s)
     return out
@@ -83,6 +85,7 @@ def print_table(summary: list[dict]) -> None:
         "hostile_credit": "credit",
         "hostile_attack_credit": "attack credit",
         "hostile_quarantined": "quarantined",
+        "hostile_hosts_registered": "hosts",
         "honest_refused": "honest refused",
         "goal_met": "goal",
     }

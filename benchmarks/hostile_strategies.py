@@ -1,5 +1,5 @@
 """The hostile strategies of benchmarks/adversarial.py: what each uploads in place of an honest
-result (pure functions of W_base and the honest result), and the scripted host that plays one over
+result (pure functions of W_base and the honest result), and the scripted hosts that play one over
 HTTP (crowdtrain/launch/scripted_host.py)."""
 
 import threading
@@ -57,7 +57,8 @@ class HostileHost(threading.Thread):
 
     def __init__(self, cluster: Cluster, name: str, strategy: str, seed: int):
         super().__init__(name=f"hostile-{strategy}", daemon=True)
-        self.host = ScriptedHost(cluster.url, cluster.join_token, name, account="hostile")
+        # An account of its own per job: quarantine follows the account, and each job's hostile host starts afresh.
+        self.host = ScriptedHost(cluster.url, cluster.join_token, name, account=name)
         self.strategy = strategy
         self.rng = np.random.default_rng(seed)
         self.stopping = threading.Event()
@@ -69,6 +70,11 @@ class HostileHost(threading.Thread):
     def stop(self) -> None:
         self.stopping.set()
         self.join(120)
+
+    @property
+    def host_ids(self) -> list[int]:
+        """The hosts it registered."""
+        return [self.host.host_id]
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -105,3 +111,62 @@ class HostileHost(threading.Thread):
         if self.strategy == "permuted":
             return result.params, metrics, True
         return FORGED[self.strategy](base, result.params, self.rng), metrics, True
+
+
+def garbage(base: Params, rng: np.random.Generator) -> Params:
+    """W_base + Gaussian noise of each float tensor's own scale (its standard deviation, at least 0.1): no
+    training at all."""
+    return {
+        k: (v + max(float(np.std(v)), 0.1) * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
+        for k, v in base.items()
+    }
+
+
+class ReRegisteringHost(HostileHost):
+    """`re-register`: uploads garbage, and whenever it is given no work twice in a row (quarantined, as far
+    as it can tell) registers again with the same join token, name and account, and tries again. Its
+    `host_ids` are every host it registered; a registration refused (429) is counted and retried later."""
+
+    def __init__(self, cluster: Cluster, name: str, strategy: str, seed: int):
+        super().__init__(cluster, name, strategy, seed)
+        self.url, self.join_token, self.name_given = cluster.url, cluster.join_token, name
+        self.registered = [self.host.host_id]
+        self.registrations_refused = 0
+
+    @property
+    def host_ids(self) -> list[int]:
+        return self.registered
+
+    def register_again(self) -> None:
+        try:
+            self.host = ScriptedHost(self.url, self.join_token, self.name_given, account=self.name_given)
+        except KeyError:  # refused: no host_id in the answer
+            self.registrations_refused += 1
+            return
+        self.registered.append(self.host.host_id)
+
+    def run(self) -> None:
+        idle = 0
+        while not self.stopping.is_set():
+            try:
+                given = self.host.ask()
+                if given:
+                    idle, a = 0, given[0]
+                    x, _ = self.host.shard(a)
+                    claimed = {"examples": len(x), "seconds": 5.0, "train_loss": 0.5}
+                    resp = self.host.upload(a, garbage(self.host.snapshot(a), self.rng), claimed)
+                    self.uploads.append((a["assignment_id"], True, resp.status_code))
+                    continue
+                idle += 1
+                if idle >= 2:
+                    idle = 0
+                    self.register_again()
+                self.stopping.wait(1.0)
+            except (httpx.HTTPError, AssertionError) as exc:
+                self.error = f"{type(exc).__name__}: {exc}"[:300]
+                self.stopping.wait(1.0)
+
+
+def hostile_host(cluster: Cluster, name: str, strategy: str, seed: int) -> HostileHost:
+    """The scripted host that plays `strategy`."""
+    return (ReRegisteringHost if strategy == "re-register" else HostileHost)(cluster, name, strategy, seed)

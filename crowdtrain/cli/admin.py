@@ -34,12 +34,21 @@ app.add_typer(key_app, name="project-key")
 @token_app.command("create")
 def token_create(
     label: Annotated[str, typer.Option(help="Who the token is for")],
+    account: Annotated[
+        str,
+        typer.Option(help="Issue it to this volunteer account: its hosts are under the account, whatever they name"),
+    ] = "",
+    registrations_per_hour: Annotated[
+        int | None,
+        typer.Option(min=1, help="Hosts it may register in any hour (default: the scheduler's limit per token)"),
+    ] = None,
     server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
 ) -> None:
     """Issue a join token; it is printed once and only its hash is kept."""
+    body = {"label": label, "account": account, "registrations_per_hour": registrations_per_hour}
     with admin_client(server, admin_token) as http:
-        created = checked(http.post("/v1/admin/join-tokens", json={"label": label}))
+        created = checked(http.post("/v1/admin/join-tokens", json=body))
     typer.echo(json.dumps(created))
 
 
@@ -48,7 +57,8 @@ def token_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None)
     with admin_client(server, admin_token) as http:
         print_rows(
             checked_rows(http.get("/v1/admin/join-tokens")),
-            ["id", "label", "created_at", "revoked", "hosts_registered"],
+            ["id", "label", "account", "registrations_per_hour", "created_at", "revoked", "hosts_registered"],
+            {"registrations_per_hour": "per hour", "hosts_registered": "hosts"},
         )
 
 

@@ -105,17 +105,35 @@ class HostRegistered(BaseModel):
 
 class JoinTokenCreate(WireRequest):
     label: str = Field(..., min_length=1, max_length=200, description="Who the token is for")
+    account: str = Field(
+        "",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9 ._@+-]*$",
+        description="The volunteer account the token is issued to: every host registered with it is under this "
+        "account, whatever account it names (empty: a project-wide token, whose hosts name their own)",
+    )
+    registrations_per_hour: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Hosts the token may register in any hour (None: the scheduler's "
+        "CROWDTRAIN_REGISTRATIONS_PER_HOUR_PER_TOKEN)",
+    )
 
 
 class JoinTokenCreated(BaseModel):
     id: int
     label: str
+    account: str = ""
+    registrations_per_hour: int | None = None
     token: str = Field(..., description="Shown once: only its hash is stored")
 
 
 class JoinTokenPublic(BaseModel):
     id: int
     label: str
+    account: str
+    registrations_per_hour: int | None
     created_at: UtcDatetime
     revoked: bool
     hosts_registered: int

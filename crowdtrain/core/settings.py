@@ -59,6 +59,24 @@ class Settings(BaseSettings):
         "is answered 429",
     )
 
+    registrations_per_hour_per_token: int = Field(
+        100,
+        ge=1,
+        description="Hosts one join token may register in any hour, unless the token sets its own limit "
+        "(`crowdtrain admin join-token create --registrations-per-hour N`); more are answered 429",
+    )
+    registrations_per_hour_per_network: int = Field(
+        20,
+        ge=1,
+        description="Hosts one network (an IPv4 /24, an IPv6 /48; crowdtrain.core.addresses) may register in any "
+        "hour, whatever join token they bring; more are answered 429",
+    )
+    quarantine_follows_network: bool = Field(
+        True,
+        description="A host registered from a network with a quarantined host inherits its quarantine; turn it off "
+        "where many volunteers share one address (a campus or carrier NAT). Quarantine always follows the account",
+    )
+
     upload_max_bytes: int = Field(64 * 1024 * 1024, description="Largest accepted result upload")
     dataset_max_bytes: int = Field(
         4 * 1024**3, ge=1024, description="Largest dataset an operator may upload (`crowdtrain job submit`)"

@@ -1,9 +1,12 @@
 """A host's record, kept as its results end: valid, failed (refused, timed out, client error) and
 quarantine (crowdtrain.core.reputation). Called inside the transaction that ends the result, with
-the host's row locked."""
+the host's row locked; a newly registered host inherits the quarantine of its account or network."""
 
 import logging
 from datetime import datetime
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
 
 from crowdtrain.core import reputation
 from crowdtrain.core.jobspec import validation_of
@@ -57,3 +60,36 @@ def release(host: Host) -> None:
     host.quarantined_until = None
     host.quarantine_reason = ""
     host.consecutive_refused = 0
+
+
+def quarantine_to_inherit(s: Session, account: str, network: str, now: datetime) -> Host | None:
+    """The quarantined host whose quarantine a host registering now under `account` from `network` inherits
+    ("" for either: that one is not followed): of the hosts of that account or network still in quarantine at
+    `now`, the one quarantined longest (the first of them, should several end together); None if none is.
+
+    A quarantine that a new registration could shed would be no quarantine: the same volunteer registers again
+    with the same join token, name and account, and gets work at once."""
+    followed = [column == value for column, value in ((Host.account, account), (Host.network, network)) if value]
+    if not followed:
+        return None
+    return s.scalars(
+        select(Host)
+        .where(or_(*followed), Host.quarantined_until > now)
+        .order_by(Host.quarantined_until.desc(), Host.id)
+        .limit(1)
+    ).first()
+
+
+def inherit_quarantine(host: Host, source: Host) -> None:
+    """`host` is quarantined until `source` is, for its reason, and starts from its record (its low reputation
+    and its run of refusals), not from a new host's benefit of the doubt."""
+    host.quarantined_until = source.quarantined_until
+    host.quarantine_reason = (
+        source.quarantine_reason
+        if source.quarantine_reason.startswith("as host ")
+        else f"as host {source.id} of the same account or network: {source.quarantine_reason}"
+    )[:500]
+    host.results_valid = source.results_valid
+    host.results_failed = source.results_failed
+    host.consecutive_refused = source.consecutive_refused
+    host.consecutive_valid = 0

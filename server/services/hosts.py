@@ -3,6 +3,7 @@
 import hashlib
 import hmac
 import secrets
+from datetime import datetime
 
 import redis
 from sqlalchemy import select
@@ -15,12 +16,15 @@ from crowdtrain.core.schemas import (
     HostPublic,
     HostRegister,
     HostRegistered,
+    JoinTokenCreate,
     JoinTokenCreated,
     JoinTokenPublic,
 )
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import assignments, reputation
-from crowdtrain.server.ledger.models import Host, JoinToken
+from crowdtrain.server.ledger.models import Host, JoinToken, utcnow
+from crowdtrain.server.services import registration
+from crowdtrain.server.services.registration import DEFAULT_POLICY, RegistrationPolicy
 
 
 class NotAuthorized(Refusal):
@@ -34,23 +38,34 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _join_token_id(s: Session, token: str, bootstrap_token: str) -> int | None:
-    """The id of the active join token `token` (None for the bootstrap token from the settings)."""
+def _join_token(s: Session, token: str, bootstrap_token: str) -> JoinToken | None:
+    """The active join token `token`, its row locked (None for the bootstrap token from the settings)."""
     if bootstrap_token and hmac.compare_digest(token.encode(), bootstrap_token.encode()):
         return None
-    row = s.execute(select(JoinToken.id, JoinToken.revoked).where(JoinToken.token_hash == hash_token(token))).first()
+    row = s.scalars(select(JoinToken).where(JoinToken.token_hash == hash_token(token)).with_for_update()).first()
     if row is None or row.revoked:
         raise NotAuthorized("invalid or revoked join token")
-    return row.id
+    return row
 
 
 def register_host(
-    db: sessionmaker[Session], req: HostRegister, bootstrap_token: str, address: str = ""
+    db: sessionmaker[Session],
+    req: HostRegister,
+    bootstrap_token: str,
+    address: str = "",
+    policy: RegistrationPolicy = DEFAULT_POLICY,
+    now: datetime | None = None,
 ) -> HostRegistered:
-    """Register a host that called from `address` (the peer address the scheduler saw, "" if unknown)."""
+    """Register a host that called from `address` (the peer address the scheduler saw, "" if unknown) at `now`
+    (default: the clock): refused (RegistrationLimited) over the policy's limits, storing nothing. The host is
+    under its join token's account if the token has one (crowdtrain.server.services.registration), and starts
+    quarantined if its account or network has a host in quarantine."""
+    now = now or utcnow()
     token = secrets.token_urlsafe(32)
     with db.begin() as s:
-        join_id = _join_token_id(s, req.join_token, bootstrap_token)
+        join = _join_token(s, req.join_token, bootstrap_token)
+        network = network_prefix(address)
+        registration.admit(s, policy, join, network, now)
         r = req.resources
         host = Host(
             name=req.name,
@@ -60,14 +75,17 @@ def register_host(
             gpu=r.gpu,
             device=r.device,
             frameworks=",".join(r.frameworks),
-            join_token_id=join_id,
-            account=req.account,
+            join_token_id=join.id if join is not None else None,
+            account=registration.host_account(join.account if join is not None else "", req.account),
             address=canonical_address(address),
-            network=network_prefix(address),
+            network=network,
+            created_at=now,
+            last_seen=now,
         )
+        registration.inherit_quarantine(s, policy, host, now)
         s.add(host)
-        if join_id is not None:
-            s.get_one(JoinToken, join_id).hosts_registered += 1
+        if join is not None:
+            join.hosts_registered += 1
         s.flush()
         return HostRegistered(host_id=host.id, host_token=token)
 
@@ -80,22 +98,32 @@ def authenticate_host(db: sessionmaker[Session], token: str) -> int:
     return row.id
 
 
-def create_join_token(db: sessionmaker[Session], label: str) -> JoinTokenCreated:
-    """Issue a join token; the token itself is shown only in this answer."""
+def create_join_token(db: sessionmaker[Session], req: JoinTokenCreate) -> JoinTokenCreated:
+    """Issue a join token (for one volunteer account, with its own registration limit, if `req` says so); the
+    token itself is shown only in this answer."""
     token = secrets.token_urlsafe(32)
     with db.begin() as s:
-        row = JoinToken(label=label, token_hash=hash_token(token))
+        row = JoinToken(
+            label=req.label,
+            token_hash=hash_token(token),
+            account=req.account,
+            registrations_per_hour=req.registrations_per_hour,
+        )
         s.add(row)
         s.flush()
-        return JoinTokenCreated(id=row.id, label=label, token=token)
+        return JoinTokenCreated(
+            id=row.id,
+            label=row.label,
+            account=row.account,
+            registrations_per_hour=row.registrations_per_hour,
+            token=token,
+        )
 
 
 def list_join_tokens(db: sessionmaker[Session]) -> list[JoinTokenPublic]:
     with db.begin() as s:
         return [
-            JoinTokenPublic(
-                id=t.id, label=t.label, created_at=t.created_at, revoked=t.revoked, hosts_registered=t.hosts_registered
-            )
+            JoinTokenPublic.model_validate(t, from_attributes=True)
             for t in s.scalars(select(JoinToken).order_by(JoinToken.id))
         ]
 
@@ -107,9 +135,8 @@ def revoke_join_token(db: sessionmaker[Session], token_id: int) -> JoinTokenPubl
         if t is None:
             raise NotFound(f"join token {token_id} does not exist")
         t.revoked = True
-        return JoinTokenPublic(
-            id=t.id, label=t.label, created_at=t.created_at, revoked=True, hosts_registered=t.hosts_registered
-        )
+        s.flush()
+        return JoinTokenPublic.model_validate(t, from_attributes=True)
 
 
 def list_hosts(db: sessionmaker[Session]) -> list[HostPublic]:

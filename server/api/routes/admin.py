@@ -20,8 +20,10 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[AdminDep])
 
 @router.post("/join-tokens", response_model=JoinTokenCreated, status_code=status.HTTP_201_CREATED)
 def create_join_token(req: JoinTokenCreate, db: DbDep) -> JoinTokenCreated:
-    """Issue a join token for volunteers or a fleet; the answer is the only time it is shown."""
-    return hosts.create_join_token(db, req.label)
+    """Issue a join token for volunteers or a fleet; the answer is the only time it is shown. A token issued to
+    an `account` puts every host registered with it under that account, whatever account the host names; one
+    with `registrations_per_hour` registers at most that many hosts in any hour (default: the scheduler's)."""
+    return hosts.create_join_token(db, req)
 
 
 @router.get("/join-tokens", response_model=list[JoinTokenPublic])

@@ -51,6 +51,27 @@ def test_join_tokens_are_issued_listed_and_revoked(make_cluster, sqlite_url) -> 
     assert cli(cluster, "join-token", "revoke", "999").returncode == 2
 
 
+def test_a_join_token_issued_to_an_account_with_its_own_limit(make_cluster, sqlite_url) -> None:
+    cluster = make_cluster(sqlite_url)
+    args = ("--label", "alice's PCs", "--account", "alice", "--registrations-per-hour", "2")
+    created = cli(cluster, "join-token", "create", *args)
+    assert created.returncode == 0, created.stderr
+    token = json.loads(created.stdout)
+    assert (token["account"], token["registrations_per_hour"]) == ("alice", 2)
+    for name in ("pc-1", "pc-2"):
+        body = {"join_token": token["token"], "name": name, "account": "someone-else"}
+        assert httpx.post(f"{cluster.url}/v1/hosts", json=body, timeout=30).status_code == 201
+    refused = register(cluster, token["token"])
+    assert refused.status_code == 429 and "registered 2 hosts in the last hour" in refused.json()["detail"]
+    assert int(refused.headers["Retry-After"]) > 0
+    assert "alice" in cli(cluster, "join-token", "list").stdout
+    with cluster.admin() as http:
+        accounts = {h["name"]: h["account"] for h in http.get("/v1/admin/hosts").json()}
+    assert accounts == {"pc-1": "alice", "pc-2": "alice"}
+    bad = cli(cluster, "join-token", "create", "--label", "x", "--registrations-per-hour", "0")
+    assert bad.returncode != 0
+
+
 def test_a_revoked_host_is_refused_and_its_work_goes_back(make_cluster, sqlite_url) -> None:
     cluster = make_cluster(sqlite_url)
     with cluster.admin() as http:
