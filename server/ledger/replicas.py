@@ -134,6 +134,14 @@ def uploads(db: sessionmaker[Session], workunit_id: int) -> list[Upload]:
     return [Upload(aid, base, key) for aid, base, key in rows if key is not None]
 
 
+def shard_key(db: sessionmaker[Session], workunit_id: int) -> str:
+    """The object key of the shard the workunit's replicas were trained on."""
+    with db.begin() as s:
+        return s.scalar(
+            select(Shard.key).join(Workunit, Workunit.shard_id == Shard.id).where(Workunit.id == workunit_id)
+        )
+
+
 @dataclass(frozen=True)
 class Recorded:
     """What the ledger holds once a verdict is recorded (or found recorded)."""
