@@ -15,8 +15,9 @@ What it measures
 How
     One `Cluster` (private redis-server, scheduler on SQLite, transitioner, Celery parameter
     servers) for the whole run; per (strategy, seed) a job with the spec's seed set to the seed, four
-    real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3:
-    a vote that asks for a third replica needs a third account, and replicas never share one), and,
+    real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3,
+    each bound to a loopback address of its own, 127.0.1i.1: a vote that asks for a third replica
+    needs a third account and network, and replicas never share one), and,
     unless clean, one hostile host with 1 slot (20% of the 5 slots) under account
     `hostile`, scripted over HTTP from this process (crowdtrain/launch/scripted_host.py). Fresh hosts every job: a
     host's reputation is its own. The hostile host asks for work, downloads the snapshot W_base and
@@ -29,6 +30,10 @@ How
                     of the classes (no class keeps its label)
         replay      its first result (trained honestly), uploaded again for every later assignment
         lazy        W_base unchanged
+        colluding-pair  two hostile hosts (accounts hostile and hostile-2, on networks 127.0.1.1 and
+                    127.0.2.1), each W_base + d + ε with d shared by the pair (drawn from the seed and
+                    the workunit id, ||d|| = 0.1·||W_base||) and ε private: they agree when both hold
+                    replicas of one workunit, and neither trains
     reporting the metrics an honest client would. Validation: replicate_untrusted, trusted_after 4
     (the honest hosts are trusted after 4 valid results in a row, then spot-checked at replication
     0.1; a hostile host is never trusted: no strategy returns 4 valid results in a row by design,
@@ -62,11 +67,11 @@ from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
 from efficiency_report import examples_to_target, merge_curve, say
-from hostile_strategies import HostileHost
+from hostile_strategies import COLLUDING_PAIR, ColludingPair, HostileHost
 from job_progress import wait_for_job
 
 EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
-STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy")
+STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy", COLLUDING_PAIR)
 QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
 VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
 HONEST_CLIENTS, HONEST_TASKS = 4, 1  # 4 honest slots beside 1 hostile slot: 20%
@@ -83,7 +88,7 @@ def job_spec(seed: int, validated: bool) -> dict:
     return spec
 
 
-def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | None) -> dict:
+def job_figures(cluster: Cluster, job_id: int, target: float, hostile_ids: list[int]) -> dict:
     """From the ledger: examples merged to target, examples trained to target, and what became of
     the hostile host's results."""
     db = session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
@@ -121,7 +126,7 @@ def job_figures(cluster: Cluster, job_id: int, target: float, hostile_id: int | 
         "merges": len(merged),
         "seconds_to_target": round((until - started).total_seconds(), 1) if until and started else None,
         "examples_trained_to_target": sum(r.examples or 0 for r in trained) if until else None,
-        "hostile": {r.id: (r.status, r.credit or 0.0, r.message) for r in rows if r.host_id == hostile_id},
+        "hostile": {r.id: (r.status, r.credit or 0.0, r.message) for r in rows if r.host_id in hostile_ids},
     }
 
 
@@ -139,10 +144,12 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
     say(f"{label}: job {job_id}")
     started = time.monotonic()
     clients = [
-        cluster.start_client(f"j{job_id}-honest-{i}", HONEST_TASKS, "--account", f"honest-{i}")
+        cluster.start_client(
+            f"j{job_id}-honest-{i}", HONEST_TASKS, "--account", f"honest-{i}", "--bind-address", f"127.0.1{i}.1"
+        )
         for i in range(HONEST_CLIENTS)
     ]
-    hostile = None if strategy in (CLEAN, UNVALIDATED) else HostileHost(cluster, f"j{job_id}-hostile", strategy, seed)
+    hostile = None if strategy in (CLEAN, UNVALIDATED) else hostile_hosts(cluster, f"j{job_id}-hostile", strategy, seed)
     try:
         if hostile is not None:
             hostile.start()
@@ -155,7 +162,7 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
         for c in clients:
             c.stop()
     seconds = round(time.monotonic() - started, 1)
-    figures = job_figures(cluster, job_id, target, hostile.host.host_id if hostile else None)
+    figures = job_figures(cluster, job_id, target, [h.host_id for h in hostile.hosts] if hostile else [])
     results = figures.pop("hostile")
     row = {"strategy": strategy, "seed": seed, "job_id": job_id, "job_status": status, "seconds": seconds} | figures
     with cluster.admin() as http:
@@ -164,14 +171,23 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
     row["honest_refused"] = sum(h["results_failed"] for h in honest)
     row["honest_quarantined"] = sum(h["quarantined_until"] is not None for h in honest)
     if hostile is not None:
-        row |= hostile_figures(hostile, results, records[f"j{job_id}-hostile"])
+        row |= hostile_figures(hostile, results, [r for name, r in records.items() if "-hostile" in name])
     say(f"{label}: {describe(row)}")
     return row
 
 
-def hostile_figures(hostile: HostileHost, results: dict[int, tuple[str, float, str]], record: dict) -> dict:
-    """What became of the hostile host's results (by final status), its attacks merged and credited,
-    the main reasons for its refusals, and its record (reputation, credit, quarantine)."""
+def hostile_hosts(cluster: Cluster, name: str, strategy: str, seed: int) -> HostileHost | ColludingPair:
+    return (
+        ColludingPair(cluster, name, seed) if strategy == COLLUDING_PAIR else HostileHost(cluster, name, strategy, seed)
+    )
+
+
+def hostile_figures(
+    hostile: HostileHost | ColludingPair, results: dict[int, tuple[str, float, str]], records: list[dict]
+) -> dict:
+    """What became of the hostile hosts' results (by final status), their attacks merged and credited,
+    the main reasons for their refusals, and their records (the lowest reputation, credit summed,
+    quarantined if any is)."""
     attacks = [aid for aid, attack, _ in hostile.uploads if attack]
     return {
         "hostile_uploads": len(hostile.uploads),
@@ -184,10 +200,10 @@ def hostile_figures(hostile: HostileHost, results: dict[int, tuple[str, float, s
         "hostile_refusals": dict(
             Counter(reason(msg) for status, _, msg in results.values() if status == "rejected").most_common(4)
         ),
-        "hostile_reputation": round(record["reputation"], 3),
-        "hostile_credit": round(record["credit"], 6),
-        "hostile_quarantined": record["quarantined_until"] is not None,
-        "hostile_quarantine_reason": record["quarantine_reason"][:200],
+        "hostile_reputation": round(min(r["reputation"] for r in records), 3),
+        "hostile_credit": round(sum(r["credit"] for r in records), 6),
+        "hostile_quarantined": any(r["quarantined_until"] is not None for r in records),
+        "hostile_quarantine_reason": "; ".join(r["quarantine_reason"] for r in records if r["quarantine_reason"])[:200],
         "hostile_error": hostile.error,
     }
 
@@ -222,7 +238,7 @@ def main() -> None:
     parser.add_argument("--job-timeout", type=float, default=300, help="seconds a job may run")
     parser.add_argument("--out", type=Path, help="also write the JSON figures here (the runs so far after each job)")
     args = parser.parse_args()
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip() not in ("", CLEAN, UNVALIDATED)]
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
         parser.error(f"unknown strategies {unknown}; expected some of {list(STRATEGIES)}")
@@ -247,7 +263,7 @@ def main() -> None:
         "benchmark": "adversarial",
         "hostile_share_of_slots": 1 / (HONEST_CLIENTS * HONEST_TASKS + 1),
         "validation": VALIDATION,
-        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": ["lazy", "replay"]},
+        "goal": {"max_ratio": GOAL_RATIO, "no_credit_for": ["lazy", "replay", COLLUDING_PAIR]},
         "summary": summary,
         "runs": rows,
         "seconds": round(time.monotonic() - started, 1),

@@ -58,7 +58,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 s["succeeded"] == len(rs)
                 and s["ratio"] is not None
                 and s["ratio"] <= GOAL_RATIO
-                and (strategy not in ("lazy", "replay") or s["hostile_attack_credit"] == 0)
+                and (strategy not in ("lazy", "replay", "colluding-pair") or s["hostile_attack_credit"] == 0)
             )
         out.append(s)
     return out

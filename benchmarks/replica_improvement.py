@@ -45,7 +45,7 @@ from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core.jobspec import ValidationSpec
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.zoo import build_model, state_to_numpy
-from crowdtrain.workgen.datasets import deal_shards, load_dataset
+from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 from efficiency_report import say
 from efficiency_tasks import make_task
 
@@ -77,19 +77,23 @@ def z_on(job_id: int, config: dict, before: Params, after: Params, x: np.ndarray
     return training_z(example_losses(job_id, config, before, x, y)[0], example_losses(job_id, config, after, x, y)[0])
 
 
-def run_task(name: str, folder: Path, seed: int, slots: int, max_epochs: int) -> dict:
-    """One run of task `name`: the z of every honest result and of its forgeries, and the held-out z."""
-    task = make_task(name, folder)
-    spec = task.spec | {"seed": seed}
-    ds, m, job_id = spec["dataset"], spec["model"], next(_job_ids)
-    data = load_dataset(ds["source"], ds["validation_fraction"], ds["classes"])
-    config = {
+def model_config(m: dict, data: Dataset) -> dict:
+    return {
         "name": m["name"],
         "framework": "pytorch",
         "input_shape": data.input_shape,
         "num_classes": data.num_classes,
         "options": m["options"],
     }
+
+
+def run_task(name: str, folder: Path, seed: int, slots: int, max_epochs: int) -> dict:
+    """One run of task `name`: the z of every honest result and of its forgeries, and the held-out z."""
+    task = make_task(name, folder)
+    spec = task.spec | {"seed": seed}
+    ds, m, job_id = spec["dataset"], spec["model"], next(_job_ids)
+    data = load_dataset(ds["source"], ds["validation_fraction"], ds["classes"])
+    config = model_config(m, data)
     server = state_to_numpy(build_model(m["name"], data.input_shape, data.num_classes, seed=seed, **m["options"]))
     rule, policy = make_rule(spec["assimilation"]), Policy.from_spec(spec["assimilation"])
     state = rule.initial_state(server)
@@ -119,7 +123,7 @@ def run_task(name: str, folder: Path, seed: int, slots: int, max_epochs: int) ->
             accuracy = evaluate(job_id, config, server, data.x_val, data.y_val, framework="pytorch")[1]
             if accuracy >= task.target and reached is None:
                 reached = merges
-        say(f"{name} seed {seed}: epoch {epoch}, {merges} merges, accuracy {accuracy:.3f}, honest z min {min(honest):.1f}")
+        say(f"{name} seed {seed}: epoch {epoch}, {merges} merges, accuracy {accuracy:.3f}, z >= {min(honest):.1f}")
         if reached is not None:
             break
     return {
