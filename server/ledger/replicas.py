@@ -137,9 +137,9 @@ def uploads(db: sessionmaker[Session], workunit_id: int) -> list[Upload]:
 def shard_key(db: sessionmaker[Session], workunit_id: int) -> str:
     """The object key of the shard the workunit's replicas were trained on."""
     with db.begin() as s:
-        return s.scalar(
+        return s.scalars(
             select(Shard.key).join(Workunit, Workunit.shard_id == Shard.id).where(Workunit.id == workunit_id)
-        )
+        ).one()
 
 
 @dataclass(frozen=True)
