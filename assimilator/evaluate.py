@@ -56,11 +56,24 @@ def evaluate(
     framework: str | None = None,
 ) -> tuple[float, float]:
     """Return (mean cross-entropy loss, accuracy) of `params` on (x, y)."""
+    losses, correct = example_losses(job_id, model_config, params, x, y, batch_size, framework)
+    return float(losses.mean()), float(correct.mean())
+
+
+def example_losses(
+    job_id: int,
+    model_config: dict,
+    params: Params,
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int = 1024,
+    framework: str | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The cross-entropy loss of `params` on each example of (x, y) (float64), and whether it is classified right."""
     logits = logits_function(framework or evaluation_framework(model_config))(
         job_id, model_config, params, x, batch_size
     )
     logits = logits.astype(np.float64)
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    loss = -log_probs[np.arange(len(y)), y].mean()
-    return float(loss), float((logits.argmax(axis=1) == y).mean())
+    return -log_probs[np.arange(len(y)), y], logits.argmax(axis=1) == y

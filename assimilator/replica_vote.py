@@ -7,6 +7,7 @@ workunit's canonical one yet, and merges the replica the vote names. Each replic
 """
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,13 +15,14 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator import validator
-from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.evaluate import evaluate, example_losses
 from crowdtrain.assimilator.inputs import Refused, holdout, read_result, replay_reason
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
 from crowdtrain.core.jobspec import ValidationSpec, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.storage import Storage
+from crowdtrain.core.tensors import Params, decode_shard
 from crowdtrain.server.ledger import merges, paramstore, replicas, result_records
 from crowdtrain.server.ledger.epochs import close_epochs_after_failure
 
@@ -50,7 +52,7 @@ def judge_replicas(db: sessionmaker[Session], storage: Storage, r: redis.Redis, 
         )
         return Vote()
     spec = validation_of(p.spec)
-    measured, malformed, flat, base_loss = measure_replicas(storage, r, p, uploaded, spec)
+    measured, malformed, flat, base_loss = measure_replicas(db, storage, r, p, uploaded, spec)
     verdict = validator.judge(measured, validator.cosines(flat), base_loss, spec)
     if verdict.more and malformed:
         # A malformed replica ends the vote: the others are judged as at the bound (inconclusive unless
@@ -77,17 +79,23 @@ def judge_replicas(db: sessionmaker[Session], storage: Storage, r: redis.Redis, 
 
 
 def measure_replicas(
-    storage: Storage, r: redis.Redis, p: merges.PendingMerge, uploaded: list[replicas.Upload], spec: ValidationSpec
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    p: merges.PendingMerge,
+    uploaded: list[replicas.Upload],
+    spec: ValidationSpec,
 ) -> tuple[list[validator.Replica], dict[int, str], dict[int, np.ndarray], float]:
-    """Each replica's ||Δ|| and the held-out loss of W_s after the job's rule merged it alone
-    (crowdtrain.assimilator.policy.merged_alone), its flat Δ, and the held-out loss of W_s itself; a
-    result that cannot be read as an update, or that replays an earlier one, is invalid at once
-    (assignment id -> why)."""
+    """Each replica's ||Δ||, the held-out loss of W_s after the job's rule merged it alone
+    (crowdtrain.assimilator.policy.merged_alone) and its evidence of training on the workunit's shard
+    (validator.training_z), its flat Δ, and the held-out loss of W_s itself; a result that cannot be
+    read as an update, or that replays an earlier one, is invalid at once (assignment id -> why)."""
     version, server, state = paramstore.read_with_state(r, p.job_id)
     assimilation = p.spec["assimilation"]
     rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
     state = rule.initial_state(server) if state is None else state
     x, y = holdout(storage, p.job_id, spec.holdout_examples)
+    shard = _shard_examples(db, storage, p.workunit_id, spec) if spec.min_training_z is not None else None
     measured, malformed, flat = [], {}, {}
     for u in uploaded:
         try:
@@ -107,6 +115,23 @@ def measure_replicas(
         moved = merged_alone(policy, rule, server, state, update)
         loss, _ = evaluate(p.job_id, p.model_config, moved, x, y)
         flat[u.assignment_id] = validator.flat_update(update.delta)
-        measured.append(validator.Replica(u.assignment_id, float(np.linalg.norm(flat[u.assignment_id])), loss))
+        z = _training_z(p, update.client, update.delta, shard) if shard is not None else math.inf
+        measured.append(validator.Replica(u.assignment_id, float(np.linalg.norm(flat[u.assignment_id])), loss, z))
     base_loss, _ = evaluate(p.job_id, p.model_config, server, x, y)
     return measured, malformed, flat, base_loss
+
+
+def _shard_examples(
+    db: sessionmaker[Session], storage: Storage, workunit_id: int, spec: ValidationSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    """The first `training_examples` of the workunit's shard, as its hosts read it."""
+    x, y = decode_shard(storage.get(replicas.shard_key(db, workunit_id)))
+    return x[: spec.training_examples], y[: spec.training_examples]
+
+
+def _training_z(p: merges.PendingMerge, client: Params, delta: Params, shard: tuple[np.ndarray, np.ndarray]) -> float:
+    """validator.training_z of W_c against W_base (W_c − Δ) on the shard's examples."""
+    base = {k: (v - delta[k]).astype(v.dtype) if k in delta else v for k, v in client.items()}
+    before, _ = example_losses(p.job_id, p.model_config, base, *shard)
+    after, _ = example_losses(p.job_id, p.model_config, client, *shard)
+    return validator.training_z(before, after)

@@ -6,21 +6,28 @@ held-out slice of the validation set, of W_s as the job's merge rule would leave
 the replica alone (crowdtrain.assimilator.policy.merged_alone: α·W_s + (1 − α)·W_c for VC-ASGD).
 Two replicas *agree* when all three are close (thresholds: crowdtrain.core.jobspec.ValidationSpec).
 A replica is *implausible* on its own when its update is zero (a host that returns the base
-unchanged) or not finite, or when its held-out loss exceeds W_s's by more than the tolerance (a
-sign-flipped, scaled or poisoned update). A replica whose weights are exactly those of an earlier
-result of the job (a replayed result) never reaches the validator: the merge refuses it as malformed.
+unchanged) or not finite, when it shows no evidence of training (`training_z`: W_c must fit the
+workunit's own shard better than W_base by more than per-example noise, so that hosts that agree on
+a direction they did not train, colluding, win no vote), or when its held-out loss exceeds W_s's by
+more than the tolerance (a sign-flipped, scaled or poisoned update). A replica whose weights are
+exactly those of an earlier result of the job (a replayed result) never reaches the validator: the
+merge refuses it as malformed.
 
 The verdict, as BOINC's validator gives it: the largest group of plausible replicas that all agree
 pairwise, if it has at least two, is valid and the rest invalid (charged to their hosts); the
 group's replica with the lowest held-out loss is the canonical one, merged into W_s. Without such a
-group, another replica is asked for, up to `max_replicas`; at the bound the workunit is inconclusive:
-every replica is refused uncharged (only the implausible ones are charged) and it is trained again.
+group, another replica is asked for, up to `max_replicas`, while the plausible ones and those still
+to come could make two; else (at the bound, or when implausible ones leave too few) the workunit is
+inconclusive: every replica is refused uncharged (only the implausible ones are charged) and it is
+trained again.
 
 What it can catch: updates that disagree with an honest replica in direction or size (sign-flipped,
 scaled, random noise, training on permuted labels, a replayed old result) and updates that make the
-held-out loss worse. What it cannot: hostile hosts that are a majority of a workunit's replicas and
-agree with each other (colluding hosts), and a subtle poisoning that moves an update by less than the
-spread between honest replicas. Unreplicated results are checked by the merge policy's bounds only.
+held-out loss worse, and replicas that agree on a direction they did not train (colluding hosts).
+What it cannot: hostile hosts that are a majority of a workunit's replicas, agree with each other
+and do train on the shard (colluders that add a shared direction to real training), and a subtle
+poisoning that moves an update by less than the spread between honest replicas. Unreplicated
+results are checked by the merge policy's bounds only.
 
 No I/O: the merge (crowdtrain.assimilator.merge) measures the replicas and applies the verdict.
 """
@@ -43,6 +50,7 @@ class Replica:
     assignment_id: int
     norm: float
     holdout_loss: float
+    training_z: float = math.inf  # evidence of training on the workunit's shard (`training_z`); inf: not measured
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,24 @@ def cosines(updates: dict[int, np.ndarray]) -> dict[tuple[int, int], float]:
     return out
 
 
+def training_z(before: np.ndarray, after: np.ndarray) -> float:
+    """The evidence that a result was trained on its shard, from the per-example losses of W_base
+    (`before`) and W_c (`after`) on the shard's examples: z of the mean gain in each example's
+    probability of its true label (e^−after − e^−before) over its standard error, a paired test
+    against per-example noise. Probabilities, not losses: a gain lies in [−1, 1], while a loss gain is
+    heavy-tailed (late in training a few examples' losses rising by 5-10 cancelled the fall of most
+    others', z about 0 for results that fitted 75% of their shard better). Training raises the
+    probabilities of the examples it fitted by far more than their noise; a direction not fitted to
+    them (random) leaves z about 0 (benchmarks/replica_improvement.py)."""
+    gain = np.exp(-np.asarray(after, dtype=np.float64)) - np.exp(-np.asarray(before, dtype=np.float64))
+    if len(gain) < 2:
+        return 0.0
+    mean, sd = float(gain.mean()), float(gain.std(ddof=1))
+    if sd == 0:
+        return math.inf if mean > 0 else 0.0
+    return mean / (sd / math.sqrt(len(gain)))
+
+
 def implausible(replica: Replica, base_loss: float, spec: ValidationSpec) -> str | None:
     """Why a replica cannot be valid whatever the others say, or None."""
     if not math.isfinite(replica.norm) or not math.isfinite(replica.holdout_loss):
@@ -84,6 +110,11 @@ def implausible(replica: Replica, base_loss: float, spec: ValidationSpec) -> str
         return (
             f"W_s merged with it has held-out loss {replica.holdout_loss:.4f}, more than "
             f"{spec.loss_tolerance:.0%} above W_s's {base_loss:.4f}"
+        )
+    if spec.min_training_z is not None and not replica.training_z >= spec.min_training_z:
+        return (
+            f"it shows no training on the workunit's shard: W_c fits the shard's examples better than W_base "
+            f"with z = {replica.training_z:.1f} < {spec.min_training_z}"
         )
     return None
 
@@ -133,7 +164,8 @@ def judge(
                     f"disagrees with replica {canonical}: {why_not(i, canonical) or 'not in the agreeing group'}"
                 )
         return Verdict(valid=group, invalid=invalid, canonical=canonical, charged=frozenset(invalid))
-    if len(replicas) < spec.max_replicas:
+    to_come = spec.max_replicas - len(replicas)
+    if to_come > 0 and len(plausible) + to_come >= 2:
         return Verdict(more=True)
     invalid = dict(bad)
     for i in plausible:

@@ -15,11 +15,12 @@ What it measures
 How
     One `Cluster` (private redis-server, scheduler on SQLite, transitioner, Celery parameter
     servers) for the whole run; per (strategy, seed) a job with the spec's seed set to the seed, four
-    real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3:
-    a vote that asks for a third replica needs a third account, and replicas never share one), and,
-    unless clean, one hostile host with 1 slot (20% of the 5 slots) under an account of its own
-    (its name, j<job>-hostile), scripted over HTTP from this process (crowdtrain/launch/scripted_host.py). Fresh
-    hosts and accounts every job: a quarantine follows the account, and a host's reputation is its own.
+    real `crowdtrain client` processes with 1 task slot each (volunteer accounts honest-0..honest-3,
+    each bound to a loopback address of its own, 127.0.1i.1: a vote that asks for a third replica
+    needs a third account and network, and replicas never share one), and, unless clean, one hostile
+    host with 1 slot (20% of the 5 slots) under an account of its own (its name, j<job>-hostile),
+    scripted over HTTP from this process (crowdtrain/launch/scripted_host.py). Fresh hosts and
+    accounts every job: a quarantine follows the account, and a host's reputation is its own.
     The hostile host asks for work, downloads the snapshot W_base and
     the shard as a client does, and uploads (Δ: the update of honest training from W_base with the
     client's trainer and the assignment's recipe):
@@ -30,15 +31,16 @@ How
                     of the classes (no class keeps its label)
         replay      its first result (trained honestly), uploaded again for every later assignment
         lazy        W_base unchanged
-<<<<<<< HEAD
         lazy-unvalidated
                     W_base unchanged, in the job without `validation:` (as `clean-unvalidated`): only
                     the merge policy, which refuses an update that carries no training, stands in its way
-=======
         re-register W_base + noise of each tensor's scale, untrained; whenever it is given no work twice
                     in a row (quarantined) it registers again with the same join token, name and
                     account and goes on: hostile_hosts_registered counts its hosts, the credit is theirs
->>>>>>> sybil
+        colluding-pair  two hostile hosts (accounts j<job>-hostile and j<job>-hostile-2, on networks 127.0.1.1 and
+                    127.0.2.1), each W_base + d + ε with d shared by the pair (drawn from the seed and
+                    the workunit id, ||d|| = 0.1·||W_base||) and ε private: they agree when both hold
+                    replicas of one workunit, and neither trains
     reporting the metrics an honest client would. Validation: replicate_untrusted, trusted_after 4
     (the honest hosts are trusted after 4 valid results in a row, then spot-checked at replication
     0.1; a hostile host is never trusted: no strategy returns 4 valid results in a row by design,
@@ -72,11 +74,21 @@ from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
 from efficiency_report import examples_to_target, merge_curve, say
-from hostile_strategies import HostileHost, hostile_host
+from hostile_strategies import COLLUDING_PAIR, ColludingPair, HostileHost, hostile_host
 from job_progress import wait_for_job
 
 EXAMPLE_SPEC = Path(__file__).resolve().parents[1] / "examples" / "mnist1d-cnn.yaml"
-STRATEGIES = ("sign-flip", "scaled", "noise", "permuted", "replay", "lazy", "lazy-unvalidated", "re-register")
+STRATEGIES = (
+    "sign-flip",
+    "scaled",
+    "noise",
+    "permuted",
+    "replay",
+    "lazy",
+    "lazy-unvalidated",
+    "re-register",
+    COLLUDING_PAIR,
+)
 QUICK_STRATEGIES = ("sign-flip", "replay", "lazy")
 VALIDATION = {"replicate_untrusted": True, "replication": 0.1, "trusted_after": 4}
 HONEST_CLIENTS, HONEST_TASKS = 4, 1  # 4 honest slots beside 1 hostile slot: 20%
@@ -149,7 +161,9 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
     say(f"{label}: job {job_id}")
     started = time.monotonic()
     clients = [
-        cluster.start_client(f"j{job_id}-honest-{i}", HONEST_TASKS, "--account", f"honest-{i}")
+        cluster.start_client(
+            f"j{job_id}-honest-{i}", HONEST_TASKS, "--account", f"honest-{i}", "--bind-address", f"127.0.1{i}.1"
+        )
         for i in range(HONEST_CLIENTS)
     ]
     hostile = None if strategy in (CLEAN, UNVALIDATED) else hostile_host(cluster, f"j{job_id}-hostile", strategy, seed)
@@ -175,16 +189,19 @@ def run_job(cluster: Cluster, strategy: str, seed: int, timeout: float) -> dict:
     row["honest_refused"] = sum(h["results_failed"] for h in honest)
     row["honest_quarantined"] = sum(h["quarantined_until"] is not None for h in honest)
     if hostile is not None:
-        row |= hostile_figures(hostile, results, records[f"j{job_id}-hostile"])
+        row |= hostile_figures(hostile, results, [r for name, r in records.items() if "-hostile" in name])
         row["hostile_hosts_registered"] = len(hostile.host_ids)
         row["hostile_credit"] = round(sum(h["credit"] for h in listed if h["id"] in hostile.host_ids), 6)
     say(f"{label}: {describe(row)}")
     return row
 
 
-def hostile_figures(hostile: HostileHost, results: dict[int, tuple[str, float, str]], record: dict) -> dict:
-    """What became of the hostile host's results (by final status), its attacks merged and credited,
-    the main reasons for its refusals, and its record (reputation, credit, quarantine)."""
+def hostile_figures(
+    hostile: HostileHost | ColludingPair, results: dict[int, tuple[str, float, str]], records: list[dict]
+) -> dict:
+    """What became of the hostile hosts' results (by final status), their attacks merged and credited,
+    the main reasons for their refusals, and their records (the lowest reputation, credit summed,
+    quarantined if any is)."""
     attacks = [aid for aid, attack, _ in hostile.uploads if attack]
     return {
         "hostile_uploads": len(hostile.uploads),
@@ -197,10 +214,10 @@ def hostile_figures(hostile: HostileHost, results: dict[int, tuple[str, float, s
         "hostile_refusals": dict(
             Counter(reason(msg) for status, _, msg in results.values() if status == "rejected").most_common(4)
         ),
-        "hostile_reputation": round(record["reputation"], 3),
-        "hostile_credit": round(record["credit"], 6),
-        "hostile_quarantined": record["quarantined_until"] is not None,
-        "hostile_quarantine_reason": record["quarantine_reason"][:200],
+        "hostile_reputation": round(min(r["reputation"] for r in records), 3),
+        "hostile_credit": round(sum(r["credit"] for r in records), 6),
+        "hostile_quarantined": any(r["quarantined_until"] is not None for r in records),
+        "hostile_quarantine_reason": "; ".join(r["quarantine_reason"] for r in records if r["quarantine_reason"])[:200],
         "hostile_error": hostile.error,
     }
 

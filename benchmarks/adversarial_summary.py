@@ -8,7 +8,8 @@ from efficiency_report import print_summary_table, ratio
 
 CLEAN, UNVALIDATED = "clean", "clean-unvalidated"
 GOAL_RATIO = 1.3
-NO_CREDIT_FOR = ("lazy", "lazy-unvalidated", "replay", "re-register")  # strategies whose attacks must earn nothing
+# Strategies whose attacks must earn nothing.
+NO_CREDIT_FOR = ("lazy", "lazy-unvalidated", "replay", "re-register", "colluding-pair")
 
 
 def _mean(values: list) -> float | None:

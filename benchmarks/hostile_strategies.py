@@ -55,10 +55,15 @@ class HostileHost(threading.Thread):
     """One hostile host with one slot, playing `strategy` until stopped: ask for work, fetch what a
     client fetches, upload the forged result. Records (assignment id, attack?, HTTP status) per upload."""
 
-    def __init__(self, cluster: Cluster, name: str, strategy: str, seed: int):
+    def __init__(
+        self, cluster: Cluster, name: str, strategy: str, seed: int, account: str = "", local_address: str = ""
+    ):
         super().__init__(name=f"hostile-{strategy}", daemon=True)
-        # An account of its own per job: quarantine follows the account, and each job's hostile host starts afresh.
-        self.host = ScriptedHost(cluster.url, cluster.join_token, name, account=name)
+        # An account of its own per job (its name unless given): quarantine follows the account, and each
+        # job's hostile host starts afresh.
+        self.host = ScriptedHost(
+            cluster.url, cluster.join_token, name, account=account or name, local_address=local_address
+        )
         self.strategy = strategy
         self.rng = np.random.default_rng(seed)
         self.stopping = threading.Event()
@@ -140,7 +145,7 @@ class ReRegisteringHost(HostileHost):
     def register_again(self) -> None:
         try:
             self.host = ScriptedHost(self.url, self.join_token, self.name_given, account=self.name_given)
-        except KeyError:  # refused: no host_id in the answer
+        except AssertionError:  # refused (429): no host registered
             self.registrations_refused += 1
             return
         self.registered.append(self.host.host_id)
@@ -167,6 +172,80 @@ class ReRegisteringHost(HostileHost):
                 self.stopping.wait(1.0)
 
 
-def hostile_host(cluster: Cluster, name: str, strategy: str, seed: int) -> HostileHost:
-    """The scripted host that plays `strategy`."""
+# ---------------------------------------------------------------- colluding-pair
+
+COLLUDING_PAIR = "colluding-pair"
+PAIR_ADDRESSES = ("127.0.1.1", "127.0.2.1")  # two networks: replicas never go to two hosts of one
+PAIR_STEP = 0.1  # ||d|| as a fraction of ||W_base||: small enough that W_s merged with it loses little
+
+
+def shared_direction(base: Params, seed: int, workunit_id: int) -> dict[str, np.ndarray]:
+    """The pair's direction d for a workunit, of norm PAIR_STEP·||W_base||: drawn from (seed, workunit id),
+    so that both hosts of the pair upload the same d without talking to each other."""
+    rng = np.random.default_rng([seed, workunit_id])
+    draw = {k: rng.standard_normal(v.shape) for k, v in base.items() if v.dtype.kind == "f"}
+    base_norm = np.sqrt(sum(float(np.sum(base[k].astype(np.float64) ** 2)) for k in draw))
+    draw_norm = np.sqrt(sum(float(np.sum(d**2)) for d in draw.values()))
+    return {k: PAIR_STEP * base_norm / draw_norm * d for k, d in draw.items()}
+
+
+class Colluder(HostileHost):
+    """One host of a colluding pair: uploads W_base + d + ε, d shared with its partner
+    (`shared_direction`), ε a private noise of 2% of ||d||, trained by neither."""
+
+    def __init__(self, cluster: Cluster, name: str, seed: int, member: int):
+        suffix = f"-{member + 1}" if member else ""
+        super().__init__(
+            cluster,
+            f"{name}{suffix}",
+            COLLUDING_PAIR,
+            2 * seed + member + 1,
+            local_address=PAIR_ADDRESSES[member],
+        )
+        self.pair_seed = seed
+
+    def forge(self, a: dict, base: Params, x: np.ndarray, y: np.ndarray) -> tuple[Params, dict, bool]:
+        recipe, fraction = a["recipe"], a["local_fraction"]
+        claimed = {"examples": round(len(x) * recipe["training"]["local_epochs"] * fraction), "seconds": 5.0}
+        d = shared_direction(base, self.pair_seed, a["workunit_id"])
+        noise = {k: self.rng.standard_normal(v.shape) for k, v in d.items()}
+        scale = 0.02 * np.sqrt(sum(float(np.sum(v**2)) for v in d.values()))
+        scale /= np.sqrt(sum(float(np.sum(v**2)) for v in noise.values()))
+        forged = {k: (v + d[k] + scale * noise[k]).astype(v.dtype) if k in d else v for k, v in base.items()}
+        return forged, claimed | {"train_loss": 0.5}, True
+
+
+class ColludingPair:
+    """Two hostile hosts of two accounts on two networks (loopback addresses PAIR_ADDRESSES), each with
+    one slot, uploading W_base + d + ε with a shared d: they agree with each other whenever both hold
+    replicas of one workunit. `host_ids` and `uploads` as for a HostileHost."""
+
+    def __init__(self, cluster: Cluster, name: str, seed: int):
+        self.members = [Colluder(cluster, name, seed, member) for member in range(len(PAIR_ADDRESSES))]
+
+    @property
+    def host_ids(self) -> list[int]:
+        return [m.host.host_id for m in self.members]
+
+    @property
+    def uploads(self) -> list[tuple[int, bool, int]]:
+        return [u for m in self.members for u in m.uploads]
+
+    @property
+    def error(self) -> str:
+        return "; ".join(m.error for m in self.members if m.error)
+
+    def start(self) -> None:
+        for m in self.members:
+            m.start()
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+
+def hostile_host(cluster: Cluster, name: str, strategy: str, seed: int) -> HostileHost | ColludingPair:
+    """The scripted host (or pair of hosts) that plays `strategy`."""
+    if strategy == COLLUDING_PAIR:
+        return ColludingPair(cluster, name, seed)
     return (ReRegisteringHost if strategy == "re-register" else HostileHost)(cluster, name, strategy, seed)

@@ -164,9 +164,12 @@ class SchedulerAPI:
         max_download_rate: float | None = None,
         max_upload_rate: float | None = None,
         origins: Origins | None = None,
+        local_address: str | None = None,
     ):
         self.stop = stop
-        self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout)
+        # Bound to `local_address` when given: the scheduler counts the networks hosts call from.
+        transport = httpx.HTTPTransport(local_address=local_address) if local_address else None
+        self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout, transport=transport)
         self.origins = origins or Origins.for_scheduler(server_url)
         self.token: str | None = None
         self.downloads = Throttle(max_download_rate)

@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, IPvAnyAddress, ValidationError
 
 from crowdtrain.client.origins import parse_origin
 
@@ -82,6 +82,11 @@ class Preferences(BaseModel):
         max_length=64,
         pattern=r"^[A-Za-z0-9 ._@+-]*$",
         description="Volunteer account this host's credit adds up under on the project page (given at registration)",
+    )
+    bind_address: IPvAnyAddress | None = Field(
+        None,
+        description="Local address to send requests from (a machine with several; hosts on one machine, bound to "
+        "127.0.1.1, 127.0.2.1, .., count as separate networks for replica spread)",
     )
     download_origins: list[DownloadOrigin] = Field(
         default_factory=list,

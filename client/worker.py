@@ -100,6 +100,7 @@ class VolunteerClient(AssignmentRunner):
             max_download_rate=max_download_rate,
             max_upload_rate=max_upload_rate,
             origins=self.origins,
+            local_address=str(self.prefs.bind_address) if self.prefs.bind_address else None,
         )
         self.identities = Identities(self.cache_dir / "identity.json")
         self.restraints = Restraints(self.prefs, self.cache_dir, self._files_in_use)

@@ -154,3 +154,46 @@ def test_a_lazy_host_in_a_job_without_validation_is_refused_and_counts_nothing(m
     with cluster.admin() as http:
         project = http.get("/v1/project").json()
     assert project["examples"] == 0 and project["credit"] == 0, project
+
+
+def _colluded(base: Params, workunit_id: int, rng: np.random.Generator) -> Params:
+    """W_base + d + ε: d drawn from the workunit id (both hosts of the pair draw the same), ε private."""
+    shared = np.random.default_rng(workunit_id)
+    d = {k: shared.standard_normal(v.shape) for k, v in base.items() if v.dtype.kind == "f"}
+    scale = 0.03 * params_norm(base) / params_norm(d)  # small enough to leave the held-out loss within tolerance
+    return {
+        k: (v + scale * (d[k] + 0.02 * rng.standard_normal(v.shape))).astype(v.dtype) if k in d else v
+        for k, v in base.items()
+    }
+
+
+def test_a_colluding_pair_on_two_networks_is_refused_and_earns_no_credit(make_cluster, sqlite_url) -> None:
+    """Two hosts of two accounts on two networks hold the two replicas of one workunit and upload one
+    shared direction that neither trained: the vote refuses both, charged, and credits nothing."""
+    cluster = make_cluster(sqlite_url)
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    spec["validation"] = {"replicate_untrusted": True}
+    job_id = cluster.submit(spec)["job_id"]
+    pair = [
+        ScriptedHost(cluster.url, cluster.join_token, f"colluder-{i}", account=f"mallory-{i}", local_address=address)
+        for i, address in enumerate(("127.0.1.1", "127.0.2.1"))
+    ]
+    work = [host.next_assignment() for host in pair]
+    assert work[0]["workunit_id"] == work[1]["workunit_id"], "the second host is given the first one's replica"
+    rng = np.random.default_rng(0)
+    for host, a in zip(pair, work, strict=True):
+        resp = host.upload(a, _colluded(host.snapshot(a), a["workunit_id"], rng))
+        assert resp.status_code == 202, resp.text
+    db = _db(cluster)
+
+    def statuses() -> list[str]:
+        with db.begin() as s:
+            return [s.get_one(Assignment, a["assignment_id"]).status for a in work]
+
+    wait_for(lambda: AssignmentStatus.uploaded.value not in statuses(), 90, "the vote was never decided")
+    assert statuses() == [AssignmentStatus.rejected.value] * 2
+    with db.begin() as s:
+        hosts = [s.get_one(Host, host.host_id) for host in pair]
+        assert [(h.credit, h.results_valid, h.results_failed) for h in hosts] == [(0.0, 0, 1)] * 2
+        assert all("shows no training" in s.get_one(Assignment, a["assignment_id"]).message for a in work)
+    assert _job(cluster, job_id).param_version == 0, "nothing merged"

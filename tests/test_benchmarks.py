@@ -230,6 +230,16 @@ def test_forged_updates_are_what_each_strategy_says_of_the_honest_update():
     assert all(f["n"] == 7 for f in (noisy, hostile_strategies.scaled(base, honest, rng))), "integer tensors kept"
 
 
+def test_a_colluding_pair_shares_its_direction_per_workunit():
+    base = {"w": np.full(50, 2.0, np.float32), "n": np.array(7, np.int64)}
+    d = hostile_strategies.shared_direction(base, 3, 11)
+    again = hostile_strategies.shared_direction(base, 3, 11)
+    assert np.array_equal(d["w"], again["w"]), "both hosts of the pair draw the same d"
+    assert "n" not in d and np.linalg.norm(d["w"]) == pytest.approx(hostile_strategies.PAIR_STEP * np.sqrt(200))
+    other = hostile_strategies.shared_direction(base, 3, 12)["w"]
+    assert abs(float(other @ d["w"])) < 0.5 * float(d["w"] @ d["w"]), "another workunit, another direction"
+
+
 def test_the_permuted_labels_move_every_class():
     perm = hostile_strategies.class_derangement(10, np.random.default_rng(0))
     assert sorted(perm) == list(range(10)) and not np.any(perm == np.arange(10))

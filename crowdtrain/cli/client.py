@@ -82,6 +82,10 @@ def client(
             show_default=False,
         ),
     ] = None,
+    bind_address: Annotated[
+        str | None,
+        typer.Option(help="Local address to send requests from (default: the system's choice)", show_default=False),
+    ] = None,
     name: Annotated[
         str | None, typer.Option(help="Host name shown to the operator (default: HOSTNAME-PID)", show_default=False)
     ] = None,
@@ -136,6 +140,7 @@ def client(
             max_upload_rate=max_upload_rate,
             download_origins=allow_origin or None,
             account=account,
+            bind_address=bind_address,
         ),
     )
     pinned = resolve_project_key(project_key) if project_key else None

@@ -215,6 +215,19 @@ class ValidationSpec(SpecSection):
     holdout_examples: int = Field(
         512, ge=16, le=100_000, description="Validation examples each replica's held-out loss is measured on"
     )
+    min_training_z: float | None = Field(
+        4.0,
+        ge=-1000,
+        le=1000,
+        description="A replica is valid only if it shows training on its workunit's shard: W_c lowers the shard's "
+        "per-example loss below W_base's with a z (mean improvement over its standard error) of at least this. "
+        "Over 8 whole runs each of builtin:mnist1d and a tabular task, honest results measured 4.5 and more "
+        "(median 20-30), random directions of an honest update's norm 4.4 at most, and 92-99% of those of a tenth "
+        "of it stayed under 4 (benchmarks/replica_improvement.py); null: no such check",
+    )
+    training_examples: int = Field(
+        512, ge=16, le=100_000, description="Examples of the workunit's shard the training evidence is measured on"
+    )
     replica_wait_seconds: float | None = Field(
         None,
         gt=0,

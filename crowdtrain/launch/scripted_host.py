@@ -10,15 +10,20 @@ from crowdtrain.core.tensors import Params, decode, decode_shard, encode
 
 class ScriptedHost:
     """Registers with the cluster's join token (under a volunteer `account`, if given), asks for work,
-    reads snapshots and shards, and uploads results."""
+    reads snapshots and shards, and uploads results; every request from `local_address` if given (hosts
+    on one machine bound to 127.0.1.1, 127.0.2.1, .. count as separate networks)."""
 
-    def __init__(self, url: str, join_token: str, name: str, account: str = ""):
-        registered = httpx.post(
-            f"{url}/v1/hosts", json={"join_token": join_token, "name": name, "account": account}, timeout=60
-        ).json()
+    def __init__(self, url: str, join_token: str, name: str, account: str = "", local_address: str = ""):
+        self.http = httpx.Client(
+            base_url=url,
+            timeout=60,
+            transport=httpx.HTTPTransport(local_address=local_address) if local_address else None,
+        )
+        resp = self.http.post("/v1/hosts", json={"join_token": join_token, "name": name, "account": account})
+        assert resp.status_code == 201, resp.text
+        registered = resp.json()
         self.host_id: int = registered["host_id"]
-        token = registered["host_token"]
-        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        self.http.headers["Authorization"] = f"Bearer {registered['host_token']}"
 
     def ask(self, slots: int = 1) -> list[dict]:
         """One request for work: the assignments given (none when there is nothing for this host)."""

@@ -5,9 +5,11 @@ A workunit's `quorum` is set when a host first claims it (`quorum_for`): 2 when 
 that host's work (a host not yet trusted, or a spot check), else 1. While it has fewer live replicas
 (in progress or uploaded) than its quorum and no verdict, other hosts may claim a replica
 (`claim_replicas`): never a host that holds a live replica of it, nor one of the same volunteer
-account as a live holder, so that no host or account votes twice. The hosts of an inconclusive vote
-may hold replicas of the next one: its replicas all ended with it, and a workunit that only hosts
-of past votes may replicate would otherwise wait for a new host forever. Its uploaded results wait
+account or the same network prefix (crowdtrain.core.addresses) as a live holder, so that no host,
+account or network votes twice; a host whose network is unknown ("") counts as a network of its
+own. The hosts of an inconclusive vote may hold replicas of the next one: its replicas all ended
+with it, and a workunit that only hosts of past votes may replicate would otherwise wait for a new
+host forever. Its uploaded results wait
 until `quorum` of them are in; the verdict then ends each one (`record_verdict`): the canonical
 replica goes on to be merged, the others that agree end `validated` (valid and credited, not
 merged), the rest `rejected`. A workunit is judged once: the verdict is recorded under the
@@ -88,6 +90,15 @@ def claim_replicas(s: Session, job: Job, host: Host, limit: int) -> list[tuple[W
             holder.account == host.account,
         )
         query = query.where(~same_account)
+    if host.network:
+        holder = aliased(Host)
+        same_network = exists().where(
+            other.workunit_id == Workunit.id,
+            other.status.in_(LIVE),
+            other.host_id == holder.id,
+            holder.network == host.network,
+        )
+        query = query.where(~same_network)
     candidates = s.scalars(query).all()
     if not candidates:
         return []
@@ -121,6 +132,14 @@ def uploads(db: sessionmaker[Session], workunit_id: int) -> list[Upload]:
             .order_by(Assignment.id)
         ).all()
     return [Upload(aid, base, key) for aid, base, key in rows if key is not None]
+
+
+def shard_key(db: sessionmaker[Session], workunit_id: int) -> str:
+    """The object key of the shard the workunit's replicas were trained on."""
+    with db.begin() as s:
+        return s.scalars(
+            select(Shard.key).join(Workunit, Workunit.shard_id == Shard.id).where(Workunit.id == workunit_id)
+        ).one()
 
 
 @dataclass(frozen=True)
@@ -315,8 +334,8 @@ def _close_if_stalled(db: sessionmaker[Session], workunit_id: int, now: datetime
         failed = wu.error_count >= max_errors
         message = (
             f"replica vote closed inconclusive: {len(uploaded)} of {wu.quorum} replicas uploaded and no host took "
-            f"another in {wait:.0f} s (a replica goes to a host without one, of another volunteer account, not "
-            f"quarantined); the workunit {'failed' if failed else 'is trained again'} "
+            f"another in {wait:.0f} s (a replica goes to a host without one, of another volunteer account and "
+            f"network, not quarantined); the workunit {'failed' if failed else 'is trained again'} "
             f"(error {wu.error_count} of max_errors={max_errors})"
         )
         for a in uploaded:

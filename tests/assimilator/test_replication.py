@@ -161,6 +161,43 @@ def test_a_hostile_replica_is_outvoted_refused_and_earns_nothing(services, hosti
     assert message.startswith("refused by replica validation") and expected in message, message
 
 
+def test_a_colluding_pair_sharing_an_untrained_direction_is_refused_and_earns_nothing(services) -> None:
+    """Two hosts of two accounts upload W_base + d + ε with one random direction d (of an honest
+    update's norm) and private noises ε: they agree with each other, but neither fits its shard."""
+    p = _project(services, replicate_untrusted=True)
+    mallory, trudy = p.host("mallory"), p.host("trudy")
+    [m] = p.work(mallory)
+    [t] = p.work(trudy)
+    assert t.workunit_id == m.workunit_id
+    base = p.base(m)
+    size = np.sqrt(sum(float(np.sum((v - base[k]).astype(np.float64) ** 2)) for k, v in p.trained(m).items()))
+    rng = np.random.default_rng(7)
+    d = {k: rng.standard_normal(v.shape) for k, v in base.items() if v.dtype.kind == "f"}
+    d_norm = np.sqrt(sum(float(np.sum(x**2)) for x in d.values()))
+
+    def forged() -> Params:
+        return {
+            k: (v + size * (d[k] / d_norm + 0.02 * rng.standard_normal(v.shape) / d_norm)).astype(v.dtype)
+            if k in d
+            else v
+            for k, v in base.items()
+        }
+
+    p.upload(mallory, m, forged())
+    assert assimilate(services, m.assignment_id).outcome is Outcome.awaiting_replicas
+    p.upload(trudy, t, forged())
+    assert assimilate(services, t.assignment_id).outcome is Outcome.refused
+
+    assert p.status(m.assignment_id) == p.status(t.assignment_id) == AssignmentStatus.rejected.value
+    assert paramstore.read(services.r, p.job_id)[0] == 0, "nothing merged"
+    assert p.workunit(m.workunit_id)[0] == WorkunitStatus.ready.value, "trained again, by others"
+    for host in (mallory, trudy):
+        assert p.record(host)[:3] == (0, 1, 0.0), "refused, charged, no credit"
+    with services.db.begin() as s:
+        message = s.get_one(Assignment, m.assignment_id).message
+    assert "shows no training on the workunit's shard" in message, message
+
+
 def test_a_trusted_host_is_not_replicated_and_an_untrusted_one_always_is(services) -> None:
     p = _project(services, replicate_untrusted=True, trusted_after=2)
     veteran, newcomer = p.host("veteran"), p.host("newcomer")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from crowdtrain.assimilator.validator import Replica, cosines, flat_update, judge
+from crowdtrain.assimilator.validator import Replica, cosines, flat_update, judge, training_z
 from crowdtrain.core.jobspec import ValidationSpec
 
 SPEC = ValidationSpec(replicate_untrusted=True)
@@ -73,3 +73,30 @@ def test_flat_updates_take_float_tensors_in_name_order() -> None:
     delta = {"b": np.array([3.0], dtype=np.float32), "a": np.array([[1.0, 2.0]]), "n": np.array([7], dtype=np.int64)}
     assert flat_update(delta).tolist() == [1.0, 2.0, 3.0]
     assert cosines({1: np.array([1.0, 0.0]), 2: np.array([0.0, 0.0])}) == {(1, 2): 0.0}
+
+
+def test_training_z_tells_a_fitted_shard_from_an_untrained_direction() -> None:
+    """Training lowers most of its shard's losses, though a few may rise a lot late in training (a
+    mean of loss gains would cancel out there); a random direction raises as many as it lowers."""
+    rng = np.random.default_rng(0)
+    before = rng.uniform(0.05, 2.0, 512)
+    trained = before * 0.8
+    trained[:20] += 8.0  # a few examples fitted worse, by much
+    assert (before - trained).mean() < 0, "the mean loss rose: a loss z would refuse this result"
+    assert training_z(before, trained) > 10
+    untrained = before * np.exp(rng.normal(0.0, 0.1, 512))
+    assert abs(training_z(before, untrained)) < 3
+    assert training_z(before, before) == 0.0 and training_z(before[:1], before[:1] / 2) == 0.0
+
+
+def test_a_colluding_pair_that_shows_no_training_is_refused_at_once_and_charged() -> None:
+    """Two replicas that agree on a direction neither trained: both implausible, and no third replica
+    could make two plausible ones agree, so the vote ends now, inconclusive, both charged."""
+    pair = [Replica(1, 1.0, 0.8, training_z=0.4), Replica(2, 1.02, 0.8, training_z=-1.0)]
+    verdict = judge(pair, {(1, 2): 0.99}, BASE_LOSS, SPEC)
+    assert verdict.decided and verdict.canonical is None and not verdict.valid
+    assert verdict.charged == {1, 2} and all("shows no training" in why for why in verdict.invalid.values())
+    honest = Replica(3, 1.0, 0.8, training_z=30.0)
+    assert judge([pair[0], honest], {(1, 3): 0.99}, BASE_LOSS, SPEC).more, "one honest replica waits for another"
+    unchecked = SPEC.model_copy(update={"min_training_z": None})
+    assert set(judge(pair, {(1, 2): 0.99}, BASE_LOSS, unchecked).valid) == {1, 2}, "what the check is for"
