@@ -53,7 +53,7 @@ def spec(datasets: Path, source: str = "good.npz", model: dict | None = None, su
         ({"source": "unseen.npz"}, "dataset y_val: classes [3] never occur in the training labels y"),
         ({"source": "short-val.npz"}, "x_val has 10 examples but y_val has 12"),
         ({"classes": 2}, "dataset y: label 2 is outside [0, 2) (dataset.classes)"),
-        ({"source": "empty.npz"}, "is not a readable npz dataset: No data left in file"),
+        ({"source": "empty.npz"}, "is not a readable npz dataset: the file is empty"),
         (
             {"source": "npz:data/good.npz"},
             "'data/good.npz' is a relative path, but the scheduler reads dataset files on its own machine",
