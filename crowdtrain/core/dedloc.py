@@ -178,3 +178,61 @@ def dissenters(digests: dict[str, str]) -> list[str]:
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
         return sorted(digests)
     return sorted(peer for peer, digest in digests.items() if digest != ranked[0][0])
+
+
+# A peer's claimed progress is believed up to this many times the rate it has shown (examples per
+# second over its committed rounds), plus one micro-batch: an honest peer that speeds up is believed
+# at once unless it more than doubles, and a peer whose claim runs ahead waits until time catches up.
+RATE_SLACK = 2.0
+
+
+def measured_rate(examples: int, seconds: float) -> float:
+    """Examples per second of a peer over its committed rounds (accumulating time only)."""
+    return max(0, examples) / max(seconds, 1e-3)
+
+
+def claim_bounds(
+    rates: Mapping[str, float], elapsed: Mapping[str, float], target_batch_size: int, allowance: int
+) -> dict[str, int]:
+    """The most examples each peer of `elapsed` (seconds it has accumulated for this step) may claim.
+
+    An established peer (in `rates`): `allowance + RATE_SLACK · rate · elapsed`. A new peer: the same
+    with the fastest established rate, at most one global batch; with no established peer at all
+    (the job's first rounds) one global batch, so that a peer alone can start the job.
+    """
+    fastest = max(rates.values(), default=None)
+    bounds = {}
+    for peer, seconds in elapsed.items():
+        rate = rates.get(peer)
+        if rate is not None:
+            bounds[peer] = allowance + math.ceil(RATE_SLACK * rate * max(0.0, seconds))
+        elif fastest is None:
+            bounds[peer] = target_batch_size
+        else:
+            bounds[peer] = min(target_batch_size, allowance + math.ceil(RATE_SLACK * fastest * max(0.0, seconds)))
+    return bounds
+
+
+def bounded_claims(claims: Mapping[str, int], bounds: Mapping[str, int]) -> dict[str, int]:
+    """What each claim counts for toward closing a step: at most its bound (0 for a peer with none)."""
+    return {p: max(0, min(n, bounds.get(p, 0))) for p, n in claims.items()}
+
+
+def matchmaking_over(
+    candidates: Sequence[str], ready: Mapping[str, int], established: set[str], target_batch_size: int
+) -> bool:
+    """Members may be fixed before the deadline: every established candidate is ready, and either
+    every candidate is or the ready ones hold a global batch. A peer that has never completed a
+    round is not waited on when the others make the batch without it."""
+    if not (set(candidates) & established) <= set(ready):
+        return False
+    return set(candidates) <= set(ready) or sum(ready.values()) >= target_batch_size
+
+
+def choose_members(ready: Mapping[str, int], established: set[str], target_batch_size: int) -> list[str]:
+    """The members of a round from the ready peers: the established ones alone when they hold a
+    global batch (a new peer cannot stall a round it is not needed in), else every ready peer."""
+    proven = {p: n for p, n in ready.items() if p in established}
+    if proven and sum(proven.values()) >= target_batch_size:
+        return sorted(proven)
+    return sorted(ready)
