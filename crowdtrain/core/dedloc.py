@@ -182,7 +182,8 @@ def dissenters(digests: dict[str, str]) -> list[str]:
 
 # A peer's claimed progress is believed up to this many times the rate it has shown (examples per
 # second over its committed rounds), plus one micro-batch: an honest peer that speeds up is believed
-# at once unless it more than doubles, and a peer whose claim runs ahead waits until time catches up.
+# at once unless it more than doubles, and a peer whose claim runs ahead counts for nothing until
+# time catches up with it (a claim of 10^9 examples never does).
 RATE_SLACK = 2.0
 
 
@@ -197,25 +198,28 @@ def claim_bounds(
     """The most examples each peer of `elapsed` (seconds it has accumulated for this step) may claim.
 
     An established peer (in `rates`): `allowance + RATE_SLACK · rate · elapsed`. A new peer: the same
-    with the fastest established rate, at most one global batch; with no established peer at all
-    (the job's first rounds) one global batch, so that a peer alone can start the job.
+    with the fastest established rate, at most one global batch (and the allowance a peer overshoots
+    it by); with no established peer at all (the job's first rounds) that most, so that a peer alone
+    can start the job.
     """
     fastest = max(rates.values(), default=None)
+    most = target_batch_size + allowance
     bounds = {}
     for peer, seconds in elapsed.items():
         rate = rates.get(peer)
         if rate is not None:
             bounds[peer] = allowance + math.ceil(RATE_SLACK * rate * max(0.0, seconds))
         elif fastest is None:
-            bounds[peer] = target_batch_size
+            bounds[peer] = most
         else:
-            bounds[peer] = min(target_batch_size, allowance + math.ceil(RATE_SLACK * fastest * max(0.0, seconds)))
+            bounds[peer] = min(most, allowance + math.ceil(RATE_SLACK * fastest * max(0.0, seconds)))
     return bounds
 
 
 def bounded_claims(claims: Mapping[str, int], bounds: Mapping[str, int]) -> dict[str, int]:
-    """What each claim counts for toward closing a step: at most its bound (0 for a peer with none)."""
-    return {p: max(0, min(n, bounds.get(p, 0))) for p, n in claims.items()}
+    """What each claim counts for toward closing a step: itself within its bound, else nothing (a
+    claim beyond what the peer can have computed is false, or early; 0 for a peer with no bound)."""
+    return {p: n if 0 <= n <= bounds.get(p, 0) else 0 for p, n in claims.items()}
 
 
 def matchmaking_over(

@@ -34,15 +34,15 @@ def _claim(r: redis.Redis, now: float, **examples: int) -> None:
         dedloc.touch(r, 1, peer, dedloc.peers(r, 1)[peer].host_id, now)
 
 
-def test_a_claim_counts_only_up_to_what_the_peers_rate_allows(private_redis) -> None:
+def test_a_claim_counts_only_within_what_the_peers_rate_allows(private_redis) -> None:
     r = private_redis
     rnd = _joined(r, ("a", "b", "x"))
     now = T0 + 2.0  # 2 s at 100/s: up to 10 + 2 * 100 * 2 = 410 examples each
-    _claim(r, now, a=200, b=200, x=10**9)
-    assert dedloc.accumulated(r, 1, rnd, SPEC, now) == {"a": 200, "b": 200, "x": 410}
+    _claim(r, now, a=400, b=400, x=10**9)
+    assert dedloc.accumulated(r, 1, rnd, SPEC, now) == {"a": 400, "b": 400, "x": 0}, "a false claim counts nothing"
     assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "accumulating", "10^9 claimed examples close no step"
     now += 1.0
-    _claim(r, now, a=400, b=400)
+    _claim(r, now, a=500, b=500)
     assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "matchmaking"
 
 
@@ -129,7 +129,7 @@ def test_excluded_and_unproven_claims_are_not_told_to_the_others(tmp_path, priva
         assert created.status_code == 201, created.text
         job_id = created.json()["job_id"]
         peers = {}
-        for name in ("honest", "fake", "gone"):
+        for name in ("honest", "other", "fake", "gone"):
             joined = app.http.post(f"/v1/dedloc/jobs/{job_id}/join", json={}, headers=app.register_host(name))
             assert joined.status_code == 200, joined.text
             peers[name] = joined.json()["peer_id"]
@@ -145,11 +145,11 @@ def test_excluded_and_unproven_claims_are_not_told_to_the_others(tmp_path, priva
         assert report("honest", 50, now).accumulated == 50, "an excluded peer's claim counts for nothing"
         dedloc_claims.record_round(r, job_id, {peers["fake"]: 100}, {peers["fake"]: 1.0})  # fake: 100/s shown
         report("fake", 10**9, now)
-        reply = report("honest", 50, now)
-        assert reply.accumulated == 50 + 10 + 2 * 100 * 1, "a claim counts up to 10 + 2 x rate x seconds"
-        # 3 s in, each may claim 610: the honest 500 and the fake's 610 close the step, and nobody
-        # waits for a peer whose claim runs ahead of its bound.
+        assert report("honest", 50, now).accumulated == 50, "a claim beyond 10 + 2 x 100/s x 1 s counts nothing"
+        # 3 s in, each may claim 610: the honest peers close the step, and nobody waits for the fake.
+        assert report("honest", 500, now + 2.0).accumulated == 500
+        assert report("other", 500, now + 2.0).action == "matchmaking"
         assert report("honest", 500, now + 2.0).action == "reduce"
         assert report("fake", 10**9, now + 2.0).action == "accumulate", "a claim beyond its bound is never ready"
         rnd = dedloc.load(r, job_id)
-        assert rnd is not None and rnd.members == [peers["honest"]] and rnd.total == 500
+        assert rnd is not None and rnd.members == sorted([peers["honest"], peers["other"]]) and rnd.total == 1000
