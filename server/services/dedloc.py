@@ -304,12 +304,17 @@ def record_done(
         len(rnd.members),
         rnd.total,
     )
-    rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
-    rnd.step, rnd.phase, rnd.attempt = step + 1, "accumulating", 0
-    rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
-    rnd.sessions, rnd.ready_at, rnd.opened = [], {}, now
+    _open_next_step(rnd, now)
     r.expire(keys.dedloc_progress(job_id, step), ARTIFACT_TTL)
     return commit
+
+
+def _open_next_step(rnd: Round, now: float) -> None:
+    """The running step is committed: its groups' sessions are kept, the next step accumulates from `now`."""
+    rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
+    rnd.step, rnd.phase, rnd.attempt = rnd.step + 1, "accumulating", 0
+    rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
+    rnd.sessions, rnd.ready_at, rnd.opened = [], {}, now
 
 
 def _record_rates(r: redis.Redis, job_id: int, rnd: Round, now: float) -> None:
