@@ -181,10 +181,10 @@ def dissenters(digests: dict[str, str]) -> list[str]:
 
 
 # A peer's claimed progress is believed up to this many times the rate it has shown (examples per
-# second over its committed rounds), plus one micro-batch: an honest peer that speeds up is believed
-# at once unless it more than doubles, and a peer whose claim runs ahead counts for nothing until
-# time catches up with it (a claim of 10^9 examples never does).
-RATE_SLACK = 2.0
+# second over its committed rounds), plus one micro-batch: an honest peer that speeds up (a volunteer's
+# machine whose other load ends) is believed at once unless it more than quadruples, and a peer whose
+# claim runs ahead counts for nothing until time catches up with it (a claim of 10^9 never does).
+RATE_SLACK = 4.0
 
 
 def measured_rate(examples: int, seconds: float) -> float:

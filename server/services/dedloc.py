@@ -68,6 +68,7 @@ class Round:
     finished: bool = False
     opened: float = 0.0  # when the running step began accumulating (its predecessor's commit)
     ready_at: dict[str, float] = field(default_factory=dict)  # when each ready peer first said so
+    claimed_at: dict[str, float] = field(default_factory=dict)  # when each peer first claimed examples for the step
 
     @property
     def total(self) -> int:
@@ -314,17 +315,18 @@ def _open_next_step(rnd: Round, now: float) -> None:
     rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
     rnd.step, rnd.phase, rnd.attempt = rnd.step + 1, "accumulating", 0
     rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
-    rnd.sessions, rnd.ready_at, rnd.opened = [], {}, now
+    rnd.sessions, rnd.ready_at, rnd.claimed_at, rnd.opened = [], {}, {}, now
 
 
 def _record_rates(r: redis.Redis, job_id: int, rnd: Round, now: float) -> None:
-    """Each member of the committing round showed its examples in the seconds from the step's opening
-    (or its joining) to its being ready (to `now` where that is not known)."""
+    """Each member of the committing round showed its examples in the seconds from its first claim for
+    the step (else the step's opening, or its joining) to its being ready (else `now`). From the first
+    claim: a new peer's downloads and a member's wait for the last step's state are not computing time."""
     joined = peers(r, job_id)
     seconds = {}
     for p in rnd.examples:
         began = max(rnd.opened, joined[p].joined if p in joined else rnd.opened)
-        seconds[p] = rnd.ready_at.get(p, now) - began
+        seconds[p] = rnd.ready_at.get(p, now) - rnd.claimed_at.get(p, began)
     dedloc_claims.record_round(r, job_id, rnd.examples, seconds)
 
 

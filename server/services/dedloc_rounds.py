@@ -92,6 +92,8 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: 
     dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
         r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
+        if req.examples > 0:
+            rnd.claimed_at.setdefault(req.peer_id, now)
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     # An excluded peer (dedloc.excluded) is never a member again; a peer claiming more than its
     # bound is not ready until time catches up with its claim (a fake claim never does).

@@ -153,7 +153,7 @@ def test_job_submit_refuses_a_bad_dedloc_spec_with_exit_code_2(tmp_path) -> None
 
 
 def test_a_claim_is_bounded_by_the_rate_shown_and_a_new_peer_by_the_fastest_or_one_batch() -> None:
-    elapsed = {"a": 2.0, "new": 2.0}
+    elapsed = {"a": 1.0, "new": 1.0}
     assert dedloc.claim_bounds({}, elapsed, 1000, 10) == {"a": 1010, "new": 1010}
     assert dedloc.claim_bounds({"a": 100.0}, elapsed, 1000, 10) == {"a": 410, "new": 410}
     assert dedloc.claim_bounds({"a": 1000.0}, elapsed, 1000, 10) == {"a": 4010, "new": 1010}

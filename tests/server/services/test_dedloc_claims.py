@@ -37,7 +37,7 @@ def _claim(r: redis.Redis, now: float, **examples: int) -> None:
 def test_a_claim_counts_only_within_what_the_peers_rate_allows(private_redis) -> None:
     r = private_redis
     rnd = _joined(r, ("a", "b", "x"))
-    now = T0 + 2.0  # 2 s at 100/s: up to 10 + 2 * 100 * 2 = 410 examples each
+    now = T0 + 1.0  # 1 s at 100/s: up to 10 + 4 * 100 * 1 = 410 examples each
     _claim(r, now, a=400, b=400, x=10**9)
     assert dedloc.accumulated(r, 1, rnd, SPEC, now) == {"a": 400, "b": 400, "x": 0}, "a false claim counts nothing"
     assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "accumulating", "10^9 claimed examples close no step"
@@ -107,11 +107,12 @@ def test_a_committed_round_records_each_members_rate(private_redis) -> None:
     _claim(r, T0 + 4.0, a=400, b=600)
     dedloc.advance(r, 1, rnd, SPEC, 10, T0 + 4.0)
     rnd.ready.update(a=400, b=600)
+    rnd.claimed_at.update(a=T0 + 1.0, b=T0 + 2.0)  # after their downloads
     rnd.ready_at.update(a=T0 + 4.0, b=T0 + 4.0)
     dedloc.advance(r, 1, rnd, SPEC, 10, T0 + 4.0)
     for peer in ("a", "b"):
         dedloc.record_done(r, 1, rnd, SPEC, peer, 0, 0, "d", T0 + 5.0)
-    assert rnd.step == 1 and dedloc_claims.rates(r, 1) == {"a": 100.0, "b": 150.0}
+    assert rnd.step == 1 and dedloc_claims.rates(r, 1) == {"a": 400 / 3, "b": 300.0}
     assert rnd.opened == T0 + 5.0
 
 
@@ -145,8 +146,8 @@ def test_excluded_and_unproven_claims_are_not_told_to_the_others(tmp_path, priva
         assert report("honest", 50, now).accumulated == 50, "an excluded peer's claim counts for nothing"
         dedloc_claims.record_round(r, job_id, {peers["fake"]: 100}, {peers["fake"]: 1.0})  # fake: 100/s shown
         report("fake", 10**9, now)
-        assert report("honest", 50, now).accumulated == 50, "a claim beyond 10 + 2 x 100/s x 1 s counts nothing"
-        # 3 s in, each may claim 610: the honest peers close the step, and nobody waits for the fake.
+        assert report("honest", 50, now).accumulated == 50, "a claim beyond 10 + 4 x 100/s x 1 s counts nothing"
+        # 3 s in, each may claim 1010: the honest peers close the step, and nobody waits for the fake.
         assert report("honest", 500, now + 2.0).accumulated == 500
         assert report("other", 500, now + 2.0).action == "matchmaking"
         assert report("honest", 500, now + 2.0).action == "reduce"
