@@ -1,24 +1,35 @@
 """The scheduler's HTTP API as the client sees it, with retries while the server is unreachable.
 
-Replies are untrusted: a reply is read up to MAX_REPLY_BYTES and must fit its schema, or it is
-refused as a whole (BadReply); a download comes only from an allowed origin (see crowdtrain.client.origins)
-and stops at the size the assignment declared.
+Replies are untrusted: a reply comes through crowdtrain.client.server_http (the scheduler's origin
+only, read up to MAX_REPLY_BYTES, no redirect) and must fit its schema, or it is refused as a whole
+(BadReply); a download comes only from an allowed origin (see crowdtrain.client.origins) and stops
+at the size the assignment declared.
 """
 
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
-from pydantic import BaseModel, ValidationError
-from tenacity import RetryCallState, retry, retry_if_exception, wait_random_exponential
-from tenacity.stop import stop_base
+from tenacity import retry, retry_if_exception, wait_random_exponential
 
 from crowdtrain.client.origins import Origins, check_url_text
+from crowdtrain.client.server_http import (
+    MAX_REPLY_BYTES,
+    BadReply,
+    Refused,
+    ServerHTTP,
+    Stopping,
+    StopWhenSet,
+    TooLarge,
+    detail,
+    log_retry,
+    parse_reply,
+    read_at_most,
+    transient,
+)
 from crowdtrain.core.schemas import (
     AssignmentOut,
     HeartbeatReply,
@@ -32,68 +43,8 @@ from crowdtrain.core.schemas import (
 
 log = logging.getLogger(__name__)
 
-MAX_REPLY_BYTES = 32 * 2**20  # a work reply of 256 assignments with Keras JSON recipes fits well
+__all__ = ["MAX_REPLY_BYTES", "BadReply", "Refused", "SchedulerAPI", "Stopping", "TooLarge", "read_at_most"]
 MAX_ASSIGNMENTS_NAMED = 256
-
-
-class BadReply(Exception):
-    """The server's answer is unusable (too large, not JSON, not its schema): refused as a whole.
-
-    `assignment_ids` names the assignments a refused work reply carried, so that the client can
-    hand them back at once instead of leaving them to time out.
-    """
-
-    def __init__(self, message: str, assignment_ids: Iterable[int] = ()):
-        super().__init__(message)
-        self.assignment_ids = list(assignment_ids)
-
-
-class Refused(Exception):
-    """The server answered 4xx: retrying the same request will not help. `request` says which one
-    ("PUT /v1/assignments/41/result", "download of /v1/files/...")."""
-
-    def __init__(self, status: int, message: str, request: str = ""):
-        super().__init__(f"{request + ': ' if request else ''}HTTP {status}: {message}")
-        self.status = status
-        self.message = message
-        self.request = request
-
-
-class Stopping(Exception):
-    """The client is shutting down; the request was not made."""
-
-
-class TooLarge(BadReply):
-    """A reply or download longer than the client accepts."""
-
-
-def read_at_most(resp: httpx.Response, limit: int, what: str) -> bytes:
-    """The (decoded) body of a streamed response; TooLarge as soon as it passes `limit` bytes."""
-    declared = resp.headers.get("Content-Length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"{what} of {declared} bytes is larger than {limit} bytes")
-    body = bytearray()
-    for chunk in resp.iter_bytes():
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge(f"{what} is larger than {limit} bytes")
-    return bytes(body)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def _parse(model: type[M], body: bytes) -> M:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise BadReply(f"{model.__name__} refused: {_first_error(exc)}") from None
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors(include_input=False)[0]
-    where = ".".join(str(part) for part in err["loc"])
-    return f"{where}: {err['msg']}" + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
 
 
 def _assignment_ids(body: bytes) -> list[int]:
@@ -104,33 +55,6 @@ def _assignment_ids(body: bytes) -> list[int]:
     except (ValueError, AttributeError, TypeError):
         return []
     return [i for i in ids if type(i) is int]
-
-
-def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, httpx.TransportError):
-        return True
-    if isinstance(exc, Refused):  # our address is throttled (someone there guessed tokens): wait it out
-        return exc.status == 429
-    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
-
-
-class _StopWhenSet(stop_base):
-    def __init__(self, *events: threading.Event | None):
-        self.events = [e for e in events if e is not None]
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return any(e.is_set() for e in self.events)
-
-
-def _log_retry(state: RetryCallState) -> None:
-    if state.outcome is None:  # tenacity calls before_sleep only after an attempt has ended
-        raise RuntimeError("retry logged before the attempt ended: it has no outcome")
-    log.warning(
-        "server unreachable (%s); retry %d in %.1fs",
-        state.outcome.exception(),
-        state.attempt_number,
-        state.next_action.sleep if state.next_action else 0,
-    )
 
 
 class Throttle:
@@ -167,54 +91,28 @@ class SchedulerAPI:
         local_address: str | None = None,
     ):
         self.stop = stop
-        # Bound to `local_address` when given: the scheduler counts the networks hosts call from.
-        transport = httpx.HTTPTransport(local_address=local_address) if local_address else None
-        self.http = httpx.Client(base_url=server_url.rstrip("/"), timeout=timeout, transport=transport)
+        self.server = ServerHTTP(server_url, timeout, stop, local_address=local_address)
+        self.http = self.server.http
         self.origins = origins or Origins.for_scheduler(server_url)
         self.token: str | None = None
         self.downloads = Throttle(max_download_rate)
         self.uploads = Throttle(max_upload_rate)
 
     def close(self) -> None:
-        self.http.close()
+        self.server.close()
 
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def _request(self, method: str, url: str, give_up: threading.Event | None = None, **kwargs: Any) -> bytes:
-        """The reply's body (at most MAX_REPLY_BYTES); Refused on 4xx, retried on 5xx and transport errors
-        until the client stops or `give_up` is set."""
+        """The reply's body (crowdtrain.client.server_http: at most MAX_REPLY_BYTES, Refused on 4xx),
+        retried on 5xx and transport errors until the client stops or `give_up` is set."""
         headers = {**kwargs.pop("headers", {}), **self._auth()}
-
-        content = kwargs.pop("content", None)
-
-        @retry(
-            retry=retry_if_exception(_transient),
-            wait=wait_random_exponential(multiplier=0.5, max=30),
-            stop=_StopWhenSet(self.stop, give_up),
-            before_sleep=_log_retry,
-            reraise=True,
-        )
-        def attempt() -> bytes:
-            # A body given as a function is produced anew for each attempt (a generator is used up).
-            body = content() if callable(content) else content
-            req = self.http.build_request(method, url, headers=headers, content=body, **kwargs)
-            resp = self.http.send(req, stream=True)
-            try:
-                if resp.status_code >= 500:
-                    resp.raise_for_status()
-                reply = read_at_most(resp, MAX_REPLY_BYTES, f"reply to {method} {url}")
-            finally:
-                resp.close()
-            if resp.status_code >= 400:
-                raise Refused(resp.status_code, _detail(reply), f"{method} {url}")
-            return reply
-
-        return attempt()
+        return self.server.request(method, url, give_up, headers=headers, **kwargs)
 
     def register(self, join_token: str, name: str, resources: Resources, account: str = "") -> HostRegistered:
         body = HostRegister(join_token=join_token, name=name, resources=resources, account=account)
-        return _parse(HostRegistered, self._request("POST", "/v1/hosts", json=body.model_dump()))
+        return parse_reply(HostRegistered, self._request("POST", "/v1/hosts", json=body.model_dump()))
 
     def request_work(
         self,
@@ -234,12 +132,12 @@ class SchedulerAPI:
         )
         reply = self._request("POST", "/v1/work", give_up, json=body.model_dump())
         try:
-            return _parse(WorkReply, reply)
+            return parse_reply(WorkReply, reply)
         except BadReply as exc:
             raise BadReply(str(exc), _assignment_ids(reply)) from None
 
     def heartbeat(self, assignment_id: int) -> HeartbeatReply:
-        return _parse(HeartbeatReply, self._request("POST", f"/v1/assignments/{assignment_id}/heartbeat"))
+        return parse_reply(HeartbeatReply, self._request("POST", f"/v1/assignments/{assignment_id}/heartbeat"))
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}
@@ -277,10 +175,10 @@ class SchedulerAPI:
             req.headers.update(self._auth())
 
         @retry(
-            retry=retry_if_exception(_transient),
+            retry=retry_if_exception(transient),
             wait=wait_random_exponential(multiplier=0.5, max=30),
-            stop=_StopWhenSet(self.stop),
-            before_sleep=_log_retry,
+            stop=StopWhenSet(self.stop),
+            before_sleep=log_retry,
             reraise=True,
         )
         def attempt() -> None:
@@ -289,8 +187,8 @@ class SchedulerAPI:
                 if resp.status_code >= 500:
                     resp.raise_for_status()
                 if resp.status_code != 200:
-                    detail = _detail(read_at_most(resp, 64 * 1024, "error reply"))
-                    raise Refused(resp.status_code, detail, f"download of {req.url.copy_with(query=None)}")
+                    reply = detail(read_at_most(resp, 64 * 1024, "error reply"))
+                    raise Refused(resp.status_code, reply, f"download of {req.url.copy_with(query=None)}")
                 declared = resp.headers.get("Content-Length", "")
                 if declared.isdigit() and int(declared) > max_bytes:
                     raise TooLarge(f"download of {declared} bytes is larger than the {max_bytes} bytes announced")
@@ -306,13 +204,3 @@ class SchedulerAPI:
                 resp.close()
 
         attempt()
-
-
-def _detail(body: bytes) -> str:
-    """The message of an error reply: FastAPI's `detail`, else the text, cut short."""
-    text = body.decode("utf-8", errors="replace")
-    try:
-        detail = json.loads(text).get("detail", text)
-    except (ValueError, AttributeError):
-        detail = text
-    return (detail if isinstance(detail, str) else json.dumps(detail))[:1000]

@@ -2,6 +2,7 @@
 processes that all-reduce with torch.distributed (Gloo) over a rendezvous store the scheduler serves."""
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from crowdtrain.client.dedloc.api import PeerAPI
 from crowdtrain.core import dedloc
 from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
@@ -287,6 +289,43 @@ def test_a_peer_that_joins_late_starts_from_the_current_state(make_cluster) -> N
     assert all(len(done[s]["members"]) == 3 for s in range(first["step"], last + 1)), done
     # The state after the last commit may be cancelled before its members report it.
     assert_one_collaboration(cluster, job_id, range(1, last + 1))
+
+
+def claim_a_billion(cluster: Cluster, job_id: int, stop: threading.Event) -> str:
+    """A scripted fake peer: joins, claims 10^9 examples at every report, never reduces. Returns its id
+    once joined (and keeps reporting in a thread until `stop`)."""
+    api = PeerAPI(cluster.url)
+    api.register(cluster.join_token, "fake")
+    joined = api.join(job_id, False)
+
+    def lie() -> None:
+        step = joined.step
+        while not stop.wait(0.2):
+            reply = api.progress(step, 10**9, None, None)
+            if reply.action == "stop":
+                return
+            step = reply.step
+
+    threading.Thread(target=lie, daemon=True).start()
+    return joined.peer_id
+
+
+def test_a_fake_peer_claiming_a_billion_examples_does_not_stall_the_collaboration(make_cluster) -> None:
+    cluster = make_cluster(assimilator_concurrency=1)
+    job_id = submit(cluster, dedloc_spec(max_steps=6, matchmaking_timeout=2, averaging_timeout=8))
+    stop = threading.Event()
+    fake = claim_a_billion(cluster, job_id, stop)
+    try:
+        st = wait_finished(cluster, job_id, start_peers(cluster, job_id, 2))
+    finally:
+        stop.set()
+    assert st["status"] == "failed" and "max_steps=6" in st["status_message"], st
+    done = commits(cluster, job_id)
+    with cluster.admin() as http:
+        aborted = http.get(f"/v1/dedloc/jobs/{job_id}/aborts").json()
+    # As many rounds as steps, each a full global batch of the honest peers' examples.
+    assert sorted(done) == list(range(6)) and aborted == {}, aborted
+    assert all(fake not in c["members"] and sum(c["examples"].values()) >= 96 for c in done.values()), done
 
 
 def peer_ids(cluster: Cluster, name: str) -> set[str]:

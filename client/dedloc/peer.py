@@ -126,10 +126,13 @@ class DedlocPeer:
         self.opt = make_optimizer(self.model, self.spec)
         self.params = [p for p in self.model.parameters()]
         n = sum(p.numel() for p in self.params)
+        # A state is the parameters and at most three optimizer buffers like them (Adam's moments),
+        # in float32, and a header: a longer reply is refused unread.
+        self.state_limit = 16 * n + 2**20
         self.reported, self.fresh = Accumulator(torch.zeros(n)), Accumulator(torch.zeros(n))
         xs, ys = [], []
         for shard in joined.shards:
-            blob = self.api.shard(shard.id)
+            blob = self.api.shard(shard.id, shard.size)
             if sha256(blob) != shard.sha256:
                 raise ValueError(f"shard {shard.index} failed its sha256 check")
             x, y = decode_shard(blob)
@@ -158,7 +161,7 @@ class DedlocPeer:
     def sync_state(self) -> None:
         """Load the newest state; keeps the accumulated gradients (they join the next step). The state
         of step 0 must be the signed recipe's (JobRefused, reported, if not)."""
-        step, blob = self.api.latest_state()
+        step, blob = self.api.latest_state(self.state_limit)
         if step == self.step:
             return
         if step == 0 and self.initial_sha256 is not None and sha256(blob) != self.initial_sha256:

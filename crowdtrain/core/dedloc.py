@@ -178,3 +178,65 @@ def dissenters(digests: dict[str, str]) -> list[str]:
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
         return sorted(digests)
     return sorted(peer for peer, digest in digests.items() if digest != ranked[0][0])
+
+
+# A peer's claimed progress is believed up to this many times the rate it has shown (examples per
+# second over its committed rounds), plus one micro-batch: an honest peer that speeds up (a volunteer's
+# machine whose other load ends) is believed at once unless it more than quadruples, and a peer whose
+# claim runs ahead counts for nothing until time catches up with it (a claim of 10^9 never does).
+RATE_SLACK = 4.0
+
+
+def measured_rate(examples: int, seconds: float) -> float:
+    """Examples per second of a peer over its committed rounds (accumulating time only)."""
+    return max(0, examples) / max(seconds, 1e-3)
+
+
+def claim_bounds(
+    rates: Mapping[str, float], elapsed: Mapping[str, float], target_batch_size: int, allowance: int
+) -> dict[str, int]:
+    """The most examples each peer of `elapsed` (seconds it has accumulated for this step) may claim.
+
+    An established peer (in `rates`): `allowance + RATE_SLACK · rate · elapsed`. A new peer: the same
+    with the fastest established rate, at most one global batch (and the allowance a peer overshoots
+    it by); with no established peer at all (the job's first rounds) that most, so that a peer alone
+    can start the job.
+    """
+    fastest = max(rates.values(), default=None)
+    most = target_batch_size + allowance
+    bounds = {}
+    for peer, seconds in elapsed.items():
+        rate = rates.get(peer)
+        if rate is not None:
+            bounds[peer] = allowance + math.ceil(RATE_SLACK * rate * max(0.0, seconds))
+        elif fastest is None:
+            bounds[peer] = most
+        else:
+            bounds[peer] = min(most, allowance + math.ceil(RATE_SLACK * fastest * max(0.0, seconds)))
+    return bounds
+
+
+def bounded_claims(claims: Mapping[str, int], bounds: Mapping[str, int]) -> dict[str, int]:
+    """What each claim counts for toward closing a step: itself within its bound, else nothing (a
+    claim beyond what the peer can have computed is false, or early; 0 for a peer with no bound)."""
+    return {p: n if 0 <= n <= bounds.get(p, 0) else 0 for p, n in claims.items()}
+
+
+def matchmaking_over(
+    candidates: Sequence[str], ready: Mapping[str, int], established: set[str], target_batch_size: int
+) -> bool:
+    """Members may be fixed before the deadline: every established candidate is ready, and either
+    every candidate is or the ready ones hold a global batch. A peer that has never completed a
+    round is not waited on when the others make the batch without it."""
+    if not (set(candidates) & established) <= set(ready):
+        return False
+    return set(candidates) <= set(ready) or sum(ready.values()) >= target_batch_size
+
+
+def choose_members(ready: Mapping[str, int], established: set[str], target_batch_size: int) -> list[str]:
+    """The members of a round from the ready peers: the established ones alone when they hold a
+    global batch (a new peer cannot stall a round it is not needed in), else every ready peer."""
+    proven = {p: n for p, n in ready.items() if p in established}
+    if proven and sum(proven.values()) >= target_batch_size:
+        return sorted(proven)
+    return sorted(ready)

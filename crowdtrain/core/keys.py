@@ -120,7 +120,7 @@ def dedloc_round(job_id: int) -> str:
 
 
 def dedloc_peers(job_id: int) -> str:
-    """Hash peer id -> JSON {host_id, relayed, last_seen}."""
+    """Hash peer id -> JSON {host_id, relayed, last_seen, joined}."""
     return f"{PREFIX}:job:{job_id}:dedloc:peers"
 
 
@@ -167,6 +167,22 @@ def dedloc_state_claim(job_id: int, step: int) -> str:
 def dedloc_strikes(job_id: int) -> str:
     """Hash peer id -> aborted attempts in a row it was blamed for (cleared when it commits a step)."""
     return f"{PREFIX}:job:{job_id}:dedloc:strikes"
+
+
+def dedloc_rates(job_id: int) -> str:
+    """Hash peer id -> JSON {examples, seconds}: what the peer contributed to committed rounds and the
+    seconds it took to accumulate them; a peer in it is established (crowdtrain.core.dedloc.claim_bounds)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:rates"
+
+
+def dedloc_shut_out(job_id: int) -> str:
+    """Set of peer ids excluded for good: new peers that timed out (claimed and did not deliver)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:shut-out"
+
+
+def dedloc_attended(job_id: int, step: int, attempt: int) -> str:
+    """Set of the members of (step, attempt) that made a request of the reduction (store, part, total)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:attended:{step}:{attempt}"
 
 
 def dedloc_aborts(job_id: int) -> str:

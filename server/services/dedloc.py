@@ -14,7 +14,12 @@ abort forgets every kept session, so the retry's groups rendezvous anew whoever 
 
 Each transition is one read-modify-write under the job's Redis lock, so any number of scheduler
 workers agree. Nothing moves on a timer: the deadlines are checked by every peer request, and live
-peers poll at least every `report_interval` seconds.
+peers poll at least every `report_interval` seconds; every function here takes the time `now`.
+
+A peer's claimed examples count toward closing a step only up to a bound set by the rate it has
+shown (`dedloc_claims`); a peer that has never completed a round is not waited on when the others
+hold a global batch, and is excluded at its first timeout (an established peer after
+`spec.exclude_after` aborts in a row).
 
 Guarantees: a step is committed at most once, with the members and result digest recorded in
 `keys.dedloc_commits`; a peer applies a step only when it finds its own (step, attempt) there, so an
@@ -23,13 +28,13 @@ aborted attempt is applied by nobody and the collaboration never forks.
 
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 
 import redis
 
 from crowdtrain.core import dedloc, keys
 from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.server.services import dedloc_claims
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,9 @@ class Round:
     done: dict[str, str] = field(default_factory=dict)
     state_step: int = 0
     finished: bool = False
+    opened: float = 0.0  # when the running step began accumulating (its predecessor's commit)
+    ready_at: dict[str, float] = field(default_factory=dict)  # when each ready peer first said so
+    claimed_at: dict[str, float] = field(default_factory=dict)  # when each peer first claimed examples for the step
 
     @property
     def total(self) -> int:
@@ -82,6 +90,7 @@ class Peer:
     host_id: int
     relayed: bool
     last_seen: float
+    joined: float = 0.0
 
 
 class RoundGone(Exception):
@@ -113,99 +122,129 @@ def peers(r: redis.Redis, job_id: int) -> dict[str, Peer]:
     return {keys.text(k): Peer(**json.loads(v)) for k, v in r.hgetall(keys.dedloc_peers(job_id)).items()}
 
 
-def join(r: redis.Redis, job_id: int, peer_id: str, host_id: int, relayed: bool) -> None:
-    r.hset(keys.dedloc_peers(job_id), peer_id, json.dumps(asdict(Peer(host_id, relayed, time.time()))))
+def join(r: redis.Redis, job_id: int, peer_id: str, host_id: int, relayed: bool, now: float) -> None:
+    r.hset(keys.dedloc_peers(job_id), peer_id, json.dumps(asdict(Peer(host_id, relayed, now, now))))
 
 
-def touch(r: redis.Redis, job_id: int, peer_id: str, host_id: int) -> Peer:
+def touch(r: redis.Redis, job_id: int, peer_id: str, host_id: int, now: float) -> Peer:
     raw = r.hget(keys.dedloc_peers(job_id), peer_id)
     if raw is None:
         raise NotAMember(f"peer {peer_id} has not joined job {job_id}")
     peer = Peer(**json.loads(raw))
     if peer.host_id != host_id:
         raise NotAMember(f"peer {peer_id} belongs to another host")
-    peer = Peer(peer.host_id, peer.relayed, time.time())
+    peer = Peer(peer.host_id, peer.relayed, now, peer.joined)
     r.hset(keys.dedloc_peers(job_id), peer_id, json.dumps(asdict(peer)))
     return peer
 
 
-def live_peers(r: redis.Redis, job_id: int, spec: DedlocSpec) -> dict[str, Peer]:
-    horizon = time.time() - liveness_window(spec)
+def live_peers(r: redis.Redis, job_id: int, spec: DedlocSpec, now: float) -> dict[str, Peer]:
+    horizon = now - liveness_window(spec)
     return {p: v for p, v in peers(r, job_id).items() if v.last_seen >= horizon}
 
 
-def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps: int) -> Round:
-    """Apply every transition that is due now (step full, matchmaking over, averaging timed out)."""
-    now = time.time()
+def claim_bounds(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: float) -> dict[str, int]:
+    """The most examples each live, not excluded peer may claim for the running step at `now`."""
+    shut_out = excluded(r, job_id, spec)
+    live = {p: v for p, v in live_peers(r, job_id, spec, now).items() if p not in shut_out}
+    return dedloc_claims.bounds(r, job_id, spec, {p: max(rnd.opened, v.joined) for p, v in live.items()}, now)
+
+
+def accumulated(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: float) -> dict[str, int]:
+    """The examples live, not excluded peers claim for the running step, each up to its bound."""
+    return dedloc_claims.progress(r, job_id, rnd.step, claim_bounds(r, job_id, rnd, spec, now))
+
+
+def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps: int, now: float) -> Round:
+    """Apply every transition that is due at `now` (step full, matchmaking over, averaging timed out)."""
     if rnd.finished:
         return rnd
     # Closing does not wait for the state upload of the last step: if its uploader died, the next
     # step's members upload a newer one, and newcomers sync to that.
     if rnd.phase == "accumulating" and rnd.step < max_steps:
-        shut_out = excluded(r, job_id, spec)
-        live = {p: v for p, v in live_peers(r, job_id, spec).items() if p not in shut_out}
-        reported = {
-            keys.text(k): int(v)
-            for k, v in r.hgetall(keys.dedloc_progress(job_id, rnd.step)).items()
-            if keys.text(k) in live
-        }
-        if dedloc.step_is_full(reported, spec.target_batch_size):
-            rnd.phase, rnd.attempt, rnd.ready = "matchmaking", 0, {}
-            # Every live peer is awaited (up to matchmaking_timeout), also one still applying the last
-            # step or loading the state: otherwise a fast peer could close steps alone and leave the
-            # others chasing the collaboration.
-            rnd.candidates = sorted(live)
-            rnd.deadline = now + spec.matchmaking_timeout
-            log.info(
-                "job %s: step %d closed with %d examples from %s",
-                job_id,
-                rnd.step,
-                sum(reported.values()),
-                rnd.candidates,
-            )
-    if rnd.phase == "matchmaking" and (set(rnd.ready) >= set(rnd.candidates) or now > rnd.deadline):
-        shut_out = excluded(r, job_id, spec)
-        rnd.ready = {p: n for p, n in rnd.ready.items() if p not in shut_out}
-        if not rnd.ready:
-            log.warning(
-                "job %s: step %d attempt %d found no members; accumulating again", job_id, rnd.step, rnd.attempt
-            )
-            rnd.phase = "accumulating"
-        else:
-            relayed = {p for p, v in peers(r, job_id).items() if v.relayed}
-            rnd.members = sorted(rnd.ready)
-            rnd.examples = dict(rnd.ready)
-            plan = dedloc.plan_round(rnd.members, relayed, spec.max_group_size)
-            rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}
-            rnd.formed += 1
-            rnd.sessions = dedloc.group_sessions(plan.groups, rnd.kept, rnd.tag)
-            rnd.phase, rnd.deadline = "reducing", now + spec.averaging_timeout
-            dropped = sorted(set(rnd.candidates) - set(rnd.ready))
-            log.info(
-                "job %s: step %d attempt %d reduces %d examples: groups %s (sessions %s), relayed %s%s",
-                job_id,
-                rnd.step,
-                rnd.attempt,
-                rnd.total,
-                rnd.groups,
-                rnd.sessions,
-                rnd.relayed,
-                f", without {dropped}" if dropped else "",
-            )
+        _close_step(r, job_id, rnd, spec, now)
+    if rnd.phase == "matchmaking":
+        established = dedloc_claims.established(r, job_id)
+        if now > rnd.deadline or dedloc.matchmaking_over(
+            rnd.candidates, rnd.ready, established, spec.target_batch_size
+        ):
+            _form_round(r, job_id, rnd, spec, established, now)
     if rnd.phase == "reducing" and now > rnd.deadline:
         missing = sorted(set(rnd.members) - set(rnd.done))
-        abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}", missing)
+        abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}", missing, now, timed_out=True)
     return rnd
 
 
-def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str, blamed: list[str]) -> None:
+def _close_step(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: float) -> None:
+    reported = accumulated(r, job_id, rnd, spec, now)
+    if not dedloc.step_is_full(reported, spec.target_batch_size):
+        return
+    rnd.phase, rnd.attempt, rnd.ready, rnd.ready_at = "matchmaking", 0, {}, {}
+    # Every live peer is a candidate (up to matchmaking_timeout), also one still applying the last
+    # step or loading the state: otherwise a fast peer could close steps alone and leave the others
+    # chasing the collaboration. Only established peers are waited on (dedloc.matchmaking_over), and
+    # not one whose claim runs ahead of its bound (it may still come ready if time catches up).
+    bounds = claim_bounds(r, job_id, rnd, spec, now)
+    rnd.candidates = sorted(set(bounds) - dedloc_claims.overclaimed(r, job_id, rnd.step, bounds))
+    rnd.deadline = now + spec.matchmaking_timeout
+    log.info(
+        "job %s: step %d closed with %d examples from %s", job_id, rnd.step, sum(reported.values()), rnd.candidates
+    )
+
+
+def _form_round(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, established: set[str], now: float) -> None:
+    if now > rnd.deadline:
+        # A new peer that claimed examples for this step and is not ready by the deadline timed out.
+        no_shows = dedloc_claims.claimed(r, job_id, rnd.step) & set(rnd.candidates) - set(rnd.ready) - established
+        if no_shows:
+            log.warning("job %s: new peers %s claimed examples and never came ready: excluded", job_id, no_shows)
+            dedloc_claims.shut_out(r, job_id, sorted(no_shows))
+    shut_out = excluded(r, job_id, spec)
+    rnd.ready = {p: n for p, n in rnd.ready.items() if p not in shut_out}
+    if not rnd.ready:
+        log.warning("job %s: step %d attempt %d found no members; accumulating again", job_id, rnd.step, rnd.attempt)
+        rnd.phase = "accumulating"
+        return
+    relayed = {p for p, v in peers(r, job_id).items() if v.relayed}
+    rnd.members = dedloc.choose_members(rnd.ready, established, spec.target_batch_size)
+    rnd.examples = {p: rnd.ready[p] for p in rnd.members}
+    plan = dedloc.plan_round(rnd.members, relayed, spec.max_group_size)
+    rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}
+    rnd.formed += 1
+    rnd.sessions = dedloc.group_sessions(plan.groups, rnd.kept, rnd.tag)
+    rnd.phase, rnd.deadline = "reducing", now + spec.averaging_timeout
+    dropped = sorted(set(rnd.candidates) - set(rnd.members))
+    log.info(
+        "job %s: step %d attempt %d reduces %d examples: groups %s (sessions %s), relayed %s%s",
+        job_id,
+        rnd.step,
+        rnd.attempt,
+        rnd.total,
+        rnd.groups,
+        rnd.sessions,
+        rnd.relayed,
+        f", without {dropped}" if dropped else "",
+    )
+
+
+def abort(
+    r: redis.Redis,
+    job_id: int,
+    rnd: Round,
+    spec: DedlocSpec,
+    reason: str,
+    blamed: list[str],
+    now: float,
+    timed_out: bool = False,
+) -> None:
     """Abort the running attempt for every member; its members but the excluded are the candidates of
-    the retry. `blamed` are the members that caused it: one strike each (`excluded`)."""
-    shut_out = blame(r, job_id, spec, blamed)
+    the retry. `blamed` are the members that caused it: one strike each (`excluded`), and when they
+    `timed_out` a new peer among them that never took part is excluded at once."""
+    shut_out = blame(r, job_id, spec, blamed, (rnd.step, rnd.attempt) if timed_out else None)
     r.hset(
         keys.dedloc_aborts(job_id),
         f"{rnd.step}:{rnd.attempt}",
-        json.dumps({"members": rnd.members, "reason": reason[:500], "blamed": blamed, "at": time.time()}),
+        json.dumps({"members": rnd.members, "reason": reason[:500], "blamed": blamed, "at": now}),
     )
     log.warning(
         "job %s: step %d attempt %d aborted (%s); retrying without the peers that do not answer",
@@ -214,15 +253,23 @@ def abort(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, reason: str
         rnd.attempt,
         reason,
     )
-    rnd.candidates, rnd.ready, rnd.done = [m for m in rnd.members if m not in shut_out], {}, {}
+    rnd.candidates, rnd.ready, rnd.ready_at, rnd.done = [m for m in rnd.members if m not in shut_out], {}, {}, {}
     rnd.members, rnd.examples, rnd.groups, rnd.relayed = [], {}, [], []
     rnd.sessions, rnd.kept = [], {}  # a member may hold a broken process group: every group meets anew
     rnd.phase, rnd.attempt = "matchmaking", rnd.attempt + 1
-    rnd.deadline = time.time() + spec.matchmaking_timeout
+    rnd.deadline = now + spec.matchmaking_timeout
 
 
 def record_done(
-    r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, peer_id: str, step: int, attempt: int, result_digest: str
+    r: redis.Redis,
+    job_id: int,
+    rnd: Round,
+    spec: DedlocSpec,
+    peer_id: str,
+    step: int,
+    attempt: int,
+    result_digest: str,
+    now: float,
 ) -> dict | None:
     """A member finished its reduction; returns the commit record when this completes the round."""
     if rnd.phase != "reducing" or rnd.step != step or rnd.attempt != attempt:
@@ -236,7 +283,7 @@ def record_done(
         return None
     if len(set(rnd.done.values())) != 1:
         # Members disagree on the averaged gradient: applying it would fork the collaboration.
-        abort(r, job_id, rnd, spec, f"members' results differ: {rnd.done}", dedloc.dissenters(rnd.done))
+        abort(r, job_id, rnd, spec, f"members' results differ: {rnd.done}", dedloc.dissenters(rnd.done), now)
         return None
     commit = {
         "step": step,
@@ -245,9 +292,10 @@ def record_done(
         "examples": rnd.examples,
         "digest": result_digest,
         "uploader": rnd.members[0],
-        "at": time.time(),
+        "at": now,
     }
     r.hset(keys.dedloc_commits(job_id), str(step), json.dumps(commit))
+    _record_rates(r, job_id, rnd, now)
     r.hdel(keys.dedloc_strikes(job_id), *rnd.members)  # their runs of blamed aborts end
     log.info(
         "job %s: step %d committed (attempt %d, %d members, %d examples)",
@@ -257,16 +305,46 @@ def record_done(
         len(rnd.members),
         rnd.total,
     )
-    rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
-    rnd.step, rnd.phase, rnd.attempt = step + 1, "accumulating", 0
-    rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
-    rnd.sessions = []
+    _open_next_step(rnd, now)
     r.expire(keys.dedloc_progress(job_id, step), ARTIFACT_TTL)
     return commit
 
 
-def blame(r: redis.Redis, job_id: int, spec: DedlocSpec, peers: list[str]) -> set[str]:
-    """One strike for each of `peers`; returns the peers excluded now (spec.exclude_after strikes in a row)."""
+def _open_next_step(rnd: Round, now: float) -> None:
+    """The running step is committed: its groups' sessions are kept, the next step accumulates from `now`."""
+    rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
+    rnd.step, rnd.phase, rnd.attempt = rnd.step + 1, "accumulating", 0
+    rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
+    rnd.sessions, rnd.ready_at, rnd.claimed_at, rnd.opened = [], {}, {}, now
+
+
+def _record_rates(r: redis.Redis, job_id: int, rnd: Round, now: float) -> None:
+    """Each member of the committing round showed its examples in the seconds from its first claim for
+    the step (else the step's opening, or its joining) to its being ready (else `now`). From the first
+    claim: a new peer's downloads and a member's wait for the last step's state are not computing time."""
+    joined = peers(r, job_id)
+    seconds = {}
+    for p in rnd.examples:
+        began = max(rnd.opened, joined[p].joined if p in joined else rnd.opened)
+        seconds[p] = rnd.ready_at.get(p, now) - rnd.claimed_at.get(p, began)
+    dedloc_claims.record_round(r, job_id, rnd.examples, seconds)
+
+
+def blame(
+    r: redis.Redis, job_id: int, spec: DedlocSpec, peers: list[str], timed_out: tuple[int, int] | None = None
+) -> set[str]:
+    """One strike for each of `peers`; returns the peers excluded now (spec.exclude_after strikes in a
+    row). When they `timed_out` in (step, attempt), the new peers among them (no committed round) that
+    never took part in the reduction are excluded at once."""
+    if timed_out is not None:
+        step, attempt = timed_out
+        # A new member that never took part in the reduction is the one its group waited on; one
+        # that did (it published or fetched its group's address) was waiting on another.
+        proven = dedloc_claims.established(r, job_id) | dedloc_claims.attended(r, job_id, step, attempt)
+        newcomers = [p for p in peers if p not in proven]
+        if newcomers:
+            log.warning("job %s: new peers %s timed out in their first round: excluded", job_id, newcomers)
+        dedloc_claims.shut_out(r, job_id, newcomers)
     for peer in peers:
         strikes = r.hincrby(keys.dedloc_strikes(job_id), peer, 1)
         if spec.exclude_after is not None and strikes == spec.exclude_after:
@@ -280,10 +358,13 @@ def blame(r: redis.Redis, job_id: int, spec: DedlocSpec, peers: list[str]) -> se
 
 
 def excluded(r: redis.Redis, job_id: int, spec: DedlocSpec) -> set[str]:
-    """Peers that take no part in matchmaking any more (spec.exclude_after)."""
+    """Peers that take no part in matchmaking any more: new peers that timed out, and peers blamed for
+    spec.exclude_after aborts in a row."""
+    shut_out = dedloc_claims.shut_out_peers(r, job_id)
     if spec.exclude_after is None:
-        return set()
-    return {keys.text(p) for p, n in r.hgetall(keys.dedloc_strikes(job_id)).items() if int(n) >= spec.exclude_after}
+        return shut_out
+    strikes = r.hgetall(keys.dedloc_strikes(job_id))
+    return shut_out | {keys.text(p) for p, n in strikes.items() if int(n) >= spec.exclude_after}
 
 
 def commit_of(r: redis.Redis, job_id: int, step: int) -> dict | None:

@@ -25,7 +25,7 @@ from crowdtrain.core.schemas_dedloc import (
     StoreReply,
 )
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc
+from crowdtrain.server.services import dedloc, dedloc_claims
 from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
 
@@ -53,12 +53,15 @@ def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
     )
 
 
-def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress) -> ProgressReply:
-    """A peer's report of its accumulated examples; the answer says what it does next."""
+def progress(
+    db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress, now: float | None = None
+) -> ProgressReply:
+    """A peer's report of its accumulated examples at `now` (the clock's); the answer says what it does next."""
+    now = time.time() if now is None else now
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
-            dedloc.touch(r, job_id, req.peer_id, host_id)
+            dedloc.touch(r, job_id, req.peer_id, host_id, now)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
         rnd = dedloc.load(r, job_id)
@@ -67,12 +70,12 @@ def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: in
         if req.params_digest and req.step >= 0:
             r.hset(keys.dedloc_digests(job_id, req.step), req.peer_id, req.params_digest)
             r.expire(keys.dedloc_digests(job_id, req.step), 24 * 3600)
-        reply = _next_action(r, view, rnd, req)
+        reply = _next_action(r, view, rnd, req, now)
         dedloc.save(r, job_id, rnd)
     return reply
 
 
-def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> ProgressReply:
+def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: float) -> ProgressReply:
     def answer(action: PeerAction, **kw: Any) -> ProgressReply:
         return ProgressReply(action=action, step=rnd.step, state_step=rnd.state_step, **kw)
 
@@ -86,29 +89,32 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         return answer(PeerAction.stop, message="the job has finished")
     if req.step != rnd.step:
         return answer(PeerAction.resync, message=f"the collaboration is at step {rnd.step}")
-    dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
+    dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
         r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
-        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
-    # A peer excluded for repeated aborts (spec.exclude_after) is never a member again.
-    if rnd.phase == "matchmaking" and req.examples > 0 and req.peer_id not in dedloc.excluded(r, view.id, view.spec):
+        if req.examples > 0:
+            rnd.claimed_at.setdefault(req.peer_id, now)
+        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
+    # An excluded peer (dedloc.excluded) is never a member again; a peer claiming more than its
+    # bound is not ready until time catches up with its claim (a fake claim never does).
+    if rnd.phase == "matchmaking" and 0 < req.examples <= dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(
+        req.peer_id, 0
+    ):
         if req.peer_id not in rnd.candidates:
             rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
         rnd.ready[req.peer_id] = req.examples
-        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps)
+        rnd.ready_at.setdefault(req.peer_id, now)
+        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     if rnd.phase == "reducing" and req.peer_id in rnd.members:
         if req.peer_id in rnd.done:
             return answer(PeerAction.wait)
         return answer(PeerAction.reduce, round=_plan_for(rnd, req.peer_id, view.spec))
     if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
         return answer(PeerAction.matchmaking)
-    live = dedloc.live_peers(r, view.id, view.spec)
-    reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
-    return answer(
-        PeerAction.accumulate,
-        accumulated=sum(int(v) for k, v in reported.items() if keys.text(k) in live),
-        peers=max(1, len(live)),
-    )
+    # What the others are told counts no excluded peer, and each claim only up to its bound.
+    bounds = dedloc.claim_bounds(r, view.id, rnd, view.spec, now)
+    reported = dedloc_claims.progress(r, view.id, rnd.step, bounds)
+    return answer(PeerAction.accumulate, accumulated=sum(reported.values()), peers=max(1, len(bounds)))
 
 
 def report(
@@ -122,21 +128,27 @@ def report(
     ok: bool,
     result_digest: str,
     message: str,
+    now: float | None = None,
 ) -> Outcome:
-    """A member's outcome of its reduction: done (with the digest of its result) or failed."""
+    """A member's outcome of its reduction at `now` (the clock's): done (with the digest of its
+    result) or failed. A failure reported past the averaging deadline finds the attempt already
+    aborted for the members that never answered (a member whose collective timed out waiting
+    for an absent peer is not to blame)."""
+    now = time.time() if now is None else now
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
-            dedloc.touch(r, job_id, peer_id, host_id)
+            dedloc.touch(r, job_id, peer_id, host_id, now)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
         rnd = joined_round(r, job_id)
         try:
             if ok:
-                commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest)
+                commit = dedloc.record_done(r, job_id, rnd, view.spec, peer_id, step, attempt, result_digest, now)
             else:
+                dedloc.advance(r, job_id, rnd, view.spec, view.max_steps, now)
                 dedloc.check_member(rnd, peer_id, step, attempt)
-                dedloc.abort(r, job_id, rnd, view.spec, f"{peer_id} failed: {message}", [peer_id])
+                dedloc.abort(r, job_id, rnd, view.spec, f"{peer_id} failed: {message}", [peer_id], now)
                 commit = None
         except RoundGone as exc:
             raise DedlocProblem(RefusalKind.conflict, str(exc)) from None
@@ -153,9 +165,10 @@ def report(
 
 def running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
     try:
-        dedloc.touch(r, job_id, peer_id, host_id)
+        dedloc.touch(r, job_id, peer_id, host_id, time.time())
         rnd = joined_round(r, job_id)
         dedloc.check_member(rnd, peer_id, step, attempt)
+        dedloc_claims.attend(r, job_id, step, attempt, peer_id, dedloc.ARTIFACT_TTL)
         return rnd
     except RoundGone as exc:
         raise DedlocProblem(RefusalKind.conflict, str(exc)) from None

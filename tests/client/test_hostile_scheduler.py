@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import crowdtrain.client.api
+import crowdtrain.client.server_http
 import crowdtrain.client.worker
 from crowdtrain.client.assignment import Running
 from crowdtrain.client.preemption import Notice
@@ -190,7 +190,7 @@ def test_the_client_refuses_a_hostile_work_reply_and_keeps_working(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(crowdtrain.client.worker, "BAD_REPLY_WAIT", 0.2)
-    monkeypatch.setattr(crowdtrain.client.api, "MAX_REPLY_BYTES", 8192)
+    monkeypatch.setattr(crowdtrain.client.server_http, "MAX_REPLY_BYTES", 8192)
     make_reply, expected = CASES[case]
     victim = tmp_path / "victim" / "file"
     victim.parent.mkdir()

@@ -1,7 +1,6 @@
 """The DeDLOC rendezvous: round phases on a real Redis, and the `/v1/dedloc` API's refusals."""
 
 import json
-import time
 
 import httpx
 import numpy as np
@@ -14,7 +13,7 @@ from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc
+from crowdtrain.server.services import dedloc, dedloc_claims
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -23,9 +22,24 @@ SPEC = DedlocSpec(
 )
 
 
-def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
-    from crowdtrain.core import keys
+class Clock:
+    """The time the tests pass as `now`: it moves only when a test says so."""
 
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def later(self, r: redis.Redis, seconds: float) -> float:
+        """`seconds` pass, in which every joined peer polls (stays live)."""
+        self.now += seconds
+        for peer, p in dedloc.peers(r, 1).items():
+            dedloc.touch(r, 1, peer, p.host_id, self.now)
+        return self.now
+
+
+CLOCK = Clock()
+
+
+def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
     for peer, n in examples.items():
         r.hset(keys.dedloc_progress(1, rnd.step), peer, n)
 
@@ -33,20 +47,26 @@ def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
 def _joined(r: redis.Redis, *peers: str, relayed: tuple[str, ...] = ()) -> dedloc.Round:
     dedloc.open_job(r, 1)
     for i, p in enumerate(peers):
-        dedloc.join(r, 1, p, i + 1, p in relayed)
+        dedloc.join(r, 1, p, i + 1, p in relayed, CLOCK.now)
     return dedloc.load(r, 1)
+
+
+def _establish(r: redis.Redis, *peers: str) -> None:
+    """The peers have completed a round (at 5,000 examples a second): they are waited on, and struck."""
+    dedloc_claims.record_round(r, 1, dict.fromkeys(peers, 100), dict.fromkeys(peers, 0.02))
+    CLOCK.later(r, 0.1)  # and have accumulated for a while: their claims below are believed
 
 
 def test_a_step_closes_at_the_target_and_waits_for_every_live_peer(private_redis) -> None:
     r = private_redis
     rnd = _joined(r, "a", "b", "c", relayed=("c",))
     _report(r, rnd, a=40, b=50)
-    assert dedloc.advance(r, 1, rnd, SPEC, 10).phase == "accumulating"
+    assert dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now).phase == "accumulating"
     _report(r, rnd, b=60)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "matchmaking" and rnd.candidates == ["a", "b", "c"]
     rnd.ready.update(a=40, b=60, c=5)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "reducing" and rnd.members == ["a", "b", "c"] and rnd.total == 105
     assert rnd.groups == [["a", "b"]] and rnd.relayed == ["c"] and rnd.plan.needs_combining
 
@@ -54,15 +74,16 @@ def test_a_step_closes_at_the_target_and_waits_for_every_live_peer(private_redis
 def test_a_peer_not_ready_by_the_matchmaking_deadline_is_left_for_the_next_step(private_redis) -> None:
     r = private_redis
     rnd = _joined(r, "a", "b", "c")
+    _establish(r, "a", "b", "c")
     _report(r, rnd, a=60, b=60)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     rnd.ready.update(a=60, b=60)
-    assert dedloc.advance(r, 1, rnd, SPEC, 10).phase == "matchmaking"  # c is live: awaited
-    time.sleep(SPEC.matchmaking_timeout + 0.1)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    assert dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now).phase == "matchmaking"  # c is live and proven: awaited
+    CLOCK.later(r, SPEC.matchmaking_timeout + 0.1)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "reducing" and rnd.members == ["a", "b"]
-    assert dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1") is None
-    commit = dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d1")
+    assert dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1", CLOCK.now) is None
+    commit = dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d1", CLOCK.now)
     assert commit["members"] == ["a", "b"] and rnd.step == 1 and rnd.phase == "accumulating"
     assert dedloc.commit_of(r, 1, 0)["attempt"] == 0
 
@@ -71,20 +92,23 @@ def test_a_failed_attempt_is_retried_without_the_peer_that_does_not_come_back(pr
     r = private_redis
     rnd = _joined(r, "a", "b", "c")
     _report(r, rnd, a=50, b=50, c=50)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     rnd.ready.update(a=50, b=50, c=50)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
-    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1")
-    time.sleep(SPEC.averaging_timeout + 0.1)  # c never reports: the attempt times out for everyone
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
+    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1", CLOCK.now)
+    dedloc_claims.attend(r, 1, 0, 0, "b", 60)  # b waits in its all-reduce for c
+    CLOCK.later(r, SPEC.averaging_timeout + 0.1)  # c never reports: the attempt times out for everyone
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "matchmaking" and rnd.attempt == 1 and rnd.done == {}
     assert r.hexists(keys.dedloc_aborts(1), "0:0")
     with pytest.raises(dedloc.RoundGone):
-        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d1")  # a late report of the aborted attempt changes nothing
+        dedloc.record_done(
+            r, 1, rnd, SPEC, "b", 0, 0, "d1", CLOCK.now
+        )  # a late report of the aborted attempt changes nothing
     assert dedloc.commit_of(r, 1, 0) is None
     rnd.ready.update(a=50, b=50)
-    time.sleep(SPEC.matchmaking_timeout + 0.1)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    CLOCK.later(r, SPEC.matchmaking_timeout + 0.1)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.members == ["a", "b"] and rnd.attempt == 1
 
 
@@ -92,47 +116,49 @@ def test_members_that_disagree_on_the_result_abort_instead_of_forking(private_re
     r = private_redis
     rnd = _joined(r, "a", "b")
     _report(r, rnd, a=50, b=50)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     rnd.ready.update(a=50, b=50)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
-    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1")
-    assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d2") is None
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
+    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1", CLOCK.now)
+    assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d2", CLOCK.now) is None
     assert rnd.phase == "matchmaking" and rnd.step == 0 and dedloc.commit_of(r, 1, 0) is None
     with pytest.raises(dedloc.NotAMember):
         rnd.phase, rnd.members = "reducing", ["a"]
-        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 1, "d1")
+        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 1, "d1", CLOCK.now)
 
 
 def _reduce(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
     """Close the step with these peers' examples and make them the members."""
     _report(r, rnd, **examples)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     rnd.ready.update(examples)
-    time.sleep(SPEC.matchmaking_timeout + 0.05)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    CLOCK.later(r, SPEC.matchmaking_timeout + 0.05)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "reducing", rnd
 
 
 def test_a_peer_that_keeps_timing_out_is_excluded_and_the_others_commit(private_redis) -> None:
     r = private_redis
     rnd = _joined(r, "a", "b", "c")
+    _establish(r, "a", "b", "c")
     _reduce(r, rnd, a=50, b=50, c=50)
     for attempt in range(SPEC.exclude_after or 0):
         assert rnd.attempt == attempt and "c" in rnd.members
-        dedloc.record_done(r, 1, rnd, SPEC, "a", 0, attempt, "d")
-        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, attempt, "d")
-        time.sleep(SPEC.averaging_timeout + 0.05)  # c never reports
-        dedloc.advance(r, 1, rnd, SPEC, 10)
+        dedloc.record_done(r, 1, rnd, SPEC, "a", 0, attempt, "d", CLOCK.now)
+        dedloc.record_done(r, 1, rnd, SPEC, "b", 0, attempt, "d", CLOCK.now)
+        CLOCK.later(r, SPEC.averaging_timeout + 0.05)  # c never reports
+        dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
         assert rnd.phase == "matchmaking"
         rnd.ready.update(a=50, b=50, c=50)  # c keeps saying it is ready
-        time.sleep(SPEC.matchmaking_timeout + 0.05)
-        dedloc.advance(r, 1, rnd, SPEC, 10)
+        CLOCK.later(r, SPEC.matchmaking_timeout + 0.05)
+        dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert dedloc.excluded(r, 1, SPEC) == {"c"}
     assert rnd.members == ["a", "b"], "the excluded peer is no member, even when it says it is ready"
-    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, rnd.attempt, "d")
-    assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, rnd.attempt, "d")["members"] == ["a", "b"]
+    dedloc.record_done(r, 1, rnd, SPEC, "a", 0, rnd.attempt, "d", CLOCK.now)
+    assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, rnd.attempt, "d", CLOCK.now)["members"] == ["a", "b"]
+    CLOCK.later(r, 0.1)
     _report(r, rnd, a=30, b=30, c=500)
-    dedloc.advance(r, 1, rnd, SPEC, 10)
+    dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "accumulating", "an excluded peer's examples do not close a step"
     assert r.hget(keys.dedloc_strikes(1), "a") is None, "a commit clears its members' strikes"
 
@@ -142,7 +168,7 @@ def test_the_member_whose_result_differs_from_the_majority_is_blamed(private_red
     rnd = _joined(r, "a", "b", "c")
     _reduce(r, rnd, a=50, b=50, c=50)
     for peer, digest in (("a", "d1"), ("b", "d1"), ("c", "forged")):
-        dedloc.record_done(r, 1, rnd, SPEC, peer, 0, 0, digest)
+        dedloc.record_done(r, 1, rnd, SPEC, peer, 0, 0, digest, CLOCK.now)
     assert rnd.phase == "matchmaking" and rnd.attempt == 1
     assert {keys.text(k): int(v) for k, v in r.hgetall(keys.dedloc_strikes(1)).items()} == {"c": 1}
     assert json.loads(r.hget(keys.dedloc_aborts(1), "0:0"))["blamed"] == ["c"]
@@ -156,16 +182,17 @@ def test_dissenters_are_the_minority_or_everyone_on_a_tie() -> None:
 def _commit(r: redis.Redis, rnd: dedloc.Round, spec: DedlocSpec) -> None:
     step, attempt = rnd.step, rnd.attempt
     for peer in rnd.members:
-        dedloc.record_done(r, 1, rnd, spec, peer, step, attempt, "d")
+        dedloc.record_done(r, 1, rnd, spec, peer, step, attempt, "d", CLOCK.now)
     assert rnd.step == step + 1, rnd
 
 
 def _close(r: redis.Redis, rnd: dedloc.Round, spec: DedlocSpec, **examples: int) -> None:
+    CLOCK.later(r, 1.0)  # the peers accumulate: their claims are within what their rates allow
     _report(r, rnd, **examples)
-    dedloc.advance(r, 1, rnd, spec, 10)
+    dedloc.advance(r, 1, rnd, spec, 10, CLOCK.now)
     rnd.ready.update(examples)
-    time.sleep(spec.matchmaking_timeout + 0.05)
-    dedloc.advance(r, 1, rnd, spec, 10)
+    CLOCK.later(r, spec.matchmaking_timeout + 0.05)
+    dedloc.advance(r, 1, rnd, spec, 10, CLOCK.now)
     assert rnd.phase == "reducing", rnd
 
 
@@ -188,13 +215,13 @@ def test_a_member_gone_or_an_abort_makes_a_new_process_group(private_redis) -> N
     _commit(r, rnd, spec)
     _close(r, rnd, spec, a=60, b=60)  # c is gone: a and b meet without it
     assert rnd.members == ["a", "b"] and rnd.sessions == ["1.0.2.0"]
-    dedloc.record_done(r, 1, rnd, spec, "a", 1, 0, "d")
-    time.sleep(spec.averaging_timeout + 0.05)  # b never reports: the attempt is aborted
-    dedloc.advance(r, 1, rnd, spec, 10)
+    dedloc.record_done(r, 1, rnd, spec, "a", 1, 0, "d", CLOCK.now)
+    CLOCK.later(r, spec.averaging_timeout + 0.05)  # b never reports: the attempt is aborted
+    dedloc.advance(r, 1, rnd, spec, 10, CLOCK.now)
     assert rnd.phase == "matchmaking" and rnd.kept == {}
     rnd.ready.update(a=60, b=60)
-    time.sleep(spec.matchmaking_timeout + 0.05)
-    dedloc.advance(r, 1, rnd, spec, 10)
+    CLOCK.later(r, spec.matchmaking_timeout + 0.05)
+    dedloc.advance(r, 1, rnd, spec, 10, CLOCK.now)
     assert rnd.members == ["a", "b"] and rnd.sessions == ["1.1.3.0"], "a retry never reuses a group that failed"
     _commit(r, rnd, spec)
     _close(r, rnd, spec, a=60, b=60)
@@ -206,7 +233,7 @@ def test_no_step_closes_past_max_steps(private_redis) -> None:
     rnd = _joined(r, "a")
     rnd.step = 3
     _report(r, rnd, a=500)
-    assert dedloc.advance(r, 1, rnd, SPEC, 3).phase == "accumulating"
+    assert dedloc.advance(r, 1, rnd, SPEC, 3, CLOCK.now).phase == "accumulating"
 
 
 def _dedloc_job(**changes) -> dict:
