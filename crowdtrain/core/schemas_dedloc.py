@@ -93,7 +93,11 @@ class ProgressReply(BaseModel):
     step: int = Field(..., description="The step the collaboration is accumulating")
     state_step: int
     round: RoundPlanOut | None = None
-    upload_state: bool = Field(False, description="With `apply`: this peer uploads the state after the step")
+    upload_state: bool = Field(
+        False,
+        description="This peer uploads its state of `step` now: it is a member of the commit of `step` - 1 and holds "
+        "the parameters most of its members report (never with `apply`: members report their parameters first)",
+    )
     accumulated: int = Field(0, description="Examples the live peers have reported for `step` so far")
     peers: int = Field(1, description="Live peers: a peer reports as soon as it holds its share of the batch")
     message: str = ""

@@ -280,10 +280,12 @@ def blame(r: redis.Redis, job_id: int, spec: DedlocSpec, peers: list[str]) -> se
 
 
 def excluded(r: redis.Redis, job_id: int, spec: DedlocSpec) -> set[str]:
-    """Peers that take no part in matchmaking any more (spec.exclude_after)."""
+    """Peers that take no part in matchmaking any more (spec.exclude_after): strikes of aborted attempts
+    in a row, or refused state uploads (crowdtrain.server.services.dedloc_states) in all."""
     if spec.exclude_after is None:
         return set()
-    return {keys.text(p) for p, n in r.hgetall(keys.dedloc_strikes(job_id)).items() if int(n) >= spec.exclude_after}
+    counts = [*r.hgetall(keys.dedloc_strikes(job_id)).items(), *r.hgetall(keys.dedloc_state_strikes(job_id)).items()]
+    return {keys.text(p) for p, n in counts if int(n) >= spec.exclude_after}
 
 
 def commit_of(r: redis.Redis, job_id: int, step: int) -> dict | None:

@@ -1,0 +1,74 @@
+"""A DeDLOC collaboration driven by hand over the `/v1/dedloc` API: peers (one host client each, a
+FastAPI TestClient or an httpx client of a running scheduler) join a job, report progress until a
+round names them all, report the reduction's outcome, and report the parameters they hold. For tests
+that need a live round or a committed step without running peer processes."""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class HandPeer:
+    http: httpx.Client
+    peer_id: str
+    step: int
+
+
+class HandCollaboration:
+    def __init__(self, job_id: int, hosts: Sequence[httpx.Client]):
+        self.job_id = job_id
+        self.peers: list[HandPeer] = []
+        for http in hosts:
+            resp = http.post(f"{self.base}/join", json={})
+            assert resp.status_code == 200, resp.text
+            self.peers.append(HandPeer(http, resp.json()["peer_id"], resp.json()["step"]))
+
+    @property
+    def base(self) -> str:
+        return f"/v1/dedloc/jobs/{self.job_id}"
+
+    def progress(self, peer: HandPeer, examples: int, attempt: int | None = None, digest: str | None = None) -> dict:
+        body = {"peer_id": peer.peer_id, "step": peer.step, "examples": examples, "attempt": attempt}
+        resp = peer.http.post(f"{self.base}/progress", json=body | ({"params_digest": digest} if digest else {}))
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def open_round(self, examples: int, timeout: float = 30.0) -> tuple[int, int]:
+        """Report `examples` from every peer until a reduction names them all; its (step, attempt)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            replies = [self.progress(p, examples) for p in self.peers]
+            for peer, reply in zip(self.peers, replies, strict=True):
+                peer.step = reply["step"]  # a peer told to resync holds no parameters here: it just follows
+            plans = {(r["round"]["step"], r["round"]["attempt"]) for r in replies if r["action"] == "reduce"}
+            if len(plans) == 1 and all(r["action"] == "reduce" for r in replies):
+                return plans.pop()
+            time.sleep(0.02)
+        raise TimeoutError(f"no round named every peer within {timeout}s: {replies}")
+
+    def is_reducing(self, step: int, attempt: int) -> bool:
+        """Every peer is still a member of the running reduction (step, attempt)."""
+        for peer in self.peers:
+            body = {"peer_id": peer.peer_id, "step": step, "examples": 1}
+            resp = peer.http.post(f"{self.base}/progress", json=body)
+            reply = resp.json() if resp.status_code == 200 else {}
+            plan = reply.get("round") or {}
+            if reply.get("action") != "reduce" or (plan.get("step"), plan.get("attempt")) != (step, attempt):
+                return False
+        return True
+
+    def commit(self, examples: int, result_digest: str = "r" * 64) -> int:
+        """Open a round and report it done by every peer with the same result: the step it committed.
+        Every peer then learns to apply it and is at the next step."""
+        step, attempt = self.open_round(examples)
+        for peer in self.peers:
+            body = {"peer_id": peer.peer_id, "ok": True, "result_digest": result_digest}
+            resp = peer.http.post(f"{self.base}/rounds/{step}/{attempt}/report", json=body)
+            assert resp.status_code == 200, resp.text
+        for peer in self.peers:
+            assert self.progress(peer, 0, attempt=attempt)["action"] == "apply"
+            peer.step = step + 1
+        return step
