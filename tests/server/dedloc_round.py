@@ -6,8 +6,13 @@ that need a live round or a committed step without running peer processes."""
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+
+
+class PeerGone(Exception):
+    """A peer of the collaboration is no longer in it (it refused the job, or the job ended)."""
 
 
 @dataclass
@@ -22,7 +27,11 @@ class HandCollaboration:
         self.job_id = job_id
         self.peers: list[HandPeer] = []
         for http in hosts:
-            resp = http.post(f"{self.base}/join", json={})
+            for _ in range(200):
+                resp = http.post(f"{self.base}/join", json={})
+                if resp.status_code != 409 or "being prepared" not in resp.text:
+                    break
+                time.sleep(0.1)
             assert resp.status_code == 200, resp.text
             self.peers.append(HandPeer(http, resp.json()["peer_id"], resp.json()["step"]))
 
@@ -33,6 +42,8 @@ class HandCollaboration:
     def progress(self, peer: HandPeer, examples: int, attempt: int | None = None, digest: str | None = None) -> dict:
         body = {"peer_id": peer.peer_id, "step": peer.step, "examples": examples, "attempt": attempt}
         resp = peer.http.post(f"{self.base}/progress", json=body | ({"params_digest": digest} if digest else {}))
+        if resp.status_code in (403, 404):
+            raise PeerGone(resp.text)
         assert resp.status_code == 200, resp.text
         return resp.json()
 
@@ -50,12 +61,14 @@ class HandCollaboration:
         raise TimeoutError(f"no round named every peer within {timeout}s: {replies}")
 
     def is_reducing(self, step: int, attempt: int) -> bool:
-        """Every peer is still a member of the running reduction (step, attempt)."""
+        """Every peer is still a member of the running reduction (step, attempt), done with it or not."""
         for peer in self.peers:
             body = {"peer_id": peer.peer_id, "step": step, "examples": 1}
             resp = peer.http.post(f"{self.base}/progress", json=body)
             reply = resp.json() if resp.status_code == 200 else {}
             plan = reply.get("round") or {}
+            if reply.get("action") == "wait" and reply.get("step") == step:
+                continue
             if reply.get("action") != "reduce" or (plan.get("step"), plan.get("attempt")) != (step, attempt):
                 return False
         return True
@@ -72,3 +85,38 @@ class HandCollaboration:
             assert self.progress(peer, 0, attempt=attempt)["action"] == "apply"
             peer.step = step + 1
         return step
+
+
+class LiveRound:
+    """A running reduction of a DeDLOC job whose members are `hosts`' peers, for requests that must
+    reach a round's member routes: `ensure` re-opens it when a request ended it (a failure report
+    aborts it, its averaging timeout passes), in a new job of `spec` when a peer has left (a refusal)."""
+
+    def __init__(self, admin: httpx.Client, spec: dict, hosts: Sequence[httpx.Client], examples: int):
+        self.admin, self.spec, self.hosts, self.examples = admin, spec, hosts, examples
+        self.team: HandCollaboration | None = None
+        self.step = self.attempt = 0
+        self.jobs = 0
+
+    def ensure(self) -> None:
+        if self.team is not None and self.team.is_reducing(self.step, self.attempt):
+            return
+        try:
+            if self.team is None:
+                raise PeerGone("no job yet")
+            self.step, self.attempt = self.team.open_round(self.examples, timeout=15)
+        except (PeerGone, TimeoutError):
+            resp = self.admin.post("/v1/jobs", json=self.spec)
+            assert resp.status_code == 201, resp.text
+            self.team, self.jobs = HandCollaboration(resp.json()["job_id"], self.hosts), self.jobs + 1
+            self.step, self.attempt = self.team.open_round(self.examples)
+
+    def aim(self, path_parameters: dict[str, Any] | None, query: dict[str, Any] | None, body: Any) -> None:
+        """Point a request at the live round, as its first peer (whose host must send it)."""
+        assert self.team is not None
+        for name, value in (("job_id", self.team.job_id), ("step", self.step), ("attempt", self.attempt)):
+            if path_parameters is not None and name in path_parameters:
+                path_parameters[name] = value
+        for fields in (query, body):
+            if isinstance(fields, dict) and "peer_id" in fields:
+                fields["peer_id"] = self.team.peers[0].peer_id
