@@ -152,7 +152,6 @@ def run_job(cluster: Cluster, spec: dict, label: str, poisoned: bool, timeout: f
         n_refused = sum(refused.get(p, 0) for p in hostile)
         row |= {
             "poisoner_states_refused": n_refused,
-            "poisoner_states_accepted": 0 if zeroed == 0 else zeroed,
             "poisoner_excluded": n_refused >= exclude_after and (not member_of or member_of[-1] < max(commits)),
             "poisoner_last_commit": member_of[-1] if member_of else None,
             "poisoner_credit": sum(h["credit"] for h in hosts if h["id"] in host_ids),

@@ -16,7 +16,7 @@ order (`combine_parts`), so every member ends with bit-identical values.
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -234,3 +234,10 @@ def asked_to_upload(peer: str, s: StateUpload) -> bool:
         return True
     failed = s.uploader in s.refused or s.reported.get(s.uploader, agreed) != agreed
     return failed or s.waited > s.grace
+
+
+def state_orphaned(members: Sequence[str], live: Set[str], excluded: Set[str], refused: Set[str]) -> bool:
+    """No member of the commit that produced an awaited state can still upload it: each is gone (not
+    live), excluded, or was refused for it. The collaboration must go back to its newest accepted
+    state, or no newcomer could ever join it."""
+    return not any(m in live and m not in excluded and m not in refused for m in members)

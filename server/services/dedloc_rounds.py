@@ -64,6 +64,7 @@ def progress(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: in
         rnd = dedloc.load(r, job_id)
         if rnd is None:
             raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared")
+        dedloc_states.rewind_orphaned(r, job_id, view.spec, rnd, time.time())
         if req.params_digest and req.step >= 0:
             r.hset(keys.dedloc_digests(job_id, req.step), req.peer_id, req.params_digest)
             r.expire(keys.dedloc_digests(job_id, req.step), 24 * 3600)

@@ -116,3 +116,38 @@ def asked_to_upload(
         everyone=step >= max_steps,
     )
     return math.asked_to_upload(peer_id, upload)
+
+
+def rewind_orphaned(r: redis.Redis, job_id: int, spec: DedlocSpec, rnd: Round, now: float) -> bool:
+    """Send the collaboration back to its newest accepted state when the awaited one can no longer be
+    uploaded (crowdtrain.core.dedloc.state_orphaned): say its only members were a poisoner, excluded
+    once refused, or peers that left. The steps after the accepted state are forgotten (their commits,
+    digests and refusals) and the accepted step is accumulated anew; `rnd` is changed in place, for
+    the caller to save under the job's lock. True when it rewound."""
+    if rnd.phase == "reducing" or rnd.finished or rnd.state_step >= rnd.step:
+        return False
+    commit = dedloc.commit_of(r, job_id, rnd.step - 1)
+    window = dedloc.liveness_window(spec)
+    live = {p for p, peer in dedloc.peers(r, job_id).items() if now - peer.last_seen <= window}
+    members = commit["members"] if commit else []
+    refused = refused_uploaders(r, job_id, rnd.step)
+    if not math.state_orphaned(members, live, dedloc.excluded(r, job_id, spec), refused):
+        return False
+    lost, back = rnd.step, rnd.state_step
+    r.hdel(keys.dedloc_commits(job_id), *[str(s) for s in range(back, lost)])
+    for step in range(back + 1, lost + 1):
+        r.delete(keys.dedloc_digests(job_id, step), keys.dedloc_state_refusals(job_id, step))
+    r.delete(keys.dedloc_progress(job_id, back))
+    rnd.step, rnd.phase, rnd.attempt = back, "accumulating", 0
+    rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
+    rnd.sessions, rnd.kept = [], {}
+    log.warning(
+        "job %s: no member of step %d (%s) can upload the state of step %d any more; the collaboration goes "
+        "back to step %d, its newest accepted state",
+        job_id,
+        lost - 1,
+        members,
+        lost,
+        back,
+    )
+    return True

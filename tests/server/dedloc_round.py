@@ -108,7 +108,12 @@ class LiveRound:
         except (PeerGone, TimeoutError):
             resp = self.admin.post("/v1/jobs", json=self.spec)
             assert resp.status_code == 201, resp.text
-            self.team, self.jobs = HandCollaboration(resp.json()["job_id"], self.hosts), self.jobs + 1
+            job_id = resp.json()["job_id"]
+            deadline = time.monotonic() + 120
+            while self.admin.get(f"/v1/jobs/{job_id}").json()["status"] != "running":  # its data prepared
+                assert time.monotonic() < deadline, f"job {job_id} never ran"
+                time.sleep(0.2)
+            self.team, self.jobs = HandCollaboration(job_id, self.hosts), self.jobs + 1
             self.step, self.attempt = self.team.open_round(self.examples)
 
     def aim(self, path_parameters: dict[str, Any] | None, query: dict[str, Any] | None, body: Any) -> None:

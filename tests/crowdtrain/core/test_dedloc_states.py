@@ -2,7 +2,14 @@
 
 import pytest
 
-from crowdtrain.core.dedloc import StateUpload, StateVerdict, agreed_digest, asked_to_upload, judge_state
+from crowdtrain.core.dedloc import (
+    StateUpload,
+    StateVerdict,
+    agreed_digest,
+    asked_to_upload,
+    judge_state,
+    state_orphaned,
+)
 
 MEMBERS = ["a", "b", "c"]
 
@@ -57,3 +64,10 @@ def _upload(**changes) -> StateUpload:
 )
 def test_the_designated_uploader_is_asked_first_and_another_member_when_it_fails(upload, asked) -> None:
     assert {p for p in [*MEMBERS, "outsider"] if asked_to_upload(p, upload)} == asked
+
+
+def test_a_state_is_orphaned_when_no_member_can_upload_it() -> None:
+    assert not state_orphaned(MEMBERS, live={"a", "b"}, excluded=set(), refused={"a"})
+    assert state_orphaned(MEMBERS, live={"a", "b"}, excluded={"b"}, refused={"a"})
+    assert state_orphaned(MEMBERS, live={"x"}, excluded=set(), refused=set())
+    assert state_orphaned([], live={"a"}, excluded=set(), refused=set())

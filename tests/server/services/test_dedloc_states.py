@@ -141,3 +141,22 @@ def test_a_peer_whose_states_are_refused_is_excluded_after_the_configured_strike
     step, attempt = c.team.open_round(examples=50)
     members = c.team.progress(honest[0], 50)["round"]["members"]
     assert poisoner.peer_id not in members and len(members) == 2, (step, attempt, members)
+
+
+def test_a_state_no_member_can_upload_sends_the_collaboration_back_to_the_newest_accepted_one(committed) -> None:
+    c = committed
+    poisoner, *others = c.team.peers
+    for peer in c.team.peers:
+        c.report(peer)
+    for peer in others:  # the honest members leave before uploading
+        ok(peer.http.post(f"{c.team.base}/refusal", json={"peer_id": peer.peer_id, "message": "leaving"}))
+    assert c.put(poisoner, c.zeroed).status_code == 422
+    newcomer = HandCollaboration(c.team.job_id, [c.sched.register("newcomer")])
+    assert newcomer.peers[0].step == 1 and c.latest_step() == 0  # told the step, syncs to the state of 0
+    newcomer.peers[0].step = 0
+    reply = newcomer.progress(newcomer.peers[0], 10)
+    assert reply["action"] == "accumulate" and reply["step"] == 0, reply  # not told to resync to step 1
+    assert c.sched.http.get(f"{c.team.base}/commits", headers=c.sched.admin_headers).json() == {}
+    assert newcomer.commit(examples=100) == 0
+    assert newcomer.progress(newcomer.peers[0], 0, digest=c.digest)["upload_state"] is True
+    assert ok(c.put(newcomer.peers[0], c.good)).json()["status"] == "stored" and c.latest_step() == 1
