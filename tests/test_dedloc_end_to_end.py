@@ -322,17 +322,19 @@ def test_a_peer_that_uploads_zeroed_states_is_refused_excluded_and_never_stored(
     state it could: each is refused, it is excluded after `exclude_after` refusals, no stored state is
     zeroed, and a newcomer starts from the collaboration's real parameters."""
     cluster = make_cluster(assimilator_concurrency=1)
-    job_id = submit(cluster, dedloc_spec(max_steps=12, target_batch_size=480, exclude_after=2))
+    spec = dedloc_spec(max_steps=12, target_batch_size=4800, micro_batch_size=32, exclude_after=2)
+    job_id = submit(cluster, spec)
     # The poisoner registers first: the lowest host id sorts first, and the first member is each
-    # commit's designated uploader.
-    peers = [start_peer(cluster, job_id, "peer-0", "--data-rank", "0", "--data-world", "3", "--poison-state")]
+    # commit's designated uploader. It brings at most 100 examples a step: it cannot close one alone.
+    poison = ("--poison-state", "--examples-per-step", "100")
+    peers = [start_peer(cluster, job_id, "peer-0", "--data-rank", "0", "--data-world", "3", *poison)]
     deadline = time.monotonic() + 120
     while not peer_ids(cluster, "peer-0"):
         assert time.monotonic() < deadline and peers[0].alive, peers[0].tail()
         time.sleep(0.2)
     peers += [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3") for i in (1, 2)]
-    while 4 not in commits(cluster, job_id):
-        assert time.monotonic() < deadline + 120, "step 4 was never committed"
+    while 3 not in commits(cluster, job_id):
+        assert time.monotonic() < deadline + 120, "step 3 was never committed"
         time.sleep(0.2)
     peers.append(start_peer(cluster, job_id, "peer-late", "--data-rank", "2", "--data-world", "3"))
     st = wait_finished(cluster, job_id, peers)

@@ -108,7 +108,9 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> Pr
         return answer(PeerAction.reduce, round=_plan_for(rnd, req.peer_id, view.spec))
     if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
         return answer(PeerAction.matchmaking)
-    live = dedloc.live_peers(r, view.id, view.spec)
+    # An excluded peer's examples never close a step: counting them would make the others stop short.
+    shut_out = dedloc.excluded(r, view.id, view.spec)
+    live = {p for p in dedloc.live_peers(r, view.id, view.spec) if p not in shut_out}
     reported = r.hgetall(keys.dedloc_progress(view.id, rnd.step))
     return answer(
         PeerAction.accumulate,

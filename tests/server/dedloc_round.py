@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 
+STORE_OPS = ("set", "get", "add", "check", "compare_set", "delete")
+
 
 class PeerGone(Exception):
     """A peer of the collaboration is no longer in it (it refused the job, or the job ended)."""
@@ -25,15 +27,20 @@ class HandPeer:
 class HandCollaboration:
     def __init__(self, job_id: int, hosts: Sequence[httpx.Client]):
         self.job_id = job_id
-        self.peers: list[HandPeer] = []
-        for http in hosts:
-            for _ in range(200):
-                resp = http.post(f"{self.base}/join", json={})
-                if resp.status_code != 409 or "being prepared" not in resp.text:
-                    break
-                time.sleep(0.1)
-            assert resp.status_code == 200, resp.text
-            self.peers.append(HandPeer(http, resp.json()["peer_id"], resp.json()["step"]))
+        self.peers = [self._join(http) for http in hosts]
+
+    def _join(self, http: httpx.Client) -> HandPeer:
+        for _ in range(200):
+            resp = http.post(f"{self.base}/join", json={})
+            if resp.status_code != 409 or "being prepared" not in resp.text:
+                break
+            time.sleep(0.1)
+        assert resp.status_code == 200, resp.text
+        return HandPeer(http, resp.json()["peer_id"], resp.json()["step"])
+
+    def rejoin(self) -> None:
+        """Every peer joins again, under a new peer id (one that left the collaboration is out of it)."""
+        self.peers = [self._join(p.http) for p in self.peers]
 
     @property
     def base(self) -> str:
@@ -89,36 +96,40 @@ class HandCollaboration:
 
 class LiveRound:
     """A running reduction of a DeDLOC job whose members are `hosts`' peers, for requests that must
-    reach a round's member routes: `ensure` re-opens it when a request ended it (a failure report
-    aborts it, its averaging timeout passes), in a new job of `spec` when a peer has left (a refusal)."""
+    reach a round's member routes: `ensure` opens it in a job of `spec` (the first time) and re-opens
+    it when a request ended it (a failure report aborts it, its averaging timeout passes), with peers
+    that join again when one has left (a refusal)."""
 
     def __init__(self, admin: httpx.Client, spec: dict, hosts: Sequence[httpx.Client], examples: int):
         self.admin, self.spec, self.hosts, self.examples = admin, spec, hosts, examples
         self.team: HandCollaboration | None = None
         self.step = self.attempt = 0
-        self.jobs = 0
+        self.reopened = self.aimed = 0
 
     def ensure(self) -> None:
-        if self.team is not None and self.team.is_reducing(self.step, self.attempt):
+        if self.team is None:
+            self.team = self._open_job()
+        elif self.team.is_reducing(self.step, self.attempt):
             return
+        self.reopened += 1
         try:
-            if self.team is None:
-                raise PeerGone("no job yet")
             self.step, self.attempt = self.team.open_round(self.examples, timeout=15)
-        except (PeerGone, TimeoutError):
-            resp = self.admin.post("/v1/jobs", json=self.spec)
-            assert resp.status_code == 201, resp.text
-            job_id = resp.json()["job_id"]
-            deadline = time.monotonic() + 120
-            while self.admin.get(f"/v1/jobs/{job_id}").json()["status"] != "running":  # its data prepared
-                assert time.monotonic() < deadline, f"job {job_id} never ran"
-                time.sleep(0.2)
-            self.team, self.jobs = HandCollaboration(job_id, self.hosts), self.jobs + 1
+        except PeerGone:
+            self.team.rejoin()
             self.step, self.attempt = self.team.open_round(self.examples)
+
+    def _open_job(self) -> HandCollaboration:
+        """A new job of `spec`, once it runs (before the project has a key, or it waits for a signature)."""
+        resp = self.admin.post("/v1/jobs", json=self.spec)
+        assert resp.status_code == 201 and resp.json()["status"] == "running", resp.text
+        return HandCollaboration(resp.json()["job_id"], self.hosts)
 
     def aim(self, path_parameters: dict[str, Any] | None, query: dict[str, Any] | None, body: Any) -> None:
         """Point a request at the live round, as its first peer (whose host must send it)."""
         assert self.team is not None
+        self.aimed += 1
+        if path_parameters is not None and "op" in path_parameters:  # a Store call: each known one in turn
+            path_parameters["op"] = STORE_OPS[self.aimed % len(STORE_OPS)]
         for name, value in (("job_id", self.team.job_id), ("step", self.step), ("attempt", self.attempt)):
             if path_parameters is not None and name in path_parameters:
                 path_parameters[name] = value

@@ -138,6 +138,8 @@ def test_a_peer_whose_states_are_refused_is_excluded_after_the_configured_strike
     honest = c.team.peers[1:]
     c.team.peers = honest
     c.team.progress(poisoner, 50)
+    reply = c.team.progress(honest[0], 10)  # the others are not told to count the excluded peer's examples
+    assert reply["action"] == "accumulate" and (reply["accumulated"], reply["peers"]) == (10, 2), reply
     step, attempt = c.team.open_round(examples=50)
     members = c.team.progress(honest[0], 50)["round"]["members"]
     assert poisoner.peer_id not in members and len(members) == 2, (step, attempt, members)
