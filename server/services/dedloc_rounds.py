@@ -194,7 +194,12 @@ def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
         got = _wait_for(lambda: r.get(prefix + req.key), req.wait)
         return StoreReply(value=_b64(got), found=got is not None)
     if op == "add":
-        n = r.incrby(prefix + req.key, req.amount)
+        try:
+            n = r.incrby(prefix + req.key, req.amount)
+        except redis.ResponseError as exc:  # the key holds other bytes, or the sum leaves 64 bits
+            raise DedlocProblem(
+                RefusalKind.conflict, f"store key {req.key!r} holds no counter that can add {req.amount}: {exc}"
+            ) from None
         r.expire(prefix + req.key, dedloc.ARTIFACT_TTL)
         return StoreReply(number=n)
     if op == "check":

@@ -56,3 +56,18 @@ def test_members_share_base64_values(live_round) -> None:
         b.http.post(f"{store}/compare_set", json={"peer_id": b.peer_id, "key": "k", "expected": "eA==", "value": ""})
     ).json()
     assert swapped["value"] == ""
+
+
+@pytest.mark.parametrize(
+    ("value", "amount"),
+    [("eA==", 1), ("OTIyMzM3MjAzNjg1NDc3NTgwNw==", 1)],  # not a number; 2^63 - 1, which +1 overflows
+    ids=["not-a-counter", "overflow"],
+)
+def test_adding_to_a_key_that_holds_no_counter_is_a_409_that_changes_nothing(live_round, value, amount) -> None:
+    team, store, r = live_round
+    peer = team.peers[0]
+    ok(peer.http.post(f"{store}/set", json={"peer_id": peer.peer_id, "key": "k", "value": value}))
+    before = {k: r.get(k) for k in r.scan_iter("*store*")}
+    resp = peer.http.post(f"{store}/add", json={"peer_id": peer.peer_id, "key": "k", "amount": amount})
+    assert resp.status_code == 409 and "holds no counter" in resp.text, resp.text
+    assert {k: r.get(k) for k in r.scan_iter("*store*")} == before
