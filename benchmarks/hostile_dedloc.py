@@ -5,7 +5,8 @@ What it measures
     trained by four peers, twice in one run: `clean`, four honest peers; `poisoned`, the same with
     peer 0 hostile (`crowdtrain peer --poison-state`): it trains and reduces honestly and reports its
     real parameter digest, but uploads its parameters x0 as the next state, unasked, whenever a state
-    is awaited, and registers first so that it is each of its commits' designated uploader. For the
+    is awaited, brings at most 64 examples a step (it cannot commit steps alone), and registers first
+    so that it is each of its commits' designated uploader. For the
     poisoned run: whether its states were refused (and how many), whether it was excluded (refused
     `exclude_after` times and a member of no later commit), its credit, and how many stored states
     are all zeros (must be 0). For both: the examples to reach the target (the examples of the
@@ -63,7 +64,9 @@ def start_peer(cluster: Cluster, job_id: int, name: str, rank: int, hostile: boo
         str(rank),
         "--data-world",
         str(PEERS),
-        *(("--poison-state",) if hostile else ()),
+        # The poisoner brings at most a quarter of a batch a step: it cannot commit steps alone
+        # before the honest peers have started (which only sends the collaboration back to step 0).
+        *(("--poison-state", "--examples-per-step", "64") if hostile else ()),
     )
     svc = Service(name, argv, cluster.client_env, cluster.var_dir / "logs" / f"{name}.log").start()
     cluster.clients.append(svc)
@@ -114,12 +117,13 @@ def zeroed_states(cluster: Cluster, job_id: int) -> tuple[int, int]:
     return zeroed, len(paths)
 
 
-def examples_to_target(metrics: list[dict], commits: dict[int, dict], target: float) -> int | None:
-    """The examples of the committed steps before the first stored state at or above `target`."""
+def to_target(metrics: list[dict], commits: dict[int, dict], target: float) -> tuple[int | None, int | None]:
+    """(examples, steps) committed before the first stored state at or above `target`. A step commits
+    at least the global batch, often more: peers keep computing while its members gather."""
     reached = sorted(m["param_version"] for m in metrics if m["val_accuracy"] >= target)
     if not reached:
-        return None
-    return sum(sum(c["examples"].values()) for step, c in commits.items() if step < reached[0])
+        return None, None
+    return sum(sum(c["examples"].values()) for step, c in commits.items() if step < reached[0]), reached[0]
 
 
 def run_job(cluster: Cluster, spec: dict, label: str, poisoned: bool, timeout: float) -> dict:
@@ -140,11 +144,12 @@ def run_job(cluster: Cluster, spec: dict, label: str, poisoned: bool, timeout: f
     host_ids = {int(p.split("-", 1)[0][1:]) for p in hostile}
     zeroed, stored = zeroed_states(cluster, job_id)
     exclude_after = spec["dedloc"].get("exclude_after", 3)
+    examples, steps = to_target(metrics, commits, spec["stop"]["target_accuracy"])
     row = {
         "status": st["status"],
-        "steps": st["param_version"],
         "seconds": round(time.monotonic() - started, 1),
-        "examples_to_target": examples_to_target(metrics, commits, spec["stop"]["target_accuracy"]),
+        "examples_to_target": examples,
+        "steps_to_target": steps,
         "stored_states": stored,
         "zeroed_states_stored": zeroed,
     }
@@ -158,6 +163,10 @@ def run_job(cluster: Cluster, spec: dict, label: str, poisoned: bool, timeout: f
         }
     say(f"  {label}: {row}")
     return row
+
+
+def _ratio(a: int | None, b: int | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def main() -> None:
@@ -176,14 +185,11 @@ def main() -> None:
             poisoned = run_job(cluster, spec, "poisoned", True, args.timeout)
         finally:
             cluster.stop()
-    ratio = (
-        poisoned["examples_to_target"] / clean["examples_to_target"]
-        if clean["examples_to_target"] and poisoned["examples_to_target"]
-        else None
-    )
+    ratio = _ratio(poisoned["examples_to_target"], clean["examples_to_target"])
+    steps_ratio = _ratio(poisoned["steps_to_target"], clean["steps_to_target"])
     say(
         f"clean: {clean['examples_to_target']} examples to {target}; poisoned: {poisoned['examples_to_target']} "
-        f"(ratio {ratio if ratio is None else round(ratio, 3)}, goal <= {GOAL_RATIO}); poisoner refused "
+        f"(ratio {ratio}, goal <= {GOAL_RATIO}; steps ratio {steps_ratio}); poisoner refused "
         f"{poisoned['poisoner_states_refused']} state(s), excluded {poisoned['poisoner_excluded']}, credit "
         f"{poisoned['poisoner_credit']}; zeroed states stored {poisoned['zeroed_states_stored']}"
     )
@@ -194,7 +200,8 @@ def main() -> None:
                 "target": target,
                 "clean": clean,
                 "poisoned": poisoned,
-                "examples_ratio": ratio if ratio is None else round(ratio, 3),
+                "examples_ratio": ratio,
+                "steps_ratio": steps_ratio,
                 "goal_ratio": GOAL_RATIO,
                 "within_goal": ratio is not None and ratio <= GOAL_RATIO,
             }
