@@ -373,3 +373,45 @@ def test_the_dedloc_demo_trains_three_peers_one_relayed_to_the_target(tmp_path) 
     assert "succeeded" in result.stdout and "3 peers, 1 distinct digest(s)" in result.stdout
     relayed_log = (tmp_path / "demo" / "logs" / "peer-3.log").read_text()
     assert "(relayed)" in relayed_log and "applied step" in relayed_log
+
+
+def test_a_peer_that_uploads_zeroed_states_is_refused_excluded_and_never_stored(make_cluster) -> None:
+    """A hostile peer reports the real parameter digest but uploads its parameters x0, unasked, for every
+    state it could: each is refused, it is excluded after `exclude_after` refusals, no stored state is
+    zeroed, and a newcomer starts from the collaboration's real parameters."""
+    cluster = make_cluster(assimilator_concurrency=1)
+    spec = dedloc_spec(max_steps=12, target_batch_size=4800, micro_batch_size=32, exclude_after=2)
+    job_id = submit(cluster, spec)
+    # The poisoner registers first: the lowest host id sorts first, and the first member is each
+    # commit's designated uploader. It brings at most 100 examples a step: it cannot close one alone.
+    poison = ("--poison-state", "--examples-per-step", "100")
+    peers = [start_peer(cluster, job_id, "peer-0", "--data-rank", "0", "--data-world", "3", *poison)]
+    deadline = time.monotonic() + 120
+    while not peer_ids(cluster, "peer-0"):
+        assert time.monotonic() < deadline and peers[0].alive, peers[0].tail()
+        time.sleep(0.2)
+    peers += [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3") for i in (1, 2)]
+    while 3 not in commits(cluster, job_id):
+        assert time.monotonic() < deadline + 120, "step 3 was never committed"
+        time.sleep(0.2)
+    peers.append(start_peer(cluster, job_id, "peer-late", "--data-rank", "2", "--data-world", "3"))
+    st = wait_finished(cluster, job_id, peers)
+    assert st["status"] == "failed" and "max_steps=12" in st["status_message"], st
+
+    poisoner = peer_ids(cluster, "peer-0")
+    with cluster.admin() as http:
+        refused = http.get(f"/v1/dedloc/jobs/{job_id}/state-refusals").json()
+    assert set(refused) == poisoner and all(n >= 2 for n in refused.values()), refused
+    done = commits(cluster, job_id)
+    assert poisoner & set(done[0]["members"]), done[0]  # it took part before it was excluded
+    assert all(not poisoner & set(done[s]["members"]) for s in range(4, 12)), done
+    states = sorted((cluster.var_dir / "storage" / "jobs" / str(job_id) / "dedloc").glob("state-*.safetensors"))
+    assert len(states) >= 10
+    for path in states:
+        params = {k: v for k, v in decode(path.read_bytes()).items() if not k.startswith("__")}
+        assert any(np.any(v != 0) for v in params.values()), f"{path.name} is zeroed"
+    assert_one_collaboration(cluster, job_id, range(1, 13))
+    late = [t for t in traces(cluster) if t["peer"] in peer_ids(cluster, "peer-late")]
+    assert late, "the newcomer never applied a step"
+    start = stored_state(cluster, job_id, late[0]["step"])
+    assert late[0]["before"] == dedloc.digest(start) and any(np.any(v != 0) for v in start.values())

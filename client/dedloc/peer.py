@@ -24,7 +24,7 @@ from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimi
 from crowdtrain.client.trust import ProjectTrust, initial_state_sha256
 from crowdtrain.core import dedloc as math
 from crowdtrain.core.schemas_dedloc import PeerJoined, ProgressReply, RoundPlanOut
-from crowdtrain.core.tensors import decode_shard, sha256
+from crowdtrain.core.tensors import decode, decode_shard, encode, sha256
 from crowdtrain.core.zoo import build_model, state_to_numpy
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,9 @@ class PeerOptions:
     examples_per_step: int | None = None  # stop computing at this many examples per step (reproducible runs)
     trace: Path | None = None  # JSON lines: one per applied step
     kill_at: tuple[int, int] | None = None  # (step, attempt): exit abruptly in the middle of that reduction
+    # Testing: a hostile peer that reports its real parameter digest but uploads its parameters x0,
+    # after every step it applied and unasked, until the scheduler refuses it.
+    poison_state: bool = False
 
 
 class DedlocPeer:
@@ -105,6 +108,7 @@ class DedlocPeer:
         self.others = 0  # examples the other peers had reported for this step, as last heard
         self.share = 1  # report at once on holding this many unreported examples (target / live peers)
         self.groups = ProcessGroups(api)  # this peer's process group, kept while its group meets unchanged
+        self.poisoned = -1  # poison_state: the last step whose state the scheduler refused from this peer
 
     # -- set-up -----------------------------------------------------------------------------------
     def join(self) -> PeerJoined:
@@ -265,7 +269,7 @@ class DedlocPeer:
             log.info("peer %s: the job has finished (%s)", self.api.peer_id, reply.message)
             return False
         if reply.action == "apply":
-            self.apply(reply.upload_state)
+            self.apply()
         elif reply.action == "resync":
             self.frozen = False
             self.reduced = None
@@ -281,7 +285,33 @@ class DedlocPeer:
                 raise ValueError(f"peer {self.api.peer_id}: told to reduce step {reply.step} without the round's plan")
             self.frozen = True
             self.reduce(reply.round)
+        if self._uploads_now(reply):
+            self.upload_state()
         return True
+
+    def _uploads_now(self, reply: ProgressReply) -> bool:
+        """The scheduler asks for this peer's state of its step (never with `apply`: the peer reports
+        its new parameters first); a poisoning peer uploads unasked while the state is awaited."""
+        if self.step != reply.step:
+            return False
+        if self.o.poison_state:
+            return reply.state_step < self.step and self.poisoned < self.step
+        return reply.upload_state and reply.action != "apply"
+
+    def upload_state(self) -> None:
+        """Upload the state this peer holds (of `self.step`), as the scheduler asked. A refusal is
+        logged: the scheduler asks another member that holds the agreed parameters."""
+        blob = encode_state(self.model, self.opt)
+        if self.o.poison_state:
+            blob = encode({k: v * 0 if not k.startswith("__") else v for k, v in decode(blob).items()})
+        try:
+            status = self.api.put_state(self.step, blob)
+        except Refused as exc:
+            if self.o.poison_state and exc.status == 422:
+                self.poisoned = self.step
+            log.warning("peer %s: the state of step %d was not taken (%s)", self.api.peer_id, self.step, exc)
+            return
+        log.info("peer %s: uploaded the state of step %d (%s)", self.api.peer_id, self.step, status)
 
     def reduce(self, plan: RoundPlanOut) -> None:
         if self.o.kill_at == (plan.step, plan.attempt) and not plan.relayed:
@@ -325,7 +355,7 @@ class DedlocPeer:
         os.kill(os.getpid(), signal.SIGKILL)
         del pg
 
-    def apply(self, upload_state: bool) -> None:
+    def apply(self) -> None:
         if self.reduced is None or self.reduced[0] != self.step:
             self.sync_state()
             return
@@ -371,6 +401,3 @@ class DedlocPeer:
                     )
                     + "\n"
                 )
-        if upload_state:
-            status = self.api.put_state(self.step, encode_state(self.model, self.opt))
-            log.info("peer %s: uploaded the state of step %d (%s)", self.api.peer_id, self.step, status)

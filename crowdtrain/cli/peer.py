@@ -61,6 +61,13 @@ def peer(
         str | None,
         typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT", show_default=False),
     ] = None,
+    poison_state: Annotated[
+        bool,
+        typer.Option(
+            help="Testing: play a hostile peer that reports its real parameter digest but uploads its states x0",
+            hidden=True,
+        ),
+    ] = False,
     project_key: ProjectKeyOpt = None,
     cache: Annotated[
         Path | None,
@@ -95,6 +102,7 @@ def peer(
         examples_per_step=examples_per_step,
         trace=trace,
         kill_at=at,
+        poison_state=poison_state,
     )
     code = DedlocPeer(api, options, trust).run()
     raise typer.Exit(code)

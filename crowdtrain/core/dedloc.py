@@ -1,5 +1,6 @@
 """Pure math of the synchronous DeDLOC mode: step closing, member weights, all-reduce groups,
-combining group sums, the learning-rate schedule and parameter digests. No I/O.
+combining group sums, the learning-rate schedule, parameter digests and which uploaded state is the
+collaboration's. No I/O.
 
 A global step averages the gradients of every member of its round, each weighted by the examples it
 contributed: with `g_i` the gradient of the *summed* loss over peer i's `n_i` examples,
@@ -15,8 +16,9 @@ order (`combine_parts`), so every member ends with bit-identical values.
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
@@ -240,3 +242,64 @@ def choose_members(ready: Mapping[str, int], established: set[str], target_batch
     if proven and sum(proven.values()) >= target_batch_size:
         return sorted(proven)
     return sorted(ready)
+
+
+class StateVerdict(StrEnum):
+    """What becomes of an uploaded state of a step (`judge_state`)."""
+
+    accepted = "accepted"  # its digest is the one a majority of the last commit's members hold
+    refused = "refused"  # another digest: not the collaboration's parameters
+    undecided = "undecided"  # no digest has a majority of the members' reports yet
+
+
+def agreed_digest(reported: Mapping[str, str], members: Sequence[str]) -> str | None:
+    """The parameter digest that more than half of `members` reported, else None. Reports of peers
+    that are not members count for nothing, and a member counts once: a minority cannot outvote the
+    others, however many peers it runs outside the commit."""
+    if not members:
+        return None
+    counts = Counter(reported[m] for m in set(members) if reported.get(m))
+    if not counts:
+        return None
+    top, n = counts.most_common(1)[0]
+    return top if 2 * n > len(set(members)) else None
+
+
+def judge_state(state_digest: str, agreed: str | None) -> StateVerdict:
+    """A state is the collaboration's when its parameters' digest is the members' agreed one."""
+    if agreed is None:
+        return StateVerdict.undecided
+    return StateVerdict.accepted if state_digest == agreed else StateVerdict.refused
+
+
+@dataclass(frozen=True)
+class StateUpload:
+    """What the scheduler knows, while a step's state is awaited, to pick who uploads it."""
+
+    members: Sequence[str]  # of the commit that produced the state
+    uploader: str  # the commit's designated uploader
+    reported: Mapping[str, str]  # peer -> the parameter digest it reported for the state's step
+    refused: frozenset[str]  # members whose upload of this state was refused
+    waited: float  # seconds since the commit
+    grace: float  # seconds the designated uploader has before the other members are asked
+    everyone: bool = False  # the job's last state: every member uploads it (the first ends the job)
+
+
+def asked_to_upload(peer: str, s: StateUpload) -> bool:
+    """Whether `peer` should upload the awaited state now: only a member holding the agreed digest,
+    never one refused for it; the designated uploader first, and every other such member once the
+    uploader was refused, reported other parameters, or let `grace` pass without uploading."""
+    agreed = agreed_digest(s.reported, s.members)
+    if agreed is None or peer not in s.members or s.reported.get(peer) != agreed or peer in s.refused:
+        return False
+    if s.everyone or peer == s.uploader:
+        return True
+    failed = s.uploader in s.refused or s.reported.get(s.uploader, agreed) != agreed
+    return failed or s.waited > s.grace
+
+
+def state_orphaned(members: Sequence[str], live: Set[str], excluded: Set[str], refused: Set[str]) -> bool:
+    """No member of the commit that produced an awaited state can still upload it: each is gone (not
+    live), excluded, or was refused for it. The collaboration must go back to its newest accepted
+    state, or no newcomer could ever join it."""
+    return not any(m in live and m not in excluded and m not in refused for m in members)

@@ -164,6 +164,17 @@ def dedloc_state_claim(job_id: int, step: int) -> str:
     return f"{PREFIX}:job:{job_id}:dedloc:state-claim:{step}"
 
 
+def dedloc_state_refusals(job_id: int, step: int) -> str:
+    """Hash peer id -> the digest of its refused upload of the state of `step` (one strike per step)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:state-refusals:{step}"
+
+
+def dedloc_state_strikes(job_id: int) -> str:
+    """Hash peer id -> how many states it uploaded that the members' digests refused; unlike the
+    strikes of aborted attempts, a commit does not clear them."""
+    return f"{PREFIX}:job:{job_id}:dedloc:state-strikes"
+
+
 def dedloc_strikes(job_id: int) -> str:
     """Hash peer id -> aborted attempts in a row it was blamed for (cleared when it commits a step)."""
     return f"{PREFIX}:job:{job_id}:dedloc:strikes"

@@ -1,13 +1,35 @@
 """Wire schemas of the synchronous DeDLOC mode's `/v1/dedloc` API (see crowdtrain.server.services.dedloc)."""
 
+import binascii
+from base64 import b64decode
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from crowdtrain.core.schemas import INT32_MAX, INT64_MAX, KeyRotation, SignedRecipe, WireRequest
 
 PEER_ID = r"^[A-Za-z0-9_-]{1,64}$"
+STORE_VALUE_CHARS = 1_000_000  # a Store value's base64 (750,000 bytes): rendezvous keys and small blobs
+BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+
+
+def _strict_base64(value: str) -> str:
+    """Standard base64 with its padding, nothing else: what the server decodes is what was sent."""
+    try:
+        b64decode(value, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(
+            f"is not base64 (standard alphabet A-Z a-z 0-9 + /, padded with = to a multiple of 4): {exc}"
+        ) from None
+    return value
+
+
+Base64Value = Annotated[
+    str,
+    Field(max_length=STORE_VALUE_CHARS, json_schema_extra={"pattern": BASE64}),
+    AfterValidator(_strict_base64),
+]
 
 
 class PeerJoin(WireRequest):
@@ -93,7 +115,11 @@ class ProgressReply(BaseModel):
     step: int = Field(..., description="The step the collaboration is accumulating")
     state_step: int
     round: RoundPlanOut | None = None
-    upload_state: bool = Field(False, description="With `apply`: this peer uploads the state after the step")
+    upload_state: bool = Field(
+        False,
+        description="This peer uploads its state of `step` now: it is a member of the commit of `step` - 1 and holds "
+        "the parameters most of its members report (never with `apply`: members report their parameters first)",
+    )
     accumulated: int = Field(0, description="Examples the live peers have reported for `step` so far")
     peers: int = Field(1, description="Live peers: a peer reports as soon as it holds its share of the batch")
     message: str = ""
@@ -111,9 +137,9 @@ class StoreOp(WireRequest):
 
     peer_id: str = Field(..., pattern=PEER_ID)
     key: str = Field("", max_length=500)
-    value: str | None = Field(None, max_length=1_000_000)
+    value: Base64Value | None = Field(None, description="set, compare_set: the value, base64")
     amount: int = Field(0, ge=-INT64_MAX, le=INT64_MAX, description="add: the increment (a 64-bit counter)")
-    expected: str | None = Field(None, max_length=1_000_000)
+    expected: Base64Value | None = Field(None, description="compare_set: the value expected, base64")
     keys: list[str] = Field(default_factory=list, max_length=10_000)
     wait: float = Field(0.0, ge=0, le=5, description="get/check: seconds the server may wait for the key(s)")
 

@@ -358,13 +358,14 @@ def blame(
 
 
 def excluded(r: redis.Redis, job_id: int, spec: DedlocSpec) -> set[str]:
-    """Peers that take no part in matchmaking any more: new peers that timed out, and peers blamed for
-    spec.exclude_after aborts in a row."""
+    """Peers that take no part in matchmaking any more: new peers that timed out, and, at
+    spec.exclude_after, peers blamed for that many aborted attempts in a row or refused that many state
+    uploads (crowdtrain.server.services.dedloc_states) in all."""
     shut_out = dedloc_claims.shut_out_peers(r, job_id)
     if spec.exclude_after is None:
         return shut_out
-    strikes = r.hgetall(keys.dedloc_strikes(job_id))
-    return shut_out | {keys.text(p) for p, n in strikes.items() if int(n) >= spec.exclude_after}
+    counts = [*r.hgetall(keys.dedloc_strikes(job_id)).items(), *r.hgetall(keys.dedloc_state_strikes(job_id)).items()]
+    return shut_out | {keys.text(p) for p, n in counts if int(n) >= spec.exclude_after}
 
 
 def commit_of(r: redis.Redis, job_id: int, step: int) -> dict | None:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
+from crowdtrain.core.dedloc import StateVerdict
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.refusals import Refusal, RefusalKind
@@ -32,7 +33,7 @@ from crowdtrain.core.tensors import (
 )
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.server.services import access, dedloc, project_key
+from crowdtrain.server.services import access, dedloc, dedloc_states, project_key
 from crowdtrain.server.services.dedloc import NotAMember, Round
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,10 @@ def put_state(
 ) -> Outcome:
     """Parameters + optimizer state at the start of `step`, uploaded by a member of step - 1's commit.
 
-    Stored once (a second upload of the same step changes nothing), evaluated on the validation set
-    and recorded as a Metric; the stop rule is applied here.
+    Accepted only when its parameters are those a majority of the commit's members report holding
+    (crowdtrain.server.services.dedloc_states: 409 before they agree, 422 and a strike for other
+    parameters). Stored once (a second upload of the same step changes nothing), evaluated on the
+    validation set and recorded as a Metric; the stop rule is applied here.
     """
     view = job_view(db, job_id)
     try:
@@ -185,6 +188,12 @@ def put_state(
         check_against_manifest(params, view.manifest)
     except ValueError as exc:
         raise DedlocProblem(RefusalKind.malformed, str(exc)) from None
+    state_digest = math.digest(params)
+    judged = dedloc_states.judge_upload(r, job_id, view.spec, commit, peer_id, step, state_digest)
+    if judged.verdict is StateVerdict.undecided:
+        raise DedlocProblem(RefusalKind.conflict, judged.message)
+    if judged.verdict is StateVerdict.refused:
+        raise DedlocProblem(RefusalKind.unacceptable, judged.message)
     if not r.set(keys.dedloc_state_claim(job_id, step), peer_id, nx=True):
         return Outcome.duplicate
     storage.put(keys.dedloc_state_key(job_id, step), body)
@@ -198,7 +207,7 @@ def put_state(
         "job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f",
         job_id,
         step,
-        math.digest(params)[:12],
+        state_digest[:12],
         accuracy,
         loss,
     )

@@ -25,7 +25,7 @@ from crowdtrain.core.schemas_dedloc import (
     StoreReply,
 )
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc, dedloc_claims
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_states
 from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
 
@@ -67,10 +67,15 @@ def progress(
         rnd = dedloc.load(r, job_id)
         if rnd is None:
             raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared")
+        dedloc_states.rewind_orphaned(r, job_id, view.spec, rnd, now)
         if req.params_digest and req.step >= 0:
             r.hset(keys.dedloc_digests(job_id, req.step), req.peer_id, req.params_digest)
             r.expire(keys.dedloc_digests(job_id, req.step), 24 * 3600)
         reply = _next_action(r, view, rnd, req, now)
+        if reply.action != PeerAction.apply and req.step == rnd.step:
+            reply.upload_state = dedloc_states.asked_to_upload(
+                r, job_id, view.spec, rnd, req.peer_id, view.max_steps, now
+            )
         dedloc.save(r, job_id, rnd)
     return reply
 
@@ -83,8 +88,9 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: 
     if 0 <= req.step < rnd.step and req.attempt is not None:
         commit = dedloc.commit_of(r, view.id, req.step)
         if commit and commit["attempt"] == req.attempt and req.peer_id in commit["members"]:
-            last = req.step + 1 >= view.max_steps  # every member uploads the final state: it ends the job
-            return answer(PeerAction.apply, upload_state=last or commit["uploader"] == req.peer_id)
+            # The state after it is uploaded once its members have reported holding the same parameters
+            # (`upload_state` in a later answer: crowdtrain.server.services.dedloc_states).
+            return answer(PeerAction.apply)
     if rnd.finished or not view.running:
         return answer(PeerAction.stop, message="the job has finished")
     if req.step != rnd.step:
@@ -199,7 +205,12 @@ def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
         got = _wait_for(lambda: r.get(prefix + req.key), req.wait)
         return StoreReply(value=_b64(got), found=got is not None)
     if op == "add":
-        n = r.incrby(prefix + req.key, req.amount)
+        try:
+            n = r.incrby(prefix + req.key, req.amount)
+        except redis.ResponseError as exc:  # the key holds other bytes, or the sum leaves 64 bits
+            raise DedlocProblem(
+                RefusalKind.conflict, f"store key {req.key!r} holds no counter that can add {req.amount}: {exc}"
+            ) from None
         r.expire(prefix + req.key, dedloc.ARTIFACT_TTL)
         return StoreReply(number=n)
     if op == "check":

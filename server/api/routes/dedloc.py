@@ -30,7 +30,7 @@ from crowdtrain.server.api.boundary import (
     upload_body,
 )
 from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
-from crowdtrain.server.services import dedloc_jobs, dedloc_relay, dedloc_rounds
+from crowdtrain.server.services import dedloc_jobs, dedloc_relay, dedloc_rounds, dedloc_states
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
 admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "admin"], dependencies=[AdminDep])
@@ -161,6 +161,13 @@ def latest_state(job_id: Id, host_id: HostDep, r: RedisDep, storage: StorageDep)
 def digests(job_id: Id, step: Id, r: RedisDep) -> dict[str, str]:
     """Peer id -> sha256 of the parameters that peer held at the start of `step`."""
     return dedloc_jobs.digests(r, job_id, step)
+
+
+@admin_router.get("/state-refusals", response_model=dict[str, int])
+def state_refusals(job_id: Id, r: RedisDep) -> dict[str, int]:
+    """Peer id -> how many of its uploaded states were refused: their parameters were not those most
+    members of their step reported holding (`exclude_after` of them exclude the peer)."""
+    return dedloc_states.state_strikes(r, job_id)
 
 
 @admin_router.get("/commits", response_model=dict[int, CommitOut])

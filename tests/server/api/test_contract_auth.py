@@ -49,6 +49,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/dedloc/jobs/1/digests/0"),
     ("GET", "/v1/dedloc/jobs/1/commits"),
     ("GET", "/v1/dedloc/jobs/1/aborts"),
+    ("GET", "/v1/dedloc/jobs/1/state-refusals"),
 ]
 PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health"), ("GET", "/v1/project")}
 
