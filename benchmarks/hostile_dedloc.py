@@ -20,7 +20,7 @@ How
     `/v1/admin/hosts`) and the stored states in the cluster's storage folder.
 
 Run
-    PYTHONPATH=. .venv/bin/python benchmarks/hostile_dedloc.py [--target 0.9] [--timeout 900]
+    .venv/bin/python benchmarks/hostile_dedloc.py [--target 0.9] [--timeout 900]
     --quick sets the target to 0.80. A job takes 1-4 minutes on 2 cores.
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.

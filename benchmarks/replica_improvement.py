@@ -18,7 +18,7 @@ What it measures
     of the forgeries, and the same two rates for the held-out z at threshold 2.
 
 Run
-    PYTHONPATH=. .venv/bin/python benchmarks/replica_improvement.py [--tasks mnist1d,tabular] [--seeds 1]
+    .venv/bin/python benchmarks/replica_improvement.py [--tasks mnist1d,tabular] [--seeds 1]
     About a minute per task and seed on 2 cores.
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
