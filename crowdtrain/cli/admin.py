@@ -36,7 +36,10 @@ def token_create(
     label: Annotated[str, typer.Option(help="Who the token is for")],
     account: Annotated[
         str,
-        typer.Option(help="Issue it to this volunteer account: its hosts are under the account, whatever they name"),
+        typer.Option(
+            help="Issue it to this volunteer account: its hosts are under the account, whatever they name "
+            "(default: none, its hosts name their own)"
+        ),
     ] = "",
     registrations_per_hour: Annotated[
         int | None,
