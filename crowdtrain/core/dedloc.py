@@ -236,11 +236,11 @@ def matchmaking_over(
 
 
 def choose_members(ready: Mapping[str, int], established: set[str], target_batch_size: int) -> list[str]:
-    """The members of a round from the ready peers: the established ones alone when they hold a
-    global batch (a new peer cannot stall a round it is not needed in), else every ready peer."""
-    proven = {p: n for p, n in ready.items() if p in established}
-    if proven and sum(proven.values()) >= target_batch_size:
-        return sorted(proven)
+    """The members of a round: every ready peer, new ones included. A new peer is not waited on
+    (`matchmaking_over`), but one that is ready when the round forms takes part: otherwise a late
+    volunteer could never complete a round while the established peers fill the batch, and would never
+    become established. Its claim is within its bound (an over-claim is never ready), and a new member
+    that then fails to reduce is excluded at that first timeout."""
     return sorted(ready)
 
 

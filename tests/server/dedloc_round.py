@@ -114,7 +114,9 @@ class LiveRound:
         self.reopened += 1
         try:
             self.step, self.attempt = self.team.open_round(self.examples, timeout=15)
-        except PeerGone:
+        except (PeerGone, TimeoutError):
+            # A peer left (a refusal), or the requests made got the peers excluded: a new peer is
+            # excluded at its first failed round, and these peers never commit one. Join again, as new.
             self.team.rejoin()
             self.step, self.attempt = self.team.open_round(self.examples)
 
