@@ -197,25 +197,22 @@ def measured_rate(examples: int, seconds: float) -> float:
 def claim_bounds(
     rates: Mapping[str, float], elapsed: Mapping[str, float], target_batch_size: int, allowance: int
 ) -> dict[str, int]:
-    """The most examples each peer of `elapsed` (seconds it has accumulated for this step) may claim.
-
-    An established peer (in `rates`): `allowance + RATE_SLACK · rate · elapsed`. A new peer: the same
-    with the fastest established rate, at most one global batch (and the allowance a peer overshoots
-    it by); with no established peer at all (the job's first rounds) that most, so that a peer alone
-    can start the job.
+    """The most examples each peer of `elapsed` (seconds it has accumulated for this step) may claim:
+    `allowance + RATE_SLACK · rate · elapsed`, at most one global batch (and the allowance a peer
+    overshoots it by). The rate is the larger of the peer's own and the fastest established peer's:
+    a peer's measured rate is what it contributed, not what it can compute (it stops once the others
+    fill the batch), so its own rate alone would hold back an honest peer that fills a batch by
+    itself, as a peer that just loaded a state does. With no established peer at all (the job's
+    first rounds) the bound is the most, so that a peer alone can start the job.
     """
     fastest = max(rates.values(), default=None)
     most = target_batch_size + allowance
-    bounds = {}
-    for peer, seconds in elapsed.items():
-        rate = rates.get(peer)
-        if rate is not None:
-            bounds[peer] = allowance + math.ceil(RATE_SLACK * rate * max(0.0, seconds))
-        elif fastest is None:
-            bounds[peer] = most
-        else:
-            bounds[peer] = min(most, allowance + math.ceil(RATE_SLACK * fastest * max(0.0, seconds)))
-    return bounds
+    if fastest is None:
+        return dict.fromkeys(elapsed, most)
+    return {
+        peer: min(most, allowance + math.ceil(RATE_SLACK * max(rates.get(peer, 0.0), fastest) * max(0.0, seconds)))
+        for peer, seconds in elapsed.items()
+    }
 
 
 def bounded_claims(claims: Mapping[str, int], bounds: Mapping[str, int]) -> dict[str, int]:
@@ -225,22 +222,21 @@ def bounded_claims(claims: Mapping[str, int], bounds: Mapping[str, int]) -> dict
 
 
 def matchmaking_over(
-    candidates: Sequence[str], ready: Mapping[str, int], established: set[str], target_batch_size: int
+    candidates: Sequence[str], ready: Mapping[str, int], waited_on: set[str], target_batch_size: int
 ) -> bool:
-    """Members may be fixed before the deadline: every established candidate is ready, and either
-    every candidate is or the ready ones hold a global batch. A peer that has never completed a
-    round is not waited on when the others make the batch without it."""
-    if not (set(candidates) & established) <= set(ready):
+    """Members may be fixed before the deadline: every candidate of `waited_on` is ready, and either
+    every candidate is or the ready ones hold a global batch. Which peers are waited on is the
+    service's choice (crowdtrain.server.services.dedloc.awaited)."""
+    if not (set(candidates) & waited_on) <= set(ready):
         return False
     return set(candidates) <= set(ready) or sum(ready.values()) >= target_batch_size
 
 
-def choose_members(ready: Mapping[str, int], established: set[str], target_batch_size: int) -> list[str]:
-    """The members of a round: every ready peer, new ones included. A new peer is not waited on
-    (`matchmaking_over`), but one that is ready when the round forms takes part: otherwise a late
-    volunteer could never complete a round while the established peers fill the batch, and would never
-    become established. Its claim is within its bound (an over-claim is never ready), and a new member
-    that then fails to reduce is excluded at that first timeout."""
+def choose_members(ready: Mapping[str, int]) -> list[str]:
+    """The members of a round: every ready peer, new ones included. Otherwise a late volunteer could
+    never complete a round while the established peers fill the batch, and would never become
+    established. Its claim is within its bound (an over-claim is never ready), and a new member that
+    then fails to reduce is excluded at that first timeout."""
     return sorted(ready)
 
 

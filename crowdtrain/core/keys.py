@@ -191,6 +191,12 @@ def dedloc_shut_out(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:dedloc:shut-out"
 
 
+def dedloc_passed_over(job_id: int) -> str:
+    """Set of peer ids that matchmaking waited on and that were not ready by its deadline: they take
+    part when ready, and are not waited on until they next take part in a round."""
+    return f"{PREFIX}:job:{job_id}:dedloc:passed-over"
+
+
 def dedloc_attended(job_id: int, step: int, attempt: int) -> str:
     """Set of the members of (step, attempt) that made a request of the reduction (store, part, total)."""
     return f"{PREFIX}:job:{job_id}:dedloc:attended:{step}:{attempt}"

@@ -223,3 +223,6 @@ def record_dedloc_state(
             states.move(job, outcome[0])
             job.status_message, job.final_key = outcome[1], keys.final_key(job_id)
             job.final_accuracy, job.finished_at = accuracy, utcnow()
+            # A member uploads a state after the step that follows it committed: the job's version
+            # is that of the state it ends at (its exported model), not the last commit's.
+            job.param_version = step

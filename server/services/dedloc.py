@@ -164,11 +164,9 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
     if rnd.phase == "accumulating" and rnd.step < max_steps:
         _close_step(r, job_id, rnd, spec, now)
     if rnd.phase == "matchmaking":
-        established = dedloc_claims.established(r, job_id)
-        if now > rnd.deadline or dedloc.matchmaking_over(
-            rnd.candidates, rnd.ready, established, spec.target_batch_size
-        ):
-            _form_round(r, job_id, rnd, spec, established, now)
+        waited_on = awaited(r, job_id, rnd)
+        if now > rnd.deadline or dedloc.matchmaking_over(rnd.candidates, rnd.ready, waited_on, spec.target_batch_size):
+            _form_round(r, job_id, rnd, spec, waited_on, now)
     if rnd.phase == "reducing" and now > rnd.deadline:
         missing = sorted(set(rnd.members) - set(rnd.done))
         abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}", missing, now, timed_out=True)
@@ -182,8 +180,8 @@ def _close_step(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: 
     rnd.phase, rnd.attempt, rnd.ready, rnd.ready_at = "matchmaking", 0, {}, {}
     # Every live peer is a candidate (up to matchmaking_timeout), also one still applying the last
     # step or loading the state: otherwise a fast peer could close steps alone and leave the others
-    # chasing the collaboration. Only established peers are waited on (dedloc.matchmaking_over), and
-    # not one whose claim runs ahead of its bound (it may still come ready if time catches up).
+    # chasing the collaboration. Some are waited on (`awaited`), none whose claim runs ahead of its
+    # bound (it may still come ready if time catches up).
     bounds = claim_bounds(r, job_id, rnd, spec, now)
     rnd.candidates = sorted(set(bounds) - dedloc_claims.overclaimed(r, job_id, rnd.step, bounds))
     rnd.deadline = now + spec.matchmaking_timeout
@@ -192,13 +190,26 @@ def _close_step(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: 
     )
 
 
-def _form_round(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, established: set[str], now: float) -> None:
+def awaited(r: redis.Redis, job_id: int, rnd: Round) -> set[str]:
+    """The candidates matchmaking waits on, up to its deadline: all of them (an over-claimer is no
+    candidate) but those passed over. A volunteer that starts after the others is loading a state
+    while the established peers may fill the next batch faster than it loads one: were it not
+    awaited it could never complete a round. No peer costs the others more than one deadline in a
+    row: one not ready by then is passed over until it next takes part in a round, and a new one
+    that claimed examples of the step is excluded."""
+    return set(rnd.candidates) - dedloc_claims.passed_over(r, job_id)
+
+
+def _form_round(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, waited_on: set[str], now: float) -> None:
     if now > rnd.deadline:
-        # A new peer that claimed examples for this step and is not ready by the deadline timed out.
-        no_shows = dedloc_claims.claimed(r, job_id, rnd.step) & set(rnd.candidates) - set(rnd.ready) - established
+        late = waited_on - set(rnd.ready)
+        no_shows = late & dedloc_claims.claimed(r, job_id, rnd.step) - dedloc_claims.established(r, job_id)
         if no_shows:
             log.warning("job %s: new peers %s claimed examples and never came ready: excluded", job_id, no_shows)
             dedloc_claims.shut_out(r, job_id, sorted(no_shows))
+        if late - no_shows:
+            log.info("job %s: peers %s were not ready by the deadline: passed over", job_id, sorted(late - no_shows))
+            dedloc_claims.pass_over(r, job_id, sorted(late - no_shows))
     shut_out = excluded(r, job_id, spec)
     rnd.ready = {p: n for p, n in rnd.ready.items() if p not in shut_out}
     if not rnd.ready:
@@ -206,7 +217,8 @@ def _form_round(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, estab
         rnd.phase = "accumulating"
         return
     relayed = {p for p, v in peers(r, job_id).items() if v.relayed}
-    rnd.members = dedloc.choose_members(rnd.ready, established, spec.target_batch_size)
+    rnd.members = dedloc.choose_members(rnd.ready)
+    dedloc_claims.take_part(r, job_id, rnd.members)
     rnd.examples = {p: rnd.ready[p] for p in rnd.members}
     plan = dedloc.plan_round(rnd.members, relayed, spec.max_group_size)
     rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}

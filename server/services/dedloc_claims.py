@@ -76,3 +76,19 @@ def shut_out(r: redis.Redis, job_id: int, peers: list[str]) -> None:
 
 def shut_out_peers(r: redis.Redis, job_id: int) -> set[str]:
     return {keys.text(p) for p in r.smembers(keys.dedloc_shut_out(job_id))}
+
+
+def pass_over(r: redis.Redis, job_id: int, peers: list[str]) -> None:
+    """Wait on `peers` no more until they next take part in a round (awaited and not ready in time)."""
+    if peers:
+        r.sadd(keys.dedloc_passed_over(job_id), *peers)
+
+
+def take_part(r: redis.Redis, job_id: int, members: list[str]) -> None:
+    """`members` take part in a round: they are waited on again."""
+    if members:
+        r.srem(keys.dedloc_passed_over(job_id), *members)
+
+
+def passed_over(r: redis.Redis, job_id: int) -> set[str]:
+    return {keys.text(p) for p in r.smembers(keys.dedloc_passed_over(job_id))}

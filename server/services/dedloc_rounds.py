@@ -5,6 +5,7 @@ the job's side (opening, joining, states) in crowdtrain.server.services.dedloc_j
 themselves in crowdtrain.server.services.dedloc; the routes only move data in and out."""
 
 import base64
+import logging
 import time
 from typing import Any, cast
 
@@ -24,10 +25,13 @@ from crowdtrain.core.schemas_dedloc import (
     StoreOp,
     StoreReply,
 )
+from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_states
 from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
+
+log = logging.getLogger(__name__)
 
 
 def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
@@ -103,9 +107,16 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: 
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     # An excluded peer (dedloc.excluded) is never a member again; a peer claiming more than its
     # bound is not ready until time catches up with its claim (a fake claim never does).
-    if rnd.phase == "matchmaking" and 0 < req.examples <= dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(
-        req.peer_id, 0
-    ):
+    bound = dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(req.peer_id, 0)
+    if rnd.phase == "matchmaking" and req.examples > bound:
+        log.info(
+            "job %s: peer %s claims %d examples, beyond its bound %d: not ready",
+            view.id,
+            req.peer_id,
+            req.examples,
+            bound,
+        )
+    if rnd.phase == "matchmaking" and 0 < req.examples <= bound:
         if req.peer_id not in rnd.candidates:
             rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
         rnd.ready[req.peer_id] = req.examples
@@ -164,7 +175,10 @@ def report(
     if commit is not None:
         with db.begin() as s:
             job = s.get_one(Job, job_id)
-            job.param_version = max(job.param_version, step + 1)
+            # A step committed after the job ended (its members had not learnt it yet) is no version
+            # of the job: the finished job's version is that of the state it was judged and exported at.
+            if job.status == JobStatus.running.value:
+                job.param_version = max(job.param_version, step + 1)
         return Outcome.committed
     return Outcome.recorded if ok else Outcome.aborted
 

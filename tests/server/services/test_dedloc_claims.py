@@ -1,5 +1,5 @@
-"""Claimed progress in the DeDLOC rendezvous: claims bounded by a peer's shown rate, new peers not
-waited on and excluded at their first timeout, on a real Redis with a clock passed as `now`."""
+"""Claimed progress in the DeDLOC rendezvous: claims bounded by a peer's shown rate, new peers waited on
+for one deadline at most, on a real Redis with a clock passed as `now`."""
 
 import pytest
 import redis
@@ -46,22 +46,57 @@ def test_a_claim_counts_only_within_what_the_peers_rate_allows(private_redis) ->
     assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "matchmaking"
 
 
-def test_a_new_peer_is_not_waited_on_when_the_established_peers_hold_the_batch(private_redis) -> None:
+def test_a_new_peer_that_claimed_nothing_is_awaited_once_then_passed_over_not_excluded(private_redis) -> None:
+    """A late volunteer still loading the state is awaited while the established peers hold the batch
+    (it could never join otherwise); not ready by the deadline, it is not waited on again."""
+    r = private_redis
+    rnd = _joined(r, ("a", "b"), new=("n",))
+    now = T0 + 3.0
+    _claim(r, now, a=500, b=500, n=0)
+    dedloc.advance(r, 1, rnd, SPEC, 10, now)
+    assert rnd.phase == "matchmaking" and rnd.candidates == ["a", "b", "n"]
+    rnd.ready.update(a=500, b=500)
+    assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "matchmaking", "n is awaited"
+    dedloc.advance(r, 1, rnd, SPEC, 10, now + SPEC.matchmaking_timeout + 0.1)
+    assert rnd.phase == "reducing" and rnd.members == ["a", "b"]
+    assert dedloc.excluded(r, 1, SPEC) == set(), "n claimed nothing: it is not excluded"
+    assert dedloc.awaited(r, 1, rnd) == {"a", "b"}, "n is not waited on again"
+
+
+def test_a_peer_not_ready_by_the_deadline_is_not_waited_on_again_until_it_takes_part(private_redis) -> None:
+    """An established peer that never comes ready (one whose claims run ahead of its bound, say)
+    costs the others one deadline, not one per step."""
+    r = private_redis
+    rnd = _joined(r, ("a", "b", "c"))
+    now = T0 + 3.0
+    _claim(r, now, a=400, b=400, c=300)
+    dedloc.advance(r, 1, rnd, SPEC, 10, now)
+    rnd.ready.update(a=400, b=400)
+    assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "matchmaking", "c is awaited"
+    dedloc.advance(r, 1, rnd, SPEC, 10, now + SPEC.matchmaking_timeout + 0.1)
+    assert rnd.members == ["a", "b"] and dedloc.excluded(r, 1, SPEC) == set(), "established: not excluded"
+    assert dedloc.awaited(r, 1, rnd) == {"a", "b"}
+    dedloc_claims.take_part(r, 1, ["a", "b", "c"])
+    assert dedloc.awaited(r, 1, rnd) == {"a", "b", "c"}, "having taken part, c is waited on again"
+
+
+def test_a_new_peer_that_claimed_examples_is_waited_on_until_the_deadline_then_excluded(private_redis) -> None:
+    """A late volunteer accumulating on the current state joins the round even when the established
+    peers hold a batch without it; one that never comes ready costs one deadline and is excluded."""
     r = private_redis
     rnd = _joined(r, ("a", "b"), new=("n",))
     now = T0 + 3.0
     _claim(r, now, a=500, b=500, n=300)
     dedloc.advance(r, 1, rnd, SPEC, 10, now)
-    assert rnd.phase == "matchmaking" and rnd.candidates == ["a", "b", "n"]
     rnd.ready.update(a=500, b=500)
-    dedloc.advance(r, 1, rnd, SPEC, 10, now)  # before the matchmaking deadline
+    assert dedloc.advance(r, 1, rnd, SPEC, 10, now).phase == "matchmaking", "n claimed examples: it is awaited"
+    dedloc.advance(r, 1, rnd, SPEC, 10, now + SPEC.matchmaking_timeout + 0.1)
     assert rnd.phase == "reducing" and rnd.members == ["a", "b"]
-    assert dedloc.excluded(r, 1, SPEC) == set(), "n was not needed: it did not time out"
+    assert dedloc.excluded(r, 1, SPEC) == {"n"}
 
 
 def test_a_new_peer_that_is_ready_takes_part_in_the_round(private_redis) -> None:
-    """Not waited on, but not left out: a late volunteer must be able to complete a round to become
-    established."""
+    """A late volunteer must be able to complete a round to become established."""
     r = private_redis
     rnd = _joined(r, ("a", "b"), new=("n",))
     now = T0 + 3.0

@@ -162,3 +162,20 @@ def test_a_state_no_member_can_upload_sends_the_collaboration_back_to_the_newest
     assert newcomer.commit(examples=100) == 0
     assert newcomer.progress(newcomer.peers[0], 0, digest=c.digest)["upload_state"] is True
     assert ok(c.put(newcomer.peers[0], c.good)).json()["status"] == "stored" and c.latest_step() == 1
+
+
+def test_a_step_committed_after_the_job_ended_leaves_the_jobs_version_at_its_last_state(committed) -> None:
+    """The members of a running round learn of the job's end only after it: their commit is no version
+    of the job, whose version stays that of the state it ended at (what it exported)."""
+    c = committed
+    admin = c.sched.admin()
+    version = ok(admin.get(f"/v1/jobs/{c.team.job_id}")).json()["param_version"]
+    step, attempt = c.team.open_round(examples=40)
+    assert step == version == 1
+    ok(admin.post(f"/v1/jobs/{c.team.job_id}/cancel"))
+    for peer in c.team.peers:
+        body = {"peer_id": peer.peer_id, "ok": True, "result_digest": "r" * 64}
+        ok(peer.http.post(f"{c.team.base}/rounds/{step}/{attempt}/report", json=body))
+    assert step in {int(s) for s in ok(admin.get(f"{c.team.base}/commits")).json()}, "the round still committed"
+    job = ok(admin.get(f"/v1/jobs/{c.team.job_id}")).json()
+    assert job["status"] == "cancelled" and job["param_version"] == version
