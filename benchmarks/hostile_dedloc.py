@@ -20,8 +20,9 @@ How
     `/v1/admin/hosts`) and the stored states in the cluster's storage folder.
 
 Run
-    .venv/bin/python benchmarks/hostile_dedloc.py [--target 0.9] [--timeout 900]
-    --quick sets the target to 0.80. A job takes 1-4 minutes on 2 cores.
+    .venv/bin/python benchmarks/hostile_dedloc.py [--target 0.9] [--timeout 900] [--seeds 0,1,2]
+    --quick sets the target to 0.80. A job takes 1-4 minutes on 2 cores; each seed runs two jobs.
+    The examples ratio is reported per seed and as the median over the seeds (the goal's measure).
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
@@ -169,39 +170,67 @@ def _ratio(a: int | None, b: int | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def _median(values: list[float]) -> float | None:
+    return round(float(np.median(values)), 3) if values else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", type=float, default=None, help="validation accuracy to reach (default: the spec's)")
     ap.add_argument("--quick", action="store_true", help="target 0.80")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    ap.add_argument("--seeds", default="0", help="job seeds, comma-separated: one clean and one poisoned job each")
     args = ap.parse_args()
+    try:
+        seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+    except ValueError:
+        ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        ap.error("--seeds: give at least one seed")
     spec = load_job_spec(SPEC).model_dump(mode="json", exclude_none=True)
     target = args.target or (0.80 if args.quick else spec["stop"]["target_accuracy"])
     spec["stop"]["target_accuracy"] = target
+    runs = []
     with tempfile.TemporaryDirectory(prefix="hostile-dedloc-") as tmp:
         cluster = Cluster(var_dir=Path(tmp), assimilator_concurrency=1).start()
         try:
-            clean = run_job(cluster, spec, "clean", False, args.timeout)
-            poisoned = run_job(cluster, spec, "poisoned", True, args.timeout)
+            for seed in seeds:
+                seeded = spec | {"seed": seed}
+                clean = run_job(cluster, seeded, f"clean-s{seed}", False, args.timeout)
+                poisoned = run_job(cluster, seeded, f"poisoned-s{seed}", True, args.timeout)
+                ratio = _ratio(poisoned["examples_to_target"], clean["examples_to_target"])
+                steps_ratio = _ratio(poisoned["steps_to_target"], clean["steps_to_target"])
+                say(
+                    f"seed {seed}: clean {clean['examples_to_target']} examples to {target}; poisoned "
+                    f"{poisoned['examples_to_target']} (ratio {ratio}, goal <= {GOAL_RATIO}; steps ratio "
+                    f"{steps_ratio}); poisoner refused {poisoned['poisoner_states_refused']} state(s), excluded "
+                    f"{poisoned['poisoner_excluded']}, credit {poisoned['poisoner_credit']}; zeroed states "
+                    f"stored {poisoned['zeroed_states_stored']}"
+                )
+                runs.append(
+                    {
+                        "seed": seed,
+                        "clean": clean,
+                        "poisoned": poisoned,
+                        "examples_ratio": ratio,
+                        "steps_ratio": steps_ratio,
+                    }
+                )
         finally:
             cluster.stop()
-    ratio = _ratio(poisoned["examples_to_target"], clean["examples_to_target"])
-    steps_ratio = _ratio(poisoned["steps_to_target"], clean["steps_to_target"])
-    say(
-        f"clean: {clean['examples_to_target']} examples to {target}; poisoned: {poisoned['examples_to_target']} "
-        f"(ratio {ratio}, goal <= {GOAL_RATIO}; steps ratio {steps_ratio}); poisoner refused "
-        f"{poisoned['poisoner_states_refused']} state(s), excluded {poisoned['poisoner_excluded']}, credit "
-        f"{poisoned['poisoner_credit']}; zeroed states stored {poisoned['zeroed_states_stored']}"
-    )
+    # One pair's ratio carries the run-to-run spread of asynchronous peers (1.0-1.6 on one seed):
+    # the goal is judged on the median over the seeds.
+    ratio = _median([r["examples_ratio"] for r in runs if r["examples_ratio"] is not None])
     print(
         json.dumps(
             {
                 "benchmark": "hostile_dedloc",
                 "target": target,
-                "clean": clean,
-                "poisoned": poisoned,
-                "examples_ratio": ratio,
-                "steps_ratio": steps_ratio,
+                "runs": runs,
+                "examples_ratio_median": ratio,
+                "steps_ratio_median": _median([r["steps_ratio"] for r in runs if r["steps_ratio"] is not None]),
+                "zeroed_states_stored": sum(r["poisoned"]["zeroed_states_stored"] for r in runs),
+                "poisoner_always_excluded": all(r["poisoned"]["poisoner_excluded"] for r in runs),
                 "goal_ratio": GOAL_RATIO,
                 "within_goal": ratio is not None and ratio <= GOAL_RATIO,
             }
