@@ -33,6 +33,11 @@ def lock_job(s: Session, job_id: int) -> Job:
     return s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
 
 
+class ExportBelowTarget(Exception):
+    """W_s changed between the stop rule's check and the export, and the exported version misses the
+    target: the transaction ending the job rolls back (its merges reopen) and the rule is applied again."""
+
+
 def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
     """An epoch's figure: the mean validation accuracy over its merges."""
     return s.scalar(select(func.avg(Metric.val_accuracy)).where(Metric.job_id == job_id, Metric.epoch == epoch))
@@ -158,7 +163,7 @@ def close_epoch_if_complete(
     db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluate: Evaluate
 ) -> None:
     """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
-    accuracy reached) or fails (max_epochs reached), its model exported (`evaluate` scores it when
+    accuracy reached by the epoch's mean and by the model it exports) or fails (max_epochs reached), its model exported (`evaluate` scores it when
     no metric of that version is recorded); else the next epoch is released. Safe to call repeatedly.
     One transaction.
 
@@ -170,6 +175,17 @@ def close_epoch_if_complete(
     with db.begin() as s:
         if _open_workunits(s, job_id, epoch):
             return
+    for _ in range(3):
+        try:
+            _close_epoch(db, storage, r, job_id, epoch, evaluate)
+            return
+        except ExportBelowTarget as exc:
+            log.info("job %s: %s; the stop rule is applied again", job_id, exc, extra=ids(job_id=job_id, epoch=epoch))
+
+
+def _close_epoch(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluate: Evaluate
+) -> None:
     with db.begin() as s:
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
@@ -207,10 +223,29 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
     figure = epoch_accuracy(s, job.id, epoch)
     stop = job.spec["stop"]
     shown = "n/a" if figure is None else f"{figure:.4f}"
-    if figure is not None and figure >= stop["target_accuracy"]:
-        message = f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}"
-        _finish(s, storage, r, job, JobStatus.succeeded, evaluate, message)
-        return True
+    target = stop["target_accuracy"]
+    if figure is not None and figure >= target:
+        # The job succeeds only if the model it exports meets the target, not an epoch's mean of it.
+        version, blob = paramstore.read_blob(r, job.id)
+        exported = _accuracy_of(s, storage, job, version, blob, evaluate)
+        if exported is not None and exported >= target:
+            message = (
+                f"epoch {epoch} reached mean validation accuracy {figure:.4f} and W_s v{version} {exported:.4f} "
+                f">= {target}"
+            )
+            _finish(s, storage, r, job, JobStatus.succeeded, evaluate, message, require=target)
+            return True
+        log.info(
+            "job %s: epoch %d's mean validation accuracy %.4f reached the target %s, but W_s v%d scores %s: "
+            "training goes on",
+            job.id,
+            epoch,
+            figure,
+            target,
+            version,
+            "n/a" if exported is None else f"{exported:.4f}",
+            extra=ids(job_id=job.id, epoch=epoch),
+        )
     if epoch >= stop["max_epochs"]:
         message = (
             f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} < target {stop['target_accuracy']}"
@@ -253,16 +288,26 @@ def fail_job(
 
 
 def _finish(
-    s: Session, storage: Storage, r: redis.Redis, job: Job, outcome: JobStatus, evaluate: Evaluate, message: str
+    s: Session,
+    storage: Storage,
+    r: redis.Redis,
+    job: Job,
+    outcome: JobStatus,
+    evaluate: Evaluate,
+    message: str,
+    require: float | None = None,
 ) -> None:
     """Close the job's merges, export W_s and report the validation accuracy of exactly the version
     exported. If the transaction does not commit, the job still runs and its merges reopen.
 
     The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
-    header that says what they are (crowdtrain.core.modelfile)."""
+    header that says what they are (crowdtrain.core.modelfile). With `require`, an exported version
+    scoring below it raises ExportBelowTarget before anything is written."""
     close_merges(s, r, job.id)
     version, blob = paramstore.read_blob(r, job.id)
     job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
+    if require is not None and (job.final_accuracy is None or job.final_accuracy < require):
+        raise ExportBelowTarget(f"W_s v{version}, to be exported, scores {job.final_accuracy} < {require}")
     metadata = model_metadata(job.id, job.name, job.spec, job.model_config_, version, job.final_accuracy)
     storage.put(keys.final_key(job.id), with_metadata(blob, metadata))
     job.final_key = keys.final_key(job.id)
@@ -290,7 +335,10 @@ def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: byt
     newest metric is not necessarily the exported model's. None if it cannot be evaluated.
     """
     recorded = s.scalar(
-        select(Metric.val_accuracy).where(Metric.job_id == job.id, Metric.param_version == version).limit(1)
+        select(Metric.val_accuracy)
+        .where(Metric.job_id == job.id, Metric.param_version == version)
+        .order_by(Metric.id.desc())
+        .limit(1)
     )
     if recorded is not None:
         return recorded

@@ -76,6 +76,38 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
     assert final_accuracy == pytest.approx(acc_exported, abs=1e-9)
 
 
+def test_a_job_succeeds_only_if_the_model_it_exports_meets_the_target(sqlite_url, private_redis, tmp_path) -> None:
+    """An epoch's mean accuracy over its merges reached the target, but W_s as it stands (a merge
+    after the last metric) scores below it: training goes on; the job succeeds once W_s itself does."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy, spec.stop.max_epochs = 0.9, 5
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    _, w0 = paramstore.read(r, job_id)
+    v1 = _merge(r, job_id, 1, w0)
+    with db.begin() as s:
+        s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=0.1, val_accuracy=0.95))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+    v2 = _merge(r, job_id, 2, w0)  # no metric: scored now, an untrained model near chance
+
+    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert (job.status, job.current_epoch) == (JobStatus.running.value, 2), "the epoch mean alone ends nothing"
+        s.add(Metric(job_id=job_id, epoch=2, param_version=v2, val_loss=0.1, val_accuracy=0.92))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id, Workunit.epoch == 2).values(status="done"))
+    assert not storage.exists(final_key(job_id))
+
+    close_epoch_if_complete(db, storage, r, job_id, 2, evaluate)
+
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert job.status == JobStatus.succeeded.value and job.final_accuracy == pytest.approx(0.92)
+    assert read_metadata(storage.get(final_key(job_id)))["param_version"] == str(v2)
+
+
 def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path) -> None:
     """The exported file's header names the job, its spec and model, and the version and accuracy
     exported; its tensors are W_s's, read back from the parameter store's own bytes."""
