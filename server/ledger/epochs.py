@@ -163,9 +163,10 @@ def close_epoch_if_complete(
     db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluate: Evaluate
 ) -> None:
     """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
-    accuracy reached by the epoch's mean and by the model it exports) or fails (max_epochs reached), its model exported (`evaluate` scores it when
-    no metric of that version is recorded); else the next epoch is released. Safe to call repeatedly.
-    One transaction.
+    accuracy reached by the epoch's mean and by the model it exports) or fails (max_epochs reached),
+    its model exported (`evaluate` scores it when no metric of that version is recorded); else the
+    next epoch is released. Safe to call repeatedly. One transaction (again, at most three times in
+    all, if W_s changed below the target between the check and the export).
 
     The stop rule reads epochs in order. An epoch released early can close before an older one; it
     then waits, and the older epoch's closing applies the rule to it as well, so that no job ends
