@@ -59,7 +59,8 @@ class MergeQueue:
     """One job's uploaded results waiting for a parameter server, first in, first out.
 
     `waits` holds, for each result taken, the seconds from its arrival to the start of its merge;
-    `longest` the most results ever waiting at once (the backlog).
+    `longest` the most results ever left waiting with every process busy (the backlog). The caller
+    calls `take` after every `arrive` and `done`.
     """
 
     servers: ParameterServers
@@ -73,7 +74,6 @@ class MergeQueue:
 
     def arrive(self, a: Assignment, now: float) -> None:
         self.waiting.append((now, a))
-        self.longest = max(self.longest, len(self.waiting))
 
     def take(self, now: float) -> list[tuple[Assignment, float]]:
         """The results free processes take now, oldest first, each with the time its merge ends."""
@@ -85,6 +85,7 @@ class MergeQueue:
             self.lease_free_at = start + self.servers.merge_seconds
             self.waits.append(start - arrived)
             taken.append((a, self.lease_free_at))
+        self.longest = max(self.longest, len(self.waiting))
         return taken
 
     def done(self) -> None:

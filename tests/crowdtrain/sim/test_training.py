@@ -13,37 +13,8 @@ from typer.testing import CliRunner
 from crowdtrain.cli import app
 from crowdtrain.sim.hosts import Fleet, expected_wall_time, paper_wall_time
 from crowdtrain.sim.training import ShardDeals, simulate_training
-from crowdtrain.workgen.datasets import Dataset, deal_shards, make_dataset
-
-# Parameter servers that merge and evaluate in no time: tests of the hosts' side, where the servers'
-# queue (tests/crowdtrain/sim/test_servers.py) would only blur the figures.
-INSTANT = {"merge_seconds": 0.0, "eval_seconds": 0.0}
-# The VC-ASGD paper's model: each slot holds one assignment at a time, merges are instant.
-PAPER = {"prefetch": False, **INSTANT}
-
-
-@pytest.fixture(scope="module")
-def blobs() -> Dataset:
-    """Four separable Gaussian blobs in 8 dimensions: 640 training and 160 validation examples."""
-    rng = np.random.default_rng(0)
-    centers = rng.normal(scale=3.0, size=(4, 8))
-    y = rng.integers(0, 4, 800)
-    x = centers[y] + rng.normal(size=(800, 8))
-    return make_dataset(x, y, None, None, validation_fraction=0.2)
-
-
-def job(subsets: int, max_epochs: int, **sections) -> dict:
-    spec = {
-        "name": "blobs",
-        "model": {"name": "mlp", "options": {"hidden": [16]}},
-        "dataset": {"source": "builtin:mnist1d", "subsets": subsets},  # the data is passed in instead
-        "training": {"local_epochs": 1, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
-        "stop": {"target_accuracy": 0.999, "max_epochs": max_epochs},
-        "scheduling": {"max_errors": 1000},
-    }
-    for name, values in sections.items():
-        spec[name] = {**spec.get(name, {}), **values}
-    return spec
+from crowdtrain.workgen.datasets import Dataset, deal_shards
+from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job
 
 
 def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
@@ -165,6 +136,34 @@ def test_staleness_grows_with_slots(blobs: Dataset) -> None:
         mean[slots] = r.staleness_summary()["mean"]
     assert mean[2] < mean[8] < mean[32]
     assert mean[32] > 16  # about slots - 1 merges land while one workunit runs
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_host_holds_its_slots_and_one_more_with_prefetch(blobs: Dataset, prefetch: bool) -> None:
+    """As the client (client/worker.py): `slots` assignments not yet trained, +1 with prefetch; the
+    extra one is used, and it is what lets a new request go out before a slot frees."""
+    slots = 2
+    r = simulate_training(
+        job(16, 3), hosts=3, slots=slots, seed=2, network_seconds=0.05, compute=False, data=blobs, prefetch=prefetch
+    )
+    held = [r.held(d.host, d.time) for d in r.trace]
+    assert max(held) == slots + prefetch
+
+
+def test_prefetch_makes_one_slot_results_stale(blobs: Dataset) -> None:
+    """One slot: without prefetch and with instant merges, every result starts from the W_s the one
+    before it made (staleness 0). With prefetch, the next assignment is fetched while one trains,
+    so each result after the first misses at least the one merged meanwhile; with the parameter
+    servers' default service times the request even overtakes the upload: 2, as the real system measures."""
+
+    def staleness(prefetch: bool, **servers: float) -> list[int]:
+        return simulate_training(
+            job(4, 5), hosts=1, workunit_seconds=1.0, compute=False, data=blobs, prefetch=prefetch, **servers
+        ).staleness
+
+    assert set(staleness(False, **INSTANT)) == {0}
+    assert staleness(True, **INSTANT)[1:] and min(staleness(True, **INSTANT)[1:]) >= 1
+    assert staleness(True)[2:] == [2] * 18
 
 
 def test_the_staleness_bound_of_the_policy_refuses_stale_results(blobs: Dataset) -> None:
