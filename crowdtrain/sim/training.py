@@ -160,14 +160,8 @@ class _Simulation:
         rng: np.random.Generator,
         compute: bool,
     ) -> None:
-        self.spec, self.fleet, self.servers, self.data, self.rng, self.compute = (
-            spec,
-            fleet,
-            servers,
-            data,
-            rng,
-            compute,
-        )
+        self.spec, self.fleet, self.servers, self.data = spec, fleet, servers, data
+        self.rng, self.compute = rng, compute
         m = spec["model"]
         self.model_config = {
             "name": m["name"],
@@ -336,7 +330,7 @@ class _Simulation:
         """A merge left the lease: W_s took `a` (or refused it); then an evaluation when due."""
         refused = self.job.apply(a, self.now) is not None
         a.client = None
-        if refused or not self.job.running:
+        if refused:
             self._task_done()
         elif self.job.evaluation_due():
             metric = self.job.measure(a, self.now)
