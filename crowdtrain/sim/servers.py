@@ -10,7 +10,9 @@ merge that makes W_s's version a multiple of `eval_every` is then evaluated for 
 by the same process, outside the lease (crowdtrain.assimilator.merge._record: the metric, then
 the snapshot, which dispatch hands out only from then on). So when results come faster than one
 merge (and evaluation) each, a backlog forms and every result in it waits, its staleness growing
-with the merges ahead of it.
+with the merges ahead of it. A queued result's workunit is still open, so where the epoch-release
+window binds (crowdtrain.sim.training) the backlog counts against it and staleness stays within
+it, whatever the service times.
 
 Default service times, measured on the real system with mnist1d-cnn's model and scheduling
 (examples/mnist1d-cnn.yaml: 10.8k parameters, 1,000 validation examples, a metric and a snapshot
@@ -18,8 +20,10 @@ after every merge): one parameter-server process on the 2-core development machi
 queued uploads (benchmarks/merge_latency.py's throughput run, with that model and validation set)
 at 28.5 merges/s with neither evaluation nor snapshot, and at 5.0 merges/s with both after every
 merge: `merge_seconds` = 1/28.5 = 0.035 s and `eval_seconds` = 1/5.0 - 0.035 = 0.165 s, the
-snapshot's publication included (it follows every evaluation in that job). Evaluation dominates:
-PyTorch on the worker's two threads, contended. A larger model or validation set takes longer.
+snapshot's publication included (it follows every evaluation in that job). The machine was shared
+and the figures vary: an earlier drain, on random data, gave 12 ms per merge, and the same
+evaluation timed in one process took 0.02 s on one PyTorch thread and 0.14 s on two. A larger
+model or validation set takes longer.
 
 Simplification: all of `merge_seconds` is held under the lease, so more processes overlap only
 evaluations with merges; in the real system a task's bookkeeping outside the transaction
