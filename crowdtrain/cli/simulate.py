@@ -11,6 +11,7 @@ from crowdtrain.cli.options import HELP_LAYOUT, JOIN_TOKEN_ENV, OptionalServerOp
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.result import print_table
+from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS
 from crowdtrain.sim.training import simulate_training as run_training
 
 app = typer.Typer(
@@ -94,13 +95,24 @@ def simulate_training(
         typer.Option(min=0, help="Compute seconds per workunit instead (any shard size)", show_default=False),
     ] = None,
     compute: Annotated[bool, typer.Option(help="Train and validate for real; --no-compute: timing only")] = True,
+    prefetch: Annotated[
+        bool, typer.Option(help="Hosts hold slots + 1 assignments, as the client does; --no-prefetch: slots")
+    ] = True,
+    merge_seconds: Annotated[
+        float, typer.Option(min=0, help="Seconds a parameter server takes per merge (a job's merges take turns)")
+    ] = MERGE_SECONDS,
+    eval_seconds: Annotated[
+        float, typer.Option(min=0, help="Seconds a parameter server takes per evaluation (every eval_every merges)")
+    ] = EVAL_SECONDS,
+    parameter_servers: Annotated[int, typer.Option(min=1, help="Parameter-server processes serving the job")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of host speeds and preemptions")] = 0,
     table: Annotated[bool, typer.Option(help="Also print a table of the main figures")] = False,
 ) -> None:
     """Training simulator: simulated hosts train the job in this process, on a simulated clock.
 
-    Hosts of lognormal speeds, preemptions, timeouts and transfers are simulated; training, merge
-    rules and policy are the real code. Prints one line of JSON (figures, accuracy curve).
+    Hosts of lognormal speeds, preemptions, timeouts and transfers, and the parameter servers' queue,
+    are simulated; training, merge rules and policy are the real code. Prints one line of JSON
+    (figures, accuracy curve).
     """
     try:
         job_spec = load_job_spec(spec)
@@ -116,6 +128,10 @@ def simulate_training(
             example_seconds=example_seconds,
             workunit_seconds=workunit_seconds,
             compute=compute,
+            prefetch=prefetch,
+            merge_seconds=merge_seconds,
+            eval_seconds=eval_seconds,
+            parameter_servers=parameter_servers,
         )
     except ValueError as exc:  # pydantic's ValidationError is one too
         raise typer.BadParameter(str(exc), param_hint="SPEC") from None

@@ -6,25 +6,29 @@ scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment tak
 the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
 or else `example_seconds` x shard examples x local_epochs) times the assignment's local fraction
 (1 unless `training.dynamic_local_work`) divided by s_i, and a transfer for the upload; each
-transfer takes `network_seconds`. Parameter servers merge instantly, and an idle slot
-gets work the moment some is ready (no polling delay).
+transfer takes `network_seconds`. As the client does (client/worker.py), a host holds `slots`
+assignments not yet trained, `slots` + 1 with `prefetch`: the extra one downloads while the others
+train and waits for a free slot. A host asks for the next assignment as soon as a slot stops
+training (the upload overlaps it), and gets work the moment some is ready (no polling delay).
+Merges take time in the parameter servers' queue (crowdtrain.sim.servers).
 
 Preemption: each assignment is preempted with probability `p`, drawn at dispatch. It vanishes
 without a result; the scheduler notices at its deadline (`timeout` t_o after dispatch) and the
-workunit is ready again (or failed after max_errors). The preempted slot comes back
-`restart_seconds` after dispatch; by default t_o, the VC-ASGD paper's model, in which a slot
-loses t_o per preemption. A result that arrives after its deadline is refused, as the scheduler
+workunit is ready again (or failed after max_errors). Its place on the host (with prefetch, one of
+the slots + 1) comes back `restart_seconds` after dispatch; by default t_o, the VC-ASGD paper's
+model, in which a slot loses t_o per preemption. A result that arrives after its deadline is refused, as the scheduler
 refuses the upload of a timed-out assignment.
 
 Wall-time model of the VC-ASGD paper (Atre et al.; DESIGN.md section 4): with n rounds of work per
 slot, task time t_e, timeout t_o and preemption probability p, a run takes about n*t_e + n*p*t_o
-(`paper_wall_time`). We read n as the workunits done per slot: n = epochs x shards / (hosts x
-slots), work spread evenly; t_e is one workunit's time on a slot, transfers included. The formula
-counts one timeout per workunit preempted; with independent preemptions a re-run may be preempted
-again, and the exact expectation in this model is n*t_e + n*p/(1-p)*t_o (`expected_wall_time`):
-for p = 0.2 that is 4.8% above the paper's figure when t_o = 1.2 t_e and 9.4% when t_o = 3 t_e.
-Epoch boundaries add idle time when an epoch's last workunits straggle (a few % at p = 0.2 with 4
-workunits per slot and epoch). tests/crowdtrain/sim/test_training.py measures both.
+(`paper_wall_time`), without prefetch and with instant merges. We read n as the workunits done per
+slot: n = epochs x shards / (hosts x slots), work spread evenly; t_e is one workunit's time on a
+slot, transfers included. The formula counts one timeout per workunit preempted; with independent
+preemptions a re-run may be preempted again, and the exact expectation in this model is n*t_e +
+n*p/(1-p)*t_o (`expected_wall_time`): for p = 0.2 that is 4.8% above the paper's figure when t_o =
+1.2 t_e and 9.4% when t_o = 3 t_e. Epoch boundaries add idle time when an epoch's last workunits
+straggle (a few % at p = 0.2 with 4 workunits per slot and epoch).
+tests/crowdtrain/sim/test_training.py measures both.
 """
 
 from dataclasses import dataclass
@@ -55,6 +59,7 @@ class Fleet:
     example_seconds: float = 1e-3
     workunit_seconds: float | None = None
     restart_seconds: float | None = None  # None: t_o
+    prefetch: bool = True  # the client's: slots + 1 assignments held, the next downloaded while one trains
 
     def __post_init__(self) -> None:
         for name in ("hosts", "slots"):

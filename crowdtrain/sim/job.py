@@ -6,22 +6,24 @@ clock, and merges with the very rule and policy code the parameter servers run
 
 - dispatch: crowdtrain.server.services.dispatch (`_claim_ready`: cached shards first, then by epoch and workunit;
   `_release_next_epoch`: early release once the current epoch has nothing left to dispatch);
-- merge: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm bound, then the rule;
-  a refusal is charged to the workunit; metrics every `eval_every` merges; snapshots);
+- apply, measure, record: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm
+  bound, then the rule; a refusal is charged to the workunit; then `_record`: metrics every
+  `eval_every` merges, snapshots, the workunit done). When each happens on the simulated clock, and
+  in what order, is crowdtrain.sim.servers' queue's to say;
 - time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed
   at max_errors);
 - close an epoch: crowdtrain.server.ledger.epochs.close_epoch_if_complete (the stop rule) and
   crowdtrain.workgen.generator.next_epoch_releasable.
 
 Left out: the reliability preference of dispatch (retried workunits to reliable hosts) and
-duplicates of stragglers. No I/O: the caller trains and evaluates.
+duplicates of stragglers. No I/O: the caller trains, and evaluates through `evaluate`.
 """
 
 import bisect
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,6 +34,7 @@ from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.paramstore import NORMS_KEPT
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
+UPLOADED = "uploaded"
 RUNNING, SUCCEEDED = "running", "succeeded"
 
 
@@ -53,7 +56,7 @@ class Assignment:
     base: Params  # the snapshot the host starts from (read-only)
     sent: float
     deadline: float
-    status: str = IN_PROGRESS  # in_progress -> merged | rejected | timed_out
+    status: str = IN_PROGRESS  # in_progress -> uploaded -> merged | rejected; in_progress -> timed_out
     client: Params | None = None  # W_c once trained (decoded from its upload)
     examples: int = 0
     local_fraction: float = 1.0  # of the recipe's local epochs (dynamic local work)
@@ -93,6 +96,7 @@ class SimJob:
     metrics: list[Metric] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     merged_hosts: list[int] = field(default_factory=list)  # the host of each merge, beside `staleness`
+    merged: list[int] = field(default_factory=list)  # the assignment of each merge, beside `staleness`
     refusals: Counter = field(default_factory=Counter)
     timeouts: int = 0
     failed_workunits: int = 0
@@ -168,9 +172,11 @@ class SimJob:
 
     # --- merge (crowdtrain.assimilator.merge) ---------------------------------------------------------------------
 
-    def merge(self, a: Assignment, now: float) -> str | None:
-        """Validate and merge an uploaded result; the refusal, or None when it was merged."""
-        if not self.running or a.status != IN_PROGRESS:
+    def apply(self, a: Assignment, now: float) -> str | None:
+        """A parameter server's merge of an uploaded result (`_merge_new`, paramstore.merge_once): the
+        refusal, the assignment then rejected, or None when W_s took it (its version one higher).
+        What follows a merge in the real task is `record`, once the evaluation it may need is done."""
+        if not self.running or a.status != UPLOADED:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
         assert a.client is not None  # set when its training ended, before it arrived
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
@@ -195,15 +201,34 @@ class SimJob:
         self.recent_norms.appendleft(norm)  # paramstore.merge_once: newest first, NORMS_KEPT kept
         self.staleness.append(update.staleness)
         self.merged_hosts.append(a.host)
+        self.merged.append(a.id)
         self.examples += a.examples
         a.status = "merged"
-        self._settle(a.wu, DONE)
-        if self.evaluate is not None and self.version % self.spec["scheduling"]["eval_every"] == 0:
-            loss, accuracy = self.evaluate(self.params)
-            self.metrics.append(Metric(self.version, a.wu.epoch, float(now), self.examples, accuracy, loss))
-        self._publish_snapshot_if_due(now)
-        self._close_epoch_if_complete(a.wu.epoch, now)
         return None
+
+    def evaluation_due(self) -> bool:
+        """Whether the merge that made W_s's version is evaluated (`_record`: every `eval_every` merges);
+        in the compute-free mode too, where the evaluation takes its time and records nothing."""
+        return self.version % self.spec["scheduling"]["eval_every"] == 0
+
+    def measure(self, a: Assignment, now: float) -> Metric | None:
+        """Validate W_s as it stands (the evaluation `_record_metric` starts after a merge); None in the
+        compute-free mode."""
+        if self.evaluate is None:
+            return None
+        loss, accuracy = self.evaluate(self.params)
+        return Metric(self.version, a.wu.epoch, float(now), self.examples, accuracy, loss)
+
+    def record(self, a: Assignment, metric: Metric | None, now: float) -> None:
+        """The rest of the task after W_s took `a` (`_record`): its metric (`measure`'s, dated `now`,
+        when its evaluation ends), a snapshot when due, its workunit done, its epoch closed when complete."""
+        if not self.running:
+            return
+        if metric is not None:
+            self.metrics.append(replace(metric, time=float(now)))
+        self._publish_snapshot_if_due(now)
+        self._settle(a.wu, DONE)
+        self._close_epoch_if_complete(a.wu.epoch, now)
 
     def _publish_snapshot_if_due(self, now: float) -> None:
         sched = self.spec["scheduling"]

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from crowdtrain.sim.hosts import Fleet
 from crowdtrain.sim.job import Metric
+from crowdtrain.sim.servers import ParameterServers
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,22 @@ class SimResult:
     trace: list[Dispatch] = field(repr=False)
     merged_hosts: list[int] = field(repr=False, default_factory=list)  # the host of each merge
     host_speeds: list[float] = field(repr=False, default_factory=list)  # s_i of each host
+    servers: ParameterServers = field(default_factory=ParameterServers)
+    merged: list[int] = field(repr=False, default_factory=list)  # the assignment of each merge, in order
+    arrivals: list[int] = field(repr=False, default_factory=list)  # assignments whose results came, in order
+    # assignment id -> when its place on its host was free again (training ended, or a preempted one restarted)
+    place_freed: dict[int, float] = field(repr=False, default_factory=dict)
+    merge_waits: list[float] = field(repr=False, default_factory=list)  # arrival -> merge start, per result
+    longest_backlog: int = 0  # the most results ever waiting for a parameter server at once
+
+    def held(self, host: int, at: float) -> int:
+        """Assignments `host` held at `at` (dispatched by then, their place not yet free): what
+        the client counts against `slots` (+1 with prefetch) when it asks for work."""
+        return sum(
+            1
+            for d in self.trace
+            if d.host == host and d.time <= at and self.place_freed.get(d.assignment, float("inf")) > at
+        )
 
     def staleness_by_host(self) -> dict[int, float]:
         """Each host's mean staleness over its merged results."""
@@ -121,6 +138,10 @@ class SimResult:
             "final_accuracy": self.final_accuracy,
             "best_accuracy": self.best_accuracy,
             "staleness": self.staleness_summary(),
+            **{f"parameter_server_{k}": v for k, v in asdict(self.servers).items()},
+            "merge_wait_mean_s": round(statistics.fmean(self.merge_waits), 4) if self.merge_waits else None,
+            "merge_wait_max_s": round(max(self.merge_waits), 4) if self.merge_waits else None,
+            "longest_backlog": self.longest_backlog,
             "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items() if f is not None},
             "curve": [
                 {

@@ -15,8 +15,33 @@ int8 or bfloat16 delta upload costs what it costs in accuracy, and its bytes are
 host_speeds and local_fraction over the simulated hosts' recent (examples, seconds) reports. In
 the compute-free mode nothing is encoded: an upload's size is crowdtrain.core.updates.upload_sizes'.
 
+Where staleness comes from, as in the real system (DESIGN.md section 9): slots, prefetch and merge
+lag. A host asks for work as the client does (client/worker.py): it holds `slots` assignments not
+yet trained, one more with prefetch (the default), and asks for the next the moment a slot stops
+training, before that result is uploaded; so each assignment's base snapshot is older by the work
+queued on its host. Uploads join the job's merge queue (crowdtrain.sim.servers): W_s's version
+moves when a merge leaves the lease, a snapshot is published after the evaluation that may follow
+it, and dispatch hands out the snapshot published by then. Events at one instant run in order of
+cause; dispatch comes after all of them.
+
+The epoch-release window. The next epoch is released as the real scheduler releases it
+(crowdtrain.server.ledger.epochs.next_epoch_releasable, called by dispatch when a claim comes up
+short and by close_epoch_if_complete): when the current epoch has nothing ready and no older
+epoch has a workunit open. So at most two epochs are open at once, and at most twice the shard
+count of workunits are held by hosts or wait in the merge queue (a workunit stays open until its
+result is merged): slots beyond that idle, prefetched places and a merge backlog included, and a
+straggler of the older epoch holds the next release back. The real system has the same limit, by
+the same rule; its straggler duplicates (left out here) only copy work already held.
+
+Against the real system, with the defaults (mnist1d-cnn, the default rule, 18 epochs, 4 slots per
+host, 0.1 s transfers, seed 0): mean staleness 1.96 / 5.22 / 4.94 at 1 / 4 / 8 slots, where the
+real system measured 2 / 5 / 10.2. At 8 slots the window above binds (4 shards: 8 workunits open,
+10 places wanted) and no result here saw more than 7 merges; the real system's figure is above
+what the window allows without much overtaking, which this model does not yet explain.
+
 The hosts' timing model, their preemptions and the wall time the VC-ASGD paper's model predicts are
-in crowdtrain.sim.hosts; what a run did, in crowdtrain.sim.result.
+in crowdtrain.sim.hosts; the parameter servers' queue in crowdtrain.sim.servers; what a run did,
+in crowdtrain.sim.result.
 """
 
 import heapq
@@ -37,11 +62,13 @@ from crowdtrain.core.updates import decode_result, encode_result, upload_label, 
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fraction
 from crowdtrain.sim.hosts import Fleet
-from crowdtrain.sim.job import IN_PROGRESS, Assignment, SimJob
+from crowdtrain.sim.job import IN_PROGRESS, UPLOADED, Assignment, Metric, SimJob
 from crowdtrain.sim.result import Dispatch, SimResult
+from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, MergeQueue, ParameterServers
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 
-ARRIVE, DEADLINE, BACK = "arrive", "deadline", "back"
+FETCHED, TRAINED, ARRIVE, MERGED, EVALUATED = "fetched", "trained", "arrive", "merged", "evaluated"
+DEADLINE, BACK = "deadline", "back"
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
 
 
@@ -78,6 +105,10 @@ def simulate_training(
     restart_seconds: float | None = None,
     compute: bool = True,
     data: Dataset | None = None,
+    prefetch: bool = True,
+    merge_seconds: float = MERGE_SECONDS,
+    eval_seconds: float = EVAL_SECONDS,
+    parameter_servers: int = 1,
 ) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
@@ -86,7 +117,9 @@ def simulate_training(
     in the real system. `compute=False` trains and validates nothing (each host returns the
     snapshot it was given), for timing studies: the job then runs to stop.max_epochs. `data`
     skips loading the spec's dataset (a benchmark running many simulations loads it once).
-    Training runs on one CPU thread.
+    `prefetch` is the client's (client/worker.py): each host holds `slots` + 1 assignments not yet
+    trained. `parameter_servers` processes serve the job's merges, each taking `merge_seconds`, and
+    an evaluation `eval_seconds` (crowdtrain.sim.servers). Training runs on one CPU thread.
     """
     spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
     if spec.mode != VC_ASGD:
@@ -95,8 +128,18 @@ def simulate_training(
         raise ValueError("model.name: the simulator trains zoo models with PyTorch, not Keras JSON models")
     timeout = spec.scheduling.deadline_seconds if timeout is None else timeout
     fleet = Fleet(
-        hosts, slots, p, timeout, network_seconds, speed_sigma, example_seconds, workunit_seconds, restart_seconds
+        hosts,
+        slots,
+        p,
+        timeout,
+        network_seconds,
+        speed_sigma,
+        example_seconds,
+        workunit_seconds,
+        restart_seconds,
+        prefetch,
     )
+    servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds)
     data = (
         data
         if data is not None
@@ -105,7 +148,7 @@ def simulate_training(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sim = _Simulation(spec.model_dump(mode="json"), fleet, data, np.random.default_rng(seed), compute)
+        sim = _Simulation(spec.model_dump(mode="json"), fleet, servers, data, np.random.default_rng(seed), compute)
         started = time.perf_counter()
         sim.run()
         return sim.result(seed, time.perf_counter() - started)
@@ -114,8 +157,17 @@ def simulate_training(
 
 
 class _Simulation:
-    def __init__(self, spec: dict, fleet: Fleet, data: Dataset, rng: np.random.Generator, compute: bool) -> None:
-        self.spec, self.fleet, self.data, self.rng, self.compute = spec, fleet, data, rng, compute
+    def __init__(
+        self,
+        spec: dict,
+        fleet: Fleet,
+        servers: ParameterServers,
+        data: Dataset,
+        rng: np.random.Generator,
+        compute: bool,
+    ) -> None:
+        self.spec, self.fleet, self.servers, self.data = spec, fleet, servers, data
+        self.rng, self.compute = rng, compute
         m = spec["model"]
         self.model_config = {
             "name": m["name"],
@@ -136,9 +188,16 @@ class _Simulation:
         self.restart = fleet.restart_seconds if fleet.restart_seconds is not None else self.timeout
         self.speeds = fleet.speeds(rng)
         self.caches: list[set[tuple[int, int]]] = [set() for _ in range(fleet.hosts)]
-        self.events: list[tuple[float, int, str, Any]] = []  # payload: the Assignment, or the idle slot's host
+        self.events: list[tuple[float, int, str, Any]] = []  # payload: the Assignment (and its Metric)
         self.seq = itertools.count()
-        self.idle: deque[int] = deque()  # one entry per idle slot: its host
+        # The client holds `slots` assignments not yet trained, one more with prefetch (client/worker.py).
+        self.places = fleet.slots + (1 if fleet.prefetch else 0)
+        self.idle: deque[int] = deque()  # one entry per free place: its host
+        self.fetched: list[deque[Assignment]] = [deque() for _ in range(fleet.hosts)]  # waiting for a slot
+        self.free_slots = [fleet.slots] * fleet.hosts
+        self.ended: dict[int, float] = {}  # assignment id -> when its place on its host was free again
+        self.arrivals: list[int] = []  # assignment ids, in the order their results reached the scheduler
+        self.queue = MergeQueue(servers)
         self.now = 0.0
         self.late = self.uploads = self.bytes_uploaded = 0
         self.manifest = manifest_of(params)
@@ -149,25 +208,45 @@ class _Simulation:
 
     def run(self) -> None:
         for host in range(self.fleet.hosts):
-            self.idle.extend([host] * self.fleet.slots)
+            self.idle.extend([host] * self.places)  # the client's first request asks for them all
         self._wake()
         while self.events and self.job.running:
             self.now, _, kind, payload = heapq.heappop(self.events)
-            if kind == ARRIVE:
-                self._arrive(payload)
-            elif kind == DEADLINE:
-                self.job.time_out(payload, self.now)
-            else:
-                self.idle.append(payload)
+            self._handle(kind, payload)
             self._wake()
         if self.job.running:
             raise RuntimeError(f"simulation stalled at epoch {self.job.current_epoch}: nothing left to happen")
 
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == FETCHED:
+            self.fetched[payload.host].append(payload)
+            self._train_next(payload.host)
+        elif kind == TRAINED:
+            self._trained(payload)
+        elif kind == ARRIVE:
+            self._arrive(payload)
+        elif kind == MERGED:
+            self._merged(payload)
+        elif kind == EVALUATED:
+            self._evaluated(*payload)
+        elif kind == DEADLINE:
+            self.job.time_out(payload, self.now)
+        else:  # BACK: a preempted assignment's place on its host is free again
+            self.ended[payload.id] = self.now
+            self.idle.append(payload.host)
+
     def _at(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (float(t), next(self.seq), kind, payload))
 
+    def _after(self, delay: float, kind: str, payload: object) -> None:
+        """`kind` happens `delay` seconds from now; at once, before anything else, when that is 0."""
+        if delay == 0:
+            self._handle(kind, payload)
+        else:
+            self._at(self.now + delay, kind, payload)
+
     def _wake(self) -> None:
-        """Give work to idle slots, oldest first, while there is some."""
+        """Give work to hosts' free places (client/worker.py's requests), oldest first, while there is some."""
         while self.idle and self.job.running:
             a = self.job.dispatch(self.idle[0], self.caches[self.idle[0]], self.now, self.timeout)
             if a is None:
@@ -176,6 +255,7 @@ class _Simulation:
             self._start(a)
 
     def _start(self, a: Assignment) -> None:
+        """A host took `a`: it downloads what it lacks, then waits for a compute slot."""
         self._at(a.deadline, DEADLINE, a)
         preempted = self.fleet.preempts(self.rng)
         a.local_fraction = self._local_fraction(a.host)
@@ -183,11 +263,11 @@ class _Simulation:
             Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted, a.local_fraction)
         )
         if preempted:
-            self._at(self.now + self.restart, BACK, a.host)
+            self._at(self.now + self.restart, BACK, a)
             return
         key = self.job.shard_key(a.wu)
         size = len(self.deals.of(key[0])[key[1]])
-        transfers = 2 + (key not in self.caches[a.host])
+        downloads = 1 + (key not in self.caches[a.host])
         self.caches[a.host].add(key)
         t = self.spec["training"]
         a.train_seconds = self.fleet.work_seconds(size, t["local_epochs"]) * a.local_fraction / self.speeds[a.host]
@@ -197,7 +277,23 @@ class _Simulation:
             a.client, a.upload_bytes = a.base, self.upload_size
             steps = local_steps(size, t["batch_size"], t["local_epochs"], a.local_fraction)
             a.examples = examples_in(steps, size, t["batch_size"])
-        self._at(self.now + transfers * self.fleet.network_seconds + a.train_seconds, ARRIVE, a)
+        self._after(downloads * self.fleet.network_seconds, FETCHED, a)
+
+    def _train_next(self, host: int) -> None:
+        """Downloaded assignments take the host's free compute slots, in the order they came."""
+        while self.free_slots[host] and self.fetched[host]:
+            a = self.fetched[host].popleft()
+            self.free_slots[host] -= 1
+            self._at(self.now + a.train_seconds, TRAINED, a)
+
+    def _trained(self, a: Assignment) -> None:
+        """Training ended: the slot takes the next downloaded assignment, the client asks for one more
+        (it holds `slots`, +1 with prefetch, not yet trained) and uploads this one meanwhile."""
+        self.ended[a.id] = self.now
+        self.free_slots[a.host] += 1
+        self._train_next(a.host)
+        self.idle.append(a.host)
+        self._after(self.fleet.network_seconds, ARRIVE, a)
 
     def _local_fraction(self, host: int) -> float:
         """crowdtrain.server.services.local_work.fraction_for over the simulated hosts' recent reports."""
@@ -219,15 +315,42 @@ class _Simulation:
         return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val, framework="pytorch")
 
     def _arrive(self, a: Assignment) -> None:
+        """The upload reached the scheduler: refused if its assignment timed out, else queued for a merge."""
         self.uploads += 1
         self.bytes_uploaded += a.upload_bytes
+        self.arrivals.append(a.id)
         if a.status != IN_PROGRESS:
             self.late += 1  # timed out on its way: the scheduler refuses the upload
-        else:
-            self.reports.append((a.host, a.examples, a.train_seconds))
-            self.job.merge(a, self.now)
+            a.client = None
+            return
+        a.status = UPLOADED
+        self.reports.append((a.host, a.examples, a.train_seconds))
+        self.queue.arrive(a, self.now)
+        self._serve()
+
+    def _serve(self) -> None:
+        for a, merged_at in self.queue.take(self.now):
+            self._after(merged_at - self.now, MERGED, a)
+
+    def _merged(self, a: Assignment) -> None:
+        """A merge left the lease: W_s took `a` (or refused it); then an evaluation when due."""
+        refused = self.job.apply(a, self.now) is not None
         a.client = None
-        self.idle.append(a.host)
+        if refused:
+            self._task_done()
+        elif self.job.evaluation_due():
+            metric = self.job.measure(a, self.now)
+            self._after(self.servers.eval_seconds, EVALUATED, (a, metric))
+        else:
+            self._evaluated(a, None)
+
+    def _evaluated(self, a: Assignment, metric: Metric | None) -> None:
+        self.job.record(a, metric, self.now)
+        self._task_done()
+
+    def _task_done(self) -> None:
+        self.queue.done()
+        self._serve()
 
     def result(self, seed: int, real_seconds: float) -> SimResult:
         job = self.job
@@ -261,4 +384,10 @@ class _Simulation:
             self.trace,
             job.merged_hosts,
             self.speeds.tolist(),
+            servers=self.servers,
+            merged=job.merged,
+            arrivals=self.arrivals,
+            place_freed=self.ended,
+            merge_waits=self.queue.waits,
+            longest_backlog=self.queue.longest,
         )

@@ -13,31 +13,8 @@ from typer.testing import CliRunner
 from crowdtrain.cli import app
 from crowdtrain.sim.hosts import Fleet, expected_wall_time, paper_wall_time
 from crowdtrain.sim.training import ShardDeals, simulate_training
-from crowdtrain.workgen.datasets import Dataset, deal_shards, make_dataset
-
-
-@pytest.fixture(scope="module")
-def blobs() -> Dataset:
-    """Four separable Gaussian blobs in 8 dimensions: 640 training and 160 validation examples."""
-    rng = np.random.default_rng(0)
-    centers = rng.normal(scale=3.0, size=(4, 8))
-    y = rng.integers(0, 4, 800)
-    x = centers[y] + rng.normal(size=(800, 8))
-    return make_dataset(x, y, None, None, validation_fraction=0.2)
-
-
-def job(subsets: int, max_epochs: int, **sections) -> dict:
-    spec = {
-        "name": "blobs",
-        "model": {"name": "mlp", "options": {"hidden": [16]}},
-        "dataset": {"source": "builtin:mnist1d", "subsets": subsets},  # the data is passed in instead
-        "training": {"local_epochs": 1, "batch_size": 32, "optimizer": "adam", "lr": 0.01},
-        "stop": {"target_accuracy": 0.999, "max_epochs": max_epochs},
-        "scheduling": {"max_errors": 1000},
-    }
-    for name, values in sections.items():
-        spec[name] = {**spec.get(name, {}), **values}
-    return spec
+from crowdtrain.workgen.datasets import Dataset, deal_shards
+from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job
 
 
 def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
@@ -54,6 +31,7 @@ def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
             workunit_seconds=1.0,
             compute=False,
             data=data,
+            **PAPER,
         ).sim_seconds
         for seed in range(seeds)
     )
@@ -73,13 +51,29 @@ def test_wall_time_with_a_long_timeout_is_the_exact_expectation(blobs: Dataset) 
     assert 0.97 * expected_wall_time(40, 1.0, 0.2, 3.0) <= wall <= 1.08 * expected_wall_time(40, 1.0, 0.2, 3.0)
 
 
-def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetched(blobs: Dataset) -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetched(
+    blobs: Dataset, prefetch: bool
+) -> None:
     """One slot, no preemption: every workunit downloads the snapshot and uploads its result; a
-    shard is downloaded once, then found in the host's cache."""
+    shard is downloaded once, then found in the host's cache. The client asks for work as soon as
+    a slot stops training, so an upload overlaps the next download; with prefetch the next
+    assignment's downloads overlap training too, and only the first downloads and the last upload
+    are left."""
     r = simulate_training(
-        job(4, 3), hosts=1, p=0.0, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs
+        job(4, 3),
+        hosts=1,
+        p=0.0,
+        network_seconds=0.25,
+        speed_sigma=0,
+        workunit_seconds=1.0,
+        compute=False,
+        data=blobs,
+        prefetch=prefetch,
+        **INSTANT,
     )
-    assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + 4 * 0.25)
+    expected = 2 * 0.25 + 12 * 1.0 + 0.25 if prefetch else 12 * (1.0 + 0.25) + 4 * 0.25 + 0.25
+    assert r.sim_seconds == pytest.approx(expected)
 
 
 def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
@@ -88,7 +82,14 @@ def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
 
     def wall(hosts: int, sigma: float) -> float:
         return simulate_training(
-            job(8, 2), hosts=hosts, speed_sigma=sigma, seed=3, workunit_seconds=1.0, compute=False, data=blobs
+            job(8, 2),
+            hosts=hosts,
+            speed_sigma=sigma,
+            seed=3,
+            workunit_seconds=1.0,
+            compute=False,
+            data=blobs,
+            **INSTANT,
         ).sim_seconds
 
     assert wall(1, 0.8) == wall(1, 0.0) == 16.0
@@ -131,10 +132,38 @@ def test_the_next_epoch_is_released_once_the_current_one_has_nothing_left_to_dis
 def test_staleness_grows_with_slots(blobs: Dataset) -> None:
     mean = {}
     for slots in (2, 8, 32):
-        r = simulate_training(job(64, 3), hosts=slots, seed=0, compute=False, data=blobs)
+        r = simulate_training(job(64, 3), hosts=slots, seed=0, compute=False, data=blobs, **INSTANT)
         mean[slots] = r.staleness_summary()["mean"]
     assert mean[2] < mean[8] < mean[32]
     assert mean[32] > 16  # about slots - 1 merges land while one workunit runs
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_host_holds_its_slots_and_one_more_with_prefetch(blobs: Dataset, prefetch: bool) -> None:
+    """As the client (client/worker.py): `slots` assignments not yet trained, +1 with prefetch; the
+    extra one is used, and it is what lets a new request go out before a slot frees."""
+    slots = 2
+    r = simulate_training(
+        job(16, 3), hosts=3, slots=slots, seed=2, network_seconds=0.05, compute=False, data=blobs, prefetch=prefetch
+    )
+    held = [r.held(d.host, d.time) for d in r.trace]
+    assert max(held) == slots + prefetch
+
+
+def test_prefetch_makes_one_slot_results_stale(blobs: Dataset) -> None:
+    """One slot: without prefetch and with instant merges, every result starts from the W_s the one
+    before it made (staleness 0). With prefetch, the next assignment is fetched while one trains,
+    so each result after the first misses at least the one merged meanwhile; with the parameter
+    servers' default service times the request even overtakes the upload: 2, as the real system measures."""
+
+    def staleness(prefetch: bool, **servers: float) -> list[int]:
+        return simulate_training(
+            job(4, 5), hosts=1, workunit_seconds=1.0, compute=False, data=blobs, prefetch=prefetch, **servers
+        ).staleness
+
+    assert set(staleness(False, **INSTANT)) == {0}
+    assert staleness(True, **INSTANT)[1:] and min(staleness(True, **INSTANT)[1:]) >= 1
+    assert staleness(True)[2:] == [2] * 18
 
 
 def test_the_staleness_bound_of_the_policy_refuses_stale_results(blobs: Dataset) -> None:
@@ -145,7 +174,7 @@ def test_the_staleness_bound_of_the_policy_refuses_stale_results(blobs: Dataset)
 
 def test_training_a_real_model_improves_its_accuracy(blobs: Dataset) -> None:
     spec = job(4, 6, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5})
-    r = simulate_training(spec, hosts=2, slots=2, seed=0, data=blobs)
+    r = simulate_training(spec, hosts=2, slots=2, seed=0, data=blobs, **INSTANT)
     assert r.metrics[0].accuracy < 0.9 and r.best_accuracy >= 0.97, [m.accuracy for m in r.metrics]
     assert r.outcome == "succeeded" and r.final_accuracy is not None and r.uploads == r.merges
     assert r.examples == r.merges * 640 // 4  # one local epoch over a 160-example shard per merge
@@ -160,7 +189,7 @@ def test_upload_bytes_are_those_of_the_jobs_encoding(blobs: Dataset, compute: bo
 
     def per_upload(upload: dict) -> int:
         spec = job(4, 2, model={"options": {"hidden": [128, 128]}}, assimilation={"upload": upload})
-        s = simulate_training(spec, hosts=2, seed=0, compute=compute, data=blobs).summary()
+        s = simulate_training(spec, hosts=2, seed=0, compute=compute, data=blobs, **INSTANT).summary()
         assert s["bytes_uploaded_per_merge"] == s["upload_bytes"]  # every upload merged
         return s["upload_bytes"]
 
@@ -231,10 +260,10 @@ def test_a_reshuffled_epoch_has_new_shards_to_download(blobs: Dataset, reshuffle
     """One slot: each shard is fetched once, or once per epoch when every epoch deals anew."""
     spec = job(4, 3, dataset={"reshuffle_each_epoch": reshuffle})
     r = simulate_training(
-        spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs
+        spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs, **PAPER
     )
     fetches = 12 if reshuffle else 4
-    assert r.sim_seconds == pytest.approx(12 * (1.0 + 2 * 0.25) + fetches * 0.25)
+    assert r.sim_seconds == pytest.approx(12 * (1.0 + 0.25) + fetches * 0.25 + 0.25)
 
 
 def test_bad_settings_are_refused_naming_the_field(blobs: Dataset) -> None:
@@ -263,6 +292,10 @@ def test_cli_simulates_training_and_prints_one_json_line(tmp_path, blobs: Datase
             "--workunit-seconds",
             "1",
             "--speed-sigma",
+            "0",
+            "--merge-seconds",
+            "0",
+            "--eval-seconds",
             "0",
         ],
     )
