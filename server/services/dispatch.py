@@ -9,6 +9,9 @@ no ORM object, and what never changes in a job after submission (its spec parsed
 which frameworks run it) read once per process (crowdtrain.server.services.job_terms). The rarer paths — an
 epoch's release, straggler duplicates, replicas for validation, a re-dealt epoch's shards — load
 the ORM rows they need and run the ledger's procedures in the same transaction.
+
+A job at its in-flight budget (crowdtrain.server.services.backpressure) gets no new workunit and no
+straggler duplicate; its unmerged assignments are counted in the request's first statement.
 """
 
 import logging
@@ -18,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, Row, Select, and_, bindparam, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, Row, Select, and_, bindparam, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.jobspec import VC_ASGD
@@ -31,8 +34,9 @@ from crowdtrain.server.ledger import replicas, reputation
 from crowdtrain.server.ledger.claims import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
-from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import fair_share, local_work
+from crowdtrain.server.services.backpressure import UNMERGED, in_flight_budget
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
 from crowdtrain.server.services.job_terms import LIVE_JOB_COLUMNS, JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
@@ -56,14 +60,33 @@ _HOST_COLUMNS = (
 _LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
 
 
+def _in_flight_columns() -> tuple[ColumnElement[int], ...]:
+    """The job's unmerged assignments, the hosts holding them, and how many the host holds: counted
+    beside the job's row, each an index range scan (job, status) over no more rows than its budget."""
+    unmerged = and_(Assignment.job_id == Job.id, Assignment.status.in_(UNMERGED))
+    return (
+        select(func.count()).where(unmerged).correlate(Job).scalar_subquery().label("job_in_flight"),
+        select(func.count(func.distinct(Assignment.host_id)))
+        .where(unmerged)
+        .correlate(Job)
+        .scalar_subquery()
+        .label("job_in_flight_hosts"),
+        select(func.count())
+        .where(unmerged, Assignment.host_id == Host.id)
+        .correlate(Job, Host)
+        .scalar_subquery()
+        .label("job_held_by_host"),
+    )
+
+
 def _host_and_live_jobs(host: ColumnElement[bool]) -> Select:
-    """The host's row, once per running VC-ASGD job with that job's live columns beside it (once
-    with none when no job runs): authentication and what dispatch reads of the jobs, in one round
-    trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
+    """The host's row, once per running VC-ASGD job with that job's live columns and in-flight counts
+    beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
+    in one round trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
     crowdtrain.server.services.dedloc."""
     running = and_(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
     return (
-        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS))
+        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS), *_in_flight_columns())
         .select_from(Host)
         .outerjoin(Job, running)
         .where(host)
@@ -240,6 +263,18 @@ class _Request:
         self._session: Session | None = None
         self._jobs: dict[int, Job] = {}
         self._host: Host | None = None
+        # Assignments each job may still open before it is at its in-flight budget; the host's first
+        # of a job is under a derived budget's floor (one per host holding its work).
+        self.headroom = {
+            j: in_flight_budget(
+                t.budget,
+                live[j].merge_rate,
+                live[j].turnaround_seconds,
+                live[j].in_flight_hosts + (0 if live[j].held_by_host else 1),
+            )
+            - live[j].in_flight
+            for j, t in terms.items()
+        }
 
     def __enter__(self) -> "_Request":
         return self
@@ -266,15 +301,16 @@ class _Request:
                 wanted = replicas.claim_replicas(self.s, self.job(job_id), self.host_row(), free_slots - len(self.out))
                 self.open(job_id, [Claim.of(wu, sh) for wu, sh in wanted], "replica, ")
         reliable = host.consecutive_valid >= RELIABLE_AFTER
-        open_jobs = dict(weights)
+        open_jobs = {j: w for j, w in weights.items() if self.headroom[j] > 0}  # jobs at their budget wait
         while len(self.out) < free_slots and open_jobs:
             plan = fair_share.split_slots(free_slots - len(self.out), running, open_jobs)
             for job_id, n in plan.items():
                 if n == 0:
                     continue
-                claimed = claim_workunits(c, job_id, reliable, n, cached)
-                if len(claimed) < n and self.newer_epoch(job_id):
-                    claimed += claim_workunits(c, job_id, reliable, n - len(claimed), cached)
+                allowed = min(n, self.headroom[job_id])
+                claimed = claim_workunits(c, job_id, reliable, allowed, cached)
+                if len(claimed) < allowed and self.newer_epoch(job_id):
+                    claimed += claim_workunits(c, job_id, reliable, allowed - len(claimed), cached)
                 if claimed:
                     running[job_id] = running.get(job_id, 0) + len(claimed)
                     if terms[job_id].validation.enabled:
@@ -286,12 +322,12 @@ class _Request:
         # work the job replicates gets no duplicate (its result would be merged unchecked).
         for job_id in fair_share.by_share(running, weights):
             after = terms[job_id].scheduling.duplicate_after_seconds
-            if len(self.out) >= free_slots or after is None:
+            if len(self.out) >= free_slots or after is None or self.headroom[job_id] <= 0:
                 continue
             if replicas.replicated_host(self.host_row(), terms[job_id].validation):
                 continue
             duplicates = claim_straggler_duplicates(
-                self.s, self.job(job_id), self.host_row(), free_slots - len(self.out), after
+                self.s, self.job(job_id), self.host_row(), min(free_slots - len(self.out), self.headroom[job_id]), after
             )
             self.open(job_id, [Claim.of(wu, sh) for wu, sh in duplicates], "duplicate of a straggler, ")
 
@@ -328,6 +364,7 @@ class _Request:
         now = utcnow()
         deadline = now + timedelta(seconds=t.scheduling.deadline_seconds)
         opened = open_assignments(self.c, claimed, job_id, self.host.id, live.snapshot_version, fraction, now, deadline)
+        self.headroom[job_id] -= len(claimed)
         for cl in claimed:
             assignment_id = opened[cl.workunit_id]
             self.out.append(self._describe(assignment_id, cl, live, t, fraction, deadline))

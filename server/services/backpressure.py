@@ -1,0 +1,84 @@
+"""Backpressure: each job's in-flight budget, the most of its assignments that may be dispatched or
+uploaded but not yet merged (prefetched ones included). At its budget a job gets no new workunit from
+dispatch (crowdtrain.server.services.dispatch), which serves other jobs instead, until merges land:
+results then never queue for the parameter servers faster than they merge them, which is what kept
+staleness growing over epochs when merging and evaluation were slower than training.
+
+The budget is `scheduling.max_in_flight` when the spec sets it; otherwise it is derived from the job's
+merge pace (crowdtrain.server.ledger.pace, measured over the latest merges when each is recorded):
+
+    budget = max(rule floor, ceil(merge rate x turnaround) + hosts)
+
+- merge rate x turnaround (Little's law) is how many results the parameter servers merge while one
+  assignment is out with its host: enough in flight to keep them busy with none waiting;
+- hosts: one more assignment for each host holding the job's work (and for the asking host, when it
+  holds none): each host can always hold one beyond the merge pipeline, its prefetch or its first
+  task. While the servers keep up, the rate is the hosts' supply, merge rate x turnaround the slots
+  training, and the budget is what the clients hold (a slot each, and one prefetched per host): it
+  does not bind, and it grows as they take more, the rate following the in-flight count up. When
+  the servers are the bottleneck the rate is their capacity, and results wait at most about one per
+  host for their merge, so staleness stays near merge rate x turnaround + hosts instead of growing;
+- rule floor: fedbuff combines `assimilation.buffer_size` results per step, so never fewer than that;
+  any other rule 1.
+
+Before two merges are recorded there is no pace: the budget is one epoch's workunits
+(`dataset.subsets`), half of what could queue without it, until the first merges measure it. Requests
+on PostgreSQL that run at the same moment each see the count before the others' claims, so together
+they may pass the budget by what they claim at once; the next requests see it and hold back. Replicas
+for validation are not held (a vote waits on them, and its first results count against the budget).
+No I/O in this module.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from crowdtrain.core.jobspec import scheduling_of
+from crowdtrain.core.states import AssignmentStatus
+
+MAX_BUDGET = 1_000_000  # as scheduling.max_in_flight's bound
+# In flight: dispatched (training, or prefetched and waiting on its host) or uploaded, not yet merged.
+UNMERGED = (AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value)
+
+
+@dataclass(frozen=True)
+class BudgetTerms:
+    """What a job's budget depends on that its spec fixes."""
+
+    max_in_flight: int | None  # scheduling.max_in_flight: the budget, when set
+    rule_floor: int  # the fewest results in flight the merge rule needs: fedbuff's buffer, else 1
+    epoch_workunits: int  # dataset.subsets: the budget before the merge pace is measured
+
+    @classmethod
+    def of(cls, spec: dict[str, Any]) -> "BudgetTerms":
+        assimilation = spec.get("assimilation", {})
+        return cls(
+            max_in_flight=scheduling_of(spec).max_in_flight,
+            rule_floor=int(assimilation.get("buffer_size", 4)) if assimilation.get("rule") == "fedbuff" else 1,
+            epoch_workunits=int(spec["dataset"].get("subsets", 1)),
+        )
+
+
+def in_flight_budget(terms: BudgetTerms, merge_rate: float | None, turnaround_seconds: float | None, hosts: int) -> int:
+    """The job's budget: `max_in_flight` if set, else derived (see the module docstring) from its
+    measured pace (None before it has one) and the `hosts` holding its work. Never 0."""
+    if terms.max_in_flight is not None:
+        return terms.max_in_flight
+    if merge_rate is None or turnaround_seconds is None:
+        return max(terms.rule_floor, terms.epoch_workunits, 1)
+    return max(terms.rule_floor, 1, min(MAX_BUDGET, math.ceil(merge_rate * turnaround_seconds) + hosts))
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A job's unmerged assignments against its budget, as the operator sees them."""
+
+    count: int
+    budget: int
+    hosts: int  # distinct hosts holding them
+
+    @property
+    def held_back(self) -> bool:
+        """At its budget: hosts already holding the job's work get none of it (one holding none may
+        still get one, when the budget is derived)."""
+        return self.count >= self.budget
