@@ -55,11 +55,11 @@ def in_flight_line(f: InFlightFigures) -> Text:
     if not f.derived:
         source = "scheduling.max_in_flight"
     elif f.merge_rate is None or f.turnaround_seconds is None:
-        source = "one per host until merges are measured"
+        source = "no budget until two merges measure the merge pace"
     else:
         source = f"{f.merge_rate:.2f} merges/s x {f.turnaround_seconds:.1f}s turnaround + hosts"
     return Text.assemble(
-        f"in flight {f.count}/{f.budget} ({source})",
+        f"in flight {f.count}/{'-' if f.budget is None else f.budget} ({source})",
         ("  held back: waiting for merges" if f.held_back else "", "yellow"),
     )
 

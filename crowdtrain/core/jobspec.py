@@ -184,7 +184,7 @@ class SchedulingSpec(SpecSection):
         "(prefetched ones included); at it, dispatch gives the job no new workunit, serving other jobs, until "
         "merges land. null: derived from the merge pace measured over the latest merges, max(rule floor, "
         "ceil(merges per second x median dispatch-to-upload seconds) + hosts holding the job's work), the rule "
-        "floor being assimilation.buffer_size for fedbuff, else 1; before two merges, dataset.subsets",
+        "floor being assimilation.buffer_size for fedbuff, else 1 (no budget before two merges measure the pace)",
     )
 
 

@@ -72,10 +72,11 @@ class InFlightFigures(BaseModel):
     count: int = Field(
         ..., description="Assignments dispatched or uploaded but not yet merged (prefetched ones included)"
     )
-    budget: int = Field(
+    budget: int | None = Field(
         ...,
         description="The most that may be in flight: scheduling.max_in_flight, or derived as max(rule floor, "
-        "ceil(merge_rate x turnaround_seconds) + hosts holding the job's work)",
+        "ceil(merge_rate x turnaround_seconds) + hosts holding the job's work); None until two merges measure "
+        "the pace (no budget yet)",
     )
     derived: bool = Field(..., description="False when the spec sets scheduling.max_in_flight")
     held_back: bool = Field(

@@ -4,8 +4,8 @@ reads it with the job's other live columns: the in-flight budget (crowdtrain.ser
 is derived from it without a query of its own.
 
 - merge rate: merges per second, (n - 1) / (newest merge - oldest merge) over the latest `WINDOW`
-  merges: what the job's parameter servers have absorbed lately (their capacity when results queue,
-  the hosts' supply when they keep up);
+  merges (a validated replica counts as one): what the job's parameter servers have absorbed
+  lately (their capacity when results queue, the hosts' supply when they keep up);
 - turnaround: the median of those assignments' seconds from dispatch (sent_at) to upload
   (uploaded_at): how long a host takes to return one, the merge queue left out.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from statistics import median
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from crowdtrain.core.states import AssignmentStatus
@@ -41,18 +41,31 @@ def pace_of(merges: Sequence[tuple[datetime, datetime | None, datetime]]) -> Pac
     return Pace(merge_rate=(len(merges) - 1) / span, turnaround_seconds=max(0.0, median(turnarounds)))
 
 
-_LATEST_MERGES = (
+# A replica that agreed with the merged one ends `validated`: the parameter servers checked it as they
+# do a merge, and it was in flight as one, so it counts as one here.
+_FINISHED = (AssignmentStatus.merged.value, AssignmentStatus.validated.value)
+_LATEST = (
     select(Assignment.sent_at, Assignment.uploaded_at, Assignment.finished_at)
-    .where(Assignment.status == AssignmentStatus.merged.value, Assignment.finished_at.is_not(None))
+    .where(
+        Assignment.job_id == bindparam("job_id"),
+        Assignment.status == bindparam("status"),
+        Assignment.finished_at.is_not(None),
+    )
     .order_by(Assignment.finished_at.desc())
     .limit(WINDOW)
 )
 
 
 def measure_pace(s: Session, job: Job) -> None:
-    """Measure the job's pace over its latest merges (the index on job, status, finished_at) and keep
-    it on `job`, which the caller holds locked; left as it was when there is nothing to measure."""
-    rows = s.execute(_LATEST_MERGES.where(Assignment.job_id == job.id)).all()
-    pace = pace_of([(r.sent_at, r.uploaded_at, r.finished_at) for r in rows])
+    """Measure the job's pace over its latest merges (and validated replicas) and keep it on `job`,
+    which the caller holds locked; left as it was when there is nothing to measure. One ordered scan
+    of the index on (job, status, finished_at) per status, `WINDOW` rows each."""
+    rows: list[tuple[datetime, datetime | None, datetime]] = [
+        (r.sent_at, r.uploaded_at, r.finished_at)
+        for status in _FINISHED
+        for r in s.execute(_LATEST, {"job_id": job.id, "status": status})
+    ]
+    latest = sorted(rows, key=lambda r: r[2], reverse=True)[:WINDOW]
+    pace = pace_of(latest)
     if pace is not None:
         job.merge_rate, job.turnaround_seconds = pace.merge_rate, pace.turnaround_seconds

@@ -21,11 +21,13 @@ merge pace (crowdtrain.server.ledger.pace, measured over the latest merges when 
 - rule floor: fedbuff combines `assimilation.buffer_size` results per step, so never fewer than that;
   any other rule 1.
 
-Before two merges are recorded there is no pace: the budget is one epoch's workunits
-(`dataset.subsets`), half of what could queue without it, until the first merges measure it. Requests
-on PostgreSQL that run at the same moment each see the count before the others' claims, so together
-they may pass the budget by what they claim at once; the next requests see it and hold back. Replicas
-for validation are not held (a vote waits on them, and its first results count against the budget).
+Before two merges are recorded there is no pace to derive it from, and no derived budget: dispatch
+gives as before (at most the current epoch and the next, released early) until the first merges
+measure it. Requests on PostgreSQL that run at the same moment each see the count before the
+others' claims, so together they may pass the budget by what they claim at once; the next requests
+see it and hold back. Replicas for validation and straggler duplicates at an epoch's tail are not
+held: they finish workunits already in flight (a vote waits on its replicas, and its first results
+count against the budget; a dead host's workunit would wait for its deadline).
 No I/O in this module.
 """
 
@@ -47,7 +49,6 @@ class BudgetTerms:
 
     max_in_flight: int | None  # scheduling.max_in_flight: the budget, when set
     rule_floor: int  # the fewest results in flight the merge rule needs: fedbuff's buffer, else 1
-    epoch_workunits: int  # dataset.subsets: the budget before the merge pace is measured
 
     @classmethod
     def of(cls, spec: dict[str, Any]) -> "BudgetTerms":
@@ -55,30 +56,16 @@ class BudgetTerms:
         return cls(
             max_in_flight=scheduling_of(spec).max_in_flight,
             rule_floor=int(assimilation.get("buffer_size", 4)) if assimilation.get("rule") == "fedbuff" else 1,
-            epoch_workunits=int(spec["dataset"].get("subsets", 1)),
         )
 
 
-def in_flight_budget(terms: BudgetTerms, merge_rate: float | None, turnaround_seconds: float | None, hosts: int) -> int:
+def in_flight_budget(
+    terms: BudgetTerms, merge_rate: float | None, turnaround_seconds: float | None, hosts: int
+) -> int | None:
     """The job's budget: `max_in_flight` if set, else derived (see the module docstring) from its
-    measured pace (None before it has one) and the `hosts` holding its work. Never 0."""
+    measured pace and the `hosts` holding its work; None (no budget) while it has no pace. Never 0."""
     if terms.max_in_flight is not None:
         return terms.max_in_flight
     if merge_rate is None or turnaround_seconds is None:
-        return max(terms.rule_floor, terms.epoch_workunits, 1)
+        return None
     return max(terms.rule_floor, 1, min(MAX_BUDGET, math.ceil(merge_rate * turnaround_seconds) + hosts))
-
-
-@dataclass(frozen=True)
-class InFlight:
-    """A job's unmerged assignments against its budget, as the operator sees them."""
-
-    count: int
-    budget: int
-    hosts: int  # distinct hosts holding them
-
-    @property
-    def held_back(self) -> bool:
-        """At its budget: hosts already holding the job's work get none of it (one holding none may
-        still get one, when the budget is derived)."""
-        return self.count >= self.budget

@@ -10,8 +10,8 @@ which frameworks run it) read once per process (crowdtrain.server.services.job_t
 epoch's release, straggler duplicates, replicas for validation, a re-dealt epoch's shards — load
 the ORM rows they need and run the ledger's procedures in the same transaction.
 
-A job at its in-flight budget (crowdtrain.server.services.backpressure) gets no new workunit and no
-straggler duplicate; its unmerged assignments are counted in the request's first statement.
+A job at its in-flight budget (crowdtrain.server.services.backpressure) gets no new workunit; its
+unmerged assignments are counted in the request's first statement.
 """
 
 import logging
@@ -36,7 +36,7 @@ from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import fair_share, local_work
-from crowdtrain.server.services.backpressure import UNMERGED, in_flight_budget
+from crowdtrain.server.services.backpressure import MAX_BUDGET, UNMERGED, in_flight_budget
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
 from crowdtrain.server.services.job_terms import LIVE_JOB_COLUMNS, JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
@@ -240,6 +240,14 @@ def _note_host(c: Connection, host: Row, resources: Resources | None) -> str:
     return host_frameworks
 
 
+def _budget_or_none(t: JobTerms, live: LiveJob) -> int:
+    """The job's in-flight budget for this host (its first assignment of the job raises a derived
+    budget by one), or MAX_BUDGET where there is none yet."""
+    hosts = live.in_flight_hosts + (0 if live.held_by_host else 1)
+    budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, hosts)
+    return MAX_BUDGET if budget is None else budget
+
+
 def _set_quorum(c: Connection, claimed: list[Claim], quorum: int) -> None:
     c.execute(update(Workunit).where(Workunit.id.in_([cl.workunit_id for cl in claimed])).values(quorum=quorum))
 
@@ -263,18 +271,8 @@ class _Request:
         self._session: Session | None = None
         self._jobs: dict[int, Job] = {}
         self._host: Host | None = None
-        # Assignments each job may still open before it is at its in-flight budget; the host's first
-        # of a job is under a derived budget's floor (one per host holding its work).
-        self.headroom = {
-            j: in_flight_budget(
-                t.budget,
-                live[j].merge_rate,
-                live[j].turnaround_seconds,
-                live[j].in_flight_hosts + (0 if live[j].held_by_host else 1),
-            )
-            - live[j].in_flight
-            for j, t in terms.items()
-        }
+        # Assignments each job may still open before it is at its in-flight budget.
+        self.headroom = {j: _budget_or_none(t, live[j]) - live[j].in_flight for j, t in terms.items()}
 
     def __enter__(self) -> "_Request":
         return self
@@ -322,12 +320,12 @@ class _Request:
         # work the job replicates gets no duplicate (its result would be merged unchecked).
         for job_id in fair_share.by_share(running, weights):
             after = terms[job_id].scheduling.duplicate_after_seconds
-            if len(self.out) >= free_slots or after is None or self.headroom[job_id] <= 0:
+            if len(self.out) >= free_slots or after is None:
                 continue
             if replicas.replicated_host(self.host_row(), terms[job_id].validation):
                 continue
             duplicates = claim_straggler_duplicates(
-                self.s, self.job(job_id), self.host_row(), min(free_slots - len(self.out), self.headroom[job_id]), after
+                self.s, self.job(job_id), self.host_row(), free_slots - len(self.out), after
             )
             self.open(job_id, [Claim.of(wu, sh) for wu, sh in duplicates], "duplicate of a straggler, ")
 

@@ -118,7 +118,7 @@ def _in_flight(s: Session, job: Job, a_counts: dict[str, int]) -> InFlightFigure
         count=count,
         budget=budget,
         derived=terms.max_in_flight is None,
-        held_back=job.status == JobStatus.running.value and count >= budget,
+        held_back=job.status == JobStatus.running.value and budget is not None and count >= budget,
         merge_rate=job.merge_rate,
         turnaround_seconds=job.turnaround_seconds,
     )

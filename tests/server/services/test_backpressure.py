@@ -62,16 +62,17 @@ def test_a_job_at_its_budget_leaves_the_slots_to_another_job(ledger) -> None:
 
 def test_the_derived_budget_is_merge_rate_times_turnaround_plus_hosts() -> None:
     """The pure formula: the spec's value when set; else max(rule floor, ceil(r x t) + hosts); before
-    any pace, one epoch's workunits."""
-    derived = BudgetTerms(max_in_flight=None, rule_floor=1, epoch_workunits=50)
+    any pace, none."""
+    derived = BudgetTerms(max_in_flight=None, rule_floor=1)
     assert in_flight_budget(derived, 0.5, 7.5, 1) == 5
     assert in_flight_budget(derived, 0.01, 7.5, 1) == 2  # one per host beyond the pipeline, never 0
-    assert in_flight_budget(derived, None, None, 3) == 50
-    assert in_flight_budget(BudgetTerms(None, 8, 50), 0.1, 1.0, 1) == 8  # fedbuff's buffer
-    assert in_flight_budget(BudgetTerms(7, 8, 50), 100.0, 100.0, 9) == 7
-    fedbuff = {"dataset": {"subsets": 20}, "assimilation": {"rule": "fedbuff", "buffer_size": 6}}
-    assert BudgetTerms.of(fedbuff) == BudgetTerms(None, 6, 20)
-    assert BudgetTerms.of({"dataset": {"subsets": 20}, "scheduling": {"max_in_flight": 4}}) == BudgetTerms(4, 1, 20)
+    assert in_flight_budget(derived, 0.01, 7.5, 0) == 1
+    assert in_flight_budget(derived, None, None, 3) is None
+    assert in_flight_budget(BudgetTerms(None, 8), 0.1, 1.0, 1) == 8  # fedbuff's buffer
+    assert in_flight_budget(BudgetTerms(7, 8), 100.0, 100.0, 9) == 7
+    assert in_flight_budget(BudgetTerms(7, 1), None, None, 0) == 7
+    assert BudgetTerms.of({"assimilation": {"rule": "fedbuff", "buffer_size": 6}}) == BudgetTerms(None, 6)
+    assert BudgetTerms.of({"scheduling": {"max_in_flight": 4}}) == BudgetTerms(4, 1)
 
 
 @BOTH_DATABASES
@@ -82,7 +83,9 @@ def test_the_default_budget_follows_the_merge_pace_the_ledger_recorded(ledger) -
     job = ledger.submit(subsets=16)
     first, second = ledger.hosts(2)
     given = work(ledger, first, 8)
-    assert len(given) == 8, "before any merge the budget is one epoch's workunits"
+    assert len(given) == 8, "before any merge there is no budget"
+    status = job_status(ledger.db, job).in_flight
+    assert status is not None and (status.count, status.budget, status.held_back) == (8, None, False)
     t0 = utcnow() - timedelta(seconds=100)
     for i, (took, merged_after) in enumerate([(6.0, 10.0), (7.5, 12.0), (10.0, 14.0)]):
         aid = given[i].assignment_id
