@@ -35,8 +35,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import ColumnElement, and_, func, select
+
 from crowdtrain.core.jobspec import scheduling_of
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.ledger.models import Assignment, Host, Job
 
 MAX_BUDGET = 1_000_000  # as scheduling.max_in_flight's bound
 # In flight: dispatched (training, or prefetched and waiting on its host) or uploaded, not yet merged.
@@ -69,3 +72,23 @@ def in_flight_budget(
     if merge_rate is None or turnaround_seconds is None:
         return None
     return max(terms.rule_floor, 1, min(MAX_BUDGET, math.ceil(merge_rate * turnaround_seconds) + hosts))
+
+
+def in_flight_columns() -> tuple[ColumnElement[int], ...]:
+    """For a statement over jobs and hosts (dispatch's first): the job's unmerged assignments, the hosts
+    holding them, and how many the host holds, counted beside the job's row, each an index range scan
+    on (job, status) over its unmerged rows alone. Builds the expressions; runs nothing."""
+    unmerged = and_(Assignment.job_id == Job.id, Assignment.status.in_(UNMERGED))
+    return (
+        select(func.count()).where(unmerged).correlate(Job).scalar_subquery().label("job_in_flight"),
+        select(func.count(func.distinct(Assignment.host_id)))
+        .where(unmerged)
+        .correlate(Job)
+        .scalar_subquery()
+        .label("job_in_flight_hosts"),
+        select(func.count())
+        .where(unmerged, Assignment.host_id == Host.id)
+        .correlate(Job, Host)
+        .scalar_subquery()
+        .label("job_held_by_host"),
+    )

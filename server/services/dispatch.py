@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, Row, Select, and_, bindparam, func, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, Row, Select, and_, bindparam, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.jobspec import VC_ASGD
@@ -34,9 +34,9 @@ from crowdtrain.server.ledger import replicas, reputation
 from crowdtrain.server.ledger.claims import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
-from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
+from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import fair_share, local_work
-from crowdtrain.server.services.backpressure import MAX_BUDGET, UNMERGED, in_flight_budget
+from crowdtrain.server.services.backpressure import MAX_BUDGET, in_flight_budget, in_flight_columns
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
 from crowdtrain.server.services.job_terms import LIVE_JOB_COLUMNS, JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
@@ -60,25 +60,6 @@ _HOST_COLUMNS = (
 _LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
 
 
-def _in_flight_columns() -> tuple[ColumnElement[int], ...]:
-    """The job's unmerged assignments, the hosts holding them, and how many the host holds: counted
-    beside the job's row, each an index range scan (job, status) over no more rows than its budget."""
-    unmerged = and_(Assignment.job_id == Job.id, Assignment.status.in_(UNMERGED))
-    return (
-        select(func.count()).where(unmerged).correlate(Job).scalar_subquery().label("job_in_flight"),
-        select(func.count(func.distinct(Assignment.host_id)))
-        .where(unmerged)
-        .correlate(Job)
-        .scalar_subquery()
-        .label("job_in_flight_hosts"),
-        select(func.count())
-        .where(unmerged, Assignment.host_id == Host.id)
-        .correlate(Job, Host)
-        .scalar_subquery()
-        .label("job_held_by_host"),
-    )
-
-
 def _host_and_live_jobs(host: ColumnElement[bool]) -> Select:
     """The host's row, once per running VC-ASGD job with that job's live columns and in-flight counts
     beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
@@ -86,7 +67,7 @@ def _host_and_live_jobs(host: ColumnElement[bool]) -> Select:
     crowdtrain.server.services.dedloc."""
     running = and_(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
     return (
-        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS), *_in_flight_columns())
+        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS), *in_flight_columns())
         .select_from(Host)
         .outerjoin(Job, running)
         .where(host)
@@ -240,9 +221,9 @@ def _note_host(c: Connection, host: Row, resources: Resources | None) -> str:
     return host_frameworks
 
 
-def _budget_or_none(t: JobTerms, live: LiveJob) -> int:
+def _budget_for(t: JobTerms, live: LiveJob) -> int:
     """The job's in-flight budget for this host (its first assignment of the job raises a derived
-    budget by one), or MAX_BUDGET where there is none yet."""
+    budget by one), or MAX_BUDGET while it has none."""
     hosts = live.in_flight_hosts + (0 if live.held_by_host else 1)
     budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, hosts)
     return MAX_BUDGET if budget is None else budget
@@ -272,7 +253,7 @@ class _Request:
         self._jobs: dict[int, Job] = {}
         self._host: Host | None = None
         # Assignments each job may still open before it is at its in-flight budget.
-        self.headroom = {j: _budget_or_none(t, live[j]) - live[j].in_flight for j, t in terms.items()}
+        self.headroom = {j: _budget_for(t, live[j]) - live[j].in_flight for j, t in terms.items()}
 
     def __enter__(self) -> "_Request":
         return self
