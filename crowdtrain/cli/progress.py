@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from crowdtrain.core.schemas_jobs import JobProblems, JobStatusOut, JobSummary
+from crowdtrain.core.schemas_jobs import InFlightFigures, JobProblems, JobStatusOut, JobSummary
 
 
 def _pct(v: float | None) -> str:
@@ -41,10 +41,27 @@ def status_table(st: JobStatusOut, last_epochs: int | None = 8) -> Group:
             _pct(e.min_accuracy),
             _pct(e.max_accuracy),
         )
-    parts: list[RenderableType] = [head, table]
+    parts: list[RenderableType] = [head]
+    if st.in_flight is not None:
+        parts.append(in_flight_line(st.in_flight))
+    parts.append(table)
     if st.status_message:
         parts.append(Text(st.status_message))
     return Group(*parts)
+
+
+def in_flight_line(f: InFlightFigures) -> Text:
+    """Backpressure: the job's unmerged assignments against its budget, and where the budget comes from."""
+    if not f.derived:
+        source = "scheduling.max_in_flight"
+    elif f.merge_rate is None or f.turnaround_seconds is None:
+        source = "no budget until two merges measure the merge pace"
+    else:
+        source = f"{f.merge_rate:.2f} merges/s x {f.turnaround_seconds:.1f}s turnaround + hosts"
+    return Text.assemble(
+        f"in flight {f.count}/{'-' if f.budget is None else f.budget} ({source})",
+        ("  held back: waiting for merges" if f.held_back else "", "yellow"),
+    )
 
 
 def now_utc() -> datetime:

@@ -176,6 +176,16 @@ class SchedulingSpec(SpecSection):
         description="When the job has nothing else to give, an idle host may get a duplicate of the "
         "oldest assignment running at least this long (the first valid result wins); null: never",
     )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Backpressure: the most assignments of the job dispatched or uploaded but not yet merged "
+        "(prefetched ones included); at it, dispatch gives the job no new workunit, serving other jobs, until "
+        "merges land. null: derived from the merge pace measured over the latest merges, max(rule floor, "
+        "ceil(merges per second x median dispatch-to-upload seconds) + hosts holding the job's work), the rule "
+        "floor being assimilation.buffer_size for fedbuff, else 1 (no budget before two merges measure the pace)",
+    )
 
 
 class ValidationSpec(SpecSection):

@@ -66,6 +66,30 @@ class MetricPoint(BaseModel):
     )
 
 
+class InFlightFigures(BaseModel):
+    """Backpressure: the job's unmerged assignments against its in-flight budget."""
+
+    count: int = Field(
+        ..., description="Assignments dispatched or uploaded but not yet merged (prefetched ones included)"
+    )
+    budget: int | None = Field(
+        ...,
+        description="The most that may be in flight: scheduling.max_in_flight, or derived as max(rule floor, "
+        "ceil(merge_rate x turnaround_seconds) + hosts holding the job's work); None until two merges measure "
+        "the pace (no budget yet)",
+    )
+    derived: bool = Field(..., description="False when the spec sets scheduling.max_in_flight")
+    held_back: bool = Field(
+        ...,
+        description="The job runs at its budget: hosts holding its work get no more of it until merges land "
+        "(under a derived budget a host holding none may still get one)",
+    )
+    merge_rate: float | None = Field(None, description="Merges per second over the latest merges; None before two")
+    turnaround_seconds: float | None = Field(
+        None, description="Median seconds from dispatch to upload over the latest merges; None before two"
+    )
+
+
 class JobStatusOut(BaseModel):
     job_id: int
     name: str
@@ -86,6 +110,7 @@ class JobStatusOut(BaseModel):
     epochs: list[EpochFigures]
     metrics: list[MetricPoint] = Field(default_factory=list)
     elapsed_seconds: float | None
+    in_flight: InFlightFigures | None = Field(None, description="Backpressure; None in dedloc mode")
 
 
 class JobSummary(BaseModel):

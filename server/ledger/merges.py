@@ -14,6 +14,7 @@ run twice for the same assignment, it records the outcome once. The outcomes:
 
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 
 import redis
 from sqlalchemy import select
@@ -27,6 +28,7 @@ from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
+from crowdtrain.server.ledger.pace import measure_pace
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +86,11 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
         )
 
 
-def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) -> list[str]:
-    """The result is in W_s `version`: the assignment is merged, its workunit done, its host credited,
-    and a duplicate of it still live ends `superseded` (ledger.duplicates). Returns the upload keys
-    of superseded results, for the caller to delete.
+def record_merge(db: sessionmaker[Session], assignment_id: int, version: int, now: datetime | None = None) -> list[str]:
+    """The result is in W_s `version` (at `now`, the present by default): the assignment is merged,
+    its workunit done, its host credited, a duplicate of it still live ends `superseded`
+    (ledger.duplicates), and the job's merge pace is measured anew (ledger.pace). Returns the upload
+    keys of superseded results, for the caller to delete.
 
     Does nothing when already recorded; an assignment ended meanwhile (its job was cancelled or
     finished) stays ended, with a warning: W_s holds it, the ledger cannot say so any more.
@@ -108,13 +111,14 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int) ->
         siblings = lock_siblings(s, a)
         host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see ledger/assignments.py
         states.move(a, AssignmentStatus.merged)
-        a.merged_version, a.finished_at = version, utcnow()
+        a.merged_version, a.finished_at = version, now or utcnow()
         wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
         if wu.status == WorkunitStatus.in_progress.value:
             states.move(wu, WorkunitStatus.done)
             wu.finished_at = a.finished_at
         job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
         job.param_version = max(job.param_version, version)
+        measure_pace(s, job)
         reputation.count_valid(host, (a.finished_at - a.sent_at).total_seconds())
         replicas.grant_credit(s, a, host, job, wu)
         superseded_uploads = supersede_siblings(s, a, siblings)

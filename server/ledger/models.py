@@ -39,6 +39,11 @@ class Job(Base):
     snapshot_at: Mapped[datetime | None] = mapped_column(nullable=True)
     final_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
     final_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The pace of the job's latest merges, measured when each is recorded (crowdtrain.server.ledger.pace):
+    # merges per second, and the median seconds from an assignment's dispatch to its upload. None until
+    # two merges are recorded. Dispatch derives the job's in-flight budget from them.
+    merge_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    turnaround_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     # The recipe the operator signs (crowdtrain.core.signing.recipe_document, canonical JSON), and the
     # signature with the public key that made it; None for jobs from before signing, or not signed.
     recipe: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -164,7 +169,11 @@ class Assignment(Base):
     """One workunit sent to one host (BOINC's 'result')."""
 
     __tablename__ = "assignments"
-    __table_args__ = (Index("ix_assignments_status_deadline", "status", "deadline"),)
+    __table_args__ = (
+        Index("ix_assignments_status_deadline", "status", "deadline"),
+        # A job's unmerged assignments (counted in every work request) and its latest merges.
+        Index("ix_assignments_job_status_finished", "job_id", "status", "finished_at"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     workunit_id: Mapped[int] = mapped_column(ForeignKey("workunits.id"), index=True)

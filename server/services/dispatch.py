@@ -9,6 +9,9 @@ no ORM object, and what never changes in a job after submission (its spec parsed
 which frameworks run it) read once per process (crowdtrain.server.services.job_terms). The rarer paths — an
 epoch's release, straggler duplicates, replicas for validation, a re-dealt epoch's shards — load
 the ORM rows they need and run the ledger's procedures in the same transaction.
+
+A job at its in-flight budget (crowdtrain.server.services.backpressure) gets no new workunit; its
+unmerged assignments are counted in the request's first statement.
 """
 
 import logging
@@ -33,6 +36,7 @@ from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import fair_share, local_work
+from crowdtrain.server.services.backpressure import MAX_BUDGET, in_flight_budget, in_flight_columns
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
 from crowdtrain.server.services.job_terms import LIVE_JOB_COLUMNS, JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
@@ -57,13 +61,13 @@ _LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
 
 
 def _host_and_live_jobs(host: ColumnElement[bool]) -> Select:
-    """The host's row, once per running VC-ASGD job with that job's live columns beside it (once
-    with none when no job runs): authentication and what dispatch reads of the jobs, in one round
-    trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
+    """The host's row, once per running VC-ASGD job with that job's live columns and in-flight counts
+    beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
+    in one round trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
     crowdtrain.server.services.dedloc."""
     running = and_(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
     return (
-        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS))
+        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS), *in_flight_columns())
         .select_from(Host)
         .outerjoin(Job, running)
         .where(host)
@@ -217,6 +221,14 @@ def _note_host(c: Connection, host: Row, resources: Resources | None) -> str:
     return host_frameworks
 
 
+def _budget_for(t: JobTerms, live: LiveJob) -> int:
+    """The job's in-flight budget for this host (its first assignment of the job raises a derived
+    budget by one), or MAX_BUDGET while it has none."""
+    hosts = live.in_flight_hosts + (0 if live.held_by_host else 1)
+    budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, hosts)
+    return MAX_BUDGET if budget is None else budget
+
+
 def _set_quorum(c: Connection, claimed: list[Claim], quorum: int) -> None:
     c.execute(update(Workunit).where(Workunit.id.in_([cl.workunit_id for cl in claimed])).values(quorum=quorum))
 
@@ -240,6 +252,8 @@ class _Request:
         self._session: Session | None = None
         self._jobs: dict[int, Job] = {}
         self._host: Host | None = None
+        # Assignments each job may still open before it is at its in-flight budget.
+        self.headroom = {j: _budget_for(t, live[j]) - live[j].in_flight for j, t in terms.items()}
 
     def __enter__(self) -> "_Request":
         return self
@@ -266,15 +280,16 @@ class _Request:
                 wanted = replicas.claim_replicas(self.s, self.job(job_id), self.host_row(), free_slots - len(self.out))
                 self.open(job_id, [Claim.of(wu, sh) for wu, sh in wanted], "replica, ")
         reliable = host.consecutive_valid >= RELIABLE_AFTER
-        open_jobs = dict(weights)
+        open_jobs = {j: w for j, w in weights.items() if self.headroom[j] > 0}  # jobs at their budget wait
         while len(self.out) < free_slots and open_jobs:
             plan = fair_share.split_slots(free_slots - len(self.out), running, open_jobs)
             for job_id, n in plan.items():
                 if n == 0:
                     continue
-                claimed = claim_workunits(c, job_id, reliable, n, cached)
-                if len(claimed) < n and self.newer_epoch(job_id):
-                    claimed += claim_workunits(c, job_id, reliable, n - len(claimed), cached)
+                allowed = min(n, self.headroom[job_id])
+                claimed = claim_workunits(c, job_id, reliable, allowed, cached)
+                if len(claimed) < allowed and self.newer_epoch(job_id):
+                    claimed += claim_workunits(c, job_id, reliable, allowed - len(claimed), cached)
                 if claimed:
                     running[job_id] = running.get(job_id, 0) + len(claimed)
                     if terms[job_id].validation.enabled:
@@ -328,6 +343,7 @@ class _Request:
         now = utcnow()
         deadline = now + timedelta(seconds=t.scheduling.deadline_seconds)
         opened = open_assignments(self.c, claimed, job_id, self.host.id, live.snapshot_version, fraction, now, deadline)
+        self.headroom[job_id] -= len(claimed)
         for cl in claimed:
             assignment_id = opened[cl.workunit_id]
             self.out.append(self._describe(assignment_id, cl, live, t, fraction, deadline))

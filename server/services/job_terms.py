@@ -15,6 +15,7 @@ from crowdtrain.core.jobspec import SchedulingSpec, ValidationSpec, scheduling_o
 from crowdtrain.core.schemas import Recipe
 from crowdtrain.core.updates import upload_of
 from crowdtrain.server.ledger.models import Job
+from crowdtrain.server.services.backpressure import BudgetTerms
 
 # The columns of `LiveJob`, in its fields' order.
 LIVE_JOB_COLUMNS = (
@@ -27,6 +28,8 @@ LIVE_JOB_COLUMNS = (
     Job.param_bytes,
     Job.recipe_public_key,
     Job.recipe_signature,
+    Job.merge_rate,
+    Job.turnaround_seconds,
 )
 
 
@@ -43,6 +46,13 @@ class LiveJob:
     param_bytes: int
     recipe_public_key: str | None
     recipe_signature: str | None
+    merge_rate: float | None
+    turnaround_seconds: float | None
+    # Counted in the same statement (crowdtrain.server.services.dispatch): its assignments dispatched
+    # or uploaded but not merged, the hosts holding them, and how many the asking host holds.
+    in_flight: int = 0
+    in_flight_hosts: int = 0
+    held_by_host: int = 0
 
 
 _JOB_TERMS = select(Job.id, Job.spec, Job.model_config_.label("model_config_"), Job.recipe).where(
@@ -63,6 +73,7 @@ class JobTerms:
     scheduling: SchedulingSpec
     validation: ValidationSpec
     recipe: Recipe
+    budget: BudgetTerms  # what its in-flight budget depends on (crowdtrain.server.services.backpressure)
     runnable: dict[str, bool] = field(default_factory=dict)
 
     @classmethod
@@ -81,6 +92,7 @@ class JobTerms:
                 seed=spec["seed"],
                 upload=upload_of(spec.get("assimilation", {})),
             ),
+            budget=BudgetTerms.of(spec),
         )
 
     def runs_on(self, host_frameworks: str) -> bool:

@@ -9,10 +9,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.jobspec import DEDLOC
 from crowdtrain.core.refusals import NotFound
-from crowdtrain.core.schemas_jobs import EpochFigures, JobStatusOut, JobSummary, MetricPoint
+from crowdtrain.core.schemas_jobs import EpochFigures, InFlightFigures, JobStatusOut, JobSummary, MetricPoint
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
+from crowdtrain.server.services.backpressure import UNMERGED, BudgetTerms, in_flight_budget
 
 ACTIVE_HOST_WINDOW = timedelta(seconds=60)
 
@@ -95,7 +96,32 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             epochs=figures,
             metrics=_metric_points(s, job, metric_rows, start) if with_metrics else [],
             elapsed_seconds=(end - start).total_seconds(),
+            in_flight=None if job.mode == DEDLOC else _in_flight(s, job, a_counts),
         )
+
+
+def _in_flight(s: Session, job: Job, a_counts: dict[str, int]) -> InFlightFigures:
+    """The job's unmerged assignments against its budget, as dispatch judges it (services.backpressure)."""
+    count = sum(a_counts.get(status, 0) for status in UNMERGED)
+    hosts = (
+        s.scalar(
+            select(func.count(func.distinct(Assignment.host_id))).where(
+                Assignment.job_id == job.id, Assignment.status.in_(UNMERGED)
+            )
+        )
+        if count
+        else 0
+    )
+    terms = BudgetTerms.of(job.spec)
+    budget = in_flight_budget(terms, job.merge_rate, job.turnaround_seconds, hosts or 0)
+    return InFlightFigures(
+        count=count,
+        budget=budget,
+        derived=terms.max_in_flight is None,
+        held_back=job.status == JobStatus.running.value and budget is not None and count >= budget,
+        merge_rate=job.merge_rate,
+        turnaround_seconds=job.turnaround_seconds,
+    )
 
 
 def _metric_points(s: Session, job: Job, metric_rows: Sequence[Row], start: datetime) -> list[MetricPoint]:

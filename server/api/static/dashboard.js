@@ -183,6 +183,8 @@ function jobPage() {
     setText("fig-rate", num(d.merges_per_second, 2) + (d.merges_per_second_overall === null ? "" : " (" + num(d.merges_per_second_overall, 2) + " overall)"));
     const st = d.staleness;
     setText("fig-staleness", st.merges ? num(st.mean, 1) + " / " + num(st.recent_mean, 1) + " / " + st.max : "–");
+    const fl = job.in_flight;
+    setText("fig-in-flight", fl ? num(fl.count) + " / " + (fl.budget === null ? "–" : num(fl.budget)) + (fl.held_back ? " (held back)" : "") : "–");
     setText("fig-hosts", num(job.active_hosts));
     setText("fig-elapsed", duration(job.elapsed_seconds));
     lineChart(document.getElementById("chart-time"), m.map((p) => ({ x: p.t, y: p.val_accuracy, epoch: p.epoch })), "seconds since start", job.target_accuracy);

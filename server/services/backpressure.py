@@ -1,0 +1,94 @@
+"""Backpressure: each job's in-flight budget, the most of its assignments that may be dispatched or
+uploaded but not yet merged (prefetched ones included). At its budget a job gets no new workunit from
+dispatch (crowdtrain.server.services.dispatch), which serves other jobs instead, until merges land:
+results then never queue for the parameter servers faster than they merge them, which is what kept
+staleness growing over epochs when merging and evaluation were slower than training.
+
+The budget is `scheduling.max_in_flight` when the spec sets it; otherwise it is derived from the job's
+merge pace (crowdtrain.server.ledger.pace, measured over the latest merges when each is recorded):
+
+    budget = max(rule floor, ceil(merge rate x turnaround) + hosts)
+
+- merge rate x turnaround (Little's law) is how many results the parameter servers merge while one
+  assignment is out with its host: enough in flight to keep them busy with none waiting;
+- hosts: one more assignment for each host holding the job's work (and for the asking host, when it
+  holds none): each host can always hold one beyond the merge pipeline, its prefetch or its first
+  task. While the servers keep up, the rate is the hosts' supply, merge rate x turnaround the slots
+  training, and the budget is what the clients hold (a slot each, and one prefetched per host): it
+  does not bind, and it grows as they take more, the rate following the in-flight count up. When
+  the servers are the bottleneck the rate is their capacity, and results wait at most about one per
+  host for their merge, so staleness stays near merge rate x turnaround + hosts instead of growing;
+- rule floor: fedbuff combines `assimilation.buffer_size` results per step, so never fewer than that;
+  any other rule 1.
+
+Before two merges are recorded there is no pace to derive it from, and no derived budget: dispatch
+gives as before (at most the current epoch and the next, released early) until the first merges
+measure it. Requests on PostgreSQL that run at the same moment each see the count before the
+others' claims, so together they may pass the budget by what they claim at once; the next requests
+see it and hold back. Replicas for validation and straggler duplicates at an epoch's tail are not
+held: they finish workunits already in flight (a vote waits on its replicas, and its first results
+count against the budget; a dead host's workunit would wait for its deadline).
+No I/O in this module.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, and_, func, select
+
+from crowdtrain.core.jobspec import scheduling_of
+from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.ledger.models import Assignment, Host, Job
+
+MAX_BUDGET = 1_000_000  # as scheduling.max_in_flight's bound
+# In flight: dispatched (training, or prefetched and waiting on its host) or uploaded, not yet merged.
+UNMERGED = (AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value)
+
+
+@dataclass(frozen=True)
+class BudgetTerms:
+    """What a job's budget depends on that its spec fixes."""
+
+    max_in_flight: int | None  # scheduling.max_in_flight: the budget, when set
+    rule_floor: int  # the fewest results in flight the merge rule needs: fedbuff's buffer, else 1
+
+    @classmethod
+    def of(cls, spec: dict[str, Any]) -> "BudgetTerms":
+        assimilation = spec.get("assimilation", {})
+        return cls(
+            max_in_flight=scheduling_of(spec).max_in_flight,
+            rule_floor=int(assimilation.get("buffer_size", 4)) if assimilation.get("rule") == "fedbuff" else 1,
+        )
+
+
+def in_flight_budget(
+    terms: BudgetTerms, merge_rate: float | None, turnaround_seconds: float | None, hosts: int
+) -> int | None:
+    """The job's budget: `max_in_flight` if set, else derived (see the module docstring) from its
+    measured pace and the `hosts` holding its work; None (no budget) while it has no pace. Never 0."""
+    if terms.max_in_flight is not None:
+        return terms.max_in_flight
+    if merge_rate is None or turnaround_seconds is None:
+        return None
+    return max(terms.rule_floor, 1, min(MAX_BUDGET, math.ceil(merge_rate * turnaround_seconds) + hosts))
+
+
+def in_flight_columns() -> tuple[ColumnElement[int], ...]:
+    """For a statement over jobs and hosts (dispatch's first): the job's unmerged assignments, the hosts
+    holding them, and how many the host holds, counted beside the job's row, each an index range scan
+    on (job, status) over its unmerged rows alone. Builds the expressions; runs nothing."""
+    unmerged = and_(Assignment.job_id == Job.id, Assignment.status.in_(UNMERGED))
+    return (
+        select(func.count()).where(unmerged).correlate(Job).scalar_subquery().label("job_in_flight"),
+        select(func.count(func.distinct(Assignment.host_id)))
+        .where(unmerged)
+        .correlate(Job)
+        .scalar_subquery()
+        .label("job_in_flight_hosts"),
+        select(func.count())
+        .where(unmerged, Assignment.host_id == Host.id)
+        .correlate(Job, Host)
+        .scalar_subquery()
+        .label("job_held_by_host"),
+    )
