@@ -7,6 +7,7 @@ import math
 import statistics
 import time
 
+import torch
 from sqlalchemy import select
 
 from crowdtrain.assimilator.evaluate import evaluate
@@ -78,11 +79,12 @@ class _StopAtTarget(TrainControl):
 
 
 def single_process(
-    task: Task, seed: int, batch_size: int, lr: float, passes: int, eval_fraction: float, stop_at_target: bool
+    task: Task, seed: int, batch_size: int, lr: float, passes: int, eval_every: int, stop_at_target: bool
 ) -> dict:
     """One process: the job's model, initial W (seed) and optimizer at `batch_size` and `lr`, for
     `passes` passes over the whole training set in one trainer call (one optimizer, never reset),
-    W evaluated every `eval_fraction` of those examples (at the next batch boundary) and at the end."""
+    W evaluated every `eval_every` examples (at the next batch boundary) and at the end. Training
+    runs on one CPU thread."""
     spec = JobSpec.model_validate(task.spec)
     data = _data(task.spec)
     model_config = spec.configure_model(data.input_shape, data.num_classes)
@@ -94,15 +96,18 @@ def single_process(
     def score(p: dict) -> float:
         return evaluate(cache_key, model_config, p, data.x_val, data.y_val, framework="pytorch")[1]
 
-    every = max(1, round(eval_fraction * passes * len(data.x)))
-    hook = _EvaluateEvery(every, len(data.x), score)
+    hook = _EvaluateEvery(eval_every, len(data.x), score)
     control = _StopAtTarget(hook, task.target) if stop_at_target else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the simulator trains: on a busy machine more threads only wait
     start = time.monotonic()
     try:
         result = train("pytorch", recipe, params, data.x, data.y, control=control, checkpoint=hook)
         points = [*hook.points, (result.examples, score(result.params))]
     except Cancelled:
         points = hook.points
+    finally:
+        torch.set_num_threads(threads)
     reached = examples_to_target(points, task.target)
     return {
         "batch_size": batch_size,
@@ -111,7 +116,7 @@ def single_process(
         "steps_to_target": None if reached is None else math.ceil(reached / batch_size),
         "best_accuracy": best_accuracy(points),
         "budget_examples": passes * len(data.x),
-        "eval_every_examples": every,
+        "eval_every_examples": eval_every,
         "eval_gap_of_target": eval_gap(points, reached),
         "seconds": round(time.monotonic() - start, 1),
         "curve": points,
@@ -119,9 +124,11 @@ def single_process(
 
 
 def baseline(task: Task, seed: int, eval_fraction: float) -> dict:
-    """One process with the job's own training recipe, for the task's whole budget."""
+    """One process with the job's own training recipe, for the task's whole budget, evaluated every
+    `eval_fraction` of that budget."""
     t = task.spec["training"]
-    out = single_process(task, seed, t["batch_size"], t["lr"], task.budget_passes, eval_fraction, False)
+    every = max(1, round(eval_fraction * task.budget_passes * len(_data(task.spec).x)))
+    out = single_process(task, seed, t["batch_size"], t["lr"], task.budget_passes, every, False)
     say(
         f"[{task.name}] baseline seed {seed}: target {task.target} at {out['examples_to_target']} examples "
         f"({out['steps_to_target']} steps), best {out['best_accuracy']:.4f} in {out['budget_examples']} examples "
@@ -130,13 +137,15 @@ def baseline(task: Task, seed: int, eval_fraction: float) -> dict:
     return out
 
 
-def large_batch_bound(task: Task, slots: int, seed: int, passes: int, eval_fraction: float) -> dict:
+def large_batch_bound(task: Task, slots: int, seed: int, passes: int, eval_every: int) -> dict:
     """The large-batch bound at `slots` slots: one process at batch slots x B (B: the job's batch
-    size), each learning rate of `bound_lrs` for up to `passes` passes, stopped at the target; the
-    best of the sweep (`best_of_sweep`), with every run's figures under `sweep`."""
+    size), each learning rate of `bound_lrs` for up to `passes` passes, evaluated every `eval_every`
+    examples (the baseline's interval: a bound rarely needs fewer examples than the baseline) and
+    stopped at the target; the best of the sweep (`best_of_sweep`), with every run's figures under
+    `sweep`."""
     t = task.spec["training"]
     runs = [
-        single_process(task, seed, slots * t["batch_size"], lr, passes, eval_fraction, True)
+        single_process(task, seed, slots * t["batch_size"], lr, passes, eval_every, True)
         for lr in bound_lrs(t["lr"], slots)
     ]
     best = best_of_sweep(runs)

@@ -16,16 +16,17 @@ How
     Single processes: the clients' PyTorch trainer (client/trainers/pytorch.py) runs over the whole
     training set in one call (one optimizer, never reset), and W is evaluated on the validation set
     with the parameter servers' code (assimilator/evaluate.py) through the trainer's checkpoint hook
-    every `--eval-fraction` (0.25%) of the run's example budget, at the next batch boundary (never at
-    a pass's first batch). The baseline runs the task's budget (`budget_passes` passes, or
-    `--budget-passes`); `eval_gap_of_target` in its figures is the largest gap between its
-    evaluations as a fraction of its examples to target (<= 2% for every task below).
+    every `--eval-fraction` (0.1%) of the baseline's example budget, at the next batch boundary
+    (never at a pass's first batch). The baseline runs the task's budget (`budget_passes` passes,
+    or `--budget-passes`); `eval_gap_of_target` in its figures (and the bound's) is the largest gap
+    between its evaluations as a fraction of its examples to target (<= 2% for every task below).
     Large-batch bound: for each T measured (real or simulated), one process at batch T*B with
     learning rates lr, lr*sqrt(T) and lr*T (lr: the task's; at most 10), each up to the system's
-    budget (`--system-budget` x the baseline's passes) and stopped at the target; the one with the
-    fewest examples to target is kept (the best accuracy when none reaches it). Where T*B exceeds
-    the training set, a batch is the whole set (gradient descent), and the trainer evaluates only
-    between a pass's batches, so such a bound is located to within a pass.
+    budget (`--system-budget` x the baseline's passes), evaluated as often as the baseline (in
+    examples) and stopped at the target; the one with the fewest examples to target is kept (the
+    best accuracy when none reaches it). Where T*B exceeds the training set, a batch is the whole
+    set (gradient descent); and as the trainer's hook is never called before a pass's first batch,
+    a bound with few batches per pass is located to within a pass (its `eval_gap_of_target` says).
     Real system: one `Cluster` (private redis-server, scheduler on SQLite, transitioner, Celery
     parameter servers) for the whole run; per (task, rule, slots, seed) a job is submitted and
     clients with `--slots-per-client` task slots each are started; the job runs the baseline's
@@ -137,8 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--eval-fraction",
         type=float,
-        default=0.0025,
-        help="single-process runs (baseline, bound) evaluate W every this fraction of their example budget",
+        default=0.001,
+        help="the single process evaluates W every this fraction of its example budget (the bound as often)",
     )
     ap.add_argument("--job-timeout", type=float, default=900.0, help="seconds one real-system job may run")
     ap.add_argument("--sim-slots-per-host", type=int, default=4)
@@ -166,7 +167,11 @@ def run(args: argparse.Namespace, tasks: list[Task], tmp: Path) -> tuple[list[di
     baselines = {(t.name, seed): baseline(t, seed, args.eval_fraction) for t in tasks for seed in args.seeds}
     bounds = {
         (t.name, slots, seed): large_batch_bound(
-            t, slots, seed, math.ceil(t.budget_passes * args.system_budget), args.eval_fraction
+            t,
+            slots,
+            seed,
+            math.ceil(t.budget_passes * args.system_budget),
+            baselines[t.name, seed]["eval_every_examples"],
         )
         for t in tasks
         for slots in sorted(set(args.slots + args.sim_slots))

@@ -219,7 +219,7 @@ def test_large_batch_bound_runs_each_learning_rate_and_keeps_the_one_that_reache
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(GOOD_TASK | {"target_accuracy": 0.5}))
     task = tasks.make_task(str(path), tmp_path)  # Adam lr 0.01: lr x T of 4 and 16 slots reach 0.5 sooner
-    bound = runs.large_batch_bound(task, 4, 0, passes=20, eval_fraction=0.01)
+    bound = runs.large_batch_bound(task, 4, 0, passes=20, eval_every=60)
     assert [r["lr"] for r in bound["sweep"]] == pytest.approx(tasks.bound_lrs(0.01, 4))
     assert all(r["batch_size"] == 4 * 32 for r in bound["sweep"])
     reached = [r["examples_to_target"] for r in bound["sweep"] if r["examples_to_target"] is not None]
