@@ -123,11 +123,12 @@ def single_process(
     }
 
 
-def baseline(task: Task, seed: int, eval_fraction: float) -> dict:
+def baseline(task: Task, seed: int, eval_fraction: float | None = None) -> dict:
     """One process with the job's own training recipe, for the task's whole budget, evaluated every
-    `eval_fraction` of that budget."""
+    `eval_fraction` of that budget (None: the task's)."""
     t = task.spec["training"]
-    every = max(1, round(eval_fraction * task.budget_passes * len(_data(task.spec).x)))
+    fraction = task.eval_fraction if eval_fraction is None else eval_fraction
+    every = max(1, round(fraction * task.budget_passes * len(_data(task.spec).x)))
     out = single_process(task, seed, t["batch_size"], t["lr"], task.budget_passes, every, False)
     say(
         f"[{task.name}] baseline seed {seed}: target {task.target} at {out['examples_to_target']} examples "

@@ -67,6 +67,7 @@ class Task:
     spec: dict  # a job spec (JSON form) whose assimilation section the rule configuration replaces
     target: float
     budget_passes: int  # the baseline's passes over the training set
+    eval_fraction: float = 0.001  # the baseline evaluates W every this fraction of its budget
 
 
 class TaskData(BaseModel):
@@ -82,13 +83,15 @@ class TaskData(BaseModel):
 class TaskFile(BaseModel):
     """A task file, benchmarks/tasks/NAME.yaml: the job spec (`job`, on top of the spec file named by
     `extends`, relative to the task file, section by section), where its data comes from (`data`;
-    none for a built-in `dataset.source`), the target validation accuracy and the single process's
-    budget in passes over the training set."""
+    none for a built-in `dataset.source`), the target validation accuracy, the single process's
+    budget in passes over the training set and how often it evaluates W (a fraction of the budget:
+    fine enough to locate the target within 2% of its examples, coarse enough to cost little)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str | None = None  # default: the file's stem
     target_accuracy: float = Field(gt=0, le=1)
     budget_passes: int = Field(12, ge=1, le=1000)
+    eval_fraction: float = Field(0.001, gt=0, le=0.1)
     extends: str | None = None
     job: dict[str, Any] = Field(default_factory=dict)
     data: TaskData | None = None
@@ -155,7 +158,7 @@ def make_task(ref: str, folder: Path, budget_passes: int | None = None) -> Task:
         checked = JobSpec.model_validate(spec).model_dump(mode="json")
     except ValidationError as exc:
         raise ValueError(f"{path}: {_fields(exc, 'job.')}") from None
-    return Task(name, checked, task.target_accuracy, budget_passes or task.budget_passes)
+    return Task(name, checked, task.target_accuracy, budget_passes or task.budget_passes, task.eval_fraction)
 
 
 def example_spec() -> dict:
