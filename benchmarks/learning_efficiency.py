@@ -67,8 +67,8 @@ Run
         [--rules default,delta,...] [--slots 1,4,8] [--sim-slots 8,64,256] [--seeds 0,1] [--out results.json]
     .venv/bin/python benchmarks/learning_efficiency.py --baseline-only --tasks PATH.yaml
 
-`--quick`: mnist1d, the default rule, 8 slots on the real system, 8 and 64 in the simulator (a
-few minutes on 2 cores). Progress and a table go to stderr; the last line on stdout is one JSON
+`--quick`: mnist1d, the default rule, 8 slots on the real system, 8 and 64 in the simulator (280 s
+on 2 cores that other work kept busy, load 9). Progress and a table go to stderr; the last line on stdout is one JSON
 object with the figures, among them `ratio_8_slots`, `bound_ratio_8_slots` (`source_8_slots`
 says real or simulated), `ratio_64_simulated` and `speedup_8_slots_vs_one_process` (simulated).
 
