@@ -53,6 +53,45 @@ def ratio(examples: int | None, baseline: int | None) -> float | None:
     return None if examples is None or not baseline else round(examples / baseline, 3)
 
 
+def eval_gap(points: list[tuple[int, float]], reached: int | None) -> float | None:
+    """The largest gap between successive evaluations up to `reached` examples (from 0), as a fraction
+    of `reached`: how finely a curve locates its examples to target (None when not reached)."""
+    if not reached:
+        return None
+    seen = sorted({0, *(e for e, _ in points if e <= reached)})
+    return round(max(b - a for a, b in zip(seen, seen[1:], strict=False)) / reached, 4)
+
+
+def best_of_sweep(runs: list[dict]) -> dict:
+    """The best run of a learning-rate sweep: the fewest examples to target among those that reached
+    it; when none did, the best accuracy."""
+    reached = [r for r in runs if r["examples_to_target"] is not None]
+    if reached:
+        return min(reached, key=lambda r: r["examples_to_target"])
+    return max(runs, key=lambda r: r["best_accuracy"] if r["best_accuracy"] is not None else -1.0)
+
+
+def against_bound(examples: int | None, bound: dict) -> dict:
+    """A run's examples to target against the large-batch bound at its slot count."""
+    return {
+        "bound_examples": bound["examples_to_target"],
+        "bound_lr": bound["lr"],
+        "bound_ratio": ratio(examples, bound["examples_to_target"]),
+    }
+
+
+def speedup(one_process_seconds: float | None, slots_seconds: float | None) -> float | None:
+    """Wall-time speedup of T slots over one process, each to the target (None unless both reached it)."""
+    return round(one_process_seconds / slots_seconds, 2) if one_process_seconds and slots_seconds else None
+
+
+def staleness_figures(staleness: list[int]) -> dict:
+    """Mean and max staleness of a run's merged results (None when nothing was merged)."""
+    if not staleness:
+        return {"staleness_mean": None, "staleness_max": None}
+    return {"staleness_mean": round(statistics.mean(staleness), 2), "staleness_max": int(max(staleness))}
+
+
 UPLOAD_LINE = re.compile(r"assignment (\d+): result uploaded \((\d+) bytes")
 
 
@@ -106,7 +145,11 @@ SUMMED = (
     "bytes_per_merge",
     "param_bytes",
     "simulated_seconds_to_target",
-    "simulated_speedup",
+    "one_process_seconds_to_target",
+    "speedup",
+    "staleness_mean",
+    "staleness_max",
+    "bound_examples",
 )
 
 
@@ -115,9 +158,14 @@ def _mean(values: list) -> float | None:
     return round(statistics.mean(present), 4) if present else None
 
 
+def _all_or_none(values: list) -> float | None:
+    return _mean(values) if values and None not in values else None
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per (task, rule, mode, slots): means over seeds. The ratio is the mean over seeds
-    only when every seed reached the target; otherwise it is null and the note says how many did."""
+    only when every seed reached the target, and the bound ratio only when every seed's bound did
+    too; otherwise it is null and the note says how many did."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["task"], r["rule"], r["mode"], r["slots"]), []).append(r)
@@ -134,6 +182,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "seeds": len(rs),
             "reached": len(reached),
             "ratio": _mean([r["ratio"] for r in reached]) if every else None,
+            "bound_ratio": _all_or_none([r.get("bound_ratio") for r in reached]) if every else None,
             **{k: _mean([r.get(k) for r in ran]) for k in SUMMED},
         }
         if not ran:  # unsupported, unavailable or failed: say why
@@ -172,30 +221,30 @@ def print_table(summary: list[dict]) -> None:
         "mode": "mode",
         "slots": "slots",
         "ratio": "ratio",
+        "bound_ratio": "/bound",
         "examples_to_target": "examples",
         "baseline_examples": "1-process",
         "best_accuracy": "best acc",
         "best_accuracy_within_baseline_budget": "best in 1-p budget",
         "baseline_best_accuracy": "1-p best",
         "merges": "merges",
+        "staleness_mean": "τ mean",
+        "staleness_max": "τ max",
         "wall_seconds": "wall s",
         "bytes_per_merge": "B/merge",
-        "simulated_speedup": "sim speedup",
+        "speedup": "speedup vs 1-p",
         "status": "status",
     }
-    print_summary_table("learning efficiency: examples to target / single-process examples", cols, summary)
+    title = "learning efficiency: examples to target / single-process examples (/bound: / large-batch bound's)"
+    print_summary_table(title, cols, summary)
     for s in summary:
         if s["note"]:
             say(f"  {s['task']} {s['rule']} {s['mode']} {s['slots']}: {s['note']}")
 
 
-def headline(summary: list[dict], task: str, mode: str, slots: int) -> float | None:
-    """The default rule's ratio for `task` at `slots` slots in `mode` (None when not measured or not reached)."""
+def headline(summary: list[dict], task: str, mode: str, slots: int, key: str = "ratio") -> float | None:
+    """The default rule's figure `key` for `task` at `slots` slots in `mode` (None when not measured or not reached)."""
     return next(
-        (
-            s["ratio"]
-            for s in summary
-            if (s["task"], s["rule"], s["mode"], s["slots"]) == (task, DEFAULT_RULE, mode, slots)
-        ),
+        (s[key] for s in summary if (s["task"], s["rule"], s["mode"], s["slots"]) == (task, DEFAULT_RULE, mode, slots)),
         None,
     )

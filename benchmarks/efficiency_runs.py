@@ -1,33 +1,41 @@
-"""The runs of benchmarks/learning_efficiency.py: the single-process baseline, one job through the
-real system, and one through the training simulator, each giving its row of figures. Not a
-benchmark of its own: learning_efficiency.py imports it."""
+"""The runs of benchmarks/learning_efficiency.py: the single-process baseline and the large-batch
+bound, one job through the real system, and one through the training simulator, each giving its
+row of figures. Not a benchmark of its own: learning_efficiency.py imports it."""
 
 import itertools
 import math
 import statistics
 import time
 
+import torch
 from sqlalchemy import select
 
 from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.client.trainers import train
+from crowdtrain.client.trainers import Cancelled, TrainControl, train
 from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.core.tensors import Params
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job, Metric
+from crowdtrain.sim.hosts import Fleet
+from crowdtrain.sim.result import SimResult
 from crowdtrain.sim.training import simulate_training
-from crowdtrain.workgen.datasets import load_dataset
+from crowdtrain.workgen.datasets import Dataset, load_dataset
 from crowdtrain.workgen.generator import initial_parameters
 from efficiency_report import (
     best_accuracy,
+    best_of_sweep,
     compare_to_baseline,
     describe,
+    eval_gap,
     examples_to_target,
     merge_curve,
     say,
+    speedup,
+    staleness_figures,
     upload_sizes,
 )
-from efficiency_tasks import Task, epoch_budget, job_spec, unsupported_reason
+from efficiency_tasks import Task, bound_lrs, epoch_budget, job_spec, unsupported_reason
 from job_progress import wait_for_job
 
 # ---------------------------------------------------------------- baseline
@@ -37,7 +45,7 @@ class _EvaluateEvery:
     """The trainer's checkpoint hook used as an evaluation hook: every `every` examples the
     model's state is evaluated on the validation set (nothing is saved; training never resumes)."""
 
-    resumed = None
+    resumed: tuple[Params, dict] | None = None
 
     def __init__(self, every: int, n_train: int, score) -> None:
         self.every, self.n_train, self.score = every, n_train, score
@@ -57,42 +65,97 @@ class _EvaluateEvery:
 _BASELINE_IDS = itertools.count(1)
 
 
-def baseline(task: Task, seed: int) -> dict:
-    """One process: the job's model, initial W (seed), training recipe, over the whole training set."""
+class _StopAtTarget(TrainControl):
+    """Stops a run (the trainer's Cancelled) once its hook has seen the target: a bound run needs
+    only its examples to the target, and stopping there saves most of its budget."""
+
+    def __init__(self, hook: _EvaluateEvery, target: float) -> None:
+        super().__init__()
+        self.hook, self.target = hook, target
+
+    def between_batches(self) -> None:
+        if self.hook.points and self.hook.points[-1][1] >= self.target:
+            raise Cancelled()
+
+
+def single_process(
+    task: Task, seed: int, batch_size: int, lr: float, passes: int, eval_every: int, stop_at_target: bool
+) -> dict:
+    """One process: the job's model, initial W (seed) and optimizer at `batch_size` and `lr`, for
+    `passes` passes over the whole training set in one trainer call (one optimizer, never reset),
+    W evaluated every `eval_every` examples (at the next batch boundary) and at the end. Training
+    runs on one CPU thread."""
     spec = JobSpec.model_validate(task.spec)
-    data = load_dataset(spec.dataset.source, spec.dataset.validation_fraction, spec.dataset.classes)
+    data = _data(task.spec)
     model_config = spec.configure_model(data.input_shape, data.num_classes)
     params = initial_parameters(model_config, seed, 1 << 40).params
-    recipe = {
-        "model": model_config,
-        "seed": seed,
-        "training": task.spec["training"] | {"local_epochs": task.budget_passes},
-    }
-
-    cache_key = -next(_BASELINE_IDS)  # evaluate() caches one model per job id: one id per baseline
+    training = task.spec["training"] | {"local_epochs": passes, "batch_size": batch_size, "lr": lr}
+    recipe = {"model": model_config, "seed": seed, "training": training}
+    cache_key = -next(_BASELINE_IDS)  # evaluate() caches one model per job id: one id per run
 
     def score(p: dict) -> float:
         return evaluate(cache_key, model_config, p, data.x_val, data.y_val, framework="pytorch")[1]
 
-    shard = len(data.x) // spec.dataset.subsets
-    hook = _EvaluateEvery(shard, len(data.x), score)
+    hook = _EvaluateEvery(eval_every, len(data.x), score)
+    control = _StopAtTarget(hook, task.target) if stop_at_target else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the simulator trains: on a busy machine more threads only wait
     start = time.monotonic()
-    result = train("pytorch", recipe, params, data.x, data.y, checkpoint=hook)
-    points = [*hook.points, (result.examples, score(result.params))]
+    try:
+        result = train("pytorch", recipe, params, data.x, data.y, control=control, checkpoint=hook)
+        points = [*hook.points, (result.examples, score(result.params))]
+    except Cancelled:
+        points = hook.points
+    finally:
+        torch.set_num_threads(threads)
     reached = examples_to_target(points, task.target)
-    out = {
+    return {
+        "batch_size": batch_size,
+        "lr": lr,
         "examples_to_target": reached,
+        "steps_to_target": None if reached is None else math.ceil(reached / batch_size),
         "best_accuracy": best_accuracy(points),
-        "budget_examples": result.examples,
-        "eval_every_examples": shard,
+        "budget_examples": passes * len(data.x),
+        "eval_every_examples": eval_every,
+        "eval_gap_of_target": eval_gap(points, reached),
         "seconds": round(time.monotonic() - start, 1),
         "curve": points,
     }
+
+
+def baseline(task: Task, seed: int, eval_fraction: float | None = None) -> dict:
+    """One process with the job's own training recipe, for the task's whole budget, evaluated every
+    `eval_fraction` of that budget (None: the task's)."""
+    t = task.spec["training"]
+    fraction = task.eval_fraction if eval_fraction is None else eval_fraction
+    every = max(1, round(fraction * task.budget_passes * len(_data(task.spec).x)))
+    out = single_process(task, seed, t["batch_size"], t["lr"], task.budget_passes, every, False)
     say(
-        f"[{task.name}] baseline seed {seed}: target {task.target} at {reached} examples, best "
-        f"{out['best_accuracy']:.4f} in {result.examples} examples ({out['seconds']}s)"
+        f"[{task.name}] baseline seed {seed}: target {task.target} at {out['examples_to_target']} examples "
+        f"({out['steps_to_target']} steps), best {out['best_accuracy']:.4f} in {out['budget_examples']} examples "
+        f"({out['seconds']}s)"
     )
     return out
+
+
+def large_batch_bound(task: Task, slots: int, seed: int, passes: int, eval_every: int) -> dict:
+    """The large-batch bound at `slots` slots: one process at batch slots x B (B: the job's batch
+    size), each learning rate of `bound_lrs` for up to `passes` passes, evaluated every `eval_every`
+    examples (the baseline's interval: a bound rarely needs fewer examples than the baseline) and
+    stopped at the target; the best of the sweep (`best_of_sweep`), with every run's figures under
+    `sweep`."""
+    t = task.spec["training"]
+    runs = [
+        single_process(task, seed, slots * t["batch_size"], lr, passes, eval_every, True)
+        for lr in bound_lrs(t["lr"], slots)
+    ]
+    best = best_of_sweep(runs)
+    say(
+        f"[{task.name}] large-batch bound {slots} slots seed {seed}: batch {best['batch_size']}, lr {best['lr']:g}, "
+        f"target at {best['examples_to_target']} examples ({sum(r['seconds'] for r in runs):.1f}s for "
+        f"{len(runs)} learning rates)"
+    )
+    return best | {"sweep": [{k: v for k, v in r.items() if k != "curve"} for r in runs]}
 
 
 # ---------------------------------------------------------------- the real system
@@ -110,7 +173,7 @@ def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
         job = s.get_one(Job, job_id)
         started, finished, param_bytes = job.started_at, job.finished_at, job.param_bytes
         merged = s.execute(
-            select(Assignment.id, Assignment.merged_version, Assignment.examples).where(
+            select(Assignment.id, Assignment.merged_version, Assignment.base_version, Assignment.examples).where(
                 Assignment.job_id == job_id, Assignment.merged_version.is_not(None)
             )
         ).all()
@@ -128,7 +191,9 @@ def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
     sizes = upload_sizes(log.read_text(errors="replace")) if log.exists() else {}
     uploaded = [sizes[m.id] for m in merged if m.id in sizes]
     end = finished or max((m.created_at for m in metrics), default=started)
-    return {
+    # merged_version is W_s's version after the merge: the result was merged into version - 1
+    staleness = [m.merged_version - 1 - m.base_version for m in merged]
+    return staleness_figures(staleness) | {
         "curve": curve,
         "merges": len(merged),
         "param_bytes": param_bytes,
@@ -169,51 +234,56 @@ def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, bas
 # ---------------------------------------------------------------- the simulator
 
 
-_sim_data: dict[str, object] = {}  # dataset source -> Dataset, loaded once for every simulation
+_data_of: dict[str, Dataset] = {}  # dataset source -> Dataset, loaded once for every run
 
 
-def simulate(spec: dict, slots: int, seed: int, args) -> tuple[list[tuple[int, float, float]], int]:
-    """The simulator's curve for `spec` at `slots` slots, (examples, accuracy, simulated seconds)
-    per validation of W_s, and its merges: the one adapter to crowdtrain.sim.training."""
+def _data(spec: dict) -> Dataset:
     source = spec["dataset"]["source"]
-    if source not in _sim_data:
-        _sim_data[source] = load_dataset(source, spec["dataset"]["validation_fraction"], spec["dataset"]["classes"])
+    if source not in _data_of:
+        _data_of[source] = load_dataset(source, spec["dataset"]["validation_fraction"], spec["dataset"]["classes"])
+    return _data_of[source]
+
+
+def simulate(spec: dict, slots: int, seed: int, args) -> SimResult:
+    """The simulator's run of `spec` at `slots` slots: the one adapter to crowdtrain.sim.training."""
     per_host = min(slots, args.sim_slots_per_host)
-    out = simulate_training(
+    return simulate_training(
         spec,
         hosts=math.ceil(slots / per_host),
         slots=per_host,
         p=args.sim_p,
         network_seconds=args.sim_network_seconds,
         seed=seed,
-        data=_sim_data[source],
+        data=_data(spec),
     )
-    return [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics], int(out.merges)
 
 
-_one_slot: dict[tuple, list] = {}
+def one_process_seconds(examples: int | None) -> float | None:
+    """One process's wall time for `examples` training examples in the simulator's timing model
+    (crowdtrain.sim.hosts.Fleet with the simulator's defaults): one host of speed 1 computing
+    `example_seconds` per example, with no transfers, no merges and no preemption."""
+    return None if examples is None else Fleet().work_seconds(examples, 1)
 
 
 def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
-    """One simulated job at `slots` slots (and, once per task, rule and seed, at one slot for the
-    speedup's reference); its row of figures."""
+    """One simulated job at `slots` slots; its row of figures, the wall-time speedup over one process
+    (`one_process_seconds` of the baseline's examples to target) among them."""
     spec = job_spec(task, rule, seed, epoch_budget(task, args), args.stop_at_target)
     row = {"task": task.name, "rule": rule, "mode": "sim", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:
         return row | {"status": "unsupported", "note": reason}
-    curve, merges = simulate(spec, slots, seed, args)
-    key = (task.name, rule, seed)
-    if key not in _one_slot:  # the speedup's reference, shared by every slot count
-        _one_slot[key] = curve if slots == 1 else simulate(spec, 1, seed, args)[0]
-    one = _one_slot[key]
-    t_slots, t_one = _seconds_to_target(curve, task.target), _seconds_to_target(one, task.target)
+    out = simulate(spec, slots, seed, args)
+    curve = [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics]
+    t_slots = _seconds_to_target(curve, task.target)
+    t_one = one_process_seconds(base["examples_to_target"])
     row |= compare_to_baseline([(e, a) for e, a, _ in curve], task, base)
-    row |= {
-        "merges": merges,
+    row |= staleness_figures(out.staleness) | {
+        "merges": int(out.merges),
         "curve": curve,
         "simulated_seconds_to_target": t_slots,
-        "simulated_speedup": round(t_one / t_slots, 2) if t_one and t_slots else None,
+        "one_process_seconds_to_target": t_one,
+        "speedup": speedup(t_one, t_slots),
     }
     say(f"[{task.name}] {rule} simulated {slots} slots seed {seed}: {describe(row)}")
     return row

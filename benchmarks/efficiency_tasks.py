@@ -1,19 +1,26 @@
 """The tasks and merge-rule configurations that benchmarks/learning_efficiency.py measures, and the
-job spec it submits for each run. Not a benchmark of its own: learning_efficiency.py imports it."""
+job spec it submits for each run. Not a benchmark of its own: learning_efficiency.py imports it.
+
+A task is a YAML file of benchmarks/tasks/ (`TaskFile`): a job spec, the generator of its data
+(efficiency_data.GENERATORS) and that generator's parameters, a target accuracy and a budget."""
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from crowdtrain.assimilator.rules import make_rule
-from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.core.jobspec import JobSpec, load_job_spec
+from crowdtrain.core.specfile import load_yaml
+from efficiency_data import GENERATORS
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+MAX_LR = 10.0  # crowdtrain.core.jobspec.TrainingSpec.lr's bound
 DEFAULT_RULE = "default"
 
 # Named assimilation sections (fields of crowdtrain.core.jobspec.AssimilationSpec). `default` is filled
@@ -60,60 +67,102 @@ class Task:
     spec: dict  # a job spec (JSON form) whose assimilation section the rule configuration replaces
     target: float
     budget_passes: int  # the baseline's passes over the training set
+    eval_fraction: float = 0.001  # the baseline evaluates W every this fraction of its budget
 
 
-def tabular_arrays(
-    seed: int = 0,
-    n_train: int = 4000,
-    n_val: int = 1000,
-    classes: int = 5,
-    features: int = 24,
-    latent: int = 8,
-    clusters: int = 8,
-    spread: float = 2.5,
-    noise: float = 0.2,
-) -> dict:
-    """A 5-class tabular task, deterministic in `seed`: each class is a mixture of `clusters`
-    Gaussians in a `latent`-dimensional space, seen through a random linear map followed by sin
-    (even features) or tanh (odd features), plus noise. One MLP process reaches about 0.91."""
-    rng = np.random.default_rng(seed)
-    means = rng.normal(0.0, spread, size=(classes, clusters, latent))
-    mixing = rng.normal(size=(latent, features)) / np.sqrt(latent)
-    freq = rng.uniform(0.5, 1.5, size=features)
-    even = np.arange(features) % 2 == 0
+class TaskData(BaseModel):
+    """Where a task's training data comes from: a generator of efficiency_data.GENERATORS, its seed
+    and keyword parameters; its arrays become the job's `dataset.source` (an npz file)."""
 
-    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
-        y = rng.integers(0, classes, n)
-        h = (means[y, rng.integers(0, clusters, n)] + rng.normal(size=(n, latent))) @ mixing
-        x = 2.0 * np.where(even, np.sin(freq * h), np.tanh(h)) + noise * rng.normal(size=(n, features))
-        return x.astype(np.float32), y.astype(np.int64)
+    model_config = ConfigDict(extra="forbid")
+    generator: str
+    seed: int = 0
+    params: dict[str, Any] = Field(default_factory=dict)
 
-    x, y = draw(n_train)
-    x_val, y_val = draw(n_val)
-    return {"x": x, "y": y, "x_val": x_val, "y_val": y_val}
+
+class TaskFile(BaseModel):
+    """A task file, benchmarks/tasks/NAME.yaml: the job spec (`job`, on top of the spec file named by
+    `extends`, relative to the task file, section by section), where its data comes from (`data`;
+    none for a built-in `dataset.source`), the target validation accuracy, the single process's
+    budget in passes over the training set and how often it evaluates W (a fraction of the budget:
+    fine enough to locate the target within 2% of its examples, coarse enough to cost little)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None  # default: the file's stem
+    target_accuracy: float = Field(gt=0, le=1)
+    budget_passes: int = Field(12, ge=1, le=1000)
+    eval_fraction: float = Field(0.001, gt=0, le=0.1)
+    extends: str | None = None
+    job: dict[str, Any] = Field(default_factory=dict)
+    data: TaskData | None = None
+
+
+def task_path(ref: str) -> Path:
+    """The file of `--tasks` entry `ref`: a name of benchmarks/tasks/ or a path to a YAML file."""
+    if ref.endswith((".yaml", ".yml")) or "/" in ref:
+        return Path(ref)
+    return TASKS_DIR / f"{ref}.yaml"
+
+
+def known_tasks() -> list[str]:
+    return sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))
+
+
+def _fields(exc: ValidationError, prefix: str = "") -> str:
+    return "; ".join(f"{prefix}{'.'.join(map(str, e['loc'])) or '(top level)'}: {e['msg']}" for e in exc.errors())
+
+
+def read_task_file(ref: str) -> tuple[Path, TaskFile, dict]:
+    """The task file of `ref`, checked, and its job spec before the data is made: raises ValueError
+    naming the file and the bad field."""
+    path = task_path(ref)
+    if not path.is_file():
+        raise ValueError(f"--tasks: no task {ref!r} ({path} is not a file); known: {', '.join(known_tasks())}")
+    raw = load_yaml(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a task file is a mapping, got {type(raw).__name__}")
+    try:
+        task = TaskFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {_fields(exc)}") from None
+    spec: dict = {}
+    if task.extends is not None:
+        base_path = path.parent / task.extends
+        if not base_path.is_file():
+            raise ValueError(f"{path}: extends: {base_path} is not a file")
+        spec = load_yaml(base_path)
+    for section, value in task.job.items():
+        both = isinstance(spec.get(section), dict) and isinstance(value, dict)
+        spec[section] = spec[section] | value if both else value
+    if task.data is not None and task.data.generator not in GENERATORS:
+        raise ValueError(
+            f"{path}: data.generator: unknown generator {task.data.generator!r}; known: {', '.join(GENERATORS)}"
+        )
+    return path, task, spec
+
+
+def make_task(ref: str, folder: Path, budget_passes: int | None = None) -> Task:
+    """The task of `ref` (see `task_path`); a generated dataset is written to `folder`. Raises
+    ValueError naming the file and the field when the file, its job spec or its data is bad."""
+    path, task, spec = read_task_file(ref)
+    name = task.name or path.stem
+    if task.data is not None:
+        try:
+            arrays = GENERATORS[task.data.generator](task.data.seed, **task.data.params)
+        except TypeError as exc:
+            raise ValueError(f"{path}: data.params: {exc}") from None
+        npz = folder / f"{name}.npz"
+        np.savez(npz, x=arrays["x"], y=arrays["y"], x_val=arrays["x_val"], y_val=arrays["y_val"])
+        spec["dataset"] = (spec.get("dataset") or {}) | {"source": f"npz:{npz.resolve()}"}
+    try:
+        checked = JobSpec.model_validate(spec).model_dump(mode="json")
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {_fields(exc, 'job.')}") from None
+    return Task(name, checked, task.target_accuracy, budget_passes or task.budget_passes, task.eval_fraction)
 
 
 def example_spec() -> dict:
-    return JobSpec.model_validate(yaml.safe_load(EXAMPLE_SPEC.read_text())).model_dump(mode="json")
-
-
-def make_task(name: str, folder: Path, budget_passes: int | None = None) -> Task:
-    """The task `name` ('mnist1d' or 'tabular'); the tabular data is written to `folder`."""
-    budget = budget_passes or 12
-    base = example_spec()
-    if name == "mnist1d":
-        return Task("mnist1d", base, base["stop"]["target_accuracy"], budget)
-    if name == "tabular":
-        path = folder / "tabular.npz"
-        np.savez(path, **tabular_arrays(0))
-        spec = base | {
-            "name": "tabular-mlp",
-            "model": {"name": "mlp", "options": {"hidden": [64, 64]}},
-            "dataset": {"source": f"npz:{path.resolve()}", "subsets": 4},
-            "training": base["training"] | {"lr": 0.001},
-        }
-        return Task("tabular", JobSpec.model_validate(spec).model_dump(mode="json"), 0.88, budget)
-    raise ValueError(f"--tasks: unknown task {name!r}; known: mnist1d, tabular")
+    return load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
 
 
 def assimilation_for(rule: str) -> dict:
@@ -121,6 +170,12 @@ def assimilation_for(rule: str) -> dict:
     if rule not in RULE_CONFIGS:
         raise ValueError(f"--rules: unknown rule configuration {rule!r}; known: {', '.join(RULE_CONFIGS)}")
     return example_spec()["assimilation"] if rule == DEFAULT_RULE else RULE_CONFIGS[rule]
+
+
+def bound_lrs(lr: float, slots: int) -> list[float]:
+    """The large-batch bound's learning rates at `slots` slots: the job's `lr` times 1, sqrt(slots)
+    and slots (the square-root and linear scaling rules), each at most the job spec's limit of 10."""
+    return sorted({min(MAX_LR, lr * m) for m in (1.0, math.sqrt(slots), float(slots))})
 
 
 def epoch_budget(task: Task, args) -> int:

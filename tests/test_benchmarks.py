@@ -1,6 +1,7 @@
 """Every benchmark runs as its docstring says, and the pure parts of the benchmarks (no benchmark runs
-here, only `--help`): benchmarks/learning_efficiency.py and the modules beside it that it imports
-(efficiency_tasks, efficiency_runs, efficiency_report), and benchmarks/adversarial.py (its forged
+here, only `--help` and one tiny learning-rate sweep): benchmarks/learning_efficiency.py and the
+modules beside it that it imports (efficiency_tasks and the task files of benchmarks/tasks/,
+efficiency_data, efficiency_runs, efficiency_report), and benchmarks/adversarial.py (its forged
 updates, hostile_strategies, and its summary, adversarial_summary).
 
 An entry point of benchmarks/ is a module with `if __name__ == "__main__":` and a `Run` section in its
@@ -9,6 +10,7 @@ docstring; a module without that guard is a part that entry points import by nam
 import ast
 import importlib
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -16,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from crowdtrain.client.trainers import train
 from crowdtrain.core.zoo import build_model, state_to_numpy
-from crowdtrain.workgen.datasets import make_dataset
+from crowdtrain.workgen.datasets import load_dataset, make_dataset
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -37,6 +40,7 @@ def _load(name: str):
 tasks = _load("efficiency_tasks")
 runs = _load("efficiency_runs")
 report = _load("efficiency_report")
+generators = _load("efficiency_data")
 
 
 ROOT = BENCHMARKS.parent
@@ -125,7 +129,7 @@ def test_ratio_is_null_unless_both_reached(examples, baseline, expected):
 
 
 def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_dataset():
-    a, b, c = tasks.tabular_arrays(0), tasks.tabular_arrays(0), tasks.tabular_arrays(1)
+    a, b, c = generators.tabular_arrays(0), generators.tabular_arrays(0), generators.tabular_arrays(1)
     for key in ("x", "y", "x_val", "y_val"):
         np.testing.assert_array_equal(a[key], b[key])
     assert not np.array_equal(a["x"], c["x"])
@@ -133,6 +137,124 @@ def test_tabular_generator_is_deterministic_in_its_seed_and_a_valid_5_class_data
     assert set(np.unique(a["y"])) == set(range(5)) == set(np.unique(a["y_val"]))
     data = make_dataset(a["x"], a["y"], a["x_val"], a["y_val"])  # the checks a job's dataset passes
     assert data.num_classes == 5
+
+
+def test_image_generator_is_deterministic_in_its_seed_and_a_valid_dataset_of_images():
+    a, b = generators.image_arrays(0, n_train=200, n_val=50), generators.image_arrays(0, n_train=200, n_val=50)
+    c = generators.image_arrays(1, n_train=200, n_val=50)
+    for key in ("x", "y", "x_val", "y_val"):
+        np.testing.assert_array_equal(a[key], b[key])
+    assert not np.array_equal(a["x"], c["x"])
+    assert a["x"].shape == (200, 1, 16, 16) and a["x_val"].shape == (50, 1, 16, 16)
+    data = make_dataset(a["x"], a["y"], a["x_val"], a["y_val"])
+    assert data.num_classes == 10 and data.input_shape == [1, 16, 16]
+
+
+def test_every_task_file_names_a_valid_job_and_generator(tmp_path):
+    """The shipped task files load (their data generated, their job spec validated); the small
+    ones are checked here end to end, the large ones up to their data."""
+    assert {"mnist1d", "tabular", "tabular-large", "images"} <= set(tasks.known_tasks())
+    for name in tasks.known_tasks():
+        path, task_file, spec = tasks.read_task_file(name)
+        assert path == tasks.TASKS_DIR / f"{name}.yaml" and 0 < task_file.target_accuracy <= 1
+        assert task_file.data is None or task_file.data.generator in generators.GENERATORS
+    mnist1d = tasks.make_task("mnist1d", tmp_path)
+    assert mnist1d.spec == tasks.example_spec() and (mnist1d.target, mnist1d.budget_passes) == (0.9, 12)
+    tabular = tasks.make_task(str(tasks.TASKS_DIR / "tabular.yaml"), tmp_path, budget_passes=3)  # a path works too
+    assert (tabular.name, tabular.target, tabular.budget_passes) == ("tabular", 0.88, 3)
+    assert (tabular.spec["model"]["name"], tabular.spec["model"]["options"]) == ("mlp", {"hidden": [64, 64]})
+    assert tabular.spec["training"]["lr"] == 0.001 and tabular.spec["training"]["batch_size"] == 32, "merged"
+    data = load_dataset(tabular.spec["dataset"]["source"])
+    np.testing.assert_array_equal(data.x, generators.tabular_arrays(0)["x"])
+
+
+GOOD_TASK = {
+    "target_accuracy": 0.8,
+    "extends": str(tasks.EXAMPLE_SPEC),
+    "job": {"model": {"name": "mlp", "options": {"hidden": [8]}}},
+    "data": {"generator": "tabular", "params": {"n_train": 300, "n_val": 100}},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"target_accuracy": 1.5}, "target_accuracy"),
+        ({"budget_pases": 3}, "budget_pases"),
+        ({"job": {"training": {"lr": -1}}}, "job.training.lr"),
+        ({"data": {"generator": "no-such-generator"}}, "data.generator"),
+        ({"data": {"generator": "tabular", "params": {"rows": 10}}}, "data.params"),
+        ({"extends": "no-such-spec.yaml"}, "extends"),
+    ],
+)
+def test_a_bad_task_file_is_an_error_naming_the_file_and_the_field(tmp_path, change, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(GOOD_TASK))
+    assert tasks.make_task(str(path), tmp_path).target == 0.8  # the file is good but for the change
+    path.write_text(yaml.safe_dump(GOOD_TASK | change))
+    with pytest.raises(ValueError, match=rf"bad\.yaml: .*{re.escape(field)}"):
+        tasks.make_task(str(path), tmp_path)
+
+
+def test_an_unknown_task_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="no task 'no-such-task'.*mnist1d"):
+        tasks.read_task_file("no-such-task")
+
+
+def test_bound_learning_rates_are_the_job_rate_scaled_by_1_sqrt_t_and_t_within_the_spec_limit():
+    assert tasks.bound_lrs(0.01, 4) == pytest.approx([0.01, 0.02, 0.04])
+    assert tasks.bound_lrs(0.01, 1) == [0.01]
+    assert tasks.bound_lrs(0.5, 64) == pytest.approx([0.5, 4.0, 10.0])
+
+
+def test_best_of_sweep_is_the_fewest_examples_to_target_else_the_best_accuracy():
+    def run(lr, examples, best):
+        return {"lr": lr, "examples_to_target": examples, "best_accuracy": best}
+
+    assert report.best_of_sweep([run(0.1, 9000, 0.95), run(0.2, 6000, 0.91), run(0.4, None, 0.97)])["lr"] == 0.2
+    assert report.best_of_sweep([run(0.1, None, 0.5), run(0.2, None, 0.7), run(0.4, None, None)])["lr"] == 0.2
+
+
+def test_large_batch_bound_runs_each_learning_rate_and_keeps_the_one_that_reached_the_target_first(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(GOOD_TASK | {"target_accuracy": 0.5}))
+    task = tasks.make_task(str(path), tmp_path)  # Adam lr 0.01: lr x T of 4 and 16 slots reach 0.5 sooner
+    bound = runs.large_batch_bound(task, 4, 0, passes=20, eval_every=60)
+    assert [r["lr"] for r in bound["sweep"]] == pytest.approx(tasks.bound_lrs(0.01, 4))
+    assert all(r["batch_size"] == 4 * 32 for r in bound["sweep"])
+    reached = [r["examples_to_target"] for r in bound["sweep"] if r["examples_to_target"] is not None]
+    assert reached and bound["examples_to_target"] == min(reached)
+    assert bound["lr"] == next(r["lr"] for r in bound["sweep"] if r["examples_to_target"] == min(reached))
+
+
+def test_bound_ratio_and_speedup_from_given_figures():
+    bound = {"examples_to_target": 6000, "lr": 0.04}
+    assert report.against_bound(9000, bound) == {"bound_examples": 6000, "bound_lr": 0.04, "bound_ratio": 1.5}
+    assert report.against_bound(None, bound)["bound_ratio"] is None
+    assert report.against_bound(9000, bound | {"examples_to_target": None})["bound_ratio"] is None
+    assert (
+        report.speedup(120.0, 20.0) == 6.0 and report.speedup(None, 20.0) is None and report.speedup(9.0, None) is None
+    )
+    # one process in the simulator's timing model: example_seconds per example, nothing else
+    fleet = runs.Fleet()
+    assert runs.one_process_seconds(8000) == pytest.approx(8000 * fleet.example_seconds)
+    assert runs.one_process_seconds(None) is None
+
+
+def test_summary_bound_ratio_needs_every_seed_and_its_bound():
+    ok = {"task": "t", "rule": "r", "mode": "sim", "slots": 8, "status": "ok", "note": "", "ratio": 2.0}
+    both = [ok | {"seed": 0, "bound_ratio": 1.2, "speedup": 3.0}, ok | {"seed": 1, "bound_ratio": 1.4, "speedup": 5.0}]
+    s = report.summarize(both)[0]
+    assert s["bound_ratio"] == pytest.approx(1.3) and s["speedup"] == pytest.approx(4.0)
+    assert report.summarize([both[0], ok | {"seed": 1, "bound_ratio": None}])[0]["bound_ratio"] is None
+
+
+def test_staleness_and_evaluation_gap():
+    assert report.staleness_figures([0, 2, 4, 6]) == {"staleness_mean": 3, "staleness_max": 6}
+    assert report.staleness_figures([]) == {"staleness_mean": None, "staleness_max": None}
+    points = [(100, 0.5), (150, 0.7), (300, 0.9), (320, 0.95)]
+    assert report.eval_gap(points, 300) == 0.5  # 150 -> 300 of 300
+    assert report.eval_gap(points, None) is None
 
 
 def test_upload_sizes_read_from_scheduler_log_lines():
