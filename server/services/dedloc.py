@@ -2,8 +2,8 @@
 
 One job's round lives in Redis as one JSON document (`keys.dedloc_round`) that moves through
 
-    accumulating --(live peers' reports reach target_batch_size)--> matchmaking (every live peer awaited)
-    matchmaking  --(every candidate ready, or matchmaking_timeout)--> reducing (members fixed)
+    accumulating --(live peers' reports reach target_batch_size)--> matchmaking (live peers within their bound)
+    matchmaking  --(every awaited candidate ready, or matchmaking_timeout)--> reducing (members fixed)
     reducing     --(every member reported the same result digest)--> accumulating at step + 1 (committed)
     reducing     --(a member failed, or averaging_timeout)--> matchmaking, attempt + 1 (aborted)
 
@@ -16,10 +16,11 @@ Each transition is one read-modify-write under the job's Redis lock, so any numb
 workers agree. Nothing moves on a timer: the deadlines are checked by every peer request, and live
 peers poll at least every `report_interval` seconds; every function here takes the time `now`.
 
-A peer's claimed examples count toward closing a step only up to a bound set by the rate it has
-shown (`dedloc_claims`); a peer that has never completed a round is not waited on when the others
-hold a global batch, and is excluded at its first timeout (an established peer after
-`spec.exclude_after` aborts in a row).
+A peer's claimed examples count toward closing a step only up to a bound set by the fastest rate
+shown and one global batch (`dedloc_claims`). Matchmaking waits on each candidate for one deadline
+at most (`awaited`): one not ready by then is passed over until it next takes part in a round, and
+a new peer that claimed examples of the step and never came ready is excluded at once (an
+established peer after `spec.exclude_after` aborts in a row).
 
 Guarantees: a step is committed at most once, with the members and result digest recorded in
 `keys.dedloc_commits`; a peer applies a step only when it finds its own (step, attempt) there, so an
