@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -93,7 +94,10 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     assert browser.current_url.endswith("/dashboard/login")
     browser.find_element(By.ID, "token").send_keys("wrong")
     browser.find_element(By.ID, "login").click()
-    assert "wrong admin token" in browser.find_element(By.ID, "message").text
+    # The form posts and the page is replaced: read the message of the page that answers, not the old one.
+    WebDriverWait(browser, 30, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda d: "wrong admin token" in d.find_element(By.ID, "message").text
+    )
     browser.find_element(By.ID, "token").send_keys(cluster.admin_token)
     browser.find_element(By.ID, "login").click()
     WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/dashboard/jobs"))
