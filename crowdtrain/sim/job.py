@@ -5,7 +5,9 @@ clock, and merges with the very rule and policy code the parameter servers run
 (crowdtrain.assimilator.rules.make_rule, crowdtrain.assimilator.policy). Each method names the procedure it mirrors:
 
 - dispatch: crowdtrain.server.services.dispatch (`_claim_ready`: cached shards first, then by epoch and workunit;
-  `_release_next_epoch`: early release once the current epoch has nothing left to dispatch);
+  `_release_next_epoch`: early release once the current epoch has nothing left to dispatch; at the job's
+  in-flight budget, crowdtrain.server.services.backpressure's, nothing: its pace measured over the simulated
+  merges by crowdtrain.server.ledger.pace.pace_of, as record_merge measures it);
 - apply, measure, record: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm
   bound, then the rule; a refusal is charged to the workunit; then `_record`: metrics every
   `eval_every` merges, snapshots, the workunit done). When each happens on the simulated clock, and
@@ -24,6 +26,7 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 
@@ -31,11 +34,15 @@ from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.rules import make_rule, make_update
 from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core.tensors import Params
+from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
 from crowdtrain.server.ledger.paramstore import NORMS_KEPT
+from crowdtrain.server.services.backpressure import BudgetTerms, in_flight_budget
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
 UPLOADED = "uploaded"
 RUNNING, SUCCEEDED = "running", "succeeded"
+UNMERGED = (IN_PROGRESS, UPLOADED)  # in flight, as backpressure.UNMERGED: dispatched or uploaded, not merged
+_CLOCK_ZERO = datetime(2000, 1, 1, tzinfo=UTC)  # simulated second 0, for pace_of's timestamps
 
 
 @dataclass(eq=False)
@@ -56,6 +63,7 @@ class Assignment:
     base: Params  # the snapshot the host starts from (read-only)
     sent: float
     deadline: float
+    uploaded: float | None = None  # when its result reached the scheduler
     status: str = IN_PROGRESS  # in_progress -> uploaded -> merged | rejected; in_progress -> timed_out
     client: Params | None = None  # W_c once trained (decoded from its upload)
     examples: int = 0
@@ -81,13 +89,15 @@ class SimJob:
     """One VC-ASGD job: `spec` is a JobSpec as a dict (model_dump), `params` W_s version 0.
 
     `evaluate(params) -> (loss, accuracy)` validates W_s; None (the compute-free mode) records no
-    metrics, so the job runs to max_epochs.
+    metrics, so the job runs to max_epochs. `backpressure=False` dispatches without the in-flight
+    budget, as the scheduler did before it had one.
     """
 
     spec: dict
     params: Params
     shards: int
     evaluate: Callable[[Params], tuple[float, float]] | None = None
+    backpressure: bool = True  # hold dispatch at the in-flight budget (crowdtrain.server.services.backpressure)
     version: int = 0
     status: str = RUNNING
     message: str = ""
@@ -115,6 +125,10 @@ class SimJob:
         self.open_count: Counter = Counter()  # epoch -> workunits ready or in progress
         self.ready: list[tuple[int, int, Workunit]] = []  # sorted by (epoch, id): dispatch's order
         self._next_ids = {"wu": 0, "a": 0}
+        self.budget_terms = BudgetTerms.of(self.spec)
+        self.unmerged: dict[int, Assignment] = {}  # id -> assignment, pruned as they leave UNMERGED
+        self.latest_merges: deque[tuple[datetime, datetime | None, datetime]] = deque(maxlen=WINDOW)
+        self.pace: Pace | None = None  # measured after each merge, as record_merge measures it
         self._release_epoch(1)
 
     @property
@@ -131,8 +145,8 @@ class SimJob:
 
     def dispatch(self, host: int, cached: set[tuple[int, int]], now: float, timeout: float) -> Assignment | None:
         """Claim one workunit for `host`, preferring a shard it has cached (keys as `shard_key`); None
-        when nothing is ready."""
-        if not self.running:
+        when nothing is ready, or when the job is at its in-flight budget (`at_budget`)."""
+        if not self.running or self.at_budget(host):
             return None
         if not self.ready and self._next_epoch_releasable():
             self._release_epoch(self.current_epoch + 1)
@@ -142,7 +156,28 @@ class SimJob:
         wu = self.ready.pop(i)[2]
         wu.status = IN_PROGRESS
         self._next_ids["a"] += 1
-        return Assignment(self._next_ids["a"], wu, host, self.snapshot_version, self.snapshot, now, now + timeout)
+        a = Assignment(self._next_ids["a"], wu, host, self.snapshot_version, self.snapshot, now, now + timeout)
+        self.unmerged[a.id] = a
+        return a
+
+    def in_flight(self) -> list[Assignment]:
+        """The job's assignments dispatched (prefetched included) or uploaded, not yet merged."""
+        self.unmerged = {i: a for i, a in self.unmerged.items() if a.status in UNMERGED}
+        return list(self.unmerged.values())
+
+    def budget(self, host: int) -> int | None:
+        """The job's in-flight budget as `host` asks (crowdtrain.server.services.backpressure.in_flight_budget):
+        the hosts are those holding its unmerged work, and `host` when it holds none; None without one."""
+        holders = {a.host for a in self.in_flight()} | {host}
+        rate, turnaround = (self.pace.merge_rate, self.pace.turnaround_seconds) if self.pace else (None, None)
+        return in_flight_budget(self.budget_terms, rate, turnaround, len(holders))
+
+    def at_budget(self, host: int) -> bool:
+        """Whether dispatch holds back from `host`: its job has as many in flight as its budget allows."""
+        if not self.backpressure:
+            return False
+        budget = self.budget(host)
+        return budget is not None and len(self.in_flight()) >= budget
 
     def _release_epoch(self, epoch: int) -> None:
         """crowdtrain.workgen.generator.release_epoch: one ready workunit per shard."""
@@ -204,7 +239,18 @@ class SimJob:
         self.merged.append(a.id)
         self.examples += a.examples
         a.status = "merged"
+        self._measure_pace(a, now)
         return None
+
+    def _measure_pace(self, a: Assignment, now: float) -> None:
+        """crowdtrain.server.ledger.pace.measure_pace: the pace of the latest `WINDOW` merges, `a` merged
+        at `now` the newest; left as it was when there is nothing to measure."""
+
+        def at(t: float) -> datetime:
+            return _CLOCK_ZERO + timedelta(seconds=t)
+
+        self.latest_merges.append((at(a.sent), None if a.uploaded is None else at(a.uploaded), at(now)))
+        self.pace = pace_of(list(self.latest_merges)) or self.pace
 
     def evaluation_due(self) -> bool:
         """Whether the merge that made W_s's version is evaluated (`_record`: every `eval_every` merges);

@@ -25,6 +25,7 @@ class Dispatch:
     host: int
     preempted: bool
     local_fraction: float = 1.0
+    in_flight: int = 0  # the job's unmerged assignments just after this dispatch, this one included
 
 
 @dataclass

@@ -33,6 +33,12 @@ result is merged): slots beyond that idle, prefetched places and a merge backlog
 straggler of the older epoch holds the next release back. The real system has the same limit, by
 the same rule; its straggler duplicates (left out here) only copy work already held.
 
+The in-flight budget (`backpressure`, on by default). Dispatch also holds back as the real scheduler
+does (crowdtrain.server.services.backpressure, with its own BudgetTerms and in_flight_budget): at
+`scheduling.max_in_flight`, or at the budget derived from the pace of the simulated merges
+(crowdtrain.server.ledger.pace.pace_of), a place waits for the next event instead of taking work. One
+request at a time here, so, unlike PostgreSQL's concurrent requests, never past the budget.
+
 Against the real system, with the defaults (mnist1d-cnn, the default rule, 18 epochs, 4 slots per
 host, 0.1 s transfers, seed 0): mean staleness 1.96 / 5.22 / 4.94 at 1 / 4 / 8 slots, where the
 real system measured 2 / 5 / 10.2. At 8 slots the window above binds (4 shards: 8 workunits open,
@@ -109,6 +115,7 @@ def simulate_training(
     merge_seconds: float = MERGE_SECONDS,
     eval_seconds: float = EVAL_SECONDS,
     parameter_servers: int = 1,
+    backpressure: bool = True,
 ) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
@@ -119,7 +126,9 @@ def simulate_training(
     skips loading the spec's dataset (a benchmark running many simulations loads it once).
     `prefetch` is the client's (client/worker.py): each host holds `slots` + 1 assignments not yet
     trained. `parameter_servers` processes serve the job's merges, each taking `merge_seconds`, and
-    an evaluation `eval_seconds` (crowdtrain.sim.servers). Training runs on one CPU thread.
+    an evaluation `eval_seconds` (crowdtrain.sim.servers). `backpressure` holds dispatch at the job's
+    in-flight budget, as the scheduler does (crowdtrain.server.services.backpressure); off, the run is
+    what it was before the scheduler had one. Training runs on one CPU thread.
     """
     spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
     if spec.mode != VC_ASGD:
@@ -148,7 +157,9 @@ def simulate_training(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sim = _Simulation(spec.model_dump(mode="json"), fleet, servers, data, np.random.default_rng(seed), compute)
+        sim = _Simulation(
+            spec.model_dump(mode="json"), fleet, servers, data, np.random.default_rng(seed), compute, backpressure
+        )
         started = time.perf_counter()
         sim.run()
         return sim.result(seed, time.perf_counter() - started)
@@ -165,6 +176,7 @@ class _Simulation:
         data: Dataset,
         rng: np.random.Generator,
         compute: bool,
+        backpressure: bool = True,
     ) -> None:
         self.spec, self.fleet, self.servers, self.data = spec, fleet, servers, data
         self.rng, self.compute = rng, compute
@@ -182,7 +194,9 @@ class _Simulation:
         self.deals = ShardDeals(data.y, spec["dataset"], spec["seed"])
         if not compute:  # every host returns W_base unchanged: a stand-in for training, not a lazy host
             spec = {**spec, "assimilation": {**spec["assimilation"], "min_update_spread": None}}
-        self.job = SimJob(spec, params, spec["dataset"]["subsets"], self._evaluate if compute else None)
+        self.job = SimJob(
+            spec, params, spec["dataset"]["subsets"], self._evaluate if compute else None, backpressure=backpressure
+        )
         self.job_id = next(_sim_ids)
         self.timeout = fleet.timeout if fleet.timeout is not None else spec["scheduling"]["deadline_seconds"]
         self.restart = fleet.restart_seconds if fleet.restart_seconds is not None else self.timeout
@@ -246,7 +260,9 @@ class _Simulation:
             self._at(self.now + delay, kind, payload)
 
     def _wake(self) -> None:
-        """Give work to hosts' free places (client/worker.py's requests), oldest first, while there is some."""
+        """Give work to hosts' free places (client/worker.py's requests), oldest first, while there is some
+        and the job is under its in-flight budget. A place left waiting asks again after the next event:
+        a merge that lowers the count, or a result that moves the pace."""
         while self.idle and self.job.running:
             a = self.job.dispatch(self.idle[0], self.caches[self.idle[0]], self.now, self.timeout)
             if a is None:
@@ -260,7 +276,17 @@ class _Simulation:
         preempted = self.fleet.preempts(self.rng)
         a.local_fraction = self._local_fraction(a.host)
         self.trace.append(
-            Dispatch(self.now, a.id, a.wu.id, a.wu.epoch, a.wu.shard, a.host, preempted, a.local_fraction)
+            Dispatch(
+                self.now,
+                a.id,
+                a.wu.id,
+                a.wu.epoch,
+                a.wu.shard,
+                a.host,
+                preempted,
+                a.local_fraction,
+                len(self.job.in_flight()),
+            )
         )
         if preempted:
             self._at(self.now + self.restart, BACK, a)
@@ -323,7 +349,7 @@ class _Simulation:
             self.late += 1  # timed out on its way: the scheduler refuses the upload
             a.client = None
             return
-        a.status = UPLOADED
+        a.status, a.uploaded = UPLOADED, self.now
         self.reports.append((a.host, a.examples, a.train_seconds))
         self.queue.arrive(a, self.now)
         self._serve()

@@ -39,8 +39,10 @@ def test_bad_service_settings_are_refused_naming_the_field(field: str, value: fl
 
 
 def run(data: Dataset, hosts: int = 4, eval_every: int = 1, **kwargs):
-    """Identical hosts, 1 s of training per workunit, 32 shards: results arrive about hosts per second."""
-    settings = {"speed_sigma": 0.0, "workunit_seconds": 1.0, "compute": False, "data": data, "seed": 0} | kwargs
+    """Identical hosts, 1 s of training per workunit, 32 shards: results arrive about hosts per second.
+    Without the in-flight budget unless asked: these tests study the queue it would keep short."""
+    settings = {"speed_sigma": 0.0, "workunit_seconds": 1.0, "compute": False, "data": data, "seed": 0}
+    settings |= {"backpressure": False} | kwargs
     return simulate_training(job(32, 3, scheduling={"eval_every": eval_every}), hosts=hosts, **settings)
 
 
@@ -102,3 +104,12 @@ def test_a_queued_result_is_not_timed_out_at_its_deadline(blobs: Dataset) -> Non
     r = run(blobs, merge_seconds=1.0, eval_seconds=0.0, timeout=3.0)
     assert max(r.merge_waits) > 3.0
     assert r.timeouts == 0 and r.late_results == 0 and r.merges == 96
+
+
+def test_the_in_flight_budget_keeps_a_slow_merges_staleness_down(blobs: Dataset) -> None:
+    """Merges of 1 s against results at about 4 a second: without the budget a backlog builds and every
+    result in it waits; with the budget derived from the measured pace, dispatch holds back instead."""
+    on, off = (run(blobs, merge_seconds=1.0, eval_seconds=0.0, backpressure=b) for b in (True, False))
+    assert on.merges == off.merges == 96
+    assert on.staleness_summary()["mean"] < 0.5 * off.staleness_summary()["mean"]
+    assert on.longest_backlog < off.longest_backlog

@@ -213,11 +213,12 @@ def test_an_int8_upload_is_decoded_as_the_server_decodes_it(blobs: Dataset) -> N
 
 def test_dynamic_local_work_gives_slow_hosts_less_work_and_less_staleness(blobs: Dataset) -> None:
     """16 hosts of widely spread speeds: with dynamic local work the hosts below the reference speed
-    train a fraction < 1 of the local epochs once measured, so their results are less stale."""
+    train a fraction < 1 of the local epochs once measured, so their results are less stale. Without
+    the in-flight budget, which would cap everyone's staleness and blur the difference."""
 
     def run(dynamic: bool):
         spec = job(64, 6, training={"dynamic_local_work": dynamic})
-        return simulate_training(spec, hosts=16, seed=0, speed_sigma=0.8, compute=False, data=blobs)
+        return simulate_training(spec, hosts=16, seed=0, speed_sigma=0.8, compute=False, data=blobs, backpressure=False)
 
     fixed, dynamic = run(False), run(True)
     speeds = np.asarray(dynamic.host_speeds)
@@ -314,3 +315,38 @@ def test_cli_refuses_a_bad_spec_naming_the_field(tmp_path) -> None:
 def test_cli_simulate_without_subcommand_is_still_the_load_generator() -> None:
     out = CliRunner().invoke(app, ["simulate", "--hosts", "3"])
     assert out.exit_code == 2 and "--server" in out.output
+
+
+def test_max_in_flight_caps_the_unmerged_assignments_at_every_dispatch(blobs: Dataset) -> None:
+    """`scheduling.max_in_flight: 3` on 8 slots: one request at a time, so no slack over the budget."""
+    spec = job(16, 3, scheduling={"max_in_flight": 3})
+    r = simulate_training(spec, hosts=4, slots=2, seed=0, compute=False, data=blobs, merge_seconds=0.5)
+    assert max(d.in_flight for d in r.trace) == 3
+    assert r.epochs == 3 and r.merges == 48 and "max_epochs=3 reached" in r.message
+
+
+def test_without_backpressure_a_run_is_what_it_was_before_the_budget(blobs: Dataset) -> None:
+    """The figures the simulator gave before it held dispatch at the in-flight budget (same seeds)."""
+    for merge, speed_sigma, mean, seconds, backlog in (
+        (0.035, 0.5, 12.04, 13.055916493442467, 3),
+        (1.0, 0.0, 34.02, 97.0, 55),
+    ):
+        r = simulate_training(
+            job(32, 3),
+            hosts=4,
+            slots=2,
+            seed=0,
+            speed_sigma=speed_sigma,
+            workunit_seconds=1.0,
+            compute=False,
+            data=blobs,
+            merge_seconds=merge,
+            eval_seconds=0.0,
+            backpressure=False,
+        )
+        assert (r.staleness_summary()["mean"], r.sim_seconds, r.merges, r.longest_backlog) == (
+            mean,
+            pytest.approx(seconds),
+            96,
+            backlog,
+        )
