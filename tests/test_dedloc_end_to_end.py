@@ -213,7 +213,24 @@ def assert_one_collaboration(cluster: Cluster, job_id: int, steps: range) -> Non
 def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it(make_cluster) -> None:
     cluster = make_cluster(assimilator_concurrency=1)
     job_id = submit(cluster, dedloc_spec(max_steps=6, target_batch_size=480))
-    peers = start_peers(cluster, job_id, 3, only={2: ("--kill-at", "2:0")})
+    # The peer to be killed joins first and brings at most a third of a batch a step, so that steps 0
+    # to 2 wait for the others whatever its start-up takes under load (it joined after step 2 once).
+    doomed = start_peer(
+        cluster,
+        job_id,
+        "peer-2",
+        "--data-rank",
+        "2",
+        "--data-world",
+        "3",
+        "--kill-at",
+        "2:0",
+        "--examples-per-step",
+        "160",
+    )
+    wait_until(lambda: bool(peer_ids(cluster, "peer-2")), 120, "peer-2 never joined", [doomed])
+    peers = [start_peer(cluster, job_id, f"peer-{i}", "--data-rank", str(i), "--data-world", "3") for i in (0, 1)]
+    peers.append(doomed)
     st = wait_finished(cluster, job_id, peers)
     assert st["status"] == "failed" and "max_steps=6" in st["status_message"], st
 
