@@ -14,15 +14,15 @@ import numpy as np
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.assimilator import validator
-from crowdtrain.assimilator.evaluate import evaluate, example_losses
+from crowdtrain.assimilator import evidence, validator
+from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.inputs import Refused, holdout, read_result, replay_reason
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
 from crowdtrain.core.jobspec import ValidationSpec, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.storage import Storage
-from crowdtrain.core.tensors import Params, decode_shard
+from crowdtrain.core.tensors import decode_shard
 from crowdtrain.server.ledger import merges, paramstore, replicas, result_records
 from crowdtrain.server.ledger.epochs import close_epochs_after_failure
 
@@ -88,14 +88,16 @@ def measure_replicas(
 ) -> tuple[list[validator.Replica], dict[int, str], dict[int, np.ndarray], float]:
     """Each replica's ||Δ||, the held-out loss of W_s after the job's rule merged it alone
     (crowdtrain.assimilator.policy.merged_alone) and its evidence of training on the workunit's shard
-    (validator.training_z), its flat Δ, and the held-out loss of W_s itself; a result that cannot be
+    (crowdtrain.assimilator.evidence), its flat Δ, and the held-out loss of W_s itself; a result that cannot be
     read as an update, or that replays an earlier one, is invalid at once (assignment id -> why)."""
     version, server, state = paramstore.read_with_state(r, p.job_id)
     assimilation = p.spec["assimilation"]
     rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
     state = rule.initial_state(server) if state is None else state
     x, y = holdout(storage, p.job_id, spec.holdout_examples)
-    shard = _shard_examples(db, storage, p.workunit_id, spec) if spec.min_training_z is not None else None
+    checked = spec.min_training_z is not None or spec.min_evidence_z is not None
+    shard = _shard_examples(db, storage, p.workunit_id, spec) if checked else None
+    rng = np.random.default_rng()  # this process's entropy: the random directions no host can know
     measured, malformed, flat = [], {}, {}
     for u in uploaded:
         try:
@@ -115,8 +117,13 @@ def measure_replicas(
         moved = merged_alone(policy, rule, server, state, update)
         loss, _ = evaluate(p.job_id, p.model_config, moved, x, y)
         flat[u.assignment_id] = validator.flat_update(update.delta)
-        z = _training_z(p, update.client, update.delta, shard) if shard is not None else math.inf
-        measured.append(validator.Replica(u.assignment_id, float(np.linalg.norm(flat[u.assignment_id])), loss, z))
+        z, descent = (
+            evidence.measure(p.job_id, p.model_config, update.client, update.delta, shard, spec.descent_directions, rng)
+            if shard is not None
+            else (math.inf, math.inf)
+        )
+        size = float(np.linalg.norm(flat[u.assignment_id]))
+        measured.append(validator.Replica(u.assignment_id, size, loss, z, descent))
     base_loss, _ = evaluate(p.job_id, p.model_config, server, x, y)
     return measured, malformed, flat, base_loss
 
@@ -127,11 +134,3 @@ def _shard_examples(
     """The first `training_examples` of the workunit's shard, as its hosts read it."""
     x, y = decode_shard(storage.get(replicas.shard_key(db, workunit_id)))
     return x[: spec.training_examples], y[: spec.training_examples]
-
-
-def _training_z(p: merges.PendingMerge, client: Params, delta: Params, shard: tuple[np.ndarray, np.ndarray]) -> float:
-    """validator.training_z of W_c against W_base (W_c − Δ) on the shard's examples."""
-    base = {k: (v - delta[k]).astype(v.dtype) if k in delta else v for k, v in client.items()}
-    before, _ = example_losses(p.job_id, p.model_config, base, *shard)
-    after, _ = example_losses(p.job_id, p.model_config, client, *shard)
-    return validator.training_z(before, after)

@@ -7,8 +7,9 @@ the replica alone (crowdtrain.assimilator.policy.merged_alone: α·W_s + (1 − 
 Two replicas *agree* when all three are close (thresholds: crowdtrain.core.jobspec.ValidationSpec).
 A replica is *implausible* on its own when its update is zero (a host that returns the base
 unchanged) or not finite, when it shows no evidence of training (`training_z`: W_c must fit the
-workunit's own shard better than W_base by more than per-example noise, so that hosts that agree on
-a direction they did not train, colluding, win no vote), or when its held-out loss exceeds W_s's by
+workunit's own shard better than W_base by more than per-example noise, and Δ must descend the
+shard's loss at W_base further than random directions do, crowdtrain.assimilator.evidence; so that
+hosts that agree on a direction they did not train, colluding, win no vote), or when its held-out loss exceeds W_s's by
 more than the tolerance (a sign-flipped, scaled or poisoned update). A replica whose weights are
 exactly those of an earlier result of the job (a replayed result) never reaches the validator: the
 merge refuses it as malformed.
@@ -51,6 +52,7 @@ class Replica:
     norm: float
     holdout_loss: float
     training_z: float = math.inf  # evidence of training on the workunit's shard (`training_z`); inf: not measured
+    descent_z: float = math.inf  # Δ's descent on the shard against random directions (evidence.py); inf: not measured
 
 
 @dataclass(frozen=True)
@@ -111,10 +113,25 @@ def implausible(replica: Replica, base_loss: float, spec: ValidationSpec) -> str
             f"W_s merged with it has held-out loss {replica.holdout_loss:.4f}, more than "
             f"{spec.loss_tolerance:.0%} above W_s's {base_loss:.4f}"
         )
-    if spec.min_training_z is not None and not replica.training_z >= spec.min_training_z:
+    return untrained(replica.training_z, replica.descent_z, spec)
+
+
+def untrained(training_z: float, descent_z: float, spec: ValidationSpec) -> str | None:
+    """Why a replica with these measures of training (crowdtrain.assimilator.evidence) shows none, or None."""
+    if spec.min_training_z is not None and not training_z >= spec.min_training_z:
         return (
             f"it shows no training on the workunit's shard: W_c fits the shard's examples better than W_base "
-            f"with z = {replica.training_z:.1f} < {spec.min_training_z}"
+            f"with z = {training_z:.1f} < {spec.min_training_z}"
+        )
+    if (
+        spec.min_descent_z is not None
+        and not descent_z >= spec.min_descent_z
+        and not training_z >= spec.training_z_alone
+    ):
+        return (
+            f"it shows no training on the workunit's shard: its training z {training_z:.1f} is under "
+            f"{spec.training_z_alone} and its update descends the shard's loss no further than random directions "
+            f"do (descent z {descent_z:.1f} < {spec.min_descent_z})"
         )
     return None
 

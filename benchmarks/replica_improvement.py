@@ -1,5 +1,6 @@
-"""Replica evidence benchmark: does the validator's training evidence (crowdtrain.assimilator.validator
-.training_z) refuse results that did not train, and never an honest one, across a whole training run?
+"""Replica evidence benchmark: does the validator's training evidence (crowdtrain.assimilator.evidence:
+training z and descent z) refuse results that did not train, and never an honest one, across a whole
+training run?
 
 What it measures
     For each task (the example job on builtin:mnist1d, and a 5-class tabular MLP: efficiency_tasks'
@@ -7,15 +8,17 @@ What it measures
     task's target (or --max-epochs): every honest result is the client's trainer run from a base
     `--staleness` merges old, as `--slots` concurrent hosts give it. For each honest result:
       - its training z: W_c against W_base, per-example losses on the first `training_examples` of its
-        own shard (what the vote measures);
-      - the same z for forged results of the colluding pair, W_base + d + ε with a random direction d
+        own shard, and its descent z: the slope of that shard's loss along Δ against random directions'
+        (what the vote measures);
+      - the same two for forged results of the colluding pair, W_base + d + ε with a random direction d
         shared by the pair and ε a small private noise (||ε|| = 5% of ||d||), at ||d|| = 0.1, 1 and 3
         times the honest ||Δ||;
       - the held-out z of the other candidate rule: W_s merged alone with the result against W_s, on
         the validation slice (what "lowers the held-out loss of W_s" would measure), for comparison.
-    Reported: the honest z's distribution (min, 1st percentile, median), the false-refusal rate at the
-    job-spec default min_training_z (before the target; after it, nothing to refuse), the catch rate
-    of the forgeries, and the same two rates for the held-out z at threshold 2.
+    Reported: the honest results' distribution of both (min, 1st percentile, median), the false-refusal
+    rate at the job-spec defaults min_training_z, min_descent_z and training_z_alone (before the target; after it,
+    nothing to refuse), the catch rate of the forgeries with both checks and with the training z alone,
+    and the same two rates for the held-out z at threshold 2.
 
 Run
     .venv/bin/python benchmarks/replica_improvement.py [--tasks mnist1d,tabular] [--seeds 1]
@@ -36,10 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from crowdtrain.assimilator.evaluate import evaluate, example_losses
+from crowdtrain.assimilator.evidence import measure
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
 from crowdtrain.assimilator.rules.update import Update
-from crowdtrain.assimilator.validator import training_z
+from crowdtrain.assimilator.validator import training_z, untrained
 from crowdtrain.client.trainers import limit_threads
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core.jobspec import ValidationSpec
@@ -77,6 +81,14 @@ def z_on(job_id: int, config: dict, before: Params, after: Params, x: np.ndarray
     return training_z(example_losses(job_id, config, before, x, y)[0], example_losses(job_id, config, after, x, y)[0])
 
 
+def evidence_of(
+    job_id: int, config: dict, before: Params, after: Params, x: np.ndarray, y: np.ndarray, rng: np.random.Generator
+) -> tuple[float, float]:
+    """(training z, descent z) of `after` against `before`, as the vote measures them."""
+    delta = {k: after[k] - before[k] for k in floats(after)}
+    return measure(job_id, config, after, delta, (x, y), ValidationSpec().descent_directions, rng)
+
+
 def model_config(m: dict, data: Dataset) -> dict:
     return {
         "name": m["name"],
@@ -111,9 +123,10 @@ def run_task(name: str, folder: Path, seed: int, slots: int, max_epochs: int) ->
             recipe = {"model": config, "training": spec["training"], "seed": seed * 10_000 + merges}
             client = train(recipe, base, x, y).params
             ex, ey = x[: defaults.training_examples], y[: defaults.training_examples]
-            honest.append(z_on(job_id, config, base, client, ex, ey))
+            honest.append(evidence_of(job_id, config, base, client, ex, ey, rng))
             for scale in FORGED_SCALES:
-                forged[scale].append(z_on(job_id, config, base, colluding_pair(base, client, scale, rng), ex, ey))
+                forged_result = colluding_pair(base, client, scale, rng)
+                forged[scale].append(evidence_of(job_id, config, base, forged_result, ex, ey, rng))
             delta = {k: client[k] - base[k] for k in floats(client)}
             update = Update(client=client, delta=delta, staleness=slots - 1, epoch=epoch)
             held_out.append(z_on(job_id, config, server, merged_alone(policy, rule, server, state, update), hx, hy))
@@ -123,7 +136,9 @@ def run_task(name: str, folder: Path, seed: int, slots: int, max_epochs: int) ->
             accuracy = evaluate(job_id, config, server, data.x_val, data.y_val, framework="pytorch")[1]
             if accuracy >= task.target and reached is None:
                 reached = merges
-        say(f"{name} seed {seed}: epoch {epoch}, {merges} merges, accuracy {accuracy:.3f}, z >= {min(honest):.1f}")
+        z_min, descent_min = np.min(honest, axis=0)
+        progress = f"accuracy {accuracy:.3f}, z >= {z_min:.1f}, descent z >= {descent_min:.1f}"
+        say(f"{name} seed {seed}: epoch {epoch}, {merges} merges, {progress}")
         if reached is not None:
             break
     return {
@@ -137,23 +152,34 @@ def run_task(name: str, folder: Path, seed: int, slots: int, max_epochs: int) ->
     }
 
 
-def summarize(runs: list[dict], threshold: float) -> dict:
-    """Per task: the honest z's distribution, false refusals and catch rates at `threshold`."""
+def summarize(runs: list[dict], checks: ValidationSpec) -> dict:
+    """Per task: the honest results' evidence, false refusals and catch rates at the job-spec defaults
+    (training z alone, and with the descent z: what the vote requires)."""
     out = {}
     for task in sorted({r["task"] for r in runs}):
         mine = [r for r in runs if r["task"] == task]
-        honest = np.concatenate([r["honest_z"] for r in mine])
+        honest = np.concatenate([r["honest_z"] for r in mine])  # rows: (training z, descent z)
         held_out = np.concatenate([r["held_out_z"] for r in mine])
         forged = {s: np.concatenate([r["forged_z"][str(s)] for r in mine]) for s in FORGED_SCALES}
+
+        def refused(rows: np.ndarray) -> np.ndarray:
+            return np.array([untrained(z, descent, checks) is not None for z, descent in rows])
+
         out[task] = {
             "honest_results": len(honest),
             "reached_target": all(r["merges_to_target"] is not None for r in mine),
-            "honest_z_min": round(float(honest.min()), 2),
-            "honest_z_p01": round(float(np.percentile(honest, 1)), 2),
-            "honest_z_median": round(float(np.median(honest)), 2),
-            "false_refusal_rate": float(np.mean(honest < threshold)),
-            "forged_z_max": {str(s): round(float(v.max()), 2) for s, v in forged.items()},
-            "catch_rate": {str(s): float(np.mean(v < threshold)) for s, v in forged.items()},
+            "honest_z_min": round(float(honest[:, 0].min()), 2),
+            "honest_z_p01": round(float(np.percentile(honest[:, 0], 1)), 2),
+            "honest_z_median": round(float(np.median(honest[:, 0])), 2),
+            "honest_descent_z_min": round(float(honest[:, 1].min()), 2),
+            "honest_descent_z_median": round(float(np.median(honest[:, 1])), 2),
+            "false_refusal_rate": float(np.mean(refused(honest))),
+            "forged_z_max": {str(s): round(float(v[:, 0].max()), 2) for s, v in forged.items()},
+            "forged_descent_z_max": {str(s): round(float(v[:, 1].max()), 2) for s, v in forged.items()},
+            "catch_rate_training_z_alone": {
+                str(s): float(np.mean(v[:, 0] < checks.min_training_z)) for s, v in forged.items()
+            },
+            "catch_rate": {str(s): float(np.mean(refused(v))) for s, v in forged.items()},
             "held_out_z_min": round(float(held_out.min()), 2),
             "held_out_false_refusal_rate": float(np.mean(held_out < HELD_OUT_THRESHOLD)),
         }
@@ -168,20 +194,22 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=40, help="epochs a run may take to reach its target")
     args = parser.parse_args()
     limit_threads(1)
-    threshold = ValidationSpec().min_training_z
-    assert threshold is not None
+    checks = ValidationSpec()
+    assert checks.min_training_z is not None and checks.min_descent_z is not None
     started = time.monotonic()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
                 runs.append(run_task(task, Path(tmp), seed, args.slots, args.max_epochs))
-    summary = summarize(runs, threshold)
+    summary = summarize(runs, checks)
     for task, row in summary.items():
         say(f"{task}: {row}")
     figures = {
         "benchmark": "replica_improvement",
-        "min_training_z": threshold,
+        "min_training_z": checks.min_training_z,
+        "min_descent_z": checks.min_descent_z,
+        "training_z_alone": checks.training_z_alone,
         "held_out_threshold": HELD_OUT_THRESHOLD,
         "slots": args.slots,
         "seeds": args.seeds,

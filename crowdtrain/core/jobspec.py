@@ -235,6 +235,28 @@ class ValidationSpec(SpecSection):
         "(median 20-30), random directions of an honest update's norm 4.4 at most, and 92-99% of those of a tenth "
         "of it stayed under 4 (benchmarks/replica_improvement.py); null: no such check",
     )
+    min_descent_z: float | None = Field(
+        3.0,
+        ge=-1000,
+        le=1000,
+        description="... and, unless its training z is `training_z_alone` or more, only if its update descends the "
+        "shard's loss at W_base at least this many times further than random directions do (the slope along Δ "
+        "over the spread of the slopes along `descent_directions` random directions: a direction the host did "
+        "not fit scores like Student's t). Over whole runs of builtin:mnist1d and a tabular task, every honest "
+        "result passed (late in training a few descend only 2.9-3.6, with training z 8-17), and random "
+        "directions that passed the training z alone were refused (benchmarks/replica_improvement.py); null: "
+        "no such check",
+    )
+    training_z_alone: float = Field(
+        8.0,
+        ge=-1000,
+        le=1000,
+        description="A training z this high needs no descent evidence: a random direction's training z spreads "
+        "about 2.5 wide, and 40 of them at each of four models of the example job reached 6.6 at most",
+    )
+    descent_directions: int = Field(
+        32, ge=4, le=256, description="Random directions the descent evidence compares a replica's update with"
+    )
     training_examples: int = Field(
         512, ge=16, le=100_000, description="Examples of the workunit's shard the training evidence is measured on"
     )

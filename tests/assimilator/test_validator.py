@@ -100,3 +100,18 @@ def test_a_colluding_pair_that_shows_no_training_is_refused_at_once_and_charged(
     assert judge([pair[0], honest], {(1, 3): 0.99}, BASE_LOSS, SPEC).more, "one honest replica waits for another"
     unchecked = SPEC.model_copy(update={"min_training_z": None})
     assert set(judge(pair, {(1, 2): 0.99}, BASE_LOSS, unchecked).valid) == {1, 2}, "what the check is for"
+
+
+def test_a_pair_whose_update_does_not_descend_the_shard_is_refused_even_with_a_high_training_z() -> None:
+    """A random direction can raise a shard's probabilities by chance (training z 6 at an initial
+    model): the descent evidence refuses the pair all the same, and an honest replica passes both."""
+    pair = [Replica(i, 1.0, 0.8, training_z=6.0, descent_z=z) for i, z in ((1, 1.2), (2, 0.9))]
+    verdict = judge(pair, {(1, 2): 0.99}, BASE_LOSS, SPEC)
+    assert verdict.decided and not verdict.valid and verdict.charged == {1, 2}
+    assert all("shows no training" in why and "descent z" in why for why in verdict.invalid.values())
+    honest = [Replica(i, 1.0, 0.8, training_z=20.0, descent_z=12.0) for i in (3, 4)]
+    late = Replica(5, 1.0, 0.8, training_z=SPEC.training_z_alone, descent_z=1.0)  # strong enough alone
+    assert judge([honest[0], late], {(3, 5): 0.9}, BASE_LOSS, SPEC).valid
+    assert set(judge(honest, {(3, 4): 0.9}, BASE_LOSS, SPEC).valid) == {3, 4}
+    unchecked = SPEC.model_copy(update={"min_descent_z": None})
+    assert set(judge(pair, {(1, 2): 0.99}, BASE_LOSS, unchecked).valid) == {1, 2}, "what the check is for"
