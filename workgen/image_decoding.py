@@ -14,7 +14,6 @@ writes only in the scratch folder, whatever happens.
 
 import logging
 import math
-import resource
 import signal
 import subprocess
 import sys
@@ -28,6 +27,9 @@ from crowdtrain.core.datasetspec import DatasetSpec
 from crowdtrain.workgen.folders import FolderArrays, list_image_folder, write_images
 from crowdtrain.workgen.read_errors import unreadable_source
 
+if sys.platform != "win32":  # setrlimit is POSIX's: elsewhere the child is bounded in wall time only
+    import resource
+
 log = logging.getLogger(__name__)
 
 SECONDS_SETTING = "CROWDTRAIN_DATASET_DECODE_MAX_SECONDS"
@@ -35,7 +37,8 @@ BYTES_SETTING = "CROWDTRAIN_DATASET_DECODE_MAX_BYTES"
 IMAGES_FILE = "images.npy"
 LABELS_FILE = "labels.npy"
 PROC_STATM = Path("/proc/self/statm")  # Linux: the process's address space, in pages, comes first
-CHILD = [sys.executable, "-m", "crowdtrain.workgen.image_decoding"]
+# -P: the working directory does not come first on the child's sys.path, so nothing there shadows crowdtrain.
+CHILD = [sys.executable, "-P", "-m", "crowdtrain.workgen.image_decoding"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ def _bound_resources(bounds: ImageBounds) -> None:
     """Bound this (the child's) process: its address space to `max_bytes` beyond what it holds now,
     where /proc says how much that is; its CPU time to just past the wall-time bound, so that a child
     whose scheduler died (and so cannot kill it) still ends."""
+    if sys.platform == "win32":
+        return
     seconds = math.ceil(bounds.max_seconds) + 1
     _lower_limit(resource.RLIMIT_CPU, seconds)
     if bounds.max_bytes and PROC_STATM.exists():
