@@ -23,6 +23,7 @@ from tests.workgen.blocking_image import (
     holders,
     opened_by_decoder,
     release,
+    unblock,
     write_folder_with_fifo,
 )
 
@@ -92,7 +93,12 @@ def test_a_decoding_over_its_time_bound_is_a_422_naming_the_setting_and_stores_n
     fifo = write_folder_with_fifo(tmp_path / "images")
     with private_scheduler(tmp_path / "sched", dataset_decode_max_seconds=0.2) as bounded:
         rows, files = bounded.rows(), bounded.stored_files()
-        resp = bounded.admin().post("/v1/jobs", json=images_job(f"images:{tmp_path / 'images'}"))
+        with ThreadPoolExecutor(1) as pool:
+            submitted = pool.submit(bounded.admin().post, "/v1/jobs", json=images_job(f"images:{tmp_path / 'images'}"))
+            try:
+                resp = submitted.result(timeout=GUARD_SECONDS)
+            finally:
+                unblock(fifo)  # only a decoding never stopped still waits on the FIFO
         assert resp.status_code == 422, resp.text
         detail = resp.json()["detail"]
         assert "took longer than the 0.2 s" in detail and "CROWDTRAIN_DATASET_DECODE_MAX_SECONDS" in detail, detail
