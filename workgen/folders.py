@@ -2,8 +2,9 @@
 `datasets.load_from_disk`, locally, never from a hub) and image folders (one sub-folder of images
 per class, resized with Pillow); and the safe unpacking of an uploaded folder's tar archive.
 
-Both are read into memory (a streaming pass is for the tables: crowdtrain.workgen.tables); every
-file is bounded before it is decoded.
+A saved dataset is read into memory (a streaming pass is for the tables: crowdtrain.workgen.tables);
+an image folder is listed and checked, then decoded one image at a time into a .npy file, in a child
+process (crowdtrain.workgen.image_decoding). Every file is bounded before it is decoded.
 """
 
 import tarfile
@@ -163,10 +164,18 @@ def _read_image(image_module: Any, path: Path, spec: DatasetSpec) -> np.ndarray:
     return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 
-def read_image_folder(path: Path, spec: DatasetSpec, max_pixels: int) -> FolderArrays:
+@dataclass(frozen=True)
+class ImageFolder:
+    """An image folder listed and checked, not yet decoded: its image files and each one's class index."""
+
+    files: list[Path]
+    labels: list[int]
+    label_names: list[str]
+
+
+def list_image_folder(path: Path, spec: DatasetSpec, max_pixels: int) -> ImageFolder:
     """One sub-folder per class (its name is the class name; classes in `label_names` order, default
-    sorted); every image resized to `image_size` in `image_mode`, shaped (channels, height, width).
-    Refused before any image is decoded when their headers declare more than `max_pixels` in all."""
+    sorted). Refused before any image is decoded when their headers declare more than `max_pixels` in all."""
     image_module = require("PIL.Image", "images")
     if not path.is_dir():
         raise ValueError(f"dataset.source: folder {path} does not exist on the scheduler")
@@ -184,10 +193,22 @@ def read_image_folder(path: Path, spec: DatasetSpec, max_pixels: int) -> FolderA
             raise ValueError(f"dataset.source: more than {MAX_IMAGES:,} images")
         files.extend(found)
         labels.extend([index] * len(found))
-    _check_pixels(image_module, files, spec, max_pixels)
-    images = [_read_image(image_module, f, spec) for f in files]
-    if not images:
+    if not files:
         raise ValueError(
             f"dataset.source: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in the class sub-folders of {path.name}"
         )
-    return FolderArrays(np.stack(images), np.array(labels, dtype=np.int64), None, None, names)
+    _check_pixels(image_module, files, spec, max_pixels)
+    return ImageFolder(files, labels, names)
+
+
+def write_images(folder: ImageFolder, spec: DatasetSpec, into: Path) -> None:
+    """Decode the folder's images into the .npy file `into`, float32 shaped (images, channels, height,
+    width), one image at a time: only one decoded image is held in memory at once."""
+    image_module = require("PIL.Image", "images")
+    with into.open("wb") as out:
+        for i, path in enumerate(folder.files):
+            pixels = _read_image(image_module, path, spec)
+            if i == 0:  # every image has the shape of the first: one mode, one size
+                header = {"descr": "<f4", "fortran_order": False, "shape": (len(folder.files), *pixels.shape)}
+                np.lib.format.write_array_header_2_0(out, header)
+            out.write(np.ascontiguousarray(pixels, dtype="<f4").tobytes())

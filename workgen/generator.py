@@ -29,6 +29,7 @@ from crowdtrain.core.zoo_keras import build_model as build_keras_model
 from crowdtrain.server.ledger import jobs, paramstore
 from crowdtrain.server.ledger.models import Job, Shard
 from crowdtrain.workgen.datasets import deal_shards
+from crowdtrain.workgen.image_decoding import DEFAULT_IMAGE_BOUNDS, ImageBounds
 from crowdtrain.workgen.staging import StagedDataset, stage_dataset
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def submit_job(
     scratch: Path | None = None,
     dataset_max_bytes: int = 4 * 1024**3,
     hold_for_signature: bool = False,
-    dataset_max_pixels: int = 100_000_000,
+    image_bounds: ImageBounds = DEFAULT_IMAGE_BOUNDS,
 ) -> PreparedJob:
     """Create a job and its first epoch; with `hold_for_signature` (the scheduler has a project key),
     the job stays pending until the operator signs its recipe (crowdtrain.server.ledger.jobs.sign_job).
@@ -64,8 +65,8 @@ def submit_job(
     take its examples or whose parameters exceed `upload_max_bytes`, the largest upload the
     scheduler accepts) raises ValueError naming the field and the problem, before anything is stored.
     The dataset is dealt in a temporary folder under `scratch` (default: the system's), removed after;
-    `dataset_max_bytes` bounds an uploaded folder once unpacked, `dataset_max_pixels` the images of
-    an image folder in all.
+    `dataset_max_bytes` bounds an uploaded folder once unpacked, `image_bounds` what decoding an image
+    folder may cost (its pixels in all, and the time and memory of the child process that decodes it).
     """
     if hold_for_signature and spec.dataset.reshuffle_each_epoch:
         # The recipe names every shard a client may be sent; a re-dealt epoch's are made after it is signed.
@@ -76,7 +77,7 @@ def submit_job(
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dataset-", dir=scratch) as folder:
-        staged = stage_dataset(spec.dataset, spec.seed, storage, Path(folder), dataset_max_bytes, dataset_max_pixels)
+        staged = stage_dataset(spec.dataset, spec.seed, storage, Path(folder), dataset_max_bytes, image_bounds)
         return _create_job(db, storage, r, spec, staged, upload_max_bytes, hold_for_signature)
 
 

@@ -76,3 +76,8 @@ def npz_problem(message: str) -> str:
     if "pickled" in message:
         return f"it is neither an npz archive nor a .npy array, and pickles are never loaded: {save}"
     return message
+
+
+def unreadable_source(exc: OSError) -> str:
+    """A dataset path the scheduler may not read, or a folder that changed while it was read."""
+    return f"dataset.source: cannot be read on the scheduler: {exc.strerror or exc}"

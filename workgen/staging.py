@@ -3,6 +3,7 @@ anything is stored: the one place that picks the loader of a `dataset.source`.
 
 Uploaded datasets (`FORMAT:sha256:HEX`) are read from the scheduler's object storage; paths from the
 scheduler's disk. Tables (csv, parquet) are dealt in a streaming pass into files under `scratch`;
+an image folder is decoded by a child process into a file there (crowdtrain.workgen.image_decoding);
 the other sources are read into memory.
 """
 
@@ -16,7 +17,9 @@ from crowdtrain.core import keys
 from crowdtrain.core.datasetspec import FOLDER_FORMATS, TABLE_FORMATS, DatasetSpec
 from crowdtrain.core.storage import ObjectNotFound, Storage
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset, make_dataset, validation_rows
-from crowdtrain.workgen.folders import FolderArrays, read_hf, read_image_folder, unpack_archive
+from crowdtrain.workgen.folders import FolderArrays, read_hf, unpack_archive
+from crowdtrain.workgen.image_decoding import DEFAULT_IMAGE_BOUNDS, ImageBounds, decode_image_folder
+from crowdtrain.workgen.read_errors import unreadable_source
 from crowdtrain.workgen.tables import stage_table
 
 
@@ -78,21 +81,26 @@ def _local_copy(spec: DatasetSpec, storage: Storage, scratch: Path, max_bytes: i
 
 
 def stage_dataset(
-    spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int, max_pixels: int = 100_000_000
+    spec: DatasetSpec,
+    seed: int,
+    storage: Storage,
+    scratch: Path,
+    max_bytes: int,
+    images: ImageBounds = DEFAULT_IMAGE_BOUNDS,
 ) -> StagedDataset:
     """Load, check and deal the dataset of `spec`; raises ValueError naming the problem.
 
-    `scratch` is an empty folder that must outlive the StagedDataset (tables' shards are files
-    there); `max_bytes` bounds an unpacked upload, `max_pixels` the pixels an image folder's images
-    declare in all. Nothing is written to storage."""
+    `scratch` is an empty folder that must outlive the StagedDataset (tables' shards and decoded images
+    are files there); `max_bytes` bounds an unpacked upload, `images` what decoding an image folder may
+    cost (pixels, seconds, memory). Nothing is written to storage."""
     try:
-        return _stage(spec, seed, storage, scratch, max_bytes, max_pixels)
-    except OSError as exc:  # a path the scheduler may not read, a folder that changed while read
-        raise ValueError(f"dataset.source: cannot be read on the scheduler: {exc.strerror or exc}") from None
+        return _stage(spec, seed, storage, scratch, max_bytes, images)
+    except OSError as exc:
+        raise ValueError(unreadable_source(exc)) from None
 
 
 def _stage(
-    spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int, max_pixels: int
+    spec: DatasetSpec, seed: int, storage: Storage, scratch: Path, max_bytes: int, images: ImageBounds
 ) -> StagedDataset:
     if spec.format in ("builtin", "npz") and spec.uploaded_sha256 is None:
         data = load_dataset(spec.source, spec.validation_fraction, spec.classes)
@@ -113,4 +121,6 @@ def _stage(
         )
     if spec.format == "hf":
         return _from_folder(read_hf(path, spec), spec, seed)
-    return _from_folder(read_image_folder(path, spec, max_pixels), spec, seed)
+    decoded = scratch / "decoded"
+    decoded.mkdir()
+    return _from_folder(decode_image_folder(path, spec, decoded, images), spec, seed)

@@ -85,7 +85,20 @@ class Settings(BaseSettings):
         100_000_000,
         ge=1,
         description="Pixels the images of one image-folder dataset may declare in all (read from their headers, "
-        "before any is decoded): decoding costs the scheduler about 1 s of CPU per 35 million",
+        "before any is decoded): decoding costs about 1 s of CPU per 35 million, in a child process",
+    )
+    dataset_decode_max_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds of wall time the child process that decodes one image-folder dataset may take "
+        "(its start included); a slower one is killed and the job refused with 422",
+    )
+    dataset_decode_max_bytes: int = Field(
+        2 * 1024**3,
+        ge=0,
+        description="Memory (address space) the child process that decodes one image-folder dataset may take "
+        "beyond what it holds at start, one image being decoded at a time; where the OS enforces it (Linux). "
+        "0: unbounded",
     )
     work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")
     heartbeat_interval: float = Field(5.0, description="Seconds between client heartbeats")

@@ -16,6 +16,7 @@ from crowdtrain.core.datasetspec import DatasetSpec
 from crowdtrain.core.storage import LocalStorage
 from crowdtrain.workgen import tables
 from crowdtrain.workgen.folders import unpack_archive
+from crowdtrain.workgen.image_decoding import ImageBounds
 from crowdtrain.workgen.staging import StagedDataset, stage_dataset
 
 pa = pytest.importorskip("pyarrow")
@@ -237,7 +238,7 @@ def test_an_image_folder_over_the_pixel_bound_is_refused_from_its_headers_before
     spec = DatasetSpec(source=f"images:{tmp_path / 'images'}", subsets=2)
 
     with pytest.raises(ValueError) as refused:
-        stage_dataset(spec, 0, LocalStorage(tmp_path / "storage"), scratch, 10**9, max_pixels=1_000_000)
+        stage_dataset(spec, 0, LocalStorage(tmp_path / "storage"), scratch, 10**9, ImageBounds(max_pixels=1_000_000))
 
     message = str(refused.value)
     assert "13 images declare 9,00" in message and "more than the 1,000,000 pixels" in message, message

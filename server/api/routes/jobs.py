@@ -21,6 +21,7 @@ from crowdtrain.core.states import JobStatus
 from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, SettingsDep, StorageDep
 from crowdtrain.server.services import dedloc_jobs, diagnosis, jobs, project_key
 from crowdtrain.workgen.generator import submit_job
+from crowdtrain.workgen.image_decoding import ImageBounds
 
 router = APIRouter(prefix="/v1/jobs", tags=["admin"], dependencies=[AdminDep])
 
@@ -32,7 +33,8 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
     until `POST /v1/jobs/{id}/signature` brings the operator's signature of that recipe.
 
     422 names the field and the problem of a spec that could not train (a bad dataset, a model
-    that cannot take it or whose upload would exceed the limit); nothing is stored then."""
+    that cannot take it or whose upload would exceed the limit; an image folder too large or too slow to
+    decode, which a child process does, not this one); nothing is stored then."""
     signed = await run_in_threadpool(project_key.current_key, db) is not None
     try:
         prepared = await run_in_threadpool(
@@ -45,7 +47,9 @@ async def submit(spec: JobSpec, db: DbDep, storage: StorageDep, r: RedisDep, set
             settings.var_dir / "scratch",
             settings.dataset_max_bytes,
             signed,
-            settings.dataset_max_pixels,
+            ImageBounds(
+                settings.dataset_max_pixels, settings.dataset_decode_max_seconds, settings.dataset_decode_max_bytes
+            ),
         )
     except ValueError as exc:  # the generator's word for a spec it cannot prepare
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
