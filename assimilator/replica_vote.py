@@ -95,7 +95,7 @@ def measure_replicas(
     rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
     state = rule.initial_state(server) if state is None else state
     x, y = holdout(storage, p.job_id, spec.holdout_examples)
-    checked = spec.min_training_z is not None or spec.min_evidence_z is not None
+    checked = spec.min_training_z is not None or spec.min_descent_z is not None
     shard = _shard_examples(db, storage, p.workunit_id, spec) if checked else None
     rng = np.random.default_rng()  # this process's entropy: the random directions no host can know
     measured, malformed, flat = [], {}, {}
