@@ -13,11 +13,11 @@ Two measures, both on the first `training_examples` of the shard, both judged by
   of the slopes along `directions` random unit directions: a direction the host did not fit to the
   shard is one of those random directions as far as this test can tell (its descent z follows
   Student's t with `directions` degrees of freedom), while training descends (honest results scored
-  5 to 50 over whole runs, benchmarks/replica_improvement.py).
+  3.2 to 50 over whole runs, benchmarks/replica_improvement.py).
 
 The validator (validator.untrained) requires a training z of `min_training_z` and, below
 `training_z_alone`, a descent z of `min_descent_z`: late in training an honest update's descent can be
-as weak as 2.9 while its training z stays 8 or more, and early a random step's training z can reach 6
+as weak as 3 while its training z stays 8 or more, and early a random step's training z can reach 6
 while its descent stays under 3. Each costs forward passes only: 2 + 2·(directions + 1) on
 `training_examples` examples per replica.
 """
