@@ -22,7 +22,7 @@ What it measures
 
 Run
     .venv/bin/python benchmarks/replica_improvement.py [--tasks mnist1d,tabular] [--seeds 1]
-    About a minute per task and seed on 2 cores.
+    About two minutes per task and seed on 2 cores.
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
