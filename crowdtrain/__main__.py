@@ -1,3 +1,3 @@
-from crowdtrain.cli import app
+from crowdtrain.cli import main
 
-app()
+main()

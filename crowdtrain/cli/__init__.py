@@ -6,46 +6,73 @@ the command runs, so a client-only install (no server packages) still runs `crow
 holds equal to the command's own.
 """
 
+import sys
+
 import typer
 
+from crowdtrain.cli.errors import report
 from crowdtrain.cli.lazy import LazyCommand, LazyGroup
 
 _PROCESSES = "crowdtrain.cli.processes"
+# The packages each command imports beyond the base install (crowdtrain.cli.errors.EXTRA_OF names
+# their extras): a command this install cannot run is left out of the help and explained if run.
+_SERVER = ("uvicorn", "sqlalchemy", "celery", "redis")
+_CLIENT = ("httpx", "torch")
 COMMANDS = {
     "migrate": LazyCommand(
-        _PROCESSES, "Bring the database to the latest schema (`alembic upgrade head`) and exit.", member="migrate"
+        _PROCESSES,
+        "Bring the database to the latest schema (`alembic upgrade head`) and exit.",
+        member="migrate",
+        needs=_SERVER,
     ),
     "server": LazyCommand(
         _PROCESSES,
         "Run the scheduler (it needs CROWDTRAIN_ADMIN_TOKEN; CROWDTRAIN_JOIN_TOKEN is optional).",
         member="server",
+        needs=_SERVER,
     ),
     "assimilator": LazyCommand(
         _PROCESSES,
         "Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies.",
         member="assimilator",
+        needs=_SERVER,
     ),
     "transitioner": LazyCommand(
-        _PROCESSES, "Run the transitioner loop: deadlines, retries, stalled merges.", member="transitioner"
+        _PROCESSES,
+        "Run the transitioner loop: deadlines, retries, stalled merges.",
+        member="transitioner",
+        needs=_SERVER,
     ),
-    "peer": LazyCommand("crowdtrain.cli.peer", "Run a peer of a synchronous DeDLOC job until the job finishes."),
+    "peer": LazyCommand(
+        "crowdtrain.cli.peer", "Run a peer of a synchronous DeDLOC job until the job finishes.", needs=_CLIENT
+    ),
     "demo": LazyCommand(
         "crowdtrain.cli.demo",
         "Run the whole system locally on the embedded defaults and train the example job to its target.",
+        needs=_SERVER,
     ),
-    "job": LazyCommand("crowdtrain.cli.jobs", "Submit and follow training jobs (needs the admin token)."),
+    "job": LazyCommand(
+        "crowdtrain.cli.jobs", "Submit and follow training jobs (needs the admin token).", needs=("httpx",)
+    ),
     "admin": LazyCommand(
-        "crowdtrain.cli.admin", "Operator commands: join tokens, hosts and the project key (needs the admin token)."
+        "crowdtrain.cli.admin",
+        "Operator commands: join tokens, hosts and the project key (needs the admin token).",
+        needs=("httpx", "cryptography"),
     ),
-    "client": LazyCommand("crowdtrain.cli.client", "The volunteer client: run it, or see what it is doing."),
+    "client": LazyCommand(
+        "crowdtrain.cli.client", "The volunteer client: run it, or see what it is doing.", needs=_CLIENT
+    ),
     "simulate": LazyCommand(
         "crowdtrain.cli.simulate",
         "Simulations: a load generator against a running server "
         "(the default, or `load`), and a training simulator "
         "(`training`).",
+        needs=_SERVER,
     ),
     "fleet": LazyCommand(
-        "crowdtrain.cli.fleet", "Spot fleets: EC2 spot instances that each run the client for this project."
+        "crowdtrain.cli.fleet",
+        "Spot fleets: EC2 spot instances that each run the client for this project.",
+        needs=("boto3", "httpx"),
     ),
 }
 
@@ -66,10 +93,22 @@ app = typer.Typer(
 
 
 @app.callback()
-def crowdtrain() -> None:
+def crowdtrain(
+    debug: bool = typer.Option(
+        False, "--debug", help="Show an error's traceback instead of its message (or set CROWDTRAIN_DEBUG=1)"
+    ),
+) -> None:
     # Typer makes a group only of an app with a callback or commands of its own; the commands are COMMANDS.
+    # `--debug` is read by `main`, which runs this app.
     pass
 
 
-if __name__ == "__main__":
-    app()
+def main() -> None:
+    """The `crowdtrain` command: this app, its users' mistakes explained (crowdtrain.cli.errors)."""
+    try:
+        app(prog_name="crowdtrain")
+    except Exception as exc:
+        code = report(exc, sys.argv[1:])
+        if code is None:
+            raise
+        sys.exit(code)

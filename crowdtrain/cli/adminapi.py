@@ -9,15 +9,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from crowdtrain.cli.errors import UserError
 from crowdtrain.core.settings import get_settings
 
 TokenOpt = Annotated[str | None, typer.Option(help="Admin token (default: CROWDTRAIN_ADMIN_TOKEN)")]
 
 
 def admin_client(server: str, token: str | None) -> httpx.Client:
-    return httpx.Client(
-        base_url=server, timeout=300, headers={"Authorization": f"Bearer {token or get_settings().admin_token}"}
-    )
+    """An HTTP client of the admin routes; UserError when no admin token is given."""
+    token = (token or get_settings().admin_token).strip()
+    if not token:
+        raise UserError(
+            "no admin token: set CROWDTRAIN_ADMIN_TOKEN to the scheduler's admin token (or pass --admin-token)"
+        )
+    return httpx.Client(base_url=server, timeout=300, headers={"Authorization": f"Bearer {token}"})
 
 
 def _reply(resp: httpx.Response) -> Any:

@@ -7,11 +7,14 @@ module alone. This follows Click's "lazily loading subcommands" pattern on Typer
 """
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+
+from crowdtrain.cli.errors import EXTRA_OF, UserError, missing_extra
 
 if TYPE_CHECKING:
     # Typer vendors Click as its private `typer._click` and exports no names for the types its group
@@ -27,6 +30,11 @@ class LazyCommand:
     module: str
     help: str
     member: str | None = None
+    needs: tuple[str, ...] = ()  # packages of an extra the command imports (crowdtrain.cli.errors.EXTRA_OF)
+
+    def missing(self) -> str | None:
+        """The first package the command needs that this install lacks, or None."""
+        return next((package for package in self.needs if not _installed(package)), None)
 
     def load(self) -> TyperCommand | TyperGroup:
         command = typer.main.get_command(importlib.import_module(self.module).app)
@@ -37,6 +45,13 @@ class LazyCommand:
         if not isinstance(command, TyperCommand | TyperGroup):
             raise TypeError(f"{self.module}.app does not make a Typer command: {type(command).__name__}")
         return command
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken or half-removed package
+        return False
 
 
 class LazyGroup(TyperGroup):
@@ -56,17 +71,42 @@ class LazyGroup(TyperGroup):
 
     def get_command(self, ctx: "Context", cmd_name: str) -> "Command | None":
         if cmd_name in self._unloaded and not self._listing:
+            missing = self.lazy_commands[cmd_name].missing()
+            if missing is not None:
+                raise UserError(f"crowdtrain {cmd_name}: {missing_extra(missing)}")
             loaded = self.lazy_commands[cmd_name].load()
             loaded.name = cmd_name
             self.commands[cmd_name] = loaded
             self._unloaded.discard(cmd_name)
         return super().get_command(ctx, cmd_name)
 
+    def list_commands(self, ctx: "Context") -> list[str]:
+        """The commands this install can run: one whose extra is missing is left out of the list (the
+        help page names it, with the extra, after the list)."""
+        return [name for name in super().list_commands(ctx) if name not in self._not_installed()]
+
+    def _not_installed(self) -> dict[str, str]:
+        """Command name -> a package it needs that this install lacks."""
+        return {
+            name: missing
+            for name, lazy in self.lazy_commands.items()
+            if name in self._unloaded and (missing := lazy.missing()) is not None
+        }
+
     def format_help(self, ctx: "Context", formatter: "HelpFormatter") -> None:
         """The help page lists the placeholders as they are: it imports no command's module."""
         self._listing = True
         try:
             super().format_help(ctx, formatter)
+            absent = self._not_installed()
+            extras = sorted({EXTRA_OF.get(package, package) for package in absent.values()})
+            if absent:
+                formatter.write_paragraph()
+                formatter.write_text(
+                    f"Not in this install: {', '.join(sorted(absent))} (pip install "
+                    + " / ".join(f"'crowdtrain[{extra}]'" for extra in extras)
+                    + ")."
+                )
         finally:
             self._listing = False
 
