@@ -138,7 +138,7 @@ def test_backing_services_and_the_scheduler_have_healthchecks(services: dict, na
 
 def test_the_scheduler_healthcheck_probes_the_health_route_with_python(services: dict) -> None:
     test = services["scheduler"]["healthcheck"]["test"]
-    assert test[1] == "python" and "urllib" in test[-1] and "http://127.0.0.1:8000/v1/health" in test[-1]
+    assert test[1] == "python" and "urllib" in test[-1] and "http://127.0.0.1:8000/v1/health/live" in test[-1]
     compile(test[-1], "<healthcheck>", "exec")
 
 

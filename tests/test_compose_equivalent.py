@@ -169,7 +169,7 @@ def start_server_services(cluster: Cluster, services: dict, env: dict[str, str],
             command = replace_option(command, "--port", str(cluster.port))
         cluster.services.append(Service(name, crowdtrain_process(command), env, logs / f"{name}.log").start())
     wait_for(
-        lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health", timeout=2).status_code == 200),
+        lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health/live", timeout=2).status_code == 200),
         180,
         "the scheduler did not come up",
         cluster.service("scheduler"),

@@ -3,7 +3,7 @@ the way a newcomer with one terminal per long-running process follows it.
 
 The block is cut into statements (a heredoc is one statement). A statement whose comment says
 `terminal N` is a long-running process: it is started in the background, in its own process group
-with its output in a log file. The scheduler must answer `/v1/health` before the next statement;
+with its output in a log file. The scheduler must answer `/v1/health/live` before the next statement;
 the other terminals start side by side and must be ready (a line in their log says so) before the
 next statement that runs to completion. Every such statement runs with `bash -c` after the files
 sourced so far (`. .venv/bin/activate`, `. var/crowdtrain.env`), as in one shell session, and must
@@ -81,7 +81,7 @@ def with_free_ports(block: str, redis_port: int, server_port: int) -> str:
     return re.sub(r"\b8000\b", str(server_port), re.sub(r"\b6379\b", str(redis_port), block))
 
 
-# What says that a terminal's process is ready, in its log; the scheduler is ready when it answers /v1/health.
+# What says that a terminal's process is ready, in its log; the scheduler is ready when it answers /v1/health/live.
 READY_LINE = {
     "crowdtrain assimilator": re.compile(r"\bready\.$", re.M),
     "crowdtrain transitioner": re.compile(r"transitioner running"),
@@ -167,7 +167,7 @@ class Newcomer:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.server_url}/v1/health", timeout=2).status_code == 200
+            return httpx.get(f"{self.server_url}/v1/health/live", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -69,6 +69,11 @@ COMMANDS = {
         "(`training`).",
         needs=_SERVER,
     ),
+    "health": LazyCommand(
+        "crowdtrain.cli.health",
+        "The deployment's health: database, Redis, storage and each kind of process (GET /v1/health).",
+        needs=("httpx",),
+    ),
     "fleet": LazyCommand(
         "crowdtrain.cli.fleet",
         "Spot fleets: EC2 spot instances that each run the client for this project.",

@@ -2,7 +2,9 @@
 `transitioner`. Each needs the server extra (`pip install 'crowdtrain[server]'`)."""
 
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from typing import Annotated
@@ -16,10 +18,11 @@ from crowdtrain.core import keys
 from crowdtrain.core.settings import InsecureSettings, check_secrets, get_settings
 from crowdtrain.core.storage import open_storage
 from crowdtrain.launch.supervise import supervise as run_supervised
-from crowdtrain.migrations import upgrade
+from crowdtrain.migrations import upgrade, wait_for_schema
 from crowdtrain.server.api.transport import KEEP_ALIVE_S, NoDelayHttpToolsProtocol
 from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.services import health
 from crowdtrain.server.services.transitioner import run_forever
 
 app = typer.Typer(add_completion=False, **HELP_LAYOUT)
@@ -83,6 +86,16 @@ def assimilator(
     if supervise:
         argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency), "--no-supervise"]
         raise typer.Exit(run_supervised(argv, "the parameter server's Celery worker"))
+    heartbeat = health.Heartbeat(
+        paramstore.connect(get_settings().redis_url), "parameter-server", f"{socket.gethostname()}-{os.getpid()}"
+    ).start()
+    try:
+        _celery_worker(concurrency)
+    finally:
+        heartbeat.stop()
+
+
+def _celery_worker(concurrency: int) -> None:
     celery_app.worker_main(
         [
             "worker",
@@ -110,13 +123,20 @@ def transitioner() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if not wait_for_schema(settings.resolved_database_url, stop):
+        return
     logging.getLogger(__name__).info("transitioner running every %.1fs", settings.transitioner_interval)
-    run_forever(
-        session_factory(settings.resolved_database_url),
-        open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
-        paramstore.connect(settings.redis_url),
-        settings.transitioner_interval,
-        settings.stuck_upload_seconds,
-        enqueue_merge,
-        stop,
-    )
+    r = paramstore.connect(settings.redis_url)
+    heartbeat = health.Heartbeat(r, "transitioner", f"{socket.gethostname()}-{os.getpid()}").start()
+    try:
+        run_forever(
+            session_factory(settings.resolved_database_url),
+            open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+            r,
+            settings.transitioner_interval,
+            settings.stuck_upload_seconds,
+            enqueue_merge,
+            stop,
+        )
+    finally:
+        heartbeat.stop()

@@ -257,3 +257,13 @@ def text(reply: bytes | str) -> str:
     """A hash field or value read back from Redis, as str. redis-py types replies `bytes | str`;
     ours are bytes, since no client of ours sets `decode_responses`."""
     return reply.decode() if isinstance(reply, bytes) else reply
+
+
+def health(kind: str, ident: str) -> str:
+    """The health record of one long-running process (crowdtrain.server.services.health): it expires
+    unless the process renews it."""
+    return f"{PREFIX}:health:{kind}:{ident}"
+
+
+def health_pattern(kind: str) -> str:
+    return f"{PREFIX}:health:{kind}:*"

@@ -292,3 +292,17 @@ class ProjectKeyOut(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
+
+
+class HealthPart(BaseModel):
+    ok: bool
+    detail: str = Field("", description="Why it is not ok")
+    processes: int | None = Field(None, description="Processes of this kind whose health record is live")
+    newest_age_seconds: float | None = Field(None, description="Seconds since the newest of them reported")
+
+
+class HealthReport(BaseModel):
+    status: Literal["ok", "degraded"] = Field(..., description="ok: every part is; degraded: one is not (503)")
+    parts: dict[str, HealthPart] = Field(
+        ..., description="database, redis, storage, and each kind of process: scheduler, parameter-server, transitioner"
+    )

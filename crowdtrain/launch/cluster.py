@@ -240,7 +240,7 @@ class Cluster:
 
     def _healthy(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+            return httpx.get(f"{self.url}/v1/health/live", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 

@@ -31,11 +31,12 @@ class World:
 
     def fingerprint(self) -> tuple:
         """Every row of every table, every stored file's digest and every Redis value (but the
-        failed-authentication counters, which a refused token is meant to spend)."""
+        failed-authentication counters, which a refused token is meant to spend, and the processes'
+        health records, which their heartbeats renew)."""
         rows = self.sched.rows()
         files = tuple(sorted((str(p), hashlib.sha256(p.read_bytes()).hexdigest()) for p in self.sched.stored_files()))
-        failures = keys.auth_failures("")
-        values = tuple(sorted((k, self._value(k)) for k in self.r.scan_iter() if not k.decode().startswith(failures)))
+        skipped = (keys.auth_failures(""), f"{keys.PREFIX}:health:")
+        values = tuple(sorted((k, self._value(k)) for k in self.r.scan_iter() if not k.decode().startswith(skipped)))
         return rows, files, values
 
     def _value(self, key: bytes) -> object:

@@ -51,7 +51,7 @@ ADMIN_ROUTES = [
     ("GET", "/v1/dedloc/jobs/1/aborts"),
     ("GET", "/v1/dedloc/jobs/1/state-refusals"),
 ]
-PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health"), ("GET", "/v1/project")}
+PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health"), ("GET", "/v1/health/live"), ("GET", "/v1/project")}
 
 
 def _template(path: str) -> str:

@@ -190,5 +190,5 @@ def test_answers_say_statuses_as_the_status_enums_values(world: World) -> None:
     }
     status = ok(admin.get(f"/v1/jobs/{world.vc_job}")).json()
     assert status["status"] == "running" and set(status["assignments"]) <= set(AssignmentStatus)
-    assert ok(world.sched.client().get("/v1/health")).json() == {"status": "ok"}
+    assert ok(world.sched.client().get("/v1/health/live")).json() == {"status": "ok"}
     assert ok(admin.get(f"/v1/dedloc/jobs/{world.dedloc_job}/commits")).json() == {}

@@ -112,7 +112,7 @@ def served_scheduler(tmp: Path, **env: str) -> Iterator[str]:
 
     def answers() -> bool:
         try:
-            return httpx.get(f"{url}/v1/health", timeout=2).status_code > 0
+            return httpx.get(f"{url}/v1/health/live", timeout=2).status_code > 0
         except httpx.HTTPError:
             return False
 

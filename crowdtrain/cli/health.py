@@ -1,0 +1,31 @@
+"""`crowdtrain health`: the deployment's health as the scheduler reports it (`GET /v1/health`)."""
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ServerOpt
+from crowdtrain.core.schemas import HealthReport
+
+app = typer.Typer(add_completion=False, **HELP_LAYOUT)
+
+
+@app.command()
+def health(server: ServerOpt = DEFAULT_SERVER) -> None:
+    """The deployment's health: database, Redis, storage and each kind of process (GET /v1/health).
+
+    Exits 1 when a part is down or a kind of process is missing, 3 when the scheduler cannot be reached."""
+    resp = httpx.get(f"{server.rstrip('/')}/v1/health", timeout=30)
+    if resp.status_code not in (200, 503):
+        typer.echo(f"error {resp.status_code}: {resp.text[:300]}", err=True)
+        raise typer.Exit(1)
+    found = HealthReport.model_validate_json(resp.content)
+    table = Table("part", "ok", "processes", "newest report", "detail")
+    for name, part in found.parts.items():
+        age = "" if part.newest_age_seconds is None else f"{part.newest_age_seconds:.1f} s ago"
+        processes = "" if part.processes is None else str(part.processes)
+        table.add_row(name, "yes" if part.ok else "[red]NO[/red]", processes, age, part.detail)
+    Console().print(table)
+    typer.echo(f"status: {found.status}")
+    raise typer.Exit(0 if found.status == "ok" else 1)
