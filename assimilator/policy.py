@@ -16,9 +16,14 @@ A result whose update carries no training is refused too, with or without the jo
 section: W_base uploaded unchanged, or W_base + c everywhere (every tensor of Δ zero or constant). An
 honest update moves different weights differently; a lazy host's moves none, or all alike.
 
+A W_s that diverges stops the job (`Policy.divergence`, checked at each evaluation): its validation
+loss staying above a multiple of its lowest says the rule's steps overshoot, and merging more makes
+it worse; the job fails saying so, instead of training on to its budget.
+
 Pure functions over named arrays and plain numbers; no I/O.
 """
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,6 +144,8 @@ class Policy:
     max_staleness: int | None = None
     clip_norm: float | None = None
     min_update_spread: float | None = 1e-6
+    divergence_factor: float | None = 3.0
+    divergence_patience: int = 3
 
     @classmethod
     def from_spec(cls, assimilation: dict[str, Any]) -> "Policy":
@@ -147,6 +154,26 @@ class Policy:
             assimilation.get("max_staleness"),
             assimilation.get("clip_norm"),
             assimilation.get("min_update_spread", 1e-6),
+            assimilation.get("divergence_factor", 3.0),
+            assimilation.get("divergence_patience", 3),
+        )
+
+    def divergence(self, best_loss: float, latest_losses: Sequence[float]) -> str | None:
+        """Why W_s has diverged, from its validation losses: the job's lowest so far and its latest
+        (newest last); None while it has not. Diverged: each of the latest `divergence_patience`
+        losses above `divergence_factor` times the lowest (or not finite). A rule that overshoots
+        (a server step too large for the number of concurrent hosts) shows it so; honest noise
+        between evaluations does not reach a multiple of the best loss."""
+        if self.divergence_factor is None or len(latest_losses) < self.divergence_patience:
+            return None
+        bound = self.divergence_factor * best_loss
+        latest = list(latest_losses)[-self.divergence_patience :]
+        if not math.isfinite(best_loss) or any(math.isfinite(loss) and loss <= bound for loss in latest):
+            return None
+        shown = ", ".join(f"{loss:.4g}" for loss in latest)
+        return (
+            f"W_s's last {self.divergence_patience} validation losses ({shown}) are all above "
+            f"{self.divergence_factor:g} x its lowest, {best_loss:.4g}"
         )
 
     def refusal(

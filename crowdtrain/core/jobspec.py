@@ -120,6 +120,15 @@ class AssimilationSpec(SpecSection):
     update_norm_warmup: int = Field(
         5, ge=1, le=1000, description="Accepted updates needed before the bound follows their median"
     )
+    divergence_factor: float | None = Field(
+        3.0,
+        gt=1,
+        le=1e6,
+        description="The job fails as diverged when W_s's last divergence_patience validation losses are all "
+        "above this many times its lowest so far (or not finite): the rule's steps overshoot, and merging more "
+        "makes it worse; null: never",
+    )
+    divergence_patience: int = Field(3, ge=1, le=1000, description="Evaluations in a row that show divergence")
     min_update_spread: float | None = Field(
         1e-6,
         ge=0,

@@ -13,11 +13,12 @@ run twice for the same assignment, it records the outcome once. The outcomes:
 """
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import datetime
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.logs import ids
@@ -224,6 +225,19 @@ def record_metric(
                     val_accuracy=accuracy,
                 )
             )
+
+
+def validation_losses(db: sessionmaker[Session], job_id: int, latest: int) -> tuple[float, list[float]]:
+    """The job's lowest validation loss so far (inf: none) and its `latest` ones, newest last."""
+    with db.begin() as s:
+        best = s.scalar(select(func.min(Metric.val_loss)).where(Metric.job_id == job_id))
+        rows = s.scalars(
+            select(Metric.val_loss)
+            .where(Metric.job_id == job_id)
+            .order_by(Metric.param_version.desc(), Metric.id.desc())
+            .limit(latest)
+        ).all()
+    return (math.inf if best is None else float(best)), [float(loss) for loss in reversed(rows)]
 
 
 def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:

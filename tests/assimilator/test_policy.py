@@ -131,3 +131,14 @@ def test_merged_alone_is_what_the_policy_wrapped_rule_merges_and_keeps_a_statefu
     np.testing.assert_array_equal(server["w"], [0.0, 0.0])
     for k, v in before.items():
         np.testing.assert_array_equal(state[k], v)
+
+
+def test_w_s_diverged_only_when_its_latest_losses_all_stay_above_a_multiple_of_its_lowest() -> None:
+    policy = Policy.from_spec({"divergence_factor": 3.0, "divergence_patience": 3})
+    assert policy.divergence(0.3, [0.35, 1.2, 0.31]) is None, "one bad evaluation is noise"
+    assert policy.divergence(0.3, [1.0, 1.5]) is None, "fewer evaluations than the patience"
+    why = policy.divergence(0.3, [0.4, 1.0, 2.5, float("nan")])
+    assert why is not None and "above 3 x its lowest, 0.3" in why
+    assert policy.divergence(0.25, [0.8, 0.76, 0.9]) is not None and policy.divergence(0.25, [0.8, 0.75, 0.9]) is None
+    assert Policy.from_spec({"divergence_factor": None}).divergence(0.3, [9.0] * 5) is None
+    assert policy.divergence(float("inf"), [9.0] * 5) is None, "no evaluation finite yet: nothing to compare with"
