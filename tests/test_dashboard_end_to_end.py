@@ -108,6 +108,7 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
 
     (job_row,) = rows(browser, "jobs")
     assert job_row[:4] == [str(job_id), "mnist1d-cnn", "vc-asgd", "running"]
+    assert not browser.find_element(By.ID, "health-banner").is_displayed(), "every part is up"
     assert job_row[5].endswith("%")
     screenshot(browser, "jobs")
 
@@ -145,6 +146,13 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     assert "alice" not in [cell for row in rows(browser, "host-credit") for cell in row[:1]], "no host name"
     assert cluster.admin_token not in browser.page_source and cluster.join_token not in browser.page_source
     screenshot(browser, "project")
+
+    # A kind of process missing shows on the operator's pages.
+    cluster.service("transitioner").stop()
+    browser.get(f"{cluster.url}/dashboard/jobs")
+    WebDriverWait(browser, 30).until(lambda d: "transitioner" in d.find_element(By.ID, "health-banner").text)
+    assert browser.find_element(By.ID, "health-banner").is_displayed()
+    screenshot(browser, "health-banner")
 
     # Logging out ends the session in this browser.
     browser.get(f"{cluster.url}/dashboard/jobs")

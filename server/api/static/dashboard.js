@@ -242,6 +242,33 @@ function projectPage() {
   });
 }
 
+// ---- health banner: a part down or a kind of process missing, on the operator's pages ----------------
+
+function healthBanner() {
+  const banner = document.createElement("p");
+  banner.id = "health-banner";
+  banner.className = "banner";
+  banner.hidden = true;
+  document.querySelector("main").prepend(banner);
+  const tick = async () => {
+    try {
+      const resp = await fetch("/v1/health", { cache: "no-store" });
+      const report = await resp.json();
+      const down = Object.entries(report.parts).filter(([, part]) => !part.ok);
+      banner.textContent = down.length
+        ? "Not running: " + down.map(([name, part]) => name + " (" + part.detail + ")").join("; ")
+        : "";
+      banner.hidden = !down.length;
+    } catch (err) {
+      banner.textContent = "The scheduler's health could not be read: " + err.message;
+      banner.hidden = false;
+    }
+    setTimeout(tick, POLL_MS);
+  };
+  tick();
+}
+
 const PAGES = { jobs: jobsPage, job: jobPage, hosts: hostsPage, project: projectPage };
 const start = PAGES[document.body.dataset.page];
 if (start) start();
+if (start && document.body.dataset.page !== "project") healthBanner();
