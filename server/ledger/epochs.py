@@ -234,7 +234,8 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
                 f"epoch {epoch} reached mean validation accuracy {figure:.4f} and W_s v{version} {exported:.4f} "
                 f">= {target}"
             )
-            _finish(s, storage, r, job, JobStatus.succeeded, evaluate, message, require=target)
+            scored = (version, exported)
+            _finish(s, storage, r, job, JobStatus.succeeded, evaluate, message, require=target, scored=scored)
             return True
         log.info(
             "job %s: epoch %d's mean validation accuracy %.4f reached the target %s, but W_s v%d scores %s: "
@@ -297,16 +298,21 @@ def _finish(
     evaluate: Evaluate,
     message: str,
     require: float | None = None,
+    scored: tuple[int, float] | None = None,
 ) -> None:
     """Close the job's merges, export W_s and report the validation accuracy of exactly the version
     exported. If the transaction does not commit, the job still runs and its merges reopen.
 
     The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
     header that says what they are (crowdtrain.core.modelfile). With `require`, an exported version
-    scoring below it raises ExportBelowTarget before anything is written."""
+    scoring below it raises ExportBelowTarget before anything is written. `scored` (version, accuracy)
+    is a version the caller has just scored: not scored again if it is still the one exported."""
     close_merges(s, r, job.id)
     version, blob = paramstore.read_blob(r, job.id)
-    job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
+    if scored is not None and scored[0] == version:
+        job.final_accuracy = scored[1]
+    else:
+        job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
     if require is not None and (job.final_accuracy is None or job.final_accuracy < require):
         raise ExportBelowTarget(f"W_s v{version}, to be exported, scores {job.final_accuracy} < {require}")
     metadata = model_metadata(job.id, job.name, job.spec, job.model_config_, version, job.final_accuracy)

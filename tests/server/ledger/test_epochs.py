@@ -204,3 +204,32 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
     assert result_records.first_with_digest(r, job_id, "a" * 64, 2) == 2, "a late task records no digest"
     assert paramstore.count_merge_failure(r, job_id) == 0
     assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []
+
+
+def test_the_stop_rule_scores_the_version_it_exports_once(sqlite_url, private_redis, tmp_path) -> None:
+    """W_s has a merge after the last metric: the stop rule evaluates that version, and the export
+    reports the same figure without evaluating it again."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy = 0.01
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    _, w0 = paramstore.read(r, job_id)
+    v1 = _merge(r, job_id, 1, w0)
+    with db.begin() as s:
+        s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=2.0, val_accuracy=0.25))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+    v2 = _merge(r, job_id, 2, w0)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return evaluate(*args, **kwargs)
+
+    close_epoch_if_complete(db, storage, r, job_id, 1, counted)
+
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert job.status == JobStatus.succeeded.value and job.final_accuracy is not None
+    assert calls == [job_id], "scored once"
+    assert read_metadata(storage.get(final_key(job_id)))["param_version"] == str(v2)
