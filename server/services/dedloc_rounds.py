@@ -107,21 +107,22 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: 
         dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     # An excluded peer (dedloc.excluded) is never a member again; a peer claiming more than its
     # bound is not ready until time catches up with its claim (a fake claim never does).
-    bound = dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(req.peer_id, 0)
-    if rnd.phase == "matchmaking" and req.examples > bound:
-        log.info(
-            "job %s: peer %s claims %d examples, beyond its bound %d: not ready",
-            view.id,
-            req.peer_id,
-            req.examples,
-            bound,
-        )
-    if rnd.phase == "matchmaking" and 0 < req.examples <= bound:
-        if req.peer_id not in rnd.candidates:
-            rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
-        rnd.ready[req.peer_id] = req.examples
-        rnd.ready_at.setdefault(req.peer_id, now)
-        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
+    if rnd.phase == "matchmaking":
+        bound = dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(req.peer_id, 0)
+        if req.examples > bound:
+            log.info(
+                "job %s: peer %s claims %d examples, beyond its bound %d: not ready",
+                view.id,
+                req.peer_id,
+                req.examples,
+                bound,
+            )
+        elif req.examples > 0:
+            if req.peer_id not in rnd.candidates:
+                rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
+            rnd.ready[req.peer_id] = req.examples
+            rnd.ready_at.setdefault(req.peer_id, now)
+            dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
     if rnd.phase == "reducing" and req.peer_id in rnd.members:
         if req.peer_id in rnd.done:
             return answer(PeerAction.wait)
