@@ -41,6 +41,9 @@ class TrainResult:
     train_loss: float
     examples: int
     seconds: float
+    # The optimizer's state at the end (Adam moments and step, SGD momentum) as named arrays, from
+    # trainers that can start from one (`optimizer_state`); None from the others.
+    optimizer_state: Params | None = None
 
 
 def local_steps(examples: int, batch_size: int, local_epochs: int, local_fraction: float = 1.0) -> int:

@@ -50,9 +50,12 @@ def train(
     control: TrainControl | None = None,
     checkpoint: Checkpoint | None = None,
     local_fraction: float = 1.0,
+    optimizer_state: Params | None = None,
 ) -> TrainResult:
     """Run `local_fraction` of `training.local_epochs` passes over (x, y) from `params` (in steps,
-    rounded up); see crowdtrain.client.trainers for the contract."""
+    rounded up); see crowdtrain.client.trainers for the contract. The optimizer starts from
+    `optimizer_state` (a previous result's `optimizer_state`, same model and optimizer) when given,
+    else from zero (a resumed checkpoint holds its own); the result carries its state at the end."""
     start = time.monotonic()
     control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]
@@ -71,6 +74,8 @@ def train(
         loss_sum, seen = progress["loss_sum"], progress["seen"]
     else:
         load_numpy_state(model, params)
+        if optimizer_state is not None:
+            _load_optimizer(opt, optimizer_state)
     model.to(device).train()
     # Moving the model after loading keeps the optimizer state on the parameters' device.
     for st in opt.state.values():
@@ -101,7 +106,11 @@ def train(
         order, first_batch = None, 0
     model.to("cpu")
     return TrainResult(
-        state_to_numpy(model), loss_sum / max(seen, 1), examples_in(steps, len(xt), bs), time.monotonic() - start
+        state_to_numpy(model),
+        loss_sum / max(seen, 1),
+        examples_in(steps, len(xt), bs),
+        time.monotonic() - start,
+        _optimizer_tensors(opt),
     )
 
 

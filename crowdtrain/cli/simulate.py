@@ -105,6 +105,10 @@ def simulate_training(
         float, typer.Option(min=0, help="Seconds a parameter server takes per evaluation (every eval_every merges)")
     ] = EVAL_SECONDS,
     parameter_servers: Annotated[int, typer.Option(min=1, help="Parameter-server processes serving the job")] = 1,
+    keep_optimizer_state: Annotated[
+        bool,
+        typer.Option(help="Each host's slots carry their optimizer state from one workunit to the next"),
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of host speeds and preemptions")] = 0,
     table: Annotated[bool, typer.Option(help="Also print a table of the main figures")] = False,
 ) -> None:
@@ -132,6 +136,7 @@ def simulate_training(
             merge_seconds=merge_seconds,
             eval_seconds=eval_seconds,
             parameter_servers=parameter_servers,
+            keep_optimizer_state=keep_optimizer_state,
         )
     except ValueError as exc:  # pydantic's ValidationError is one too
         raise typer.BadParameter(str(exc), param_hint="SPEC") from None

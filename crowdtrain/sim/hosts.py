@@ -10,6 +10,9 @@ transfer takes `network_seconds`. As the client does (client/worker.py), a host 
 assignments not yet trained, `slots` + 1 with `prefetch`: the extra one downloads while the others
 train and waits for a free slot. A host asks for the next assignment as soon as a slot stops
 training (the upload overlaps it), and gets work the moment some is ready (no polling delay).
+With `keep_optimizer_state` a slot keeps its optimizer's state (Adam moments and step, SGD
+momentum) from one workunit to the next, the next starting from a newer snapshot of W_s (see
+crowdtrain.sim.training); by default each workunit's optimizer starts from zero, as the client's.
 Merges take time in the parameter servers' queue (crowdtrain.sim.servers).
 
 Preemption: each assignment is preempted with probability `p`, drawn at dispatch. It vanishes
@@ -60,6 +63,7 @@ class Fleet:
     workunit_seconds: float | None = None
     restart_seconds: float | None = None  # None: t_o
     prefetch: bool = True  # the client's: slots + 1 assignments held, the next downloaded while one trains
+    keep_optimizer_state: bool = False  # a slot's next workunit starts from its optimizer state, not zero
 
     def __post_init__(self) -> None:
         for name in ("hosts", "slots"):

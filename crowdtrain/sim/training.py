@@ -15,6 +15,14 @@ int8 or bfloat16 delta upload costs what it costs in accuracy, and its bytes are
 host_speeds and local_fraction over the simulated hosts' recent (examples, seconds) reports. In
 the compute-free mode nothing is encoded: an upload's size is crowdtrain.core.updates.upload_sizes'.
 
+A host trains an assignment when it takes a compute slot, from the snapshot it was dispatched with.
+With `keep_optimizer_state` (off by default: the client's optimizer starts from zero on each
+workunit) each slot of a host carries its optimizer's state from one workunit to the next: a
+workunit starts from the state its slot's last workunit ended with (none on a slot's first), though
+its W is the newer snapshot. A host keeps the states of its free slots, and a workunit taking a
+slot takes the one that came back last; a preempted assignment never trains and leaves them as
+they are. One job is simulated, so this is per host and job.
+
 Where staleness comes from, as in the real system (DESIGN.md section 9): slots, prefetch and merge
 lag. A host asks for work as the client does (client/worker.py): it holds `slots` assignments not
 yet trained, one more with prefetch (the default), and asks for the next the moment a slot stops
@@ -116,6 +124,7 @@ def simulate_training(
     eval_seconds: float = EVAL_SECONDS,
     parameter_servers: int = 1,
     backpressure: bool = True,
+    keep_optimizer_state: bool = False,
 ) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
@@ -128,7 +137,8 @@ def simulate_training(
     trained. `parameter_servers` processes serve the job's merges, each taking `merge_seconds`, and
     an evaluation `eval_seconds` (crowdtrain.sim.servers). `backpressure` holds dispatch at the job's
     in-flight budget, as the scheduler does (crowdtrain.server.services.backpressure); off, the run is
-    what it was before the scheduler had one. Training runs on one CPU thread.
+    what it was before the scheduler had one. `keep_optimizer_state`: each host's slots carry their
+    optimizer state across workunits (see the module docstring). Training runs on one CPU thread.
     """
     spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
     if spec.mode != VC_ASGD:
@@ -147,6 +157,7 @@ def simulate_training(
         workunit_seconds,
         restart_seconds,
         prefetch,
+        keep_optimizer_state,
     )
     servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds)
     data = (
@@ -209,6 +220,10 @@ class _Simulation:
         self.idle: deque[int] = deque()  # one entry per free place: its host
         self.fetched: list[deque[Assignment]] = [deque() for _ in range(fleet.hosts)]  # waiting for a slot
         self.free_slots = [fleet.slots] * fleet.hosts
+        # With fleet.keep_optimizer_state: each host's free slots' optimizer states, the last back at
+        # the end, and the state each assignment's training ended with until its slot is free again.
+        self.slot_states: list[list[Params]] = [[] for _ in range(fleet.hosts)]
+        self.end_states: dict[int, Params] = {}
         self.ended: dict[int, float] = {}  # assignment id -> when its place on its host was free again
         self.arrivals: list[int] = []  # assignment ids, in the order their results reached the scheduler
         self.queue = MergeQueue(servers)
@@ -297,19 +312,20 @@ class _Simulation:
         self.caches[a.host].add(key)
         t = self.spec["training"]
         a.train_seconds = self.fleet.work_seconds(size, t["local_epochs"]) * a.local_fraction / self.speeds[a.host]
-        if self.compute:
-            self._train(a, self.deals.of(key[0])[key[1]])
-        else:
+        if not self.compute:
             a.client, a.upload_bytes = a.base, self.upload_size
             steps = local_steps(size, t["batch_size"], t["local_epochs"], a.local_fraction)
             a.examples = examples_in(steps, size, t["batch_size"])
         self._after(downloads * self.fleet.network_seconds, FETCHED, a)
 
     def _train_next(self, host: int) -> None:
-        """Downloaded assignments take the host's free compute slots, in the order they came."""
+        """Downloaded assignments take the host's free compute slots, in the order they came, and train."""
         while self.free_slots[host] and self.fetched[host]:
             a = self.fetched[host].popleft()
             self.free_slots[host] -= 1
+            if self.compute:
+                key = self.job.shard_key(a.wu)
+                self._train(a, self.deals.of(key[0])[key[1]])
             self._at(self.now + a.train_seconds, TRAINED, a)
 
     def _trained(self, a: Assignment) -> None:
@@ -317,6 +333,8 @@ class _Simulation:
         (it holds `slots`, +1 with prefetch, not yet trained) and uploads this one meanwhile."""
         self.ended[a.id] = self.now
         self.free_slots[a.host] += 1
+        if a.id in self.end_states:
+            self.slot_states[a.host].append(self.end_states.pop(a.id))
         self._train_next(a.host)
         self.idle.append(a.host)
         self._after(self.fleet.network_seconds, ARRIVE, a)
@@ -330,9 +348,21 @@ class _Simulation:
         return local_fraction(speeds.get(host), speeds.values(), t["min_local_fraction"])
 
     def _train(self, a: Assignment, examples: np.ndarray) -> None:
-        """Train as the client does, and set W_c to what the server decodes from its upload."""
+        """Train as the client does, and set W_c to what the server decodes from its upload. With
+        fleet.keep_optimizer_state, from the state its slot kept, which comes back when it ends."""
         recipe = {"model": self.model_config, "training": self.spec["training"], "seed": self.spec["seed"] + a.id}
-        result = train(recipe, a.base, self.data.x[examples], self.data.y[examples], local_fraction=a.local_fraction)
+        kept = self.slot_states[a.host]
+        state = kept.pop() if kept and self.fleet.keep_optimizer_state else None
+        result = train(
+            recipe,
+            a.base,
+            self.data.x[examples],
+            self.data.y[examples],
+            local_fraction=a.local_fraction,
+            optimizer_state=state,
+        )
+        if self.fleet.keep_optimizer_state and result.optimizer_state is not None:
+            self.end_states[a.id] = result.optimizer_state
         blob = encode_result(result.params, a.base, self.upload)
         a.client = decode_result(blob, self.manifest, self.upload, a.base)
         a.examples, a.upload_bytes = result.examples, len(blob)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import crowdtrain.sim.training as sim_training
 from crowdtrain.cli import app
 from crowdtrain.sim.hosts import Fleet, expected_wall_time, paper_wall_time
 from crowdtrain.sim.training import ShardDeals, simulate_training
@@ -350,3 +351,38 @@ def test_without_backpressure_a_run_is_what_it_was_before_the_budget(blobs: Data
             96,
             backlog,
         )
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_hosts_slots_keep_their_optimizer_state_across_workunits_only_when_asked(
+    blobs: Dataset, monkeypatch: pytest.MonkeyPatch, slots: int, keep: bool
+) -> None:
+    """One host, 5 Adam steps a workunit (160-example shards, batch 32). By default every workunit's
+    optimizer starts from zero, as the client's does. Kept, each slot's first workunit starts from
+    zero and every later one from the very state a workunit of that host ended with, each such state
+    taken once: a chain per slot, whose Adam step count grows by 5 a workunit."""
+    calls: list[tuple[dict | None, dict]] = []  # (the state training started from, the one it ended with)
+    real_train = sim_training.train
+
+    def spy(*args, optimizer_state=None, **kwargs):
+        result = real_train(*args, optimizer_state=optimizer_state, **kwargs)
+        calls.append((optimizer_state, result.optimizer_state))
+        return result
+
+    monkeypatch.setattr(sim_training, "train", spy)
+    simulate_training(job(4, 3), hosts=1, slots=slots, seed=0, data=blobs, keep_optimizer_state=keep, **INSTANT)
+    assert len(calls) == 12  # 3 epochs of 4 workunits
+    starts = [start for start, _ in calls]
+    if not keep:
+        assert starts == [None] * 12
+        return
+    assert [s is None for s in starts] == [True] * slots + [False] * (12 - slots)
+    ends = [end for _, end in calls]
+    sources = [
+        next(j for j, end in enumerate(ends[:i]) if end is start) for i, start in enumerate(starts) if start is not None
+    ]
+    assert len(set(sources)) == len(sources)  # no state continues in two slots
+    for i, start in enumerate(starts):
+        started_at = float(start["__opt__/0/step"]) if start is not None else 0.0
+        assert float(ends[i]["__opt__/0/step"]) == started_at + 5
