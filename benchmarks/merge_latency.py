@@ -324,8 +324,8 @@ def measure_throughput(processes: int, jobs: int, backlog: int, var_dir: Path) -
             body = client_result(snapshot.content)
             assimilator.stop(timeout=60)  # the uploads queue up while no parameter server runs
             for i in range(backlog):
-                for assignments in taken:
-                    upload(host, assignments[i]["assignment_id"], variant(body, 10_000 + i))
+                for j, assignments in enumerate(taken):  # no two uploads alike, or one is refused as a replay
+                    upload(host, assignments[i]["assignment_id"], variant(body, 10_000 + i * jobs + j))
             log(f"P={processes}, {jobs} job(s): {jobs} x {backlog} uploads queued; starting the parameter server")
             assimilator.start()
             # Polled slowly: the rate comes from the merge log's timestamps, and each poll is a request
