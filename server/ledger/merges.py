@@ -1,7 +1,7 @@
 """The ledger's side of a parameter server's merge: the result waiting to be merged, and each outcome.
 
 A merge task is delivered at least once (late acks, redelivery when a worker dies), while W_s
-takes each result exactly once (paramstore.merge_once). So every procedure here is idempotent:
+takes each result exactly once (paramstore.merge_batch). So every procedure here is idempotent:
 run twice for the same assignment, it records the outcome once. The outcomes:
 - merged: the assignment is `merged` at the W_s version that holds it, its workunit done, its host
   counted valid and given the result's credit (crowdtrain.core.credit) (`record_merge`), and a
@@ -14,7 +14,7 @@ run twice for the same assignment, it records the outcome once. The outcomes:
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 import redis
 from sqlalchemy import select
@@ -84,6 +84,25 @@ def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge
             quorum=wu.quorum,
             canonical=wu.canonical_assignment_id,
         )
+
+
+def ready_to_merge(db: sessionmaker[Session], job_id: int, limit: int) -> list[tuple[int, float]]:
+    """The job's uploaded results that a merge pass takes, oldest upload first, at most `limit`: each
+    assignment id with its upload time (seconds since the epoch). Replicated workunits' results are
+    left out: each goes through its replicas' vote on its own (crowdtrain.assimilator.merge)."""
+    with db.begin() as s:
+        rows = s.execute(
+            select(Assignment.id, Assignment.uploaded_at)
+            .join(Workunit, Workunit.id == Assignment.workunit_id)
+            .where(
+                Assignment.job_id == job_id,
+                Assignment.status == AssignmentStatus.uploaded.value,
+                Workunit.quorum == 1,
+            )
+            .order_by(Assignment.uploaded_at, Assignment.id)
+            .limit(limit)
+        ).all()
+    return [(aid, (at or utcnow()).replace(tzinfo=UTC).timestamp()) for aid, at in rows]
 
 
 def record_merge(db: sessionmaker[Session], assignment_id: int, version: int, now: datetime | None = None) -> list[str]:
