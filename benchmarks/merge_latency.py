@@ -308,17 +308,23 @@ def drain_rate(merged_at: list[float]) -> float:
 
 def measure_throughput(processes: int, jobs: int, backlog: int, var_dir: Path) -> dict:
     """Merges per second of `processes` parameter-server processes draining `backlog` queued uploads of
-    each of `jobs` jobs (queued in turn, one of each job after another)."""
+    each of `jobs` jobs (queued in turn, one of each job after another). Each job has one shard more
+    than it uploads, so that no epoch ends (and is evaluated) while the queues drain."""
     dataset = var_dir / "throughput.npz"
-    write_dataset(dataset, backlog)
+    write_dataset(dataset, backlog + 1)
     cluster = Cluster(var_dir=var_dir / f"cluster-p{processes}-j{jobs}", assimilator_concurrency=processes)
     try:
         cluster.start()
         r = paramstore.connect(cluster.redis_url)
-        job_ids = [cluster.submit(job_spec(dataset, backlog))["job_id"] for _ in range(jobs)]
+        job_ids = [cluster.submit(job_spec(dataset, backlog + 1))["job_id"] for _ in range(jobs)]
         assimilator = cluster.service("assimilator")
         with register_host(cluster) as host:
-            taken = [take_assignments(host, backlog) for _ in job_ids]
+            given = take_assignments(host, jobs * (backlog + 1))
+            taken = [[a for a in given if a["job_id"] == job_id][:backlog] for job_id in job_ids]
+            if any(len(assignments) < backlog for assignments in taken):
+                raise RuntimeError(
+                    f"the scheduler gave {[len(a) for a in taken]} assignments of the jobs, not {backlog}"
+                )
             snapshot = host.get(taken[0][0]["snapshot"]["url"])
             snapshot.raise_for_status()
             body = client_result(snapshot.content)
@@ -338,9 +344,14 @@ def measure_throughput(processes: int, jobs: int, backlog: int, var_dir: Path) -
                     600,
                     DRAIN_POLL_S,
                 )
-        merged_at = sorted(json.loads(v)["merged_at"] for job_id in job_ids for v in r.hvals(keys.merge_log(job_id)))
+        per_job = {
+            job_id: sorted(json.loads(v)["merged_at"] for v in r.hvals(keys.merge_log(job_id))) for job_id in job_ids
+        }
     finally:
         cluster.stop()
+    merged_at = sorted(t for times in per_job.values() for t in times)
+    for job_id, times in per_job.items():
+        log(f"  job {job_id}: merged from +{times[0] - merged_at[0]:.2f}s to +{times[-1] - merged_at[0]:.2f}s")
     rate = drain_rate(merged_at)
     log(f"P={processes}, {jobs} job(s): {len(merged_at)} merges, {rate:.1f} merges/s")
     return {"processes": processes, "jobs": jobs, "merges": len(merged_at), "merges_per_s": round(rate, 2)}
