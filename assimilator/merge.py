@@ -148,8 +148,9 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
     results: dict[int, MergeResult] = {}
     recorded: list[tuple[merges.PendingMerge, int]] = []  # W_s holds each at that version
     to_merge: list[tuple[merges.PendingMerge, QueuedResult]] = []
+    pendings = merges.pending_merges(svc.db, [assignment_id for assignment_id, _ in queued])
     for assignment_id, received_at in queued:
-        pending = merges.pending_merge(svc.db, assignment_id)
+        pending = pendings[assignment_id]
         if pending is None:
             results[assignment_id] = MergeResult(Outcome.nothing_to_merge)
             continue
@@ -293,9 +294,10 @@ def record_merged(svc: MergeServices, merged: Sequence[tuple[merges.PendingMerge
     if any(version % sched["eval_every"] == 0 for _, version in unrecorded):
         _record_metrics(svc, list({p.epoch: p for p, _ in unrecorded}.values()))
     _publish_snapshot_if_due(svc, last.job_id, sched, max(version for _, version in merged))
-    for p, version in merged:
-        for key in [p.upload_key, *merges.record_merge(svc.db, p.assignment_id, version)]:
-            svc.storage.delete(key)
+    superseded = merges.record_merges(svc.db, [(p.assignment_id, version) for p, version in merged])
+    for key in [*(p.upload_key for p, _ in merged), *superseded]:
+        svc.storage.delete(key)
+    for p, _ in merged:
         result_records.forget_checked_upload(svc.r, p.job_id, p.upload_key)
     for epoch in sorted({p.epoch for p, _ in merged}):
         close_epoch_if_complete(svc.db, svc.storage, svc.r, last.job_id, epoch, evaluate)
