@@ -1,22 +1,25 @@
-"""One merge of a parameter server: an uploaded result into W_s, and its outcome into the ledger.
+"""Merging uploaded results into W_s, one or a job's queue at a time, and their outcomes into the ledger.
 
-`assimilate` reads the upload once from where the scheduler stored it (crowdtrain.assimilator.inputs:
-a weights upload the scheduler checked and hashed is neither checked nor hashed again), refuses a
-replayed result, has a replicated one voted on (crowdtrain.assimilator.replica_vote), merges it
-with the job's rule under the policy every rule obeys (staleness bound, update-norm bound,
-clipping: crowdtrain.assimilator.policy), records the outcome, evaluates W_s when due, publishes a
-snapshot when due, and closes the epoch when it is complete.
+`assimilate_many` merges results of one job in one pass: it reads each upload once from where
+the scheduler stored it (crowdtrain.assimilator.inputs: a weights upload the scheduler checked and
+hashed is neither checked nor hashed again), refuses a replayed result, has a replicated one voted
+on (crowdtrain.assimilator.replica_vote), merges them in order with the job's rule under the policy
+every rule obeys (staleness bound, update-norm bound, clipping: crowdtrain.assimilator.policy) into
+W_s read once and written once, records each outcome, evaluates W_s when due (once per pass, not
+once per merge), publishes a snapshot when due, and closes the epochs that are complete
+(crowdtrain.assimilator.merge_records). `assimilate` is a pass of one result.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
-assignment, and at most one assignment per workunit (paramstore.merge_once: a straggler's duplicate
-that loses ends `superseded`), and every ledger step is idempotent
-(crowdtrain.server.ledger.merges), so running `assimilate` again for the same assignment, after a
-crash anywhere in it, completes what is missing and changes nothing else. No Celery here: the
-task in crowdtrain.assimilator.worker.tasks only wraps it.
+assignment, and at most one assignment per workunit (paramstore.merge_batch: a straggler's
+duplicate that loses ends `superseded`), and every ledger step is idempotent
+(crowdtrain.server.ledger.merges), so running a pass again for the same assignments, after a crash
+anywhere in it, completes what is missing and changes nothing else. No Celery here: the task in
+crowdtrain.assimilator.worker.tasks only wraps crowdtrain.assimilator.merge_pass.
 """
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -35,9 +38,10 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import Params, sha256
-from crowdtrain.server.ledger import duplicates, merges, paramstore, result_records
+from crowdtrain.server.ledger import duplicates, merges, paramstore, result_records, snapshot_list
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.merge_steps import QueuedResult, Step, Taken
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
@@ -81,6 +85,7 @@ class Outcome(StrEnum):
     awaiting_replicas = "awaiting replicas"  # replicated: not judged until its quorum of results is in
     validated = "validated"  # a replica that agreed with another, which was merged
     failed = "failed"  # a failure that retrying would not remove; the assignment is ended
+    queued = "queued"  # left to the process that merges the job's results (crowdtrain.assimilator.merge_pass)
 
 
 @dataclass(frozen=True)
@@ -120,41 +125,63 @@ def assimilate(svc: MergeServices, assignment_id: int, received_at: float | None
     TRANSIENT errors, after which the caller runs it again; any other failure ends the assignment
     (and, when the job is at fault, the job) and is returned as `failed`.
     """
+    return assimilate_many(svc, [(assignment_id, received_at)])[0]
+
+
+def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None]]) -> list[MergeResult]:
+    """Merge the uploaded results of `queued` (assignment id, received at), all of one job, in order,
+    into W_s read once and written once, and record what happened to each: what `assimilate` does
+    for one, with the same guarantee. A failure that is not TRANSIENT sends each result through
+    `assimilate` alone, so that it ends only the result (or the job) at fault.
+    """
     try:
-        return _assimilate(svc, assignment_id, received_at)
+        return _assimilate_many(svc, queued)
     except TRANSIENT:
         raise
     except Exception as exc:
-        return _failed(svc, assignment_id, exc)
+        if len(queued) == 1:
+            return [_failed(svc, queued[0][0], exc)]
+        return [assimilate(svc, assignment_id, received_at) for assignment_id, received_at in queued]
 
 
-def _assimilate(svc: MergeServices, assignment_id: int, received_at: float | None) -> MergeResult:
-    pending = merges.pending_merge(svc.db, assignment_id)
-    if pending is None:
-        return MergeResult(Outcome.nothing_to_merge)
-    if not paramstore.has_server_model(svc.r, pending.job_id):
-        merges.restore_server_model(svc.db, svc.storage, svc.r, pending.job_id)
-    version = paramstore.merged_version(svc.r, pending.job_id, assignment_id)
-    if pending.already_merged or version is not None:
-        # W_s restored from an older snapshot may have lost the merge the ledger recorded: v0 stands in.
-        result = MergeResult(Outcome.already_merged, version or 0)
-    else:
+def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None]]) -> list[MergeResult]:
+    results: dict[int, MergeResult] = {}
+    recorded: list[tuple[merges.PendingMerge, int]] = []  # W_s holds each at that version
+    to_merge: list[tuple[merges.PendingMerge, QueuedResult]] = []
+    pendings = merges.pending_merges(svc.db, [assignment_id for assignment_id, _ in queued])
+    for assignment_id, received_at in queued:
+        pending = pendings[assignment_id]
+        if pending is None:
+            results[assignment_id] = MergeResult(Outcome.nothing_to_merge)
+            continue
+        if not paramstore.has_server_model(svc.r, pending.job_id):
+            merges.restore_server_model(svc.db, svc.storage, svc.r, pending.job_id)
+        version = paramstore.merged_version(svc.r, pending.job_id, assignment_id)
+        if pending.already_merged or version is not None:
+            # W_s restored from an older snapshot may have lost the merge the ledger recorded: v0 stands in.
+            results[assignment_id] = MergeResult(Outcome.already_merged, version or 0)
+            recorded.append((pending, version or 0))
+            continue
         try:
-            result = _merge_new(svc, pending, received_at)
+            to_merge.append((pending, _prepare(svc, pending, received_at)))
         except Refused as exc:
-            return _refuse(svc, assignment_id, exc)
+            results[assignment_id] = _refuse(svc, assignment_id, exc)
         except Superseded as exc:
-            return _supersede(svc, assignment_id, exc)
+            results[assignment_id] = _supersede(svc, assignment_id, exc)
         except Judged as exc:
-            return exc.result
-    assert result.version is not None  # a merged or already merged result names the W_s version holding it
-    _record(svc, pending, result.version)
-    return result
+            results[assignment_id] = exc.result
+    for (pending, _), result in zip(to_merge, _merge(svc, to_merge), strict=True):
+        results[pending.assignment_id] = result
+        if result.version is not None:
+            recorded.append((pending, result.version))
+    record_merged(svc, recorded)
+    return [results[assignment_id] for assignment_id, _ in queued]
 
 
-def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> MergeResult:
-    """Merge a result that no delivery has merged yet; raises Refused when it must not be, and
-    Superseded when another assignment of its workunit was merged first."""
+def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> QueuedResult:
+    """A result that no delivery has merged yet, read and ready to merge; raises Refused when it must
+    not be, Superseded when another assignment of its workunit was merged first, and Judged when a
+    replica vote decided its outcome."""
     if not p.job_running:
         raise Refused("job is no longer running", charge=False)
     if p.workunit_done:
@@ -175,31 +202,38 @@ def _merge_new(svc: MergeServices, p: merges.PendingMerge, received_at: float | 
     if result is None:
         assert unreadable is not None
         raise unreadable
-    norm = result.norm
     assimilation = p.spec["assimilation"]
-    rule = make_rule(assimilation)
-    merge = _guarded(svc.r, p, rule, Policy.from_spec(assimilation), result, norm)
+    step = _guarded(p, make_rule(assimilation), Policy.from_spec(assimilation), result)
+    return QueuedResult(p.assignment_id, step, received_at, result.norm, p.workunit_id)
+
+
+def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, QueuedResult]]) -> list[MergeResult]:
+    """Merge the prepared results in one pass (paramstore.merge_batch), refusing or superseding those
+    it did not merge; each one's outcome, in order."""
+    if not to_merge:
+        return []
+    first = to_merge[0][0]
+    assert all(p.job_id == first.job_id for p, _ in to_merge), "a pass merges one job's results"
+    initial_state = make_rule(first.spec["assimilation"]).initial_state
     try:
-        outcome = paramstore.merge_once(
-            svc.r,
-            p.job_id,
-            p.assignment_id,
-            merge,
-            received_at,
-            update_norm=norm,
-            initial_state=rule.initial_state,
-            workunit_id=p.workunit_id,
-        )
+        takings = paramstore.merge_batch(svc.r, first.job_id, [q for _, q in to_merge], initial_state)
     except paramstore.MergesClosed:
-        raise Refused("job is no longer running", charge=False) from None
-    except paramstore.WorkunitMerged as exc:
-        raise Superseded(exc.assignment_id) from None
-    if not outcome.applied_now:
-        return MergeResult(Outcome.already_merged, outcome.version)
-    telemetry.count(svc.r, "merges")
-    if received_at:
-        telemetry.observe_merge_latency(svc.r, time.time() - received_at)
-    return MergeResult(Outcome.merged, outcome.version)
+        closed = Refused("job is no longer running", charge=False)
+        return [_refuse(svc, p.assignment_id, closed) for p, _ in to_merge]
+    results = []
+    for (_, queued), taking in zip(to_merge, takings, strict=True):
+        if taking.taken is Taken.refused:
+            results.append(_refuse(svc, taking.assignment_id, Refused(taking.reason, charge=True)))
+        elif taking.taken is Taken.superseded:
+            results.append(_supersede(svc, taking.assignment_id, Superseded(taking.winner)))
+        elif taking.taken is Taken.already_merged:
+            results.append(MergeResult(Outcome.already_merged, taking.version))
+        else:
+            telemetry.count(svc.r, "merges")
+            if queued.received_at:
+                telemetry.observe_merge_latency(svc.r, time.time() - queued.received_at)
+            results.append(MergeResult(Outcome.merged, taking.version))
+    return results
 
 
 def _vote(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> None:
@@ -210,7 +244,7 @@ def _vote(svc: MergeServices, p: merges.PendingMerge, received_at: float | None)
     if vote.canonical == p.assignment_id:
         return
     if vote.canonical is not None:
-        _assimilate(svc, vote.canonical, received_at)
+        _assimilate_many(svc, [(vote.canonical, received_at)])
     if vote.refused is not None:
         raise Judged(MergeResult(Outcome.refused, reason=vote.refused))
     if vote.canonical is not None:
@@ -218,22 +252,16 @@ def _vote(svc: MergeServices, p: merges.PendingMerge, received_at: float | None)
     raise Judged(MergeResult(Outcome.awaiting_replicas))
 
 
-def _guarded(
-    r: redis.Redis, p: merges.PendingMerge, rule: Rule, policy: Policy, result: Result, norm: float
-) -> paramstore.Merge:
+def _guarded(p: merges.PendingMerge, rule: Rule, policy: Policy, result: Result) -> Step:
     """The rule wrapped in the policy every rule obeys: refuse stale results and too large updates,
-    clip. Run inside merge_once's transaction, perhaps more than once: only the staleness, which
+    clip. Run inside the merge transaction, perhaps more than once: only the staleness, which
     depends on the version W_s has then, and the recent norms are taken anew each time."""
 
-    def merge(server: Params, state: Params, version: int) -> Params:
+    def step(server: Params, state: Params, version: int, recent: Sequence[float]) -> str | None:
         now = replace(result.update, staleness=version - p.base_version)
-        recent = paramstore.recent_update_norms(r, p.job_id)
-        refusal = apply_with_policy(policy, rule, server, state, now, version, norm, recent, result.base_norm)
-        if refusal:
-            raise Refused(refusal, charge=True)
-        return server
+        return apply_with_policy(policy, rule, server, state, now, version, result.norm, recent, result.base_norm)
 
-    return merge
+    return step
 
 
 def _refuse(svc: MergeServices, assignment_id: int, refused: Refused) -> MergeResult:
@@ -251,24 +279,39 @@ def _supersede(svc: MergeServices, assignment_id: int, superseded: Superseded) -
     return MergeResult(Outcome.superseded, reason=str(superseded))
 
 
-def _record(svc: MergeServices, p: merges.PendingMerge, version: int) -> None:
-    """Record a result that W_s `version` holds. The metric is recorded before the workunit is marked
-    done: when an epoch's last workunit is done, every one of its merges has its validation figure."""
-    sched = p.spec["scheduling"]
-    if version % sched["eval_every"] == 0:
-        _record_metric(svc, p)
-    _publish_snapshot_if_due(svc, p.job_id, sched, version)
-    for key in [p.upload_key, *merges.record_merge(svc.db, p.assignment_id, version)]:
-        svc.storage.delete(key)
-    result_records.forget_checked_upload(svc.r, p.job_id, p.upload_key)
-    close_epoch_if_complete(svc.db, svc.storage, svc.r, p.job_id, p.epoch, evaluate)
-
-
-def _record_metric(svc: MergeServices, p: merges.PendingMerge) -> None:
-    """Evaluate W_s on the job's validation set, once per merge; JobBroken when that cannot work."""
-    validation_key = merges.unmeasured_validation_key(svc.db, p.job_id, p.assignment_id)
-    if validation_key is None:
+def record_merged(svc: MergeServices, merged: Sequence[tuple[merges.PendingMerge, int]]) -> None:
+    """Record results of one job that W_s holds, each at its version. W_s is evaluated once, when one
+    of those versions is due (`eval_every`), and its figure recorded for the last result of each
+    epoch here: a pass that fell behind evaluates the version it wrote, not every merge. The metric
+    is recorded before the workunits are marked done: when an epoch's last workunit is done, its
+    merges have their validation figures."""
+    if not merged:
         return
+    last = merged[-1][0]
+    sched = last.spec["scheduling"]
+    # One the ledger shows merged had its turn to be measured before it was marked merged.
+    unrecorded = [(p, version) for p, version in merged if not p.already_merged]
+    if any(version % sched["eval_every"] == 0 for _, version in unrecorded):
+        _record_metrics(svc, list({p.epoch: p for p, _ in unrecorded}.values()))
+    _publish_snapshot_if_due(svc, last.job_id, sched, max(version for _, version in merged))
+    superseded = merges.record_merges(svc.db, [(p.assignment_id, version) for p, version in merged])
+    for key in [*(p.upload_key for p, _ in merged), *superseded]:
+        svc.storage.delete(key)
+    for p, _ in merged:
+        result_records.forget_checked_upload(svc.r, p.job_id, p.upload_key)
+    for epoch in sorted({p.epoch for p, _ in merged}):
+        close_epoch_if_complete(svc.db, svc.storage, svc.r, last.job_id, epoch, evaluate)
+
+
+def _record_metrics(svc: MergeServices, measured: Sequence[merges.PendingMerge]) -> None:
+    """Evaluate W_s on the job's validation set once, and record it for each of `measured` that has no
+    figure yet; JobBroken when that cannot work."""
+    unmeasured = [(p, merges.unmeasured_validation_key(svc.db, p.job_id, p.assignment_id)) for p in measured]
+    unmeasured = [(p, key) for p, key in unmeasured if key is not None]
+    if not unmeasured:
+        return
+    p, validation_key = unmeasured[-1]
+    assert validation_key is not None
     version, params = paramstore.read(svc.r, p.job_id)
     try:
         x, y = validation_set(svc.storage, validation_key)
@@ -279,7 +322,8 @@ def _record_metric(svc: MergeServices, p: merges.PendingMerge) -> None:
         raise JobBroken(
             f"evaluating W_s v{version} on the job's validation set failed: {type(exc).__name__}: {exc}"
         ) from exc
-    merges.record_metric(svc.db, p.job_id, p.epoch, p.assignment_id, version, loss, acc)
+    for p, _ in unmeasured:
+        merges.record_metric(svc.db, p.job_id, p.epoch, p.assignment_id, version, loss, acc)
     log.info("job %s: W_s v%d validation accuracy %.4f loss %.4f (epoch %d)", p.job_id, version, acc, loss, p.epoch)
 
 
@@ -297,13 +341,13 @@ def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, A
     if not merges.record_snapshot(svc.db, job_id, current, key, sha256(blob)):
         return
     # Only the newest few snapshots are kept, and none that an unmerged assignment started from.
-    expired = paramstore.note_snapshot(svc.r, job_id, current, svc.snapshots_kept)
+    expired = snapshot_list.note_snapshot(svc.r, job_id, current, svc.snapshots_kept)
     if not expired:
         return
     in_use = merges.snapshots_in_use(svc.db, job_id, expired)
     for old in expired:
         if old in in_use:
-            paramstore.keep_snapshot(svc.r, job_id, old)
+            snapshot_list.keep_snapshot(svc.r, job_id, old)
         else:
             svc.storage.delete(snapshot_key(job_id, old))
 

@@ -19,9 +19,13 @@ What it measures
     (`redis_get_set_*`, `ratio_p50`); it is not a floor.
 
     Throughput: for P = 1, 2 and 4 parameter-server processes (`--concurrency P` of one Celery
-    worker), a fresh cluster queues `--backlog` uploads while its parameter server is stopped, then
-    starts it and times the merges draining the queue: (merges - 1) / (last merged_at - first)
-    (`merges_per_s`). Every process of the cluster and this script share the machine's cores.
+    worker) and for one and two jobs (`--jobs`), a fresh cluster queues `--backlog` uploads of each
+    job while its parameter server is stopped, then starts it and times the merges draining the
+    queues: the merges after the first commit over the time from it to the last one
+    (`merges_per_s`; (merges - 1) / (last merged_at - first) when each commit holds one merge).
+    `speedup_p2` is P=2's rate over P=1's with one job, `speedup_p2_2_jobs` with two: more parameter
+    servers must serve more jobs faster and never slow one job down. Every process of the cluster and
+    this script share the machine's cores (`load_average` says how busy the machine was).
 
 How
     A real `Cluster` (SQLite, private redis-server, local storage, scheduler, transitioner, Celery
@@ -33,7 +37,8 @@ How
     samples are warm-up and are not counted.
 
 Run
-    .venv/bin/python benchmarks/merge_latency.py [--samples N] [--backlog N] [--processes 1 2 4]
+    .venv/bin/python benchmarks/merge_latency.py [--samples N] [--backlog N] [--processes 1 2 4] [--jobs 1 2]
+        [--no-latency]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
@@ -289,37 +294,67 @@ def take_assignments(host: httpx.Client, n: int) -> list[dict]:
     return taken
 
 
-def measure_throughput(processes: int, backlog: int, var_dir: Path) -> dict:
-    """Merges per second of `processes` parameter-server processes draining `backlog` queued uploads."""
+def drain_rate(merged_at: list[float]) -> float:
+    """Merges per second after the first commit: (merges - those of the first commit) / (last - first).
+
+    A parameter server that merges a job's queue in one pass commits several merges with one
+    `merged_at`; counting from the end of the first commit keeps the figure that of one-at-a-time
+    merges, (merges - 1) / (last - first), when every commit holds one."""
+    first, last = merged_at[0], merged_at[-1]
+    if last <= first:
+        raise RuntimeError(f"all {len(merged_at)} merges landed in one commit: raise --backlog")
+    return (len(merged_at) - merged_at.count(first)) / (last - first)
+
+
+def measure_throughput(processes: int, jobs: int, backlog: int, var_dir: Path) -> dict:
+    """Merges per second of `processes` parameter-server processes draining `backlog` queued uploads of
+    each of `jobs` jobs (queued in turn, one of each job after another). Each job has one shard more
+    than it uploads, so that no epoch ends (and is evaluated) while the queues drain."""
     dataset = var_dir / "throughput.npz"
-    write_dataset(dataset, backlog)
-    cluster = Cluster(var_dir=var_dir / f"cluster-p{processes}", assimilator_concurrency=processes)
+    write_dataset(dataset, backlog + 1)
+    cluster = Cluster(var_dir=var_dir / f"cluster-p{processes}-j{jobs}", assimilator_concurrency=processes)
     try:
         cluster.start()
         r = paramstore.connect(cluster.redis_url)
-        job_id = cluster.submit(job_spec(dataset, backlog))["job_id"]
+        job_ids = [cluster.submit(job_spec(dataset, backlog + 1))["job_id"] for _ in range(jobs)]
         assimilator = cluster.service("assimilator")
         with register_host(cluster) as host:
-            taken = take_assignments(host, backlog)
-            snapshot = host.get(taken[0]["snapshot"]["url"])
+            given = take_assignments(host, jobs * (backlog + 1))
+            taken = [[a for a in given if a["job_id"] == job_id][:backlog] for job_id in job_ids]
+            if any(len(assignments) < backlog for assignments in taken):
+                raise RuntimeError(
+                    f"the scheduler gave {[len(a) for a in taken]} assignments of the jobs, not {backlog}"
+                )
+            snapshot = host.get(taken[0][0]["snapshot"]["url"])
             snapshot.raise_for_status()
             body = client_result(snapshot.content)
             assimilator.stop(timeout=60)  # the uploads queue up while no parameter server runs
-            for i, a in enumerate(taken):
-                upload(host, a["assignment_id"], variant(body, 10_000 + i))
-            log(f"P={processes}: {backlog} uploads queued; starting the parameter server")
+            for i in range(backlog):
+                for j, assignments in enumerate(taken):  # no two uploads alike, or one is refused as a replay
+                    upload(host, assignments[i]["assignment_id"], variant(body, 10_000 + i * jobs + j))
+            log(f"P={processes}, {jobs} job(s): {jobs} x {backlog} uploads queued; starting the parameter server")
             assimilator.start()
             # Polled slowly: the rate comes from the merge log's timestamps, and each poll is a request
             # that the scheduler serves on the cores the parameter servers are measured on.
-            wait_until(
-                lambda: merges_recorded(cluster, job_id) >= backlog, f"{backlog} merges", cluster, 600, DRAIN_POLL_S
-            )
-        merged_at = sorted(json.loads(v)["merged_at"] for v in r.hvals(keys.merge_log(job_id)))
+            for job_id in job_ids:
+                wait_until(
+                    lambda job_id=job_id: merges_recorded(cluster, job_id) >= backlog,
+                    f"{backlog} merges of job {job_id}",
+                    cluster,
+                    600,
+                    DRAIN_POLL_S,
+                )
+        per_job = {
+            job_id: sorted(json.loads(v)["merged_at"] for v in r.hvals(keys.merge_log(job_id))) for job_id in job_ids
+        }
     finally:
         cluster.stop()
-    rate = (len(merged_at) - 1) / (merged_at[-1] - merged_at[0])
-    log(f"P={processes}: {len(merged_at)} merges, {rate:.1f} merges/s")
-    return {"processes": processes, "merges": len(merged_at), "merges_per_s": round(rate, 2)}
+    merged_at = sorted(t for times in per_job.values() for t in times)
+    for job_id, times in per_job.items():
+        log(f"  job {job_id}: merged from +{times[0] - merged_at[0]:.2f}s to +{times[-1] - merged_at[0]:.2f}s")
+    rate = drain_rate(merged_at)
+    log(f"P={processes}, {jobs} job(s): {len(merged_at)} merges, {rate:.1f} merges/s")
+    return {"processes": processes, "jobs": jobs, "merges": len(merged_at), "merges_per_s": round(rate, 2)}
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -388,18 +423,22 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=30, help=f"measured merges, after {WARMUP} warm-up ones")
     parser.add_argument("--backlog", type=int, default=40, help="queued uploads each throughput run drains")
     parser.add_argument("--processes", type=int, nargs="*", default=[1, 2, 4], help="parameter servers per run")
+    parser.add_argument("--jobs", type=int, nargs="*", default=[1, 2], help="jobs whose queues each run drains")
+    parser.add_argument("--no-latency", action="store_true", help="measure the throughput runs only")
     args = parser.parse_args()
     if args.samples < 1 or args.backlog < 2:
         parser.error("--samples must be at least 1 and --backlog at least 2")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crowdtrain-bench-") as tmp:
-        figures = run(args.samples, Path(tmp))
-        throughput = [measure_throughput(p, args.backlog, Path(tmp)) for p in args.processes]
+        figures = {"benchmark": "merge_latency"} if args.no_latency else run(args.samples, Path(tmp))
+        throughput = [measure_throughput(p, j, args.backlog, Path(tmp)) for j in args.jobs for p in args.processes]
     figures["throughput"] = throughput
-    rates = {t["processes"]: t["merges_per_s"] for t in throughput}
-    if 1 in rates and 2 in rates:
-        figures["speedup_p2"] = round(rates[2] / rates[1], 2)
+    for jobs in args.jobs:
+        rates = {t["processes"]: t["merges_per_s"] for t in throughput if t["jobs"] == jobs}
+        if 1 in rates and 2 in rates:
+            figures["speedup_p2" if jobs == 1 else f"speedup_p2_{jobs}_jobs"] = round(rates[2] / rates[1], 2)
     figures["cpu_cores"] = os.cpu_count()
+    figures["load_average"] = os.getloadavg()
     figures["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(figures))
 

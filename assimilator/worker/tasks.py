@@ -1,8 +1,9 @@
-"""The Celery task of a parameter server: merge one uploaded result into W_s.
+"""The Celery task of a parameter server: merge one uploaded result into W_s, with its job's queue.
 
-A shell around crowdtrain.assimilator.merge.assimilate, which holds the whole procedure and its
-guarantee (merged exactly once; may be delivered twice). Delivery is at least once (late acks,
-redelivery when a worker dies). A transient failure (a lost database race or connection, Redis
+A shell around crowdtrain.assimilator.merge_pass.merge_queued, which holds the whole procedure and
+its guarantee (merged exactly once; may be delivered twice): the task that gets the job's merge
+lease merges what the job has queued, one that finds it held returns at once. Delivery is at least
+once (late acks, redelivery when a worker dies). A transient failure (a lost database race or connection, Redis
 unreachable) runs the task again, with backoff; any other failure the merge itself records.
 """
 
@@ -12,7 +13,7 @@ from functools import lru_cache
 # A parameter server evaluates W_s after its merges: the PyTorch back-end of evaluation (and torch)
 # is imported here, once, before the worker forks its processes, not by each of them on its first
 # evaluation as a process that seldom evaluates (a scheduler worker) does.
-from crowdtrain.assimilator import logits_pytorch, merge  # noqa: F401
+from crowdtrain.assimilator import logits_pytorch, merge, merge_pass  # noqa: F401
 from crowdtrain.assimilator.worker.celery_app import ASSIMILATE_TASK, celery_app
 from crowdtrain.core.settings import get_settings
 
@@ -34,7 +35,7 @@ def _services() -> merge.MergeServices:
     max_retries=10,
 )
 def assimilate(assignment_id: int, received_at: float | None = None) -> None:
-    result = merge.assimilate(_services(), assignment_id, received_at)
+    result = merge_pass.merge_queued(_services(), assignment_id, received_at)
     log.debug("assignment %s: %s (v%s) %s", assignment_id, result.outcome, result.version, result.reason)
 
 

@@ -32,14 +32,20 @@ def version(job_id: int) -> str:
 
 def params_tag(job_id: int) -> str:
     """A random token written with every new W_s (initialised, restored or merged): a parameter server
-    that holds the W_s of the token it wrote last needs not read it back (paramstore.merge_once)."""
+    that holds the W_s of the token it wrote last needs not read it back (paramstore.merge_batch)."""
     return f"{PREFIX}:job:{job_id}:params-tag"
 
 
 def merge_lease(job_id: int) -> str:
-    """Lease a parameter server holds while it merges into the job's W_s, so that the others wait instead
-    of computing merges that the exactly-once transaction would throw away (paramstore.merge_once)."""
+    """Lease of the one parameter server that merges the job's results at a time
+    (crowdtrain.server.ledger.merge_lease)."""
     return f"{PREFIX}:job:{job_id}:merge-lease"
+
+
+def merges_wanted(job_id: int) -> str:
+    """Set when a parameter server has a result of the job to merge; the lease's holder clears it
+    before each pass and looks for it again before it lets the lease go (crowdtrain.server.ledger.merge_lease)."""
+    return f"{PREFIX}:job:{job_id}:merges-wanted"
 
 
 def merged(job_id: int) -> str:
@@ -49,7 +55,7 @@ def merged(job_id: int) -> str:
 
 def merged_workunits(job_id: int) -> str:
     """Hash workunit id -> the assignment id W_s took it from: one result per workunit, however many
-    assignments (a straggler and its duplicate) upload one (paramstore.merge_once)."""
+    assignments (a straggler and its duplicate) upload one (paramstore.merge_batch)."""
     return f"{PREFIX}:job:{job_id}:merged-workunits"
 
 

@@ -208,7 +208,7 @@ class SimJob:
     # --- merge (crowdtrain.assimilator.merge) ---------------------------------------------------------------------
 
     def apply(self, a: Assignment, now: float) -> str | None:
-        """A parameter server's merge of an uploaded result (`_merge_new`, paramstore.merge_once): the
+        """A parameter server's merge of an uploaded result (`_prepare`, paramstore.merge_batch): the
         refusal, the assignment then rejected, or None when W_s took it (its version one higher).
         What follows a merge in the real task is `record`, once the evaluation it may need is done."""
         if not self.running or a.status != UPLOADED:
@@ -233,7 +233,7 @@ class SimJob:
             self._end_assignment(a, "rejected", now)
             return refusal
         self.version += 1
-        self.recent_norms.appendleft(norm)  # paramstore.merge_once: newest first, NORMS_KEPT kept
+        self.recent_norms.appendleft(norm)  # merge_steps.Pass: newest first, NORMS_KEPT kept
         self.staleness.append(update.staleness)
         self.merged_hosts.append(a.host)
         self.merged.append(a.id)

@@ -1,7 +1,7 @@
 """The ledger's side of a parameter server's merge: the result waiting to be merged, and each outcome.
 
 A merge task is delivered at least once (late acks, redelivery when a worker dies), while W_s
-takes each result exactly once (paramstore.merge_once). So every procedure here is idempotent:
+takes each result exactly once (paramstore.merge_batch). So every procedure here is idempotent:
 run twice for the same assignment, it records the outcome once. The outcomes:
 - merged: the assignment is `merged` at the W_s version that holds it, its workunit done, its host
   counted valid and given the result's credit (crowdtrain.core.credit) (`record_merge`), and a
@@ -14,8 +14,10 @@ run twice for the same assignment, it records the outcome once. The outcomes:
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
+from typing import TypeVar
 
 import redis
 from sqlalchemy import func, select
@@ -34,6 +36,8 @@ from crowdtrain.server.ledger.pace import measure_pace
 log = logging.getLogger(__name__)
 
 MERGE_FAILURES_BEFORE_JOB_FAILS = 3
+
+Row = TypeVar("Row", Host, Workunit)
 
 
 @dataclass(frozen=True)
@@ -60,31 +64,59 @@ class PendingMerge:
 def pending_merge(db: sessionmaker[Session], assignment_id: int) -> PendingMerge | None:
     """The result of `assignment_id` when it is uploaded (or already merged); None when the assignment
     is unknown or has ended otherwise, so that there is nothing to merge."""
+    return pending_merges(db, [assignment_id])[assignment_id]
+
+
+def pending_merges(db: sessionmaker[Session], assignment_ids: Sequence[int]) -> dict[int, PendingMerge | None]:
+    """`pending_merge` of each of `assignment_ids`, read in one transaction (a merge pass's)."""
     with db.begin() as s:
-        a = s.get(Assignment, assignment_id)
-        if a is None or a.status not in (AssignmentStatus.uploaded.value, AssignmentStatus.merged.value):
-            log.info("assignment %s: nothing to merge (%s)", assignment_id, "unknown" if a is None else a.status)
-            return None
-        job = s.get_one(Job, a.job_id)
-        wu = s.get_one(Workunit, a.workunit_id)
-        assert a.upload_key is not None  # set with the status uploaded (uploads.store_result)
-        return PendingMerge(
-            assignment_id=a.id,
-            job_id=job.id,
-            epoch=wu.epoch,
-            base_version=a.base_version,
-            upload_key=a.upload_key,
-            spec=job.spec,
-            manifest=job.param_manifest,
-            model_config=job.model_config_,
-            workunit_id=wu.id,
-            job_running=job.status == JobStatus.running.value,
-            workunit_open=wu.status == WorkunitStatus.in_progress.value,
-            workunit_done=wu.status == WorkunitStatus.done.value,
-            already_merged=a.status == AssignmentStatus.merged.value,
-            quorum=wu.quorum,
-            canonical=wu.canonical_assignment_id,
-        )
+        return {assignment_id: _pending(s, assignment_id) for assignment_id in assignment_ids}
+
+
+def _pending(s: Session, assignment_id: int) -> PendingMerge | None:
+    a = s.get(Assignment, assignment_id)
+    if a is None or a.status not in (AssignmentStatus.uploaded.value, AssignmentStatus.merged.value):
+        log.info("assignment %s: nothing to merge (%s)", assignment_id, "unknown" if a is None else a.status)
+        return None
+    job = s.get_one(Job, a.job_id)
+    wu = s.get_one(Workunit, a.workunit_id)
+    assert a.upload_key is not None  # set with the status uploaded (uploads.store_result)
+    return PendingMerge(
+        assignment_id=a.id,
+        job_id=job.id,
+        epoch=wu.epoch,
+        base_version=a.base_version,
+        upload_key=a.upload_key,
+        spec=job.spec,
+        manifest=job.param_manifest,
+        model_config=job.model_config_,
+        workunit_id=wu.id,
+        job_running=job.status == JobStatus.running.value,
+        workunit_open=wu.status == WorkunitStatus.in_progress.value,
+        workunit_done=wu.status == WorkunitStatus.done.value,
+        already_merged=a.status == AssignmentStatus.merged.value,
+        quorum=wu.quorum,
+        canonical=wu.canonical_assignment_id,
+    )
+
+
+def ready_to_merge(db: sessionmaker[Session], job_id: int, limit: int) -> list[tuple[int, float]]:
+    """The job's uploaded results that a merge pass takes, oldest upload first, at most `limit`: each
+    assignment id with its upload time (seconds since the epoch). Replicated workunits' results are
+    left out: each goes through its replicas' vote on its own (crowdtrain.assimilator.merge)."""
+    with db.begin() as s:
+        rows = s.execute(
+            select(Assignment.id, Assignment.uploaded_at)
+            .join(Workunit, Workunit.id == Assignment.workunit_id)
+            .where(
+                Assignment.job_id == job_id,
+                Assignment.status == AssignmentStatus.uploaded.value,
+                Workunit.quorum == 1,
+            )
+            .order_by(Assignment.uploaded_at, Assignment.id)
+            .limit(limit)
+        ).all()
+    return [(aid, (at or utcnow()).replace(tzinfo=UTC).timestamp()) for aid, at in rows]
 
 
 def record_merge(db: sessionmaker[Session], assignment_id: int, version: int, now: datetime | None = None) -> list[str]:
@@ -96,41 +128,73 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int, no
     Does nothing when already recorded; an assignment ended meanwhile (its job was cancelled or
     finished) stays ended, with a warning: W_s holds it, the ledger cannot say so any more.
     """
+    return record_merges(db, [(assignment_id, version)], now)
+
+
+def record_merges(
+    db: sessionmaker[Session], merged: Sequence[tuple[int, int]], now: datetime | None = None
+) -> list[str]:
+    """`record_merge` of each (assignment id, W_s version) of one job, in one transaction (a merge
+    pass's); the upload keys of the results they superseded."""
+    finished_at = now or utcnow()
+    versions = dict(merged)
     with db.begin() as s:
-        a = s.get_one(Assignment, assignment_id, with_for_update=True)
-        if a.status == AssignmentStatus.merged.value:
+        # Lock order assignment -> host -> workunit -> job (see ledger/assignments.py), each kind by id.
+        locked = s.scalars(
+            select(Assignment).where(Assignment.id.in_(versions)).order_by(Assignment.id).with_for_update()
+        ).all()
+        recording = [a for a in locked if _to_record(a, versions[a.id])]
+        if not recording:
             return []
-        if a.status != AssignmentStatus.uploaded.value:
-            log.warning(
-                "assignment %s: merged into W_s v%d after it was ended (%s)",
-                assignment_id,
-                version,
-                a.status,
-                extra=ids(job_id=a.job_id, assignment_id=assignment_id),
-            )
-            return []
-        siblings = lock_siblings(s, a)
-        host = s.get_one(Host, a.host_id, with_for_update=True)  # lock order: see ledger/assignments.py
-        states.move(a, AssignmentStatus.merged)
-        a.merged_version, a.finished_at = version, now or utcnow()
-        wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
-        if wu.status == WorkunitStatus.in_progress.value:
-            states.move(wu, WorkunitStatus.done)
-            wu.finished_at = a.finished_at
-        job = s.scalars(select(Job).where(Job.id == a.job_id).with_for_update()).one()
-        job.param_version = max(job.param_version, version)
+        siblings = {a.id: lock_siblings(s, a) for a in recording}
+        hosts = _locked(s, Host, {a.host_id for a in recording})
+        workunits = _locked(s, Workunit, {a.workunit_id for a in recording})
+        job_ids = {a.job_id for a in recording}
+        assert len(job_ids) == 1, "a merge pass records one job's results"
+        job = s.scalars(select(Job).where(Job.id.in_(job_ids)).with_for_update()).one()
+        superseded_uploads = []
+        for a in sorted(recording, key=lambda a: versions[a.id]):
+            states.move(a, AssignmentStatus.merged)
+            a.merged_version, a.finished_at = versions[a.id], finished_at
+            host, wu = hosts[a.host_id], workunits[a.workunit_id]
+            if wu.status == WorkunitStatus.in_progress.value:
+                states.move(wu, WorkunitStatus.done)
+                wu.finished_at = finished_at
+            job.param_version = max(job.param_version, versions[a.id])
+            reputation.count_valid(host, (finished_at - a.sent_at).total_seconds())
+            replicas.grant_credit(s, a, host, job, wu)
+            superseded_uploads += supersede_siblings(s, a, siblings[a.id])
         measure_pace(s, job)
-        reputation.count_valid(host, (a.finished_at - a.sent_at).total_seconds())
-        replicas.grant_credit(s, a, host, job, wu)
-        superseded_uploads = supersede_siblings(s, a, siblings)
-        job_id, workunit_id = a.job_id, a.workunit_id
-    log.info(
-        "assignment %s: merged into W_s v%d",
-        assignment_id,
-        version,
-        extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id),
-    )
+        logged = [(a.id, versions[a.id], a.job_id, a.workunit_id) for a in recording]
+    for assignment_id, version, job_id, workunit_id in logged:
+        log.info(
+            "assignment %s: merged into W_s v%d",
+            assignment_id,
+            version,
+            extra=ids(job_id=job_id, workunit_id=workunit_id, assignment_id=assignment_id),
+        )
     return superseded_uploads
+
+
+def _to_record(a: Assignment, version: int) -> bool:
+    """Whether the merge of `a` into W_s `version` is still to record (warned when `a` ended meanwhile)."""
+    if a.status == AssignmentStatus.uploaded.value:
+        return True
+    if a.status != AssignmentStatus.merged.value:
+        log.warning(
+            "assignment %s: merged into W_s v%d after it was ended (%s)",
+            a.id,
+            version,
+            a.status,
+            extra=ids(job_id=a.job_id, assignment_id=a.id),
+        )
+    return False
+
+
+def _locked(s: Session, model: type[Row], row_ids: set[int]) -> dict[int, Row]:
+    """The rows of `model` with `row_ids`, locked in id order."""
+    rows = s.scalars(select(model).where(model.id.in_(row_ids)).order_by(model.id).with_for_update()).all()
+    return {row.id: row for row in rows}
 
 
 def reject_result(

@@ -6,21 +6,21 @@ rule's state (an outer optimizer's momentum, FedBuff's buffer: named arrays of f
 second blob stored the same way (`keys.rule_state_chunk`), created from the rule's
 `initial_state(W_s)` by the first merge that finds none.
 
-A merge is an optimistic transaction: WATCH the version and the merged-set, compute, then
-MULTI/EXEC the new chunks of W_s and of the rule's state, the new version and the assignment id
-together. Two parameter servers racing on one job retry; a redelivered task finds its id in the
-merged-set and does nothing. So every assignment is merged exactly once, however often its task
-runs, and its effect on the rule's state (one momentum step, one buffered update) too. Given the
-assignment's workunit, the transaction also watches the workunit -> assignment map: of a straggler
-and its duplicate, the first to merge is the only one W_s takes. The state
-is written only together with the version, so watching the version covers it.
+A merge pass is an optimistic transaction: WATCH the version and the merged-set, apply the pass's
+results in order to W_s read once (crowdtrain.server.ledger.merge_steps), then MULTI/EXEC the new
+chunks of W_s and of the rule's state, the new version and every merged assignment id together.
+Two parameter servers racing on one job retry; a redelivered task finds its id in the merged-set
+and does nothing. So every assignment is merged exactly once, however often its task runs and
+whichever pass takes it, and its effect on the rule's state (one momentum step, one buffered update)
+too. The transaction also watches the workunit -> assignment map: of a straggler and its duplicate,
+the first to merge is the only one W_s takes. The state is written only with the version, so
+watching the version covers it.
 
 A parameter-server process keeps the W_s it wrote last, with the random tag written beside it
 (`keys.params_tag`); a merge that finds that tag in Redis reads only the small keys, not W_s. Any
 other write of W_s (another process's merge, a restore) writes another tag, and the next merge here
-reads W_s again. One job's merges take a lease (`keys.merge_lease`) around the transaction, so the
-servers queue for it instead of computing merges that a losing EXEC would throw away: the lease
-saves work, and nothing else rests on it (one that lapses costs a retry, never a second merge).
+reads W_s again. Which process merges a job's results is the merge lease's concern
+(crowdtrain.server.ledger.merge_lease); nothing here rests on it.
 
 When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
 it, the merged-set is final, and the ledger can end the job's other results knowing that none of
@@ -30,21 +30,22 @@ them will land in W_s later.
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import redis
 from redis.connection import Encoder, PythonRespSerializer
+from redis.typing import EncodableT
 
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import Params, decode, encode, views
-from crowdtrain.server.ledger import merge_lease, w_s_cache
+from crowdtrain.server.ledger import w_s_cache
+from crowdtrain.server.ledger.merge_steps import NORMS_KEPT, Pass, QueuedResult, Taken, Taking
 from crowdtrain.server.ledger.w_s_cache import CachedModel
 
 CHUNK_BYTES = 1 << 20
 _BUFFER_CUTOFF = 6000  # redis-py's: values longer than this are sent as buffers of their own
-NORMS_KEPT = 50  # accepted update norms remembered per job: the window of the norm bound's median
 
 Merge = Callable[[Params, Params, int], Params]  # (W_s, rule state, version) -> W_s, both changed in place
 
@@ -234,103 +235,137 @@ def merge_once(
     workunit (a straggler and its duplicate both uploaded), raises WorkunitMerged, writing nothing.
 
     `merge` updates W_s and the rule's state in place (and returns W_s), or raises to refuse the
-    result; either way nothing is written unless the whole transaction commits, and W_s, the
-    state, the version and the merged-set change together. When Redis holds no state yet, it
-    starts as `initial_state(W_s)` (empty without one). Raises MergesClosed once the job's merges
-    are closed. The merge also records `update_norm` among the recent ones and resets the job's
-    count of failed merges. The norms change only together with the version, which is watched:
-    `merge` may read them consistently. Runs under the job's merge lease (see the module's docstring).
+    result; either way nothing is written unless the whole transaction commits. A pass of one
+    result (`merge_batch`, which says the rest).
     """
-    m = _Merging(job_id, assignment_id, merge, received_at, update_norm, initial_state, workunit_id)
-    with merge_lease.held(r, job_id), r.pipeline() as pipe:
+
+    def step(server: Params, state: Params, version: int, _norms: Sequence[float]) -> None:
+        if merge(server, state, version) is not server:
+            raise ValueError("merge functions must update W_s and the rule's state in place")
+
+    queued = QueuedResult(assignment_id, step, received_at, update_norm, workunit_id)
+    [taking] = merge_batch(r, job_id, [queued], initial_state)
+    if taking.taken is Taken.superseded:
+        raise WorkunitMerged(cast(int, workunit_id), cast(int, taking.winner))
+    assert taking.version is not None  # a step that raises is merge_once's only refusal
+    return MergeOutcome(taking.version, applied_now=taking.taken is Taken.merged)
+
+
+def merge_batch(
+    r: redis.Redis,
+    job_id: int,
+    results: Sequence[QueuedResult],
+    initial_state: Callable[[Params], Params] | None = None,
+) -> list[Taking]:
+    """Merge `results` in order, each exactly once, into W_s read once and written once: what each became.
+
+    Each result's step runs on W_s and the rule's state as the results before it left them, with
+    the version and recent update norms they left (crowdtrain.server.ledger.merge_steps), so k
+    results in one pass equal k single merges. W_s, the state, the version, the recent norms and
+    every merged assignment id (the merged-set, the workunit map, the merge log) change together
+    in one MULTI/EXEC, or not at all. A result W_s already holds is `already_merged`; one whose
+    workunit W_s holds from another assignment, `superseded`; one its step refuses, `refused`.
+    When Redis holds no state yet, it starts as `initial_state(W_s)` (empty without one). Raises
+    MergesClosed once the job's merges are closed, and whatever a step raises, writing nothing.
+    """
+    with r.pipeline() as pipe:
         while True:
             try:
-                outcome = _merge_attempt(r, pipe, m)
+                takings = _merge_attempt(r, pipe, job_id, results, initial_state)
             except redis.WatchError:
                 continue
-            if outcome is not None:
-                return outcome
+            if takings is not None:
+                return takings
 
 
-@dataclass(frozen=True)
-class _Merging:
-    """One merge_once call."""
-
-    job_id: int
-    assignment_id: int
-    merge: Merge
-    received_at: float | None
-    update_norm: float | None
-    initial_state: Callable[[Params], Params] | None
-    workunit_id: int | None
-
-
-def _merge_attempt(r: redis.Redis, pipe: redis.client.Pipeline, m: _Merging) -> MergeOutcome | None:
-    """One optimistic try: the outcome, or None to try again (W_s moved while it was read); raises
-    WatchError when the EXEC lost to another write."""
-    vkey, member = keys.version(m.job_id), str(m.assignment_id)
-    pipe.watch(vkey, keys.merged(m.job_id), keys.closed(m.job_id), keys.merged_workunits(m.job_id))
+def _merge_attempt(
+    r: redis.Redis,
+    pipe: redis.client.Pipeline,
+    job_id: int,
+    results: Sequence[QueuedResult],
+    initial_state: Callable[[Params], Params] | None,
+) -> list[Taking] | None:
+    """One optimistic try: what each result became, or None to try again (W_s moved while it was
+    read); raises WatchError when the EXEC lost to another write."""
+    vkey, members = keys.version(job_id), [str(q.assignment_id) for q in results]
+    pipe.watch(vkey, keys.merged(job_id), keys.closed(job_id), keys.merged_workunits(job_id))
     # Read on another connection, in one round trip: a change after the WATCH fails the EXEC anyway.
     with r.pipeline(transaction=False) as reads:
-        reads.sismember(keys.merged(m.job_id), member)
-        reads.exists(keys.closed(m.job_id))
-        reads.hget(keys.merged_workunits(m.job_id), str(m.workunit_id))
-        reads.mget(vkey, keys.params_tag(m.job_id))
-        merged, closed, owner, (raw_version, raw_tag) = reads.execute()
-    if merged or closed or (m.workunit_id is not None and owner is not None) or raw_version is None:
+        reads.smismember(keys.merged(job_id), members)
+        reads.exists(keys.closed(job_id))
+        reads.hmget(keys.merged_workunits(job_id), [str(q.workunit_id) for q in results])
+        reads.mget(vkey, keys.params_tag(job_id))
+        reads.lrange(keys.update_norms(job_id), 0, -1)
+        merged, closed, owners, (raw_version, raw_tag), norms = reads.execute()
+    if closed or raw_version is None:
         pipe.unwatch()
-        if merged:
-            return MergeOutcome(merged_version(r, m.job_id, m.assignment_id) or 0, applied_now=False)
         if closed:
-            raise MergesClosed(f"job {m.job_id} is no longer running")
-        if raw_version is None:
-            raise NoServerModel(f"job {m.job_id} has no server model in Redis")
-        raise WorkunitMerged(cast(int, m.workunit_id), int(owner))
+            raise MergesClosed(f"job {job_id} is no longer running")
+        raise NoServerModel(f"job {job_id} has no server model in Redis")
+    settled = {q.assignment_id: _settled(r, job_id, q, m, o) for q, m, o in zip(results, merged, owners, strict=True)}
+    todo = [q for q in results if settled[q.assignment_id] is None]
     version, tag = int(raw_version), None if raw_tag is None else keys.text(raw_tag)
-    cached = w_s_cache.take(m.job_id, tag)
-    if cached is None:
-        blobs = _read_blobs(r, m.job_id, with_state=True)
-        cached = CachedModel.of(blobs.tag, blobs.version, blobs.params, blobs.state, m.initial_state)
+    cached = w_s_cache.take(job_id, tag) if todo else None
+    if todo and cached is None:
+        blobs = _read_blobs(r, job_id, with_state=True)
+        cached = CachedModel.of(blobs.tag, blobs.version, blobs.params, blobs.state, initial_state)
         if (cached.version, cached.tag) != (version, tag):
             pipe.unwatch()
             return None  # another merge landed in between; start over
-    _apply(m.merge, cached, version)
-    pipe.multi()
-    _queue_merge_writes(pipe, m, cached, version + 1)
-    pipe.execute()
-    merged_at = time.time()
-    log_entry = {"version": version + 1, "received_at": m.received_at, "merged_at": merged_at}
-    r.hset(keys.merge_log(m.job_id), member, json.dumps(log_entry))
-    w_s_cache.keep(m.job_id, cached)
-    return MergeOutcome(version + 1, applied_now=True)
+    if cached is None:
+        pipe.unwatch()
+        return [cast(Taking, settled[q.assignment_id]) for q in results]
+    merging = Pass(cached, version, [float(n) for n in norms])
+    settled |= {q.assignment_id: merging.apply(q) for q in todo}
+    if merging.merged:
+        pipe.multi()
+        _queue_merge_writes(pipe, job_id, merging)
+        pipe.execute()
+        merged_at = time.time()
+        log: dict[EncodableT, EncodableT] = {
+            str(q.assignment_id): _log_entry(v, q.received_at, merged_at) for q, v in merging.merged
+        }
+        r.hset(keys.merge_log(job_id), mapping=log)
+    else:
+        pipe.unwatch()
+    w_s_cache.keep(job_id, cached)  # written, or unchanged: every step refused
+    return [cast(Taking, settled[q.assignment_id]) for q in results]
 
 
-def _apply(merge: Merge, cached: CachedModel, version: int) -> None:
-    """Run `merge` on the cached W_s and state, which it must change in place."""
-    params, state = dict(cached.params), dict(cached.state)
-    new = merge(cached.params, cached.state, version)
-    if (
-        any(new[k] is not params[k] for k in params)
-        or cached.state.keys() != state.keys()
-        or any(cached.state[k] is not state[k] for k in state)
-    ):
-        raise ValueError("merge functions must update W_s and the rule's state in place")
+def _settled(r: redis.Redis, job_id: int, q: QueuedResult, merged: int, owner: bytes | None) -> Taking | None:
+    """What a result already is before the pass (merged by an earlier one, or its workunit from
+    another assignment), or None when the pass is to merge it."""
+    if merged:
+        return Taking(q.assignment_id, Taken.already_merged, merged_version(r, job_id, q.assignment_id) or 0)
+    if q.workunit_id is not None and owner is not None:
+        return Taking(q.assignment_id, Taken.superseded, winner=int(owner))
+    return None
 
 
-def _queue_merge_writes(pipe: redis.client.Pipeline, m: _Merging, cached: CachedModel, version: int) -> None:
-    """The MULTI of a merge: W_s, its state, version and new tag, and the records of the assignment."""
-    job_id, member = m.job_id, str(m.assignment_id)
-    cached.version, cached.tag = version, _new_tag()
+def _log_entry(version: int, received_at: float | None, merged_at: float | None = None) -> str:
+    entry = {"version": version, "received_at": received_at}
+    return json.dumps(entry if merged_at is None else entry | {"merged_at": merged_at})
+
+
+def _queue_merge_writes(pipe: redis.client.Pipeline, job_id: int, merging: Pass) -> None:
+    """The MULTI of a pass: W_s, its state, version and new tag once, and the records of every merged assignment."""
+    cached = merging.model
+    cached.version, cached.tag = merging.version, _new_tag()
     _queue_blob_write(pipe, job_id, cached.blob)
     _queue_state_write(pipe, job_id, cached.state_blob)
-    pipe.set(keys.version(job_id), version)
+    pipe.set(keys.version(job_id), merging.version)
     pipe.set(keys.params_tag(job_id), cached.tag)
-    pipe.sadd(keys.merged(job_id), member)
-    if m.workunit_id is not None:
-        pipe.hset(keys.merged_workunits(job_id), str(m.workunit_id), member)
-    pipe.hset(keys.merge_log(job_id), member, json.dumps({"version": version, "received_at": m.received_at}))
-    if m.update_norm is not None:
-        pipe.lpush(keys.update_norms(job_id), m.update_norm)
+    pipe.sadd(keys.merged(job_id), *(str(q.assignment_id) for q, _ in merging.merged))
+    workunits: dict[EncodableT, EncodableT] = {
+        str(q.workunit_id): str(q.assignment_id) for q, _ in merging.merged if q.workunit_id is not None
+    }
+    if workunits:
+        pipe.hset(keys.merged_workunits(job_id), mapping=workunits)
+    log: dict[EncodableT, EncodableT] = {str(q.assignment_id): _log_entry(v, q.received_at) for q, v in merging.merged}
+    pipe.hset(keys.merge_log(job_id), mapping=log)
+    norms = [q.update_norm for q, _ in merging.merged if q.update_norm is not None]
+    if norms:
+        pipe.lpush(keys.update_norms(job_id), *norms)
         pipe.ltrim(keys.update_norms(job_id), 0, NORMS_KEPT - 1)
     pipe.delete(keys.merge_failures(job_id))
 
@@ -370,19 +405,5 @@ def forget_finished(r: redis.Redis, job_id: int) -> None:
         keys.update_norms(job_id),
         keys.merge_failures(job_id),
         keys.merged_workunits(job_id),
+        keys.merges_wanted(job_id),
     )
-
-
-def keep_snapshot(r: redis.Redis, job_id: int, version: int) -> None:
-    """Put an expired snapshot back at the old end of the list: it is still in use."""
-    r.rpush(keys.snapshots(job_id), version)
-
-
-def note_snapshot(r: redis.Redis, job_id: int, version: int, keep: int) -> list[int]:
-    """Record a published snapshot; returns the versions beyond the newest `keep`, to delete."""
-    with r.pipeline() as pipe:
-        pipe.lpush(keys.snapshots(job_id), version)
-        pipe.lrange(keys.snapshots(job_id), keep, -1)
-        pipe.ltrim(keys.snapshots(job_id), 0, keep - 1)
-        _, expired, _ = pipe.execute()
-    return [int(v) for v in expired]

@@ -3,6 +3,7 @@
 import json
 import multiprocessing
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import encode
-from crowdtrain.server.ledger import paramstore, w_s_cache
+from crowdtrain.server.ledger import paramstore, snapshot_list, w_s_cache
+from crowdtrain.server.ledger.merge_steps import QueuedResult, Taken
 
 
 def _w(value: float) -> dict[str, np.ndarray]:
@@ -85,7 +87,7 @@ def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_red
 
 
 def test_snapshot_retention_returns_the_versions_beyond_the_newest_few(private_redis) -> None:
-    expired = [paramstore.note_snapshot(private_redis, 5, v, keep=3) for v in range(6)]
+    expired = [snapshot_list.note_snapshot(private_redis, 5, v, keep=3) for v in range(6)]
     assert expired == [[], [], [], [0], [1], [2]]
     assert [int(v) for v in private_redis.lrange(keys.snapshots(5), 0, -1)] == [5, 4, 3]
 
@@ -258,7 +260,7 @@ def test_restoring_w_s_resets_the_rule_state(private_redis) -> None:
     assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 1
 
 
-# ---- the W_s a parameter-server process keeps between merges, and the merge lease -------------------------
+# ---- the W_s a parameter-server process keeps between merges ----------------------------------------------
 
 
 BIG = 1 << 20  # float32 values: a 4 MB W_s, whose reading back shows in the bytes Redis sends
@@ -305,23 +307,145 @@ def test_a_cached_w_s_is_read_again_after_another_process_merged(private_redis) 
     np.testing.assert_allclose(params["w"], 1 - 0.5**3)  # from a stale copy: 0.75
 
 
-def test_a_merge_waits_for_the_job_s_merge_lease(private_redis) -> None:
-    """Another server holds the lease: this merge computes nothing until it is released, then merges once."""
-    paramstore.initialise(private_redis, 1, _w(0.0))
-    lease = private_redis.lock(keys.merge_lease(1), timeout=30)
-    assert lease.acquire(blocking=False)
-    merging = threading.Thread(target=_half_way_to_one, args=(private_redis, 1, 1))
-    merging.start()
-    merging.join(0.3)
-    assert merging.is_alive() and paramstore.read(private_redis, 1)[0] == 0
-    lease.release()
-    merging.join(10)
-    assert not merging.is_alive()
-    assert paramstore.read(private_redis, 1)[0] == 1 and private_redis.scard(keys.merged(1)) == 1
+# ---- a pass: the results queued for a job merged into W_s read once and written once --------------------------
+
+FEDBUFF = {"rule": "fedbuff", "buffer_size": 3, "outer_optimizer": "nesterov"}
+RULES = [{"rule": "vc-asgd", "alpha": 0.6}, NESTEROV, FEDBUFF, {"rule": "delta", "staleness_weight": "polynomial"}]
 
 
-def test_a_lapsed_lease_does_not_stop_merges(private_redis) -> None:
-    """A server that died holding the lease holds it only until it lapses."""
+def _queued(
+    rule, assignment_id: int, base_version: int = 0, workunit_id: int | None = None, own_delta: bool = True
+) -> QueuedResult:
+    """A result of its own Δ (seeded by its id; STEP without `own_delta`) that started from
+    `base_version`: its staleness, and so what a staleness-weighted rule does with it, depends on the
+    version it is merged into."""
+    rng = np.random.default_rng(assignment_id)
+    delta = {"w": rng.normal(0, 0.01, 1000).astype(np.float32)} if own_delta else STEP
+    client = {"w": delta["w"] + np.float32(1), "steps": np.array(0, np.int64)}
+
+    def step(ws, state, version, norms):
+        rule.apply(ws, state, Update(client, delta, version - base_version, 1))
+
+    norm = float(np.linalg.norm(delta["w"]))
+    return QueuedResult(assignment_id, step, received_at=1.0, update_norm=norm, workunit_id=workunit_id)
+
+
+def _merged_record(r, job_id: int) -> tuple:
+    version, ws, state = paramstore.read_with_state(r, job_id)
+    log = {k: json.loads(v)["version"] for k, v in r.hgetall(keys.merge_log(job_id)).items()}
+    return version, ws, state, log, paramstore.recent_update_norms(r, job_id), r.smembers(keys.merged(job_id))
+
+
+@pytest.mark.parametrize("spec", RULES, ids=lambda s: f"{s['rule']}-{s.get('outer_optimizer', s.get('alpha', 'poly'))}")
+def test_k_results_in_one_pass_equal_k_single_merges(private_redis, spec: dict) -> None:
+    """The same 7 results (bases 0..3, so their staleness differs) merged one by one into job 1 and in
+    one pass into job 2: the same W_s, rule state, versions, recent norms and merged-set."""
+    rule = make_rule(spec)
+    results = [_queued(rule, aid, base_version=aid % 4) for aid in range(1, 8)]
+    for job_id in (1, 2):
+        paramstore.initialise(private_redis, job_id, _w(0.0))
+    for q in results:
+        assert paramstore.merge_batch(private_redis, 1, [q], rule.initial_state)[0].taken is Taken.merged
+    takings = paramstore.merge_batch(private_redis, 2, results, rule.initial_state)
+    assert [(t.taken, t.version) for t in takings] == [(Taken.merged, v) for v in range(1, 8)]
+    single, batched = _merged_record(private_redis, 1), _merged_record(private_redis, 2)
+    assert single[0] == batched[0] == 7
+    _assert_same(batched[1], single[1])
+    _assert_same(batched[2], single[2])
+    assert single[3:] == batched[3:]
+
+
+def test_a_pass_writes_w_s_once(private_redis) -> None:
+    """Four results of a W_s of BIG values in one pass: Redis receives W_s's bytes once, not four times."""
+    paramstore.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
+    _half_way_to_one(private_redis, 1, 1, BIG)  # this process now holds W_s: the pass reads nothing back
+    received = private_redis.info("stats")["total_net_input_bytes"]
+    ones = {"w": np.ones(BIG, np.float32)}
+    half = QueuedResult(0, lambda ws, _state, _v, _norms: merge_vc_asgd(ws, ones, 0.5, out=ws) and None)
+    takings = paramstore.merge_batch(private_redis, 1, [replace(half, assignment_id=aid) for aid in range(2, 6)])
+    assert [t.version for t in takings] == [2, 3, 4, 5]
+    assert 4 * BIG < private_redis.info("stats")["total_net_input_bytes"] - received < 2 * 4 * BIG
+    np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1 - 0.5**5)
+
+
+def test_a_pass_refuses_supersedes_and_skips_results_one_by_one(private_redis) -> None:
+    """In one pass: a result an earlier pass merged, one its step refuses, and the duplicate of a
+    workunit merged earlier in the pass change nothing; the others are merged at consecutive versions."""
+    rule = make_rule(NESTEROV)
     paramstore.initialise(private_redis, 1, _w(0.0))
-    assert private_redis.lock(keys.merge_lease(1), timeout=0.3).acquire(blocking=False)
-    assert _half_way_to_one(private_redis, 1, 1).version == 1
+    paramstore.merge_batch(private_redis, 1, [_queued(rule, 1)], rule.initial_state)
+
+    def refuse(ws, state, version, norms):
+        return "too large"
+
+    results = [
+        _queued(rule, 1),  # merged by the earlier pass
+        _queued(rule, 2, workunit_id=20),
+        QueuedResult(3, refuse, update_norm=99.0),
+        _queued(rule, 4, workunit_id=20),  # the straggler's duplicate of 2
+        _queued(rule, 5),
+    ]
+    takings = paramstore.merge_batch(private_redis, 1, results, rule.initial_state)
+    assert [(t.taken, t.version, t.reason, t.winner) for t in takings] == [
+        (Taken.already_merged, 1, "", None),
+        (Taken.merged, 2, "", None),
+        (Taken.refused, None, "too large", None),
+        (Taken.superseded, None, "", 2),
+        (Taken.merged, 3, "", None),
+    ]
+    assert private_redis.smembers(keys.merged(1)) == {b"1", b"2", b"5"}
+    assert private_redis.hgetall(keys.merged_workunits(1)) == {b"20": b"2"}
+    assert 99.0 not in paramstore.recent_update_norms(private_redis, 1)
+    assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 3
+
+
+def test_a_pass_that_fails_midway_writes_nothing(private_redis) -> None:
+    rule = make_rule(NESTEROV)
+    paramstore.initialise(private_redis, 1, _w(0.0))
+
+    def fail(ws, state, version, norms):
+        raise RuntimeError("a bug in a rule")
+
+    with pytest.raises(RuntimeError):
+        paramstore.merge_batch(private_redis, 1, [_queued(rule, 1), QueuedResult(2, fail)], rule.initial_state)
+    assert paramstore.read_state(private_redis, 1) == (0, None) and not private_redis.exists(keys.merged(1))
+    assert paramstore.merge_batch(private_redis, 1, [_queued(rule, 1)], rule.initial_state)[0].version == 1
+
+
+def _deliver_passes(port: int, job_id: int, passes: list[list[int]]) -> None:
+    conn = paramstore.connect(f"redis://127.0.0.1:{port}/0")
+    rule = make_rule(NESTEROV)
+    for ids in passes:
+        paramstore.merge_batch(conn, job_id, [_queued(rule, aid, own_delta=False) for aid in ids], rule.initial_state)
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_racing_passes_merge_each_result_once_with_one_optimizer_step(private_redis, workers: str) -> None:
+    """4 workers, each with its own Redis connection, merge 24 results in overlapping passes of 3 (each
+    result in two passes): 24 merges, 24 momentum steps, and the same W_s and momentum as 24 single
+    merges (of the same update, so that the order the passes land in does not matter)."""
+    paramstore.initialise(private_redis, 3, _w(0.0))
+    port = private_redis.connection_pool.connection_kwargs["port"]
+    ids = list(range(100, 124))
+    passes = [ids[i : i + 3] for i in range(0, 24, 3)] + [ids[i : i + 3] for i in range(1, 24, 3)]
+    chunks = [passes[i::4] for i in range(4)]
+    if workers == "threads":
+        pool = [threading.Thread(target=_deliver_passes, args=(port, 3, c)) for c in chunks]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        pool = [ctx.Process(target=_deliver_passes, args=(port, 3, c)) for c in chunks]
+    for w in pool:
+        w.start()
+    for w in pool:
+        w.join()
+    if workers == "processes":
+        assert [p.exitcode for p in pool] == [0] * 4
+    version, state = paramstore.read_state(private_redis, 3)
+    assert version == 24 and private_redis.scard(keys.merged(3)) == 24 and int(state["step"]) == 24
+    versions = sorted(json.loads(x)["version"] for x in private_redis.hgetall(keys.merge_log(3)).values())
+    assert versions == list(range(1, 25))
+    paramstore.initialise(private_redis, 4, _w(0.0))
+    _deliver_passes(port, 4, [[aid] for aid in ids])
+    _, ws, expected = paramstore.read_with_state(private_redis, 4)
+    _assert_same(state, expected)
+    _assert_same(paramstore.read(private_redis, 3)[1], ws)

@@ -1,0 +1,50 @@
+"""One job's merges in one process at a time, in passes over what the job has queued.
+
+A merge task names one uploaded result. The task that finds its job's merge lease free holds it and
+merges every result of the job that is ready, oldest first, up to MAX_PASS at a time, into W_s read
+once and written once per pass (crowdtrain.assimilator.merge.assimilate_many), and again while
+results arrive; a task that finds the lease held returns at once, `queued`: its result was stored
+before its task ran, so the holder's next pass takes it (crowdtrain.server.ledger.merge_lease says
+why no request is lost). So more parameter servers serve more jobs, and a second one never makes
+one job's merges wait on each other. Replicated results go through their replicas' vote one by
+one, as before (crowdtrain.assimilator.merge.assimilate); exactly once either way.
+"""
+
+from collections.abc import Callable
+
+from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate, assimilate_many
+from crowdtrain.server.ledger import merge_lease, merges
+
+# Results merged into one W_s in one pass: each is held in memory (its W_c and Δ) until the pass
+# writes W_s, and the lease is renewed between passes.
+MAX_PASS = 8
+
+
+def merge_queued(
+    svc: MergeServices, assignment_id: int, received_at: float | None = None, max_pass: int = MAX_PASS
+) -> MergeResult:
+    """Merge the uploaded result of `assignment_id`, with the rest of its job's queue (`max_pass`
+    results a pass) when this process gets the job's merge lease; `queued` when another process
+    holds it (and will merge it), or when a pass of another task merged it first. Merged exactly
+    once; may be delivered twice. Raises only TRANSIENT errors, as `assimilate` does."""
+    pending = merges.pending_merge(svc.db, assignment_id)
+    if pending is None or pending.quorum > 1 or pending.already_merged:
+        # Nothing to merge, a replica vote, or a delivery that completes what an earlier one recorded.
+        return assimilate(svc, assignment_id, received_at)
+    own: list[MergeResult] = []
+    taken: set[int] = set()
+
+    def drain(renew: Callable[[], object]) -> None:
+        while ready := merges.ready_to_merge(svc.db, pending.job_id, max_pass):
+            if taken.issuperset(aid for aid, _ in ready):
+                return  # every outcome ends a result: one still uploaded is the transitioner's to queue again
+            queued = [(aid, received_at if aid == assignment_id else at) for aid, at in ready]
+            results = assimilate_many(svc, queued)
+            taken.update(aid for aid, _ in queued)
+            own.extend(result for (aid, _), result in zip(queued, results, strict=True) if aid == assignment_id)
+            renew()
+            if len(ready) < max_pass:
+                return
+
+    merge_lease.serve(svc.r, pending.job_id, drain)
+    return own[0] if own else MergeResult(Outcome.queued)
