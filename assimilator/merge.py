@@ -40,7 +40,7 @@ from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import Params, sha256
 from crowdtrain.server.ledger import duplicates, merges, paramstore, result_records, snapshot_list
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job
 from crowdtrain.server.ledger.merge_steps import QueuedResult, Step, Taken
 from crowdtrain.server.services import telemetry
 
@@ -293,6 +293,7 @@ def record_merged(svc: MergeServices, merged: Sequence[tuple[merges.PendingMerge
     unrecorded = [(p, version) for p, version in merged if not p.already_merged]
     if any(version % sched["eval_every"] == 0 for _, version in unrecorded):
         _record_metrics(svc, list({p.epoch: p for p, _ in unrecorded}.values()))
+        _stop_if_diverged(svc, last)
     _publish_snapshot_if_due(svc, last.job_id, sched, max(version for _, version in merged))
     superseded = merges.record_merges(svc.db, [(p.assignment_id, version) for p, version in merged])
     for key in [*(p.upload_key for p, _ in merged), *superseded]:
@@ -325,6 +326,23 @@ def _record_metrics(svc: MergeServices, measured: Sequence[merges.PendingMerge])
     for p, _ in unmeasured:
         merges.record_metric(svc.db, p.job_id, p.epoch, p.assignment_id, version, loss, acc)
     log.info("job %s: W_s v%d validation accuracy %.4f loss %.4f (epoch %d)", p.job_id, version, acc, loss, p.epoch)
+
+
+def _stop_if_diverged(svc: MergeServices, p: merges.PendingMerge) -> None:
+    """Fail the job, saying why, when its validation losses show W_s diverging (Policy.divergence):
+    merging more would make it worse, and the operator should lower the rule's step."""
+    policy = Policy.from_spec(p.spec["assimilation"])
+    best, latest = merges.validation_losses(svc.db, p.job_id, policy.divergence_patience)
+    why = policy.divergence(best, latest)
+    if why is None:
+        return
+    message = (
+        f"W_s diverged: {why}. Merging more would make it worse: lower the rule's step "
+        "(assimilation.server_lr, or a higher alpha for vc-asgd) or the clients' learning rate; "
+        "assimilation.divergence_factor sets this bound"
+    )
+    if fail_job(svc.db, svc.storage, svc.r, p.job_id, message, evaluate):
+        log.warning("job %s failed: %s", p.job_id, message, extra=ids(job_id=p.job_id))
 
 
 def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, Any], version: int) -> None:
