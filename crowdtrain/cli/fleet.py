@@ -8,6 +8,7 @@ import typer
 from pydantic import ValidationError
 
 from crowdtrain.cli.adminapi import TokenOpt, admin_client, print_rows
+from crowdtrain.cli.errors import UserError
 from crowdtrain.cli.options import (
     HELP_LAYOUT,
     SERVER_ENV,
@@ -144,6 +145,8 @@ def _fleet_hosts(server: str | None, admin_token: str | None) -> tuple[list[dict
             resp = http.get("/v1/admin/hosts")
     except httpx.HTTPError as exc:
         return [], f"{server} unreachable: {exc}"
+    except UserError as exc:  # no admin token: the instances are listed all the same
+        return [], str(exc)
     if resp.status_code >= 400:
         return [], f"{server} answered {resp.status_code}: {resp.text[:200]}"
     return resp.json(), None

@@ -318,10 +318,12 @@ def test_status_without_the_scheduler_still_lists_the_instances(ec2, fleet_cli) 
     name = fleet_name()
     assert fleet_cli(*up_args(name, **{"--count": "2"})).returncode == 0
     nobody = f"http://127.0.0.1:{free_port()}"
-    result = fleet_cli("status", "--name", name, "--server", nobody, "--json")
+    result = fleet_cli("status", "--name", name, "--server", nobody, "--admin-token", "t" * 32, "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert "unreachable" in status["hosts_error"]
+    without_token = json.loads(fleet_cli("status", "--name", name, "--server", nobody, "--json").stdout)
+    assert "no admin token" in without_token["hosts_error"] and len(without_token["instances"]) == 2
     assert {i["instance_id"] for i in status["instances"]} == {i["InstanceId"] for i in tagged_instances(ec2, name)}
     assert [i["host"] for i in status["instances"]] == [None, None]
     fleet_cli("down", "--name", name)
