@@ -111,16 +111,21 @@ def assignment(aid: int, keep: bool, snapshot: bytes, shard: bytes) -> Assignmen
     )
 
 
+def job_files() -> tuple[bytes, bytes]:
+    """A snapshot of the recipe's model and a shard of 64 examples, encoded as the server sends them."""
+    rng = np.random.default_rng(0)
+    m = RECIPE["model"]
+    snapshot = encode(state_to_numpy(build_model(m["name"], m["input_shape"], m["num_classes"], seed=0)))
+    return snapshot, encode_shard(rng.normal(size=(64, 40)).astype(np.float32), rng.integers(0, 10, 64))
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_the_second_workunit_a_slot_trains_continues_the_optimizer_state_of_the_first(
     keep: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the client's own assignment path (download, verify, train, upload): with the flag the
     second workunit's Adam starts where the first's ended (its step count goes on); without, from zero."""
-    rng = np.random.default_rng(0)
-    m = RECIPE["model"]
-    snapshot = encode(state_to_numpy(build_model(m["name"], m["input_shape"], m["num_classes"], seed=0)))
-    shard = encode_shard(rng.normal(size=(64, 40)).astype(np.float32), rng.integers(0, 10, 64))
+    snapshot, shard = job_files()
     calls: list[tuple[Params | None, TrainResult]] = []
 
     def recorded_train(*args, **kwargs) -> TrainResult:
@@ -164,3 +169,30 @@ def test_the_flag_travels_in_the_training_settings_a_jobs_recipe_signs() -> None
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.training.keep_optimizer_state = True
     assert signing.recipe_training(spec.model_dump(mode="json"))["keep_optimizer_state"] is True
+
+
+def test_a_failed_training_gives_the_slots_state_back_and_a_resumed_one_takes_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state a slot took is unchanged when its training fails (or is cancelled): the slot's next
+    workunit continues it. A workunit resumed from its checkpoint has its own state and takes none."""
+    snapshot, shard = job_files()
+    a = assignment(1, True, snapshot, shard)
+    kept = state(1)
+
+    def failing_train(*args, **kwargs) -> TrainResult:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(crowdtrain.client.assignment, "train", failing_train)
+    server = FilesAndUploads({"/files/snapshot": snapshot, "/files/shard": shard})
+    volunteer = VolunteerClient(
+        server.url, "join", cache_dir=tmp_path / "cache", checkpoint_seconds=3600, frameworks=["pytorch"]
+    )
+    volunteer.optimizer_states.put(1, recipe_key(a.recipe), kept)
+    try:
+        volunteer._work(Running(a))
+    finally:
+        server.close()
+    assert [p for m, p, _ in server.requests if m == "POST"] == ["/v1/assignments/1/error"]
+    assert volunteer._take_optimizer_state(a, resumed=True) is None
+    assert volunteer._take_optimizer_state(a, resumed=False) is kept
