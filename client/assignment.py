@@ -18,13 +18,14 @@ import httpx
 from crowdtrain.client.api import Refused, SchedulerAPI
 from crowdtrain.client.cache import CacheFull, FileCache
 from crowdtrain.client.journal import AssignmentJournal, FileCheckpoint
+from crowdtrain.client.optimizer_states import OptimizerStates, keeps_optimizer_state, recipe_key
 from crowdtrain.client.quota import DailyTransfer, OverDailyCap, Reservation, counted
 from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import AssignmentStatus, StatusWriter
 from crowdtrain.client.trainers import Cancelled, TrainControl, train
 from crowdtrain.core import frameworks as fw
 from crowdtrain.core.schemas import AssignmentOut, FileRef, HeartbeatReply, Resources, ResultMetrics
-from crowdtrain.core.tensors import decode, decode_shard
+from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class AssignmentRunner:
     completed: int
     train_seconds: dict[int, float]  # job id -> running mean of training time
     upload_seconds: float | None
+    optimizer_states: OptimizerStates  # per job, what the slots' optimizers ended with (keep_optimizer_state)
 
     def _work(self, r: Running) -> None:
         a = r.assignment
@@ -117,9 +119,24 @@ class AssignmentRunner:
                 checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid, framework), self.checkpoint_seconds)
                 if checkpoint.resumed is not None:
                     log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
-                result = train(
-                    framework, a.recipe.model_dump(), params, x, y, self.device, r.control, checkpoint, a.local_fraction
-                )
+                kept = self._take_optimizer_state(a, resumed=checkpoint.resumed is not None)
+                try:
+                    result = train(
+                        framework,
+                        a.recipe.model_dump(),
+                        params,
+                        x,
+                        y,
+                        self.device,
+                        r.control,
+                        checkpoint,
+                        a.local_fraction,
+                        kept,
+                    )
+                except BaseException:
+                    self._keep_optimizer_state(a, kept)  # unchanged: the slot's next workunit continues it
+                    raise
+                self._keep_optimizer_state(a, result.optimizer_state)
             finally:
                 self.compute.release()
                 self.slot_freed.set()
@@ -182,6 +199,18 @@ class AssignmentRunner:
             self._prune_snapshots()
             self.slot_freed.set()
             self.status.changed()
+
+    def _take_optimizer_state(self, a: AssignmentOut, resumed: bool) -> Params | None:
+        """The optimizer state this slot's training of `a` starts from: with the recipe's
+        keep_optimizer_state, the one a previous workunit of the job ended with; a workunit resumed
+        from its checkpoint has its own."""
+        if resumed or not keeps_optimizer_state(a.recipe):
+            return None
+        return self.optimizer_states.take(a.job_id, recipe_key(a.recipe))
+
+    def _keep_optimizer_state(self, a: AssignmentOut, state: Params | None) -> None:
+        if state is not None and keeps_optimizer_state(a.recipe):
+            self.optimizer_states.put(a.job_id, recipe_key(a.recipe), state)
 
     def _heard(self, r: Running, reply: HeartbeatReply) -> None:
         """Act on the reply to a heartbeat for `r`: stop it when the server no longer wants it. A reply

@@ -24,6 +24,7 @@ from crowdtrain.client.assignment import AssignmentRunner, Running
 from crowdtrain.client.cachelock import CacheLock
 from crowdtrain.client.identity import Identities
 from crowdtrain.client.journal import AssignmentJournal
+from crowdtrain.client.optimizer_states import DEFAULT_MAX_BYTES, OptimizerStates
 from crowdtrain.client.origins import Origins, learned_origins
 from crowdtrain.client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
 from crowdtrain.client.preferences import Preferences
@@ -75,6 +76,7 @@ class VolunteerClient(AssignmentRunner):
         preferences: Preferences | None = None,
         frameworks: list[Framework] | None = None,
         project_key: str | None = None,
+        optimizer_state_bytes: int = DEFAULT_MAX_BYTES,
     ):
         self.server_url = server_url.rstrip("/")
         self.join_token = join_token
@@ -118,6 +120,7 @@ class VolunteerClient(AssignmentRunner):
         self.heartbeat_interval = 5.0
         self.train_seconds: dict[int, float] = {}  # job id -> running mean of training time
         self.upload_seconds: float | None = None
+        self.optimizer_states = OptimizerStates(optimizer_state_bytes)  # memory only
         self.trust = ProjectTrust(self.identities, self.server_url, project_key)
 
     # -- identity -------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ The contract every trainer keeps:
 - with a `checkpoint`, it calls `checkpoint.due()` between batches and, when it is true,
   `checkpoint.save(tensors, progress)` with everything needed to continue (model and optimizer
   state as named arrays, the position in the data as JSON-able values); when
-  `checkpoint.resumed` is not None it starts from that state instead of from `params`.
+  `checkpoint.resumed` is not None it starts from that state instead of from `params`;
+- a trainer in `KEEPS_OPTIMIZER_STATE` starts its optimizer from `optimizer_state` (an earlier
+  result's, same model and training settings) when given and not resuming, and returns its state at
+  the end in `TrainResult.optimizer_state`; the others ignore `optimizer_state` and return None.
 """
 
 import importlib
@@ -29,6 +32,8 @@ from crowdtrain.core.tensors import Params
 
 # The trainer module of each framework, imported only when it trains: each imports its framework.
 TRAINERS = {"pytorch": "crowdtrain.client.trainers.pytorch", "tensorflow": "crowdtrain.client.trainers.tensorflow"}
+# The trainers that can start from an optimizer state (the Keras one always starts from zero).
+KEEPS_OPTIMIZER_STATE = frozenset({"pytorch"})
 
 
 class Cancelled(Exception):
@@ -126,12 +131,15 @@ def train(
     control: TrainControl | None = None,
     checkpoint: Checkpoint | None = None,
     local_fraction: float = 1.0,
+    optimizer_state: Params | None = None,
 ) -> TrainResult:
     """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
-    epochs' steps; see the module docstring for the contract."""
+    epochs' steps, the optimizer from `optimizer_state` where the trainer can; see the module
+    docstring for the contract."""
     if framework not in TRAINERS:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
     run = importlib.import_module(TRAINERS[framework]).train
+    extra = {"optimizer_state": optimizer_state} if framework in KEEPS_OPTIMIZER_STATE else {}
     return run(
         recipe,
         params,
@@ -141,4 +149,5 @@ def train(
         control=control or TrainControl(),
         checkpoint=checkpoint,
         local_fraction=local_fraction,
+        **extra,
     )

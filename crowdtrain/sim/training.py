@@ -137,8 +137,9 @@ def simulate_training(
     trained. `parameter_servers` processes serve the job's merges, each taking `merge_seconds`, and
     an evaluation `eval_seconds` (crowdtrain.sim.servers). `backpressure` holds dispatch at the job's
     in-flight budget, as the scheduler does (crowdtrain.server.services.backpressure); off, the run is
-    what it was before the scheduler had one. `keep_optimizer_state`: each host's slots carry their
-    optimizer state across workunits (see the module docstring). Training runs on one CPU thread.
+    what it was before the scheduler had one. `keep_optimizer_state`, or the spec's
+    `training.keep_optimizer_state` as the client reads it: each host's slots carry their optimizer
+    state across workunits (see the module docstring). Training runs on one CPU thread.
     """
     spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
     if spec.mode != VC_ASGD:
@@ -157,7 +158,7 @@ def simulate_training(
         workunit_seconds,
         restart_seconds,
         prefetch,
-        keep_optimizer_state,
+        keep_optimizer_state or spec.training.keep_optimizer_state,
     )
     servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds)
     data = (

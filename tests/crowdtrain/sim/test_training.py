@@ -354,12 +354,13 @@ def test_without_backpressure_a_run_is_what_it_was_before_the_budget(blobs: Data
 
 
 @pytest.mark.parametrize("slots", [1, 2])
-@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("asked", ["no", "by the simulator's option", "by the job spec"])
 def test_a_hosts_slots_keep_their_optimizer_state_across_workunits_only_when_asked(
-    blobs: Dataset, monkeypatch: pytest.MonkeyPatch, slots: int, keep: bool
+    blobs: Dataset, monkeypatch: pytest.MonkeyPatch, slots: int, asked: str
 ) -> None:
     """One host, 5 Adam steps a workunit (160-example shards, batch 32). By default every workunit's
-    optimizer starts from zero, as the client's does. Kept, each slot's first workunit starts from
+    optimizer starts from zero, as the client's does. Kept (the simulator's option, or the spec's
+    training.keep_optimizer_state as the client reads it), each slot's first workunit starts from
     zero and every later one from the very state a workunit of that host ended with, each such state
     taken once: a chain per slot, whose Adam step count grows by 5 a workunit."""
     calls: list[tuple[dict | None, dict]] = []  # (the state training started from, the one it ended with)
@@ -371,7 +372,17 @@ def test_a_hosts_slots_keep_their_optimizer_state_across_workunits_only_when_ask
         return result
 
     monkeypatch.setattr(sim_training, "train", spy)
-    simulate_training(job(4, 3), hosts=1, slots=slots, seed=0, data=blobs, keep_optimizer_state=keep, **INSTANT)
+    spec, keep = job(4, 3), asked != "no"
+    spec["training"]["keep_optimizer_state"] = asked == "by the job spec"
+    simulate_training(
+        spec,
+        hosts=1,
+        slots=slots,
+        seed=0,
+        data=blobs,
+        keep_optimizer_state=asked == "by the simulator's option",
+        **INSTANT,
+    )
     assert len(calls) == 12  # 3 epochs of 4 workunits
     starts = [start for start, _ in calls]
     if not keep:
