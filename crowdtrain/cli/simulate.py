@@ -11,7 +11,7 @@ from crowdtrain.cli.options import HELP_LAYOUT, JOIN_TOKEN_ENV, OptionalServerOp
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.result import print_table
-from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS
+from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, PASS_SECONDS
 from crowdtrain.sim.training import simulate_training as run_training
 
 app = typer.Typer(
@@ -99,8 +99,11 @@ def simulate_training(
         bool, typer.Option(help="Hosts hold slots + 1 assignments, as the client does; --no-prefetch: slots")
     ] = True,
     merge_seconds: Annotated[
-        float, typer.Option(min=0, help="Seconds a parameter server takes per merge (a job's merges take turns)")
+        float, typer.Option(min=0, help="Seconds a merge pass takes per result in it")
     ] = MERGE_SECONDS,
+    pass_seconds: Annotated[
+        float, typer.Option(min=0, help="Seconds a merge pass takes besides its results (one pass at a time)")
+    ] = PASS_SECONDS,
     eval_seconds: Annotated[
         float, typer.Option(min=0, help="Seconds a parameter server takes per evaluation (every eval_every merges)")
     ] = EVAL_SECONDS,
@@ -135,6 +138,7 @@ def simulate_training(
             prefetch=prefetch,
             merge_seconds=merge_seconds,
             eval_seconds=eval_seconds,
+            pass_seconds=pass_seconds,
             parameter_servers=parameter_servers,
             keep_optimizer_state=keep_optimizer_state,
         )

@@ -67,7 +67,8 @@ class SimResult:
     # assignment id -> when its place on its host was free again (training ended, or a preempted one restarted)
     place_freed: dict[int, float] = field(repr=False, default_factory=dict)
     merge_waits: list[float] = field(repr=False, default_factory=list)  # arrival -> merge start, per result
-    longest_backlog: int = 0  # the most results ever waiting for a parameter server at once
+    longest_backlog: int = 0  # the most results ever waiting while a pass ran
+    passes: list[int] = field(repr=False, default_factory=list)  # the results of each merge pass, in order
 
     def held(self, host: int, at: float) -> int:
         """Assignments `host` held at `at` (dispatched by then, their place not yet free): what
@@ -143,6 +144,7 @@ class SimResult:
             "merge_wait_mean_s": round(statistics.fmean(self.merge_waits), 4) if self.merge_waits else None,
             "merge_wait_max_s": round(max(self.merge_waits), 4) if self.merge_waits else None,
             "longest_backlog": self.longest_backlog,
+            "mean_pass": round(statistics.fmean(self.passes), 2) if self.passes else None,
             "epoch_accuracy": {str(e): f for e, f in self.epoch_figures.items() if f is not None},
             "curve": [
                 {

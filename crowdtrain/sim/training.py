@@ -62,6 +62,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fra
 from crowdtrain.sim.hosts import Fleet
 from crowdtrain.sim.job import IN_PROGRESS, UPLOADED, Assignment, Metric, SimJob
 from crowdtrain.sim.result import Dispatch, SimResult
-from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, MergeQueue, ParameterServers
+from crowdtrain.sim.servers import EVAL_SECONDS, MAX_PASS, MERGE_SECONDS, PASS_SECONDS, MergeQueue, ParameterServers
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 
 FETCHED, TRAINED, ARRIVE, MERGED, EVALUATED = "fetched", "trained", "arrive", "merged", "evaluated"
@@ -122,6 +123,8 @@ def simulate_training(
     prefetch: bool = True,
     merge_seconds: float = MERGE_SECONDS,
     eval_seconds: float = EVAL_SECONDS,
+    pass_seconds: float = PASS_SECONDS,
+    max_pass: int = MAX_PASS,
     parameter_servers: int = 1,
     backpressure: bool = True,
     keep_optimizer_state: bool = False,
@@ -134,10 +137,12 @@ def simulate_training(
     snapshot it was given), for timing studies: the job then runs to stop.max_epochs. `data`
     skips loading the spec's dataset (a benchmark running many simulations loads it once).
     `prefetch` is the client's (client/worker.py): each host holds `slots` + 1 assignments not yet
-    trained. `parameter_servers` processes serve the job's merges, each taking `merge_seconds`, and
-    an evaluation `eval_seconds` (crowdtrain.sim.servers). `backpressure` holds dispatch at the job's
-    in-flight budget, as the scheduler does (crowdtrain.server.services.backpressure); off, the run is
-    what it was before the scheduler had one. `keep_optimizer_state`, or the spec's
+    trained. The job's merges go in passes, one at a time, each taking `pass_seconds` and
+    `merge_seconds` per result (up to `max_pass` results a pass), and an evaluation `eval_seconds`
+    when due (crowdtrain.sim.servers; `parameter_servers` processes serve the job, one holding its
+    merge lease at a time). `backpressure` holds dispatch at the job's in-flight budget, as the
+    scheduler does (crowdtrain.server.services.backpressure); off, the run is what it was before
+    the scheduler had one. `keep_optimizer_state`, or the spec's
     `training.keep_optimizer_state` as the client reads it: each host's slots carry their optimizer
     state across workunits (see the module docstring). Training runs on one CPU thread.
     """
@@ -160,7 +165,7 @@ def simulate_training(
         prefetch,
         keep_optimizer_state or spec.training.keep_optimizer_state,
     )
-    servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds)
+    servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds, pass_seconds, max_pass)
     data = (
         data
         if data is not None
@@ -386,26 +391,32 @@ class _Simulation:
         self._serve()
 
     def _serve(self) -> None:
-        for a, merged_at in self.queue.take(self.now):
-            self._after(merged_at - self.now, MERGED, a)
+        taken = self.queue.take(self.now)
+        if taken is not None:
+            batch, written_at = taken
+            self._after(written_at - self.now, MERGED, batch)
 
-    def _merged(self, a: Assignment) -> None:
-        """A merge left the lease: W_s took `a` (or refused it); then an evaluation when due."""
-        refused = self.job.apply(a, self.now) is not None
-        a.client = None
-        if refused:
-            self._task_done()
-        elif self.job.evaluation_due():
-            metric = self.job.measure(a, self.now)
-            self._after(self.servers.eval_seconds, EVALUATED, (a, metric))
+    def _merged(self, batch: list[Assignment]) -> None:
+        """A pass wrote W_s: it took each of `batch` in order (or refused it); then, holding the lease,
+        one evaluation when one of its versions is due (crowdtrain.assimilator.merge.record_merged)."""
+        taken, due = [], False
+        for a in batch:
+            if self.job.apply(a, self.now) is None:
+                taken.append(a)
+                due = due or self.job.evaluation_due()
+            a.client = None
+        if due:
+            metric = self.job.measure(taken[-1], self.now)  # W_s measured once, for each epoch in the pass
+            metrics = {a.wu.epoch: metric and replace(metric, epoch=a.wu.epoch) for a in taken}
+            self._after(self.servers.eval_seconds, EVALUATED, (taken, metrics))
         else:
-            self._evaluated(a, None)
+            self._evaluated(taken, {})
 
-    def _evaluated(self, a: Assignment, metric: Metric | None) -> None:
-        self.job.record(a, metric, self.now)
-        self._task_done()
-
-    def _task_done(self) -> None:
+    def _evaluated(self, taken: list[Assignment], metrics: dict[int, Metric | None]) -> None:
+        """The pass's results are recorded, the figure on the last of each epoch, and the lease is free."""
+        last = {a.wu.epoch: a.id for a in taken}
+        for a in taken:
+            self.job.record(a, metrics.get(a.wu.epoch) if last[a.wu.epoch] == a.id else None, self.now)
         self.queue.done()
         self._serve()
 
@@ -446,5 +457,6 @@ class _Simulation:
             arrivals=self.arrivals,
             place_freed=self.ended,
             merge_waits=self.queue.waits,
+            passes=self.queue.passes,
             longest_backlog=self.queue.longest,
         )

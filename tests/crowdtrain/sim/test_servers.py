@@ -16,21 +16,33 @@ def result(i: int) -> Assignment:
     return Assignment(i, Workunit(i, 1, i), 0, 0, {}, 0.0, 60.0)
 
 
-def test_the_queue_serves_results_first_in_first_out_and_merges_take_turns() -> None:
-    q = MergeQueue(ParameterServers(processes=2, merge_seconds=1.0, eval_seconds=0.0))
+def test_one_pass_at_a_time_takes_the_oldest_results_up_to_max_pass() -> None:
+    q = MergeQueue(ParameterServers(processes=2, merge_seconds=1.0, eval_seconds=0.0, pass_seconds=0.5, max_pass=2))
     for i in range(3):
         q.arrive(result(i), now=0.5 * i)
-    taken = q.take(now=1.0)
-    # Two processes take the two oldest; the second waits for the first's merge to leave the lease.
-    assert [(a.id, end) for a, end in taken] == [(0, 2.0), (1, 3.0)]
-    assert q.longest == 1 and q.take(now=1.0) == []  # both processes busy: the third waits
+    batch, written_at = q.take(now=1.0)
+    # The two oldest in one pass: 0.5 s for the pass and 1 s for each result; a second process waits.
+    assert ([a.id for a in batch], written_at) == ([0, 1], 3.5)
+    assert q.take(now=1.0) is None
+    q.arrive(result(3), now=2.0)
+    assert q.longest == 2  # waiting while a pass ran
     q.done()
-    assert [(a.id, end) for a, end in q.take(now=2.5)] == [(2, 4.0)]
-    assert q.waits == [1.0, 1.5, 2.0]  # from arrival to the start of each merge
+    batch, written_at = q.take(now=3.5)
+    assert ([a.id for a in batch], written_at) == ([2, 3], 6.0)
+    assert q.waits == [1.0, 0.5, 2.5, 1.5] and q.passes == [2, 2]  # from arrival to the start of its pass
+    q.done()
+    assert q.take(now=6.0) is None  # nothing waits
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("processes", 0), ("merge_seconds", -1.0), ("eval_seconds", float("nan"))]
+    ("field", "value"),
+    [
+        ("processes", 0),
+        ("merge_seconds", -1.0),
+        ("eval_seconds", float("nan")),
+        ("pass_seconds", -0.1),
+        ("max_pass", 0),
+    ],
 )
 def test_bad_service_settings_are_refused_naming_the_field(field: str, value: float) -> None:
     name = "parameter_servers" if field == "processes" else field
@@ -48,7 +60,7 @@ def run(data: Dataset, hosts: int = 4, eval_every: int = 1, **kwargs):
 
 def test_a_merge_slower_than_the_results_builds_a_backlog_and_staleness_grows_with_it(blobs: Dataset) -> None:
     """4 hosts send about 4 results a second; merges of 0.5 s or 1 s cannot keep up (eval aside)."""
-    runs = {m: run(blobs, merge_seconds=m, eval_seconds=0.0) for m in (0.0, 0.1, 0.5, 1.0)}
+    runs = {m: run(blobs, merge_seconds=m, eval_seconds=0.0, pass_seconds=0.0) for m in (0.0, 0.1, 0.5, 1.0)}
     mean = {m: r.staleness_summary()["mean"] for m, r in runs.items()}
     assert mean[0.0] <= mean[0.1] < mean[0.5] < mean[1.0]
     assert runs[0.0].longest_backlog == 0 and max(runs[0.0].merge_waits) == 0
@@ -66,13 +78,13 @@ def test_with_instant_servers_and_no_prefetch_a_run_is_what_it_was_before_the_qu
 
 
 def test_evaluations_delay_the_merges_behind_them(blobs: Dataset) -> None:
-    """An evaluation after every merge holds the one process; every 1,000th (never here) does not."""
+    """An evaluation after every pass holds the job's lease, so results wait longer; one every 1,000th
+    merge (never here) changes nothing."""
     fast = run(blobs, merge_seconds=0.05, eval_seconds=0.0)
     evaluating = run(blobs, merge_seconds=0.05, eval_seconds=0.3)
     seldom = run(blobs, merge_seconds=0.05, eval_seconds=0.3, eval_every=1000)
     assert statistics.fmean(evaluating.merge_waits) > statistics.fmean(fast.merge_waits) + 0.1
-    assert evaluating.staleness_summary()["mean"] > fast.staleness_summary()["mean"]
-    assert seldom.merge_waits == fast.merge_waits
+    assert seldom.merge_waits == fast.merge_waits and seldom.passes == fast.passes
 
 
 @pytest.mark.parametrize("processes", [1, 3])
@@ -92,10 +104,22 @@ def test_results_are_merged_each_exactly_once_in_order_of_arrival(blobs: Dataset
     assert r.merged == [a for a in r.arrivals if a in merged]
 
 
-def test_more_processes_overlap_evaluations_with_merges(blobs: Dataset) -> None:
+def test_a_pass_shares_its_cost_among_the_results_queued_behind_it(blobs: Dataset) -> None:
+    """Passes of 1 s whatever they hold, results at about 4 a second: the queue that forms is taken
+    a pass at a time, so the job needs far fewer than one second per merge, as one-merge passes would."""
+    r = run(blobs, merge_seconds=0.0, eval_seconds=0.0, pass_seconds=1.0)
+    one_each = run(blobs, merge_seconds=0.0, eval_seconds=0.0, pass_seconds=1.0, max_pass=1)
+    assert r.merges == one_each.merges == 96
+    assert statistics.fmean(r.passes) > 2 and max(r.passes) <= 8 and sum(r.passes) == 96
+    assert one_each.passes == [1] * 96 and one_each.sim_seconds >= 96
+    assert r.sim_seconds < 0.5 * one_each.sim_seconds
+
+
+def test_more_processes_do_not_change_one_jobs_merges(blobs: Dataset) -> None:
+    """One process holds a job's merge lease at a time: a second one serves other jobs, not this one."""
     one, three = (run(blobs, merge_seconds=0.1, eval_seconds=0.5, parameter_servers=p) for p in (1, 3))
-    assert statistics.fmean(three.merge_waits) < statistics.fmean(one.merge_waits)
-    assert three.sim_seconds < one.sim_seconds
+    assert one.merge_waits == three.merge_waits and one.passes == three.passes
+    assert one.sim_seconds == three.sim_seconds
 
 
 def test_a_queued_result_is_not_timed_out_at_its_deadline(blobs: Dataset) -> None:

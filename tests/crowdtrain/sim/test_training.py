@@ -299,6 +299,8 @@ def test_cli_simulates_training_and_prints_one_json_line(tmp_path, blobs: Datase
             "0",
             "--eval-seconds",
             "0",
+            "--pass-seconds",
+            "0",
         ],
     )
     assert out.exit_code == 0, out.output
@@ -327,7 +329,8 @@ def test_max_in_flight_caps_the_unmerged_assignments_at_every_dispatch(blobs: Da
 
 
 def test_without_backpressure_a_run_is_what_it_was_before_the_budget(blobs: Dataset) -> None:
-    """The figures the simulator gave before it held dispatch at the in-flight budget (same seeds)."""
+    """The figures the simulator gave before it held dispatch at the in-flight budget (same seeds), and
+    before merges went in passes (one result a pass, a merge's whole cost per pass)."""
     for merge, speed_sigma, mean, seconds, backlog in (
         (0.035, 0.5, 12.04, 13.055916493442467, 3),
         (1.0, 0.0, 34.02, 97.0, 55),
@@ -343,6 +346,8 @@ def test_without_backpressure_a_run_is_what_it_was_before_the_budget(blobs: Data
             data=blobs,
             merge_seconds=merge,
             eval_seconds=0.0,
+            pass_seconds=0.0,
+            max_pass=1,
             backpressure=False,
         )
         assert (r.staleness_summary()["mean"], r.sim_seconds, r.merges, r.longest_backlog) == (
