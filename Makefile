@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench compose-test clean
+.PHONY: demo test install bench compose-test docs docs-reference clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,19 @@ test: $(STAMP)
 	outcome parallel $$parallel; outcome serial $$serial; \
 	[ $$parallel -eq 0 ] && { [ $$serial -eq 0 ] || [ $$serial -eq 5 ]; }
 
-# docker-compose.yml built and run by a real Docker engine, on a local Debian base image (README, Deploy):
+# docker-compose.yml built and run by a real Docker engine, on a local Debian base image (docs/operator/deploy.md):
 # root, docker.io, docker-compose and debootstrap needed. Not part of `make test` or .ci/run: it takes as long.
 compose-test: $(STAMP)
 	PIP=$(VENV)/bin/pip PYTHON=$(PY) tests/compose/compose-test.sh
+
+# The manual (docs/, mkdocs.yml) built into var/site; `.venv/bin/mkdocs serve` shows it while editing.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+# The job spec's reference page, rendered from its schema; tests/crowdtrain/core/test_spec_reference.py fails when
+# the committed page is stale.
+docs-reference: $(STAMP)
+	$(PY) -m crowdtrain.core.spec_reference docs/reference/job-spec.md
 
 bench: $(STAMP)
 	$(PY) benchmarks/merge_latency.py

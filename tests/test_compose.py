@@ -333,7 +333,7 @@ def test_make_compose_test_runs_the_script_and_stays_out_of_make_test_and_ci() -
     test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "compose" not in test_recipe
     assert "compose-test" not in (ROOT / ".ci" / "run").read_text()
-    assert "make compose-test" in (ROOT / "README.md").read_text()
+    assert "make compose-test" in (ROOT / "docs" / "operator" / "deploy.md").read_text()
 
 
 def test_required_variables_fail_loudly_when_unset() -> None:

@@ -3,8 +3,8 @@
 The safetensors header's `__metadata__` (string -> string, the only kind the format allows) holds
 the job spec and the model config as JSON, the framework, the model's name, the parameter version,
 the validation accuracy of exactly that version and the crowdtrain version that wrote it: enough to
-rebuild the model and load the tensors without asking the scheduler (README.md, "The exported
-model"). Only the header changes: the tensors' bytes are those of W_s as the parameter store holds
+rebuild the model and load the tensors without asking the scheduler (docs/operator/jobs.md, "The
+exported model"). Only the header changes: the tensors' bytes are those of W_s as the parameter store holds
 them. No I/O.
 """
 

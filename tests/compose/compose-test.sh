@@ -187,7 +187,7 @@ check_accounting() {
     dc exec -T scheduler python - "$JOB_ID" <tests/compose/check_accounting.py
 }
 
-backups() { # README's backup commands (Redis's with the test's port), and what each wrote is readable
+backups() { # docs/operator/deploy.md's backup commands (Redis's with the test's port), and what each wrote is readable
     dc exec -T postgres pg_dump -U crowdtrain -Fc crowdtrain >"$WORK/crowdtrain.pgdump"
     dc exec -T postgres pg_restore --list <"$WORK/crowdtrain.pgdump" >"$WORK/pgdump.list"
     grep -q 'TABLE DATA public assignments' "$WORK/pgdump.list"

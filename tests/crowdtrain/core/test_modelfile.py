@@ -1,5 +1,5 @@
-"""The exported model says what it is in its safetensors header, its tensors untouched, and the README's
-lines load it in PyTorch and in Keras as they are written."""
+"""The exported model says what it is in its safetensors header, its tensors untouched, and the manual's
+lines (docs/operator/jobs.md) load it in PyTorch and in Keras as they are written."""
 
 import json
 import re
@@ -64,15 +64,15 @@ def test_a_file_that_is_not_safetensors_is_refused(blob: bytes) -> None:
         read_metadata(blob)
 
 
-def _readme_blocks() -> list[str]:
-    """The Python blocks of README.md's "The exported model" section, PyTorch's first."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## The exported model\n", 1)[1].split("\n## ", 1)[0]
+def _manual_blocks() -> list[str]:
+    """The Python blocks of the jobs page's "The exported model" section, PyTorch's first."""
+    page = (ROOT / "docs" / "operator" / "jobs.md").read_text()
+    section = page.split("\n## The exported model\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
 def _export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, np.ndarray]:
-    """The example model exported as `model.safetensors` in the working directory, as the README has it."""
+    """The example model exported as `model.safetensors` in the working directory, as the manual has it."""
     _, params, metadata = _example_model()
     (tmp_path / "model.safetensors").write_bytes(with_metadata(encode(params), metadata))
     monkeypatch.chdir(tmp_path)
@@ -81,11 +81,11 @@ def _export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, np.nda
     return params
 
 
-def test_the_readme_loads_the_exported_model_in_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert len(_readme_blocks()) == 2
+def test_the_manual_loads_the_exported_model_in_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert len(_manual_blocks()) == 2
     params = _export(tmp_path, monkeypatch)
     namespace: dict = {}
-    exec(_readme_blocks()[0], namespace)
+    exec(_manual_blocks()[0], namespace)
     loaded = state_to_numpy(namespace["model"])
     assert loaded.keys() == params.keys()
     for name, value in loaded.items():
@@ -93,11 +93,11 @@ def test_the_readme_loads_the_exported_model_in_pytorch(tmp_path: Path, monkeypa
     assert namespace["meta"]["val_accuracy"] == "0.9125"
 
 
-def test_the_readme_loads_the_exported_model_in_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_manual_loads_the_exported_model_in_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("tensorflow")
     params = _export(tmp_path, monkeypatch)
     namespace: dict = {}
-    exec(_readme_blocks()[1], namespace)
+    exec(_manual_blocks()[1], namespace)
     loaded = namespace["model"].get_params()
     assert loaded.keys() == params.keys()
     for name, value in loaded.items():

@@ -1,0 +1,144 @@
+"""The job spec's reference page, rendered from the pydantic models' JSON schema: one table per section
+(field, type, default, description), the nested sections and each zoo model's options in sections of
+their own. The page is docs/reference/job-spec.md; a test renders it again and compares.
+
+    python -m crowdtrain.core.spec_reference docs/reference/job-spec.md    (or `make docs-reference`)
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.core.modelspec import ZOO_OPTIONS
+
+PAGE = Path("docs/reference/job-spec.md")
+COMMAND = "make docs-reference"
+
+INTRO = f"""# Job spec reference
+
+<!-- Generated from crowdtrain.core.jobspec's JSON schema by `{COMMAND}`; do not edit by hand. -->
+
+A job spec is a YAML or JSON file that `crowdtrain job submit` validates against these models. A key
+that a section does not know is refused, so a misspelt key never falls back to the default silently.
+A type `X or null` takes `null` for "none". A field whose default is *required* must be given.
+The [jobs page](../operator/jobs.md#job-spec) explains the sections in prose, and
+[Choosing a mode and a merge rule](../operator/choosing-a-mode.md) says which settings trained here.
+"""
+
+# Keywords of a JSON schema that bound a value, and how a reader writes each.
+BOUNDS = {"minimum": "≥", "exclusiveMinimum": ">", "maximum": "≤", "exclusiveMaximum": "<"}
+LENGTHS = {"minLength": "length ≥", "maxLength": "length ≤", "minItems": "items ≥", "maxItems": "items ≤"}
+
+
+def anchor(title: str) -> str:
+    """The id MkDocs gives the heading `title` (Python-Markdown's toc slugify: word characters, spaces and
+    hyphens kept, runs of spaces and hyphens made one hyphen, lower case)."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title).strip().lower())
+
+
+def cell(text: str) -> str:
+    """`text` made safe for one Markdown table cell: no line breaks, pipes, emphasis or tags."""
+    return " ".join(text.split()).replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;")
+
+
+def type_of(schema: dict[str, Any], titles: dict[str, str]) -> str:
+    """A field's type as a reader writes it, bounds included: `integer (≥ 1, ≤ 1000)`, `"sgd" | "adam"`."""
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return f"[{titles[name]}](#{anchor(titles[name])})"
+    if "anyOf" in schema:
+        return " or ".join(type_of(option, titles) for option in schema["anyOf"])
+    if "enum" in schema:
+        return " \\| ".join(f"`{json.dumps(value)}`" for value in schema["enum"])
+    if "const" in schema:
+        return f"`{json.dumps(schema['const'])}`"
+    kind = schema.get("type", "any")
+    if kind == "array" and "prefixItems" in schema:
+        kind = "[" + ", ".join(type_of(item, titles) for item in schema["prefixItems"]) + "]"
+    elif kind == "array" and "items" in schema:
+        kind = f"list of {type_of(schema['items'], titles)}"
+    elif kind == "object":
+        kind = "mapping"
+    bounds = [f"{word} {schema[key]}" for key, word in {**BOUNDS, **LENGTHS}.items() if key in schema]
+    if kind.startswith("["):  # a tuple's length is in its brackets already
+        bounds = [b for b in bounds if not b.startswith("items")]
+    return f"{kind} ({', '.join(bounds)})" if bounds else kind
+
+
+def default_of(name: str, schema: dict[str, Any], required: list[str], titles: dict[str, str]) -> str:
+    if name in required:
+        return "*required*"
+    if "default" in schema:
+        return f"`{json.dumps(schema['default'], ensure_ascii=False)}`"
+    if "$ref" in schema:  # a section made by its own defaults
+        return "its section's defaults"
+    return "`{}`" if schema.get("type") == "object" else "empty"
+
+
+def section(title: str, schema: dict[str, Any], titles: dict[str, str], lead: str = "") -> list[str]:
+    """One section of the page: its heading, what it is, and a row per field."""
+    lines = [f"## {title}", ""]
+    for text in (lead, schema.get("description", "")):
+        if text:
+            lines += [" ".join(text.split()), ""]
+    lines += ["| field | type | default | description |", "|---|---|---|---|"]
+    required = schema.get("required", [])
+    for name, field in schema.get("properties", {}).items():
+        row = [
+            f"`{name}`",
+            type_of(field, titles),
+            default_of(name, field, required, titles),
+            cell(field.get("description", "")),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return [*lines, ""]
+
+
+def section_titles(
+    node: dict[str, Any], defs: dict[str, Any], path: str = "", titles: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Each nested model's section title, by its name in the schema's `$defs`: where it sits in a spec
+    (`assimilation.upload`), in the order a reader meets them (a section's own sections follow it)."""
+    titles = {} if titles is None else titles
+    for name, field in node.get("properties", {}).items():
+        for ref in (r["$ref"].rsplit("/", 1)[-1] for r in [field, *field.get("anyOf", [])] if "$ref" in r):
+            if ref not in titles:
+                titles[ref] = f"{path}{name}"
+                section_titles(defs[ref], defs, f"{path}{name}.", titles)
+    return titles
+
+
+def render(spec: type[BaseModel] = JobSpec) -> str:
+    """The whole reference page, as Markdown."""
+    schema = spec.model_json_schema()
+    titles = section_titles(schema, schema["$defs"])
+    lines = [INTRO, *section("Top level", schema, titles, "The keys of the spec file itself.")]
+    for name, title in titles.items():
+        lines += section(title, schema["$defs"][name], titles)
+    for model, options in ZOO_OPTIONS.items():
+        lead = f"The keys of `model.options` when `model.name` is `{model}`."
+        lines += section(f"model.options ({model})", options.model_json_schema(), titles, lead)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(f"usage: python -m crowdtrain.core.spec_reference {PAGE}", file=sys.stderr)
+        return 2
+    target = Path(argv[0])
+    try:
+        target.write_text(render())
+    except OSError as exc:
+        print(f"{target}: cannot write it: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
