@@ -214,6 +214,7 @@ def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, bas
         return row | {"status": "unsupported", "note": reason}
     label = f"[{task.name}] {rule} real {slots} slots seed {seed}"
     job_id = cluster.submit(spec)["job_id"]
+    row["job_id"] = job_id
     say(f"{label}: job {job_id}, up to {spec['stop']['max_epochs']} epochs")
     clients = [
         cluster.start_client(f"j{job_id}-c{i}", n) for i, n in enumerate(client_slots(slots, args.slots_per_client))
@@ -244,17 +245,18 @@ def _data(spec: dict) -> Dataset:
     return _data_of[source]
 
 
-def simulate(spec: dict, slots: int, seed: int, args) -> SimResult:
-    """The simulator's run of `spec` at `slots` slots: the one adapter to crowdtrain.sim.training."""
+def simulate(spec: dict, slots: int, seed: int, args, timing: dict | None = None) -> SimResult:
+    """The simulator's run of `spec` at `slots` slots: the one adapter to crowdtrain.sim.training.
+    `timing` (benchmarks/sim_calibration.py's, measured on a real run) replaces the defaults'."""
     per_host = min(slots, args.sim_slots_per_host)
     return simulate_training(
         spec,
         hosts=math.ceil(slots / per_host),
         slots=per_host,
         p=args.sim_p,
-        network_seconds=args.sim_network_seconds,
         seed=seed,
         data=_data(spec),
+        **({"network_seconds": args.sim_network_seconds} | (timing or {})),
     )
 
 
@@ -265,21 +267,24 @@ def one_process_seconds(examples: int | None) -> float | None:
     return None if examples is None else Fleet().work_seconds(examples, 1)
 
 
-def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
-    """One simulated job at `slots` slots; its row of figures, the wall-time speedup over one process
-    (`one_process_seconds` of the baseline's examples to target) among them."""
+def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args, timing: dict | None = None) -> dict:
+    """One simulated job at `slots` slots (with `timing`, see `simulate`); its row of figures, the
+    wall-time speedup over one process (`one_process_seconds` of the baseline's examples to target)
+    among them."""
     spec = job_spec(task, rule, seed, epoch_budget(task, args), args.stop_at_target)
     row = {"task": task.name, "rule": rule, "mode": "sim", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:
         return row | {"status": "unsupported", "note": reason}
-    out = simulate(spec, slots, seed, args)
+    out = simulate(spec, slots, seed, args, timing)
     curve = [(int(m.examples), float(m.accuracy), float(m.time)) for m in out.metrics]
     t_slots = _seconds_to_target(curve, task.target)
     t_one = one_process_seconds(base["examples_to_target"])
     row |= compare_to_baseline([(e, a) for e, a, _ in curve], task, base)
     row |= staleness_figures(out.staleness) | {
         "merges": int(out.merges),
+        "mean_pass": round(statistics.fmean(out.passes), 2) if out.passes else None,
+        "longest_backlog": out.longest_backlog,
         "curve": curve,
         "simulated_seconds_to_target": t_slots,
         "one_process_seconds_to_target": t_one,

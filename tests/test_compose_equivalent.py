@@ -99,7 +99,7 @@ def start_moto(directory: Path, port: int) -> Service:
     ).start()
     wait_for(
         lambda: _answers(lambda: httpx.get(f"http://127.0.0.1:{port}", timeout=1).status_code < 500),
-        30,
+        120,  # its imports take tens of seconds on 2 busy cores
         "moto server did not start",
         svc,
     )

@@ -108,7 +108,12 @@ class AssimilationSpec(SpecSection):
     clip_norm: float | None = Field(None, gt=0, description="Scale any update whose norm is above this down to it")
     upload: UploadSpec = Field(default_factory=UploadSpec)
     schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
-    alpha: float = Field(0.7, ge=0, lt=1)
+    alpha: float = Field(
+        0.6,
+        ge=0,
+        lt=1,
+        description="vc-asgd: W_s keeps this share of itself at each merge (the examples' default too)",
+    )
     max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
     max_update_norm: float | None = Field(
         None,

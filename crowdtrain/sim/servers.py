@@ -85,7 +85,7 @@ class MergeQueue:
         to `max_pass`, and the time the pass writes W_s; None otherwise."""
         if self.busy or not self.waiting:
             return None
-        batch = []
+        batch: list[Assignment] = []
         while self.waiting and len(batch) < self.servers.max_pass:
             arrived, a = self.waiting.popleft()
             self.waits.append(now - arrived)

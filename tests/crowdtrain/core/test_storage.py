@@ -1,7 +1,6 @@
 """Both storage backends behind one interface: a local directory, and S3 (moto's standalone server)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,16 +8,20 @@ import boto3
 import pytest
 
 from crowdtrain.core.storage import ObjectNotFound, download_origin, open_storage
-from crowdtrain.launch.cluster import free_port, wait_for
+from crowdtrain.launch.cluster import Service, free_port, wait_for
+
+MOTO_START = 120  # seconds
 
 
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory):
+    """moto's standalone S3 server. Its imports take tens of seconds on 2 busy cores: it is given
+    MOTO_START seconds, and stopped (killed if it does not stop) however the tests end."""
     port = free_port()
-    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
-    )
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    svc = Service(
+        "moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], dict(os.environ), log
+    ).start()
     endpoint = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -30,11 +33,10 @@ def moto_endpoint(tmp_path_factory):
             return False
 
     try:
-        wait_for(up, 30, "moto server did not start")
+        wait_for(up, MOTO_START, "moto server did not start", svc)
         yield endpoint
     finally:
-        proc.terminate()
-        proc.wait(10)
+        svc.stop()
 
 
 @pytest.fixture
