@@ -82,7 +82,7 @@ def client_argv(python: Path, server: str, join_token_file: Path, preferences: P
     ]
 
 
-_PLAIN_WORD = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 
 
 def systemd_quote(word: str) -> str:
@@ -241,8 +241,9 @@ def install(
 
 
 def uninstall(platform: Platform, paths: ServicePaths, preferences: Path) -> Outcome:
-    """Stop the service and remove the files install wrote: the unit (or plist), the token file, and
-    the preferences file if it is still the untouched template. Nothing installed: an empty outcome."""
+    """Stop the service and remove the files install wrote: the unit (or plist), the token file, the
+    preferences file if it is still the untouched template, launchd's log folder if it is empty.
+    Nothing installed: an empty outcome."""
     outcome = Outcome()
     if paths.service.exists():
         outcome.manager_error = run_manager(deactivate_commands(platform))
@@ -261,8 +262,12 @@ def uninstall(platform: Platform, paths: ServicePaths, preferences: Path) -> Out
             outcome.files.append(preferences)
         else:
             outcome.kept.append(preferences)
-    if platform is Platform.macos and paths.logs.is_dir():
-        outcome.kept.append(paths.logs)
+    if platform is Platform.macos and outcome.files and paths.logs.is_dir():
+        if any(paths.logs.iterdir()):
+            outcome.kept.append(paths.logs)  # the service's logs, the volunteer's to read or delete
+        else:
+            paths.logs.rmdir()
+            outcome.files.append(paths.logs)
     return outcome
 
 
