@@ -193,7 +193,7 @@ def _refuse_options_before(ctx: typer.Context) -> None:
     if given:
         raise UserError(
             f"{', '.join(given)}: give these after the command's name (crowdtrain client {ctx.invoked_subcommand} "
-            "--server ...); only running the client itself takes them first"
+            f"{given[0]} ...); only running the client itself takes them first"
         )
 
 
