@@ -15,6 +15,7 @@ Every field is also a `crowdtrain client` option (`--idle-minutes 5`), which win
 Byte sizes and rates (bytes/s) are integers or strings with a unit (`500MB`, `2GiB`).
 """
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -136,3 +137,17 @@ def _explain(exc: ValidationError, given: dict[str, Any], source: Path) -> str:
         message = "unknown preference" if err["type"] == "extra_forbidden" else err["msg"]
         lines.append(f"invalid preference `{field}` (from {where}): {message}")
     return "\n".join(lines)
+
+
+def template() -> str:
+    """A preferences file that sets nothing: every field commented out with its description and default."""
+    lines = [
+        "# Preferences of the crowdtrain volunteer client, read when it starts (restart it after an edit).",
+        "# Uncomment a key to set it; each is also a `crowdtrain client` option, which wins over this file.",
+        "# Byte sizes and rates (bytes/s) take a unit: 500MB, 2GiB.",
+    ]
+    for name, info in Preferences.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        value = "" if default is None else " " + json.dumps(default)
+        lines += ["", f"# {info.description}", f"# {name} ={value}"]
+    return "\n".join(lines) + "\n"

@@ -6,8 +6,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from crowdtrain.cli.client_service import install_service, uninstall_service
+from crowdtrain.cli.errors import UserError
 from crowdtrain.cli.options import (
+    DEFAULT_CACHE,
     HELP_LAYOUT,
+    CacheOpt,
     JoinTokenFileOpt,
     JoinTokenOpt,
     OptionalServerOpt,
@@ -25,10 +29,16 @@ from crowdtrain.client.worker import VolunteerClient
 from crowdtrain.core.frameworks import Framework, is_framework
 
 app = typer.Typer(
-    name="client", help="The volunteer client: run it, or see what it is doing.", add_completion=False, **HELP_LAYOUT
+    name="client",
+    help="The volunteer client: run it, or see what it is doing.\n\n"
+    "To run it as your user's service, started at login and restarted after a failure (a systemd user unit "
+    "on Linux, a launchd agent on macOS): `crowdtrain client install-service --server URL --join-token-file "
+    "FILE`; `crowdtrain client uninstall-service` stops and removes it.",
+    add_completion=False,
+    **HELP_LAYOUT,
 )
-DEFAULT_CACHE = Path("~/.cache/crowdtrain")
-CacheOpt = Annotated[Path, typer.Option(help="Cache of shards, snapshots, the host token and the status file")]
+app.command("install-service")(install_service)
+app.command("uninstall-service")(uninstall_service)
 
 
 def _limit(what: str, example: str) -> Any:
@@ -120,6 +130,7 @@ def client(
     overrides the file.
     """
     if ctx.invoked_subcommand is not None:
+        _refuse_options_before(ctx)
         return
     if not server:
         raise typer.BadParameter("required to run the client", param_hint="--server")
@@ -174,6 +185,21 @@ def client(
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
+
+
+def _refuse_options_before(ctx: typer.Context) -> None:
+    """`crowdtrain client --server URL install-service` would drop --server: the command's options follow its name."""
+    given = [p.opts[0] for p in ctx.command.params if p.name and _from_command_line(ctx, p.name)]
+    if given:
+        raise UserError(
+            f"{', '.join(given)}: give these after the command's name (crowdtrain client {ctx.invoked_subcommand} "
+            f"{given[0]} ...); only running the client itself takes them first"
+        )
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def _client_preferences(config: Path | None, overrides: dict) -> tuple[Preferences, str]:

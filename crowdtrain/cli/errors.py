@@ -10,10 +10,11 @@ import os
 
 import typer
 
-# Exit codes: refused input or a missing part of the install (as Click's usage errors), and a
-# scheduler that could not be reached.
+# Exit codes: refused input or a missing part of the install (as Click's usage errors), a
+# scheduler that could not be reached, and a service written whose service manager could not be.
 USAGE = 2
 UNREACHABLE = 3
+NOT_ENABLED = 4
 
 # The extra that installs each package a command may need (pyproject.toml's optional dependencies).
 EXTRA_OF = {

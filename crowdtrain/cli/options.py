@@ -22,6 +22,10 @@ OptionalServerOpt = Annotated[
     str | None, typer.Option(envvar=SERVER_ENV, show_envvar=True, show_default=False, help="Scheduler URL")
 ]
 
+# The volunteer client's cache, for the commands that run the client or look at it.
+DEFAULT_CACHE = Path("~/.cache/crowdtrain")
+CacheOpt = Annotated[Path, typer.Option(help="Cache of shards, snapshots, the host token and the status file")]
+
 
 def configure_logging(level: str = "INFO") -> None:
     logs.configure(get_settings().log_format, level)

@@ -34,7 +34,7 @@ def test_the_root_help_lists_every_command_in_order_with_its_help() -> None:
 def test_a_command_is_the_one_its_module_defines() -> None:
     group = typer.main.get_command(app)
     client = group.get_command(click.Context(group), "client")
-    assert client.name == "client" and "status" in client.commands
+    assert client.name == "client" and {"status", "install-service", "uninstall-service"} <= set(client.commands)
     assert "--join-token" in {opt for p in client.params for opt in p.opts}
 
 
@@ -58,7 +58,7 @@ def test_help_and_the_client_import_no_server_package(args: list[str]) -> None:
     [
         ("crowdtrain ", []),
         ("crowdtrain cl", []),
-        ("crowdtrain client --", ["crowdtrain.cli.client", "crowdtrain.cli.options"]),
+        ("crowdtrain client --", ["crowdtrain.cli.client", "crowdtrain.cli.client_service", "crowdtrain.cli.options"]),
     ],
 )
 def test_shell_completion_imports_only_the_command_being_completed(words: str, imported: list[str]) -> None:
