@@ -5,7 +5,7 @@ ASSIMILATE_QUEUE = "crowdtrain.assimilate"
 
 
 def params_chunk(job_id: int, index: int) -> str:
-    """One fixed-size chunk of W_s's safetensors bytes (see crowdtrain.server.ledger.paramstore)."""
+    """One fixed-size chunk of W_s's safetensors bytes (see crowdtrain.server.paramstore.store)."""
     return f"{PREFIX}:job:{job_id}:params:{index}"
 
 
@@ -16,7 +16,7 @@ def params_size(job_id: int) -> str:
 
 def rule_state_chunk(job_id: int, index: int) -> str:
     """One fixed-size chunk of the merge rule's state (momentum, buffers, ...) as safetensors bytes,
-    written together with W_s (see crowdtrain.server.ledger.paramstore)."""
+    written together with W_s (see crowdtrain.server.paramstore.store)."""
     return f"{PREFIX}:job:{job_id}:rule-state:{index}"
 
 
@@ -38,13 +38,13 @@ def params_tag(job_id: int) -> str:
 
 def merge_lease(job_id: int) -> str:
     """Lease of the one parameter server that merges the job's results at a time
-    (crowdtrain.server.ledger.merge_lease)."""
+    (crowdtrain.server.paramstore.lease)."""
     return f"{PREFIX}:job:{job_id}:merge-lease"
 
 
 def merges_wanted(job_id: int) -> str:
     """Set when a parameter server has a result of the job to merge; the lease's holder clears it
-    before each pass and looks for it again before it lets the lease go (crowdtrain.server.ledger.merge_lease)."""
+    before each pass and looks for it again before it lets the lease go (crowdtrain.server.paramstore.lease)."""
     return f"{PREFIX}:job:{job_id}:merges-wanted"
 
 

@@ -4,7 +4,7 @@ uploaded results and the processes that serve it, on a simulated clock.
 As in the real system, each upload becomes one parameter-server task, queued in order of arrival
 (crowdtrain.assimilator.worker.tasks: one Celery task per upload), and the job's `processes`
 worker processes take the oldest one whenever they are free. A task's merge takes
-`merge_seconds`, and the job's merges take turns (crowdtrain.server.ledger.merge_lease), granted
+`merge_seconds`, and the job's merges take turns (crowdtrain.server.paramstore.lease), granted
 in the order the results were taken, so W_s takes them in their order of arrival, each once. A
 merge that makes W_s's version a multiple of `eval_every` is then evaluated for `eval_seconds`
 by the same process, outside the lease (crowdtrain.assimilator.merge._record: the metric, then

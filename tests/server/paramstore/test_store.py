@@ -11,8 +11,9 @@ import pytest
 from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import encode
-from crowdtrain.server.ledger import paramstore, snapshot_list, w_s_cache
-from crowdtrain.server.ledger.merge_steps import QueuedResult, Taken
+from crowdtrain.server.ledger import snapshot_list
+from crowdtrain.server.paramstore import cache, store
+from crowdtrain.server.paramstore.steps import QueuedResult, Taken
 
 
 def _w(value: float) -> dict[str, np.ndarray]:
@@ -20,54 +21,54 @@ def _w(value: float) -> dict[str, np.ndarray]:
 
 
 def test_a_redelivered_merge_is_applied_once(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
     merge = lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws)  # noqa: E731
-    first = paramstore.merge_once(private_redis, 1, 42, merge)
-    again = paramstore.merge_once(private_redis, 1, 42, merge)
+    first = store.merge_once(private_redis, 1, 42, merge)
+    again = store.merge_once(private_redis, 1, 42, merge)
     assert (first.version, first.applied_now) == (1, True)
     assert (again.version, again.applied_now) == (1, False)
-    version, params = paramstore.read(private_redis, 1)
+    version, params = store.read(private_redis, 1)
     assert version == 1
     np.testing.assert_allclose(params["w"], 0.5)
 
 
 def test_initialise_does_not_overwrite_a_live_model(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
-    paramstore.merge_once(private_redis, 1, 1, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws))
-    paramstore.initialise(private_redis, 1, _w(9.0))
-    version, params = paramstore.read(private_redis, 1)
+    store.initialise(private_redis, 1, _w(0.0))
+    store.merge_once(private_redis, 1, 1, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), 0.5, out=ws))
+    store.initialise(private_redis, 1, _w(9.0))
+    version, params = store.read(private_redis, 1)
     assert version == 1 and params["w"][0] == pytest.approx(0.5)
 
 
 def test_a_refused_merge_writes_nothing(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
 
     def refuse(ws, _state, v):
         ws["w"] += 100  # even an in-place change must not leak out of a refused merge
         raise ValueError("stale")
 
     with pytest.raises(ValueError):
-        paramstore.merge_once(private_redis, 1, 7, refuse)
-    version, params = paramstore.read(private_redis, 1)
+        store.merge_once(private_redis, 1, 7, refuse)
+    version, params = store.read(private_redis, 1)
     assert version == 0 and params["w"][0] == 0.0
     assert not private_redis.sismember(keys.merged(1), "7")
-    ok = paramstore.merge_once(private_redis, 1, 8, lambda ws, _state, v: merge_vc_asgd(ws, _w(2.0), 0.5, out=ws))
+    ok = store.merge_once(private_redis, 1, 8, lambda ws, _state, v: merge_vc_asgd(ws, _w(2.0), 0.5, out=ws))
     assert ok.version == 1
-    np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1.0)
+    np.testing.assert_allclose(store.read(private_redis, 1)[1]["w"], 1.0)
 
 
 def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_redis) -> None:
     """8 threads deliver 40 assignments, each twice: 40 merges, and W_s is what 40 merges give."""
-    paramstore.initialise(private_redis, 3, _w(0.0))
+    store.initialise(private_redis, 3, _w(0.0))
     alpha = 0.9
     ids = list(range(100, 140)) * 2
     errors: list[BaseException] = []
 
     def deliver(chunk: list[int]) -> None:
-        conn = paramstore.connect(f"redis://127.0.0.1:{private_redis.connection_pool.connection_kwargs['port']}/0")
+        conn = store.connect(f"redis://127.0.0.1:{private_redis.connection_pool.connection_kwargs['port']}/0")
         try:
             for aid in chunk:
-                paramstore.merge_once(conn, 3, aid, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), alpha, out=ws))
+                store.merge_once(conn, 3, aid, lambda ws, _state, v: merge_vc_asgd(ws, _w(1.0), alpha, out=ws))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -77,7 +78,7 @@ def test_racing_parameter_servers_merge_each_assignment_exactly_once(private_red
     for t in threads:
         t.join()
     assert not errors
-    version, params = paramstore.read(private_redis, 3)
+    version, params = store.read(private_redis, 3)
     assert version == 40
     assert private_redis.scard(keys.merged(3)) == 40
     versions = sorted(json.loads(x)["version"] for x in private_redis.hgetall(keys.merge_log(3)).values())
@@ -106,9 +107,9 @@ def _rule_merge(rule, delta: dict[str, np.ndarray] = STEP):
     return merge
 
 
-def _merge_with(r, job_id: int, assignment_id: int, spec: dict) -> paramstore.MergeOutcome:
+def _merge_with(r, job_id: int, assignment_id: int, spec: dict) -> store.MergeOutcome:
     rule = make_rule(spec)
-    return paramstore.merge_once(r, job_id, assignment_id, _rule_merge(rule), initial_state=rule.initial_state)
+    return store.merge_once(r, job_id, assignment_id, _rule_merge(rule), initial_state=rule.initial_state)
 
 
 def _reference(spec: dict, merges: int) -> tuple[dict, dict]:
@@ -128,32 +129,32 @@ def _assert_same(actual: dict, expected: dict) -> None:
 
 
 def test_the_rule_state_is_created_by_the_first_merge_and_written_with_w_s(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
-    assert paramstore.read_state(private_redis, 1) == (0, None)
+    store.initialise(private_redis, 1, _w(0.0))
+    assert store.read_state(private_redis, 1) == (0, None)
     _merge_with(private_redis, 1, 10, NESTEROV)
     _merge_with(private_redis, 1, 11, NESTEROV)
-    version, state = paramstore.read_state(private_redis, 1)
+    version, state = store.read_state(private_redis, 1)
     ws, expected = _reference(NESTEROV, 2)
     assert version == 2 and int(state["step"]) == 2
     _assert_same(state, expected)
-    _assert_same(paramstore.read(private_redis, 1)[1], ws)
+    _assert_same(store.read(private_redis, 1)[1], ws)
 
 
 def test_a_redelivered_merge_takes_one_momentum_step(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
     first = _merge_with(private_redis, 1, 42, NESTEROV)
-    w_s_cache.clear()  # the redelivery may reach another parameter server
+    cache.clear()  # the redelivery may reach another parameter server
     again = _merge_with(private_redis, 1, 42, NESTEROV)
     assert (first.applied_now, again.applied_now, again.version) == (True, False, 1)
-    version, state = paramstore.read_state(private_redis, 1)
+    version, state = store.read_state(private_redis, 1)
     assert version == 1 and int(state["step"]) == 1
     ws, expected = _reference(NESTEROV, 1)
     _assert_same(state, expected)
-    _assert_same(paramstore.read(private_redis, 1)[1], ws)
+    _assert_same(store.read(private_redis, 1)[1], ws)
 
 
 def test_a_refused_merge_leaves_the_rule_state_alone(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
     _merge_with(private_redis, 1, 1, NESTEROV)
     rule = make_rule(NESTEROV)
 
@@ -162,15 +163,15 @@ def test_a_refused_merge_leaves_the_rule_state_alone(private_redis) -> None:
         raise ValueError("refused")
 
     with pytest.raises(ValueError):
-        paramstore.merge_once(private_redis, 1, 2, refuse, initial_state=rule.initial_state)
+        store.merge_once(private_redis, 1, 2, refuse, initial_state=rule.initial_state)
     _merge_with(private_redis, 1, 3, NESTEROV)
-    version, state = paramstore.read_state(private_redis, 1)
+    version, state = store.read_state(private_redis, 1)
     assert version == 2 and int(state["step"]) == 2
     _assert_same(state, _reference(NESTEROV, 2)[1])
 
 
 def test_a_merge_that_replaces_a_state_array_is_an_error(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
     rule = make_rule(NESTEROV)
 
     def replace(ws, state, version):
@@ -178,12 +179,12 @@ def test_a_merge_that_replaces_a_state_array_is_an_error(private_redis) -> None:
         return ws
 
     with pytest.raises(ValueError, match="in place"):
-        paramstore.merge_once(private_redis, 1, 1, replace, initial_state=rule.initial_state)
-    assert paramstore.read_state(private_redis, 1) == (0, None)
+        store.merge_once(private_redis, 1, 1, replace, initial_state=rule.initial_state)
+    assert store.read_state(private_redis, 1) == (0, None)
 
 
 def _deliver(port: int, job_id: int, assignment_ids: list[int], spec: dict) -> None:
-    conn = paramstore.connect(f"redis://127.0.0.1:{port}/0")
+    conn = store.connect(f"redis://127.0.0.1:{port}/0")
     for aid in assignment_ids:
         _merge_with(conn, job_id, aid, spec)
 
@@ -192,7 +193,7 @@ def _deliver(port: int, job_id: int, assignment_ids: list[int], spec: dict) -> N
 def test_racing_parameter_servers_take_one_optimizer_step_per_assignment(private_redis, workers: str) -> None:
     """4 workers, each with its own Redis connection, deliver 24 assignments twice each: 24 merges, 24
     momentum steps, and W_s and the momentum are what 24 merges in one process give."""
-    paramstore.initialise(private_redis, 3, _w(0.0))
+    store.initialise(private_redis, 3, _w(0.0))
     port = private_redis.connection_pool.connection_kwargs["port"]
     ids = list(range(100, 124)) * 2
     chunks = [ids[i::4] for i in range(4)]
@@ -217,47 +218,47 @@ def test_racing_parameter_servers_take_one_optimizer_step_per_assignment(private
         assert not errors
     else:
         assert [p.exitcode for p in pool] == [0] * 4
-    version, state = paramstore.read_state(private_redis, 3)
+    version, state = store.read_state(private_redis, 3)
     assert version == 24 and private_redis.scard(keys.merged(3)) == 24
     assert int(state["step"]) == 24, "one momentum step per merged assignment"
     ws, expected = _reference(NESTEROV, 24)
     _assert_same(state, expected)
-    _assert_same(paramstore.read(private_redis, 3)[1], ws)
+    _assert_same(store.read(private_redis, 3)[1], ws)
 
 
 def test_fedbuff_versions_count_merges_while_w_s_moves_once_per_buffer(private_redis) -> None:
     spec = {"rule": "fedbuff", "buffer_size": 2, "outer_optimizer": "nesterov"}
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
     outcomes = [_merge_with(private_redis, 1, aid, spec).version for aid in (1, 2, 3)]
     assert outcomes == [1, 2, 3]
-    version, state = paramstore.read_state(private_redis, 1)
+    version, state = store.read_state(private_redis, 1)
     assert version == 3 and int(state["buffer.count"]) == 1 and int(state["step"]) == 1
     ws, expected = _reference(spec, 3)
     _assert_same(state, expected)
-    _assert_same(paramstore.read(private_redis, 1)[1], ws)
+    _assert_same(store.read(private_redis, 1)[1], ws)
 
 
 def test_a_state_given_at_initialisation_is_used(private_redis) -> None:
     rule = make_rule(NESTEROV)
     state = rule.initial_state(_w(0.0))
     state["step"][...] = 7
-    paramstore.initialise(private_redis, 1, _w(0.0), state=state)
+    store.initialise(private_redis, 1, _w(0.0), state=state)
     _merge_with(private_redis, 1, 1, NESTEROV)
-    assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 8
+    assert int(store.read_state(private_redis, 1)[1]["step"]) == 8
 
 
 def test_restoring_w_s_resets_the_rule_state(private_redis) -> None:
     """Redis lost the version (and so W_s): the restored snapshot starts with a fresh rule state."""
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
     for aid in (1, 2, 3):
         _merge_with(private_redis, 1, aid, NESTEROV)
     private_redis.delete(keys.version(1))
     # This process still holds W_s v3 with its rule state: the restore's new tag must make it read W_s again.
-    assert paramstore.initialise_blob(private_redis, 1, encode(_w(0.0)), 3)
-    assert paramstore.read_state(private_redis, 1) == (3, None)
+    assert store.initialise_blob(private_redis, 1, encode(_w(0.0)), 3)
+    assert store.read_state(private_redis, 1) == (3, None)
     assert not private_redis.keys(keys.rule_state_chunk(1, 0))
     _merge_with(private_redis, 1, 4, NESTEROV)
-    assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 1
+    assert int(store.read_state(private_redis, 1)[1]["step"]) == 1
 
 
 # ---- the W_s a parameter-server process keeps between merges ----------------------------------------------
@@ -266,8 +267,8 @@ def test_restoring_w_s_resets_the_rule_state(private_redis) -> None:
 BIG = 1 << 20  # float32 values: a 4 MB W_s, whose reading back shows in the bytes Redis sends
 
 
-def _half_way_to_one(r, job_id: int, assignment_id: int, size: int = 1000) -> paramstore.MergeOutcome:
-    return paramstore.merge_once(
+def _half_way_to_one(r, job_id: int, assignment_id: int, size: int = 1000) -> store.MergeOutcome:
+    return store.merge_once(
         r,
         job_id,
         assignment_id,
@@ -284,25 +285,25 @@ def _sent_by_redis(r, job_id: int, assignment_ids: range) -> int:
 
 
 def test_a_process_that_wrote_w_s_last_merges_without_reading_it_back(private_redis) -> None:
-    paramstore.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
+    store.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
     assert _sent_by_redis(private_redis, 1, range(1, 2)) > 4 * BIG, "the first merge reads W_s"
     assert _sent_by_redis(private_redis, 1, range(2, 5)) < BIG // 10, "the next ones find it here, by its tag"
-    np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1 - 0.5**4)
+    np.testing.assert_allclose(store.read(private_redis, 1)[1]["w"], 1 - 0.5**4)
 
 
 def test_a_cached_w_s_is_read_again_after_another_process_merged(private_redis) -> None:
     """This process caches W_s v1; a second process merges v2; this one's next merge must start from v2."""
-    paramstore.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
+    store.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
     _half_way_to_one(private_redis, 1, 1, BIG)
     port = private_redis.connection_pool.connection_kwargs["port"]
     other = multiprocessing.get_context("fork").Process(
-        target=lambda: _half_way_to_one(paramstore.connect(f"redis://127.0.0.1:{port}/0"), 1, 2, BIG)
+        target=lambda: _half_way_to_one(store.connect(f"redis://127.0.0.1:{port}/0"), 1, 2, BIG)
     )
     other.start()
     other.join()
     assert other.exitcode == 0
     assert _sent_by_redis(private_redis, 1, range(3, 4)) > 4 * BIG, "W_s is read again"
-    version, params = paramstore.read(private_redis, 1)
+    version, params = store.read(private_redis, 1)
     assert version == 3
     np.testing.assert_allclose(params["w"], 1 - 0.5**3)  # from a stale copy: 0.75
 
@@ -331,9 +332,9 @@ def _queued(
 
 
 def _merged_record(r, job_id: int) -> tuple:
-    version, ws, state = paramstore.read_with_state(r, job_id)
+    version, ws, state = store.read_with_state(r, job_id)
     log = {k: json.loads(v)["version"] for k, v in r.hgetall(keys.merge_log(job_id)).items()}
-    return version, ws, state, log, paramstore.recent_update_norms(r, job_id), r.smembers(keys.merged(job_id))
+    return version, ws, state, log, store.recent_update_norms(r, job_id), r.smembers(keys.merged(job_id))
 
 
 @pytest.mark.parametrize("spec", RULES, ids=lambda s: f"{s['rule']}-{s.get('outer_optimizer', s.get('alpha', 'poly'))}")
@@ -343,10 +344,10 @@ def test_k_results_in_one_pass_equal_k_single_merges(private_redis, spec: dict) 
     rule = make_rule(spec)
     results = [_queued(rule, aid, base_version=aid % 4) for aid in range(1, 8)]
     for job_id in (1, 2):
-        paramstore.initialise(private_redis, job_id, _w(0.0))
+        store.initialise(private_redis, job_id, _w(0.0))
     for q in results:
-        assert paramstore.merge_batch(private_redis, 1, [q], rule.initial_state)[0].taken is Taken.merged
-    takings = paramstore.merge_batch(private_redis, 2, results, rule.initial_state)
+        assert store.merge_batch(private_redis, 1, [q], rule.initial_state)[0].taken is Taken.merged
+    takings = store.merge_batch(private_redis, 2, results, rule.initial_state)
     assert [(t.taken, t.version) for t in takings] == [(Taken.merged, v) for v in range(1, 8)]
     single, batched = _merged_record(private_redis, 1), _merged_record(private_redis, 2)
     assert single[0] == batched[0] == 7
@@ -357,23 +358,23 @@ def test_k_results_in_one_pass_equal_k_single_merges(private_redis, spec: dict) 
 
 def test_a_pass_writes_w_s_once(private_redis) -> None:
     """Four results of a W_s of BIG values in one pass: Redis receives W_s's bytes once, not four times."""
-    paramstore.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
+    store.initialise(private_redis, 1, {"w": np.zeros(BIG, np.float32)})
     _half_way_to_one(private_redis, 1, 1, BIG)  # this process now holds W_s: the pass reads nothing back
     received = private_redis.info("stats")["total_net_input_bytes"]
     ones = {"w": np.ones(BIG, np.float32)}
     half = QueuedResult(0, lambda ws, _state, _v, _norms: merge_vc_asgd(ws, ones, 0.5, out=ws) and None)
-    takings = paramstore.merge_batch(private_redis, 1, [replace(half, assignment_id=aid) for aid in range(2, 6)])
+    takings = store.merge_batch(private_redis, 1, [replace(half, assignment_id=aid) for aid in range(2, 6)])
     assert [t.version for t in takings] == [2, 3, 4, 5]
     assert 4 * BIG < private_redis.info("stats")["total_net_input_bytes"] - received < 2 * 4 * BIG
-    np.testing.assert_allclose(paramstore.read(private_redis, 1)[1]["w"], 1 - 0.5**5)
+    np.testing.assert_allclose(store.read(private_redis, 1)[1]["w"], 1 - 0.5**5)
 
 
 def test_a_pass_refuses_supersedes_and_skips_results_one_by_one(private_redis) -> None:
     """In one pass: a result an earlier pass merged, one its step refuses, and the duplicate of a
     workunit merged earlier in the pass change nothing; the others are merged at consecutive versions."""
     rule = make_rule(NESTEROV)
-    paramstore.initialise(private_redis, 1, _w(0.0))
-    paramstore.merge_batch(private_redis, 1, [_queued(rule, 1)], rule.initial_state)
+    store.initialise(private_redis, 1, _w(0.0))
+    store.merge_batch(private_redis, 1, [_queued(rule, 1)], rule.initial_state)
 
     def refuse(ws, state, version, norms):
         return "too large"
@@ -385,7 +386,7 @@ def test_a_pass_refuses_supersedes_and_skips_results_one_by_one(private_redis) -
         _queued(rule, 4, workunit_id=20),  # the straggler's duplicate of 2
         _queued(rule, 5),
     ]
-    takings = paramstore.merge_batch(private_redis, 1, results, rule.initial_state)
+    takings = store.merge_batch(private_redis, 1, results, rule.initial_state)
     assert [(t.taken, t.version, t.reason, t.winner) for t in takings] == [
         (Taken.already_merged, 1, "", None),
         (Taken.merged, 2, "", None),
@@ -395,28 +396,28 @@ def test_a_pass_refuses_supersedes_and_skips_results_one_by_one(private_redis) -
     ]
     assert private_redis.smembers(keys.merged(1)) == {b"1", b"2", b"5"}
     assert private_redis.hgetall(keys.merged_workunits(1)) == {b"20": b"2"}
-    assert 99.0 not in paramstore.recent_update_norms(private_redis, 1)
-    assert int(paramstore.read_state(private_redis, 1)[1]["step"]) == 3
+    assert 99.0 not in store.recent_update_norms(private_redis, 1)
+    assert int(store.read_state(private_redis, 1)[1]["step"]) == 3
 
 
 def test_a_pass_that_fails_midway_writes_nothing(private_redis) -> None:
     rule = make_rule(NESTEROV)
-    paramstore.initialise(private_redis, 1, _w(0.0))
+    store.initialise(private_redis, 1, _w(0.0))
 
     def fail(ws, state, version, norms):
         raise RuntimeError("a bug in a rule")
 
     with pytest.raises(RuntimeError):
-        paramstore.merge_batch(private_redis, 1, [_queued(rule, 1), QueuedResult(2, fail)], rule.initial_state)
-    assert paramstore.read_state(private_redis, 1) == (0, None) and not private_redis.exists(keys.merged(1))
-    assert paramstore.merge_batch(private_redis, 1, [_queued(rule, 1)], rule.initial_state)[0].version == 1
+        store.merge_batch(private_redis, 1, [_queued(rule, 1), QueuedResult(2, fail)], rule.initial_state)
+    assert store.read_state(private_redis, 1) == (0, None) and not private_redis.exists(keys.merged(1))
+    assert store.merge_batch(private_redis, 1, [_queued(rule, 1)], rule.initial_state)[0].version == 1
 
 
 def _deliver_passes(port: int, job_id: int, passes: list[list[int]]) -> None:
-    conn = paramstore.connect(f"redis://127.0.0.1:{port}/0")
+    conn = store.connect(f"redis://127.0.0.1:{port}/0")
     rule = make_rule(NESTEROV)
     for ids in passes:
-        paramstore.merge_batch(conn, job_id, [_queued(rule, aid, own_delta=False) for aid in ids], rule.initial_state)
+        store.merge_batch(conn, job_id, [_queued(rule, aid, own_delta=False) for aid in ids], rule.initial_state)
 
 
 @pytest.mark.parametrize("workers", ["threads", "processes"])
@@ -424,7 +425,7 @@ def test_racing_passes_merge_each_result_once_with_one_optimizer_step(private_re
     """4 workers, each with its own Redis connection, merge 24 results in overlapping passes of 3 (each
     result in two passes): 24 merges, 24 momentum steps, and the same W_s and momentum as 24 single
     merges (of the same update, so that the order the passes land in does not matter)."""
-    paramstore.initialise(private_redis, 3, _w(0.0))
+    store.initialise(private_redis, 3, _w(0.0))
     port = private_redis.connection_pool.connection_kwargs["port"]
     ids = list(range(100, 124))
     passes = [ids[i : i + 3] for i in range(0, 24, 3)] + [ids[i : i + 3] for i in range(1, 24, 3)]
@@ -440,12 +441,12 @@ def test_racing_passes_merge_each_result_once_with_one_optimizer_step(private_re
         w.join()
     if workers == "processes":
         assert [p.exitcode for p in pool] == [0] * 4
-    version, state = paramstore.read_state(private_redis, 3)
+    version, state = store.read_state(private_redis, 3)
     assert version == 24 and private_redis.scard(keys.merged(3)) == 24 and int(state["step"]) == 24
     versions = sorted(json.loads(x)["version"] for x in private_redis.hgetall(keys.merge_log(3)).values())
     assert versions == list(range(1, 25))
-    paramstore.initialise(private_redis, 4, _w(0.0))
+    store.initialise(private_redis, 4, _w(0.0))
     _deliver_passes(port, 4, [[aid] for aid in ids])
-    _, ws, expected = paramstore.read_with_state(private_redis, 4)
+    _, ws, expected = store.read_with_state(private_redis, 4)
     _assert_same(state, expected)
-    _assert_same(paramstore.read(private_redis, 3)[1], ws)
+    _assert_same(store.read(private_redis, 3)[1], ws)

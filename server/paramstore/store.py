@@ -7,7 +7,7 @@ second blob stored the same way (`keys.rule_state_chunk`), created from the rule
 `initial_state(W_s)` by the first merge that finds none.
 
 A merge pass is an optimistic transaction: WATCH the version and the merged-set, apply the pass's
-results in order to W_s read once (crowdtrain.server.ledger.merge_steps), then MULTI/EXEC the new
+results in order to W_s read once (crowdtrain.server.paramstore.steps), then MULTI/EXEC the new
 chunks of W_s and of the rule's state, the new version and every merged assignment id together.
 Two parameter servers racing on one job retry; a redelivered task finds its id in the merged-set
 and does nothing. So every assignment is merged exactly once, however often its task runs and
@@ -20,7 +20,7 @@ A parameter-server process keeps the W_s it wrote last, with the random tag writ
 (`keys.params_tag`); a merge that finds that tag in Redis reads only the small keys, not W_s. Any
 other write of W_s (another process's merge, a restore) writes another tag, and the next merge here
 reads W_s again. Which process merges a job's results is the merge lease's concern
-(crowdtrain.server.ledger.merge_lease); nothing here rests on it.
+(crowdtrain.server.paramstore.lease); nothing here rests on it.
 
 When a job stops running, `close_merges` sets a flag that every merge transaction watches: after
 it, the merged-set is final, and the ledger can end the job's other results knowing that none of
@@ -40,9 +40,9 @@ from redis.typing import EncodableT
 
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import Params, decode, encode, views
-from crowdtrain.server.ledger import w_s_cache
-from crowdtrain.server.ledger.merge_steps import NORMS_KEPT, Pass, QueuedResult, Taken, Taking
-from crowdtrain.server.ledger.w_s_cache import CachedModel
+from crowdtrain.server.paramstore import cache
+from crowdtrain.server.paramstore.cache import CachedModel
+from crowdtrain.server.paramstore.steps import NORMS_KEPT, Pass, QueuedResult, Taken, Taking
 
 CHUNK_BYTES = 1 << 20
 _BUFFER_CUTOFF = 6000  # redis-py's: values longer than this are sent as buffers of their own
@@ -260,7 +260,7 @@ def merge_batch(
     """Merge `results` in order, each exactly once, into W_s read once and written once: what each became.
 
     Each result's step runs on W_s and the rule's state as the results before it left them, with
-    the version and recent update norms they left (crowdtrain.server.ledger.merge_steps), so k
+    the version and recent update norms they left (crowdtrain.server.paramstore.steps), so k
     results in one pass equal k single merges. W_s, the state, the version, the recent norms and
     every merged assignment id (the merged-set, the workunit map, the merge log) change together
     in one MULTI/EXEC, or not at all. A result W_s already holds is `already_merged`; one whose
@@ -305,7 +305,7 @@ def _merge_attempt(
     settled = {q.assignment_id: _settled(r, job_id, q, m, o) for q, m, o in zip(results, merged, owners, strict=True)}
     todo = [q for q in results if settled[q.assignment_id] is None]
     version, tag = int(raw_version), None if raw_tag is None else keys.text(raw_tag)
-    cached = w_s_cache.take(job_id, tag) if todo else None
+    cached = cache.take(job_id, tag) if todo else None
     if todo and cached is None:
         blobs = _read_blobs(r, job_id, with_state=True)
         cached = CachedModel.of(blobs.tag, blobs.version, blobs.params, blobs.state, initial_state)
@@ -328,7 +328,7 @@ def _merge_attempt(
         r.hset(keys.merge_log(job_id), mapping=log)
     else:
         pipe.unwatch()
-    w_s_cache.keep(job_id, cached)  # written, or unchanged: every step refused
+    cache.keep(job_id, cached)  # written, or unchanged: every step refused
     return [cast(Taking, settled[q.assignment_id]) for q in results]
 
 
