@@ -10,7 +10,7 @@ once per merge), publishes a snapshot when due, and closes the epochs that are c
 (crowdtrain.assimilator.merge_records). `assimilate` is a pass of one result.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
-assignment, and at most one assignment per workunit (store.merge_batch: a straggler's
+assignment, and at most one assignment per workunit (merging.merge_batch: a straggler's
 duplicate that loses ends `superseded`), and every ledger step is idempotent
 (crowdtrain.server.ledger.merges), so running a pass again for the same assignments, after a crash
 anywhere in it, completes what is missing and changes nothing else. No Celery here: the task in
@@ -41,7 +41,7 @@ from crowdtrain.core.tensors import Params, sha256
 from crowdtrain.server.ledger import duplicates, merges, result_records, snapshot_list
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.paramstore.steps import QueuedResult, Step, Taken
 from crowdtrain.server.services import telemetry
 
@@ -157,7 +157,7 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
             continue
         if not store.has_server_model(svc.r, pending.job_id):
             merges.restore_server_model(svc.db, svc.storage, svc.r, pending.job_id)
-        version = store.merged_version(svc.r, pending.job_id, assignment_id)
+        version = merging.merged_version(svc.r, pending.job_id, assignment_id)
         if pending.already_merged or version is not None:
             # W_s restored from an older snapshot may have lost the merge the ledger recorded: v0 stands in.
             results[assignment_id] = MergeResult(Outcome.already_merged, version or 0)
@@ -209,7 +209,7 @@ def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | No
 
 
 def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, QueuedResult]]) -> list[MergeResult]:
-    """Merge the prepared results in one pass (store.merge_batch), refusing or superseding those
+    """Merge the prepared results in one pass (merging.merge_batch), refusing or superseding those
     it did not merge; each one's outcome, in order."""
     if not to_merge:
         return []
@@ -217,8 +217,8 @@ def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, Que
     assert all(p.job_id == first.job_id for p, _ in to_merge), "a pass merges one job's results"
     initial_state = make_rule(first.spec["assimilation"]).initial_state
     try:
-        takings = store.merge_batch(svc.r, first.job_id, [q for _, q in to_merge], initial_state)
-    except store.MergesClosed:
+        takings = merging.merge_batch(svc.r, first.job_id, [q for _, q in to_merge], initial_state)
+    except merging.MergesClosed:
         closed = Refused("job is no longer running", charge=False)
         return [_refuse(svc, p.assignment_id, closed) for p, _ in to_merge]
     results = []

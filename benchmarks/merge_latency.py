@@ -273,7 +273,7 @@ def measure_chunked_write(r: redis.Redis, blob: bytes, repetitions: int) -> list
         for _ in range(WARMUP + repetitions):
             start = time.perf_counter()
             with r.pipeline(transaction=True) as pipe:
-                store._queue_blob_write(pipe, scratch_job, blob)
+                store.queue_blob_write(pipe, scratch_job, blob)
                 pipe.execute()
             timings.append(time.perf_counter() - start)
     finally:

@@ -32,7 +32,7 @@ def version(job_id: int) -> str:
 
 def params_tag(job_id: int) -> str:
     """A random token written with every new W_s (initialised, restored or merged): a parameter server
-    that holds the W_s of the token it wrote last needs not read it back (paramstore.merge_batch)."""
+    that holds the W_s of the token it wrote last needs not read it back (paramstore.merging.merge_batch)."""
     return f"{PREFIX}:job:{job_id}:params-tag"
 
 
@@ -55,7 +55,7 @@ def merged(job_id: int) -> str:
 
 def merged_workunits(job_id: int) -> str:
     """Hash workunit id -> the assignment id W_s took it from: one result per workunit, however many
-    assignments (a straggler and its duplicate) upload one (paramstore.merge_batch)."""
+    assignments (a straggler and its duplicate) upload one (paramstore.merging.merge_batch)."""
     return f"{PREFIX}:job:{job_id}:merged-workunits"
 
 

@@ -1,7 +1,7 @@
 """The ledger's side of a parameter server's merge: the result waiting to be merged, and each outcome.
 
 A merge task is delivered at least once (late acks, redelivery when a worker dies), while W_s
-takes each result exactly once (store.merge_batch). So every procedure here is idempotent:
+takes each result exactly once (merging.merge_batch). So every procedure here is idempotent:
 run twice for the same assignment, it records the outcome once. The outcomes:
 - merged: the assignment is `merged` at the W_s version that holds it, its workunit done, its host
   counted valid and given the result's credit (crowdtrain.core.credit) (`record_merge`), and a
@@ -32,7 +32,7 @@ from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_sibling
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
 from crowdtrain.server.ledger.pace import measure_pace
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def end_failed_merge(
     if job_id is None:
         return False
     rejected = False
-    version = store.merged_version(r, job_id, assignment_id)
+    version = merging.merged_version(r, job_id, assignment_id)
     if version is not None:
         for key in record_merge(db, assignment_id, version):
             storage.delete(key)

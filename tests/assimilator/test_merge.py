@@ -26,7 +26,7 @@ from crowdtrain.server.ledger import merges, result_records
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.uploads import check_result, store_result
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job
@@ -190,7 +190,7 @@ def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
     assert job.host() == (1, 0)
     assert job.credit(a) == (pytest.approx(job.expected_credit(a)), pytest.approx(job.expected_credit(a)))
     assert job.metrics() == 1  # eval_every 1
-    assert store.recent_update_norms(services.r, job.job_id) == [
+    assert merging.recent_update_norms(services.r, job.job_id) == [
         pytest.approx(
             np.sqrt(
                 sum(
@@ -229,7 +229,7 @@ def test_a_delivery_that_died_after_merging_is_completed_by_the_next(services) -
     [a] = job.assignments
     client = _moved(job.w0, 0.01)
     job.upload_weights(a, client)
-    store.merge_once(services.r, job.job_id, a, lambda ws, _state, v: _merge_in_place(ws, client))
+    merging.merge_once(services.r, job.job_id, a, lambda ws, _state, v: _merge_in_place(ws, client))
     _, merged_once = job.w_s()
 
     result = assimilate(services, a)

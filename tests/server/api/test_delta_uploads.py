@@ -16,7 +16,7 @@ from crowdtrain.core.updates import SCALE_SUFFIX, decode_update, encode_result, 
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -112,9 +112,9 @@ def test_a_good_int8_delta_is_stored_and_merged_as_base_plus_delta(setup) -> Non
     assert resp.status_code == 202, resp.text
     r = redis.Redis.from_url(cluster.redis_url)
     deadline = time.monotonic() + 60
-    while store.merged_version(r, job_id, a["assignment_id"]) is None and time.monotonic() < deadline:
+    while merging.merged_version(r, job_id, a["assignment_id"]) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert store.merged_version(r, job_id, a["assignment_id"]) == 1
+    assert merging.merged_version(r, job_id, a["assignment_id"]) == 1
     _, merged = store.read(r, job_id)
     delta = decode_update(body, manifest_of(base), UPLOAD)
     for name, w in base.items():

@@ -12,7 +12,7 @@ from crowdtrain.core.tensors import decode, encode
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Workunit
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -154,9 +154,9 @@ def test_a_result_is_accepted_once(setup, work) -> None:
     assert first.status_code == 202, first.text
     r = redis.Redis.from_url(cluster.redis_url)
     deadline = time.monotonic() + 60
-    while store.merged_version(r, job_id, aid) is None and time.monotonic() < deadline:
+    while merging.merged_version(r, job_id, aid) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert store.merged_version(r, job_id, aid) == 1
+    assert merging.merged_version(r, job_id, aid) == 1
     again = hosts["alice"].put(f"/v1/assignments/{aid}/result", content=result)
     assert again.status_code == 409 and "once" in again.json()["detail"]
     time.sleep(1)

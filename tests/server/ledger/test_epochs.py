@@ -22,13 +22,13 @@ from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
 from crowdtrain.server.ledger.jobs import cancel_job
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
 
 def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
-    return store.merge_once(
+    return merging.merge_once(
         r, job_id, assignment_id, lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)
     ).version
 
@@ -188,7 +188,7 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
     db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
     job_id = submit_job(db, storage, r, load_job_spec(EXAMPLE_SPEC), Settings().upload_max_bytes).job_id
     _, w0 = store.read(r, job_id)
-    store.merge_once(r, job_id, 1, lambda ws, _s, _v: ws, update_norm=1.0, workunit_id=7)
+    merging.merge_once(r, job_id, 1, lambda ws, _s, _v: ws, update_norm=1.0, workunit_id=7)
     assert result_records.first_with_digest(r, job_id, "a" * 64, 1) == 1
     assert store.count_merge_failure(r, job_id) == 1
     forgotten = [keys.result_digests, keys.update_norms, keys.merge_failures, keys.merged_workunits]

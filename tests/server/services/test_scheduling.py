@@ -29,7 +29,7 @@ from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbe
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit, utcnow
 from crowdtrain.server.ledger.uploads import store_result
-from crowdtrain.server.paramstore import store
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.fair_share import split_slots
 from crowdtrain.workgen.generator import submit_job
@@ -316,7 +316,7 @@ def test_a_result_whose_workunit_w_s_already_holds_is_superseded_not_merged(ledg
     t = _tail(ledger)
     ledger.upload(t.straggler, t.job_id, t.original)
     ledger.upload(t.idle, t.job_id, t.duplicate)
-    store.merge_once(
+    merging.merge_once(
         ledger.r, t.job_id, t.duplicate, lambda params, _state, _v: params, workunit_id=t.workunit
     )  # the dead server's merge
     version = int(ledger.r.get(keys.version(t.job_id)))
