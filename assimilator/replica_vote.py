@@ -19,10 +19,10 @@ from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.inputs import Refused, holdout, read_result, replay_reason
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
-from crowdtrain.core.jobspec import ValidationSpec, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import decode_shard
+from crowdtrain.core.validationspec import ValidationSpec, validation_of
 from crowdtrain.server.ledger import merges, replicas, result_records
 from crowdtrain.server.ledger.epochs import close_epochs_after_failure
 from crowdtrain.server.paramstore import store

@@ -11,7 +11,8 @@ from crowdtrain.assimilator.evidence import descent_z, measure
 from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.assimilator.validator import training_z, untrained
 from crowdtrain.client.trainers.pytorch import train
-from crowdtrain.core.jobspec import ValidationSpec, load_job_spec
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.workgen.datasets import deal_shards, load_dataset
 from tests.conftest import EXAMPLE_SPEC

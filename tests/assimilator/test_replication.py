@@ -16,12 +16,13 @@ from sqlalchemy import select
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import ValidationSpec, load_job_spec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import AssignmentOut, HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
+from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit, utcnow
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.replicas import replica_wait
