@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from crowdtrain.assimilator.evaluate import example_losses
+from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.assimilator.validator import training_z
 from crowdtrain.core.tensors import Params
 
@@ -47,7 +48,7 @@ def measure(
     before, _ = example_losses(job_id, model_config, base, *shard)
     after, _ = example_losses(job_id, model_config, client, *shard)
     floats = [k for k in sorted(delta) if delta[k].dtype.kind == "f"]
-    step = STEP * _norm({k: base[k] for k in floats})
+    step = STEP * params_norm({k: base[k] for k in floats})
 
     def slope(direction: Params) -> float:
         up, _ = example_losses(job_id, model_config, _moved(base, direction, step), *shard)
@@ -68,12 +69,8 @@ def descent_z(slope: float, null_slopes: list[float]) -> float:
     return -slope / scale
 
 
-def _norm(params: Params) -> float:
-    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in params.values()))
-
-
 def _unit(direction: Params) -> Params:
-    size = _norm(direction)
+    size = params_norm(direction)
     return {k: np.asarray(v, dtype=np.float64) / size for k, v in direction.items()} if size > 0 else direction
 
 

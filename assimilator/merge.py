@@ -10,7 +10,7 @@ once per merge), publishes a snapshot when due, and closes the epochs that are c
 (crowdtrain.assimilator.merge_records). `assimilate` is a pass of one result.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
-assignment, and at most one assignment per workunit (paramstore.merge_batch: a straggler's
+assignment, and at most one assignment per workunit (merging.merge_batch: a straggler's
 duplicate that loses ends `superseded`), and every ledger step is idempotent
 (crowdtrain.server.ledger.merges), so running a pass again for the same assignments, after a crash
 anywhere in it, completes what is missing and changes nothing else. No Celery here: the task in
@@ -38,10 +38,11 @@ from crowdtrain.core.logs import ids
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import Params, sha256
-from crowdtrain.server.ledger import duplicates, merges, paramstore, result_records, snapshot_list
+from crowdtrain.server.ledger import duplicates, merges, result_records, snapshot_list
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job
-from crowdtrain.server.ledger.merge_steps import QueuedResult, Step, Taken
+from crowdtrain.server.paramstore import merging, store
+from crowdtrain.server.paramstore.steps import QueuedResult, Step, Taken
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class MergeServices:
         return cls(
             session_factory(settings.resolved_database_url),
             open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
-            paramstore.connect(settings.redis_url),
+            store.connect(settings.redis_url),
             settings.snapshots_kept,
         )
 
@@ -154,9 +155,9 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
         if pending is None:
             results[assignment_id] = MergeResult(Outcome.nothing_to_merge)
             continue
-        if not paramstore.has_server_model(svc.r, pending.job_id):
+        if not store.has_server_model(svc.r, pending.job_id):
             merges.restore_server_model(svc.db, svc.storage, svc.r, pending.job_id)
-        version = paramstore.merged_version(svc.r, pending.job_id, assignment_id)
+        version = merging.merged_version(svc.r, pending.job_id, assignment_id)
         if pending.already_merged or version is not None:
             # W_s restored from an older snapshot may have lost the merge the ledger recorded: v0 stands in.
             results[assignment_id] = MergeResult(Outcome.already_merged, version or 0)
@@ -208,7 +209,7 @@ def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | No
 
 
 def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, QueuedResult]]) -> list[MergeResult]:
-    """Merge the prepared results in one pass (paramstore.merge_batch), refusing or superseding those
+    """Merge the prepared results in one pass (merging.merge_batch), refusing or superseding those
     it did not merge; each one's outcome, in order."""
     if not to_merge:
         return []
@@ -216,8 +217,8 @@ def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, Que
     assert all(p.job_id == first.job_id for p, _ in to_merge), "a pass merges one job's results"
     initial_state = make_rule(first.spec["assimilation"]).initial_state
     try:
-        takings = paramstore.merge_batch(svc.r, first.job_id, [q for _, q in to_merge], initial_state)
-    except paramstore.MergesClosed:
+        takings = merging.merge_batch(svc.r, first.job_id, [q for _, q in to_merge], initial_state)
+    except merging.MergesClosed:
         closed = Refused("job is no longer running", charge=False)
         return [_refuse(svc, p.assignment_id, closed) for p, _ in to_merge]
     results = []
@@ -313,7 +314,7 @@ def _record_metrics(svc: MergeServices, measured: Sequence[merges.PendingMerge])
         return
     p, validation_key = unmeasured[-1]
     assert validation_key is not None
-    version, params = paramstore.read(svc.r, p.job_id)
+    version, params = store.read(svc.r, p.job_id)
     try:
         x, y = validation_set(svc.storage, validation_key)
         loss, acc = evaluate(p.job_id, p.model_config, params, x, y)
@@ -353,7 +354,7 @@ def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, A
     )
     if version <= last_v or not due:
         return
-    current, blob = paramstore.read_blob(svc.r, job_id)
+    current, blob = store.read_blob(svc.r, job_id)
     key = snapshot_key(job_id, current)
     svc.storage.put(key, blob)
     if not merges.record_snapshot(svc.db, job_id, current, key, sha256(blob)):

@@ -4,7 +4,7 @@ A merge task names one uploaded result. The task that finds its job's merge leas
 merges every result of the job that is ready, oldest first, up to MAX_PASS at a time, into W_s read
 once and written once per pass (crowdtrain.assimilator.merge.assimilate_many), and again while
 results arrive; a task that finds the lease held returns at once, `queued`: its result was stored
-before its task ran, so the holder's next pass takes it (crowdtrain.server.ledger.merge_lease says
+before its task ran, so the holder's next pass takes it (crowdtrain.server.paramstore.lease says
 why no request is lost). So more parameter servers serve more jobs, and a second one never makes
 one job's merges wait on each other. Replicated results go through their replicas' vote one by
 one, as before (crowdtrain.assimilator.merge.assimilate); exactly once either way.
@@ -13,7 +13,8 @@ one, as before (crowdtrain.assimilator.merge.assimilate); exactly once either wa
 from collections.abc import Callable
 
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate, assimilate_many
-from crowdtrain.server.ledger import merge_lease, merges
+from crowdtrain.server.ledger import merges
+from crowdtrain.server.paramstore import lease
 
 # Results merged into one W_s in one pass: each is held in memory (its W_c and Δ) until the pass
 # writes W_s, and the lease is renewed between passes.
@@ -46,5 +47,5 @@ def merge_queued(
             if len(ready) < max_pass:
                 return
 
-    merge_lease.serve(svc.r, pending.job_id, drain)
+    lease.serve(svc.r, pending.job_id, drain)
     return own[0] if own else MergeResult(Outcome.queued)

@@ -19,12 +19,13 @@ from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.inputs import Refused, holdout, read_result, replay_reason
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
-from crowdtrain.core.jobspec import ValidationSpec, validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import decode_shard
-from crowdtrain.server.ledger import merges, paramstore, replicas, result_records
+from crowdtrain.core.validationspec import ValidationSpec, validation_of
+from crowdtrain.server.ledger import merges, replicas, result_records
 from crowdtrain.server.ledger.epochs import close_epochs_after_failure
+from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def measure_replicas(
     (crowdtrain.assimilator.policy.merged_alone) and its evidence of training on the workunit's shard
     (crowdtrain.assimilator.evidence), its flat Δ, and the held-out loss of W_s itself; a result that cannot be
     read as an update, or that replays an earlier one, is invalid at once (assignment id -> why)."""
-    version, server, state = paramstore.read_with_state(r, p.job_id)
+    version, server, state = store.read_with_state(r, p.job_id)
     assimilation = p.spec["assimilation"]
     rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
     state = rule.initial_state(server) if state is None else state

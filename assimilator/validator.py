@@ -4,7 +4,7 @@ Training results are never bit-identical across hosts (other seeds, other hardwa
 compared by what can be compared: their updates' directions (cosine) and norms, and the loss, on a
 held-out slice of the validation set, of W_s as the job's merge rule would leave it after merging
 the replica alone (crowdtrain.assimilator.policy.merged_alone: α·W_s + (1 − α)·W_c for VC-ASGD).
-Two replicas *agree* when all three are close (thresholds: crowdtrain.core.jobspec.ValidationSpec).
+Two replicas *agree* when all three are close (thresholds: crowdtrain.core.validationspec.ValidationSpec).
 A replica is *implausible* on its own when its update is zero (a host that returns the base
 unchanged) or not finite, when it shows no evidence of training (`training_z`: W_c must fit the
 workunit's own shard better than W_base by more than per-example noise, and Δ must descend the
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from crowdtrain.core.jobspec import ValidationSpec
 from crowdtrain.core.tensors import Params
+from crowdtrain.core.validationspec import ValidationSpec
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ import redis
 from crowdtrain.core import keys
 from crowdtrain.core.tensors import Params, decode, encode, views
 from crowdtrain.launch.cluster import Cluster
-from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.paramstore import store
 
 MODEL = {"name": "resnet", "options": {"width": 86, "blocks": 2}}
 IMAGE_SHAPE = (32, 32, 3)
@@ -273,11 +273,11 @@ def measure_chunked_write(r: redis.Redis, blob: bytes, repetitions: int) -> list
         for _ in range(WARMUP + repetitions):
             start = time.perf_counter()
             with r.pipeline(transaction=True) as pipe:
-                paramstore._queue_blob_write(pipe, scratch_job, blob)
+                store.queue_blob_write(pipe, scratch_job, blob)
                 pipe.execute()
             timings.append(time.perf_counter() - start)
     finally:
-        r.delete(*(keys.params_chunk(scratch_job, i) for i in range(-(-len(blob) // paramstore.CHUNK_BYTES))))
+        r.delete(*(keys.params_chunk(scratch_job, i) for i in range(-(-len(blob) // store.CHUNK_BYTES))))
     return timings[WARMUP:]
 
 
@@ -315,7 +315,7 @@ def measure_throughput(processes: int, jobs: int, backlog: int, var_dir: Path) -
     cluster = Cluster(var_dir=var_dir / f"cluster-p{processes}-j{jobs}", assimilator_concurrency=processes)
     try:
         cluster.start()
-        r = paramstore.connect(cluster.redis_url)
+        r = store.connect(cluster.redis_url)
         job_ids = [cluster.submit(job_spec(dataset, backlog + 1))["job_id"] for _ in range(jobs)]
         assimilator = cluster.service("assimilator")
         with register_host(cluster) as host:
@@ -368,7 +368,7 @@ def run(samples: int, var_dir: Path) -> dict:
     try:
         log("starting redis, scheduler, transitioner and one parameter server ...")
         cluster.start()
-        r = paramstore.connect(cluster.redis_url)
+        r = store.connect(cluster.redis_url)
         job = cluster.submit(job_spec(dataset, shards))
         job_id = job["job_id"]
         log(f"job {job_id}: {job['parameters']:,} parameters, {job['shards']} shards")
@@ -379,7 +379,7 @@ def run(samples: int, var_dir: Path) -> dict:
             body = client_result(w0.content)
             log(f"W_s v0 is {len(w0.content):,} bytes; measuring {WARMUP} + {samples} merges ...")
             merges = measure_merges(cluster, host, r, job_id, first["assignment_id"], body, samples)
-        _, blob = paramstore.read_blob(r, job_id)
+        _, blob = store.read_blob(r, job_id)
         log(f"measuring {WARMUP} + {samples} chunked MULTI/EXEC writes of {len(blob):,} bytes (the floor) ...")
         floor = measure_chunked_write(r, blob, samples)
         log(f"measuring {WARMUP} + {samples} raw Redis GET+SET of {len(blob):,} bytes ...")

@@ -46,8 +46,8 @@ from crowdtrain.assimilator.rules.update import Update
 from crowdtrain.assimilator.validator import training_z, untrained
 from crowdtrain.client.trainers import limit_threads
 from crowdtrain.client.trainers.pytorch import train
-from crowdtrain.core.jobspec import ValidationSpec
 from crowdtrain.core.tensors import Params
+from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
 from efficiency_report import say

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from crowdtrain.launch.cluster import Cluster, Service, free_port, redis_server_binary, wait_for
+from crowdtrain.launch.cluster import Cluster, Service, free_port, redis_server_binary, scheduler_is_live, wait_for
 from tests.test_compose import ROOT, argv, dockerfile_entrypoint, environment, load_compose
 from tests.test_training_end_to_end import assert_exact_accounting, submit, wait_finished
 
@@ -169,7 +169,7 @@ def start_server_services(cluster: Cluster, services: dict, env: dict[str, str],
             command = replace_option(command, "--port", str(cluster.port))
         cluster.services.append(Service(name, crowdtrain_process(command), env, logs / f"{name}.log").start())
     wait_for(
-        lambda: _answers(lambda: httpx.get(f"{cluster.url}/v1/health/live", timeout=2).status_code == 200),
+        lambda: scheduler_is_live(cluster.url),
         180,
         "the scheduler did not come up",
         cluster.service("scheduler"),

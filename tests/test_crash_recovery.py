@@ -13,7 +13,7 @@ import redis
 from sqlalchemy import func, select
 
 from crowdtrain.core import keys
-from crowdtrain.launch.cluster import wait_for
+from crowdtrain.launch.cluster import scheduler_is_live, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Workunit
 from tests.test_training_end_to_end import assert_exact_accounting, settle, submit, wait_finished
@@ -113,7 +113,7 @@ class Crashes:
             except redis.RedisError:  # refused, or still loading its append-only file
                 return False
         if self.name == "server":
-            return self.cluster._healthy()
+            return scheduler_is_live(self.cluster.url)
         log = self._log()
         if self.name == "transitioner":
             return "transitioner running every" in log

@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
-from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.paramstore import store
 from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
 
@@ -43,7 +43,7 @@ def _spec(name: str, assimilation: dict) -> dict:
 
 
 def _assert_one_step_per_merge(r: redis.Redis, job_id: int, assimilation: dict) -> None:
-    version, state = paramstore.read_state(r, job_id)
+    version, state = store.read_state(r, job_id)
     buffered = assimilation.get("buffer_size", 1) if assimilation["rule"] == "fedbuff" else 1
     if assimilation["rule"] == "fedbuff":
         assert int(state["buffer.count"]) == version % buffered

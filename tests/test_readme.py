@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import NoReturn
 
 import click
-import httpx
 import pytest
 import typer.main
 
 from crowdtrain.cli import app
-from crowdtrain.launch.cluster import Service, free_port, wait_for
+from crowdtrain.launch.cluster import Service, free_port, scheduler_is_live, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -156,7 +155,7 @@ class Newcomer:
         for service, statement in self.starting:
             line = next((ready for command, ready in READY_LINE.items() if command in statement), None)
             if "crowdtrain server" in statement:
-                ready = self._healthy
+                ready = partial(scheduler_is_live, self.server_url)
             elif line is not None:
                 ready = partial(lambda line, service: bool(line.search(service.tail(1000))), line, service)
             else:
@@ -167,12 +166,6 @@ class Newcomer:
             except (RuntimeError, TimeoutError) as exc:
                 self.fail(statement, str(exc).splitlines()[0], "")
         self.starting.clear()
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.server_url}/v1/health/live", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def stop_terminals(self) -> None:
         """Ctrl-C in each terminal, the last opened (the clients) first, while the scheduler can still take

@@ -26,8 +26,9 @@ from crowdtrain.core.tensors import (
 )
 from crowdtrain.core.updates import upload_of
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
-from crowdtrain.server.ledger import jobs, paramstore, snapshot_list
+from crowdtrain.server.ledger import jobs, snapshot_list
 from crowdtrain.server.ledger.models import Job, Shard
+from crowdtrain.server.paramstore import store
 from crowdtrain.workgen.datasets import deal_shards
 from crowdtrain.workgen.image_decoding import DEFAULT_IMAGE_BOUNDS, ImageBounds
 from crowdtrain.workgen.staging import StagedDataset, stage_dataset
@@ -125,7 +126,7 @@ def _create_job(
             )
         storage.put(keys.validation_key(job_id), encode_shard(*data.validation))
         storage.put(keys.snapshot_key(job_id, 0), initial)
-        paramstore.initialise(r, job_id, params)
+        store.initialise(r, job_id, params)
         snapshot_list.note_snapshot(r, job_id, 0, keep=1_000_000)
     except Exception as exc:
         jobs.fail_preparation(db, job_id, f"preparing the job failed: {exc}")

@@ -2,7 +2,7 @@
 
 A rule is picked by `assimilation.rule` (`make_rule`). It sees one result at a time as an `Update`
 and changes W_s, and its own state (named arrays kept beside W_s in Redis and written in the same
-exactly-once transaction: crowdtrain.server.ledger.paramstore), in place. Policy that applies to every rule
+exactly-once transaction: crowdtrain.server.paramstore.store), in place. Policy that applies to every rule
 (staleness bound, update-norm bound, clipping, refusals) lives in crowdtrain.assimilator.policy and wraps the
 rule; a rule never refuses.
 

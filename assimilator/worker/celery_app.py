@@ -15,7 +15,7 @@ def make_celery() -> Celery:
         task_default_queue=keys.ASSIMILATE_QUEUE,
         task_ignore_result=True,
         # A task is acknowledged only after it ran, and redelivered if its worker died: merges are
-        # idempotent (see paramstore.merge_batch), so "at least once" delivery is safe.
+        # idempotent (see paramstore.merging.merge_batch), so "at least once" delivery is safe.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

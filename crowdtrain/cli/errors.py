@@ -7,8 +7,10 @@ the traceback instead. Anything else is a defect and keeps its traceback.
 """
 
 import os
+from importlib.metadata import PackageNotFoundError, metadata, requires
 
 import typer
+from packaging.requirements import Requirement
 
 # Exit codes: refused input or a missing part of the install (as Click's usage errors), a
 # scheduler that could not be reached, and a service written whose service manager could not be.
@@ -16,28 +18,30 @@ USAGE = 2
 UNREACHABLE = 3
 NOT_ENABLED = 4
 
-# The extra that installs each package a command may need (pyproject.toml's optional dependencies).
-EXTRA_OF = {
-    "uvicorn": "server",
-    "fastapi": "server",
-    "starlette": "server",
-    "sqlalchemy": "server",
-    "alembic": "server",
-    "celery": "server",
-    "redis": "server",
-    "psycopg": "server",
-    "mnist1d": "server",
-    "matplotlib": "server",
-    "boto3": "fleet",
-    "botocore": "fleet",
-    "httpx": "client",
-    "torch": "client",
-    "cryptography": "client",
-    "tenacity": "client",
-    "psutil": "client",
-    "tensorflow": "tensorflow",
-    "keras": "tensorflow",
-}
+# Modules a command imports under another name than the requirement that installs them: theirs, or
+# one that comes with it.
+INSTALLED_BY = {"starlette": "fastapi", "botocore": "boto3", "keras": "tensorflow", "PIL": "pillow"}
+
+
+def _extra_of() -> dict[str, str]:
+    """The extra that installs each package a command may need, read from the install's own metadata
+    (pyproject.toml's optional dependencies). A package several extras name is the first one's, as
+    they are listed (the smallest: httpx is the client's, boto3 the fleet's); `dev` only tests the
+    project. Empty when crowdtrain runs without being installed."""
+    try:
+        extras = [e for e in metadata("crowdtrain").get_all("Provides-Extra") or [] if e != "dev"]
+        declared = [Requirement(line) for line in requires("crowdtrain") or []]
+    except PackageNotFoundError:
+        return {}
+    found: dict[str, str] = {}
+    for req in declared:
+        extra = next((e for e in extras if req.marker is not None and req.marker.evaluate({"extra": e})), None)
+        if extra is not None and req.name != "crowdtrain":
+            found.setdefault(req.name.lower().replace("-", "_"), extra)
+    return found | {package: found[carrier] for package, carrier in INSTALLED_BY.items() if carrier in found}
+
+
+EXTRA_OF = _extra_of()
 
 
 class UserError(Exception):

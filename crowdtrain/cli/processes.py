@@ -20,8 +20,8 @@ from crowdtrain.core.storage import open_storage
 from crowdtrain.launch.supervise import supervise as run_supervised
 from crowdtrain.migrations import upgrade, wait_for_schema
 from crowdtrain.server.api.transport import KEEP_ALIVE_S, NoDelayHttpToolsProtocol
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.paramstore import store
 from crowdtrain.server.services import health
 from crowdtrain.server.services.transitioner import run_forever
 
@@ -87,7 +87,7 @@ def assimilator(
         argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency), "--no-supervise"]
         raise typer.Exit(run_supervised(argv, "the parameter server's Celery worker"))
     heartbeat = health.Heartbeat(
-        paramstore.connect(get_settings().redis_url), "parameter-server", f"{socket.gethostname()}-{os.getpid()}"
+        store.connect(get_settings().redis_url), "parameter-server", f"{socket.gethostname()}-{os.getpid()}"
     ).start()
     try:
         _celery_worker(concurrency)
@@ -126,7 +126,7 @@ def transitioner() -> None:
     if not wait_for_schema(settings.resolved_database_url, stop):
         return
     logging.getLogger(__name__).info("transitioner running every %.1fs", settings.transitioner_interval)
-    r = paramstore.connect(settings.redis_url)
+    r = store.connect(settings.redis_url)
     heartbeat = health.Heartbeat(r, "transitioner", f"{socket.gethostname()}-{os.getpid()}").start()
     try:
         run_forever(

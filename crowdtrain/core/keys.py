@@ -5,7 +5,7 @@ ASSIMILATE_QUEUE = "crowdtrain.assimilate"
 
 
 def params_chunk(job_id: int, index: int) -> str:
-    """One fixed-size chunk of W_s's safetensors bytes (see crowdtrain.server.ledger.paramstore)."""
+    """One fixed-size chunk of W_s's safetensors bytes (see crowdtrain.server.paramstore.store)."""
     return f"{PREFIX}:job:{job_id}:params:{index}"
 
 
@@ -16,7 +16,7 @@ def params_size(job_id: int) -> str:
 
 def rule_state_chunk(job_id: int, index: int) -> str:
     """One fixed-size chunk of the merge rule's state (momentum, buffers, ...) as safetensors bytes,
-    written together with W_s (see crowdtrain.server.ledger.paramstore)."""
+    written together with W_s (see crowdtrain.server.paramstore.store)."""
     return f"{PREFIX}:job:{job_id}:rule-state:{index}"
 
 
@@ -32,19 +32,19 @@ def version(job_id: int) -> str:
 
 def params_tag(job_id: int) -> str:
     """A random token written with every new W_s (initialised, restored or merged): a parameter server
-    that holds the W_s of the token it wrote last needs not read it back (paramstore.merge_batch)."""
+    that holds the W_s of the token it wrote last needs not read it back (paramstore.merging.merge_batch)."""
     return f"{PREFIX}:job:{job_id}:params-tag"
 
 
 def merge_lease(job_id: int) -> str:
     """Lease of the one parameter server that merges the job's results at a time
-    (crowdtrain.server.ledger.merge_lease)."""
+    (crowdtrain.server.paramstore.lease)."""
     return f"{PREFIX}:job:{job_id}:merge-lease"
 
 
 def merges_wanted(job_id: int) -> str:
     """Set when a parameter server has a result of the job to merge; the lease's holder clears it
-    before each pass and looks for it again before it lets the lease go (crowdtrain.server.ledger.merge_lease)."""
+    before each pass and looks for it again before it lets the lease go (crowdtrain.server.paramstore.lease)."""
     return f"{PREFIX}:job:{job_id}:merges-wanted"
 
 
@@ -55,7 +55,7 @@ def merged(job_id: int) -> str:
 
 def merged_workunits(job_id: int) -> str:
     """Hash workunit id -> the assignment id W_s took it from: one result per workunit, however many
-    assignments (a straggler and its duplicate) upload one (paramstore.merge_batch)."""
+    assignments (a straggler and its duplicate) upload one (paramstore.merging.merge_batch)."""
     return f"{PREFIX}:job:{job_id}:merged-workunits"
 
 

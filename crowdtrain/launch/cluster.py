@@ -123,6 +123,14 @@ def _redis_ping(port: int) -> bool:
         return False
 
 
+def scheduler_is_live(url: str) -> bool:
+    """Whether the scheduler at `url` answers its liveness probe (/v1/health/live) within 2 s."""
+    try:
+        return httpx.get(f"{url}/v1/health/live", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_for(check, timeout: float, message: str, service: Service | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -216,7 +224,7 @@ class Cluster:
             server = self._service("server", "server", "--port", str(self.port), "--workers", str(self.server_workers))
             self._service("transitioner", "transitioner")
             self._service("assimilator", "assimilator", "--concurrency", str(self.assimilator_concurrency))
-            wait_for(self._healthy, 90, "the scheduler did not come up", server)
+            wait_for(lambda: scheduler_is_live(self.url), 90, "the scheduler did not come up", server)
         except BaseException:
             self.stop()
             raise
@@ -237,12 +245,6 @@ class Cluster:
             if b"spawn_main" in cmdline:
                 workers.append(pid)
         return workers
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/v1/health/live", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     @property
     def client_env(self) -> dict[str, str]:

@@ -35,7 +35,7 @@ from crowdtrain.assimilator.rules import make_rule, make_update
 from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
-from crowdtrain.server.ledger.paramstore import NORMS_KEPT
+from crowdtrain.server.paramstore.steps import NORMS_KEPT
 from crowdtrain.server.services.backpressure import BudgetTerms, in_flight_budget
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
@@ -233,7 +233,7 @@ class SimJob:
             self._end_assignment(a, "rejected", now)
             return refusal
         self.version += 1
-        self.recent_norms.appendleft(norm)  # merge_steps.Pass: newest first, NORMS_KEPT kept
+        self.recent_norms.appendleft(norm)  # paramstore.steps.Pass: newest first, NORMS_KEPT kept
         self.staleness.append(update.staleness)
         self.merged_hosts.append(a.host)
         self.merged.append(a.id)

@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.paramstore import store
 from crowdtrain.server.services import sessions
 from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
 from crowdtrain.server.services.throttle import FailureBudget
@@ -57,7 +57,7 @@ def _storage(url: str, endpoint: str | None, public_endpoint: str | None) -> Sto
 
 @cache_once
 def _redis(url: str) -> redis.Redis:
-    return paramstore.connect(url)
+    return store.connect(url)
 
 
 class Clients:

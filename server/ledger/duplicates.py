@@ -5,7 +5,7 @@ At an epoch's tail a job has no ready workunit left while a few assignments stil
 host may then get a duplicate of the oldest of them (`claim_straggler_duplicates`). A workunit
 never has more than two live assignments (in progress or uploaded), so it is duplicated at most
 once at a time. The first valid result of either is merged; W_s takes one result per workunit
-(crowdtrain.server.ledger.paramstore.merge_batch), and the other assignment ends `superseded`
+(crowdtrain.server.paramstore.merging.merge_batch), and the other assignment ends `superseded`
 (`supersede_siblings` when the winner's merge is recorded, `supersede_result` when the loser's own
 merge finds its workunit taken): not merged, not charged, not credited. The workunit is done once.
 """

@@ -16,8 +16,9 @@ from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import Params, decode, decode_shard
-from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
+from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
     target = stop["target_accuracy"]
     if figure is not None and figure >= target:
         # The job succeeds only if the model it exports meets the target, not an epoch's mean of it.
-        version, blob = paramstore.read_blob(r, job.id)
+        version, blob = store.read_blob(r, job.id)
         exported = _accuracy_of(s, storage, job, version, blob, evaluate)
         if exported is not None and exported >= target:
             message = (
@@ -308,7 +309,7 @@ def _finish(
     scoring below it raises ExportBelowTarget before anything is written. `scored` (version, accuracy)
     is a version the caller has just scored: not scored again if it is still the one exported."""
     close_merges(s, r, job.id)
-    version, blob = paramstore.read_blob(r, job.id)
+    version, blob = store.read_blob(r, job.id)
     if scored is not None and scored[0] == version:
         job.final_accuracy = scored[1]
     else:
@@ -327,12 +328,12 @@ def _finish(
 
 
 def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
-    """Close the job's merges (paramstore.close_merges) as part of the transaction `s` that ends it:
+    """Close the job's merges (store.close_merges) as part of the transaction `s` that ends it:
     reopened if `s` rolls back, and what only its merges read is deleted once `s` commits
-    (paramstore.forget_finished). Returns the assignment ids W_s holds, final once `s` commits."""
-    event.listen(s, "after_rollback", lambda _: paramstore.reopen_merges(r, job_id), once=True)
-    event.listen(s, "after_commit", lambda _: paramstore.forget_finished(r, job_id), once=True)
-    return paramstore.close_merges(r, job_id)
+    (store.forget_finished). Returns the assignment ids W_s holds, final once `s` commits."""
+    event.listen(s, "after_rollback", lambda _: store.reopen_merges(r, job_id), once=True)
+    event.listen(s, "after_commit", lambda _: store.forget_finished(r, job_id), once=True)
+    return store.close_merges(r, job_id)
 
 
 def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes, evaluate: Evaluate) -> float | None:

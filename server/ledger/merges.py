@@ -1,7 +1,7 @@
 """The ledger's side of a parameter server's merge: the result waiting to be merged, and each outcome.
 
 A merge task is delivered at least once (late acks, redelivery when a worker dies), while W_s
-takes each result exactly once (paramstore.merge_batch). So every procedure here is idempotent:
+takes each result exactly once (merging.merge_batch). So every procedure here is idempotent:
 run twice for the same assignment, it records the outcome once. The outcomes:
 - merged: the assignment is `merged` at the W_s version that holds it, its workunit done, its host
   counted valid and given the result's credit (crowdtrain.core.credit) (`record_merge`), and a
@@ -26,12 +26,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.server.ledger import paramstore, replicas, reputation, states
+from crowdtrain.server.ledger import replicas, reputation, states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
 from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
 from crowdtrain.server.ledger.pace import measure_pace
+from crowdtrain.server.paramstore import merging, store
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ def end_failed_merge(
     if job_id is None:
         return False
     rejected = False
-    version = paramstore.merged_version(r, job_id, assignment_id)
+    version = merging.merged_version(r, job_id, assignment_id)
     if version is not None:
         for key in record_merge(db, assignment_id, version):
             storage.delete(key)
@@ -258,7 +259,7 @@ def end_failed_merge(
         )
     if job_broken:
         fail_job(db, storage, r, job_id, cause, evaluate)
-    elif (failures := paramstore.count_merge_failure(r, job_id)) >= MERGE_FAILURES_BEFORE_JOB_FAILS:
+    elif (failures := store.count_merge_failure(r, job_id)) >= MERGE_FAILURES_BEFORE_JOB_FAILS:
         fail_job(
             db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}", evaluate
         )
@@ -316,7 +317,7 @@ def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.R
         key, snap_version, seen = job.snapshot_key, job.snapshot_version, job.param_version
     assert key is not None and snap_version is not None  # every job publishes v0 when it is created
     version = max(snap_version, seen)
-    if paramstore.initialise_blob(r, job_id, storage.get(key), version):
+    if store.initialise_blob(r, job_id, storage.get(key), version):
         log.warning(
             "job %s: W_s was missing from Redis; restored snapshot v%d as v%d (%d merges lost)",
             job_id,

@@ -28,9 +28,10 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from crowdtrain.core import reputation
 from crowdtrain.core.credit import result_credit
-from crowdtrain.core.jobspec import ValidationSpec, scheduling_of, validation_of
+from crowdtrain.core.jobspec import scheduling_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
+from crowdtrain.core.validationspec import ValidationSpec, validation_of
 from crowdtrain.server.ledger import reputation as host_record
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow

@@ -9,9 +9,9 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from crowdtrain.core import reputation
-from crowdtrain.core.jobspec import validation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.core.validationspec import validation_of
 from crowdtrain.server.ledger.models import Host, Job, utcnow
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ one assignment cannot pair one's bytes with the other's digest.
 import redis
 
 from crowdtrain.core import keys
-from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.paramstore import store
 
 
 def first_with_digest(r: redis.Redis, job_id: int, digest: str, assignment_id: int) -> int:
@@ -21,7 +21,7 @@ def first_with_digest(r: redis.Redis, job_id: int, digest: str, assignment_id: i
         pipe.hsetnx(key, digest, assignment_id)
         pipe.hget(key, digest)
 
-    replies = paramstore.while_open(r, job_id, queue)
+    replies = store.while_open(r, job_id, queue)
     return assignment_id if replies is None else int(replies[1] or assignment_id)
 
 

@@ -103,9 +103,9 @@ def _check(probe: Callable[[], object]) -> HealthPart:
 
 
 def _processes(r: redis.Redis, kind: str, now: float) -> HealthPart:
+    found = list(r.scan_iter(match=keys.health_pattern(kind), count=100))
     ages = []
-    for key in r.scan_iter(match=keys.health_pattern(kind), count=100):
-        raw = r.get(key)
+    for raw in r.mget(found) if found else []:
         if raw is None:  # expired since the scan
             continue
         try:

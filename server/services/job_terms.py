@@ -11,9 +11,10 @@ from typing import Any
 from sqlalchemy import Connection, Row, bindparam, select
 
 from crowdtrain.core import frameworks
-from crowdtrain.core.jobspec import SchedulingSpec, ValidationSpec, scheduling_of, validation_of
+from crowdtrain.core.jobspec import SchedulingSpec, scheduling_of
 from crowdtrain.core.schemas import Recipe
 from crowdtrain.core.updates import upload_of
+from crowdtrain.core.validationspec import ValidationSpec, validation_of
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.services.backpressure import BudgetTerms
 

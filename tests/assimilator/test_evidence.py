@@ -8,19 +8,16 @@ import numpy as np
 
 from crowdtrain.assimilator.evaluate import example_losses
 from crowdtrain.assimilator.evidence import descent_z, measure
+from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.assimilator.validator import training_z, untrained
 from crowdtrain.client.trainers.pytorch import train
-from crowdtrain.core.jobspec import ValidationSpec, load_job_spec
-from crowdtrain.core.tensors import Params
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.workgen.datasets import deal_shards, load_dataset
 from tests.conftest import EXAMPLE_SPEC
 
 JOB_ID = -4242  # evaluation caches models per job id: never a real job's
-
-
-def _norm(params: Params) -> float:
-    return float(np.sqrt(sum(np.sum(np.square(v, dtype=np.float64)) for v in params.values())))
 
 
 def test_an_honest_update_shows_training_and_random_directions_do_not() -> None:
@@ -51,7 +48,7 @@ def test_an_honest_update_shows_training_and_random_directions_do_not() -> None:
     for draw in range(40):  # the colluding pair's construction: W_base + d, ||d|| = 3% of ||W_base||
         shared = np.random.default_rng(draw)
         d = {k: shared.standard_normal(base[k].shape) for k in floats}
-        size = 0.03 * _norm({k: base[k] for k in floats}) / _norm(d)
+        size = 0.03 * params_norm({k: base[k] for k in floats}) / params_norm(d)
         forged_delta = {k: (size * d[k]).astype(base[k].dtype) for k in floats}
         forged = {k: (v + forged_delta[k]).astype(v.dtype) if k in forged_delta else v for k, v in base.items()}
         if training_z(before, example_losses(JOB_ID, config, forged, *examples)[0]) < checks.min_training_z:

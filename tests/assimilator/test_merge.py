@@ -22,10 +22,11 @@ from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.updates import encode_result
-from crowdtrain.server.ledger import merges, paramstore, result_records
+from crowdtrain.server.ledger import merges, result_records
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.uploads import check_result, store_result
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
 from crowdtrain.workgen.generator import submit_job
@@ -79,7 +80,7 @@ class Job:
         return key
 
     def w_s(self) -> tuple[int, Params]:
-        return paramstore.read(self.svc.r, self.job_id)
+        return store.read(self.svc.r, self.job_id)
 
     def assignment(self, assignment_id: int) -> tuple[str, int | None, str]:
         """(status, merged W_s version, message)"""
@@ -130,7 +131,7 @@ def _job(svc: MergeServices, assignments: int = 1, **assimilation) -> Job:
         job_id,
         host_id,
         [a.assignment_id for a in given],
-        paramstore.read(svc.r, job_id)[1],
+        store.read(svc.r, job_id)[1],
         spec.assimilation.upload.model_dump(),
     )
 
@@ -189,7 +190,7 @@ def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
     assert job.host() == (1, 0)
     assert job.credit(a) == (pytest.approx(job.expected_credit(a)), pytest.approx(job.expected_credit(a)))
     assert job.metrics() == 1  # eval_every 1
-    assert paramstore.recent_update_norms(services.r, job.job_id) == [
+    assert merging.recent_update_norms(services.r, job.job_id) == [
         pytest.approx(
             np.sqrt(
                 sum(
@@ -228,7 +229,7 @@ def test_a_delivery_that_died_after_merging_is_completed_by_the_next(services) -
     [a] = job.assignments
     client = _moved(job.w0, 0.01)
     job.upload_weights(a, client)
-    paramstore.merge_once(services.r, job.job_id, a, lambda ws, _state, v: _merge_in_place(ws, client))
+    merging.merge_once(services.r, job.job_id, a, lambda ws, _state, v: _merge_in_place(ws, client))
     _, merged_once = job.w_s()
 
     result = assimilate(services, a)
@@ -389,7 +390,7 @@ def test_a_merge_after_the_job_ended_is_refused_uncharged(services) -> None:
     job = _job(services)
     [a] = job.assignments
     job.upload_weights(a, _moved(job.w0, 0.01))
-    paramstore.close_merges(services.r, job.job_id)
+    store.close_merges(services.r, job.job_id)
 
     result = assimilate(services, a)
 

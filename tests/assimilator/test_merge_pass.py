@@ -13,7 +13,7 @@ from crowdtrain.assimilator.rules import make_rule, make_update
 from crowdtrain.core import keys
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params
-from crowdtrain.server.ledger import paramstore
+from crowdtrain.server.paramstore import store
 from tests.assimilator.test_merge import Job, _assert_params_equal, _job, _moved
 
 NESTEROV = {"rule": "delta", "outer_optimizer": "nesterov", "server_lr": 0.5, "outer_momentum": 0.9}
@@ -44,7 +44,7 @@ def _assert_merged_once(job: Job, clients: list[Params]) -> None:
     assert [job.assignment(a)[:2] for a in job.assignments] == [
         (AssignmentStatus.merged.value, v) for v in range(1, k + 1)
     ]
-    version, w_s, state = paramstore.read_with_state(job.svc.r, job.job_id)
+    version, w_s, state = store.read_with_state(job.svc.r, job.job_id)
     assert version == k and job.svc.r.scard(keys.merged(job.job_id)) == k
     assert state is not None and int(state["step"]) == k, "one momentum step per result"
     expected_w_s, expected_state = _single_merges(job, clients)
@@ -71,7 +71,7 @@ def test_a_task_merges_its_job_s_queue_in_one_pass_as_single_merges_would(servic
     assert job.metrics() == 1, "the pass evaluates the version it wrote, not each merge"
     for a in others:
         assert merge_queued(services, a).outcome is Outcome.already_merged  # a late task records nothing new
-    assert paramstore.read(services.r, job.job_id)[0] == 4 and job.metrics() == 1
+    assert store.read(services.r, job.job_id)[0] == 4 and job.metrics() == 1
 
 
 def test_a_longer_queue_is_merged_in_passes_of_max_pass(services) -> None:
@@ -121,7 +121,7 @@ def test_a_result_uploaded_while_the_holder_merges_is_merged_before_it_lets_go(s
 
     assert answer.outcome in (Outcome.queued, Outcome.merged)
     assert job.assignment(late)[0] == AssignmentStatus.merged.value
-    assert paramstore.read(services.r, job.job_id)[0] == 4 and services.r.scard(keys.merged(job.job_id)) == 4
+    assert store.read(services.r, job.job_id)[0] == 4 and services.r.scard(keys.merged(job.job_id)) == 4
     assert not services.r.exists(keys.merge_lease(job.job_id))
 
 

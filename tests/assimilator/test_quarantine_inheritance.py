@@ -7,12 +7,13 @@ import pytest
 
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import ValidationSpec, load_job_spec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.reputation import score
 from crowdtrain.core.schemas import AssignmentOut, HostPublic, HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.updates import encode_result
+from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import list_hosts, register_host

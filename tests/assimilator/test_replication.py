@@ -16,17 +16,18 @@ from sqlalchemy import select
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import ValidationSpec, load_job_spec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import AssignmentOut, HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
-from crowdtrain.server.ledger import paramstore
+from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit, utcnow
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.replicas import replica_wait
 from crowdtrain.server.ledger.uploads import store_result
+from crowdtrain.server.paramstore import store
 from crowdtrain.server.services.diagnosis import job_problems
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host, release_host
@@ -111,12 +112,12 @@ def test_two_honest_replicas_agree_one_is_merged_and_both_are_credited(services)
 
     p.upload(alice, a, p.trained(a))
     assert assimilate(services, a.assignment_id).outcome is Outcome.awaiting_replicas
-    assert paramstore.read(services.r, p.job_id)[0] == 0, "nothing merged before the quorum is in"
+    assert store.read(services.r, p.job_id)[0] == 0, "nothing merged before the quorum is in"
     assert "1 results wait for replicas" in " ".join(job_problems(services.db, p.job_id).findings)
     p.upload(bob, b, p.trained(b))
     result = assimilate(services, b.assignment_id)
 
-    assert paramstore.read(services.r, p.job_id)[0] == 1, "W_s takes one result per workunit"
+    assert store.read(services.r, p.job_id)[0] == 1, "W_s takes one result per workunit"
     statuses = sorted([p.status(a.assignment_id), p.status(b.assignment_id)])
     assert statuses == [AssignmentStatus.merged.value, AssignmentStatus.validated.value]
     status, _, canonical = p.workunit(a.workunit_id)
@@ -127,7 +128,7 @@ def test_two_honest_replicas_agree_one_is_merged_and_both_are_credited(services)
         assert (valid, failed) == (1, 0) and credit > 0
     assert p.record(alice)[2] == pytest.approx(p.record(bob)[2]), "the same work earns the same credit"
     assert assimilate(services, a.assignment_id).outcome in (Outcome.already_merged, Outcome.nothing_to_merge)
-    assert paramstore.read(services.r, p.job_id)[0] == 1
+    assert store.read(services.r, p.job_id)[0] == 1
 
 
 @pytest.mark.parametrize("hostile", ["sign-flipped", "lazy"])
@@ -142,7 +143,7 @@ def test_a_hostile_replica_is_outvoted_refused_and_earns_nothing(services, hosti
     assert assimilate(services, m.assignment_id).outcome is Outcome.awaiting_replicas, (
         "two that disagree ask for a third"
     )
-    assert p.workunit(a.workunit_id)[1] == 3 and paramstore.read(services.r, p.job_id)[0] == 0
+    assert p.workunit(a.workunit_id)[1] == 3 and store.read(services.r, p.job_id)[0] == 0
 
     [c] = p.work(carol)
     assert c.workunit_id == a.workunit_id
@@ -151,7 +152,7 @@ def test_a_hostile_replica_is_outvoted_refused_and_earns_nothing(services, hosti
 
     assert p.status(m.assignment_id) == AssignmentStatus.rejected.value
     assert {p.status(a.assignment_id), p.status(c.assignment_id)} == {"merged", "validated"}
-    assert paramstore.read(services.r, p.job_id)[0] == 1
+    assert store.read(services.r, p.job_id)[0] == 1
     assert not services.r.sismember(keys.merged(p.job_id), str(m.assignment_id))
     assert p.record(mallory)[:3] == (0, 1, 0.0), "refused, charged, no credit"
     assert p.record(honest)[:2] == (1, 0) and p.record(carol)[:2] == (1, 0)
@@ -189,7 +190,7 @@ def test_a_colluding_pair_sharing_an_untrained_direction_is_refused_and_earns_no
     assert assimilate(services, t.assignment_id).outcome is Outcome.refused
 
     assert p.status(m.assignment_id) == p.status(t.assignment_id) == AssignmentStatus.rejected.value
-    assert paramstore.read(services.r, p.job_id)[0] == 0, "nothing merged"
+    assert store.read(services.r, p.job_id)[0] == 0, "nothing merged"
     assert p.workunit(m.workunit_id)[0] == WorkunitStatus.ready.value, "trained again, by others"
     for host in (mallory, trudy):
         assert p.record(host)[:3] == (0, 1, 0.0), "refused, charged, no credit"

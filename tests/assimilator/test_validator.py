@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from crowdtrain.assimilator.validator import Replica, cosines, flat_update, judge, training_z
-from crowdtrain.core.jobspec import ValidationSpec
+from crowdtrain.core.validationspec import ValidationSpec
 
 SPEC = ValidationSpec(replicate_untrusted=True)
 BASE_LOSS = 1.0

@@ -3,10 +3,17 @@
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, start_redis, wait_for
+from crowdtrain.launch.cluster import (
+    Cluster,
+    Service,
+    crowdtrain_argv,
+    free_port,
+    scheduler_is_live,
+    start_redis,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -18,15 +25,8 @@ def scheduler(tmp_path: Path) -> Iterator[tuple[str, Service]]:
     argv = crowdtrain_argv("server", "--port", str(cluster.port))
     server = Service("server", argv, cluster.env, tmp_path / "server.log").start()
     try:
-        wait_for(lambda: _healthy(cluster.url), 120, "the scheduler did not come up", server)
+        wait_for(lambda: scheduler_is_live(cluster.url), 120, "the scheduler did not come up", server)
         yield cluster.url, server
     finally:
         server.stop()
         redis_svc.stop()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v1/health/live", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -14,9 +14,9 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import decode, encode, manifest_of
 from crowdtrain.core.updates import SCALE_SUFFIX, decode_update, encode_result, encode_update
 from crowdtrain.launch.cluster import Cluster
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment
+from crowdtrain.server.paramstore import merging, store
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ def _trained(base: dict) -> dict:
 
 def _state(cluster: Cluster, job_id: int, assignment_id: int) -> tuple[int, str, list]:
     r = redis.Redis.from_url(cluster.redis_url)
-    version, _ = paramstore.read_blob(r, job_id)
+    version, _ = store.read_blob(r, job_id)
     with session_factory(f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}").begin() as s:
         status = s.get_one(Assignment, assignment_id).status
     uploads = list((cluster.var_dir / "storage" / "jobs" / str(job_id)).glob("uploads/*"))
@@ -112,10 +112,10 @@ def test_a_good_int8_delta_is_stored_and_merged_as_base_plus_delta(setup) -> Non
     assert resp.status_code == 202, resp.text
     r = redis.Redis.from_url(cluster.redis_url)
     deadline = time.monotonic() + 60
-    while paramstore.merged_version(r, job_id, a["assignment_id"]) is None and time.monotonic() < deadline:
+    while merging.merged_version(r, job_id, a["assignment_id"]) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert paramstore.merged_version(r, job_id, a["assignment_id"]) == 1
-    _, merged = paramstore.read(r, job_id)
+    assert merging.merged_version(r, job_id, a["assignment_id"]) == 1
+    _, merged = store.read(r, job_id)
     delta = decode_update(body, manifest_of(base), UPLOAD)
     for name, w in base.items():
         expected = 0.6 * w + 0.4 * (w + delta[name]) if w.dtype.kind == "f" else delta[name]

@@ -10,9 +10,9 @@ import redis
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import decode, encode
 from crowdtrain.launch.cluster import Cluster
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Workunit
+from crowdtrain.server.paramstore import merging, store
 from tests.conftest import EXAMPLE_SPEC
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def _db(cluster):
 
 def _state(cluster, job_id: int, assignment_id: int) -> tuple[int, str, list]:
     r = redis.Redis.from_url(cluster.redis_url)
-    version, _ = paramstore.read_blob(r, job_id)
+    version, _ = store.read_blob(r, job_id)
     with _db(cluster).begin() as s:
         status = s.get_one(Assignment, assignment_id).status
     uploads = list((cluster.var_dir / "storage" / "jobs" / str(job_id)).glob("uploads/*"))
@@ -154,13 +154,13 @@ def test_a_result_is_accepted_once(setup, work) -> None:
     assert first.status_code == 202, first.text
     r = redis.Redis.from_url(cluster.redis_url)
     deadline = time.monotonic() + 60
-    while paramstore.merged_version(r, job_id, aid) is None and time.monotonic() < deadline:
+    while merging.merged_version(r, job_id, aid) is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert paramstore.merged_version(r, job_id, aid) == 1
+    assert merging.merged_version(r, job_id, aid) == 1
     again = hosts["alice"].put(f"/v1/assignments/{aid}/result", content=result)
     assert again.status_code == 409 and "once" in again.json()["detail"]
     time.sleep(1)
-    assert paramstore.read_blob(r, job_id)[0] == 1
+    assert store.read_blob(r, job_id)[0] == 1
 
 
 @pytest.mark.parametrize(

@@ -17,17 +17,18 @@ from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore, result_records
+from crowdtrain.server.ledger import result_records
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
 from crowdtrain.server.ledger.jobs import cancel_job
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
 
 def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
-    return paramstore.merge_once(
+    return merging.merge_once(
         r, job_id, assignment_id, lambda ws, _state, v: merge_vc_asgd(ws, client, 0.6, out=ws)
     ).version
 
@@ -44,15 +45,15 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
         job = s.get_one(Job, job_id)
         model_config, validation_key = job.model_config_, job.validation_key
     x, y = decode_shard(storage.get(validation_key))
-    _, w0 = paramstore.read(r, job_id)
+    _, w0 = store.read(r, job_id)
     rng = np.random.default_rng(0)
     v1 = _merge(r, job_id, 1, w0)
-    acc_v1 = evaluate(job_id, model_config, paramstore.read(r, job_id)[1], x, y)[1]
+    acc_v1 = evaluate(job_id, model_config, store.read(r, job_id)[1], x, y)[1]
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=2.0, val_accuracy=acc_v1))
         s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
     # A noisy update that scores differently from v1 (two near-chance models can tie; try a few draws).
-    w1 = paramstore.read(r, job_id)[1]
+    w1 = store.read(r, job_id)[1]
     for _ in range(20):
         noise = {
             k: (rng.standard_normal(v.shape) * 3).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in w0.items()
@@ -68,7 +69,7 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
         job = s.get_one(Job, job_id)
         status, final_accuracy = job.status, job.final_accuracy
     exported = decode(storage.get(final_key(job_id)))
-    for name, value in paramstore.read(r, job_id)[1].items():
+    for name, value in store.read(r, job_id)[1].items():
         np.testing.assert_array_equal(exported[name], value)  # the exported model is W_s v2
     acc_exported = evaluate(job_id, model_config, exported, x, y)[1]
     assert acc_exported != pytest.approx(acc_v1), "the test needs v1 and v2 to score differently"
@@ -84,7 +85,7 @@ def test_a_job_succeeds_only_if_the_model_it_exports_meets_the_target(sqlite_url
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.stop.target_accuracy, spec.stop.max_epochs = 0.9, 5
     job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
-    _, w0 = paramstore.read(r, job_id)
+    _, w0 = store.read(r, job_id)
     v1 = _merge(r, job_id, 1, w0)
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=0.1, val_accuracy=0.95))
@@ -116,7 +117,7 @@ def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path)
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.stop.target_accuracy = 0.01
     job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
-    _, w0 = paramstore.read(r, job_id)
+    _, w0 = store.read(r, job_id)
     version = _merge(r, job_id, 1, w0)
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=version, val_loss=2.0, val_accuracy=0.25))
@@ -130,7 +131,7 @@ def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path)
         job = s.get_one(Job, job_id)
         assert meta == model_metadata(job_id, spec.name, job.spec, job.model_config_, version, 0.25)
     assert json.loads(meta["job_spec"])["name"] == spec.name and meta["param_version"] == "1"
-    stored = paramstore.read_blob(r, job_id)[1]
+    stored = store.read_blob(r, job_id)[1]
     assert exported.endswith(stored[8 + int.from_bytes(stored[:8], "little") :])
 
 
@@ -186,10 +187,10 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
     upgrade(sqlite_url)
     db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
     job_id = submit_job(db, storage, r, load_job_spec(EXAMPLE_SPEC), Settings().upload_max_bytes).job_id
-    _, w0 = paramstore.read(r, job_id)
-    paramstore.merge_once(r, job_id, 1, lambda ws, _s, _v: ws, update_norm=1.0, workunit_id=7)
+    _, w0 = store.read(r, job_id)
+    merging.merge_once(r, job_id, 1, lambda ws, _s, _v: ws, update_norm=1.0, workunit_id=7)
     assert result_records.first_with_digest(r, job_id, "a" * 64, 1) == 1
-    assert paramstore.count_merge_failure(r, job_id) == 1
+    assert store.count_merge_failure(r, job_id) == 1
     forgotten = [keys.result_digests, keys.update_norms, keys.merge_failures, keys.merged_workunits]
     kept = [keys.closed, keys.merged, keys.merge_log, keys.version, keys.params_size]
     assert all(r.exists(key(job_id)) for key in forgotten + kept[1:])
@@ -202,7 +203,7 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
     assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []
     assert [key.__name__ for key in kept if not r.exists(key(job_id))] == []
     assert result_records.first_with_digest(r, job_id, "a" * 64, 2) == 2, "a late task records no digest"
-    assert paramstore.count_merge_failure(r, job_id) == 0
+    assert store.count_merge_failure(r, job_id) == 0
     assert [key.__name__ for key in forgotten if r.exists(key(job_id))] == []
 
 
@@ -214,7 +215,7 @@ def test_the_stop_rule_scores_the_version_it_exports_once(sqlite_url, private_re
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.stop.target_accuracy = 0.01
     job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
-    _, w0 = paramstore.read(r, job_id)
+    _, w0 = store.read(r, job_id)
     v1 = _merge(r, job_id, 1, w0)
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=v1, val_loss=2.0, val_accuracy=0.25))

@@ -25,11 +25,11 @@ from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import encode
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore
 from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbeat, time_out_expired
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit, utcnow
 from crowdtrain.server.ledger.uploads import store_result
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.fair_share import split_slots
 from crowdtrain.workgen.generator import submit_job
@@ -74,7 +74,7 @@ class Ledger:
     def upload(self, host_id: int, job_id: int, assignment_id: int) -> None:
         """A valid result: W_s as published, moved a little (an update of zero is refused: no training)."""
         rng = np.random.default_rng(assignment_id)
-        w_s = paramstore.read(self.r, job_id)[1]
+        w_s = store.read(self.r, job_id)[1]
         body = encode(
             {
                 k: (v + 1e-4 * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v
@@ -316,7 +316,7 @@ def test_a_result_whose_workunit_w_s_already_holds_is_superseded_not_merged(ledg
     t = _tail(ledger)
     ledger.upload(t.straggler, t.job_id, t.original)
     ledger.upload(t.idle, t.job_id, t.duplicate)
-    paramstore.merge_once(
+    merging.merge_once(
         ledger.r, t.job_id, t.duplicate, lambda params, _state, _v: params, workunit_id=t.workunit
     )  # the dead server's merge
     version = int(ledger.r.get(keys.version(t.job_id)))

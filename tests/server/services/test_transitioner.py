@@ -15,11 +15,12 @@ from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import paramstore, states
+from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_merges
 from crowdtrain.server.ledger.models import Assignment, Host, Job
 from crowdtrain.server.ledger.uploads import store_result
+from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.jobs import cancel_job
 from crowdtrain.server.services.transitioner import (
@@ -73,14 +74,14 @@ def uploaded(services):
         s.flush()
         host_id = host.id
     work = request_work(db, storage, host_id, 1, [], None)[0]
-    body = encode(paramstore.read(r, job_id)[1])
+    body = encode(store.read(r, job_id)[1])
     store_result(db, storage, host_id, job_id, work.assignment_id, body, ResultMetrics(), enqueue=lambda *a: None)
     return db, r, job_id, work.assignment_id, host_id
 
 
-def _merge(r, job_id: int, assignment_id: int) -> paramstore.MergeOutcome:
+def _merge(r, job_id: int, assignment_id: int) -> merging.MergeOutcome:
     """What a parameter server does to W_s for one result (the rule itself does not matter here)."""
-    return paramstore.merge_once(r, job_id, assignment_id, lambda params, _state, _version: params)
+    return merging.merge_once(r, job_id, assignment_id, lambda params, _state, _version: params)
 
 
 def _requeued(db) -> list[int]:
@@ -114,7 +115,7 @@ def test_cancel_ends_unmerged_results_closes_merges_and_nothing_is_queued_again(
     cancel_job(db, r, job_id)
     assert "cancelled" in _ended_uncharged(db, aid, host_id)
     assert _requeued(db) == []
-    with pytest.raises(paramstore.MergesClosed):  # a merge task still in flight cannot land now
+    with pytest.raises(merging.MergesClosed):  # a merge task still in flight cannot land now
         _merge(r, job_id, aid)
     assert int(r.get(keys.version(job_id))) == version and not r.sismember(keys.merged(job_id), aid)
 
@@ -145,7 +146,7 @@ def test_a_job_end_that_does_not_commit_reopens_its_merges(uploaded) -> None:
     db, r, job_id, aid, _ = uploaded
     with pytest.raises(RuntimeError, match="commit failed"), db.begin() as s:
         close_merges(s, r, job_id)
-        with pytest.raises(paramstore.MergesClosed):
+        with pytest.raises(merging.MergesClosed):
             _merge(r, job_id, aid)
         raise RuntimeError("commit failed")
     assert _merge(r, job_id, aid).applied_now

@@ -9,7 +9,7 @@ while it held the lease either came before its last look (that pass saw the resu
 stored before it was asked for) or is found after the release.
 
 Correctness of W_s does not rest on the lease: the merge transaction
-(crowdtrain.server.ledger.paramstore.merge_batch) is exactly-once either way, so a lease that
+(crowdtrain.server.paramstore.merging.merge_batch) is exactly-once either way, so a lease that
 lapses (its holder stalled or died) only lets two processes merge for a while, and the results a
 dead holder left are taken by the next process asked to merge the job's results (or queued again
 by the transitioner's sweep of stalled merges).

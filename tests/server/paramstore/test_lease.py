@@ -6,7 +6,7 @@ import threading
 import time
 
 from crowdtrain.core import keys
-from crowdtrain.server.ledger import merge_lease
+from crowdtrain.server.paramstore import lease
 
 
 def test_a_process_that_finds_the_lease_held_returns_at_once_and_the_holder_runs_its_request(private_redis) -> None:
@@ -22,11 +22,11 @@ def test_a_process_that_finds_the_lease_held_returns_at_once_and_the_holder_runs
             assert finish.wait(10)
         renew()
 
-    holder = threading.Thread(target=merge_lease.serve, args=(private_redis, 1, drain))
+    holder = threading.Thread(target=lease.serve, args=(private_redis, 1, drain))
     holder.start()
     assert in_pass.wait(10)
     started = time.monotonic()
-    assert not merge_lease.serve(private_redis, 1, lambda renew: passes.append("the other's"))
+    assert not lease.serve(private_redis, 1, lambda renew: passes.append("the other's"))
     assert time.monotonic() - started < 0.5, "it did not wait for the lease"
     finish.set()
     holder.join(10)
@@ -57,7 +57,7 @@ def test_no_request_is_lost_between_the_holder_s_last_pass_and_its_release(priva
             result = n * threads + me
             with guard:
                 stored.append(result)
-            merge_lease.serve(private_redis, 2, drain)
+            lease.serve(private_redis, 2, drain)
             deadline = time.monotonic() + 2
             while result not in taken and time.monotonic() < deadline:
                 time.sleep(0.001)
@@ -79,7 +79,7 @@ def test_a_lease_left_by_a_dead_holder_lapses(private_redis) -> None:
     """A holder that died keeps others out until its lease lapses; the next request then runs."""
     assert private_redis.lock(keys.merge_lease(3), timeout=0.3).acquire(blocking=False)
     passes: list[int] = []
-    assert not merge_lease.serve(private_redis, 3, lambda renew: passes.append(1))
+    assert not lease.serve(private_redis, 3, lambda renew: passes.append(1))
     time.sleep(0.4)
-    assert merge_lease.serve(private_redis, 3, lambda renew: passes.append(2))
+    assert lease.serve(private_redis, 3, lambda renew: passes.append(2))
     assert passes == [2]

@@ -1,4 +1,4 @@
-"""The W_s a parameter-server process keeps between its merges (crowdtrain.server.ledger.paramstore.merge_batch).
+"""The W_s a parameter-server process keeps between its merges (crowdtrain.server.paramstore.merging.merge_batch).
 
 A process runs one merge at a time. It keeps the W_s and rule state it wrote last, with the random tag
 written beside them in Redis (`keys.params_tag`): while Redis still holds that tag, no other process

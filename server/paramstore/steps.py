@@ -1,6 +1,6 @@
 """The in-memory half of a merge pass: results applied in order to one copy of W_s and its rule state.
 
-A parameter server merges what is queued for a job in one pass (crowdtrain.server.ledger.paramstore
+A parameter server merges what is queued for a job in one pass (crowdtrain.server.paramstore.store
 .merge_batch): it reads W_s once, applies each result in turn here, and writes W_s once. Applied one
 after another, k results leave W_s, the rule's state, the versions and the recent update norms
 exactly as k single merges would: each result sees the version and the norms that the results
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from crowdtrain.core.tensors import Params
-from crowdtrain.server.ledger.w_s_cache import CachedModel
+from crowdtrain.server.paramstore.cache import CachedModel
 
 NORMS_KEPT = 50  # accepted update norms remembered per job: the window of the norm bound's median
 
