@@ -49,6 +49,7 @@ def job_dashboard(db: sessionmaker[Session], job_id: int) -> JobDashboard:
     status = jobs.job_status(db, job_id, with_metrics=True)
     problems = diagnosis.job_problems(db, job_id, PROBLEMS_SHOWN)
     with db.begin() as s:
+        mode = s.scalars(select(Job.mode).where(Job.id == job_id)).one()
         by_status = s.execute(
             select(Workunit.epoch, Workunit.status, func.count())
             .where(Workunit.job_id == job_id)
@@ -74,6 +75,7 @@ def job_dashboard(db: sessionmaker[Session], job_id: int) -> JobDashboard:
     window = min(MERGE_RATE_WINDOW.total_seconds(), elapsed or MERGE_RATE_WINDOW.total_seconds())
     return JobDashboard(
         job=status,
+        mode=mode,
         workunits=dict(workunits),
         epoch_workunits=epoch_workunits,
         merges_per_second=recent / max(window, 1.0),

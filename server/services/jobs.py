@@ -96,11 +96,11 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             epochs=figures,
             metrics=_metric_points(s, job, metric_rows, start) if with_metrics else [],
             elapsed_seconds=(end - start).total_seconds(),
-            in_flight=None if job.mode == DEDLOC else _in_flight(s, job, a_counts),
+            in_flight=None if job.mode == DEDLOC else in_flight_figures(s, job, a_counts),
         )
 
 
-def _in_flight(s: Session, job: Job, a_counts: dict[str, int]) -> InFlightFigures:
+def in_flight_figures(s: Session, job: Job, a_counts: dict[str, int]) -> InFlightFigures:
     """The job's unmerged assignments against its budget, as dispatch judges it (services.backpressure)."""
     count = sum(a_counts.get(status, 0) for status in UNMERGED)
     hosts = (

@@ -25,7 +25,12 @@ from tests.server.inprocess import ADMIN_TOKEN, Scheduler, ok, scheduler_app
 
 HTTPS = "https://testserver"  # the cookie is Secure: a client sends it back over https only
 OPERATOR_PAGES = ["/dashboard/jobs", "/dashboard/jobs/1", "/dashboard/hosts"]
-OPERATOR_DATA = ["/dashboard/api/jobs", "/dashboard/api/jobs/1", "/dashboard/api/hosts"]
+OPERATOR_DATA = [
+    "/dashboard/api/jobs",
+    "/dashboard/api/jobs/1",
+    "/dashboard/api/jobs/1/in-flight",
+    "/dashboard/api/hosts",
+]
 HOST_EXAMPLES = (2147483647, 10)  # what alice's two uploads claim they trained
 RESULT_EXAMPLES = 2000  # what each was asked for: the shard's 1,000 examples x 2 local epochs
 
