@@ -60,7 +60,11 @@ class ProjectJob(BaseModel):
     status: JobStatus
     current_epoch: int
     max_epochs: int | None
-    best_accuracy: float | None = Field(..., description="The best validation accuracy measured")
+    best_accuracy: float | None = Field(
+        ...,
+        description="The best figure (mean validation accuracy) of the job's closed epochs; an epoch still "
+        "running does not count",
+    )
     results_merged: int
     examples: int = Field(..., description="Training examples in its merged results")
 

@@ -242,7 +242,7 @@ def test_the_public_project_data_shows_progress_and_contributions_and_no_secrets
     assert p["results_merged"] == 2 and p["examples"] == 2 * RESULT_EXAMPLES
     (job,) = p["jobs"]
     assert job["name"] == "mnist1d-cnn" and job["status"] == "running" and job["results_merged"] == 2
-    assert 0 < job["best_accuracy"] <= 1
+    assert job["best_accuracy"] is None, "its first epoch has not closed (two workunits are still ready)"
     volunteers = {v["name"]: v for v in p["volunteers"]}
     alice = volunteers["alice"]
     assert alice == {
