@@ -123,6 +123,10 @@ def problems_view(p: JobProblems) -> Group:
     ]
     for finding in p.findings:
         parts.append(Text(f"! {finding}", style="yellow"))
+    if p.late:
+        parts.append(
+            Text(f"{p.late} results came after the job had ended, too late to merge (not counted as problems)")
+        )
     if not p.reasons:
         parts.append(Text("no assignment ended in a client error, a refusal or a timeout"))
         return Group(*parts)

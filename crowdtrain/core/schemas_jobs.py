@@ -184,6 +184,12 @@ class JobProblems(BaseModel):
     hosts_able: int = Field(..., description="Hosts not revoked with a framework that trains the job's model")
     hosts_able_active: int = Field(..., description="Of those, the ones seen in the last minute")
     findings: list[str] = Field(..., description="What the figures above suggest, one sentence each")
+    late: int = Field(
+        0,
+        description="Results uploaded and refused because the job had ended (succeeded, failed or cancelled) "
+        "before their merge: the ordinary tail of a finished job, counted apart from the problems above",
+    )
+    late_recent: list[AssignmentProblem] = Field(default_factory=list, description="The latest of them, newest first")
 
 
 class JobCancelled(BaseModel):

@@ -227,6 +227,9 @@ function jobPage() {
     setText("findings", p.findings.join(" "));
     fillTable("problems", p.reasons.length ? p.reasons : [{ status: "–", reason: "none", count: 0 }], (r) => [r.status, r.reason, [num(r.count), "num"]]);
     fillTable("recent-problems", p.recent, (a) => [String(a.assignment_id), a.host_name, String(a.epoch), a.status, a.message, ago(a.finished_at)]);
+    document.getElementById("late-section").hidden = !p.late;
+    setText("late-count", num(p.late));
+    fillTable("late", p.late_recent, (a) => [String(a.assignment_id), a.host_name, String(a.epoch), a.message, ago(a.finished_at)]);
   });
 }
 
