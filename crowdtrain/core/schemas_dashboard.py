@@ -133,3 +133,33 @@ class JobInFlight(BaseModel):
     straggler_factor: float
     stragglers: int = Field(..., description="Running assignments older than straggler_factor x median_seconds")
     duplicates: list[int] = Field(..., description="Workunits with more than one assignment running")
+
+
+class DedlocStep(BaseModel):
+    """One committed step of a DeDLOC job."""
+
+    step: int
+    attempt: int = Field(..., description="Attempts aborted before it committed")
+    members: int
+    examples: int = Field(..., description="Examples its members averaged gradients over")
+    seconds: float | None = Field(..., description="Since the previous step's commit; None for the first recorded")
+
+
+class DedlocFigures(BaseModel):
+    """A DeDLOC job's rounds on the operator's job page."""
+
+    job_id: int
+    phase: str = Field(..., description="The running step's phase: accumulating, matchmaking or reducing")
+    step: int = Field(..., description="The step running now")
+    steps_committed: int
+    max_steps: int
+    peers_live: int = Field(..., description="Peers heard from within the liveness window")
+    members_last: int | None = Field(..., description="Members of the latest committed step")
+    members_seen: int = Field(..., description="Distinct peers that were members of a committed step")
+    mean_round_seconds: float | None = Field(..., description="Mean time between consecutive commits")
+    target_batch_size: int
+    examples_per_step: float | None = Field(..., description="Mean examples of a committed step")
+    examples_min: int | None
+    examples_max: int | None
+    overshoot: float | None = Field(..., description="Mean examples of a step beyond target_batch_size")
+    recent: list[DedlocStep] = Field(..., description="The latest committed steps, newest first")

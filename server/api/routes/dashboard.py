@@ -15,7 +15,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from crowdtrain.core.schemas import Id
-from crowdtrain.core.schemas_dashboard import HostFigures, JobDashboard, JobInFlight, ProjectPublic
+from crowdtrain.core.schemas_dashboard import DedlocFigures, HostFigures, JobDashboard, JobInFlight, ProjectPublic
 from crowdtrain.core.schemas_jobs import JobSummary
 from crowdtrain.server.api.deps import (
     SESSION_COOKIE,
@@ -26,7 +26,7 @@ from crowdtrain.server.api.deps import (
     SessionDep,
     SettingsDep,
 )
-from crowdtrain.server.services import dashboard, in_flight, jobs, sessions
+from crowdtrain.server.services import dashboard, dedloc_figures, in_flight, jobs, sessions
 
 STATIC = resources.files("crowdtrain.server.api") / "static"
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
@@ -171,6 +171,13 @@ def job_in_flight(job_id: Id, db: DbDep) -> JobInFlight:
     """What the job is waiting on: its running assignments, merge backlog, stragglers and duplicates.
     404 for no such job."""
     return in_flight.job_in_flight(db, job_id)
+
+
+@operator_data.get("/jobs/{job_id}/dedloc", response_model=DedlocFigures)
+def job_dedloc(job_id: Id, db: DbDep, r: RedisDep) -> DedlocFigures:
+    """A DeDLOC job's rounds: steps committed, members, mean round time, examples per step. 404 for no
+    such job, 409 for a job of another mode."""
+    return dedloc_figures.dedloc_figures(db, r, job_id)
 
 
 @operator_data.get("/hosts", response_model=list[HostFigures])

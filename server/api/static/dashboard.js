@@ -187,12 +187,29 @@ function inFlightSection(f) {
   ]);
 }
 
+function dedlocSection(f) {
+  document.getElementById("dedloc-section").hidden = false;
+  setText("dl-steps", num(f.steps_committed) + " / " + num(f.max_steps));
+  setText("dl-phase", "step " + f.step + ", " + f.phase);
+  setText("dl-members", (f.members_last === null ? "–" : num(f.members_last)) + " / " + num(f.members_seen) + " / " + num(f.peers_live));
+  setText("dl-round", duration(f.mean_round_seconds));
+  setText("dl-examples", f.examples_per_step === null ? "–" : num(f.examples_per_step, 1) + " (" + num(f.examples_min) + " – " + num(f.examples_max) + ")");
+  setText("dl-target", num(f.target_batch_size) + (f.overshoot === null ? "" : " (+" + num(f.overshoot, 1) + " on average)"));
+  fillTable("dedloc-steps", f.recent, (s) => [
+    String(s.step), [num(s.attempt), "num"], [num(s.members), "num"], [num(s.examples), "num"],
+    [num(s.examples - f.target_batch_size), "num"], [duration(s.seconds), "num"],
+  ]);
+}
+
 function jobPage() {
   const jobId = window.location.pathname.split("/").filter(Boolean).pop();
   const base = "/dashboard/api/jobs/" + encodeURIComponent(jobId);
   let sectionStarted = false;  // the mode's own section, polled once the job's mode is known
   poll(base, (d) => {
-    if (!sectionStarted && d.mode !== "dedloc") poll(base + "/in-flight", inFlightSection);
+    if (!sectionStarted) {
+      if (d.mode === "dedloc") poll(base + "/dedloc", dedlocSection);
+      else poll(base + "/in-flight", inFlightSection);
+    }
     sectionStarted = true;
     const job = d.job, m = job.metrics;
     document.title = "crowdtrain · " + job.name;
