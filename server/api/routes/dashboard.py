@@ -1,8 +1,9 @@
 """The web dashboard: the operator's pages under `/dashboard` (a login cookie), the public project page,
 and their static files.
 
-The pages are static HTML; a small script (`static/dashboard.js`) fetches their JSON and polls it every
-2 s. The operator's JSON is read-only and admits the session cookie only for GET
+The pages are static HTML (the public one with its figures rendered in by the server, for the first
+paint); a small script (`static/dashboard.js`) fetches their JSON and polls it every 2 s. The
+operator's JSON is read-only and admits the session cookie only for GET
 (crowdtrain.server.api.deps.has_session); the `/v1` API keeps its bearer token.
 """
 
@@ -17,6 +18,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from crowdtrain.core.schemas import Id
 from crowdtrain.core.schemas_dashboard import DedlocFigures, HostFigures, JobDashboard, JobInFlight, ProjectPublic
 from crowdtrain.core.schemas_jobs import JobSummary
+from crowdtrain.server.api import public_page
 from crowdtrain.server.api.deps import (
     SESSION_COOKIE,
     DbDep,
@@ -74,8 +76,10 @@ def static_file(name: str) -> Response:
 
 
 @router.get("/project")
-def project_page() -> HTMLResponse:
-    return page("project")
+def project_page(db: DbDep) -> HTMLResponse:
+    """The public project page with its figures in it (the page's script refreshes them)."""
+    template = (STATIC / "project.html").read_text(encoding="utf-8")
+    return HTMLResponse(public_page.render(template, dashboard.project_public(db)), headers=PAGE_HEADERS)
 
 
 @public.get("/v1/project", response_model=ProjectPublic)

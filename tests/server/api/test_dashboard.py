@@ -280,3 +280,16 @@ def test_the_public_page_its_files_and_the_login_form_need_no_session(site: Site
 @pytest.mark.parametrize("name", ["job.html", "..%2Fapp.py", "nothing.js", "%2E%2E%2F__init__.py", "dashboard.py"])
 def test_only_the_scripts_and_styles_are_served_as_static_files(site: Site, name: str) -> None:
     assert site.browser().get(f"/static/{name}").status_code == 404
+
+
+def test_the_public_page_has_its_figures_in_its_first_paint(site: Site) -> None:
+    """Rendered by the server: a browser shows the figures before the script runs (and without it)."""
+    page = site.browser("first-paint").get("/project").text
+    p = ok(site.browser("public").get("/v1/project")).json()
+    assert f'id="fig-results">{p["results_merged"]}<' in page
+    assert f'id="fig-examples">{p["examples"]:,}<' in page and f'id="fig-jobs">{len(p["jobs"])}<' in page
+    assert '<td>mnist1d-cnn</td><td><span class="status running">running</span></td>' in page
+    assert "<td>alice</td>" in page and "<td>host 1</td>" in page
+    assert "<!--" not in page, "every marker is filled"
+    for figure in ("fig-jobs", "fig-results", "fig-examples", "fig-active", "fig-credit"):
+        assert f'id="{figure}">–<' not in page
