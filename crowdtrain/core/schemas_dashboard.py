@@ -93,6 +93,9 @@ class ProjectPublic(BaseModel):
     credit: float = Field(..., description="Cobblestones earned by every host")
 
 
+ExpectedFrom = Literal["host", "job", "deadline"]
+
+
 class RunningAssignment(BaseModel):
     """An assignment out with its host (in progress): how long it has run and when it should be back."""
 
@@ -107,7 +110,7 @@ class RunningAssignment(BaseModel):
     expected_finish: UtcDatetime = Field(
         ..., description="sent_at + the measured turnaround (`expected_from`), never past the deadline"
     )
-    expected_from: Literal["host", "job", "deadline"] = Field(
+    expected_from: ExpectedFrom = Field(
         ...,
         description="host: the host's mean turnaround over its valid results; job: the job's median turnaround "
         "over its latest merges; deadline: neither is measured yet",

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.jobspec import DEDLOC
-from crowdtrain.core.schemas_dashboard import JobInFlight, RunningAssignment
+from crowdtrain.core.schemas_dashboard import ExpectedFrom, JobInFlight, RunningAssignment
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
 from crowdtrain.server.services.jobs import JobNotFound, in_flight_figures
@@ -30,13 +30,14 @@ _FINISHED = (AssignmentStatus.merged.value, AssignmentStatus.validated.value)
 
 def expected_finish(
     sent_at: datetime, deadline: datetime, host_turnaround: float | None, job_turnaround: float | None
-) -> tuple[datetime, str]:
+) -> tuple[datetime, ExpectedFrom]:
     """When a running assignment should be back, and from what: sent_at + its host's measured
     turnaround, else the job's; never past the deadline, where the transitioner times it out. The
     deadline itself when neither is measured. No I/O."""
-    for source, seconds in (("host", host_turnaround), ("job", job_turnaround)):
-        if seconds is not None:
-            return min(sent_at + timedelta(seconds=seconds), deadline), source
+    if host_turnaround is not None:
+        return min(sent_at + timedelta(seconds=host_turnaround), deadline), "host"
+    if job_turnaround is not None:
+        return min(sent_at + timedelta(seconds=job_turnaround), deadline), "job"
     return deadline, "deadline"
 
 
@@ -85,6 +86,7 @@ def job_in_flight(db: sessionmaker[Session], job_id: int, now: datetime | None =
                 .order_by(Assignment.finished_at.desc())
                 .limit(DURATIONS_MEASURED)
             )
+            if uploaded is not None
         ]
         budget = None if job.mode == DEDLOC else in_flight_figures(s, job, a_counts)
         job_turnaround = job.turnaround_seconds
