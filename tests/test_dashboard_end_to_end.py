@@ -1,8 +1,9 @@
 """The web dashboard in a real headless Chromium (Debian's `chromium` and `chromedriver`; Selenium
 downloads nothing) against a real cluster training the example job: log in through the form, then the
 jobs, job, hosts and public pages show the running job's figures, the charts have points, the job page
-updates without a reload, and a screenshot of each page is kept (var/test-artifacts/, or
-$CROWDTRAIN_TEST_ARTIFACTS)."""
+has its In flight section and updates without a reload, the public page's HTML has its figures before
+any script runs, a DeDLOC job's page shows its rounds, and a screenshot of each page (and of the two
+sections) is kept (var/test-artifacts/, or $CROWDTRAIN_TEST_ARTIFACTS)."""
 
 import os
 import shutil
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
@@ -19,8 +21,10 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.schemas_jobs import BEST_LABEL
 from crowdtrain.launch.cluster import Cluster, wait_for
 from tests.conftest import EXAMPLE_SPEC, ROOT
+from tests.test_dedloc_end_to_end import commits, dedloc_spec, start_peers, submit
 
 pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -81,6 +85,22 @@ def screenshot(driver: WebDriver, name: str) -> None:
     assert path.stat().st_size > 10_000
 
 
+def section_screenshot(driver: WebDriver, element_id: str, name: str) -> None:
+    """A picture of one section of the page, scrolled into view."""
+    element = driver.find_element(By.ID, element_id)
+    driver.execute_script("arguments[0].scrollIntoView()", element)
+    path = artifacts() / f"dashboard-{name}.png"
+    assert element.screenshot(str(path)), path
+    assert path.stat().st_size > 5_000
+
+
+def log_in(driver: WebDriver, cluster: Cluster) -> None:
+    driver.get(f"{cluster.url}/dashboard/login")
+    driver.find_element(By.ID, "token").send_keys(cluster.admin_token)
+    driver.find_element(By.ID, "login").click()
+    WebDriverWait(driver, 10).until(lambda d: d.current_url.endswith("/dashboard/jobs"))
+
+
 def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite_url: str, browser: WebDriver) -> None:
     cluster = make_cluster(sqlite_url)
     spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
@@ -124,10 +144,20 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     assert workunits.get("done", 0) >= MERGES_BEFORE_BROWSING
     assert text_of(browser, "fig-staleness") and text_of(browser, "fig-rate")
     assert rows(browser, "problems")
+    # In flight: the running assignments, alice's, each with its age, deadline and expected return.
+    WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "in-flight-section").is_displayed())
+    assert not browser.find_element(By.ID, "dedloc-section").is_displayed()
+    assert int(text_of(browser, "fl-running").split()[0]) >= 0 and text_of(browser, "fl-median").endswith("s")
+    assert text_of(browser, "fl-budget") and text_of(browser, "fl-stragglers") and text_of(browser, "fl-duplicates")
+    running = rows(browser, "in-flight", timeout=60)
+    assert {r[1] for r in running} == {"alice"}
+    assert all(r[4].endswith(" s") and ("(host)" in r[6] or "(job)" in r[6] or "(deadline)" in r[6]) for r in running)
+    assert f">{BEST_LABEL}<" in browser.page_source
     # Live: more merges appear without a reload.
     WebDriverWait(browser, 60).until(lambda d: int(d.find_element(By.ID, "fig-merges").text.replace(",", "")) > first)
     time.sleep(0.5)  # let the charts of that poll settle before the picture
     screenshot(browser, "job")
+    section_screenshot(browser, "in-flight-section", "job-in-flight")
 
     browser.find_element(By.LINK_TEXT, "hosts").click()
     (host,) = rows(browser, "hosts")
@@ -135,6 +165,10 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     assert int(host[6]) >= MERGES_BEFORE_BROWSING and host[11] == "no"
     screenshot(browser, "hosts")
 
+    # The public page comes with its figures: the server's HTML has them before any script runs.
+    with httpx.Client(base_url=cluster.url) as http:
+        first_paint = http.get("/project").text
+    assert 'id="fig-results">–<' not in first_paint and "<td>mnist1d-cnn</td>" in first_paint
     browser.find_element(By.LINK_TEXT, "public page").click()
     (public_job,) = rows(browser, "project-jobs")
     assert public_job[:2] == ["mnist1d-cnn", "running"] and public_job[3].endswith("%")
@@ -160,6 +194,36 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     WebDriverWait(browser, 10).until(lambda d: d.current_url.endswith("/dashboard/login"))
     browser.get(f"{cluster.url}/dashboard/hosts")
     assert browser.current_url.endswith("/dashboard/login")
+
+
+def test_the_job_page_of_a_dedloc_job_shows_its_rounds_in_chromium(make_cluster, browser: WebDriver) -> None:
+    """Two real peers commit steps; the job page's DeDLOC section counts them, their members and their
+    examples against the target batch, and says why a step can exceed it."""
+    cluster = make_cluster(assimilator_concurrency=1)
+    spec = dedloc_spec(max_steps=50)  # out of reach: still running while the page is read
+    job_id = submit(cluster, spec)
+    # Each stops at half the target batch: a step needs both peers.
+    peers = start_peers(cluster, job_id, 2, "--examples-per-step", str(spec["dedloc"]["target_batch_size"] // 2))
+    wait_for(lambda: len(commits(cluster, job_id)) >= 2, 240, "no two steps committed", peers[0])
+
+    log_in(browser, cluster)
+    browser.get(f"{cluster.url}/dashboard/jobs/{job_id}")
+    WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "dedloc-section").is_displayed())
+    assert not browser.find_element(By.ID, "in-flight-section").is_displayed()
+    committed, max_steps = (int(n.replace(",", "")) for n in text_of(browser, "dl-steps").split(" / "))
+    assert committed >= 2 and max_steps == 50
+    last, seen, _live = (int(n) for n in text_of(browser, "dl-members").split(" / "))
+    assert 1 <= last <= seen <= 2
+    assert text_of(browser, "dl-round").endswith("s")
+    target = spec["dedloc"]["target_batch_size"]
+    assert text_of(browser, "dl-target").startswith(f"{target} ")
+    steps = rows(browser, "dedloc-steps")
+    assert len(steps) >= 2 and all(1 <= int(s[2]) <= 2 and int(s[3]) >= target for s in steps)
+    assert [int(s[4]) for s in steps] == [int(s[3]) - target for s in steps]
+    caption = browser.find_element(By.ID, "dl-caption").text
+    assert "the step closes once the sum of their reports reaches the target" in caption
+    screenshot(browser, "dedloc-job")
+    section_screenshot(browser, "dedloc-section", "job-dedloc")
 
 
 def test_artifacts_folder_is_ignored_by_git() -> None:

@@ -14,7 +14,7 @@ from crowdtrain.cli.options import HELP_LAYOUT
 from crowdtrain.cli.plot import plot_accuracy
 from crowdtrain.cli.progress import watch
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.schemas_jobs import JobStatusOut
+from crowdtrain.core.schemas_jobs import BEST_LABEL, JobStatusOut, best_closed_epoch
 from crowdtrain.launch.cluster import Cluster
 
 DEMO_TIMEOUT = 600
@@ -98,15 +98,14 @@ def _locality_row(f: dict[str, float]) -> str:
 
 def summary_table(st: JobStatusOut, wall: float, locality: dict[str, float] | None = None) -> Table:
     t = Table(title="crowdtrain demo summary", show_header=False)
-    accuracies = [(e.mean_accuracy, e.epoch) for e in st.epochs if e.mean_accuracy is not None]
-    best = max(accuracies, key=lambda a: a[0], default=None)  # the first of equally accurate epochs
+    best = best_closed_epoch(st.epochs)
     rows = [
         ("job", f"{st.job_id} {st.name}"),
         ("status", st.status),
         ("reason", st.status_message),
         ("epochs", str(st.current_epoch)),
         ("merges", str(st.merges)),
-        ("best epoch mean accuracy", f"{best[0]:.4f} (epoch {best[1]})" if best else "-"),
+        (BEST_LABEL, f"{best.mean_accuracy:.4f} (epoch {best.epoch})" if best is not None else "-"),
         ("final W_s accuracy", f"{st.final_accuracy:.4f}" if st.final_accuracy is not None else "-"),
         ("assignments", ", ".join(f"{k} {v}" for k, v in sorted(st.assignments.items()))),
         ("wall time", f"{wall:.1f}s"),

@@ -10,7 +10,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from crowdtrain.core.schemas_jobs import InFlightFigures, JobProblems, JobStatusOut, JobSummary
+from crowdtrain.core.schemas_jobs import (
+    BEST_LABEL,
+    InFlightFigures,
+    JobProblems,
+    JobStatusOut,
+    JobSummary,
+    best_closed_epoch,
+)
 
 
 def _pct(v: float | None) -> str:
@@ -25,6 +32,12 @@ def status_table(st: JobStatusOut, last_epochs: int | None = 8) -> Group:
         f"  epoch {st.current_epoch}/{st.max_epochs}  merges {st.merges}  W_s v{st.param_version}"
         f"  active hosts {st.active_hosts}  target {st.target_accuracy}"
         f"  elapsed {st.elapsed_seconds or 0:.0f}s",
+    )
+    best = best_closed_epoch(st.epochs)
+    best_line = Text(
+        f"{BEST_LABEL} {_pct(best.mean_accuracy)} (epoch {best.epoch})"
+        if best
+        else f"{BEST_LABEL} -  (none closed yet)"
     )
     table = Table(show_edge=False)
     for col in ("epoch", "workunits", "done", "failed", "merges", "mean acc", "min", "max"):
@@ -41,7 +54,7 @@ def status_table(st: JobStatusOut, last_epochs: int | None = 8) -> Group:
             _pct(e.min_accuracy),
             _pct(e.max_accuracy),
         )
-    parts: list[RenderableType] = [head]
+    parts: list[RenderableType] = [head, best_line]
     if st.in_flight is not None:
         parts.append(in_flight_line(st.in_flight))
     parts.append(table)
@@ -110,6 +123,10 @@ def problems_view(p: JobProblems) -> Group:
     ]
     for finding in p.findings:
         parts.append(Text(f"! {finding}", style="yellow"))
+    if p.late:
+        parts.append(
+            Text(f"{p.late} results came after the job had ended, too late to merge (not counted as problems)")
+        )
     if not p.reasons:
         parts.append(Text("no assignment ended in a client error, a refusal or a timeout"))
         return Group(*parts)

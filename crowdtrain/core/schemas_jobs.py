@@ -2,6 +2,8 @@
 and signature, its status with its metrics, the list of jobs, a job's problems and its cancellation.
 The types they share with every route (ids, hashes, keys, UTC datetimes) are crowdtrain.core.schemas'."""
 
+from collections.abc import Iterable
+
 from pydantic import BaseModel, Field
 
 from crowdtrain.core.schemas import PublicKey, Sha256, Signature, UtcDatetime, WireRequest
@@ -48,9 +50,29 @@ class EpochFigures(BaseModel):
     done: int
     failed: int
     merges: int
-    mean_accuracy: float | None
+    mean_accuracy: float | None = Field(
+        ..., description="The epoch's figure: the mean validation accuracy of its merges"
+    )
     min_accuracy: float | None
     max_accuracy: float | None
+
+    @property
+    def closed(self) -> bool:
+        """Every workunit done or failed: the stop rule has judged (or will judge) its figure. An epoch
+        still running, or cut short with its job (cancelled workunits), is not closed; a DeDLOC step has
+        no workunits and is recorded once committed, so it is."""
+        return self.done + self.failed == self.workunits
+
+
+BEST_LABEL = "best of closed epochs"
+
+
+def best_closed_epoch(epochs: Iterable[EpochFigures]) -> EpochFigures | None:
+    """The closed epoch with the best figure (the first of equals); None before one has closed with a
+    merge. The one definition of a job's best accuracy, wherever it is shown: an unfinished epoch's
+    figure is a mean over the merges so far and does not count. No I/O."""
+    closed = [e for e in epochs if e.closed and e.mean_accuracy is not None]
+    return max(closed, key=lambda e: e.mean_accuracy or 0.0, default=None)
 
 
 class MetricPoint(BaseModel):
@@ -100,7 +122,9 @@ class JobStatusOut(BaseModel):
     snapshot_version: int | None
     target_accuracy: float
     max_epochs: int
-    best_epoch_accuracy: float | None
+    best_epoch_accuracy: float | None = Field(
+        ..., description="The best figure of the job's closed epochs (crowdtrain.core.schemas_jobs.best_closed_epoch)"
+    )
     final_accuracy: float | None
     merges: int
     active_hosts: int
@@ -160,6 +184,12 @@ class JobProblems(BaseModel):
     hosts_able: int = Field(..., description="Hosts not revoked with a framework that trains the job's model")
     hosts_able_active: int = Field(..., description="Of those, the ones seen in the last minute")
     findings: list[str] = Field(..., description="What the figures above suggest, one sentence each")
+    late: int = Field(
+        0,
+        description="Results uploaded and refused because the job had ended (succeeded, failed or cancelled) "
+        "before their merge: the ordinary tail of a finished job, counted apart from the problems above",
+    )
+    late_recent: list[AssignmentProblem] = Field(default_factory=list, description="The latest of them, newest first")
 
 
 class JobCancelled(BaseModel):

@@ -21,8 +21,9 @@ from crowdtrain.core.schemas_dashboard import (
     Staleness,
     Volunteer,
 )
+from crowdtrain.core.schemas_jobs import best_closed_epoch
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
-from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
+from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
 from crowdtrain.server.services import diagnosis, jobs
 from crowdtrain.server.services.telemetry import ACTIVE_WINDOW
 
@@ -49,6 +50,7 @@ def job_dashboard(db: sessionmaker[Session], job_id: int) -> JobDashboard:
     status = jobs.job_status(db, job_id, with_metrics=True)
     problems = diagnosis.job_problems(db, job_id, PROBLEMS_SHOWN)
     with db.begin() as s:
+        mode = s.scalars(select(Job.mode).where(Job.id == job_id)).one()
         by_status = s.execute(
             select(Workunit.epoch, Workunit.status, func.count())
             .where(Workunit.job_id == job_id)
@@ -74,6 +76,7 @@ def job_dashboard(db: sessionmaker[Session], job_id: int) -> JobDashboard:
     window = min(MERGE_RATE_WINDOW.total_seconds(), elapsed or MERGE_RATE_WINDOW.total_seconds())
     return JobDashboard(
         job=status,
+        mode=mode,
         workunits=dict(workunits),
         epoch_workunits=epoch_workunits,
         merges_per_second=recent / max(window, 1.0),
@@ -114,6 +117,12 @@ def host_figures(db: sessionmaker[Session]) -> list[HostFigures]:
         return figures
 
 
+def best_accuracy(s: Session, job_id: int) -> float | None:
+    """The job's best of closed epochs (crowdtrain.core.schemas_jobs.best_closed_epoch)."""
+    best = best_closed_epoch(jobs.epoch_figures(s, job_id))
+    return None if best is None else best.mean_accuracy
+
+
 def project_public(db: sessionmaker[Session]) -> ProjectPublic:
     """The public project page: every job that is not pending, every volunteer account's contribution and
     every host's credit by number. Account names, statuses, counts and credit only: not a host's name,
@@ -127,14 +136,13 @@ def project_public(db: sessionmaker[Session]) -> ProjectPublic:
                 .group_by(Assignment.job_id)
             )
         }
-        best = dict(s.execute(select(Metric.job_id, func.max(Metric.val_accuracy)).group_by(Metric.job_id)).all())
         project_jobs = [
             ProjectJob(
                 name=j.name,
                 status=JobStatus(j.status),
                 current_epoch=j.current_epoch,
                 max_epochs=j.spec["stop"].get("max_epochs"),
-                best_accuracy=best.get(j.id),
+                best_accuracy=best_accuracy(s, j.id),
                 results_merged=per_job.get(j.id, (0, 0))[0],
                 examples=per_job.get(j.id, (0, 0))[1],
             )

@@ -5,7 +5,7 @@ it. Everything here is already in the database; this only gathers it."""
 import re
 from collections import Counter
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, false, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import frameworks
@@ -34,16 +34,18 @@ def job_problems(
 ) -> JobProblems:
     """The job's problems (JobNotFound if there is no such job): every assignment that ended in a client
     error, a refusal or a timeout counted by status and by reason, the `limit` latest in full, and the
-    hosts that could run it; for a DeDLOC job, the hosts whose peer refused it (`peer_refusals`, as
+    hosts that could run it; apart from them, the results that came too late, once the job had ended
+    (`late_result`); for a DeDLOC job, the hosts whose peer refused it (`peer_refusals`, as
     crowdtrain.server.services.dedloc_jobs.refusals gives them)."""
     with db.begin() as s:
         job = s.get(Job, job_id)
         if job is None:
             raise JobNotFound(f"job {job_id} does not exist")
         statuses = [p.value for p in PROBLEMS]
+        late = late_result(job)
         by_message = s.execute(
             select(Assignment.status, Assignment.message, func.count())
-            .where(Assignment.job_id == job_id, Assignment.status.in_(statuses))
+            .where(Assignment.job_id == job_id, Assignment.status.in_(statuses), ~late)
             .group_by(Assignment.status, Assignment.message)
         ).all()
         counts: Counter[AssignmentStatus] = Counter()
@@ -51,14 +53,9 @@ def job_problems(
         for status, message, n in by_message:
             counts[AssignmentStatus(status)] += n
             reasons[(AssignmentStatus(status), problem_reason(message))] += n
-        recent = s.execute(
-            select(Assignment, Host.name, Workunit.epoch)
-            .join(Host, Host.id == Assignment.host_id)
-            .join(Workunit, Workunit.id == Assignment.workunit_id)
-            .where(Assignment.job_id == job_id, Assignment.status.in_(statuses))
-            .order_by(Assignment.finished_at.desc(), Assignment.id.desc())
-            .limit(limit)
-        ).all()
+        recent = _latest(s, job_id, Assignment.status.in_(statuses) & ~late, limit)
+        late_count = s.scalar(select(func.count()).select_from(Assignment).where(Assignment.job_id == job_id, late))
+        late_recent = _latest(s, job_id, late, limit) if late_count else []
         hosts = s.scalars(select(Host).where(Host.revoked.is_(False))).all()
         able = [h for h in hosts if frameworks.runs_on(job.model_config_, h.frameworks)]
         active = [h for h in able if h.last_seen > utcnow() - ACTIVE_HOST_WINDOW]
@@ -83,25 +80,53 @@ def job_problems(
                 ProblemCount(status=status, reason=reason, count=n)
                 for (status, reason), n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
             ],
-            recent=[
-                AssignmentProblem(
-                    assignment_id=a.id,
-                    host_id=a.host_id,
-                    host_name=name,
-                    epoch=epoch,
-                    status=AssignmentStatus(a.status),
-                    message=a.message,
-                    finished_at=a.finished_at,
-                )
-                for a, name, epoch in recent
-            ],
+            recent=recent,
             hosts_registered=len(hosts),
             hosts_able=len(able),
             hosts_able_active=len(active),
             findings=findings(job, len(hosts), len(able), len(active), counts)
             + replication_findings(job, waiting or 0, quarantined, len(able))
             + refusal_findings(peer_refusals or {}, limit),
+            late=late_count or 0,
+            late_recent=late_recent,
         )
+
+
+def late_result(job: Job) -> ColumnElement[bool]:
+    """An assignment of `job` that uploaded its result and was refused once the job had ended (succeeded,
+    failed or cancelled) before its merge: not a host's fault nor the job's, so not a problem. Builds
+    the condition; runs nothing."""
+    if job.finished_at is None:
+        return false()
+    return (
+        (Assignment.status == AssignmentStatus.rejected.value)
+        & Assignment.uploaded_at.is_not(None)
+        & (Assignment.finished_at >= job.finished_at)
+    )
+
+
+def _latest(s: Session, job_id: int, condition: ColumnElement[bool], limit: int) -> list[AssignmentProblem]:
+    """The `limit` latest ended assignments of the job that meet `condition`, newest first."""
+    rows = s.execute(
+        select(Assignment, Host.name, Workunit.epoch)
+        .join(Host, Host.id == Assignment.host_id)
+        .join(Workunit, Workunit.id == Assignment.workunit_id)
+        .where(Assignment.job_id == job_id, condition)
+        .order_by(Assignment.finished_at.desc(), Assignment.id.desc())
+        .limit(limit)
+    ).all()
+    return [
+        AssignmentProblem(
+            assignment_id=a.id,
+            host_id=a.host_id,
+            host_name=name,
+            epoch=epoch,
+            status=AssignmentStatus(a.status),
+            message=a.message,
+            finished_at=a.finished_at,
+        )
+        for a, name, epoch in rows
+    ]
 
 
 def findings(job: Job, registered: int, able: int, active: int, counts: Counter[AssignmentStatus]) -> list[str]:

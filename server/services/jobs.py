@@ -1,5 +1,6 @@
 """Operator-facing job services: status with per-epoch figures, cancellation."""
 
+from collections import defaultdict
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -9,7 +10,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.jobspec import DEDLOC
 from crowdtrain.core.refusals import NotFound
-from crowdtrain.core.schemas_jobs import EpochFigures, InFlightFigures, JobStatusOut, JobSummary, MetricPoint
+from crowdtrain.core.schemas_jobs import (
+    EpochFigures,
+    InFlightFigures,
+    JobStatusOut,
+    JobSummary,
+    MetricPoint,
+    best_closed_epoch,
+)
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
@@ -27,16 +35,15 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
         job = s.get(Job, job_id)
         if job is None:
             raise JobNotFound(f"job {job_id} does not exist")
-        wu_counts = s.execute(
-            select(Workunit.epoch, Workunit.status, func.count())
-            .where(Workunit.job_id == job_id)
-            .group_by(Workunit.epoch, Workunit.status)
-        ).all()
-        metric_rows = s.execute(
-            select(Metric.epoch, Metric.param_version, Metric.val_accuracy, Metric.val_loss, Metric.created_at)
-            .where(Metric.job_id == job_id)
-            .order_by(Metric.param_version)
-        ).all()
+        metric_rows = (
+            s.execute(
+                select(Metric.epoch, Metric.param_version, Metric.val_accuracy, Metric.val_loss, Metric.created_at)
+                .where(Metric.job_id == job_id)
+                .order_by(Metric.param_version)
+            ).all()
+            if with_metrics
+            else []
+        )
         a_counts: dict[str, int] = {
             status: count
             for status, count in s.execute(
@@ -48,34 +55,8 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
                 Assignment.job_id == job_id, Assignment.sent_at > utcnow() - ACTIVE_HOST_WINDOW
             )
         )
-        epochs: dict[int, dict] = {}
-        for epoch, status, n in wu_counts:
-            e = epochs.setdefault(epoch, {"workunits": 0, "done": 0, "failed": 0, "accs": []})
-            e["workunits"] += n
-            if status == WorkunitStatus.done.value:
-                e["done"] += n
-            elif status == WorkunitStatus.failed.value:
-                e["failed"] += n
-        for m in metric_rows:
-            epochs.setdefault(m.epoch, {"workunits": 0, "done": 0, "failed": 0, "accs": []})["accs"].append(
-                m.val_accuracy
-            )
-        figures = [
-            EpochFigures(
-                epoch=k,
-                workunits=v["workunits"],
-                done=v["done"],
-                failed=v["failed"],
-                merges=len(v["accs"]),
-                mean_accuracy=sum(v["accs"]) / len(v["accs"]) if v["accs"] else None,
-                min_accuracy=min(v["accs"], default=None),
-                max_accuracy=max(v["accs"], default=None),
-            )
-            for k, v in sorted(epochs.items())
-        ]
-        complete = [
-            f.mean_accuracy for f in figures if f.mean_accuracy is not None and f.done + f.failed == f.workunits
-        ]
+        figures = epoch_figures(s, job_id)
+        best = best_closed_epoch(figures)
         start = job.started_at or job.created_at
         end = job.finished_at or utcnow()
         return JobStatusOut(
@@ -88,7 +69,7 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             snapshot_version=job.snapshot_version,
             target_accuracy=job.spec["stop"]["target_accuracy"],
             max_epochs=job.spec["stop"]["max_epochs"],
-            best_epoch_accuracy=max(complete, default=None),
+            best_epoch_accuracy=None if best is None else best.mean_accuracy,
             final_accuracy=job.final_accuracy,
             merges=a_counts.get(AssignmentStatus.merged.value, 0),
             active_hosts=active or 0,
@@ -96,11 +77,55 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             epochs=figures,
             metrics=_metric_points(s, job, metric_rows, start) if with_metrics else [],
             elapsed_seconds=(end - start).total_seconds(),
-            in_flight=None if job.mode == DEDLOC else _in_flight(s, job, a_counts),
+            in_flight=None if job.mode == DEDLOC else in_flight_figures(s, job, a_counts),
         )
 
 
-def _in_flight(s: Session, job: Job, a_counts: dict[str, int]) -> InFlightFigures:
+def epoch_figures(s: Session, job_id: int) -> list[EpochFigures]:
+    """Each epoch of the job (a DeDLOC job's: each step evaluated), oldest first: its workunits by
+    outcome and its merges' validation accuracy (mean: the epoch's figure)."""
+    epochs: dict[int, dict] = defaultdict(
+        lambda: {"workunits": 0, "done": 0, "failed": 0, "accs": (0, None, None, None)}
+    )
+    for epoch, status, n in s.execute(
+        select(Workunit.epoch, Workunit.status, func.count())
+        .where(Workunit.job_id == job_id)
+        .group_by(Workunit.epoch, Workunit.status)
+    ):
+        e = epochs[epoch]
+        e["workunits"] += n
+        if status == WorkunitStatus.done.value:
+            e["done"] += n
+        elif status == WorkunitStatus.failed.value:
+            e["failed"] += n
+    for epoch, *accs in s.execute(
+        select(
+            Metric.epoch,
+            func.count(),
+            func.avg(Metric.val_accuracy),
+            func.min(Metric.val_accuracy),
+            func.max(Metric.val_accuracy),
+        )
+        .where(Metric.job_id == job_id)
+        .group_by(Metric.epoch)
+    ):
+        epochs[epoch]["accs"] = tuple(accs)
+    return [
+        EpochFigures(
+            epoch=k,
+            workunits=v["workunits"],
+            done=v["done"],
+            failed=v["failed"],
+            merges=v["accs"][0],
+            mean_accuracy=v["accs"][1],
+            min_accuracy=v["accs"][2],
+            max_accuracy=v["accs"][3],
+        )
+        for k, v in sorted(epochs.items())
+    ]
+
+
+def in_flight_figures(s: Session, job: Job, a_counts: dict[str, int]) -> InFlightFigures:
     """The job's unmerged assignments against its budget, as dispatch judges it (services.backpressure)."""
     count = sum(a_counts.get(status, 0) for status in UNMERGED)
     hosts = (

@@ -1,8 +1,9 @@
 """The web dashboard: the operator's pages under `/dashboard` (a login cookie), the public project page,
 and their static files.
 
-The pages are static HTML; a small script (`static/dashboard.js`) fetches their JSON and polls it every
-2 s. The operator's JSON is read-only and admits the session cookie only for GET
+The pages are static HTML (the public one with its figures rendered in by the server, for the first
+paint); a small script (`static/dashboard.js`) fetches their JSON and polls it every 2 s. The
+operator's JSON is read-only and admits the session cookie only for GET
 (crowdtrain.server.api.deps.has_session); the `/v1` API keeps its bearer token.
 """
 
@@ -15,8 +16,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from crowdtrain.core.schemas import Id
-from crowdtrain.core.schemas_dashboard import HostFigures, JobDashboard, ProjectPublic
+from crowdtrain.core.schemas_dashboard import DedlocFigures, HostFigures, JobDashboard, JobInFlight, ProjectPublic
 from crowdtrain.core.schemas_jobs import JobSummary
+from crowdtrain.server.api import public_page
 from crowdtrain.server.api.deps import (
     SESSION_COOKIE,
     DbDep,
@@ -26,7 +28,7 @@ from crowdtrain.server.api.deps import (
     SessionDep,
     SettingsDep,
 )
-from crowdtrain.server.services import dashboard, jobs, sessions
+from crowdtrain.server.services import dashboard, dedloc_figures, in_flight, jobs, sessions
 
 STATIC = resources.files("crowdtrain.server.api") / "static"
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
@@ -74,8 +76,10 @@ def static_file(name: str) -> Response:
 
 
 @router.get("/project")
-def project_page() -> HTMLResponse:
-    return page("project")
+def project_page(db: DbDep) -> HTMLResponse:
+    """The public project page with its figures in it (the page's script refreshes them)."""
+    template = (STATIC / "project.html").read_text(encoding="utf-8")
+    return HTMLResponse(public_page.render(template, dashboard.project_public(db)), headers=PAGE_HEADERS)
 
 
 @public.get("/v1/project", response_model=ProjectPublic)
@@ -164,6 +168,20 @@ def jobs_data(db: DbDep) -> list[JobSummary]:
 def job_data(job_id: Id, db: DbDep) -> JobDashboard:
     """404 for no such job."""
     return dashboard.job_dashboard(db, job_id)
+
+
+@operator_data.get("/jobs/{job_id}/in-flight", response_model=JobInFlight)
+def job_in_flight(job_id: Id, db: DbDep) -> JobInFlight:
+    """What the job is waiting on: its running assignments, merge backlog, stragglers and duplicates.
+    404 for no such job."""
+    return in_flight.job_in_flight(db, job_id)
+
+
+@operator_data.get("/jobs/{job_id}/dedloc", response_model=DedlocFigures)
+def job_dedloc(job_id: Id, db: DbDep, r: RedisDep) -> DedlocFigures:
+    """A DeDLOC job's rounds: steps committed, members, mean round time, examples per step. 404 for no
+    such job, 409 for a job of another mode."""
+    return dedloc_figures.dedloc_figures(db, r, job_id)
 
 
 @operator_data.get("/hosts", response_model=list[HostFigures])

@@ -28,6 +28,12 @@ function ago(iso) {
   if (!iso) return "–";
   return duration((Date.now() - Date.parse(iso)) / 1000) + " ago";
 }
+function until(iso) {
+  // A moment from now: "in 3 min" ahead, "3 min ago" past.
+  if (!iso) return "–";
+  const s = (Date.parse(iso) - Date.now()) / 1000;
+  return s >= 0 ? "in " + duration(s) : duration(-s) + " ago";
+}
 function compact(x) {
   if (x >= 1e6) return (x / 1e6).toFixed(1) + "M";
   if (x >= 1e3) return (x / 1e3).toFixed(x >= 1e4 ? 0 : 1) + "k";
@@ -165,9 +171,46 @@ function jobsPage() {
 
 function counts(obj) { return Object.entries(obj).sort((a, b) => b[1] - a[1]); }
 
+function inFlightSection(f) {
+  document.getElementById("in-flight-section").hidden = false;
+  setText("fl-running", num(f.running_total) + (f.running_total > f.running.length ? " (oldest " + f.running.length + " shown)" : ""));
+  setText("fl-backlog", num(f.merge_backlog) + (f.oldest_upload_seconds === null ? "" : " (" + duration(f.oldest_upload_seconds) + ")"));
+  const b = f.in_flight;
+  setText("fl-budget", b ? num(b.count) + " / " + (b.budget === null ? "no budget yet" : num(b.budget)) + (b.held_back ? " (held back)" : "") : "–");
+  setText("fl-median", duration(f.median_seconds));
+  setText("fl-stragglers", num(f.stragglers) + (f.median_seconds === null ? "" : " (> " + duration(f.straggler_factor * f.median_seconds) + ")"));
+  setText("fl-duplicates", num(f.duplicates.length));
+  fillTable("in-flight", f.running, (a) => [
+    String(a.assignment_id), a.host_name, String(a.epoch), String(a.workunit_id), [duration(a.age_seconds), "num"],
+    until(a.deadline), until(a.expected_finish) + " (" + a.expected_from + ")",
+    [[a.straggler ? "straggler" : "", a.duplicate ? "duplicate" : ""].filter(Boolean).join(", "), a.straggler || a.duplicate ? "revoked" : ""],
+  ]);
+}
+
+function dedlocSection(f) {
+  document.getElementById("dedloc-section").hidden = false;
+  setText("dl-steps", num(f.steps_committed) + " / " + num(f.max_steps));
+  setText("dl-phase", "step " + f.step + ", " + f.phase);
+  setText("dl-members", (f.members_last === null ? "–" : num(f.members_last)) + " / " + num(f.members_seen) + " / " + num(f.peers_live));
+  setText("dl-round", duration(f.mean_round_seconds));
+  setText("dl-examples", f.examples_per_step === null ? "–" : num(f.examples_per_step, 1) + " (" + num(f.examples_min) + " – " + num(f.examples_max) + ")");
+  setText("dl-target", num(f.target_batch_size) + (f.overshoot === null ? "" : " (+" + num(f.overshoot, 1) + " on average)"));
+  fillTable("dedloc-steps", f.recent, (s) => [
+    String(s.step), [num(s.attempt), "num"], [num(s.members), "num"], [num(s.examples), "num"],
+    [num(s.examples - f.target_batch_size), "num"], [duration(s.seconds), "num"],
+  ]);
+}
+
 function jobPage() {
   const jobId = window.location.pathname.split("/").filter(Boolean).pop();
-  poll("/dashboard/api/jobs/" + encodeURIComponent(jobId), (d) => {
+  const base = "/dashboard/api/jobs/" + encodeURIComponent(jobId);
+  let sectionStarted = false;  // the mode's own section, polled once the job's mode is known
+  poll(base, (d) => {
+    if (!sectionStarted) {
+      if (d.mode === "dedloc") poll(base + "/dedloc", dedlocSection);
+      else poll(base + "/in-flight", inFlightSection);
+    }
+    sectionStarted = true;
     const job = d.job, m = job.metrics;
     document.title = "crowdtrain · " + job.name;
     setText("job-name", job.name + " (job " + job.job_id + ")");
@@ -201,6 +244,9 @@ function jobPage() {
     setText("findings", p.findings.join(" "));
     fillTable("problems", p.reasons.length ? p.reasons : [{ status: "–", reason: "none", count: 0 }], (r) => [r.status, r.reason, [num(r.count), "num"]]);
     fillTable("recent-problems", p.recent, (a) => [String(a.assignment_id), a.host_name, String(a.epoch), a.status, a.message, ago(a.finished_at)]);
+    document.getElementById("late-section").hidden = !p.late;
+    setText("late-count", num(p.late));
+    fillTable("late", p.late_recent, (a) => [String(a.assignment_id), a.host_name, String(a.epoch), a.message, ago(a.finished_at)]);
   });
 }
 

@@ -25,7 +25,12 @@ from tests.server.inprocess import ADMIN_TOKEN, Scheduler, ok, scheduler_app
 
 HTTPS = "https://testserver"  # the cookie is Secure: a client sends it back over https only
 OPERATOR_PAGES = ["/dashboard/jobs", "/dashboard/jobs/1", "/dashboard/hosts"]
-OPERATOR_DATA = ["/dashboard/api/jobs", "/dashboard/api/jobs/1", "/dashboard/api/hosts"]
+OPERATOR_DATA = [
+    "/dashboard/api/jobs",
+    "/dashboard/api/jobs/1",
+    "/dashboard/api/jobs/1/in-flight",
+    "/dashboard/api/hosts",
+]
 HOST_EXAMPLES = (2147483647, 10)  # what alice's two uploads claim they trained
 RESULT_EXAMPLES = 2000  # what each was asked for: the shard's 1,000 examples x 2 local epochs
 
@@ -237,7 +242,7 @@ def test_the_public_project_data_shows_progress_and_contributions_and_no_secrets
     assert p["results_merged"] == 2 and p["examples"] == 2 * RESULT_EXAMPLES
     (job,) = p["jobs"]
     assert job["name"] == "mnist1d-cnn" and job["status"] == "running" and job["results_merged"] == 2
-    assert 0 < job["best_accuracy"] <= 1
+    assert job["best_accuracy"] is None, "its first epoch has not closed (two workunits are still ready)"
     volunteers = {v["name"]: v for v in p["volunteers"]}
     alice = volunteers["alice"]
     assert alice == {
@@ -275,3 +280,16 @@ def test_the_public_page_its_files_and_the_login_form_need_no_session(site: Site
 @pytest.mark.parametrize("name", ["job.html", "..%2Fapp.py", "nothing.js", "%2E%2E%2F__init__.py", "dashboard.py"])
 def test_only_the_scripts_and_styles_are_served_as_static_files(site: Site, name: str) -> None:
     assert site.browser().get(f"/static/{name}").status_code == 404
+
+
+def test_the_public_page_has_its_figures_in_its_first_paint(site: Site) -> None:
+    """Rendered by the server: a browser shows the figures before the script runs (and without it)."""
+    page = site.browser("first-paint").get("/project").text
+    p = ok(site.browser("public").get("/v1/project")).json()
+    assert f'id="fig-results">{p["results_merged"]}<' in page
+    assert f'id="fig-examples">{p["examples"]:,}<' in page and f'id="fig-jobs">{len(p["jobs"])}<' in page
+    assert '<td>mnist1d-cnn</td><td><span class="status running">running</span></td>' in page
+    assert "<td>alice</td>" in page and "<td>host 1</td>" in page
+    assert "<!--" not in page, "every marker is filled"
+    for figure in ("fig-jobs", "fig-results", "fig-examples", "fig-active", "fig-credit"):
+        assert f'id="{figure}">–<' not in page
