@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench compose-test docs docs-reference clean
+.PHONY: demo test install bench compose-test compose-prerequisites docs docs-reference clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,13 @@ test: $(STAMP)
 
 # docker-compose.yml built and run by a real Docker engine, on a local Debian base image (docs/operator/deploy.md):
 # root, docker.io, docker-compose and debootstrap needed. Not part of `make test` or .ci/run: it takes as long.
-compose-test: $(STAMP)
+# What it needs is checked first, before .venv is made: installed with apt-get as root on Debian
+# (COMPOSE_TEST_INSTALL=no forbids it), otherwise named with the command that installs it.
+compose-test: compose-prerequisites $(STAMP)
 	PIP=$(VENV)/bin/pip PYTHON=$(PY) tests/compose/compose-test.sh
+
+compose-prerequisites:
+	tests/compose/compose-test.sh --prerequisites
 
 # The manual (docs/, mkdocs.yml) built into var/site; `.venv/bin/mkdocs serve` shows it while editing.
 docs: $(STAMP)

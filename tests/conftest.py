@@ -20,6 +20,8 @@ from crowdtrain.server.ledger.db import normalize_url, session_factory
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+# The output of the wheel's build (`pip wheel -v`), kept beside the wheel.
+BUILD_LOG = "pip-wheel.log"
 # What is not the sources: environments, build outputs, run-time state, caches.
 NOT_SOURCES = {".venv", "build", "dist", "var", ".git", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 
@@ -44,7 +46,8 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel of the repository's sources, built from a copy of them: a build in the repository
     itself keeps modules that no longer exist in its build/lib and packs them into the wheel.
-    Built once per run: the first xdist worker to need it builds it, the others wait and reuse it."""
+    Built once per run: the first xdist worker to need it builds it, the others wait and reuse it; the
+    build's output is in BUILD_LOG beside it."""
     shared = shared_folder(tmp_path_factory) / "wheel"
     shared.mkdir(exist_ok=True)
     with FileLock(str(shared) + ".lock"):
@@ -61,7 +64,7 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "wheel",
                 "--no-deps",
                 "--no-build-isolation",
-                "-q",
+                "-v",
                 "-w",
                 str(shared),
                 str(src),
@@ -71,6 +74,8 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             timeout=300,
         )
         assert done.returncode == 0, f"pip wheel failed:\n{done.stdout[-4000:]}{done.stderr[-4000:]}"
+        # -v: the build backend's own output, its warnings included, for the packaging tests.
+        (shared / BUILD_LOG).write_text(done.stdout + done.stderr)
         (built,) = shared.glob("crowdtrain-*.whl")
         return built
 

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import BUILD_LOG
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIRS: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+PACKAGE_DATA: dict[str, list[str]] = PYPROJECT["tool"]["setuptools"]["package-data"]
 SERVER_ONLY = ("fastapi", "sqlalchemy", "celery", "redis", "uvicorn", "alembic", "boto3")
 # The version the Makefile pins: any other pulls several GB of CUDA packages.
 TORCH = "torch==2.13.0"
@@ -38,13 +41,27 @@ def test_the_wheel_installs_one_top_level_name_holding_every_package_folder(buil
     assert static and all(f"crowdtrain/server/api/static/{name}" in names for name in static)
 
 
+def test_the_wheel_builds_without_a_setuptools_warning(built_wheel: Path) -> None:
+    """setuptools warns, in a box on every install, of a folder it packs data from that `packages` does
+    not name (the dashboard's static/ was one); the build says no such thing, and the data is packed."""
+    log = (built_wheel.parent / BUILD_LOG).read_text()
+    assert "Building wheel for crowdtrain" in log, "the build log holds no build output"
+    assert "is absent from the `packages` configuration" not in log, log[-4000:]
+    assert "SetuptoolsDeprecationWarning" not in log, log[-4000:]
+    with zipfile.ZipFile(built_wheel) as zf:
+        names = set(zf.namelist())
+    static = {f"crowdtrain/server/api/static/{p.name}" for p in (ROOT / "server" / "api" / "static").iterdir()}
+    assert static <= names, f"not in the wheel: {sorted(static - names)}"
+
+
 def test_the_packages_list_names_every_package_folder() -> None:
+    """Every folder with an __init__.py, and every folder of data alone that package-data packs from."""
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     found = {
         ".".join((package, *init.parent.relative_to(ROOT / folder).parts))
         for package, folder in PACKAGE_DIRS.items()
         for init in (ROOT / folder).rglob("__init__.py")
-    }
+    } | set(PACKAGE_DATA)
     assert found == listed, f"missing from pyproject: {sorted(found - listed)}; stale: {sorted(listed - found)}"
 
 

@@ -3,7 +3,8 @@ yourself" is followed: its first `sh` block is run line by line, the way a newco
 per long-running process follows it. Every `crowdtrain` command line of README.md and of the manual's
 pages names real commands and options.
 
-The block is cut into statements (a heredoc is one statement). A statement whose comment says
+The block is cut into statements (a heredoc is one statement, and so are lines joined by a trailing
+backslash). A statement whose comment says
 `terminal N` is a long-running process: it is started in the background, in its own process group
 with its output in a log file. The scheduler must answer `/v1/health/live` before the next statement;
 the other terminals start side by side and must be ready (a line in their log says so) before the
@@ -33,10 +34,11 @@ from typing import NoReturn
 
 import click
 import pytest
+import redis
 import typer.main
 
 from crowdtrain.cli import app
-from crowdtrain.launch.cluster import Service, free_port, scheduler_is_live, wait_for
+from crowdtrain.launch.cluster import Service, free_port, scheduler_is_live, start_redis, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -61,8 +63,9 @@ def section_block(text: str, heading: str) -> str:
 
 
 def statements(block: str) -> list[str]:
-    """Shell statements of `block`, one a line except a heredoc, which runs to its delimiter line."""
-    lines = block.splitlines()
+    """Shell statements of `block`, one a line except a heredoc, which runs to its delimiter line, and lines
+    joined by a trailing backslash."""
+    lines = block.replace("\\\n", " ").splitlines()
     out: list[str] = []
     i = 0
     while i < len(lines):
@@ -233,6 +236,69 @@ def test_running_the_parts_yourself_works_as_written(tmp_path: Path) -> None:
     assert "succeeded" in status, status
     assert (work / "accuracy.png").read_bytes().startswith(b"\x89PNG")
     assert (work / "model.safetensors").stat().st_size > 0
+
+
+def redis_session(tmp_path: Path, redis_port: int) -> tuple[Path, dict[str, str], list[str], list[str]]:
+    """The quick start's block up to its first terminal, and its `when done` statements, each as one shell
+    script, for a newcomer in a fresh directory whose Redis port is `redis_port`."""
+    block = with_free_ports(section_block(QUICK_START.read_text(), SECTION), redis_port, free_port())
+    work = tmp_path / "newcomer"
+    work.mkdir()
+    (work / ".venv").symlink_to(Path(sys.prefix))
+    (tmp_path / "home").mkdir()
+    every = statements(block)
+    first_terminal = next(i for i, statement in enumerate(every) if TERMINAL.search(statement))
+    setup = [statement for statement in every[:first_terminal] if not statement.startswith("crowdtrain ")]
+    sourced = [statement for statement in setup if SOURCE.fullmatch(statement.split("#", 1)[0].strip())]
+    done = [statement for statement in every if WHEN_DONE.search(statement)]
+    return work, newcomer_env(tmp_path / "home"), setup, [*sourced, *done]
+
+
+def shell(script: list[str], work: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", "\n".join(script)], cwd=work, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_quick_starts_redis_listens_on_loopback_and_stops_by_its_pidfile(tmp_path: Path) -> None:
+    """The Redis the quick start starts listens on 127.0.0.1 only, writes its pidfile under var/ (an absolute
+    path: redis-server resolves a relative one against its --dir), and `when done` stops it."""
+    port = free_port()
+    work, env, setup, when_done = redis_session(tmp_path, port)
+    pidfile = work / "var" / "redis.pid"
+    try:
+        started = shell(setup, work, env)
+        assert started.returncode == 0, started.stdout + started.stderr
+        wait_for(pidfile.exists, 15, f"no pidfile at {pidfile}")
+        pid = int(pidfile.read_text())
+        client = redis.Redis(port=port)
+        assert client.info("server")["process_id"] == pid
+        assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        client.close()
+        stopped = shell(when_done, work, env)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), 15, f"the quick start's Redis (pid {pid}) still runs")
+    finally:
+        # Daemonized, it left the test's process group: shut down whatever still answers on its private port.
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True, timeout=30)
+
+
+def test_the_quick_start_leaves_a_redis_already_on_its_port_alone(tmp_path: Path) -> None:
+    """With a Redis already on the port (the system's, say), the quick start says so and what to do, starts
+    none, and its `when done` line does not stop that Redis."""
+    port = free_port()
+    system_redis = start_redis(tmp_path / "system-redis", port)
+    try:
+        work, env, setup, when_done = redis_session(tmp_path, port)
+        started = shell(setup, work, env)
+        assert started.returncode != 0
+        assert f"a Redis already answers on port {port}: stop it, or use a free port" in started.stderr
+        assert not (work / "var" / "redis.pid").exists()
+        shell(when_done, work, env)
+        time.sleep(1)
+        assert system_redis.alive and redis.Redis(port=port).ping()
+    finally:
+        system_redis.stop()
 
 
 def manual_pages() -> list[Path]:

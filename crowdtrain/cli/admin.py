@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from crowdtrain.cli.adminapi import TokenOpt, admin_client, checked, checked_rows, print_rows
-from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ServerOpt
+from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ArgumentsCommand, ServerOpt
 from crowdtrain.cli.projectkey import read_private_key, read_public_key, write_key_pair
 from crowdtrain.core import signing
 
@@ -29,6 +29,13 @@ key_app = typer.Typer(
 app.add_typer(token_app, name="join-token")
 app.add_typer(host_app, name="host")
 app.add_typer(key_app, name="project-key")
+
+HostIdArg = Annotated[
+    int,
+    typer.Argument(
+        metavar="HOST_ID", help="The host's id, as `crowdtrain admin host list` shows it", show_default=False
+    ),
+]
 
 
 @token_app.command("create")
@@ -57,6 +64,7 @@ def token_create(
 
 @token_app.command("list")
 def token_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """List the join tokens: label, account, registration limit, whether revoked and the hosts each registered."""
     with admin_client(server, admin_token) as http:
         print_rows(
             checked_rows(http.get("/v1/admin/join-tokens")),
@@ -65,8 +73,19 @@ def token_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None)
         )
 
 
-@token_app.command("revoke")
-def token_revoke(token_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@token_app.command("revoke", cls=ArgumentsCommand)
+def token_revoke(
+    token_id: Annotated[
+        int,
+        typer.Argument(
+            metavar="TOKEN_ID",
+            help="The token's id, as `crowdtrain admin join-token list` shows it",
+            show_default=False,
+        ),
+    ],
+    server: ServerOpt = DEFAULT_SERVER,
+    admin_token: TokenOpt = None,
+) -> None:
     """No new host can register with this token; registered hosts keep working."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/admin/join-tokens/{token_id}/revoke"))))
@@ -74,6 +93,7 @@ def token_revoke(token_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token:
 
 @host_app.command("list")
 def host_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """List the registered hosts: device, whether revoked, valid and failed results, reputation, quarantine."""
     with admin_client(server, admin_token) as http:
         rows = checked_rows(http.get("/v1/admin/hosts"))
     for row in rows:  # the date and the reason are on the dashboard's hosts page and in the API
@@ -85,15 +105,15 @@ def host_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) 
     )
 
 
-@host_app.command("revoke")
-def host_revoke(host_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@host_app.command("revoke", cls=ArgumentsCommand)
+def host_revoke(host_id: HostIdArg, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
     """Refuse a host from now on; its running assignments are dispatched again at once."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/admin/hosts/{host_id}/revoke"))))
 
 
-@host_app.command("release")
-def host_release(host_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@host_app.command("release", cls=ArgumentsCommand)
+def host_release(host_id: HostIdArg, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
     """End a host's quarantine (repeated refused results) now; it gets work again, on probation."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/admin/hosts/{host_id}/release"))))
@@ -118,8 +138,17 @@ def key_show(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -
         typer.echo(json.dumps(checked(http.get("/v1/admin/project-key"))))
 
 
-@key_app.command("set")
-def key_set(public_key_file: Path, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@key_app.command("set", cls=ArgumentsCommand)
+def key_set(
+    public_key_file: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PUBLIC_KEY_FILE", help="project.pub from `crowdtrain admin keygen`", show_default=False
+        ),
+    ],
+    server: ServerOpt = DEFAULT_SERVER,
+    admin_token: TokenOpt = None,
+) -> None:
     """Give the scheduler the project's first public key (project.pub): from now on each job waits for
     its recipe's signature (`crowdtrain job submit --key`). A key in use changes only by `rotate`."""
     public_key = read_public_key(public_key_file)

@@ -10,13 +10,14 @@ from rich.console import Console
 
 from crowdtrain.cli.adminapi import TokenOpt, admin_client, checked, checked_rows
 from crowdtrain.cli.datasets import upload_dataset
-from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ServerOpt
+from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ArgumentsCommand, ServerOpt
 from crowdtrain.cli.plot import Against, NothingToPlot, plot_accuracy
 from crowdtrain.cli.progress import jobs_table, now_utc, problems_view, status_table, watch
 from crowdtrain.cli.projectkey import KeyOpt, read_private_key, sign_job
 from crowdtrain.core.datasetspec import FORMATS
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_jobs import JobProblems, JobStatusOut, JobSummary
+from crowdtrain.core.settings import get_settings
 from crowdtrain.core.specfile import SpecFileError
 
 app = typer.Typer(
@@ -26,6 +27,28 @@ app = typer.Typer(
     add_completion=False,
     **HELP_LAYOUT,
 )
+
+
+JobIdArg = Annotated[
+    int, typer.Argument(metavar="JOB_ID", help="The job's id, as `crowdtrain job list` shows it", show_default=False)
+]
+
+# Where `job plot` and `job download` write without --output: one folder per job under the runtime folder
+# (CROWDTRAIN_VAR_DIR, ./var by default), never loose in whatever directory the command runs from.
+JOB_FILES = "$CROWDTRAIN_VAR_DIR/jobs/JOB_ID"
+
+
+def job_file(job_id: int, name: str) -> Path:
+    return (get_settings().var_dir / "jobs" / str(job_id) / name).resolve()
+
+
+def output_option(name: str, what: str) -> typer.models.OptionInfo:
+    return typer.Option(
+        "-o",
+        "--output",
+        help=f"{what} to write; default {JOB_FILES}/{name} (CROWDTRAIN_VAR_DIR: ./var when unset)",
+        show_default=False,
+    )
 
 
 UploadOpt = Annotated[
@@ -38,9 +61,9 @@ UploadOpt = Annotated[
 ]
 
 
-@app.command("submit")
+@app.command("submit", cls=ArgumentsCommand)
 def job_submit(
-    spec: Path,
+    spec: Annotated[Path, typer.Argument(metavar="SPEC", help="The job spec file (YAML or JSON)", show_default=False)],
     server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
     upload: UploadOpt = True,
@@ -88,8 +111,10 @@ def job_submit(
         )
 
 
-@app.command("sign")
-def job_sign(job_id: int, key: KeyOpt = None, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@app.command("sign", cls=ArgumentsCommand)
+def job_sign(
+    job_id: JobIdArg, key: KeyOpt = None, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None
+) -> None:
     """Sign a job's recipe with the project key here and send the signature: a job waiting for it
     starts; a running job is signed again (after `crowdtrain admin project-key rotate`)."""
     if key is None:
@@ -100,9 +125,12 @@ def job_sign(job_id: int, key: KeyOpt = None, server: ServerOpt = DEFAULT_SERVER
     typer.echo(json.dumps({"job_id": job_id, "status": signed.status.value, "public_key": signed.public_key}))
 
 
-@app.command("upload")
+@app.command("upload", cls=ArgumentsCommand)
 def job_upload(
-    path: Path,
+    path: Annotated[
+        Path,
+        typer.Argument(metavar="PATH", help="The dataset: a file, or a folder for hf and images", show_default=False),
+    ],
     fmt: Annotated[str, typer.Option("--format", help=f"The dataset's format: {', '.join(FORMATS)}")],
     server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
@@ -124,9 +152,9 @@ def job_list(server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -
     Console().print(jobs_table(rows, now_utc()))
 
 
-@app.command("status")
+@app.command("status", cls=ArgumentsCommand)
 def job_status(
-    job_id: int,
+    job_id: JobIdArg,
     problems: Annotated[int, typer.Option(min=0, help="Problem assignments to list in full")] = 10,
     server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
@@ -142,10 +170,10 @@ def job_status(
     console.print(problems_view(found))
 
 
-@app.command("plot")
+@app.command("plot", cls=ArgumentsCommand)
 def job_plot(
-    job_id: int,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="PNG to write (default job-ID.png)")] = None,
+    job_id: JobIdArg,
+    output: Annotated[Path | None, output_option("accuracy.png", "The PNG")] = None,
     against: Annotated[Against, typer.Option(help="The x axis: seconds since the start, or examples merged")] = (
         Against.time
     ),
@@ -158,39 +186,46 @@ def job_plot(
     if not st.metrics:
         typer.echo(f"job {job_id} has no validation point yet", err=True)
         raise typer.Exit(1)
+    output = output or job_file(job_id, "accuracy.png")
+    output.parent.mkdir(parents=True, exist_ok=True)
     try:
-        path = plot_accuracy(st, output or Path(f"job-{job_id}.png"), against)
+        path = plot_accuracy(st, output, against)
     except NothingToPlot as exc:
         typer.echo(f"job {job_id}: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"wrote {path} ({len(st.metrics)} points, against {against.value})")
 
 
-@app.command("watch")
-def job_watch(job_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@app.command("watch", cls=ArgumentsCommand)
+def job_watch(job_id: JobIdArg, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
     """Follow a job until it finishes; exits 0 if it succeeded."""
     with admin_client(server, admin_token) as http:
         st = watch(http, job_id)
     raise typer.Exit(0 if st.status == "succeeded" else 1)
 
 
-@app.command("cancel")
-def job_cancel(job_id: int, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+@app.command("cancel", cls=ArgumentsCommand)
+def job_cancel(job_id: JobIdArg, server: ServerOpt = DEFAULT_SERVER, admin_token: TokenOpt = None) -> None:
+    """Cancel a pending or running job; prints its new status. Its open workunits are cancelled, hosts
+    drop its tasks at their next heartbeat, and results uploaded but not yet merged are rejected, not
+    charged to anyone. A job that has ended is refused."""
     with admin_client(server, admin_token) as http:
         typer.echo(json.dumps(checked(http.post(f"/v1/jobs/{job_id}/cancel"))))
 
 
-@app.command("download")
+@app.command("download", cls=ArgumentsCommand)
 def job_download(
-    job_id: int,
-    output: Annotated[Path, typer.Option("-o", "--output")],
+    job_id: JobIdArg,
+    output: Annotated[Path | None, output_option("model.safetensors", "The safetensors file")] = None,
     server: ServerOpt = DEFAULT_SERVER,
     admin_token: TokenOpt = None,
 ) -> None:
     """Save the final model (safetensors) of a finished job."""
+    output = output or job_file(job_id, "model.safetensors")
     with admin_client(server, admin_token) as http:
         resp = http.get(f"/v1/jobs/{job_id}/model")
         if resp.status_code >= 400:
             checked(resp)
+        output.parent.mkdir(parents=True, exist_ok=True)
         output.write_bytes(resp.content)
     typer.echo(f"wrote {output} ({len(resp.content)} bytes)")

@@ -2,17 +2,32 @@
 the join token a client or peer registers with, and the project key it pins."""
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from crowdtrain.core import logs, signing
 from crowdtrain.core.settings import CLIENT_JOIN_TOKEN_ENV, get_settings
+
+if TYPE_CHECKING:
+    # Typer vendors Click as its private `typer._click`: the override below takes its Context.
+    from typer._click import Context
 
 # Click's plain help layout, with every default shown: an option's description gets what is left of the
 # terminal after a name column of at most 30 characters, where typer's rich panels give the option names,
 # negative flags and types a column each and leave the description some 18 characters at 80 columns.
 HELP_LAYOUT: dict[str, Any] = {"rich_markup_mode": None, "context_settings": {"show_default": True}}
+
+
+class ArgumentsCommand(TyperCommand):
+    """A command that takes arguments (`@app.command(cls=ArgumentsCommand)`), each with a metavar and help:
+    its usage line writes a required one `JOB_ID`, as click and man pages do, where typer writes `{JOB_ID}`."""
+
+    def collect_usage_pieces(self, ctx: "Context") -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
 
 # The scheduler's URL, for every command that talks to one.
 SERVER_ENV = "CROWDTRAIN_SERVER"

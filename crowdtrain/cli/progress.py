@@ -5,7 +5,7 @@ import time
 from datetime import UTC, datetime
 
 import httpx
-from rich.console import Group, JustifyMethod, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -149,18 +149,24 @@ def problems_view(p: JobProblems) -> Group:
 def watch(
     http: httpx.Client, job_id: int, interval: float = 1.0, timeout: float | None = None, alive=lambda: True
 ) -> JobStatusOut:
-    """Redraw the job's table until it finishes (or `timeout` passes, or `alive()` turns false)."""
+    """Redraw the job's table until it finishes (or `timeout` passes, or `alive()` turns false); the last
+    table stays, its last line ended."""
     start = time.monotonic()
-    with Live(refresh_per_second=4, transient=False) as live:
+    console = Console()
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
         while True:
             resp = http.get(f"/v1/jobs/{job_id}")
             resp.raise_for_status()
             st = JobStatusOut.model_validate(resp.json())
             live.update(status_table(st))
             if st.status in ("succeeded", "failed", "cancelled"):
-                return st
+                break
             if timeout is not None and time.monotonic() - start > timeout:
-                return st
+                break
             if not alive():
-                return st
+                break
             time.sleep(interval)
+    # Live ends its last frame with a newline only on a terminal; a pipe or a log file gets it here.
+    if not console.is_terminal:
+        console.line()
+    return st

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from crowdtrain.cli.options import HELP_LAYOUT, JOIN_TOKEN_ENV, OptionalServerOpt
+from crowdtrain.cli.options import HELP_LAYOUT, JOIN_TOKEN_ENV, ArgumentsCommand, OptionalServerOpt
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.result import print_table
@@ -71,9 +71,11 @@ def simulate_load(
     typer.echo(json.dumps(stats.summary()))
 
 
-@app.command("training")
+@app.command("training", cls=ArgumentsCommand)
 def simulate_training(
-    spec: Annotated[Path, typer.Argument(help="Job spec (YAML or JSON) to simulate")],
+    spec: Annotated[
+        Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON) to simulate", show_default=False)
+    ],
     hosts: Annotated[int, typer.Option(min=1, help="Simulated hosts")] = 8,
     slots: Annotated[int, typer.Option(min=1, help="Task slots per host")] = 1,
     preemption: Annotated[

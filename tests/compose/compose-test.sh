@@ -10,7 +10,10 @@
 #     job to succeed and checks exact accounting inside the scheduler container;
 #  5. tears down what it created: the project's containers, network and volumes, the wheel it put in
 #     wheelhouse/, the dockerd it started. The images stay, as a build cache.
-# Run as root (dockerd, debootstrap). Needs docker.io, docker-compose (1.29 or compose v2) and debootstrap.
+# Run as root (dockerd, debootstrap). Needs docker.io, docker-compose (1.29 or compose v2), debootstrap and
+# curl: as root on Debian it installs those missing with apt-get first (COMPOSE_TEST_INSTALL=no forbids it);
+# otherwise it names what is missing and how to install it, and exits 1 before anything is started.
+# `compose-test.sh --prerequisites` does only that.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -20,10 +23,63 @@ PORTS=(15432 16379 19000 18000) # PostgreSQL, Redis, S3 (moto), scheduler: as in
 SCHEDULER=http://127.0.0.1:18000
 PIP=${PIP:-.venv/bin/pip}
 PYTHON=${PYTHON:-.venv/bin/python} # with PyYAML
-WORK=$(mktemp -d /tmp/crowdtrain-compose-test.XXXXXX)
 TIMINGS=()
 STARTED_DOCKERD=
 
+# Each command the test runs, and the Debian package that brings it.
+declare -A PACKAGE_OF=([docker]=docker.io [dockerd]=docker.io [docker-compose]=docker-compose
+    [debootstrap]=debootstrap [curl]=curl)
+
+missing_commands() { # the commands above that this machine lacks, one a line
+    local command
+    for command in docker dockerd debootstrap curl; do
+        # dockerd is not needed where an engine answers already (the test then uses it and stops nothing).
+        if [ "$command" = dockerd ] && command -v docker >/dev/null && docker info >/dev/null 2>&1; then continue; fi
+        command -v "$command" >/dev/null || echo "$command"
+    done
+    command -v docker-compose >/dev/null || { command -v docker >/dev/null && docker compose version >/dev/null 2>&1; } ||
+        echo docker-compose
+}
+
+packages_of() { # the packages that bring the commands given, each once, in order
+    local command package packages=()
+    for command in "$@"; do
+        package=${PACKAGE_OF[$command]}
+        [[ " ${packages[*]} " == *" $package "* ]] || packages+=("$package")
+    done
+    echo "${packages[*]}"
+}
+
+check_prerequisites() { # install what is missing (root on Debian), or name it and exit 1
+    local missing packages
+    mapfile -t missing < <(missing_commands)
+    [ "${#missing[@]}" -eq 0 ] && return
+    packages=$(packages_of "${missing[@]}")
+    if [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ] && command -v apt-get >/dev/null &&
+        [ "${COMPOSE_TEST_INSTALL:-yes}" != no ]; then
+        echo "installing what make compose-test needs: $packages"
+        apt-get update
+        # shellcheck disable=SC2086 # one word per package
+        DEBIAN_FRONTEND=noninteractive apt-get install -y $packages
+        mapfile -t missing < <(missing_commands)
+        [ "${#missing[@]}" -eq 0 ] && return
+    fi
+    {
+        echo "make compose-test needs commands this machine lacks: ${missing[*]}"
+        echo "install them as root on Debian or Ubuntu: apt-get install -y $(packages_of "${missing[@]}")"
+        if [ "${COMPOSE_TEST_INSTALL:-yes}" = no ]; then
+            echo "(COMPOSE_TEST_INSTALL=no: not installed here)"
+        elif [ "$(id -u)" != 0 ]; then
+            echo "(as root on Debian, make compose-test installs them itself; it needs root to run in any case)"
+        fi
+    } >&2
+    exit 1
+}
+
+check_prerequisites
+[ "${1:-}" = --prerequisites ] && exit 0
+
+WORK=$(mktemp -d /tmp/crowdtrain-compose-test.XXXXXX)
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else COMPOSE=(docker-compose); fi
 # Every command runs on docker-compose.yml with the override, merged once by compose itself (`config`) and
 # rid of the published ports, which an engine refuses beside host networking and an override cannot remove.

@@ -138,3 +138,21 @@ def test_help_is_readable_at_80_columns_with_every_default_shown(words: tuple[st
             continue
         record = param.get_help_record(ctx)
         assert record is not None and "default" in record[1], f"{' '.join(words)} {param.opts}: {record}"
+
+
+@pytest.mark.parametrize("words", ALL_COMMANDS, ids=" ".join)
+def test_every_command_has_help_and_names_its_arguments_on_the_usage_line(words: tuple[str, ...]) -> None:
+    """A command says what it does; each argument has an upper-case metavar and a help line, and the usage
+    line writes it as that metavar (`JOB_ID`, not `{job_id}`)."""
+    [(command, ctx)] = [(c, x) for w, c, x in _all_commands() if w == words]
+    assert (command.help or "").strip(), f"crowdtrain {' '.join(words)} has no help text"
+    out = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "120"})
+    assert out.exit_code == 0, out.output
+    usage = out.output.split("\n\n", 1)[0]
+    assert "{" not in usage, usage
+    for param in command.params:
+        if param.param_type_name != "argument":
+            continue
+        assert param.metavar and param.metavar == param.metavar.upper(), f"{words} {param.name}: {param.metavar}"
+        assert (param.help or "").strip(), f"{words} {param.name} has no help"
+        assert f" {param.metavar}" in usage, usage

@@ -1,4 +1,4 @@
-"""`crowdtrain job list|status|plot|download` against a real cluster, the scheduler named only by
+"""`crowdtrain job list|status|watch|plot|download` against a real cluster, the scheduler named only by
 CROWDTRAIN_SERVER: a job trained by two clients, and one that no host can run."""
 
 import os
@@ -16,8 +16,9 @@ pytestmark = pytest.mark.integration
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def job_cli(cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CROWDTRAIN_SERVER": cluster.url, "CROWDTRAIN_ADMIN_TOKEN": cluster.admin_token}
+def job_cli(cluster, *args: str, cwd: Path, **settings: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROWDTRAIN_")} | settings
+    env |= {"CROWDTRAIN_SERVER": cluster.url, "CROWDTRAIN_ADMIN_TOKEN": cluster.admin_token}
     env["COLUMNS"] = "160"
     return subprocess.run(
         [sys.executable, "-m", "crowdtrain", "job", *args],
@@ -34,6 +35,10 @@ def test_the_operator_lists_explains_plots_and_downloads_jobs(make_cluster, sqli
     stalled = submit(cluster)
     assert "no host has registered" in job_cli(cluster, "status", str(stalled), cwd=tmp_path).stdout
     job_cli(cluster, "cancel", str(stalled), cwd=tmp_path)
+    # Its output piped, as into a log file: the last table's last line is ended.
+    watched = job_cli(cluster, "watch", str(stalled), cwd=tmp_path)
+    assert watched.returncode == 1 and "cancelled" in watched.stdout, watched.stderr
+    assert watched.stdout.endswith("\n"), repr(watched.stdout[-200:])
     job_id = submit(cluster)
     cluster.start_client("alice", tasks=2)
     cluster.start_client("bob", tasks=2)
@@ -60,3 +65,18 @@ def test_the_operator_lists_explains_plots_and_downloads_jobs(make_cluster, sqli
     meta = read_metadata(blob)
     assert (meta["job_id"], meta["param_version"]) == (str(job_id), str(st["param_version"]))
     assert float(meta["val_accuracy"]) == st["final_accuracy"] and decode(blob)
+
+    # Without -o: under CROWDTRAIN_VAR_DIR/jobs/JOB_ID/ (./var when unset), not where the command runs.
+    here = tmp_path / "here"
+    here.mkdir()
+    var = tmp_path / "operator-var"
+    for command, name in (("plot", "accuracy.png"), ("download", "model.safetensors")):
+        done = job_cli(cluster, command, str(job_id), cwd=here, CROWDTRAIN_VAR_DIR=str(var))
+        assert done.returncode == 0, done.stderr
+        written = var / "jobs" / str(job_id) / name
+        assert f"wrote {written}" in done.stdout and written.stat().st_size > 0, done.stdout
+    assert (var / "jobs" / str(job_id) / "accuracy.png").read_bytes().startswith(PNG)
+    assert list(here.iterdir()) == []
+    done = job_cli(cluster, "plot", str(job_id), cwd=here)
+    assert done.returncode == 0, done.stderr
+    assert [p.relative_to(here).as_posix() for p in here.rglob("*.png")] == [f"var/jobs/{job_id}/accuracy.png"]
