@@ -12,6 +12,13 @@ from pathlib import Path
 import pytest
 import redis
 from filelock import FileLock
+
+# Tests run side by side on 2 cores, and start servers and clients of their own: one compute thread
+# per process, and OpenMP threads that sleep when they wait. With its default (a team per core that
+# spins at every barrier), one test's few convolutions stalled for 900 s while another suite ran
+# beside this one. Set before anything here imports torch; inherited by every process tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from sqlalchemy import create_engine, text
 
 from crowdtrain.launch.cluster import Cluster, free_port, fresh_postgres_database, start_redis

@@ -233,12 +233,14 @@ class Tail:
 
 
 def _tail(ledger: Ledger) -> Tail:
-    job_id = ledger.submit(subsets=2, max_epochs=1, duplicate_after_seconds=10)
+    # A straggler is 300 s old: far more than a loaded machine takes between two requests here, so
+    # only the assignment moved into the past below is one.
+    job_id = ledger.submit(subsets=2, max_epochs=1, duplicate_after_seconds=300, deadline_seconds=3600)
     straggler, quick, idle = ledger.hosts(3)
     (original,) = request_work(ledger.db, ledger.storage, straggler, 1, [], None)
     (other,) = request_work(ledger.db, ledger.storage, quick, 1, [], None)
-    assert request_work(ledger.db, ledger.storage, idle, 1, [], None) == [], "no straggler is 10 s old yet"
-    ledger.age(original.assignment_id, 20)
+    assert request_work(ledger.db, ledger.storage, idle, 1, [], None) == [], "no straggler is 300 s old yet"
+    ledger.age(original.assignment_id, 400)
     assert request_work(ledger.db, ledger.storage, straggler, 1, [], None) == [], "never its own workunit"
     (duplicate,) = request_work(ledger.db, ledger.storage, idle, 2, [], None)
     assert duplicate.workunit_id == original.workunit_id
