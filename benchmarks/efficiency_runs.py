@@ -247,7 +247,7 @@ def _data(spec: dict) -> Dataset:
 
 def simulate(spec: dict, slots: int, seed: int, args, timing: dict | None = None) -> SimResult:
     """The simulator's run of `spec` at `slots` slots: the one adapter to crowdtrain.sim.training.
-    `timing` (benchmarks/sim_calibration.py's, measured on a real run) replaces the defaults'."""
+    `timing` (crowdtrain.sim.calibration's, measured on a real run) replaces the defaults'."""
     per_host = min(slots, args.sim_slots_per_host)
     return simulate_training(
         spec,

@@ -5,7 +5,7 @@ What it measures
     `Cluster`: private redis-server, scheduler on SQLite, transitioner, Celery parameter servers, and
     client processes of `--slots-per-client` slots), then the same job spec in the training
     simulator (crowdtrain.sim.training) with the timing measured on that real run
-    (benchmarks/sim_calibration.py: a slot's seconds per example and the hosts' spread, one
+    (crowdtrain.sim.calibration: a slot's seconds per example and the hosts' spread, one
     transfer, a merge pass's and an evaluation's service times). Compared: the examples to the
     task's target as a ratio to one process (`ratio`, as benchmarks/learning_efficiency.py
     measures it) and the mean staleness of merged results. `ratio_gap` and `staleness_gap` are
@@ -29,10 +29,10 @@ from pathlib import Path
 
 from crowdtrain.client.trainers import limit_threads
 from crowdtrain.launch.cluster import Cluster
+from crowdtrain.sim.calibration import measure
 from efficiency_report import say
 from efficiency_runs import baseline, run_real, run_simulated
 from efficiency_tasks import DEFAULT_RULE, assimilation_for, make_task, read_task_file
-from sim_calibration import measure
 
 GOAL = 0.15  # |sim - real| / real, for the ratio and the mean staleness
 

@@ -17,7 +17,8 @@ and when each metric was recorded (table `metrics`). From them, `measure` gives:
   fewer than `MIN_BACKLOGGED` such passes, the merges never queued and their time hardly matters:
   the simulator's defaults stand (`fitted` says which).
 
-Not a benchmark of its own: benchmarks/sim_agreement.py imports it.
+benchmarks/sim_agreement.py replays real jobs with it; tests/test_sim_agreement_end_to_end.py checks
+the replay on a small one.
 """
 
 import json

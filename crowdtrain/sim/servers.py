@@ -14,7 +14,7 @@ come faster than passes take them, the queue grows, a pass takes more at once, a
 grows with the merges ahead of each result. A queued result's workunit is still open, so where the
 epoch-release window binds (crowdtrain.sim.training) the backlog counts against it.
 
-Default service times: `calibration` in benchmarks/sim_agreement.py fits them to a real run's
+Default service times: crowdtrain.sim.calibration fits them to a real run's
 merge log (one row per pass: its results and when it wrote W_s) and its metrics; the defaults
 are that fit for mnist1d-cnn (examples/mnist1d-cnn.yaml: 10.8k parameters, 1,000 validation
 examples) on the 2-core development machine, quoted where they are defined. A larger model or
