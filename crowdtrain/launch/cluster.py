@@ -316,8 +316,15 @@ class Cluster:
         against it until killed."""
         for client in self.clients:
             client.signal(signal.SIGTERM)
-        for svc in reversed(self.services + self.clients):
+        for client in reversed(self.clients):
+            client.stop(CLIENT_GRACE)
+        for svc in reversed(self.services):
             svc.stop()
+
+
+# Seconds a client has, after SIGTERM, to give its work back and exit before it is killed: about
+# a second on a quiet machine, tens when other work keeps every core busy.
+CLIENT_GRACE = 60.0
 
 
 class SpotNoticeServer:

@@ -71,11 +71,14 @@ def test_the_monitor_explains_why_the_machine_is_not_idle() -> None:
 
 
 def test_the_clients_own_children_count_as_the_client_not_as_other_processes() -> None:
+    """This process sleeps in `wait_for` (well under 1% of a core), its child spins: the tree's share
+    is the child's. 5% of a core is what a spinning process still gets when another suite keeps
+    the 2 cores busy (about 7% at load 28), and never what this process alone uses."""
     child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         tree = ProcessTreeCPU(os.getpid())
         tree._tree_percent()  # psutil measures from this first call on
-        wait_for(lambda: tree._tree_percent() > 25.0, 30, "the busy child was not counted in the client's tree")
+        wait_for(lambda: tree._tree_percent() > 5.0, 120, "the busy child was not counted in the client's tree")
     finally:
         child.kill()
         child.wait()
