@@ -62,7 +62,7 @@ class _EvaluateEvery:
             self.next_at = (examples // self.every + 1) * self.every
 
 
-_BASELINE_IDS = itertools.count(1)
+_BASELINE_IDS = itertools.count(10**9)  # apart from the simulator's -1, -2, ... (crowdtrain.sim.training)
 
 
 class _StopAtTarget(TrainControl):

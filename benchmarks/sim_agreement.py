@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                         sim = run_simulated(t, rule, slots, seed, base, args, timing.sim_settings())
                         row = compare(real, sim) | {"timing": timing.figures()}
                         row |= {"real_mean_pass": timing.mean_pass, "sim_mean_pass": sim.get("mean_pass")}
-                        say(f"[{t.name}] {rule} {slots} slots seed {seed}: {_line(row)}")
+                        say(f"[{t.name}] {rule} {slots} slots seed {seed}: {_line(row)}; timing {timing.figures()}")
                         rows.append(row)
     finally:
         cluster.stop()

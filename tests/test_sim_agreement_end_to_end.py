@@ -1,0 +1,90 @@
+"""The simulator replays a real job. One small job runs through the real system (scheduler, Redis,
+Celery parameter servers, transitioner, one client process of 4 slots); the same job spec then runs
+in the training simulator with the timing measured on that run (crowdtrain.sim.calibration). Both
+must reach the target with about the same training examples and see about the same staleness: the
+simulator is worth what it predicts about the system, and staleness is what its model of slots,
+prefetch, merge passes and service times produces.
+
+The tolerances are wider than benchmarks/sim_agreement.py's goal (15%): one short job's figures move
+with the order in which a loaded machine lets results arrive, which the simulator cannot copy. On
+the development machine (2026-11-28) this test's job took 38,000 examples to 0.85 for real and in
+the replay, with mean staleness 3.10 and 4.58; the example job at 4 slots to 0.90
+(benchmarks/sim_agreement.py) saw 3.57 and 4.53 for real in two runs, 4.59 and 4.72 replayed. So
+staleness must agree within 1.5 merges or half the real figure. At this scale it is set by the
+assignments a host holds: the replay gave 4.45-4.75 with training 10 times faster, passes of 0.5 s,
+no prefetch or one result a pass, but 1.75 and 2.94 with 1 and 2 slots; so the test catches a
+replay that holds a different number of assignments in flight than the system, and examples to
+target that the same training code does not reproduce."""
+
+import statistics
+
+import pytest
+from sqlalchemy import select
+
+from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.launch.cluster import Cluster
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment, Metric
+from crowdtrain.sim.calibration import measure
+from crowdtrain.sim.training import simulate_training
+from tests.conftest import EXAMPLE_SPEC
+from tests.test_training_end_to_end import wait_finished
+
+pytestmark = pytest.mark.integration
+
+TARGET = 0.85
+SLOTS = 4
+EXAMPLES_TOLERANCE = 0.35  # |sim - real| / real, examples to the target
+STALENESS_TOLERANCE = 0.5  # |sim - real| / real, or STALENESS_MERGES, whichever is larger
+STALENESS_MERGES = 1.5
+
+
+def real_figures(db_url: str, job_id: int) -> tuple[int | None, float]:
+    """Examples merged when W_s first met the target, and the mean staleness of merged results."""
+    db = session_factory(db_url)
+    try:
+        with db.begin() as s:
+            merged = s.execute(
+                select(Assignment.merged_version, Assignment.base_version, Assignment.examples).where(
+                    Assignment.job_id == job_id, Assignment.merged_version.is_not(None)
+                )
+            ).all()
+            metrics = s.execute(
+                select(Metric.param_version, Metric.val_accuracy)
+                .where(Metric.job_id == job_id)
+                .order_by(Metric.param_version)
+            ).all()
+    finally:
+        db.kw["bind"].dispose()
+    hit = next((m.param_version for m in metrics if m.val_accuracy >= TARGET), None)
+    examples = None if hit is None else sum(m.examples or 0 for m in merged if m.merged_version <= hit)
+    # merged_version is W_s's version after the merge: the result was merged into version - 1.
+    return examples, statistics.fmean(m.merged_version - 1 - m.base_version for m in merged)
+
+
+def test_the_simulator_replays_a_real_job_with_its_measured_timing(make_cluster) -> None:
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    spec["stop"] |= {"target_accuracy": TARGET, "max_epochs": 16}
+    cluster: Cluster = make_cluster()
+    job_id = cluster.submit(spec)["job_id"]
+    client = cluster.start_client("replayed", SLOTS)
+    try:
+        assert wait_finished(cluster, job_id)["status"] == "succeeded"
+    finally:
+        client.stop()
+    db_url = f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}"
+    real_examples, real_staleness = real_figures(db_url, job_id)
+    timing = measure(db_url, cluster.redis_url, job_id)
+    assert timing.passes > 0 and timing.example_seconds > 0
+
+    sim = simulate_training(spec, hosts=1, slots=SLOTS, seed=0, **timing.sim_settings())
+    sim_examples = next((m.examples for m in sim.metrics if m.accuracy >= TARGET), None)
+    sim_staleness = statistics.fmean(sim.staleness)
+    figures = (
+        f"examples to {TARGET}: real {real_examples}, sim {sim_examples}; mean staleness: real "
+        f"{real_staleness:.2f}, sim {sim_staleness:.2f}; timing {timing.figures()}"
+    )
+    print(figures)
+    assert real_examples is not None and sim_examples is not None, figures
+    assert abs(sim_examples - real_examples) <= EXAMPLES_TOLERANCE * real_examples, figures
+    assert abs(sim_staleness - real_staleness) <= max(STALENESS_MERGES, STALENESS_TOLERANCE * real_staleness), figures
