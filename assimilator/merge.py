@@ -20,7 +20,7 @@ crowdtrain.assimilator.worker.tasks only wraps crowdtrain.assimilator.merge_pass
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -28,7 +28,7 @@ import redis
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.assimilator.inputs import Refused, Result, read_result, replay_of, replay_reason, validation_set
 from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.replica_vote import judge_replicas
@@ -40,7 +40,7 @@ from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import Params, sha256
 from crowdtrain.server.ledger import duplicates, merges, result_records, snapshot_list
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job
+from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, fail_job
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.paramstore.steps import QueuedResult, Step, Taken
 from crowdtrain.server.services import telemetry
@@ -100,12 +100,14 @@ class MergeResult:
 
 @dataclass(frozen=True)
 class MergeServices:
-    """What a merge works with: the ledger, object storage, Redis (W_s) and the snapshots to keep."""
+    """What a merge works with: the ledger, object storage, Redis (W_s), the snapshots to keep, and
+    what scores W_s on a job's validation set (this process's one evaluator)."""
 
     db: sessionmaker[Session]
     storage: Storage
     r: redis.Redis
     snapshots_kept: int
+    evaluator: Evaluator = field(default_factory=FrameworkEvaluator)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "MergeServices":
@@ -114,6 +116,7 @@ class MergeServices:
             open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
             store.connect(settings.redis_url),
             settings.snapshots_kept,
+            FrameworkEvaluator(),
         )
 
 
@@ -241,7 +244,7 @@ def _vote(svc: MergeServices, p: merges.PendingMerge, received_at: float | None)
     """The replica vote (crowdtrain.assimilator.replica_vote) for a replicated result: returns when `p`
     is the canonical replica, for the caller to merge it; merges the canonical one when it is
     another's (its own merge ended while it waited); raises Judged with this assignment's outcome."""
-    vote = judge_replicas(svc.db, svc.storage, svc.r, p)
+    vote = judge_replicas(svc.db, svc.storage, svc.r, svc.evaluator, p)
     if vote.canonical == p.assignment_id:
         return
     if vote.canonical is not None:
@@ -267,7 +270,7 @@ def _guarded(p: merges.PendingMerge, rule: Rule, policy: Policy, result: Result)
 
 def _refuse(svc: MergeServices, assignment_id: int, refused: Refused) -> MergeResult:
     """Reject the result: its workunit is ready again (or failed, when charged up to max_errors)."""
-    if merges.reject_result(svc.db, svc.storage, svc.r, assignment_id, refused.reason, refused.charge, evaluate):
+    if merges.reject_result(svc.db, svc.storage, svc.r, assignment_id, refused.reason, refused.charge, svc.evaluator):
         telemetry.count(svc.r, "rejections")
     return MergeResult(Outcome.refused, reason=refused.reason)
 
@@ -302,7 +305,7 @@ def record_merged(svc: MergeServices, merged: Sequence[tuple[merges.PendingMerge
     for p, _ in merged:
         result_records.forget_checked_upload(svc.r, p.job_id, p.upload_key)
     for epoch in sorted({p.epoch for p, _ in merged}):
-        close_epoch_if_complete(svc.db, svc.storage, svc.r, last.job_id, epoch, evaluate)
+        close_epoch_if_complete(svc.db, svc.storage, svc.r, last.job_id, epoch, svc.evaluator)
 
 
 def _record_metrics(svc: MergeServices, measured: Sequence[merges.PendingMerge]) -> None:
@@ -317,7 +320,7 @@ def _record_metrics(svc: MergeServices, measured: Sequence[merges.PendingMerge])
     version, params = store.read(svc.r, p.job_id)
     try:
         x, y = validation_set(svc.storage, validation_key)
-        loss, acc = evaluate(p.job_id, p.model_config, params, x, y)
+        loss, acc = svc.evaluator.evaluate(p.job_id, p.model_config, params, x, y)
     except TRANSIENT:
         raise
     except Exception as exc:
@@ -342,7 +345,7 @@ def _stop_if_diverged(svc: MergeServices, p: merges.PendingMerge) -> None:
         "(assimilation.server_lr, or a higher alpha for vc-asgd) or the clients' learning rate; "
         "assimilation.divergence_factor sets this bound"
     )
-    if fail_job(svc.db, svc.storage, svc.r, p.job_id, message, evaluate):
+    if fail_job(svc.db, svc.storage, svc.r, p.job_id, message, svc.evaluator):
         log.warning("job %s failed: %s", p.job_id, message, extra=ids(job_id=p.job_id))
 
 
@@ -378,6 +381,8 @@ def _failed(svc: MergeServices, assignment_id: int, exc: Exception) -> MergeResu
     log.error(
         "assignment %s: merge failed: %s", assignment_id, cause, exc_info=exc, extra=ids(assignment_id=assignment_id)
     )
-    if merges.end_failed_merge(svc.db, svc.storage, svc.r, assignment_id, cause, isinstance(exc, JobBroken), evaluate):
+    if merges.end_failed_merge(
+        svc.db, svc.storage, svc.r, assignment_id, cause, isinstance(exc, JobBroken), svc.evaluator
+    ):
         telemetry.count(svc.r, "rejections")
     return MergeResult(Outcome.failed, reason=cause)

@@ -15,7 +15,6 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator import evidence, validator
-from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.inputs import Refused, holdout, read_result, replay_reason
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
@@ -24,7 +23,7 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import decode_shard
 from crowdtrain.core.validationspec import ValidationSpec, validation_of
 from crowdtrain.server.ledger import merges, replicas, result_records
-from crowdtrain.server.ledger.epochs import close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import Evaluator, close_epochs_after_failure
 from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,9 @@ class Vote:
     refused: str | None = None  # why this replica is refused, once the vote is decided against it
 
 
-def judge_replicas(db: sessionmaker[Session], storage: Storage, r: redis.Redis, p: merges.PendingMerge) -> Vote:
+def judge_replicas(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, p: merges.PendingMerge
+) -> Vote:
     """Judge the workunit's replicas once `quorum` of them are uploaded and record the verdict; before
     that, the vote awaits the others (Vote()). A decided vote names its canonical replica, which the
     caller merges (this one, or another whose own merge ended while it waited)."""
@@ -53,7 +54,7 @@ def judge_replicas(db: sessionmaker[Session], storage: Storage, r: redis.Redis, 
         )
         return Vote()
     spec = validation_of(p.spec)
-    measured, malformed, flat, base_loss = measure_replicas(db, storage, r, p, uploaded, spec)
+    measured, malformed, flat, base_loss = measure_replicas(db, storage, r, evaluator, p, uploaded, spec)
     verdict = validator.judge(measured, validator.cosines(flat), base_loss, spec)
     if verdict.more and malformed:
         # A malformed replica ends the vote: the others are judged as at the bound (inconclusive unless
@@ -74,7 +75,7 @@ def judge_replicas(db: sessionmaker[Session], storage: Storage, r: redis.Redis, 
     for key in record.ended:
         storage.delete(key)
     if record.failed_workunit:
-        close_epochs_after_failure(db, storage, r, [(p.job_id, p.epoch)], evaluate)
+        close_epochs_after_failure(db, storage, r, [(p.job_id, p.epoch)], evaluator)
     refused = invalid[p.assignment_id] if p.assignment_id in invalid and record.decided else None
     return Vote(record.canonical, refused)
 
@@ -83,6 +84,7 @@ def measure_replicas(
     db: sessionmaker[Session],
     storage: Storage,
     r: redis.Redis,
+    evaluator: Evaluator,
     p: merges.PendingMerge,
     uploaded: list[replicas.Upload],
     spec: ValidationSpec,
@@ -116,7 +118,7 @@ def measure_replicas(
             continue
         update = replace(result.update, staleness=version - u.base_version)
         moved = merged_alone(policy, rule, server, state, update)
-        loss, _ = evaluate(p.job_id, p.model_config, moved, x, y)
+        loss, _ = evaluator.evaluate(p.job_id, p.model_config, moved, x, y)
         flat[u.assignment_id] = validator.flat_update(update.delta)
         z, descent = (
             evidence.measure(p.job_id, p.model_config, update.client, update.delta, shard, spec.descent_directions, rng)
@@ -125,7 +127,7 @@ def measure_replicas(
         )
         size = float(np.linalg.norm(flat[u.assignment_id]))
         measured.append(validator.Replica(u.assignment_id, size, loss, z, descent))
-    base_loss, _ = evaluate(p.job_id, p.model_config, server, x, y)
+    base_loss, _ = evaluator.evaluate(p.job_id, p.model_config, server, x, y)
     return measured, malformed, flat, base_loss
 
 

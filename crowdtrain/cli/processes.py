@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 import uvicorn
 
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.assimilator.worker.celery_app import celery_app, enqueue_merge
 from crowdtrain.cli.options import HELP_LAYOUT, configure_logging
 from crowdtrain.core import keys
@@ -133,6 +134,7 @@ def transitioner() -> None:
             session_factory(settings.resolved_database_url),
             open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
             r,
+            FrameworkEvaluator(),
             settings.transitioner_interval,
             settings.stuck_upload_seconds,
             enqueue_merge,

@@ -20,6 +20,7 @@ from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
 from crowdtrain.server.api.deps import Clients
 from crowdtrain.server.api.routes import admin, dashboard, datasets, dedloc, files, hosts, jobs, metrics, work
+from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.services import health
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ async def _serving(app: FastAPI) -> AsyncIterator[None]:
         heartbeat.stop()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The scheduler; `settings` replace the environment's (tests). Raises InsecureSettings."""
+def create_app(settings: Settings | None = None, evaluator: Evaluator | None = None) -> FastAPI:
+    """The scheduler; `settings` replace the environment's and `evaluator` the framework's (tests).
+    Raises InsecureSettings."""
     settings = settings or get_settings()
     check_secrets(settings)
     logs.configure(settings.log_format)
@@ -48,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     boundary.install(app, settings.body_max_bytes, settings.upload_slots, settings.upload_retry_after)
     # Read by crowdtrain.server.api.deps. Not a dependency override: FastAPI analyses an
     # override's signature again on every request, which cost a third of a work request's CPU.
-    app.state.clients = Clients(settings)
+    app.state.clients = Clients(settings, evaluator)
     for module in (hosts, work, files, jobs, datasets, admin, metrics):
         app.include_router(module.router)
     app.include_router(dedloc.router)

@@ -1,4 +1,4 @@
-"""FastAPI dependencies: settings, database, storage, Redis, and the two kinds of caller (failed
+"""FastAPI dependencies: settings, database, storage, Redis, the evaluator, and the two kinds of caller (failed
 authentication is throttled per client address: crowdtrain.server.services.throttle).
 
 Refusals raised here (NotAuthorized, Throttled) are answered by the app's one refusal handler
@@ -17,10 +17,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.paramstore import store
 from crowdtrain.server.services import sessions
 from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
@@ -62,10 +64,13 @@ def _redis(url: str) -> redis.Redis:
 
 class Clients:
     """The database, object storage and Redis clients of an app's settings, made on first use and
-    kept: resolving the settings' URLs on every request cost more than the lookups it served."""
+    kept: resolving the settings' URLs on every request cost more than the lookups it served; and the
+    app's one evaluator (crowdtrain.server.ledger.epochs.Evaluator), which scores the model a job
+    exports when a host's request ends it, and a DeDLOC step's state."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, evaluator: Evaluator | None = None):
         self.settings = settings
+        self.evaluator: Evaluator = evaluator or FrameworkEvaluator()
 
     @cached_property
     def db(self) -> sessionmaker[Session]:
@@ -102,9 +107,14 @@ async def get_redis(request: Request) -> redis.Redis:
     return _clients(request).redis
 
 
+async def get_evaluator(request: Request) -> Evaluator:
+    return _clients(request).evaluator
+
+
 DbDep = Annotated[sessionmaker[Session], Depends(get_db)]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
+EvaluatorDep = Annotated[Evaluator, Depends(get_evaluator)]
 _bearer = HTTPBearer(auto_error=False)
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 

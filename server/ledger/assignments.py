@@ -18,7 +18,7 @@ from crowdtrain.core.schemas import HostPublic
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import reputation, states
-from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import Evaluator, close_epochs_after_failure
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
 
 log = logging.getLogger(__name__)
@@ -57,18 +57,18 @@ def refuse_result(
     host_id: int,
     assignment_id: int,
     reason: str,
-    evaluate: Evaluate,
+    evaluator: Evaluator,
 ) -> None:
     """End the assignment `rejected` (charged to the host) for an unacceptable upload; its workunit is
     ready again at once, or failed after `max_errors`, and then its epoch is closed if complete
-    (`evaluate` scores the final model if that ends the job). Nothing happens if the assignment is
+    (`evaluator` scores the final model if that ends the job). Nothing happens if the assignment is
     no longer in progress."""
     with db.begin() as s:
         a = own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
             return
         failed = _failed(end_assignment(s, a, AssignmentStatus.rejected, f"upload refused: {reason}"))
-    close_epochs_after_failure(db, storage, r, failed, evaluate)
+    close_epochs_after_failure(db, storage, r, failed, evaluator)
 
 
 def _failed(wu: Workunit) -> list[tuple[int, int]]:
@@ -112,21 +112,21 @@ def give_up(
     assignment_id: int,
     outcome: AssignmentStatus,
     message: str,
-    evaluate: Evaluate,
+    evaluator: Evaluator,
 ) -> None:
     """The host abandons an assignment or reports that it failed (ResultProblem not_found/conflict when it is
     not the host's or no longer in progress); the workunit goes back to ready, or fails after
-    `max_errors`, and then its epoch is closed if complete (`evaluate` as in `refuse_result`)."""
+    `max_errors`, and then its epoch is closed if complete (`evaluator` as in `refuse_result`)."""
     with db.begin() as s:
         a = own_assignment(s, assignment_id, host_id)
         if a.status != AssignmentStatus.in_progress.value:
             raise ResultProblem(RefusalKind.conflict, f"assignment {assignment_id} is {a.status}, not in progress")
         failed = _failed(end_assignment(s, a, outcome, message))
-    close_epochs_after_failure(db, storage, r, failed, evaluate)
+    close_epochs_after_failure(db, storage, r, failed, evaluator)
 
 
 def time_out_expired(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluate: Evaluate, limit: int = 500
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, limit: int = 500
 ) -> int:
     """End `timed_out` up to `limit` in-progress assignments past their deadline (rows other
     transactions hold are skipped); their workunits retry or fail, and the epochs of those that
@@ -151,12 +151,12 @@ def time_out_expired(
                 extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id, assignment_id=a.id, host_id=a.host_id),
             )
             failed += _failed(wu)
-    close_epochs_after_failure(db, storage, r, failed, evaluate)
+    close_epochs_after_failure(db, storage, r, failed, evaluator)
     return len(expired)
 
 
 def revoke_host(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, evaluate: Evaluate
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int, evaluator: Evaluator
 ) -> HostPublic:
     """Refuse the host from now on and give its running assignments back to the pool at once (ended
     `abandoned`); the epochs of workunits that failed for good are then closed if complete.
@@ -177,7 +177,7 @@ def revoke_host(
             failed += _failed(end_assignment(s, a, AssignmentStatus.abandoned, "host revoked by the operator"))
         s.flush()
         public = HostPublic.model_validate(host, from_attributes=True)
-    close_epochs_after_failure(db, storage, r, failed, evaluate)
+    close_epochs_after_failure(db, storage, r, failed, evaluator)
     return public
 
 

@@ -2,7 +2,8 @@
 with its final model exported."""
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 import redis
@@ -22,9 +23,18 @@ from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)
 
-Evaluate = Callable[[int, dict, Params, np.ndarray, np.ndarray], tuple[float, float]]
-"""Scores parameters on a validation split: (job id, model config, params, x, y) -> (loss, accuracy).
-The services pass crowdtrain.assimilator.evaluate.evaluate; the ledger only calls what it is given."""
+
+class Evaluator(Protocol):
+    """Scores parameters on a validation split. Each process makes one where it starts
+    (crowdtrain.assimilator.evaluate.FrameworkEvaluator) and its services hand it to the ledger, which
+    only calls what it is given: to score the model a job exports when no metric of it is recorded."""
+
+    def evaluate(
+        self, job_id: int, model_config: dict, params: Params, x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, float]:
+        """(mean loss, accuracy) of `params` on (x, y)."""
+        ...
+
 
 _OPEN = [WorkunitStatus.ready.value, WorkunitStatus.in_progress.value]
 
@@ -161,11 +171,11 @@ def release_next_epoch_early(s: Session, job: Job) -> bool:
 
 
 def close_epoch_if_complete(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluate: Evaluate
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluator: Evaluator
 ) -> None:
     """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
     accuracy reached by the epoch's mean and by the model it exports) or fails (max_epochs reached),
-    its model exported (`evaluate` scores it when no metric of that version is recorded); else the
+    its model exported (`evaluator` scores it when no metric of that version is recorded); else the
     next epoch is released. Safe to call repeatedly. One transaction (again, at most three times in
     all, if W_s changed below the target between the check and the export).
 
@@ -179,14 +189,14 @@ def close_epoch_if_complete(
             return
     for _ in range(3):
         try:
-            _close_epoch(db, storage, r, job_id, epoch, evaluate)
+            _close_epoch(db, storage, r, job_id, epoch, evaluator)
             return
         except ExportBelowTarget as exc:
             log.info("job %s: %s; the stop rule is applied again", job_id, exc, extra=ids(job_id=job_id, epoch=epoch))
 
 
 def _close_epoch(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluate: Evaluate
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluator: Evaluator
 ) -> None:
     with db.begin() as s:
         job = lock_job(s, job_id)
@@ -201,7 +211,7 @@ def _close_epoch(
             )
             return
         closed = epoch
-        while not _apply_stop_rule(s, storage, r, job, closed, evaluate):
+        while not _apply_stop_rule(s, storage, r, job, closed, evaluator):
             if closed >= job.current_epoch:
                 release_epoch(s, job, job.current_epoch + 1)
                 return
@@ -220,7 +230,7 @@ def _open_before(s: Session, job_id: int, epoch: int) -> int:
     ).scalar_one()
 
 
-def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epoch: int, evaluate: Evaluate) -> bool:
+def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epoch: int, evaluator: Evaluator) -> bool:
     """The stop rule for a closed `epoch` whose older epochs are all closed: True if it ended the job."""
     figure = epoch_accuracy(s, job.id, epoch)
     stop = job.spec["stop"]
@@ -229,14 +239,14 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
     if figure is not None and figure >= target:
         # The job succeeds only if the model it exports meets the target, not an epoch's mean of it.
         version, blob = store.read_blob(r, job.id)
-        exported = _accuracy_of(s, storage, job, version, blob, evaluate)
+        exported = _accuracy_of(s, storage, job, version, blob, evaluator)
         if exported is not None and exported >= target:
             message = (
                 f"epoch {epoch} reached mean validation accuracy {figure:.4f} and W_s v{version} {exported:.4f} "
                 f">= {target}"
             )
             scored = (version, exported)
-            _finish(s, storage, r, job, JobStatus.succeeded, evaluate, message, require=target, scored=scored)
+            _finish(s, storage, r, job, JobStatus.succeeded, evaluator, message, require=target, scored=scored)
             return True
         log.info(
             "job %s: epoch %d's mean validation accuracy %.4f reached the target %s, but W_s v%d scores %s: "
@@ -253,7 +263,7 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
         message = (
             f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} < target {stop['target_accuracy']}"
         )
-        _finish(s, storage, r, job, JobStatus.failed, evaluate, message)
+        _finish(s, storage, r, job, JobStatus.failed, evaluator, message)
         return True
     log.info(
         "job %s: epoch %d closed with accuracy %s (target %s)",
@@ -267,26 +277,26 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
 
 
 def close_epochs_after_failure(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, failed: Iterable[tuple[int, int]], evaluate: Evaluate
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, failed: Iterable[tuple[int, int]], evaluator: Evaluator
 ) -> None:
     """The one way to go on after assignments ended and some workunits failed for good (max_errors):
     close each distinct epoch (job id, epoch) of `failed`, as `close_epoch_if_complete` does, once
     the transaction that ended them has committed. An empty `failed` does nothing."""
     for job_id, epoch in sorted(set(failed)):
-        close_epoch_if_complete(db, storage, r, job_id, epoch, evaluate)
+        close_epoch_if_complete(db, storage, r, job_id, epoch, evaluator)
 
 
 def fail_job(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str, evaluate: Evaluate
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str, evaluator: Evaluator
 ) -> bool:
     """End a running job as failed with `message`, its model exported as it stands (scored by
-    `evaluate` when no metric of that version is recorded); False if it was no longer running.
+    `evaluator` when no metric of that version is recorded); False if it was no longer running.
     One transaction."""
     with db.begin() as s:
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value:
             return False
-        _finish(s, storage, r, job, JobStatus.failed, evaluate, message)
+        _finish(s, storage, r, job, JobStatus.failed, evaluator, message)
         return True
 
 
@@ -296,7 +306,7 @@ def _finish(
     r: redis.Redis,
     job: Job,
     outcome: JobStatus,
-    evaluate: Evaluate,
+    evaluator: Evaluator,
     message: str,
     require: float | None = None,
     scored: tuple[int, float] | None = None,
@@ -313,7 +323,7 @@ def _finish(
     if scored is not None and scored[0] == version:
         job.final_accuracy = scored[1]
     else:
-        job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluate)
+        job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluator)
     if require is not None and (job.final_accuracy is None or job.final_accuracy < require):
         raise ExportBelowTarget(f"W_s v{version}, to be exported, scores {job.final_accuracy} < {require}")
     metadata = model_metadata(job.id, job.name, job.spec, job.model_config_, version, job.final_accuracy)
@@ -336,7 +346,9 @@ def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
     return store.close_merges(r, job_id)
 
 
-def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: bytes, evaluate: Evaluate) -> float | None:
+def _accuracy_of(
+    s: Session, storage: Storage, job: Job, version: int, blob: bytes, evaluator: Evaluator
+) -> float | None:
     """Validation accuracy of W_s `version` (`blob`): its recorded metric, else evaluated now.
 
     A merge may land after the last recorded metric (or eval_every may skip versions), so the
@@ -352,7 +364,7 @@ def _accuracy_of(s: Session, storage: Storage, job: Job, version: int, blob: byt
         return recorded
     try:
         x, y = decode_shard(storage.get(job.validation_key))
-        return evaluate(job.id, job.model_config_, decode(blob), x, y)[1]
+        return evaluator.evaluate(job.id, job.model_config_, decode(blob), x, y)[1]
     except Exception as exc:  # the job ends either way; a missing figure is logged, not fatal
         log.warning(
             "job %s: the exported W_s v%d could not be evaluated: %s: %s",

@@ -29,7 +29,7 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import replicas, reputation, states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
-from crowdtrain.server.ledger.epochs import Evaluate, close_epochs_after_failure, fail_job
+from crowdtrain.server.ledger.epochs import Evaluator, close_epochs_after_failure, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
 from crowdtrain.server.ledger.pace import measure_pace
 from crowdtrain.server.paramstore import merging, store
@@ -205,7 +205,7 @@ def reject_result(
     assignment_id: int,
     message: str,
     charge: bool,
-    evaluate: Evaluate,
+    evaluator: Evaluator,
 ) -> bool:
     """Refuse an uploaded result: the assignment ends `rejected` with `message`, its upload is deleted,
     and its workunit is ready again, or failed when `charge` brings it to `max_errors` (closing the
@@ -226,7 +226,7 @@ def reject_result(
         message,
         extra=ids(job_id=job_id, epoch=epoch, assignment_id=assignment_id),
     )
-    close_epochs_after_failure(db, storage, r, [(job_id, epoch)] if failed else [], evaluate)
+    close_epochs_after_failure(db, storage, r, [(job_id, epoch)] if failed else [], evaluator)
     return True
 
 
@@ -237,7 +237,7 @@ def end_failed_merge(
     assignment_id: int,
     cause: str,
     job_broken: bool,
-    evaluate: Evaluate,
+    evaluator: Evaluator,
 ) -> bool:
     """A merge failed for a reason that retrying will not remove: end the assignment, uncharged, so
     that nothing queues it again (or record it merged, when W_s holds it after all), and fail the
@@ -255,13 +255,13 @@ def end_failed_merge(
             storage.delete(key)
     else:
         rejected = reject_result(
-            db, storage, r, assignment_id, f"merge failed on the server: {cause}", charge=False, evaluate=evaluate
+            db, storage, r, assignment_id, f"merge failed on the server: {cause}", charge=False, evaluator=evaluator
         )
     if job_broken:
-        fail_job(db, storage, r, job_id, cause, evaluate)
+        fail_job(db, storage, r, job_id, cause, evaluator)
     elif (failures := store.count_merge_failure(r, job_id)) >= MERGE_FAILURES_BEFORE_JOB_FAILS:
         fail_job(
-            db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}", evaluate
+            db, storage, r, job_id, f"{failures} merges in a row failed on the server; the last: {cause}", evaluator
         )
     return rejected
 

@@ -13,7 +13,6 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.dedloc import StateVerdict
@@ -32,6 +31,7 @@ from crowdtrain.core.tensors import (
     sha256,
 )
 from crowdtrain.server.ledger import jobs as ledger_jobs
+from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.ledger.models import Job, Shard
 from crowdtrain.server.services import access, dedloc, dedloc_states, project_key
 from crowdtrain.server.services.dedloc import NotAMember, Round
@@ -159,6 +159,7 @@ def put_state(
     db: sessionmaker[Session],
     r: redis.Redis,
     storage: Storage,
+    evaluator: Evaluator,
     job_id: int,
     host_id: int,
     peer_id: str,
@@ -202,7 +203,7 @@ def put_state(
         rnd.state_step = max(rnd.state_step, step)
         dedloc.save(r, job_id, rnd)
     x, y = decode_shard(storage.get(view.validation_key))
-    loss, accuracy = evaluate(job_id, view.model_config, params, x, y)
+    loss, accuracy = evaluator.evaluate(job_id, view.model_config, params, x, y)
     log.info(
         "job %s: state of step %d (digest %s) has validation accuracy %.4f, loss %.4f",
         job_id,

@@ -9,7 +9,6 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.addresses import canonical_address, network_prefix
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.schemas import (
@@ -22,6 +21,7 @@ from crowdtrain.core.schemas import (
 )
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import assignments, reputation
+from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.ledger.models import Host, JoinToken, utcnow
 from crowdtrain.server.services import registration
 from crowdtrain.server.services.registration import DEFAULT_POLICY, RegistrationPolicy
@@ -144,11 +144,13 @@ def list_hosts(db: sessionmaker[Session]) -> list[HostPublic]:
         return [HostPublic.model_validate(h, from_attributes=True) for h in s.scalars(select(Host).order_by(Host.id))]
 
 
-def revoke_host(db: sessionmaker[Session], storage: Storage, r: redis.Redis, host_id: int) -> HostPublic:
+def revoke_host(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, host_id: int
+) -> HostPublic:
     """Refuse the host from now on and give its running assignments back to the pool at once; the
     epochs of workunits that failed for good are closed (crowdtrain.server.ledger.assignments.revoke_host).
     NotFound if there is no such host."""
-    return assignments.revoke_host(db, storage, r, host_id, evaluate)
+    return assignments.revoke_host(db, storage, r, host_id, evaluator)
 
 
 def release_host(db: sessionmaker[Session], host_id: int) -> HostPublic:

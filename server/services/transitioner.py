@@ -12,30 +12,31 @@ import redis
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.jobspec import VC_ASGD
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger import replicas
 from crowdtrain.server.ledger.assignments import time_out_expired
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
 
 
-def reap_expired_assignments(db: sessionmaker[Session], storage: Storage, r: redis.Redis, limit: int = 500) -> int:
+def reap_expired_assignments(
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, limit: int = 500
+) -> int:
     """Mark in-progress assignments past their deadline timed_out; their workunits retry or fail, and
     the epochs of those that failed are closed (crowdtrain.server.ledger.assignments.time_out_expired)."""
-    expired = time_out_expired(db, storage, r, evaluate, limit)
+    expired = time_out_expired(db, storage, r, evaluator, limit)
     telemetry.count(r, "timeouts", expired)
     return expired
 
 
 def close_stalled_votes(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, now: datetime | None = None
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, now: datetime | None = None
 ) -> int:
     """Close, inconclusive, the replica votes that waited past their bound for a replica no host took
     by `now` (crowdtrain.server.ledger.replicas.close_stalled_votes): their results are deleted, and the
@@ -44,11 +45,11 @@ def close_stalled_votes(
     for vote in closed:
         for key in vote.ended:
             storage.delete(key)
-    close_epochs_after_failure(db, storage, r, [(v.job_id, v.epoch) for v in closed if v.failed], evaluate)
+    close_epochs_after_failure(db, storage, r, [(v.job_id, v.epoch) for v in closed if v.failed], evaluator)
     return len(closed)
 
 
-def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> None:
+def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator) -> None:
     """Close epochs whose last workunit finished but whose closing was lost (a crash or a database
     race in the parameter server that did the last merge). Closing is idempotent. DeDLOC jobs have no
     epochs of workunits: their rounds end their steps, not this sweep."""
@@ -59,7 +60,7 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
     for job_id, current in jobs:
         for epoch in (current - 1, current):
             if epoch >= 1:
-                close_epoch_if_complete(db, storage, r, job_id, epoch, evaluate)
+                close_epoch_if_complete(db, storage, r, job_id, epoch, evaluator)
 
 
 def requeue_stalled_merges(
@@ -119,6 +120,7 @@ def run_forever(
     db: sessionmaker[Session],
     storage: Storage,
     r: redis.Redis,
+    evaluator: Evaluator,
     interval: float,
     stalled_after: float,
     enqueue: Callable[[int, float], None],
@@ -128,9 +130,9 @@ def run_forever(
 
     while not stop.is_set():
         try:
-            reap_expired_assignments(db, storage, r)
-            close_stalled_votes(db, storage, r)
-            close_finished_epochs(db, storage, r)
+            reap_expired_assignments(db, storage, r, evaluator)
+            close_stalled_votes(db, storage, r, evaluator)
+            close_finished_epochs(db, storage, r, evaluator)
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)
                 end_stalled_uploads(db, r, stalled_after, enqueue)

@@ -4,8 +4,11 @@ storage and a private Redis, the results uploaded as the scheduler stores them (
 import json
 import threading
 import time
+from dataclasses import replace
 
+import numpy as np
 import pytest
+from sqlalchemy import select
 
 from crowdtrain.assimilator.merge import TRANSIENT, MergeResult, MergeServices, Outcome
 from crowdtrain.assimilator.merge_pass import merge_queued
@@ -13,6 +16,7 @@ from crowdtrain.assimilator.rules import make_rule, make_update
 from crowdtrain.core import keys
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params
+from crowdtrain.server.ledger.models import Metric
 from crowdtrain.server.paramstore import store
 from tests.assimilator.test_merge import Job, _assert_params_equal, _job, _moved
 
@@ -72,6 +76,34 @@ def test_a_task_merges_its_job_s_queue_in_one_pass_as_single_merges_would(servic
     for a in others:
         assert merge_queued(services, a).outcome is Outcome.already_merged  # a late task records nothing new
     assert store.read(services.r, job.job_id)[0] == 4 and job.metrics() == 1
+
+
+class _Scores:
+    """An evaluator that gives every W_s the same figures and notes the job of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def evaluate(
+        self, job_id: int, model_config: dict, params: Params, x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, float]:
+        self.calls.append(job_id)
+        return 1.25, 0.625
+
+
+def test_the_pass_scores_w_s_with_the_evaluator_its_services_hold(services) -> None:
+    """The evaluator is given once, in MergeServices: the pass scores the version it wrote with it, and
+    the metric recorded is its figure."""
+    scores = _Scores()
+    services = replace(services, evaluator=scores)
+    job, _ = _queue(services, 4)
+
+    assert merge_queued(services, job.assignments[0], received_at=time.time()) == MergeResult(Outcome.merged, 1)
+
+    assert scores.calls == [job.job_id], "one evaluation, for the version the pass wrote"
+    with services.db.begin() as s:
+        recorded = s.execute(select(Metric.param_version, Metric.val_loss, Metric.val_accuracy)).all()
+    assert [tuple(row) for row in recorded] == [(4, 1.25, 0.625)]
 
 
 def test_a_longer_queue_is_merged_in_passes_of_max_pass(services) -> None:

@@ -321,9 +321,11 @@ def test_a_vote_no_replica_comes_for_closes_inconclusive_and_counts_toward_max_e
         assert assimilate(services, a.assignment_id).outcome is Outcome.awaiting_replicas
         assert all(w.workunit_id != a.workunit_id for w in p.work(laptop, 8)), "never a replica to the same account"
         within = before_sent + timedelta(seconds=0.9)  # under the 1 s bound, counted from its send at the earliest
-        assert close_stalled_votes(services.db, services.storage, services.r, now=within) == 0, "not before the bound"
+        assert close_stalled_votes(services.db, services.storage, services.r, services.evaluator, now=within) == 0, (
+            "not before the bound"
+        )
         past = utcnow() + timedelta(seconds=1.1)
-        assert close_stalled_votes(services.db, services.storage, services.r, now=past) == 1
+        assert close_stalled_votes(services.db, services.storage, services.r, services.evaluator, now=past) == 1
 
         with services.db.begin() as s:
             ended = s.get_one(Assignment, a.assignment_id)
@@ -337,4 +339,4 @@ def test_a_vote_no_replica_comes_for_closes_inconclusive_and_counts_toward_max_e
         problems = job_problems(services.db, p.job_id)
         assert any("replica vote closed inconclusive" in x.message for x in problems.recent)
     assert p.record(alice)[:3] == (0, 0, 0.0), "nothing charged, nothing credited"
-    assert close_stalled_votes(services.db, services.storage, services.r) == 0
+    assert close_stalled_votes(services.db, services.storage, services.r, services.evaluator) == 0

@@ -12,7 +12,7 @@ from crowdtrain.core.schemas import (
     ProjectKeyOut,
     ProjectKeySet,
 )
-from crowdtrain.server.api.deps import AdminDep, DbDep, RedisDep, StorageDep
+from crowdtrain.server.api.deps import AdminDep, DbDep, EvaluatorDep, RedisDep, StorageDep
 from crowdtrain.server.services import hosts, project_key
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[AdminDep])
@@ -43,9 +43,9 @@ def list_hosts(db: DbDep) -> list[HostPublic]:
 
 
 @router.post("/hosts/{host_id}/revoke", response_model=HostPublic)
-def revoke_host(host_id: Id, db: DbDep, storage: StorageDep, r: RedisDep) -> HostPublic:
+def revoke_host(host_id: Id, db: DbDep, storage: StorageDep, r: RedisDep, evaluator: EvaluatorDep) -> HostPublic:
     """Refuse a host from now on (404 if there is none); its running assignments are dispatched again at once."""
-    return hosts.revoke_host(db, storage, r, host_id)
+    return hosts.revoke_host(db, storage, r, evaluator, host_id)
 
 
 @router.get("/project-key", response_model=ProjectKeyOut)

@@ -29,7 +29,7 @@ from crowdtrain.server.api.boundary import (
     octet_stream_body,
     upload_body,
 )
-from crowdtrain.server.api.deps import AdminDep, DbDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.api.deps import AdminDep, DbDep, EvaluatorDep, HostDep, RedisDep, SettingsDep, StorageDep
 from crowdtrain.server.services import dedloc_jobs, dedloc_relay, dedloc_rounds, dedloc_states
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
@@ -142,11 +142,14 @@ async def put_state(
     r: RedisDep,
     storage: StorageDep,
     settings: SettingsDep,
+    evaluator: EvaluatorDep,
 ) -> ReplyOk:
     """Parameters and optimizer state at the start of `step` (safetensors); evaluated and recorded."""
     async with upload_body(request, settings.upload_max_bytes) as body:
         return ReplyOk(
-            status=await run_in_threadpool(dedloc_jobs.put_state, db, r, storage, job_id, host_id, peer_id, step, body)
+            status=await run_in_threadpool(
+                dedloc_jobs.put_state, db, r, storage, evaluator, job_id, host_id, peer_id, step, body
+            )
         )
 
 

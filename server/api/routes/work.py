@@ -4,7 +4,6 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
-from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
 from crowdtrain.core import keys
 from crowdtrain.core.schemas import (
@@ -26,7 +25,16 @@ from crowdtrain.server.api.boundary import (
     parse_json_body,
     upload_body,
 )
-from crowdtrain.server.api.deps import DbDep, HostCall, HostDep, RedisDep, SettingsDep, StorageDep, host_call
+from crowdtrain.server.api.deps import (
+    DbDep,
+    EvaluatorDep,
+    HostCall,
+    HostDep,
+    RedisDep,
+    SettingsDep,
+    StorageDep,
+    host_call,
+)
 from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
 from crowdtrain.server.ledger import assignments, uploads
 from crowdtrain.server.ledger.assignments import ResultRefused
@@ -116,6 +124,7 @@ async def upload_result(
     storage: StorageDep,
     r: RedisDep,
     settings: SettingsDep,
+    evaluator: EvaluatorDep,
 ) -> ResultAccepted:
     """Upload the result (safetensors body: W_c, or Δ as the job's assimilation.upload says); metrics
     ride in the query string.
@@ -146,25 +155,33 @@ async def upload_result(
     except (ResultRefused, BodyTooLarge) as exc:
         # A body refused for its content (or size) ends the assignment; the refusal is still answered.
         reason = exc.message if isinstance(exc, ResultRefused) else str(exc.detail)
-        await run_in_threadpool(assignments.refuse_result, db, storage, r, host_id, assignment_id, reason, evaluate)
+        await run_in_threadpool(assignments.refuse_result, db, storage, r, host_id, assignment_id, reason, evaluator)
         raise
     telemetry.count(r, "uploads", upload_bytes=size)
     return ResultAccepted(assignment_id=assignment_id, status=status_)
 
 
 @router.post("/assignments/{assignment_id}/abandon", response_model=ResultAccepted)
-def abandon(assignment_id: Id, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep) -> ResultAccepted:
+def abandon(
+    assignment_id: Id, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep, evaluator: EvaluatorDep
+) -> ResultAccepted:
     """Give the assignment back now (shutdown, preemption) so it is re-dispatched without waiting."""
     assignments.give_up(
-        db, storage, r, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host", evaluate
+        db, storage, r, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host", evaluator
     )
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.abandoned)
 
 
 @router.post("/assignments/{assignment_id}/error", response_model=ResultAccepted)
 def report_error(
-    assignment_id: Id, err: ClientError, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep
+    assignment_id: Id,
+    err: ClientError,
+    host_id: HostDep,
+    db: DbDep,
+    storage: StorageDep,
+    r: RedisDep,
+    evaluator: EvaluatorDep,
 ) -> ResultAccepted:
     """Report that the assignment failed on this host; it counts toward the workunit's error limit."""
-    assignments.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.client_error, err.message, evaluate)
+    assignments.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.client_error, err.message, evaluator)
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.client_error)

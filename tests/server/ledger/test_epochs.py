@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select, update
 
-from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator, evaluate
 from crowdtrain.assimilator.rules import merge_vc_asgd
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import load_job_spec
@@ -63,7 +63,7 @@ def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tm
             break
     assert _merge(r, job_id, 2, noise) == 2  # no metric for v2 (as with eval_every > 1, or a late merge)
 
-    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+    close_epoch_if_complete(db, storage, r, job_id, 1, FrameworkEvaluator())
 
     with db.begin() as s:
         job = s.get_one(Job, job_id)
@@ -92,7 +92,7 @@ def test_a_job_succeeds_only_if_the_model_it_exports_meets_the_target(sqlite_url
         s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
     v2 = _merge(r, job_id, 2, w0)  # no metric: scored now, an untrained model near chance
 
-    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+    close_epoch_if_complete(db, storage, r, job_id, 1, FrameworkEvaluator())
 
     with db.begin() as s:
         job = s.get_one(Job, job_id)
@@ -101,7 +101,7 @@ def test_a_job_succeeds_only_if_the_model_it_exports_meets_the_target(sqlite_url
         s.execute(update(Workunit).where(Workunit.job_id == job_id, Workunit.epoch == 2).values(status="done"))
     assert not storage.exists(final_key(job_id))
 
-    close_epoch_if_complete(db, storage, r, job_id, 2, evaluate)
+    close_epoch_if_complete(db, storage, r, job_id, 2, FrameworkEvaluator())
 
     with db.begin() as s:
         job = s.get_one(Job, job_id)
@@ -123,7 +123,7 @@ def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path)
         s.add(Metric(job_id=job_id, epoch=1, param_version=version, val_loss=2.0, val_accuracy=0.25))
         s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
 
-    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+    close_epoch_if_complete(db, storage, r, job_id, 1, FrameworkEvaluator())
 
     exported = storage.get(final_key(job_id))
     meta = read_metadata(exported)
@@ -162,14 +162,14 @@ def test_a_newer_epoch_that_closes_first_waits_for_the_older(
         s.add(Metric(job_id=job_id, epoch=1, param_version=0, val_loss=2.0, val_accuracy=0.1))
         s.add(Metric(job_id=job_id, epoch=2, param_version=0, val_loss=1.0, val_accuracy=0.9))
 
-    close_epoch_if_complete(db, storage, r, job_id, 2, evaluate)
+    close_epoch_if_complete(db, storage, r, job_id, 2, FrameworkEvaluator())
 
     with db.begin() as s:
         assert s.get_one(Job, job_id).status == JobStatus.running.value
         assert s.get_one(Workunit, straggler).status == "in_progress"
         s.execute(update(Workunit).where(Workunit.id == straggler).values(status="done"))
 
-    close_epoch_if_complete(db, storage, r, job_id, 1, evaluate)
+    close_epoch_if_complete(db, storage, r, job_id, 1, FrameworkEvaluator())
 
     with db.begin() as s:
         job = s.get_one(Job, job_id)
@@ -196,7 +196,7 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
     assert all(r.exists(key(job_id)) for key in forgotten + kept[1:])
 
     if end == "failed":
-        assert fail_job(db, storage, r, job_id, "given up", evaluate)
+        assert fail_job(db, storage, r, job_id, "given up", FrameworkEvaluator())
     else:
         assert cancel_job(db, r, job_id) == JobStatus.cancelled.value
 
@@ -223,11 +223,12 @@ def test_the_stop_rule_scores_the_version_it_exports_once(sqlite_url, private_re
     v2 = _merge(r, job_id, 2, w0)
     calls = []
 
-    def counted(*args, **kwargs):
-        calls.append(args[0])
-        return evaluate(*args, **kwargs)
+    class Counted(FrameworkEvaluator):
+        def evaluate(self, *args, **kwargs):
+            calls.append(args[0])
+            return super().evaluate(*args, **kwargs)
 
-    close_epoch_if_complete(db, storage, r, job_id, 1, counted)
+    close_epoch_if_complete(db, storage, r, job_id, 1, Counted())
 
     with db.begin() as s:
         job = s.get_one(Job, job_id)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from sqlalchemy import event, func, select
 
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import WorkReply
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
@@ -190,7 +191,9 @@ def test_epoch_release_and_closing_leave_a_dedloc_job_alone(scheduler, private_r
         with pytest.raises(ValueError, match="dedloc"):
             release_epoch(s, job, 1)
         job.current_epoch = 1  # as the VC-ASGD dispatcher used to leave them
-    close_finished_epochs(scheduler.db, open_storage(scheduler.settings.resolved_storage_url), private_redis)
+    close_finished_epochs(
+        scheduler.db, open_storage(scheduler.settings.resolved_storage_url), private_redis, FrameworkEvaluator()
+    )
     with scheduler.db.begin() as s:
         assert s.get_one(Job, job_id).status == JobStatus.running.value
     assert scheduler.count(Workunit) == 0

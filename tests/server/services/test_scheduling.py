@@ -14,7 +14,7 @@ import redis
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.assimilator.evaluate import evaluate
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import load_job_spec
@@ -149,7 +149,16 @@ def test_two_running_jobs_share_the_dispatches_by_weight(ledger, weights, share)
                 if left > 1:
                     held[h] = (aid, job_id, left - 1)
                     continue
-                give_up(ledger.db, ledger.storage, ledger.r, h, aid, AssignmentStatus.abandoned, "done", evaluate)
+                give_up(
+                    ledger.db,
+                    ledger.storage,
+                    ledger.r,
+                    h,
+                    aid,
+                    AssignmentStatus.abandoned,
+                    "done",
+                    FrameworkEvaluator(),
+                )
             (a,) = request_work(ledger.db, ledger.storage, h, 1, [], None)
             dispatched[a.job_id] += 1
             held[h] = (a.assignment_id, a.job_id, rng.randint(1, 4))
@@ -192,7 +201,7 @@ def test_a_heartbeat_extends_a_live_lease_up_to_its_bound(ledger) -> None:
 
     ledger.age(a_live.assignment_id, 30)
     ledger.age(a_silent.assignment_id, 30)  # both 80 s old: past the original 60 s deadline
-    assert time_out_expired(ledger.db, ledger.storage, ledger.r, evaluate) == 1
+    assert time_out_expired(ledger.db, ledger.storage, ledger.r, FrameworkEvaluator()) == 1
     assert ledger.assignment(a_silent.assignment_id).status == AssignmentStatus.timed_out.value
     assert ledger.assignment(a_live.assignment_id).status == AssignmentStatus.in_progress.value
 
@@ -209,7 +218,7 @@ def test_a_heartbeat_extends_a_live_lease_up_to_its_bound(ledger) -> None:
     _, _, deadline = heartbeat(ledger.db, hung, a_hung.assignment_id)
     assert deadline == ledger.assignment(a_hung.assignment_id).sent_at + timedelta(seconds=180)  # not extended
     assert deadline < utcnow()
-    assert time_out_expired(ledger.db, ledger.storage, ledger.r, evaluate) == 1
+    assert time_out_expired(ledger.db, ledger.storage, ledger.r, FrameworkEvaluator()) == 1
     assert ledger.assignment(a_hung.assignment_id).status == AssignmentStatus.timed_out.value
     assert heartbeat(ledger.db, hung, a_hung.assignment_id) == (False, "assignment is timed_out", None)
 
@@ -335,7 +344,7 @@ def test_a_straggler_that_times_out_leaves_its_workunit_to_the_duplicate(ledger)
         s.execute(
             update(Assignment).where(Assignment.id == t.original).values(deadline=utcnow() - timedelta(seconds=1))
         )
-    assert time_out_expired(ledger.db, ledger.storage, ledger.r, evaluate) == 1
+    assert time_out_expired(ledger.db, ledger.storage, ledger.r, FrameworkEvaluator()) == 1
     assert ledger.workunit(t.workunit) == (WorkunitStatus.in_progress.value, 1), "still running on the duplicate"
     ledger.upload(t.idle, t.job_id, t.duplicate)
     assert ledger.merge(t.duplicate) == Outcome.merged
