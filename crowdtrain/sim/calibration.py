@@ -24,8 +24,10 @@ the replay on a small one.
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 import redis
@@ -147,7 +149,7 @@ def _passes(log: list[dict]) -> list[_Pass]:
     return out
 
 
-def _eval_seconds(passes: list[_Pass], metrics: list) -> float:
+def _eval_seconds(passes: list[_Pass], metrics: Sequence[Any]) -> float:
     """The median time from a pass's write to the metric recorded for its last version."""
     written = {p.versions[-1]: p.written_at for p in passes}
     spans = [_epoch(m.created_at) - written[m.param_version] for m in metrics if m.param_version in written]
