@@ -15,7 +15,7 @@ clock, and merges with the very rule and policy code the parameter servers run
 - time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed
   at max_errors);
 - close an epoch: crowdtrain.server.ledger.epochs.close_epoch_if_complete (the stop rule) and
-  crowdtrain.workgen.generator.next_epoch_releasable.
+  crowdtrain.server.ledger.epochs.next_epoch_releasable.
 
 The epoch-release window. The next epoch is released as the real scheduler releases it
 (crowdtrain.server.ledger.epochs.next_epoch_releasable, called by dispatch when a claim comes up
@@ -216,7 +216,7 @@ class SimJob:
         return budget is not None and len(self.in_flight()) >= budget
 
     def _release_epoch(self, epoch: int) -> None:
-        """crowdtrain.workgen.generator.release_epoch: one ready workunit per shard."""
+        """crowdtrain.server.ledger.epochs.release_epoch: one ready workunit per shard."""
         wus = []
         for shard in range(self.shards):
             self._next_ids["wu"] += 1
@@ -236,7 +236,7 @@ class SimJob:
         self.open_count[wu.epoch] -= 1
 
     def _next_epoch_releasable(self) -> bool:
-        """crowdtrain.workgen.generator.next_epoch_releasable (called when no workunit is ready)."""
+        """crowdtrain.server.ledger.epochs.next_epoch_releasable (called when no workunit is ready)."""
         if not self.running or self.current_epoch >= self.spec["stop"]["max_epochs"]:
             return False
         return not any(self.open_count[e] for e in range(1, self.current_epoch))

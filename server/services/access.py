@@ -4,7 +4,7 @@ collaborations it has joined. Nothing else, whatever ids it names.
 Each check answers "no" for an object that does not exist exactly as for one the host may not read,
 so that a host cannot learn which ids exist by probing. Presigned object-storage URLs follow the same
 rule by construction: dispatch issues them only for the shard and snapshot of the assignment it hands
-out (crowdtrain.server.services.dispatch._assignment_out).
+out (crowdtrain.server.services.dispatch._Request._describe).
 """
 
 import redis

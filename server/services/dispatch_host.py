@@ -33,7 +33,7 @@ _HOST_COLUMNS = (
 _LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
 
 
-def host_andlive_jobs(host: ColumnElement[bool]) -> Select:
+def host_and_live_jobs(host: ColumnElement[bool]) -> Select:
     """The host's row, once per running VC-ASGD job with that job's live columns and in-flight counts
     beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
     in one round trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
@@ -49,8 +49,8 @@ def host_andlive_jobs(host: ColumnElement[bool]) -> Select:
 
 
 # Built once: building SQLAlchemy expressions costs more CPU than executing them.
-HOST_BY_TOKEN = host_andlive_jobs(Host.token_hash == bindparam("token_hash"))
-HOST_BY_ID = host_andlive_jobs(Host.id == bindparam("seen_host"))
+HOST_BY_TOKEN = host_and_live_jobs(Host.token_hash == bindparam("token_hash"))
+HOST_BY_ID = host_and_live_jobs(Host.id == bindparam("seen_host"))
 HOST_SEEN = update(Host).where(Host.id == bindparam("seen_host")).values(last_seen=bindparam("now"))
 
 
