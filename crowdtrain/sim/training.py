@@ -36,7 +36,7 @@ How dispatch holds back (the epoch-release window, and the in-flight budget) is 
 
 Against the real system, with the defaults (mnist1d-cnn, the default rule, 18 epochs, 4 slots per
 host, 0.1 s transfers, seed 0): mean staleness 1.96 / 5.22 / 4.94 at 1 / 4 / 8 slots, where the
-real system measured 2 / 5 / 10.2. At 8 slots the window above binds (4 shards: 8 workunits open,
+real system measured 2 / 5 / 10.2. At 8 slots the epoch-release window binds (4 shards: 8 workunits open,
 10 places wanted) and no result here saw more than 7 merges; the real system's figure is above
 what the window allows without much overtaking, which this model does not yet explain.
 
