@@ -4,12 +4,13 @@ It follows the scheduler's and the parameter servers' procedures step for step, 
 clock, and merges with the very rule and policy code the parameter servers run
 (crowdtrain.assimilator.rules.make_rule, crowdtrain.assimilator.policy). Each method names the procedure it mirrors:
 
-- dispatch: crowdtrain.server.services.dispatch (`_claim_ready`: cached shards first, then by epoch and workunit;
-  `_release_next_epoch`: early release once the current epoch has nothing left to dispatch; at the job's
+- dispatch: crowdtrain.server.services.dispatch (crowdtrain.server.ledger.claims.claim_workunits: cached
+  shards first, then by epoch and workunit; crowdtrain.server.ledger.epochs.release_next_epoch_early: early
+  release once the current epoch has nothing left to dispatch; at the job's
   in-flight budget, crowdtrain.server.services.backpressure's, nothing: its pace measured over the simulated
   merges by crowdtrain.server.ledger.pace.pace_of, as record_merge measures it);
 - apply, measure, record: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm
-  bound, then the rule; a refusal is charged to the workunit; then `_record`: metrics every
+  bound, then the rule; a refusal is charged to the workunit; then record_merged: metrics every
   `eval_every` merges, snapshots, the workunit done). When each happens on the simulated clock, and
   in what order, is crowdtrain.sim.servers' queue's to say;
 - time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed
