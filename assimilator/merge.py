@@ -7,10 +7,10 @@ on (crowdtrain.assimilator.replica_vote), merges them in order with the job's ru
 every rule obeys (staleness bound, update-norm bound, clipping: crowdtrain.assimilator.policy) into
 W_s read once and written once, records each outcome, evaluates W_s when due (once per pass, not
 once per merge), publishes a snapshot when due, and closes the epochs that are complete
-(crowdtrain.assimilator.merge_records). `assimilate` is a pass of one result.
+(record_merged, with crowdtrain.server.ledger.epochs.close_epoch_if_complete). `assimilate` is a pass of one result.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
-assignment, and at most one assignment per workunit (merging.merge_batch: a straggler's
+assignment, and at most one assignment per workunit (crowdtrain.server.paramstore.merging.merge_batch: a straggler's
 duplicate that loses ends `superseded`), and every ledger step is idempotent
 (crowdtrain.server.ledger.merges), so running a pass again for the same assignments, after a crash
 anywhere in it, completes what is missing and changes nothing else. No Celery here: the task in

@@ -34,7 +34,7 @@ How
     slightly perturbed copy of W_s v0, changed in one value for each upload (the same weights
     twice would be refused as a replay). For the latency it waits until the scheduler reports each
     merge recorded before the next upload, so every merge is measured in isolation; the first
-    samples are warm-up and are not counted.
+    samples are warm-up and are not counted. What the host does over HTTP is in merge_host.py.
 
 Run
     .venv/bin/python benchmarks/merge_latency.py [--samples N] [--backlog N] [--processes 1 2 4] [--jobs 1 2]
@@ -49,7 +49,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,18 +58,26 @@ import numpy as np
 import redis
 
 from crowdtrain.core import keys
-from crowdtrain.core.tensors import Params, decode, encode, views
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.paramstore import store
+from merge_host import (
+    EXAMPLES_PER_SHARD,
+    client_result,
+    merge_entry,
+    merges_recorded,
+    register_host,
+    take_assignment,
+    take_assignments,
+    upload,
+    variant,
+    wait_until,
+)
 
 MODEL = {"name": "resnet", "options": {"width": 86, "blocks": 2}}
 IMAGE_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
-EXAMPLES_PER_SHARD = 2
 VALIDATION_EXAMPLES = 8
 WARMUP = 2
-MERGE_TIMEOUT_S = 60.0
-POLL_S = 0.002
 DRAIN_POLL_S = 0.5  # while the throughput runs drain their backlog
 PAPER_SECONDS_PER_UPDATE = 0.87  # VC-ASGD paper, 4.97M-parameter network
 GOAL_S = 0.1
@@ -117,89 +124,7 @@ def job_spec(dataset: Path, shards: int) -> dict:
     }
 
 
-def check(resp: httpx.Response) -> dict:
-    if resp.status_code >= 400:
-        raise RuntimeError(f"{resp.request.method} {resp.request.url} -> {resp.status_code}: {resp.text}")
-    return resp.json()
-
-
-def register_host(cluster: Cluster) -> httpx.Client:
-    """Register as a host; returns an HTTP client that authenticates with the host token."""
-    reply = check(
-        httpx.post(
-            f"{cluster.url}/v1/hosts",
-            timeout=30,
-            json={"join_token": cluster.join_token, "name": "merge-latency-bench"},
-        )
-    )
-    return httpx.Client(base_url=cluster.url, timeout=120, headers={"Authorization": f"Bearer {reply['host_token']}"})
-
-
-def perturbed(params: Params, scale: float = 1e-3, seed: int = 1) -> Params:
-    """W_s with small noise on every float tensor: a plausible client result."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, arr in params.items():
-        if arr.dtype.kind == "f":
-            arr = arr + rng.standard_normal(arr.shape).astype(arr.dtype) * np.asarray(scale, arr.dtype)
-        out[name] = arr
-    return out
-
-
-def client_result(snapshot: bytes) -> bytes:
-    """What a client would upload: the snapshot, slightly changed."""
-    return encode(perturbed(decode(snapshot)))
-
-
-def variant(body: bytes, i: int) -> bytes:
-    """`body` with one value of its first floating-point tensor moved by `i` steps: other weights, so
-    that no upload is refused as a replay of another."""
-    out = bytearray(body)
-    first = next(a for a in views(out).values() if a.dtype.kind == "f" and a.size)
-    first.reshape(-1)[0] += np.asarray(1e-3 * (i + 1), first.dtype)
-    return bytes(out)
-
-
 # --- one merge ---------------------------------------------------------------------------------
-
-
-def take_assignment(host: httpx.Client) -> dict:
-    assignments = check(host.post("/v1/work", json={"free_slots": 1}))["assignments"]
-    if not assignments:
-        raise RuntimeError("the scheduler gave no assignment; the epoch ran out of workunits")
-    return assignments[0]
-
-
-def upload(host: httpx.Client, assignment_id: int, body: bytes) -> None:
-    check(
-        host.put(
-            f"/v1/assignments/{assignment_id}/result",
-            content=body,
-            params={"train_loss": 1.0, "examples": EXAMPLES_PER_SHARD, "seconds": 0.1},
-            headers={"Content-Type": "application/octet-stream"},
-        )
-    )
-
-
-def wait_until(
-    condition: Callable[[], bool], what: str, cluster: Cluster, timeout: float = MERGE_TIMEOUT_S, poll: float = POLL_S
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout}s\n{cluster.service('assimilator').tail()}")
-        time.sleep(poll)
-
-
-def merge_entry(r: redis.Redis, job_id: int, assignment_id: int) -> dict | None:
-    raw = r.hget(keys.merge_log(job_id), str(assignment_id))
-    return None if raw is None else json.loads(raw)
-
-
-def merges_recorded(cluster: Cluster, job_id: int) -> int:
-    """Merges the scheduler's database has recorded (the task's bookkeeping after the Redis commit)."""
-    with cluster.admin() as admin:
-        return check(admin.get(f"/v1/jobs/{job_id}"))["merges"]
 
 
 @dataclass(frozen=True)
@@ -282,16 +207,6 @@ def measure_chunked_write(r: redis.Redis, blob: bytes, repetitions: int) -> list
 
 
 # --- throughput ----------------------------------------------------------------------------------
-
-
-def take_assignments(host: httpx.Client, n: int) -> list[dict]:
-    taken: list[dict] = []
-    while len(taken) < n:
-        given = check(host.post("/v1/work", json={"free_slots": min(256, n - len(taken))}))["assignments"]
-        if not given:
-            raise RuntimeError(f"the scheduler gave {len(taken)} of {n} assignments")
-        taken += given
-    return taken
 
 
 def drain_rate(merged_at: list[float]) -> float:

@@ -28,28 +28,16 @@ from crowdtrain.client.optimizer_states import DEFAULT_MAX_BYTES, OptimizerState
 from crowdtrain.client.origins import Origins, learned_origins
 from crowdtrain.client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
 from crowdtrain.client.preferences import Preferences
+from crowdtrain.client.resources import detect_resources
 from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import ClientState, ClientStatus, StatusWriter
-from crowdtrain.client.trainers import available_frameworks
 from crowdtrain.client.trust import ProjectTrust
 from crowdtrain.core.frameworks import Framework
-from crowdtrain.core.schemas import AssignmentOut, KeyRotation, Resources
+from crowdtrain.core.schemas import AssignmentOut, KeyRotation
 
 log = logging.getLogger(__name__)
 
 BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work reply that had to be refused
-
-
-def detect_resources(device: str, frameworks: list[Framework] | None = None) -> Resources:
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    gpu = ""
-    if device.startswith("cuda"):
-        import torch
-
-        gpu = torch.cuda.get_device_name(torch.device(device)) if torch.cuda.is_available() else ""
-    return Resources(
-        cpus=os.cpu_count() or 1, ram_bytes=ram, gpu=gpu, device=device, frameworks=frameworks or available_frameworks()
-    )
 
 
 # The default cache folder, as the CLI offers it: one per client on a machine.

@@ -3,7 +3,10 @@ the hosts it registered and whose goal allows it no credit."""
 
 import numpy as np
 
-from tests.test_benchmarks import adversarial_summary, hostile_strategies
+from tests.benchmark_modules import load_benchmark
+
+hostile_strategies = load_benchmark("hostile_strategies")
+adversarial_summary = load_benchmark("adversarial_summary")
 
 
 def test_garbage_changes_every_float_tensor_and_keeps_the_others():

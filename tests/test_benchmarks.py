@@ -1,14 +1,13 @@
 """Every benchmark runs as its docstring says, and the pure parts of the benchmarks (no benchmark runs
 here, only `--help` and one tiny learning-rate sweep): benchmarks/learning_efficiency.py and the
 modules beside it that it imports (efficiency_tasks and the task files of benchmarks/tasks/,
-efficiency_data, efficiency_runs, efficiency_report), and benchmarks/adversarial.py (its forged
-updates, hostile_strategies, and its summary, adversarial_summary).
+efficiency_data, efficiency_runs, efficiency_report). benchmarks/adversarial.py's parts are tested in
+tests/test_benchmark_adversarial.py.
 
 An entry point of benchmarks/ is a module with `if __name__ == "__main__":` and a `Run` section in its
 docstring; a module without that guard is a part that entry points import by name, and says so."""
 
 import ast
-import importlib
 import os
 import re
 import shlex
@@ -23,24 +22,12 @@ import yaml
 from crowdtrain.client.trainers import train
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.workgen.datasets import load_dataset, make_dataset
+from tests.benchmark_modules import BENCHMARKS, load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    """benchmarks/NAME.py, imported as `python benchmarks/learning_efficiency.py` imports it: with its
-    folder first on sys.path, so that the modules beside it import by name."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
-tasks = _load("efficiency_tasks")
-runs = _load("efficiency_runs")
-report = _load("efficiency_report")
-generators = _load("efficiency_data")
+tasks = load_benchmark("efficiency_tasks")
+runs = load_benchmark("efficiency_runs")
+report = load_benchmark("efficiency_report")
+generators = load_benchmark("efficiency_data")
 
 
 ROOT = BENCHMARKS.parent
@@ -335,71 +322,3 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
     # every 25 examples, at the first batch boundary at or after it (an epoch's first batch is never one)
     assert [e for e, _ in hook.points] == [30, 50, 80, 110, 130, 150, 180, 210, 230, 250, 280]
     assert all(names == sorted(state_to_numpy(build_model("mlp", [4], 2, hidden=[8]))) for names in seen)
-
-
-hostile_strategies = _load("hostile_strategies")
-adversarial_summary = _load("adversarial_summary")
-
-
-def test_forged_updates_are_what_each_strategy_says_of_the_honest_update():
-    rng = np.random.default_rng(0)
-    base = {"w": np.array([1.0, 1.0, 1.0], np.float32), "n": np.array(7, np.int64)}
-    honest = {"w": np.array([1.0, 3.0, 1.0], np.float32), "n": np.array(7, np.int64)}  # Δ = (0, 2, 0)
-    np.testing.assert_allclose(hostile_strategies.sign_flipped(base, honest, rng)["w"], [1.0, -1.0, 1.0])
-    np.testing.assert_allclose(hostile_strategies.scaled(base, honest, rng)["w"], [1.0, 21.0, 1.0])
-    noisy = hostile_strategies.noise(base, honest, rng)
-    assert np.linalg.norm(noisy["w"] - base["w"]) == pytest.approx(2.0, rel=1e-5), "noise of the honest norm"
-    assert all(f["n"] == 7 for f in (noisy, hostile_strategies.scaled(base, honest, rng))), "integer tensors kept"
-
-
-def test_a_colluding_pair_shares_its_direction_per_workunit():
-    base = {"w": np.full(50, 2.0, np.float32), "n": np.array(7, np.int64)}
-    d = hostile_strategies.shared_direction(base, 3, 11)
-    again = hostile_strategies.shared_direction(base, 3, 11)
-    assert np.array_equal(d["w"], again["w"]), "both hosts of the pair draw the same d"
-    assert "n" not in d and np.linalg.norm(d["w"]) == pytest.approx(hostile_strategies.PAIR_STEP * np.sqrt(200))
-    other = hostile_strategies.shared_direction(base, 3, 12)["w"]
-    assert abs(float(other @ d["w"])) < 0.5 * float(d["w"] @ d["w"]), "another workunit, another direction"
-
-
-def test_the_permuted_labels_move_every_class():
-    perm = hostile_strategies.class_derangement(10, np.random.default_rng(0))
-    assert sorted(perm) == list(range(10)) and not np.any(perm == np.arange(10))
-
-
-def test_adversarial_summary_ratio_is_against_the_clean_run_and_the_goal_needs_no_credit_for_replay():
-    def row(strategy, examples, **extra):
-        return {
-            "strategy": strategy,
-            "seed": 0,
-            "job_status": "succeeded",
-            "examples_to_target": examples,
-            "examples_trained_to_target": examples,
-            "seconds_to_target": 10.0,
-            "honest_refused": 0,
-        } | extra
-
-    hostile = {
-        "hostile_attacks": 5,
-        "hostile_merged": 0,
-        "hostile_attacks_merged": 0,
-        "hostile_validated": 0,
-        "hostile_results": {"rejected": 5},
-        "hostile_reputation": 0.2,
-        "hostile_credit": 1.0,
-        "hostile_quarantined": True,
-    }
-    rows = [
-        row("clean", 20000),
-        row("clean-unvalidated", 25000),
-        row("lazy", 24000, **hostile, hostile_attack_credit=0.0),
-        row("replay", 22000, **hostile, hostile_attack_credit=0.5),
-        row("noise", 30000, **hostile, hostile_attack_credit=0.0),
-        row("scaled", None, **hostile, hostile_attack_credit=0.0, job_status="timeout"),
-    ]
-    by = {s["strategy"]: s for s in adversarial_summary.summarize(rows)}
-    assert by["lazy"]["ratio"] == 1.2 and by["lazy"]["ratio_to_unvalidated"] == 0.96 and by["lazy"]["goal_met"]
-    assert by["replay"]["ratio"] == 1.1 and not by["replay"]["goal_met"], "credit for a replayed result"
-    assert by["noise"]["ratio"] == 1.5 and not by["noise"]["goal_met"]
-    assert by["scaled"]["ratio"] is None and not by["scaled"]["goal_met"]
-    assert "goal_met" not in by["clean"]

@@ -1,15 +1,9 @@
-"""docker-compose.yml, the Dockerfiles and .env.example agree with each other and with the code.
+"""docker-compose.yml and .env.example agree with each other, with the Dockerfiles and with the code.
 
 No Docker engine is needed: the compose file is read as YAML, interpolated the way Compose does it,
 and its commands are parsed by the real `crowdtrain` command line.
 """
 
-import json
-import re
-import shlex
-import tomllib
-from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import click
@@ -19,101 +13,26 @@ import yaml
 
 from crowdtrain.cli import app
 from crowdtrain.core.settings import Settings
+from tests.compose_files import (
+    COMPOSE_FILE,
+    ENV_EXAMPLE,
+    LISTED,
+    ROOT,
+    SECRETS,
+    argv,
+    compose_variables,
+    dockerfile_entrypoint,
+    env_example,
+    environment,
+    example_values,
+    filled_in,
+    interpolate,
+    load_compose,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPOSE_FILE = ROOT / "docker-compose.yml"
-ENV_EXAMPLE = ROOT / ".env.example"
 SERVER_SERVICES = ("migrate", "scheduler", "assimilator", "transitioner")
 REQUIRED_SERVICES = ("postgres", "redis", "minio", "createbucket", *SERVER_SERVICES, "client")
 DATA_DIRS = {"postgres": "/var/lib/postgresql/data", "redis": "/data", "minio": "/data"}
-
-# `$$` is a literal `$`; `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?error}`, `${VAR?error}`, `$VAR`.
-_VARIABLE = re.compile(r"\$\$|\$\{(?P<braced>[A-Za-z_]\w*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_]\w*)")
-
-
-def compose_variables(value: Any) -> set[str]:
-    """Every variable interpolated in a parsed compose document (comments are not interpolated)."""
-    if isinstance(value, dict):
-        return set().union(*(compose_variables(v) for v in value.values()))
-    if isinstance(value, list):
-        return set().union(*(compose_variables(v) for v in value))
-    if isinstance(value, str):
-        return {m["braced"] or m["bare"] for m in _VARIABLE.finditer(value) if m.group() != "$$"}
-    return set()
-
-
-def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's interpolation of every string in a parsed compose document."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def substitute(m: re.Match) -> str:
-        if m.group() == "$$":
-            return "$"
-        name, op, arg = m["braced"] or m["bare"], m["op"], m["arg"]
-        current = env.get(name)
-        missing = current is None or (op is not None and op.startswith(":") and current == "")
-        if op is not None and op.endswith("?") and missing:
-            raise KeyError(f"{name}: {arg}")
-        if op is not None and op.endswith("-") and missing:
-            return arg
-        return current or ""
-
-    return _VARIABLE.sub(substitute, value)
-
-
-def load_compose(env: dict[str, str]) -> dict:
-    """docker-compose.yml, interpolated with `env`."""
-    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env)
-
-
-_LISTED = re.compile(r"(#\s*)?([A-Z_][A-Z0-9_]*)=(.*)")
-
-
-def env_example() -> dict[str, str | None]:
-    """The variables .env.example lists: `NAME=value` sets one, a commented-out `# NAME=value` keeps the default."""
-    listed = {}
-    for line in ENV_EXAMPLE.read_text().splitlines():
-        if m := _LISTED.fullmatch(line.strip()):
-            listed[m[2]] = None if m[1] else m[3]
-    return listed
-
-
-def example_values() -> dict[str, str]:
-    """What `cp .env.example .env` gives Compose."""
-    return {k: v for k, v in env_example().items() if v is not None}
-
-
-SECRETS = ("POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "CROWDTRAIN_ADMIN_TOKEN", "CROWDTRAIN_JOIN_TOKEN")
-
-
-def filled_in() -> dict[str, str]:
-    """.env.example with every secret set, as the operator leaves it."""
-    return example_values() | {name: f"{name.lower()}-secret" for name in SECRETS}
-
-
-def environment(service: dict) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
-    return {k: "" if v is None else str(v) for k, v in env.items()}
-
-
-def argv(service: dict, entrypoint: list[str] | None = None) -> list[str]:
-    """The process a service runs: its entrypoint (compose's, else the image's) followed by its command."""
-    command = service.get("command") or []
-    command = shlex.split(command) if isinstance(command, str) else list(command)
-    entry = service.get("entrypoint", entrypoint) or []
-    return (shlex.split(entry) if isinstance(entry, str) else list(entry)) + command
-
-
-def dockerfile_entrypoint(path: Path) -> list[str]:
-    lines = [line for line in path.read_text().splitlines() if line.startswith("ENTRYPOINT")]
-    return json.loads(lines[-1].removeprefix("ENTRYPOINT")) if lines else []
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +192,9 @@ def test_every_interpolated_variable_is_listed_in_env_example() -> None:
 def test_every_env_example_variable_has_a_comment() -> None:
     lines = ENV_EXAMPLE.read_text().splitlines()
     for i, line in enumerate(lines):
-        if _LISTED.fullmatch(line.strip()):
+        if LISTED.fullmatch(line.strip()):
             above = lines[i - 1] if i else ""
-            assert above.startswith("# ") and not _LISTED.fullmatch(above), (
+            assert above.startswith("# ") and not LISTED.fullmatch(above), (
                 f".env.example line {i + 1} ({line}) has no comment line above it"
             )
 
@@ -363,104 +282,3 @@ def test_the_scheduler_serves_on_all_interfaces_without_migrating(services: dict
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert "--no-migrate" in command
     assert any(p.endswith(":8000") for p in services["scheduler"]["ports"])
-
-
-def _pip_installs(dockerfile: Path) -> list[str]:
-    text = dockerfile.read_text().replace("\\\n", " ")
-    return [line for line in text.splitlines() if line.startswith("RUN") and "pip install" in line]
-
-
-def test_the_client_image_installs_the_client_extra_only() -> None:
-    installs = " ".join(_pip_installs(ROOT / "Dockerfile.client"))
-    assert '".[${CLIENT_EXTRAS}]"' in installs and _args(ROOT / "Dockerfile.client")["CLIENT_EXTRAS"] == "client"
-    assert "[server]" not in installs and "[dev]" not in installs
-    assert dockerfile_entrypoint(ROOT / "Dockerfile.client") == ["crowdtrain"]
-
-
-def test_the_server_image_installs_the_server_tensorflow_and_data_extras() -> None:
-    # Parameter servers evaluate TensorFlow jobs and Keras JSON models with TensorFlow; the scheduler
-    # reads every dataset format at submission.
-    installs = " ".join(_pip_installs(ROOT / "Dockerfile"))
-    assert ".[server,tensorflow,data]" in installs and "[dev]" not in installs
-
-
-def _args(dockerfile: Path) -> dict[str, str]:
-    """The build arguments a Dockerfile declares, with their defaults."""
-    args = {}
-    for line in dockerfile.read_text().splitlines():
-        if line.startswith("ARG "):
-            name, _, default = line.removeprefix("ARG ").partition("=")
-            args[name.strip()] = default.strip()
-    return args
-
-
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
-def test_images_install_the_makefiles_torch_cpu_build_first(dockerfile: str) -> None:
-    pinned = re.search(r"torch==[\w.]+", (ROOT / "Makefile").read_text()).group()
-    installs = _pip_installs(ROOT / dockerfile)
-    assert pinned in installs[0] and '--index-url "$TORCH_INDEX_URL"' in installs[0], installs
-    # Production builds take the CPU-only build from PyTorch's index unless told otherwise.
-    assert _args(ROOT / dockerfile)["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-
-
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
-def test_images_build_on_the_official_python_image_unless_told_otherwise(dockerfile: str) -> None:
-    text = (ROOT / dockerfile).read_text()
-    assert _args(ROOT / dockerfile)["BASE_IMAGE"] == "python:3.11-slim"
-    froms = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
-    assert froms and set(froms) == {"${BASE_IMAGE}"}, froms
-    # Pip installs into a virtual environment (Debian's own Python refuses system installs, PEP 668),
-    # which the image's PATH puts first, so `crowdtrain` and `python` are the environment's.
-    assert "python3 -m venv /opt/venv" in text and "PATH=/opt/venv/bin:$PATH" in text
-
-
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
-def test_images_take_wheels_from_the_wheelhouse_but_do_not_keep_them(dockerfile: str) -> None:
-    text = (ROOT / dockerfile).read_text()
-    assert "COPY wheelhouse /wheelhouse" in text
-    assert all("--find-links /wheelhouse" in line for line in _pip_installs(ROOT / dockerfile))
-    # The final stage copies the virtual environment alone, not the wheelhouse or the sources.
-    final_stage = text.rsplit("\nFROM ", 1)[1]
-    assert "COPY --from=build /opt/venv /opt/venv" in final_stage and "wheelhouse" not in final_stage
-
-
-def test_the_wheelhouse_ships_empty() -> None:
-    """Production builds find nothing there: git keeps its README alone."""
-    assert (ROOT / "wheelhouse" / "README.md").is_file()
-    assert "wheelhouse/*.whl" in (ROOT / ".gitignore").read_text().splitlines()
-
-
-def test_the_client_image_has_a_tensorflow_variant() -> None:
-    assert _args(ROOT / "Dockerfile.client")["CLIENT_EXTRAS"] == "client"
-    assert "CLIENT_EXTRAS=client,tensorflow" in (ROOT / "Dockerfile.client").read_text()
-    assert "tensorflow" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-
-
-def _copied(dockerfile: Path) -> set[str]:
-    """The build-context paths a Dockerfile's COPY instructions take."""
-    sources = set()
-    for line in dockerfile.read_text().splitlines():
-        if line.startswith("COPY") and "--from" not in line:
-            args = [a for a in line.split()[1:] if not a.startswith("--")]
-            sources.update(a.rstrip("/") for a in args[:-1])
-    return sources
-
-
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.client"])
-def test_each_image_copies_every_package_folder(dockerfile: str) -> None:
-    """The wheel is built from every folder of `package-dir`; an image that left one out could not build it."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
-    assert folders <= _copied(ROOT / dockerfile)
-
-
-def test_dockerignore_keeps_what_the_images_copy() -> None:
-    ignored = {
-        line.strip().rstrip("/")
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    }
-    for dockerfile in ("Dockerfile", "Dockerfile.client"):
-        for source in _copied(ROOT / dockerfile):
-            assert source not in ignored, f"{dockerfile} copies {source}, which .dockerignore leaves out"
-    assert {".venv", ".git", ".env", "var"} <= ignored

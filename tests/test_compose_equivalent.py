@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from crowdtrain.launch.cluster import Cluster, Service, free_port, redis_server_binary, scheduler_is_live, wait_for
-from tests.test_compose import ROOT, argv, dockerfile_entrypoint, environment, load_compose
+from tests.compose_files import ROOT, argv, dockerfile_entrypoint, environment, load_compose
 from tests.test_training_end_to_end import assert_exact_accounting, submit, wait_finished
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_jobs import BEST_LABEL
 from crowdtrain.launch.cluster import Cluster, wait_for
 from tests.conftest import EXAMPLE_SPEC, ROOT
-from tests.test_dedloc_end_to_end import commits, dedloc_spec, start_peers, submit
+from tests.dedloc_cluster import commits, dedloc_spec, start_peers, submit
 
 pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")

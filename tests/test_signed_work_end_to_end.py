@@ -18,7 +18,7 @@ from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, wait_fo
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
 from tests.conftest import EXAMPLE_SPEC
-from tests.test_dedloc_end_to_end import dedloc_spec, start_peer
+from tests.dedloc_cluster import dedloc_spec, start_peer
 
 pytestmark = pytest.mark.integration
 TASKS = 2

@@ -4,7 +4,8 @@ Two gradient accumulators: `reported` holds what the scheduler has been told (an
 reduces); `fresh` collects micro-batches since the last report. A round reduces a copy of
 `reported`; the step is applied only when the scheduler confirms the commit of this peer's
 (step, attempt), so an aborted round leaves every peer where it was. A peer left out of a step keeps
-both accumulators, loads the newer state and brings them into the next step.
+both accumulators, loads the newer state and brings them into the next step. The accumulators
+themselves are crowdtrain.client.dedloc.accumulate's.
 """
 
 import json
@@ -12,12 +13,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from crowdtrain.client.dedloc.accumulate import Accumulator, flat_grads
 from crowdtrain.client.dedloc.allreduce import ProcessGroups, reduce_round, result_digest
 from crowdtrain.client.dedloc.api import PeerAPI, Refused
 from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
@@ -34,34 +36,6 @@ REFUSED = 3  # the exit code of a peer that refused its job's recipe (crowdtrain
 
 class JobRefused(Exception):
     """The job's recipe is not the project's signed work (crowdtrain.client.trust); the message says why."""
-
-
-def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients, flattened and concatenated in order (the layout of an Accumulator)."""
-    flat = []
-    for i, p in enumerate(params):
-        if p.grad is None:  # the loss did not reach it: the model has a parameter its forward pass never uses
-            raise RuntimeError(f"parameter {i} (shape {tuple(p.shape)}) got no gradient from the loss")
-        flat.append(p.grad.reshape(-1))
-    return torch.cat(flat)
-
-
-@dataclass
-class Accumulator:
-    grads: torch.Tensor
-    examples: int = 0
-    indices: list[int] = field(default_factory=list)
-
-    def add(self, other: "Accumulator") -> None:
-        self.grads += other.grads
-        self.examples += other.examples
-        self.indices += other.indices
-        other.clear()
-
-    def clear(self) -> None:
-        self.grads.zero_()
-        self.examples = 0
-        self.indices = []
 
 
 def attach(api: PeerAPI, trust: ProjectTrust, join_token: str, name: str) -> None:
@@ -218,7 +192,7 @@ class DedlocPeer:
         self.model.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(self.model(self.x[idx]), self.y[idx], reduction="sum")
         loss.backward()
-        self.fresh.grads += _flat_grads(self.params)
+        self.fresh.grads += flat_grads(self.params)
         self.fresh.examples += len(idx)
         self.fresh.indices += idx
 

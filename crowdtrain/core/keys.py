@@ -66,7 +66,7 @@ def closed(job_id: int) -> str:
 
 def result_digests(job_id: int) -> str:
     """Hash digest of a result's W_c (crowdtrain.core.digests) -> the assignment that first brought it:
-    the same W_c under another assignment is a replayed result (crowdtrain.assimilator.uploads)."""
+    the same W_c under another assignment is a replayed result (crowdtrain.assimilator.inputs.replay_of)."""
     return f"{PREFIX}:job:{job_id}:result-digests"
 
 
@@ -121,7 +121,7 @@ def dedloc_lock(job_id: int) -> str:
 
 def dedloc_round(job_id: int) -> str:
     """JSON: the step being accumulated and the phase of its round
-    (see crowdtrain.server.services.dedloc.Coordinator)."""
+    (see crowdtrain.server.services.dedloc.Round)."""
     return f"{PREFIX}:job:{job_id}:dedloc:round"
 
 

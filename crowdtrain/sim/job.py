@@ -4,18 +4,36 @@ It follows the scheduler's and the parameter servers' procedures step for step, 
 clock, and merges with the very rule and policy code the parameter servers run
 (crowdtrain.assimilator.rules.make_rule, crowdtrain.assimilator.policy). Each method names the procedure it mirrors:
 
-- dispatch: crowdtrain.server.services.dispatch (`_claim_ready`: cached shards first, then by epoch and workunit;
-  `_release_next_epoch`: early release once the current epoch has nothing left to dispatch; at the job's
+- dispatch: crowdtrain.server.services.dispatch (crowdtrain.server.ledger.claims.claim_workunits: cached
+  shards first, then by epoch and workunit; crowdtrain.server.ledger.epochs.release_next_epoch_early: early
+  release once the current epoch has nothing left to dispatch; at the job's
   in-flight budget, crowdtrain.server.services.backpressure's, nothing: its pace measured over the simulated
   merges by crowdtrain.server.ledger.pace.pace_of, as record_merge measures it);
 - apply, measure, record: crowdtrain.assimilator.merge (`_guarded`: staleness bound, then update-norm
-  bound, then the rule; a refusal is charged to the workunit; then `_record`: metrics every
+  bound, then the rule; a refusal is charged to the workunit; then record_merged: metrics every
   `eval_every` merges, snapshots, the workunit done). When each happens on the simulated clock, and
   in what order, is crowdtrain.sim.servers' queue's to say;
 - time out: the transitioner and crowdtrain.server.ledger.assignments.end_assignment (ready again, or failed
   at max_errors);
 - close an epoch: crowdtrain.server.ledger.epochs.close_epoch_if_complete (the stop rule) and
-  crowdtrain.workgen.generator.next_epoch_releasable.
+  crowdtrain.server.ledger.epochs.next_epoch_releasable.
+
+The epoch-release window. The next epoch is released as the real scheduler releases it
+(crowdtrain.server.ledger.epochs.next_epoch_releasable, called by dispatch when a claim comes up
+short and by close_epoch_if_complete): when the current epoch has nothing ready and no older
+epoch has a workunit open. So at most two epochs are open at once, and at most twice the shard
+count of workunits are held by hosts or wait in the merge queue (a workunit stays open until its
+result is merged): slots beyond that idle, prefetched places and a merge backlog included, and a
+straggler of the older epoch holds the next release back. The real system has the same limit, by
+the same rule; its straggler duplicates (left out here) only copy work already held.
+
+The in-flight budget (`backpressure`, on by default). Dispatch also holds back as the real scheduler
+does (crowdtrain.server.services.backpressure, with its own BudgetTerms and in_flight_budget): at
+`scheduling.max_in_flight`, or at the budget derived from the pace of the simulated merges
+(crowdtrain.server.ledger.pace.pace_of), a place waits for the next event instead of taking work. One
+request at a time here, so, unlike PostgreSQL's concurrent requests, never past the budget.
+
+ShardDeals holds the example indices of each shard, per deal, that shard_key names.
 
 Left out: the reliability preference of dispatch (retried workunits to reliable hosts) and
 duplicates of stragglers. No I/O: the caller trains, and evaluates through `evaluate`.
@@ -37,6 +55,7 @@ from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
 from crowdtrain.server.paramstore.steps import NORMS_KEPT
 from crowdtrain.server.services.backpressure import BudgetTerms, in_flight_budget
+from crowdtrain.workgen.datasets import deal_shards
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
 UPLOADED = "uploaded"
@@ -82,6 +101,24 @@ class Metric:
     examples: int  # examples trained into the merged results so far
     accuracy: float
     loss: float
+
+
+class ShardDeals:
+    """The example indices of each shard, per deal (see SimJob.shard_key): deal 0 as
+    crowdtrain.workgen.generator.submit_job deals the training set; deal e >= 2 as write_epoch_shards deals
+    the examples of deal 0's shards, laid end to end, anew for epoch e."""
+
+    def __init__(self, y: np.ndarray, dataset: dict, seed: int) -> None:
+        self.y, self.subsets, self.shuffle, self.seed = y, dataset["subsets"], dataset["shuffle"], seed
+        self._deals = {0: deal_shards(y, self.subsets, self.shuffle, seed)}
+
+    def of(self, deal: int) -> list[np.ndarray]:
+        if deal not in self._deals:
+            line = np.concatenate(self._deals[0])
+            self._deals[deal] = [
+                line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed, deal)
+            ]
+        return self._deals[deal]
 
 
 @dataclass(eq=False)
@@ -180,7 +217,7 @@ class SimJob:
         return budget is not None and len(self.in_flight()) >= budget
 
     def _release_epoch(self, epoch: int) -> None:
-        """crowdtrain.workgen.generator.release_epoch: one ready workunit per shard."""
+        """crowdtrain.server.ledger.epochs.release_epoch: one ready workunit per shard."""
         wus = []
         for shard in range(self.shards):
             self._next_ids["wu"] += 1
@@ -200,7 +237,7 @@ class SimJob:
         self.open_count[wu.epoch] -= 1
 
     def _next_epoch_releasable(self) -> bool:
-        """crowdtrain.workgen.generator.next_epoch_releasable (called when no workunit is ready)."""
+        """crowdtrain.server.ledger.epochs.next_epoch_releasable (called when no workunit is ready)."""
         if not self.running or self.current_epoch >= self.spec["stop"]["max_epochs"]:
             return False
         return not any(self.open_count[e] for e in range(1, self.current_epoch))

@@ -32,37 +32,24 @@ moves when a merge leaves the lease, a snapshot is published after the evaluatio
 it, and dispatch hands out the snapshot published by then. Events at one instant run in order of
 cause; dispatch comes after all of them.
 
-The epoch-release window. The next epoch is released as the real scheduler releases it
-(crowdtrain.server.ledger.epochs.next_epoch_releasable, called by dispatch when a claim comes up
-short and by close_epoch_if_complete): when the current epoch has nothing ready and no older
-epoch has a workunit open. So at most two epochs are open at once, and at most twice the shard
-count of workunits are held by hosts or wait in the merge queue (a workunit stays open until its
-result is merged): slots beyond that idle, prefetched places and a merge backlog included, and a
-straggler of the older epoch holds the next release back. The real system has the same limit, by
-the same rule; its straggler duplicates (left out here) only copy work already held.
-
-The in-flight budget (`backpressure`, on by default). Dispatch also holds back as the real scheduler
-does (crowdtrain.server.services.backpressure, with its own BudgetTerms and in_flight_budget): at
-`scheduling.max_in_flight`, or at the budget derived from the pace of the simulated merges
-(crowdtrain.server.ledger.pace.pace_of), a place waits for the next event instead of taking work. One
-request at a time here, so, unlike PostgreSQL's concurrent requests, never past the budget.
+How dispatch holds back (the epoch-release window, and the in-flight budget) is crowdtrain.sim.job's.
 
 Against the real system, with the defaults (mnist1d-cnn, the default rule, 18 epochs, 4 slots per
 host, 0.1 s transfers, seed 0): mean staleness 1.96 / 5.22 / 4.94 at 1 / 4 / 8 slots, where the
-real system measured 2 / 5 / 10.2. At 8 slots the window above binds (4 shards: 8 workunits open,
+real system measured 2 / 5 / 10.2. At 8 slots the epoch-release window binds (4 shards: 8 workunits open,
 10 places wanted) and no result here saw more than 7 merges; the real system's figure is above
 what the window allows without much overtaking, which this model does not yet explain.
 
-The hosts' timing model, their preemptions and the wall time the VC-ASGD paper's model predicts are
-in crowdtrain.sim.hosts; the parameter servers' queue in crowdtrain.sim.servers; what a run did,
-in crowdtrain.sim.result.
+This module holds the hosts' side of the events. The upload's arrival and the merge passes that take
+it are in crowdtrain.sim.passes; the hosts' timing model, their preemptions and the wall time the
+VC-ASGD paper's model predicts in crowdtrain.sim.hosts; the parameter servers' queue in
+crowdtrain.sim.servers; what a run did, in crowdtrain.sim.result.
 """
 
 import heapq
 import itertools
 import time
 from collections import deque
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -77,32 +64,15 @@ from crowdtrain.core.updates import decode_result, encode_result, upload_label, 
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fraction
 from crowdtrain.sim.hosts import Fleet
-from crowdtrain.sim.job import IN_PROGRESS, UPLOADED, Assignment, Metric, SimJob
+from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
+from crowdtrain.sim.passes import EVALUATED, MERGED, MergePasses
 from crowdtrain.sim.result import Dispatch, SimResult
 from crowdtrain.sim.servers import EVAL_SECONDS, MAX_PASS, MERGE_SECONDS, PASS_SECONDS, MergeQueue, ParameterServers
-from crowdtrain.workgen.datasets import Dataset, deal_shards, load_dataset
+from crowdtrain.workgen.datasets import Dataset, load_dataset
 
-FETCHED, TRAINED, ARRIVE, MERGED, EVALUATED = "fetched", "trained", "arrive", "merged", "evaluated"
+FETCHED, TRAINED, ARRIVE = "fetched", "trained", "arrive"
 DEADLINE, BACK = "deadline", "back"
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
-
-
-class ShardDeals:
-    """The example indices of each shard, per deal (see SimJob.shard_key): deal 0 as
-    crowdtrain.workgen.generator.submit_job deals the training set; deal e >= 2 as write_epoch_shards deals
-    the examples of deal 0's shards, laid end to end, anew for epoch e."""
-
-    def __init__(self, y: np.ndarray, dataset: dict, seed: int) -> None:
-        self.y, self.subsets, self.shuffle, self.seed = y, dataset["subsets"], dataset["shuffle"], seed
-        self._deals = {0: deal_shards(y, self.subsets, self.shuffle, seed)}
-
-    def of(self, deal: int) -> list[np.ndarray]:
-        if deal not in self._deals:
-            line = np.concatenate(self._deals[0])
-            self._deals[deal] = [
-                line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed, deal)
-            ]
-        return self._deals[deal]
 
 
 def simulate_training(
@@ -184,7 +154,10 @@ def simulate_training(
         torch.set_num_threads(threads)
 
 
-class _Simulation:
+class _Simulation(MergePasses):
+    """The hosts' side of the events: dispatch, downloads, compute slots, training, preemptions and
+    deadlines; the scheduler's and parameter servers' side is MergePasses'."""
+
     def __init__(
         self,
         spec: dict,
@@ -375,50 +348,6 @@ class _Simulation:
 
     def _evaluate(self, params: Params) -> tuple[float, float]:
         return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val, framework="pytorch")
-
-    def _arrive(self, a: Assignment) -> None:
-        """The upload reached the scheduler: refused if its assignment timed out, else queued for a merge."""
-        self.uploads += 1
-        self.bytes_uploaded += a.upload_bytes
-        self.arrivals.append(a.id)
-        if a.status != IN_PROGRESS:
-            self.late += 1  # timed out on its way: the scheduler refuses the upload
-            a.client = None
-            return
-        a.status, a.uploaded = UPLOADED, self.now
-        self.reports.append((a.host, a.examples, a.train_seconds))
-        self.queue.arrive(a, self.now)
-        self._serve()
-
-    def _serve(self) -> None:
-        taken = self.queue.take(self.now)
-        if taken is not None:
-            batch, written_at = taken
-            self._after(written_at - self.now, MERGED, batch)
-
-    def _merged(self, batch: list[Assignment]) -> None:
-        """A pass wrote W_s: it took each of `batch` in order (or refused it); then, holding the lease,
-        one evaluation when one of its versions is due (crowdtrain.assimilator.merge.record_merged)."""
-        taken, due = [], False
-        for a in batch:
-            if self.job.apply(a, self.now) is None:
-                taken.append(a)
-                due = due or self.job.evaluation_due()
-            a.client = None
-        if due:
-            metric = self.job.measure(taken[-1], self.now)  # W_s measured once, for each epoch in the pass
-            metrics = {a.wu.epoch: metric and replace(metric, epoch=a.wu.epoch) for a in taken}
-            self._after(self.servers.eval_seconds, EVALUATED, (taken, metrics))
-        else:
-            self._evaluated(taken, {})
-
-    def _evaluated(self, taken: list[Assignment], metrics: dict[int, Metric | None]) -> None:
-        """The pass's results are recorded, the figure on the last of each epoch, and the lease is free."""
-        last = {a.wu.epoch: a.id for a in taken}
-        for a in taken:
-            self.job.record(a, metrics.get(a.wu.epoch) if last[a.wu.epoch] == a.id else None, self.now)
-        self.queue.done()
-        self._serve()
 
     def result(self, seed: int, real_seconds: float) -> SimResult:
         job = self.job

@@ -4,7 +4,7 @@ collaborations it has joined. Nothing else, whatever ids it names.
 Each check answers "no" for an object that does not exist exactly as for one the host may not read,
 so that a host cannot learn which ids exist by probing. Presigned object-storage URLs follow the same
 rule by construction: dispatch issues them only for the shard and snapshot of the assignment it hands
-out (crowdtrain.server.services.dispatch._assignment_out).
+out (crowdtrain.server.services.dispatch._Request._describe).
 """
 
 import redis
@@ -13,14 +13,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.models import Assignment, Shard, Workunit
-from crowdtrain.server.services import dedloc
+from crowdtrain.server.services import dedloc_peers
 
 _RUNNING = AssignmentStatus.in_progress.value
 
 
 def is_collaboration_member(r: redis.Redis, job_id: int, host_id: int) -> bool:
-    """Whether one of the host's peers has joined the DeDLOC job `job_id` (crowdtrain.server.services.dedloc.join)."""
-    return any(peer.host_id == host_id for peer in dedloc.peers(r, job_id).values())
+    """Whether one of the host's peers has joined the DeDLOC job `job_id`
+    (crowdtrain.server.services.dedloc_peers.join)."""
+    return any(peer.host_id == host_id for peer in dedloc_peers.peers(r, job_id).values())
 
 
 def readable_shard_key(db: sessionmaker[Session], r: redis.Redis, host_id: int, shard_id: int) -> str | None:

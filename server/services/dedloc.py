@@ -1,4 +1,4 @@
-"""The rendezvous of the synchronous DeDLOC mode: step closing, rounds, commits, and peer liveness.
+"""The rendezvous of the synchronous DeDLOC mode: step closing, rounds, commits, and strikes.
 
 One job's round lives in Redis as one JSON document (`keys.dedloc_round`) that moves through
 
@@ -25,6 +25,8 @@ established peer after `spec.exclude_after` aborts in a row).
 Guarantees: a step is committed at most once, with the members and result digest recorded in
 `keys.dedloc_commits`; a peer applies a step only when it finds its own (step, attempt) there, so an
 aborted attempt is applied by nobody and the collaboration never forks.
+
+Which peers have joined and which are live is crowdtrain.server.services.dedloc_peers'.
 """
 
 import json
@@ -36,15 +38,11 @@ import redis
 from crowdtrain.core import dedloc, keys
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.server.services import dedloc_claims
+from crowdtrain.server.services.dedloc_peers import NotAMember, live_peers, peers
 
 log = logging.getLogger(__name__)
 
 ARTIFACT_TTL = 3600  # seconds rendezvous keys and round blobs are kept
-
-
-def liveness_window(spec: DedlocSpec) -> float:
-    """A peer silent for longer than this is left out of the next round."""
-    return max(3 * spec.report_interval, 3.0)
 
 
 @dataclass
@@ -86,20 +84,8 @@ class Round:
         return dedloc.RoundPlan(self.groups, self.relayed)
 
 
-@dataclass(frozen=True)
-class Peer:
-    host_id: int
-    relayed: bool
-    last_seen: float
-    joined: float = 0.0
-
-
 class RoundGone(Exception):
     """The (step, attempt) a request names is no longer the running one (aborted or committed)."""
-
-
-class NotAMember(Exception):
-    pass
 
 
 def open_job(r: redis.Redis, job_id: int) -> None:
@@ -117,31 +103,6 @@ def save(r: redis.Redis, job_id: int, rnd: Round) -> None:
 
 def lock(r: redis.Redis, job_id: int):
     return r.lock(keys.dedloc_lock(job_id), timeout=30, blocking_timeout=30)
-
-
-def peers(r: redis.Redis, job_id: int) -> dict[str, Peer]:
-    return {keys.text(k): Peer(**json.loads(v)) for k, v in r.hgetall(keys.dedloc_peers(job_id)).items()}
-
-
-def join(r: redis.Redis, job_id: int, peer_id: str, host_id: int, relayed: bool, now: float) -> None:
-    r.hset(keys.dedloc_peers(job_id), peer_id, json.dumps(asdict(Peer(host_id, relayed, now, now))))
-
-
-def touch(r: redis.Redis, job_id: int, peer_id: str, host_id: int, now: float) -> Peer:
-    raw = r.hget(keys.dedloc_peers(job_id), peer_id)
-    if raw is None:
-        raise NotAMember(f"peer {peer_id} has not joined job {job_id}")
-    peer = Peer(**json.loads(raw))
-    if peer.host_id != host_id:
-        raise NotAMember(f"peer {peer_id} belongs to another host")
-    peer = Peer(peer.host_id, peer.relayed, now, peer.joined)
-    r.hset(keys.dedloc_peers(job_id), peer_id, json.dumps(asdict(peer)))
-    return peer
-
-
-def live_peers(r: redis.Redis, job_id: int, spec: DedlocSpec, now: float) -> dict[str, Peer]:
-    horizon = now - liveness_window(spec)
-    return {p: v for p, v in peers(r, job_id).items() if v.last_seen >= horizon}
 
 
 def claim_bounds(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: float) -> dict[str, int]:

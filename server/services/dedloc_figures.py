@@ -17,7 +17,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.schemas_dashboard import DedlocFigures, DedlocStep
-from crowdtrain.server.services import dedloc, dedloc_jobs
+from crowdtrain.server.services import dedloc, dedloc_jobs, dedloc_peers
 
 RECENT_STEPS = 10
 
@@ -57,7 +57,7 @@ def dedloc_figures(db: sessionmaker[Session], r: redis.Redis, job_id: int, now: 
         step=rnd.step if rnd is not None else 0,
         steps_committed=len(steps),
         max_steps=view.max_steps,
-        peers_live=len(dedloc.live_peers(r, job_id, view.spec, now)),
+        peers_live=len(dedloc_peers.live_peers(r, job_id, view.spec, now)),
         members_last=steps[-1].members if steps else None,
         members_seen=len({m for c in commits.values() for m in c["members"]}),
         mean_round_seconds=mean(rounds) if rounds else None,

@@ -33,8 +33,9 @@ from crowdtrain.core.tensors import (
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.server.services import access, dedloc, dedloc_states, project_key
-from crowdtrain.server.services.dedloc import NotAMember, Round
+from crowdtrain.server.services import access, dedloc, dedloc_peers, dedloc_states, project_key
+from crowdtrain.server.services.dedloc import Round
+from crowdtrain.server.services.dedloc_peers import NotAMember
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     rnd = dedloc.load(r, job_id)
     if rnd is None:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared; join again in a moment")
-    dedloc.join(r, job_id, peer_id, host_id, relayed, time.time())
+    dedloc_peers.join(r, job_id, peer_id, host_id, relayed, time.time())
     shards = []
     with db.begin() as s:
         for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0).order_by(Shard.index)):
@@ -131,7 +132,7 @@ def refuse(r: redis.Redis, job_id: int, host_id: int, refusal: PeerRefusal) -> N
     does not trust): it leaves the collaboration, and its reason is kept for the operator (the job's
     problems). Saying it again changes nothing but the time."""
     try:
-        dedloc.touch(r, job_id, refusal.peer_id, host_id, time.time())
+        dedloc_peers.touch(r, job_id, refusal.peer_id, host_id, time.time())
     except NotAMember as exc:
         raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
     r.hdel(keys.dedloc_peers(job_id), refusal.peer_id)
@@ -175,7 +176,7 @@ def put_state(
     """
     view = job_view(db, job_id)
     try:
-        dedloc.touch(r, job_id, peer_id, host_id, time.time())
+        dedloc_peers.touch(r, job_id, peer_id, host_id, time.time())
     except NotAMember as exc:
         raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
     commit = dedloc.commit_of(r, job_id, step - 1) if step >= 1 else None

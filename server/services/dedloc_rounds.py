@@ -27,9 +27,10 @@ from crowdtrain.core.schemas_dedloc import (
 )
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_states
-from crowdtrain.server.services.dedloc import NotAMember, Round, RoundGone
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_states
+from crowdtrain.server.services.dedloc import Round, RoundGone
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
+from crowdtrain.server.services.dedloc_peers import NotAMember
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def progress(
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
-            dedloc.touch(r, job_id, req.peer_id, host_id, now)
+            dedloc_peers.touch(r, job_id, req.peer_id, host_id, now)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
         rnd = dedloc.load(r, job_id)
@@ -156,7 +157,7 @@ def report(
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
-            dedloc.touch(r, job_id, peer_id, host_id, now)
+            dedloc_peers.touch(r, job_id, peer_id, host_id, now)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
         rnd = joined_round(r, job_id)
@@ -186,7 +187,7 @@ def report(
 
 def running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
     try:
-        dedloc.touch(r, job_id, peer_id, host_id, time.time())
+        dedloc_peers.touch(r, job_id, peer_id, host_id, time.time())
         rnd = joined_round(r, job_id)
         dedloc.check_member(rnd, peer_id, step, attempt)
         dedloc_claims.attend(r, job_id, step, attempt, peer_id, dedloc.ARTIFACT_TTL)

@@ -20,7 +20,7 @@ from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.dedloc import StateVerdict
 from crowdtrain.core.jobspec import DedlocSpec
-from crowdtrain.server.services import dedloc
+from crowdtrain.server.services import dedloc, dedloc_peers
 from crowdtrain.server.services.dedloc import Round
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def asked_to_upload(
         reported=reported_digests(r, job_id, step),
         refused=refused_uploaders(r, job_id, step),
         waited=now - float(commit["at"]),
-        grace=dedloc.liveness_window(spec),
+        grace=dedloc_peers.liveness_window(spec),
         everyone=step >= max_steps,
     )
     return math.asked_to_upload(peer_id, upload)
@@ -127,8 +127,8 @@ def rewind_orphaned(r: redis.Redis, job_id: int, spec: DedlocSpec, rnd: Round, n
     if rnd.phase == "reducing" or rnd.finished or rnd.state_step >= rnd.step:
         return False
     commit = dedloc.commit_of(r, job_id, rnd.step - 1)
-    window = dedloc.liveness_window(spec)
-    live = {p for p, peer in dedloc.peers(r, job_id).items() if now - peer.last_seen <= window}
+    window = dedloc_peers.liveness_window(spec)
+    live = {p for p, peer in dedloc_peers.peers(r, job_id).items() if now - peer.last_seen <= window}
     members = commit["members"] if commit else []
     refused = refused_uploaders(r, job_id, rnd.step)
     if not math.state_orphaned(members, live, dedloc.excluded(r, job_id, spec), refused):

@@ -8,7 +8,9 @@ columns, one claim statement per preference, the claimed shards, one insert of t
 no ORM object, and what never changes in a job after submission (its spec parsed, its recipe,
 which frameworks run it) read once per process (crowdtrain.server.services.job_terms). The rarer paths — an
 epoch's release, straggler duplicates, replicas for validation, a re-dealt epoch's shards — load
-the ORM rows they need and run the ledger's procedures in the same transaction.
+the ORM rows they need and run the ledger's procedures in the same transaction. The first statement,
+the host's row with the jobs' live columns, and what is noted of the host are
+crowdtrain.server.services.dispatch_host's.
 
 A job at its in-flight budget (crowdtrain.server.services.backpressure) gets no new workunit; its
 unmerged assignments are counted in the request's first statement.
@@ -19,71 +21,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, Row, Select, and_, bindparam, select, update
+from sqlalchemy import Connection, Engine, Row, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core.jobspec import VC_ASGD
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import AssignmentOut, FileRef, Resources, SignedRecipe, WorkRequest
-from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import replicas, reputation
 from crowdtrain.server.ledger.claims import RELIABLE_AFTER, Claim, claim_workunits, open_assignments
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
-from crowdtrain.server.services import fair_share, local_work
-from crowdtrain.server.services.backpressure import MAX_BUDGET, in_flight_budget, in_flight_columns
+from crowdtrain.server.services import dispatch_host, fair_share, local_work
+from crowdtrain.server.services.backpressure import MAX_BUDGET, in_flight_budget
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
-from crowdtrain.server.services.job_terms import LIVE_JOB_COLUMNS, JobTerms, LiveJob, TermsCache
+from crowdtrain.server.services.job_terms import JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
 
 log = logging.getLogger(__name__)
-
-LAST_SEEN_RESOLUTION = timedelta(seconds=15)
-
-_HOST_COLUMNS = (
-    Host.id,
-    Host.revoked,
-    Host.consecutive_valid,
-    Host.frameworks,
-    Host.last_seen,
-    Host.quarantined_until,
-    Host.cpus,
-    Host.ram_bytes,
-    Host.gpu,
-    Host.device,
-)
-_LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
-
-
-def _host_and_live_jobs(host: ColumnElement[bool]) -> Select:
-    """The host's row, once per running VC-ASGD job with that job's live columns and in-flight counts
-    beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
-    in one round trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
-    crowdtrain.server.services.dedloc."""
-    running = and_(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
-    return (
-        select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS), *in_flight_columns())
-        .select_from(Host)
-        .outerjoin(Job, running)
-        .where(host)
-        .order_by(Job.id)
-    )
-
-
-# Built once: building SQLAlchemy expressions costs more CPU than executing them.
-_HOST_BY_TOKEN = _host_and_live_jobs(Host.token_hash == bindparam("token_hash"))
-_HOST_BY_ID = _host_and_live_jobs(Host.id == bindparam("seen_host"))
-_HOST_SEEN = update(Host).where(Host.id == bindparam("seen_host")).values(last_seen=bindparam("now"))
-
-
-def _live_jobs(rows: Sequence[Row]) -> dict[int, LiveJob]:
-    return {row.job_id: LiveJob(*row[_LIVE_JOB_FIELDS:]) for row in rows if row.job_id is not None}
-
 
 _terms = TermsCache()
 
@@ -124,7 +81,7 @@ def request_work(
 ) -> list[AssignmentOut]:
     """Give the host `host_id` up to `free_slots` assignments (see `serve_work`)."""
     with _engine(db).begin() as c:
-        rows = c.execute(_HOST_BY_ID, {"seen_host": host_id}).all()
+        rows = c.execute(dispatch_host.HOST_BY_ID, {"seen_host": host_id}).all()
         return _dispatch(c, storage, rows, free_slots, cached, resources, presign_seconds, refused_jobs)
 
 
@@ -147,7 +104,7 @@ def serve_work(
     host gets nothing. `before_commit` sees what is given before it is committed, and may still undo
     it all by raising."""
     with _engine(db).begin() as c:
-        rows = c.execute(_HOST_BY_TOKEN, {"token_hash": hash_token(token)}).all()
+        rows = c.execute(dispatch_host.HOST_BY_TOKEN, {"token_hash": hash_token(token)}).all()
         if not rows or rows[0].revoked:
             raise NotAuthorized("unknown or revoked host token", RefusalKind.unauthenticated)
         req = read_request()
@@ -182,43 +139,18 @@ def _dispatch(
     presign_seconds: int,
     refused_jobs: frozenset[int],
 ) -> list[AssignmentOut]:
-    """Serve the host of `rows` (`_host_and_live_jobs`)."""
+    """Serve the host of `rows` (crowdtrain.server.services.dispatch_host.host_and_live_jobs)."""
     host = rows[0]
-    host_frameworks = _note_host(c, host, resources)
+    host_frameworks = dispatch_host.note_host(c, host, resources)
     if free_slots == 0 or reputation.quarantined(host.quarantined_until):
         return []
-    live = {job_id: job for job_id, job in _live_jobs(rows).items() if job_id not in refused_jobs}
+    live = {job_id: job for job_id, job in dispatch_host.live_jobs(rows).items() if job_id not in refused_jobs}
     terms = {j: t for j, t in _terms.of(c, live).items() if t.runs_on(host_frameworks)}
     if not terms:
         return []
     with _Request(c, storage, host, live, terms, presign_seconds) as request:
         request.fill(free_slots, cached)
         return request.out
-
-
-def _note_host(c: Connection, host: Row, resources: Resources | None) -> str:
-    """Record that the host asked (at most every LAST_SEEN_RESOLUTION) and what it declared, with one
-    statement when anything changed; returns the frameworks it runs."""
-    now = utcnow()
-    values: dict[str, Any] = {}
-    if now - host.last_seen > LAST_SEEN_RESOLUTION:  # spare a row write on most polls
-        values["last_seen"] = now
-    host_frameworks = host.frameworks
-    if resources is not None:
-        declared = {
-            "cpus": resources.cpus,
-            "ram_bytes": resources.ram_bytes,
-            "gpu": resources.gpu,
-            "device": resources.device,
-            "frameworks": ",".join(resources.frameworks),
-        }
-        values |= {k: v for k, v in declared.items() if getattr(host, k) != v}
-        host_frameworks = declared["frameworks"]
-    if list(values) == ["last_seen"]:
-        c.execute(_HOST_SEEN, {"seen_host": host.id, "now": now})
-    elif values:
-        c.execute(update(Host).where(Host.id == host.id).values(**values))
-    return host_frameworks
 
 
 def _budget_for(t: JobTerms, live: LiveJob) -> int:

@@ -13,7 +13,7 @@ from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc, dedloc_claims
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -31,8 +31,8 @@ class Clock:
     def later(self, r: redis.Redis, seconds: float) -> float:
         """`seconds` pass, in which every joined peer polls (stays live)."""
         self.now += seconds
-        for peer, p in dedloc.peers(r, 1).items():
-            dedloc.touch(r, 1, peer, p.host_id, self.now)
+        for peer, p in dedloc_peers.peers(r, 1).items():
+            dedloc_peers.touch(r, 1, peer, p.host_id, self.now)
         return self.now
 
 
@@ -47,7 +47,7 @@ def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
 def _joined(r: redis.Redis, *peers: str, relayed: tuple[str, ...] = ()) -> dedloc.Round:
     dedloc.open_job(r, 1)
     for i, p in enumerate(peers):
-        dedloc.join(r, 1, p, i + 1, p in relayed, CLOCK.now)
+        dedloc_peers.join(r, 1, p, i + 1, p in relayed, CLOCK.now)
     return dedloc.load(r, 1)
 
 
@@ -122,7 +122,7 @@ def test_members_that_disagree_on_the_result_abort_instead_of_forking(private_re
     dedloc.record_done(r, 1, rnd, SPEC, "a", 0, 0, "d1", CLOCK.now)
     assert dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 0, "d2", CLOCK.now) is None
     assert rnd.phase == "matchmaking" and rnd.step == 0 and dedloc.commit_of(r, 1, 0) is None
-    with pytest.raises(dedloc.NotAMember):
+    with pytest.raises(dedloc_peers.NotAMember):
         rnd.phase, rnd.members = "reducing", ["a"]
         dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 1, "d1", CLOCK.now)
 

@@ -7,7 +7,7 @@ import redis
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
 from crowdtrain.core.schemas_dedloc import Progress
-from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_rounds
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_rounds
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -21,7 +21,7 @@ def _joined(r: redis.Redis, established: tuple[str, ...], new: tuple[str, ...] =
     """A job whose `established` peers each completed a round at 100 examples a second."""
     dedloc.open_job(r, 1)
     for i, p in enumerate(established + new):
-        dedloc.join(r, 1, p, i + 1, False, T0)
+        dedloc_peers.join(r, 1, p, i + 1, False, T0)
     dedloc_claims.record_round(r, 1, dict.fromkeys(established, 100), dict.fromkeys(established, 1.0))
     rnd = dedloc.load(r, 1)
     assert rnd is not None
@@ -31,7 +31,7 @@ def _joined(r: redis.Redis, established: tuple[str, ...], new: tuple[str, ...] =
 def _claim(r: redis.Redis, now: float, **examples: int) -> None:
     for peer, n in examples.items():
         r.hset(keys.dedloc_progress(1, 0), peer, n)
-        dedloc.touch(r, 1, peer, dedloc.peers(r, 1)[peer].host_id, now)
+        dedloc_peers.touch(r, 1, peer, dedloc_peers.peers(r, 1)[peer].host_id, now)
 
 
 def test_a_claim_counts_only_within_what_the_peers_rate_allows(private_redis) -> None:
@@ -173,7 +173,7 @@ def test_excluded_and_unproven_claims_are_not_told_to_the_others(tmp_path, priva
             peers[name] = joined.json()["peer_id"]
         host = {name: int(p[1:].split("-")[0]) for name, p in peers.items()}
         dedloc_claims.shut_out(r, job_id, [peers["gone"]])
-        now = dedloc.peers(r, job_id)[peers["fake"]].joined + 1.0
+        now = dedloc_peers.peers(r, job_id)[peers["fake"]].joined + 1.0
 
         def report(name: str, examples: int, at: float):
             req = Progress(peer_id=peers[name], step=0, examples=examples)

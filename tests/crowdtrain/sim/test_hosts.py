@@ -1,0 +1,93 @@
+"""The training simulator's timing model (crowdtrain.sim.hosts): wall time against the VC-ASGD paper's
+model, transfers per workunit and shard, and the spread of host speeds.
+
+Fast: a tiny synthetic dataset, in the compute-free mode.
+"""
+
+import statistics
+
+import pytest
+
+from crowdtrain.sim.hosts import expected_wall_time, paper_wall_time
+from crowdtrain.sim.training import simulate_training
+from crowdtrain.workgen.datasets import Dataset
+from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job
+
+
+def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
+    """8 slots of identical speed, 10 epochs of 32 workunits of t_e = 1 s: n = 40 workunits per slot."""
+    return statistics.fmean(
+        simulate_training(
+            job(32, 10),
+            hosts=4,
+            slots=2,
+            p=p,
+            timeout=t_o,
+            seed=seed,
+            speed_sigma=0,
+            workunit_seconds=1.0,
+            compute=False,
+            data=data,
+            **PAPER,
+        ).sim_seconds
+        for seed in range(seeds)
+    )
+
+
+@pytest.mark.parametrize("p", [0.0, 0.05, 0.2])
+def test_wall_time_is_the_vc_asgd_papers_within_10_percent(blobs: Dataset, p: float) -> None:
+    """n*t_e + n*p*t_o, averaged over 6 seeds, with a deadline t_o = 1.2 t_e."""
+    model = paper_wall_time(40, 1.0, p, 1.2)
+    assert abs(mean_wall_time(blobs, p, 1.2, seeds=6) - model) <= 0.10 * model
+
+
+def test_wall_time_with_a_long_timeout_is_the_exact_expectation(blobs: Dataset) -> None:
+    """With t_o = 3 t_e re-runs preempted again matter: n*t_e + n*p/(1-p)*t_o, 9.4% above the
+    paper's first-order figure for p = 0.2, is what the simulation gives (epoch stragglers add a few %)."""
+    wall = mean_wall_time(blobs, 0.2, 3.0, seeds=8)
+    assert 0.97 * expected_wall_time(40, 1.0, 0.2, 3.0) <= wall <= 1.08 * expected_wall_time(40, 1.0, 0.2, 3.0)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetched(
+    blobs: Dataset, prefetch: bool
+) -> None:
+    """One slot, no preemption: every workunit downloads the snapshot and uploads its result; a
+    shard is downloaded once, then found in the host's cache. The client asks for work as soon as
+    a slot stops training, so an upload overlaps the next download; with prefetch the next
+    assignment's downloads overlap training too, and only the first downloads and the last upload
+    are left."""
+    r = simulate_training(
+        job(4, 3),
+        hosts=1,
+        p=0.0,
+        network_seconds=0.25,
+        speed_sigma=0,
+        workunit_seconds=1.0,
+        compute=False,
+        data=blobs,
+        prefetch=prefetch,
+        **INSTANT,
+    )
+    expected = 2 * 0.25 + 12 * 1.0 + 0.25 if prefetch else 12 * (1.0 + 0.25) + 4 * 0.25 + 0.25
+    assert r.sim_seconds == pytest.approx(expected)
+
+
+def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
+    """Heterogeneous speeds stretch some hosts' work and shorten others'; one host alone has speed 1,
+    so a speedup over one slot does not depend on the seed's draw."""
+
+    def wall(hosts: int, sigma: float) -> float:
+        return simulate_training(
+            job(8, 2),
+            hosts=hosts,
+            speed_sigma=sigma,
+            seed=3,
+            workunit_seconds=1.0,
+            compute=False,
+            data=blobs,
+            **INSTANT,
+        ).sim_seconds
+
+    assert wall(1, 0.8) == wall(1, 0.0) == 16.0
+    assert wall(4, 0.8) > wall(4, 0.0) == 4.0  # the slowest host holds each epoch's release back
