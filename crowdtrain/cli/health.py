@@ -59,14 +59,14 @@ def check_local_process(kind: str) -> int:
     import redis
 
     from crowdtrain.core.settings import get_settings
-    from crowdtrain.server.paramstore import store
     from crowdtrain.server.services.health import KINDS, TTL_SECONDS, host_report_age
 
     if kind not in KINDS:
         raise typer.BadParameter(f"must be one of {', '.join(KINDS)}, not {kind!r}", param_hint="--local-process")
     host = socket.gethostname()
     try:
-        age = host_report_age(store.connect(get_settings().redis_url), kind, host, time.time())
+        r = redis.Redis.from_url(get_settings().redis_url, socket_timeout=5, socket_connect_timeout=5)
+        age = host_report_age(r, kind, host, time.time())
     except redis.RedisError as exc:
         typer.echo(f"Redis cannot be reached: {exc}", err=True)
         return 1
