@@ -4,15 +4,18 @@ No Docker engine is needed: the compose file is read as YAML, interpolated the w
 and its commands are parsed by the real `crowdtrain` command line.
 """
 
+import re
 from urllib.parse import urlparse
 
 import click
 import pytest
 import typer.main
 import yaml
+from typer.testing import CliRunner
 
 from crowdtrain.cli import app
 from crowdtrain.core.settings import Settings
+from crowdtrain.server.services.health import TTL_SECONDS
 from tests.compose_files import (
     COMPOSE_FILE,
     ENV_EXAMPLE,
@@ -49,10 +52,32 @@ def test_every_required_service_is_defined(services: dict) -> None:
     assert set(REQUIRED_SERVICES) <= set(services)
 
 
-@pytest.mark.parametrize("name", ["postgres", "redis", "minio", "scheduler"])
-def test_backing_services_and_the_scheduler_have_healthchecks(services: dict, name: str) -> None:
+def long_running(services: dict) -> list[str]:
+    """The services compose restarts, but the volunteer client: what other services may wait for."""
+    return [name for name, service in services.items() if service.get("restart", "no") != "no" and name != "client"]
+
+
+def test_the_long_running_services_are_the_backing_and_server_processes(services: dict) -> None:
+    assert sorted(long_running(services)) == sorted(["postgres", "redis", "minio", *SERVER_SERVICES[1:]])
+
+
+@pytest.mark.parametrize("name", ["postgres", "redis", "minio", *SERVER_SERVICES[1:]])
+def test_every_long_running_service_has_a_healthcheck(services: dict, name: str) -> None:
     test = services[name].get("healthcheck", {}).get("test")
     assert test and test[0] in ("CMD", "CMD-SHELL") and len(test) > 1, test
+
+
+@pytest.mark.parametrize(("name", "kind"), [("assimilator", "parameter-server"), ("transitioner", "transitioner")])
+def test_server_processes_check_their_own_health_record_with_the_cli(services: dict, name: str, kind: str) -> None:
+    """The healthcheck runs `crowdtrain health --local-process KIND` in the service's own image; the command
+    and its options exist (parsed by the real command line, and its help printed)."""
+    test = services[name]["healthcheck"]["test"]
+    assert test == ["CMD", "crowdtrain", "health", "--local-process", kind], test
+    _parse_cli(test[2:])
+    shown = CliRunner().invoke(app, [*test[2:], "--help"])
+    assert shown.exit_code == 0 and "--local-process" in shown.output, shown.output
+    # The record lapses after its time-to-live: the check must not wait much longer before it says so.
+    assert _seconds(services[name]["healthcheck"]["interval"]) <= TTL_SECONDS
 
 
 def test_the_scheduler_healthcheck_probes_the_health_route_with_python(services: dict) -> None:
@@ -96,7 +121,10 @@ def test_minio_serves_the_directory_its_volume_is_mounted_on(services: dict) -> 
             )
             for name in SERVER_SERVICES[1:]
         ],
-        ("client", {"scheduler": "service_healthy"}),
+        (
+            "client",
+            {"scheduler": "service_healthy", "assimilator": "service_healthy", "transitioner": "service_healthy"},
+        ),
     ],
 )
 def test_services_wait_for_what_they_need(services: dict, name: str, dependencies: dict) -> None:
@@ -258,6 +286,14 @@ def test_make_compose_test_runs_the_script_and_stays_out_of_make_test_and_ci() -
 def test_required_variables_fail_loudly_when_unset() -> None:
     with pytest.raises(KeyError, match="POSTGRES_PASSWORD"):
         load_compose({})
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration such as `15s`, `1m30s` or `500ms`, in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
 
 
 def _parse_cli(args: list[str]) -> None:

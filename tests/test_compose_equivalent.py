@@ -179,6 +179,15 @@ def start_server_services(cluster: Cluster, services: dict, env: dict[str, str],
     assert healthcheck[:2] == ["CMD", "python"]
     probe = [sys.executable, *(localize(a, {"127.0.0.1:8000": f"127.0.0.1:{cluster.port}"}) for a in healthcheck[2:])]
     assert subprocess.run(probe, timeout=30).returncode == 0
+    # So do the parameter server's and the transitioner's, once each has written its health record.
+    for name in ("assimilator", "transitioner"):
+        check = crowdtrain_process(services[name]["healthcheck"]["test"][1:])
+        wait_for(
+            lambda check=check: subprocess.run(check, env=env, capture_output=True, timeout=60).returncode == 0,
+            120,
+            f"the {name}'s healthcheck did not pass",
+            cluster.service(name),
+        )
 
 
 def client_process(services: dict, addresses: dict[str, str], cache: Path) -> list[str]:

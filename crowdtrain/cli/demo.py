@@ -15,7 +15,7 @@ from crowdtrain.cli.plot import plot_accuracy
 from crowdtrain.cli.progress import watch
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_jobs import BEST_LABEL, JobStatusOut, best_closed_epoch
-from crowdtrain.launch.cluster import Cluster
+from crowdtrain.launch.cluster import CLIENT_GRACE, Cluster
 
 DEMO_TIMEOUT = 600
 # The example specs live in the repository's examples/ folder, found from this module rather than from
@@ -50,6 +50,14 @@ def demo(
     tasks: Annotated[int, typer.Option(min=1, help="Task slots of each client")] = 2,
     parameter_servers: Annotated[int, typer.Option(min=1, help="Celery worker processes merging results")] = 2,
     mode: Annotated[str, typer.Option(help="vc-asgd, or dedloc: synchronous peers (the last one relayed)")] = "vc-asgd",
+    keep: Annotated[
+        bool,
+        typer.Option(
+            "--keep",
+            help="After the job ends, stop the clients but leave the scheduler, Redis, parameter servers and "
+            "transitioner running (the dashboard stays up) until Ctrl-C",
+        ),
+    ] = False,
 ) -> None:
     """Run the whole system locally on the embedded defaults and train the example job to its target."""
     if mode not in ("vc-asgd", "dedloc"):
@@ -57,8 +65,8 @@ def demo(
     var_dir = var_dir or DEMO_VAR / mode
     spec = spec or _example_spec(mode)
     if mode == "dedloc":
-        raise typer.Exit(run_dedloc_demo(var_dir, spec, clients))
-    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers))
+        raise typer.Exit(run_dedloc_demo(var_dir, spec, clients, keep))
+    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers, keep))
 
 
 def _example_spec(mode: str) -> Path:
@@ -122,7 +130,38 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter_servers: int) -> int:
+def _print_login(console: Console, cluster: Cluster) -> None:
+    """Where the dashboard is and the admin token it takes (random for each demo)."""
+    console.print(
+        f"dashboard: {cluster.url}/dashboard/login  admin token: {cluster.admin_token}", soft_wrap=True, highlight=False
+    )
+
+
+def _keep_running(console: Console, cluster: Cluster, code: int) -> int:
+    """`--keep`: stop the clients, leave the server side running until Ctrl-C (or SIGTERM), then return
+    the job's exit code `code`; the caller stops the rest."""
+    for client in cluster.clients:
+        client.signal(signal.SIGTERM)
+    for client in cluster.clients:
+        client.stop(CLIENT_GRACE)
+    _print_login(console, cluster)
+    console.print(
+        f"the scheduler, Redis, parameter servers and transitioner are left running at {cluster.url}; "
+        "press Ctrl-C to stop them",
+        soft_wrap=True,
+        highlight=False,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("stopping the scheduler, Redis, parameter servers and transitioner")
+    return code
+
+
+def run_demo(
+    var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter_servers: int, keep: bool = False
+) -> int:
     console = Console()
     spec = load_job_spec(spec_path)
     if var_dir.exists():
@@ -133,6 +172,7 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
     try:
         console.print(f"starting Redis, scheduler, transitioner, {parameter_servers} parameter servers ...")
         cluster.start()
+        _print_login(console, cluster)
         console.print(f"scheduler at {cluster.url}; submitting {spec_path} ({spec.name})")
         with cluster.admin() as http:
             resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
@@ -155,14 +195,15 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
         console.print()
         console.print(summary_table(final, time.monotonic() - start, locality))
         console.print(f"accuracy plot: {png}; logs: {var_dir / 'logs'}")
+        code = 0
         if st.status != "succeeded":
             dead = [s.name for s in cluster.services if not s.alive]
             console.print(
                 f"[red]the job did not reach its target ({st.status})"
                 + (f"; stopped processes: {dead}" if dead else "")
             )
-            return 1
-        return 0
+            code = 1
+        return _keep_running(console, cluster, code) if keep else code
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process")
         return 130
@@ -170,7 +211,7 @@ def run_demo(var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter
         cluster.stop()
 
 
-def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
+def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int, keep: bool = False) -> int:
     """`crowdtrain demo --mode dedloc`: the scheduler and `peers` DeDLOC peers, the last one relayed
     (it declares that it cannot accept connections, so the scheduler reduces for it)."""
     console = Console()
@@ -186,6 +227,7 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
     try:
         console.print("starting Redis and the scheduler ...")
         cluster.start()
+        _print_login(console, cluster)
         with cluster.admin() as http:
             resp = http.post("/v1/jobs", json=spec.model_dump(mode="json"))
             if resp.status_code >= 400:
@@ -225,7 +267,8 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int) -> int:
             t.add_row(k, v)
         console.print(t)
         console.print(f"logs: {var_dir / 'logs'}")
-        return 0 if st.status == "succeeded" else 1
+        code = 0 if st.status == "succeeded" else 1
+        return _keep_running(console, cluster, code) if keep else code
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process")
         return 130

@@ -102,16 +102,30 @@ def _check(probe: Callable[[], object]) -> HealthPart:
     return HealthPart(ok=True)
 
 
-def _processes(r: redis.Redis, kind: str, now: float) -> HealthPart:
+def _records(r: redis.Redis, kind: str) -> list[dict]:
+    """The live health records of every process of `kind`; unreadable ones are left out."""
     found = list(r.scan_iter(match=keys.health_pattern(kind), count=100))
-    ages = []
+    records = []
     for raw in r.mget(found) if found else []:
         if raw is None:  # expired since the scan
             continue
         try:
-            ages.append(max(0.0, now - float(json.loads(raw)["at"])))
+            record = json.loads(raw)
+            records.append({"host": str(record["host"]), "at": float(record["at"])})
         except (ValueError, KeyError, TypeError):
             continue
+    return records
+
+
+def _processes(r: redis.Redis, kind: str, now: float) -> HealthPart:
+    ages = [max(0.0, now - record["at"]) for record in _records(r, kind)]
     if not ages:
         return HealthPart(ok=False, detail=f"no {kind} has reported in the last {TTL_SECONDS:g} s", processes=0)
     return HealthPart(ok=True, processes=len(ages), newest_age_seconds=round(min(ages), 3))
+
+
+def host_report_age(r: redis.Redis, kind: str, host: str, now: float) -> float | None:
+    """Seconds since a `kind` process on `host` last renewed its record, the newest if several; None when
+    none has a record. A container's health check asks it about its own host name."""
+    ages = [max(0.0, now - record["at"]) for record in _records(r, kind) if record["host"] == host]
+    return min(ages, default=None)

@@ -1,6 +1,8 @@
 """Health records of the long-running processes and the deployment's health report, on a real
 SQLite file, local storage and a private Redis; the route on the app, the command on a child process."""
 
+import json
+import socket
 import subprocess
 import sys
 import threading
@@ -94,3 +96,43 @@ def test_the_health_command_prints_each_part_and_exits_1_while_one_is_down(sched
     assert "transitioner" in done.stdout and "NO" in done.stdout and "status: degraded" in done.stdout
     lines = {line.split()[1]: line for line in done.stdout.splitlines() if line.startswith("│")}
     assert "yes" in lines["scheduler"] and "yes" in lines["database"] and "NO" in lines["parameter-server"]
+
+
+def _local_check(r: redis.Redis, kind: str) -> subprocess.CompletedProcess:
+    """`crowdtrain health --local-process KIND` in a child process, on the private Redis."""
+    port = r.connection_pool.connection_kwargs["port"]
+    return subprocess.run(
+        [sys.executable, "-m", "crowdtrain", "health", "--local-process", kind],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CROWDTRAIN_REDIS_URL": f"redis://127.0.0.1:{port}/0"},
+    )
+
+
+def test_the_local_process_check_passes_on_a_fresh_record_of_this_host_only(private_redis) -> None:
+    """What the compose health checks of the parameter servers and the transitioner run."""
+    missing = _local_check(private_redis, "transitioner")
+    assert missing.returncode == 1 and "no transitioner on" in missing.stderr, missing
+
+    # Another host's fresh record says nothing about this one (each container is its own host).
+    record = {"pid": 1, "host": "another-host", "at": time.time()}
+    private_redis.set(keys.health("transitioner", "other"), json.dumps(record), px=60_000)
+    assert _local_check(private_redis, "transitioner").returncode == 1
+
+    beat(private_redis, "transitioner", "here", time.time())
+    fresh = _local_check(private_redis, "transitioner")
+    assert fresh.returncode == 0 and f"transitioner on {socket.gethostname()}: reported" in fresh.stdout, fresh
+
+    # A record still in Redis but not renewed within its time-to-live: the process hangs.
+    beat(private_redis, "parameter-server", "here", time.time() - 2 * health.TTL_SECONDS, ttl=600)
+    stale = _local_check(private_redis, "parameter-server")
+    assert stale.returncode == 1 and "last reported" in stale.stderr, stale
+
+
+def test_the_local_process_check_refuses_an_unknown_kind_and_says_so_when_redis_is_down(private_redis) -> None:
+    unknown = _local_check(private_redis, "assimilator")
+    assert unknown.returncode == 2 and "parameter-server" in unknown.stderr and "Traceback" not in unknown.stderr
+    private_redis.shutdown(nosave=True)
+    down = _local_check(private_redis, "transitioner")
+    assert down.returncode == 1 and "Redis cannot be reached" in down.stderr and "Traceback" not in down.stderr
