@@ -5,6 +5,7 @@ has its In flight section and updates without a reload, the public page's HTML h
 any script runs, a DeDLOC job's page shows its rounds, and a screenshot of each page (and of the two
 sections) is kept (var/test-artifacts/, or $CROWDTRAIN_TEST_ARTIFACTS)."""
 
+import itertools
 import os
 import shutil
 import time
@@ -229,3 +230,33 @@ def test_the_job_page_of_a_dedloc_job_shows_its_rounds_in_chromium(make_cluster,
 def test_artifacts_folder_is_ignored_by_git() -> None:
     """Screenshots land in var/, which git ignores."""
     assert shutil.which("git") is None or "var/" in (ROOT / ".gitignore").read_text().split()
+
+
+STATIC = ROOT / "server" / "api" / "static"
+
+
+def test_epoch_labels_of_a_long_job_never_overlap_in_chromium(browser: WebDriver, tmp_path) -> None:
+    """The chart of 20, 30 and 40 epochs in 580 px (bands of 29, 19 and 14.5 px; the last two narrower
+    than a label such as "e117" or "e23"): each label drawn keeps clear of the one before it, and
+    labels are still drawn where they fit. A job's own chart draws the same function."""
+    page = tmp_path / "chart.html"
+    page.write_text(
+        f"<html><head><style>{STATIC.joinpath('dashboard.css').read_text()}</style></head><body>"
+        '<svg id="c" class="chart" viewBox="0 0 640 280" width="640" height="280"></svg>'
+        f"<script>{STATIC.joinpath('dashboard.js').read_text()}</script></body></html>"
+    )
+    browser.get(page.as_uri())
+    boxes = (
+        "const svg = document.getElementById('c');"
+        "const pts = []; for (let e = 1; e <= arguments[0]; e++) for (let k = 0; k < 4; k++)"
+        "  pts.push({x: (e - 1) * 4 + k, y: 0.5 + e / (2 * arguments[0]), epoch: e + arguments[1]});"
+        "lineChart(svg, pts, 'examples', 0.9);"
+        "return Array.from(svg.querySelectorAll('.band-label'),"
+        "  t => { const b = t.getBBox(); return [b.x, b.width]; });"
+    )
+    for epochs, first in ((20, 0), (30, 100), (40, 0)):
+        drawn = browser.execute_script(boxes, epochs, first)
+        assert len(drawn) >= 5, (epochs, first, drawn)
+        assert all(w > 0 for _, w in drawn)
+        for (x0, w0), (x1, _) in itertools.pairwise(drawn):
+            assert x0 + w0 < x1, (epochs, first, drawn)

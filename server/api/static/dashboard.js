@@ -134,10 +134,16 @@ function lineChart(svg, points, xLabel, target) {
   for (const p of points) if (!first.has(p.epoch) || p.x < first.get(p.epoch)) first.set(p.epoch, p.x);
   const starts = Array.from(first, ([epoch, x]) => ({ epoch: epoch, x: x })).sort((a, b) => a.epoch - b.epoch);
   starts[0].x = 0;
+  let labelEnd = -Infinity; // right edge of the last epoch label drawn: a label that would overlap it is left out
   starts.forEach((s, i) => {
     const x0 = sx(s.x), x1 = sx(i + 1 < starts.length ? starts[i + 1].x : xmax);
     if (i % 2 === 0) svg.appendChild(svgEl("rect", { x: x0, y: T, width: Math.max(x1 - x0, 0), height: H - T - B, class: "band" }));
-    if (x1 - x0 > 14) svg.appendChild(svgEl("text", { x: (x0 + x1) / 2, y: T + 10, "text-anchor": "middle", class: "band-label" }, "e" + s.epoch));
+    if (x1 - x0 <= 14) return;
+    const label = svgEl("text", { x: (x0 + x1) / 2, y: T + 10, "text-anchor": "middle", class: "band-label" }, "e" + s.epoch);
+    svg.appendChild(label);
+    const box = label.getBBox(); // measured as drawn (0 wide where the SVG is not rendered)
+    if (box.x < labelEnd + 2) label.remove();
+    else labelEnd = box.x + box.width;
   });
   for (const v of ticks(ylo, yhi, 5)) {
     svg.appendChild(svgEl("line", { x1: L, x2: W - R, y1: sy(v), y2: sy(v), class: "grid" }));
