@@ -53,7 +53,7 @@ def demo(
     keep: Annotated[
         bool,
         typer.Option(
-            "--keep",
+            "--keep/--no-keep",
             help="After the job ends, stop the clients but leave the scheduler, Redis, parameter servers and "
             "transitioner running (the dashboard stays up) until Ctrl-C",
         ),

@@ -2,8 +2,7 @@
 `--local-process KIND`, whether this host's process of that kind keeps its health record in Redis fresh
 (what a container's health check asks)."""
 
-import socket
-import time
+import importlib
 from typing import Annotated
 
 import httpx
@@ -35,7 +34,10 @@ def health(
 
     Exits 1 when a part is down or a kind of process is missing, 3 when the scheduler cannot be reached."""
     if local_process is not None:
-        raise typer.Exit(check_local_process(local_process))
+        # Loaded by name, as LazyCommand loads a command's module: `crowdtrain health` without this
+        # option also runs from the client image, which has none of the server's packages.
+        check = importlib.import_module("crowdtrain.cli.local_health").check_local_process
+        raise typer.Exit(check(local_process))
     resp = httpx.get(f"{server.rstrip('/')}/v1/health", timeout=30)
     if resp.status_code not in (200, 503):
         typer.echo(f"error {resp.status_code}: {resp.text[:300]}", err=True)
@@ -49,32 +51,3 @@ def health(
     Console().print(table)
     typer.echo(f"status: {found.status}")
     raise typer.Exit(0 if found.status == "ok" else 1)
-
-
-def check_local_process(kind: str) -> int:
-    """0 if a `kind` process on this host renewed its health record within its time-to-live, 1 otherwise
-    (also when Redis cannot be reached), saying which."""
-    # The server's modules are imported here, not at the top: `crowdtrain health` without this option
-    # also runs from the client image, which has no server dependencies.
-    import redis
-
-    from crowdtrain.core.settings import get_settings
-    from crowdtrain.server.services.health import KINDS, TTL_SECONDS, host_report_age
-
-    if kind not in KINDS:
-        raise typer.BadParameter(f"must be one of {', '.join(KINDS)}, not {kind!r}", param_hint="--local-process")
-    host = socket.gethostname()
-    try:
-        r = redis.Redis.from_url(get_settings().redis_url, socket_timeout=5, socket_connect_timeout=5)
-        age = host_report_age(r, kind, host, time.time())
-    except redis.RedisError as exc:
-        typer.echo(f"Redis cannot be reached: {exc}", err=True)
-        return 1
-    if age is None:
-        typer.echo(f"no {kind} on {host} has a health record", err=True)
-        return 1
-    if age > TTL_SECONDS:
-        typer.echo(f"the {kind} on {host} last reported {age:.1f} s ago (more than {TTL_SECONDS:g} s)", err=True)
-        return 1
-    typer.echo(f"{kind} on {host}: reported {age:.1f} s ago")
-    return 0
