@@ -1,7 +1,7 @@
 """What a merge reads: the uploaded result, once, from where the scheduler stored it; the snapshot it
 started from; the job's validation set.
 
-The scheduler checked the upload before storing it (crowdtrain.server.ledger.uploads.check_result)
+The scheduler checked the upload before storing it (crowdtrain.server.services.results.check_result)
 and, for a weights upload, recorded the digest of its W_c beside it. Then the bytes are read once
 (mapped, where storage is a local directory), viewed without a copy, and neither checked nor hashed
 again: the same W_c the scheduler checked is the one merged. A Δ upload (its W_c = W_base + Δ exists

@@ -2,7 +2,9 @@
 that import one way (.importlinter), and a client extra that runs without the server's packages."""
 
 import ast
+import configparser
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -65,21 +67,58 @@ def test_the_packages_list_names_every_package_folder() -> None:
     assert found == listed, f"missing from pyproject: {sorted(found - listed)}; stale: {sorted(listed - found)}"
 
 
-def test_the_import_contract_holds_on_the_installed_layout(installed_tree: Path) -> None:
-    """.importlinter's layers, the client's isolation and acyclic packages, checked on the wheel's tree
-    (the editable install maps folders with an import hook, which import-linter cannot follow)."""
+def _lint_imports(tree: Path) -> subprocess.CompletedProcess:
     lint = Path(sys.executable).with_name("lint-imports")
-    env = {**os.environ, "PYTHONPATH": str(installed_tree)}
-    done = subprocess.run(
-        [str(lint), "--config", str(ROOT / ".importlinter"), "--no-cache"],
-        cwd=installed_tree,
-        env=env,
+    return subprocess.run(
+        [str(lint), "--no-cache", str(ROOT / ".importlinter")],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_the_import_contract_holds_on_the_installed_layout(installed_tree: Path) -> None:
+    """.importlinter's layers, the client's isolation and acyclic packages, checked on the wheel's tree
+    (the editable install maps folders with an import hook, which import-linter cannot follow)."""
+    done = _lint_imports(installed_tree)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+# One import that breaks each contract of .importlinter (by its section name), appended to a module
+# of a copy of the installed tree.
+VIOLATIONS = {
+    "layers": ("crowdtrain/core/keys.py", "import crowdtrain.server.ledger.models"),
+    "client": ("crowdtrain/client/worker.py", "import crowdtrain.server.paramstore.store"),
+    "paramstore": ("crowdtrain/server/paramstore/store.py", "import sqlalchemy"),
+    "routes": ("crowdtrain/server/api/routes/hosts.py", "import crowdtrain.server.ledger.models"),
+    "acyclic": ("crowdtrain/sim/hosts.py", "import crowdtrain.sim.training"),
+}
+
+
+def test_each_import_contract_fails_on_a_deliberate_violation(installed_tree: Path, tmp_path: Path) -> None:
+    """The contracts are not vacuous: with one violating import per contract, lint-imports reports
+    every contract broken, each by its name."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / ".importlinter")
+    names = {
+        section.removeprefix("importlinter:contract:"): config[section]["name"]
+        for section in config.sections()
+        if section.startswith("importlinter:contract:")
+    }
+    assert set(names) == set(VIOLATIONS), "every contract needs a violation here"
+    tree = tmp_path / "tree"
+    shutil.copytree(installed_tree, tree)
+    for module, line in VIOLATIONS.values():
+        with (tree / module).open("a") as f:
+            f.write(f"\n{line}\n")
+    done = _lint_imports(tree)
+    assert done.returncode != 0
+    report = " ".join(done.stdout.split())  # long names are wrapped to the terminal's width
+    for contract, name in names.items():
+        assert f"{' '.join(name.split())} BROKEN" in report, f"{contract}: not reported broken\n{done.stdout[-4000:]}"
 
 
 def _imports_in_functions(path: Path) -> Iterator[str]:

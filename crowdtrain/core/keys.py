@@ -72,7 +72,7 @@ def result_digests(job_id: int) -> str:
 
 def checked_upload(job_id: int, upload_key: str) -> str:
     """The digest of the weights W_c that the stored upload `upload_key` carries, set by the scheduler
-    that checked it (crowdtrain.server.ledger.uploads.store_result): the parameter server neither
+    that checked it (crowdtrain.server.services.results.store_result): the parameter server neither
     checks nor hashes those bytes again. Expires on its own (result_records.CHECKED_UPLOAD_SECONDS)."""
     return f"{PREFIX}:job:{job_id}:checked-upload:{upload_key}"
 

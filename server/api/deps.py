@@ -1,5 +1,5 @@
-"""FastAPI dependencies: settings, database, storage, Redis, the evaluator, and the two kinds of caller (failed
-authentication is throttled per client address: crowdtrain.server.services.throttle).
+"""FastAPI dependencies: settings, database, storage, Redis, the evaluator, the merge queue, and the two
+kinds of caller (failed authentication is throttled per client address: crowdtrain.server.services.throttle).
 
 Refusals raised here (NotAuthorized, Throttled) are answered by the app's one refusal handler
 (crowdtrain.server.api.boundary)."""
@@ -18,6 +18,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator
+from crowdtrain.assimilator.worker.celery_app import enqueue_merge
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
@@ -26,6 +27,7 @@ from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.paramstore import store
 from crowdtrain.server.services import sessions
 from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
+from crowdtrain.server.services.results import MergeQueue
 from crowdtrain.server.services.throttle import FailureBudget
 
 
@@ -66,11 +68,13 @@ class Clients:
     """The database, object storage and Redis clients of an app's settings, made on first use and
     kept: resolving the settings' URLs on every request cost more than the lookups it served; and the
     app's one evaluator (crowdtrain.server.ledger.epochs.Evaluator), which scores the model a job
-    exports when a host's request ends it, and a DeDLOC step's state."""
+    exports when a host's request ends it, and a DeDLOC step's state; and its merge queue (the
+    parameter servers' Celery queue unless given), where an accepted result's merge is queued."""
 
-    def __init__(self, settings: Settings, evaluator: Evaluator | None = None):
+    def __init__(self, settings: Settings, evaluator: Evaluator | None = None, merge_queue: MergeQueue | None = None):
         self.settings = settings
         self.evaluator: Evaluator = evaluator or FrameworkEvaluator()
+        self.merge_queue: MergeQueue = merge_queue or enqueue_merge
 
     @cached_property
     def db(self) -> sessionmaker[Session]:
@@ -111,10 +115,15 @@ async def get_evaluator(request: Request) -> Evaluator:
     return _clients(request).evaluator
 
 
+async def get_merge_queue(request: Request) -> MergeQueue:
+    return _clients(request).merge_queue
+
+
 DbDep = Annotated[sessionmaker[Session], Depends(get_db)]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 EvaluatorDep = Annotated[Evaluator, Depends(get_evaluator)]
+MergeQueueDep = Annotated[MergeQueue, Depends(get_merge_queue)]
 _bearer = HTTPBearer(auto_error=False)
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 

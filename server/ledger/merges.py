@@ -81,7 +81,7 @@ def _pending(s: Session, assignment_id: int) -> PendingMerge | None:
         return None
     job = s.get_one(Job, a.job_id)
     wu = s.get_one(Workunit, a.workunit_id)
-    assert a.upload_key is not None  # set with the status uploaded (uploads.store_result)
+    assert a.upload_key is not None  # set with the status uploaded (crowdtrain.server.services.results.store_result)
     return PendingMerge(
         assignment_id=a.id,
         job_id=job.id,

@@ -1,31 +1,25 @@
-"""A host's result upload: checked once (its W_c's digest taken in the same pass), written to storage
-while it is checked, recorded as the assignment's upload, and its merge queued. A body refused for its
-content ends the assignment `rejected` (crowdtrain.server.ledger.assignments.refuse_result)."""
+"""A host's result upload in the ledger: the target a body must match, read before the body is, and the
+record of a checked, stored body as its assignment's upload. Checking and storing the body is the
+results service's (crowdtrain.server.services.results)."""
 
 import logging
-import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from dataclasses import dataclass
 
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core import keys
 from crowdtrain.core.credit import assigned_examples
-from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import ResultMetrics
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.core.tensors import TensorFormatError
-from crowdtrain.core.updates import decode_update, upload_of, upload_spec
+from crowdtrain.core.updates import upload_of
 from crowdtrain.server.ledger import result_records, states
-from crowdtrain.server.ledger.assignments import ResultProblem, ResultRefused, own_assignment
+from crowdtrain.server.ledger.assignments import ResultProblem, own_assignment
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
 
 log = logging.getLogger(__name__)
@@ -52,92 +46,8 @@ def _check_in_progress(a: Assignment) -> None:
         )
 
 
-def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> str | None:
-    """Raise ResultRefused unless `body` is a result encoded as `upload` says (default: weights as
-    float32) for a model with `manifest`: names, shapes, the encoding's dtypes, scales, finite decoded
-    values (crowdtrain.core.updates.decode_update). The header is bounded before it is parsed. No I/O.
-
-    Returns the digest of the W_c a weights upload carries (crowdtrain.core.digests), taken in the
-    same pass, for `store_result` to record; None for a Δ upload, whose W_c = W_base + Δ only the
-    parameter server, which holds W_base, can form."""
-    try:
-        carried = decode_update(body, manifest, upload)
-    except (TensorFormatError, ValueError) as exc:
-        raise ResultRefused(f"result rejected: {exc}") from exc
-    return weights_digest(carried) if upload_spec(upload).send == "weights" else None
-
-
-# Uploads are written to storage from these threads while the scheduler checks them (accept_result).
-_store_threads = ThreadPoolExecutor(max_workers=8, thread_name_prefix="upload-store")
-
-
-def accept_result(
-    db: sessionmaker[Session],
-    storage: Storage,
-    r: redis.Redis,
-    host_id: int,
-    assignment_id: int,
-    target: tuple[int, dict, UploadSpec],
-    body: bytes,
-    metrics: ResultMetrics,
-    enqueue: Callable[[int, float], None],
-    received_at: float,
-) -> AssignmentStatus:
-    """`check_result` and `store_result` for the upload target `upload_target` returned, with the
-    check and the storage write at once (numpy, xxhash and file or socket writes release the GIL):
-    the write no longer waits for the check. A body the check refuses (ResultRefused) has its copy
-    deleted first: nothing of it stays, and nothing stored before is touched."""
-    job_id, manifest, upload = target
-    key = _new_upload_key(job_id, assignment_id)
-    writing = _store_threads.submit(storage.put, key, body)
-    try:
-        digest = check_result(body, manifest, upload)
-    except BaseException:
-        with suppress(Exception):  # a failed write stored nothing (puts are atomic)
-            writing.result()
-        storage.delete(key)
-        raise
-    writing.result()
-    stored = _StoredUpload(host_id, job_id, assignment_id, key, len(body))
-    return _record_upload(db, storage, r, stored, metrics, enqueue, digest, received_at)
-
-
-def store_result(
-    db: sessionmaker[Session],
-    storage: Storage,
-    host_id: int,
-    job_id: int,
-    assignment_id: int,
-    body: bytes,
-    metrics: ResultMetrics,
-    enqueue: Callable[[int, float], None],
-    *,
-    r: redis.Redis | None = None,
-    digest: str | None = None,
-    received_at: float | None = None,
-) -> AssignmentStatus:
-    """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
-
-    The body is written to storage under a key of its own before the (short) transaction, so the
-    database's write lock is never held over the transfer; a losing concurrent upload deletes its copy.
-    Given `digest` (what `check_result` returned for this body) and `r`, it is recorded under that
-    key before the commit (result_records.note_checked_upload): the parameter server that merges the
-    result reads the bytes once and neither checks nor hashes them again. Keyed by the upload, not
-    the assignment, so two racing uploads of one assignment cannot pair one's bytes with the other's
-    digest. `received_at`: when the body was in hand (default: now), where a merge's latency starts.
-    """
-    key = _new_upload_key(job_id, assignment_id)
-    storage.put(key, body)
-    stored = _StoredUpload(host_id, job_id, assignment_id, key, len(body))
-    return _record_upload(db, storage, r, stored, metrics, enqueue, digest, received_at)
-
-
-def _new_upload_key(job_id: int, assignment_id: int) -> str:
-    return keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
-
-
 @dataclass(frozen=True)
-class _StoredUpload:
+class StoredUpload:
     host_id: int
     job_id: int
     assignment_id: int
@@ -152,17 +62,22 @@ def _asked_examples(s: Session, a: Assignment) -> int:
     return assigned_examples(shard.examples, local_epochs, a.local_fraction)
 
 
-def _record_upload(
+def record_upload(
     db: sessionmaker[Session],
     storage: Storage,
     r: redis.Redis | None,
-    upload: _StoredUpload,
+    upload: StoredUpload,
     metrics: ResultMetrics,
     enqueue: Callable[[int, float], None],
     digest: str | None,
     received_at: float | None,
 ) -> AssignmentStatus:
-    """The second half of `store_result`, for a body already stored (and deleted here on failure)."""
+    """Record `upload`, a checked body already in storage, as its assignment's result and queue its
+    merge (`enqueue`, after the commit); the stored body is deleted if the assignment cannot take it
+    (ResultProblem not_found/conflict). Given `digest` (the W_c digest the check took) and `r`, it is
+    recorded under the upload's key before the commit (result_records.note_checked_upload), so the
+    parameter server neither checks nor hashes the bytes again. `received_at`: when the body was in
+    hand (default: now), where a merge's latency starts."""
     received_at = time.time() if received_at is None else received_at
     host_id, assignment_id, key = upload.host_id, upload.assignment_id, upload.key
     try:

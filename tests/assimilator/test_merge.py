@@ -25,10 +25,10 @@ from crowdtrain.core.updates import encode_result
 from crowdtrain.server.ledger import merges, result_records
 from crowdtrain.server.ledger.models import Assignment, Host, Metric, Shard, Workunit
 from crowdtrain.server.ledger.models import Job as JobRow
-from crowdtrain.server.ledger.uploads import check_result, store_result
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host
+from crowdtrain.server.services.results import check_result, store_result
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 

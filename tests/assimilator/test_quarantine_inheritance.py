@@ -14,10 +14,10 @@ from crowdtrain.core.settings import Settings
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.updates import encode_result
 from crowdtrain.core.validationspec import ValidationSpec
-from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import list_hosts, register_host
 from crowdtrain.server.services.registration import RegistrationPolicy
+from crowdtrain.server.services.results import store_result
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 

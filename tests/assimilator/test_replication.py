@@ -26,11 +26,11 @@ from crowdtrain.core.validationspec import ValidationSpec
 from crowdtrain.server.ledger.models import Assignment, Host, Shard, Workunit, utcnow
 from crowdtrain.server.ledger.models import Job as JobRow
 from crowdtrain.server.ledger.replicas import replica_wait
-from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.paramstore import store
 from crowdtrain.server.services.diagnosis import job_problems
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.hosts import register_host, release_host
+from crowdtrain.server.services.results import store_result
 from crowdtrain.server.services.transitioner import close_stalled_votes
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC

@@ -4,7 +4,6 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
-from crowdtrain.assimilator.worker.celery_app import enqueue_merge
 from crowdtrain.core import keys
 from crowdtrain.core.schemas import (
     AssignmentOut,
@@ -30,15 +29,14 @@ from crowdtrain.server.api.deps import (
     EvaluatorDep,
     HostCall,
     HostDep,
+    MergeQueueDep,
     RedisDep,
     SettingsDep,
     StorageDep,
     host_call,
 )
 from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
-from crowdtrain.server.ledger import assignments, uploads
-from crowdtrain.server.ledger.assignments import ResultRefused
-from crowdtrain.server.services import dispatch, project_key, telemetry
+from crowdtrain.server.services import dispatch, project_key, results, telemetry
 from crowdtrain.server.services.hosts import NotAuthorized
 
 router = APIRouter(prefix="/v1", tags=["work"])
@@ -101,7 +99,7 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
 
 @router.post("/assignments/{assignment_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
-    keep_going, reason, deadline = assignments.heartbeat(db, host_id, assignment_id)
+    keep_going, reason, deadline = results.heartbeat(db, host_id, assignment_id)
     return HeartbeatReply(keep_going=keep_going, reason=reason, deadline=deadline)
 
 
@@ -125,21 +123,22 @@ async def upload_result(
     r: RedisDep,
     settings: SettingsDep,
     evaluator: EvaluatorDep,
+    merge_queue: MergeQueueDep,
 ) -> ResultAccepted:
     """Upload the result (safetensors body: W_c, or Δ as the job's assimilation.upload says); metrics
     ride in the query string.
 
     The assignment is checked before the body is read, and the body before any transaction, once,
-    while it is written to storage (uploads.accept_result, one thread-pool hop): the check's
+    while it is written to storage (results.accept_result, one thread-pool hop): the check's
     digest of W_c is stored beside the body for the parameter server. A body refused for
-    its content ends the assignment `rejected`, so its workunit is dispatched again at once.
+    its content or its size ends the assignment `rejected`, so its workunit is dispatched again at once.
     """
-    target = await run_in_threadpool(uploads.upload_target, db, host_id, assignment_id)
+    target = await run_in_threadpool(results.upload_target, db, host_id, assignment_id)
     try:
         async with upload_body(request, settings.upload_max_bytes) as body:
             received_at = time.time()
             status_ = await run_in_threadpool(
-                uploads.accept_result,
+                results.accept_result,
                 db,
                 storage,
                 r,
@@ -148,14 +147,17 @@ async def upload_result(
                 target,
                 body,
                 metrics,
-                enqueue_merge,
+                merge_queue,
                 received_at,
+                evaluator,
             )
             size = len(body)
-    except (ResultRefused, BodyTooLarge) as exc:
-        # A body refused for its content (or size) ends the assignment; the refusal is still answered.
-        reason = exc.message if isinstance(exc, ResultRefused) else str(exc.detail)
-        await run_in_threadpool(assignments.refuse_result, db, storage, r, host_id, assignment_id, reason, evaluator)
+    except BodyTooLarge as exc:
+        # A body refused for its size ends the assignment (accept_result ends it for its content);
+        # the refusal is still answered.
+        await run_in_threadpool(
+            results.refuse_result, db, storage, r, host_id, assignment_id, str(exc.detail), evaluator
+        )
         raise
     telemetry.count(r, "uploads", upload_bytes=size)
     return ResultAccepted(assignment_id=assignment_id, status=status_)
@@ -166,7 +168,7 @@ def abandon(
     assignment_id: Id, host_id: HostDep, db: DbDep, storage: StorageDep, r: RedisDep, evaluator: EvaluatorDep
 ) -> ResultAccepted:
     """Give the assignment back now (shutdown, preemption) so it is re-dispatched without waiting."""
-    assignments.give_up(
+    results.give_up(
         db, storage, r, host_id, assignment_id, AssignmentStatus.abandoned, "abandoned by the host", evaluator
     )
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.abandoned)
@@ -183,5 +185,5 @@ def report_error(
     evaluator: EvaluatorDep,
 ) -> ResultAccepted:
     """Report that the assignment failed on this host; it counts toward the workunit's error limit."""
-    assignments.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.client_error, err.message, evaluator)
+    results.give_up(db, storage, r, host_id, assignment_id, AssignmentStatus.client_error, err.message, evaluator)
     return ResultAccepted(assignment_id=assignment_id, status=AssignmentStatus.client_error)

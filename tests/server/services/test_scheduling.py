@@ -28,10 +28,10 @@ from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbeat, time_out_expired
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit, utcnow
-from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.fair_share import split_slots
+from crowdtrain.server.services.results import store_result
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 

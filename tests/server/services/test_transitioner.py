@@ -19,10 +19,10 @@ from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.epochs import close_merges
 from crowdtrain.server.ledger.models import Assignment, Host, Job
-from crowdtrain.server.ledger.uploads import store_result
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.jobs import cancel_job
+from crowdtrain.server.services.results import store_result
 from crowdtrain.server.services.transitioner import (
     end_stalled_uploads,
     requeue_stalled_merges,
