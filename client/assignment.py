@@ -11,9 +11,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from crowdtrain.client.api import Refused, SchedulerAPI
 from crowdtrain.client.cache import CacheFull, FileCache
@@ -22,8 +24,9 @@ from crowdtrain.client.optimizer_states import OptimizerStates, keeps_optimizer_
 from crowdtrain.client.quota import DailyTransfer, OverDailyCap, Reservation, counted
 from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import AssignmentStatus, StatusWriter
-from crowdtrain.client.trainers import Cancelled, TrainControl, train
+from crowdtrain.client.trainers import Cancelled, TrainControl, TrainResult, train
 from crowdtrain.core import frameworks as fw
+from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.schemas import AssignmentOut, FileRef, HeartbeatReply, Resources, ResultMetrics
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
@@ -34,17 +37,50 @@ KEEP_SNAPSHOTS = 4
 EWMA_WEIGHT = 0.3  # weight of the newest observation in the running means of task times
 
 
+class Phase(StrEnum):
+    """Where an assignment is on this client; PHASE_MOVES says which phase may follow which. An
+    assignment that cannot go on leaves from any phase (given back, failed, refused): it is then no
+    longer running here, which is not a phase."""
+
+    fetching = "fetching"  # downloading its snapshot and shard (or finding them cached)
+    waiting = "waiting"  # for a compute slot
+    training = "training"
+    uploading = "uploading"
+    uploaded = "uploaded"  # the server has the result: a heartbeat answered from now on crossed the upload
+
+
+PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.fetching: frozenset({Phase.waiting}),
+    Phase.waiting: frozenset({Phase.training}),
+    Phase.training: frozenset({Phase.uploading}),
+    Phase.uploading: frozenset({Phase.uploaded}),
+    Phase.uploaded: frozenset(),
+}
+# Phases in which the assignment holds, or waits for, a compute slot's work (the work loop's count).
+BEFORE_UPLOAD = frozenset({Phase.fetching, Phase.waiting, Phase.training})
+
+
+class PhaseError(RuntimeError):
+    """A move that PHASE_MOVES does not allow: a bug in the client, never a server's doing."""
+
+
 @dataclass
 class Running:
-    """One assignment on this client: fetching -> waiting (for a compute slot) -> training -> uploading."""
+    """One assignment on this client, in its `phase` (Phase)."""
 
     assignment: AssignmentOut
     thread: threading.Thread | None = None
     control: TrainControl = field(default_factory=TrainControl)
-    phase: str = "fetching"
+    phase: Phase = Phase.fetching
     training_since: float | None = None
     given_back: bool = False
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    def move(self, to: Phase) -> None:
+        """Enter phase `to`; raises PhaseError unless PHASE_MOVES allows it from the phase now."""
+        if to not in PHASE_MOVES[self.phase]:
+            raise PhaseError(f"assignment {self.assignment.assignment_id}: no move from {self.phase} to {to}")
+        self.phase = to
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the assignment's thread ends, or `timeout` seconds pass."""
@@ -54,7 +90,7 @@ class Running:
 
     def status(self) -> AssignmentStatus:
         a = self.assignment
-        phase = "downloading" if self.phase == "fetching" else self.phase
+        phase = "downloading" if self.phase == Phase.fetching else self.phase.value
         return AssignmentStatus(
             assignment_id=a.assignment_id,
             job_id=a.job_id,
@@ -64,6 +100,16 @@ class Running:
             started_at=self.started_at,
             deadline=a.deadline,
         )
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What an assignment trains: the snapshot's parameters, the shard's examples, and the framework."""
+
+    params: Params
+    x: np.ndarray
+    y: np.ndarray
+    framework: Framework
 
 
 def ewma(old: float | None, new: float) -> float:
@@ -93,76 +139,15 @@ class AssignmentRunner:
     optimizer_states: OptimizerStates  # per job, what the slots' optimizers ended with (keep_optimizer_state)
 
     def _work(self, r: Running) -> None:
-        a = r.assignment
-        aid = a.assignment_id
-        transfer, reservation = self.restraints.transfer, None
+        """Run `r` from its downloads to its upload (the thread's body); an assignment that cannot
+        finish is given back, or reported failed, so the server dispatches it again at once."""
+        aid = r.assignment.assignment_id
+        reservation = None
         try:
-            reservation = self.restraints.reserve(a)
-            snap = self._fetch(self.snapshots, a.snapshot, transfer, reservation)
-            shard = self._fetch(self.shards, a.shard, transfer, reservation)
-            x, y = decode_shard(shard.read_bytes())
-            params = decode(snap.read_bytes())
-            framework = fw.pick(a.recipe.model, self.resources.frameworks)
-            if framework is None:  # the scheduler sends only runnable work; say so rather than guess
-                raise RuntimeError(
-                    f"model {a.recipe.model['name']!r} needs one of "
-                    f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}"
-                )
-            r.phase = "waiting"
-            self.status.changed()
-            while not self.compute.acquire(timeout=0.2):
-                r.control.between_batches()
-            try:
-                r.control.between_batches()
-                r.phase, r.training_since = "training", time.monotonic()
-                self.status.changed()
-                checkpoint = FileCheckpoint(self.journal.checkpoint_path(aid, framework), self.checkpoint_seconds)
-                if checkpoint.resumed is not None:
-                    log.info("assignment %s: resuming from its checkpoint at %s", aid, checkpoint.resumed[1])
-                kept = self._take_optimizer_state(a, resumed=checkpoint.resumed is not None)
-                try:
-                    result = train(
-                        framework,
-                        a.recipe.model_dump(),
-                        params,
-                        x,
-                        y,
-                        self.device,
-                        r.control,
-                        checkpoint,
-                        a.local_fraction,
-                        kept,
-                    )
-                except BaseException:
-                    self._keep_optimizer_state(a, kept)  # unchanged: the slot's next workunit continues it
-                    raise
-                self._keep_optimizer_state(a, result.optimizer_state)
-            finally:
-                self.compute.release()
-                self.slot_freed.set()
-            if checkpoint.resumed is None:
-                self.train_seconds[a.job_id] = ewma(self.train_seconds.get(a.job_id), result.seconds)
-            r.phase = "uploading"
-            self.status.changed()
-            t0 = time.monotonic()
-            blob = encode_result(result.params, params, a.recipe.upload)  # W_c, or Δ from the snapshot
-            self.api.upload(
-                a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples, seconds=result.seconds)
-            )
-            r.phase = "uploaded"  # a heartbeat answered from now on crossed this upload
-            transfer.record("upload", len(blob), reservation)
-            self.upload_seconds = ewma(self.upload_seconds, time.monotonic() - t0)
-            log.info(
-                "assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)",
-                aid,
-                a.epoch,
-                a.shard_index,
-                framework,
-                result.train_loss,
-                result.seconds,
-            )
-            self.completed += 1
-            self.journal.forget(aid)
+            reservation = self.restraints.reserve(r.assignment)
+            inputs = self._prepare(r, reservation)
+            result, resumed = self._train_in_slot(r, inputs)
+            self._upload(r, inputs, result, resumed, reservation)
         except Cancelled:
             log.info("assignment %s: stopped before finishing", aid)
             if not r.given_back:  # the server no longer wants it: hand it back at once
@@ -171,34 +156,133 @@ class AssignmentRunner:
             log.warning("assignment %s: giving it back: %s", aid, exc)
             self._give_back(r)
         except Refused as exc:
-            if r.phase == "uploading":
-                log.warning("assignment %s: the server refused the result (HTTP %d: %s)", aid, exc.status, exc.message)
-                self.journal.forget(aid)
-            else:  # a snapshot or shard the server no longer serves: let another try it now
-                log.warning(
-                    "assignment %s: the server refused the %s (HTTP %d: %s); giving the assignment back",
-                    aid,
-                    exc.request or "download",
-                    exc.status,
-                    exc.message,
-                )
-                self._give_back(r)
+            self._refused(r, exc)
         except Exception as exc:
-            if not self.stop.is_set():
-                log.exception("assignment %s: failed", aid)
-                try:
-                    self.api.report_error(aid, f"{type(exc).__name__}: {exc}")
-                except Exception:
-                    log.warning("assignment %s: could not report the error; it will time out", aid)
-                self.journal.forget(aid)
+            self._failed(r, exc)
         finally:
             if reservation is not None:
-                transfer.release(reservation)
+                self.restraints.transfer.release(reservation)
             with self.lock:
                 self.running.pop(aid, None)
             self._prune_snapshots()
             self.slot_freed.set()
             self.status.changed()
+
+    def _prepare(self, r: Running, reservation: Reservation) -> _Inputs:
+        """Download (or find cached) the snapshot and the shard of `r`, and pick the framework."""
+        a = r.assignment
+        transfer = self.restraints.transfer
+        snap = self._fetch(self.snapshots, a.snapshot, transfer, reservation)
+        shard = self._fetch(self.shards, a.shard, transfer, reservation)
+        x, y = decode_shard(shard.read_bytes())
+        params = decode(snap.read_bytes())
+        framework = fw.pick(a.recipe.model, self.resources.frameworks)
+        if framework is None:  # the scheduler sends only runnable work; say so rather than guess
+            raise RuntimeError(
+                f"model {a.recipe.model['name']!r} needs one of "
+                f"{fw.able_to_run(a.recipe.model)}; this client has {self.resources.frameworks}"
+            )
+        return _Inputs(params, x, y, framework)
+
+    def _train_in_slot(self, r: Running, inputs: _Inputs) -> tuple[TrainResult, bool]:
+        """Wait for a compute slot, then train `r` in it (from its checkpoint, if it has one, and
+        from the optimizer state the slot kept, if the job keeps it). Returns the result and whether
+        it resumed from a checkpoint."""
+        a = r.assignment
+        r.move(Phase.waiting)
+        self.status.changed()
+        while not self.compute.acquire(timeout=0.2):
+            r.control.between_batches()
+        try:
+            r.control.between_batches()
+            r.move(Phase.training)
+            r.training_since = time.monotonic()
+            self.status.changed()
+            path = self.journal.checkpoint_path(a.assignment_id, inputs.framework)
+            checkpoint = FileCheckpoint(path, self.checkpoint_seconds)
+            if checkpoint.resumed is not None:
+                log.info("assignment %s: resuming from its checkpoint at %s", a.assignment_id, checkpoint.resumed[1])
+            kept = self._take_optimizer_state(a, resumed=checkpoint.resumed is not None)
+            try:
+                result = train(
+                    inputs.framework,
+                    a.recipe.model_dump(),
+                    inputs.params,
+                    inputs.x,
+                    inputs.y,
+                    self.device,
+                    r.control,
+                    checkpoint,
+                    a.local_fraction,
+                    kept,
+                )
+            except BaseException:
+                self._keep_optimizer_state(a, kept)  # unchanged: the slot's next workunit continues it
+                raise
+            self._keep_optimizer_state(a, result.optimizer_state)
+        finally:
+            self.compute.release()
+            self.slot_freed.set()
+        return result, checkpoint.resumed is not None
+
+    def _upload(
+        self, r: Running, inputs: _Inputs, result: TrainResult, resumed: bool, reservation: Reservation
+    ) -> None:
+        """Upload `r`'s result (W_c, or Δ from the snapshot, as the recipe says) and forget it here."""
+        a = r.assignment
+        if not resumed:  # a resumed run's time covers part of the work
+            self.train_seconds[a.job_id] = ewma(self.train_seconds.get(a.job_id), result.seconds)
+        r.move(Phase.uploading)
+        self.status.changed()
+        t0 = time.monotonic()
+        blob = encode_result(result.params, inputs.params, a.recipe.upload)
+        self.api.upload(
+            a, blob, ResultMetrics(train_loss=result.train_loss, examples=result.examples, seconds=result.seconds)
+        )
+        r.move(Phase.uploaded)  # a heartbeat answered from now on crossed this upload
+        self.restraints.transfer.record("upload", len(blob), reservation)
+        self.upload_seconds = ewma(self.upload_seconds, time.monotonic() - t0)
+        log.info(
+            "assignment %s: uploaded (epoch %d, shard %d, %s, loss %.4f, %.1fs)",
+            a.assignment_id,
+            a.epoch,
+            a.shard_index,
+            inputs.framework,
+            result.train_loss,
+            result.seconds,
+        )
+        self.completed += 1
+        self.journal.forget(a.assignment_id)
+
+    def _refused(self, r: Running, exc: Refused) -> None:
+        """The server refused a request of `r`: its upload (the result is dropped here), or a download
+        it no longer serves (the assignment goes back, for another host to try now)."""
+        aid = r.assignment.assignment_id
+        if r.phase == Phase.uploading:
+            log.warning("assignment %s: the server refused the result (HTTP %d: %s)", aid, exc.status, exc.message)
+            self.journal.forget(aid)
+            return
+        log.warning(
+            "assignment %s: the server refused the %s (HTTP %d: %s); giving the assignment back",
+            aid,
+            exc.request or "download",
+            exc.status,
+            exc.message,
+        )
+        self._give_back(r)
+
+    def _failed(self, r: Running, exc: Exception) -> None:
+        """`r` failed here: report it (it counts toward its workunit's error limit), unless this client
+        is stopping, when the journal keeps it for the next start."""
+        if self.stop.is_set():
+            return
+        aid = r.assignment.assignment_id
+        log.exception("assignment %s: failed", aid, exc_info=exc)
+        try:
+            self.api.report_error(aid, f"{type(exc).__name__}: {exc}")
+        except Exception:
+            log.warning("assignment %s: could not report the error; it will time out", aid)
+        self.journal.forget(aid)
 
     def _take_optimizer_state(self, a: AssignmentOut, resumed: bool) -> Params | None:
         """The optimizer state this slot's training of `a` starts from: with the recipe's
@@ -218,7 +302,7 @@ class AssignmentRunner:
         if reply.keep_going:
             return
         aid = r.assignment.assignment_id
-        if r.phase in ("uploading", "uploaded"):
+        if r.phase in (Phase.uploading, Phase.uploaded):
             log.debug("assignment %s: heartbeat answered after its upload (%s)", aid, reply.reason)
             return
         log.info("assignment %s: the server no longer wants it (%s); stopping it", aid, reply.reason)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from crowdtrain.client.api import BadReply, Refused, SchedulerAPI
-from crowdtrain.client.assignment import AssignmentRunner, Running
+from crowdtrain.client.assignment import BEFORE_UPLOAD, AssignmentRunner, Phase, Running
 from crowdtrain.client.cachelock import CacheLock
 from crowdtrain.client.identity import Identities
 from crowdtrain.client.journal import AssignmentJournal
@@ -33,11 +33,11 @@ from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import ClientState, ClientStatus, StatusWriter
 from crowdtrain.client.trust import ProjectTrust
 from crowdtrain.core.frameworks import Framework
-from crowdtrain.core.schemas import AssignmentOut, KeyRotation
+from crowdtrain.core.schemas import AssignmentOut, KeyRotation, WorkReply
 
 log = logging.getLogger(__name__)
 
-BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work reply that had to be refused
+BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work request or its reply was refused
 
 
 # The default cache folder, as the CLI offers it: one per client on a machine.
@@ -203,38 +203,21 @@ class VolunteerClient(AssignmentRunner):
     def _in_flight(self) -> tuple[int, int]:
         """(assignments not yet done training, all running assignments)."""
         with self.lock:
-            return sum(r.phase in ("fetching", "waiting", "training") for r in self.running.values()), len(self.running)
+            return sum(r.phase in BEFORE_UPLOAD for r in self.running.values()), len(self.running)
 
     def _request_loop(self) -> None:
-        ahead = 1 if self.prefetch else 0
         while not self.draining.is_set():
             if self._held_back():
                 continue
-            pending, running = self._in_flight()
-            want = self.tasks + ahead - pending
-            if self.max_assignments is not None:
-                if self.started >= self.max_assignments and running == 0:
-                    return
-                want = min(want, self.max_assignments - self.started)
+            want = self._wanted()
+            if want is None:
+                return
             if want <= 0:
                 self.slot_freed.wait(1.0)
                 self.slot_freed.clear()
                 continue
-            try:
-                reply = self.api.request_work(
-                    want, self.shards.holds(), self.resources, self.trust.refused_jobs, give_up=self.draining
-                )
-            except Refused as exc:
-                if exc.status == 401:
-                    log.warning("host token refused (%s); registering again", exc.message)
-                    self.identities.forget(self.server_url)
-                    self.ensure_registered()
-                    continue
-                raise
-            except httpx.HTTPError:
-                continue  # retries ended because we are stopping
-            except BadReply as exc:
-                self._refuse_reply(exc)
+            reply = self._ask_for_work(want)
+            if reply is None:
                 continue
             self.heartbeat_interval = reply.heartbeat_interval
             started = [a for a in reply.assignments if self._accepts(a, reply.key_rotations)]
@@ -244,6 +227,44 @@ class VolunteerClient(AssignmentRunner):
                 self.slot_freed.clear()
                 if not self.draining.is_set():  # a notice that came during the request has set slot_freed
                     self.slot_freed.wait(reply.retry_after)
+
+    def _wanted(self) -> int | None:
+        """How many assignments to ask for now (<= 0: none, the slots are busy), or None once
+        `max_assignments` have been started and have all ended."""
+        pending, running = self._in_flight()
+        want = self.tasks + (1 if self.prefetch else 0) - pending
+        if self.max_assignments is None:
+            return want
+        if self.started >= self.max_assignments and running == 0:
+            return None
+        return min(want, self.max_assignments - self.started)
+
+    def _ask_for_work(self, want: int) -> WorkReply | None:
+        """The scheduler's reply to a request for `want` assignments, or None to ask again: the host
+        token was refused (registered again), the request was refused (said, and waited out: a client
+        left running outlives a refusal that may pass), we are stopping, or the reply was unusable."""
+        try:
+            return self.api.request_work(
+                want, self.shards.holds(), self.resources, self.trust.refused_jobs, give_up=self.draining
+            )
+        except Refused as exc:
+            if exc.status == 401:
+                log.warning("host token refused (%s); registering again", exc.message)
+                self.identities.forget(self.server_url)
+                self.ensure_registered()
+            else:
+                log.warning(
+                    "the scheduler refused the work request (HTTP %d: %s); asking again in %.0fs",
+                    exc.status,
+                    exc.message,
+                    BAD_REPLY_WAIT,
+                )
+                self.draining.wait(BAD_REPLY_WAIT)
+        except httpx.HTTPError:
+            pass  # retries ended because we are stopping
+        except BadReply as exc:
+            self._refuse_reply(exc)
+        return None
 
     def _refuse_reply(self, exc: BadReply) -> None:
         """A work reply that cannot be used: hand its assignments back as errors, wait, ask again."""
@@ -291,10 +312,10 @@ class VolunteerClient(AssignmentRunner):
             mean = self.train_seconds.get(r.assignment.job_id)
             remaining = (
                 None
-                if r.phase != "training" or mean is None or r.training_since is None
+                if r.phase != Phase.training or mean is None or r.training_since is None
                 else max(0.0, mean - (mono - r.training_since))
             )
-            if r.phase == "uploading":
+            if r.phase == Phase.uploading:
                 remaining = 0.0
             estimates.append(RunningEstimate(r.assignment.assignment_id, remaining))
         finish, abandon = plan_preemption(estimates, notice.at, now, self.upload_seconds or 1.0)

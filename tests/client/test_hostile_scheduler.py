@@ -18,7 +18,7 @@ import pytest
 
 import crowdtrain.client.server_http
 import crowdtrain.client.worker
-from crowdtrain.client.assignment import Running
+from crowdtrain.client.assignment import Phase, Running
 from crowdtrain.client.preemption import Notice
 from crowdtrain.client.worker import VolunteerClient
 from crowdtrain.core.schemas import AssignmentOut, HeartbeatReply
@@ -288,7 +288,7 @@ def test_a_heartbeat_answered_after_the_clients_own_upload_is_no_reason_to_stop(
     says nothing about being stopped; while training, the same answer stops it and says so."""
     volunteer = VolunteerClient("http://127.0.0.1:9", "join", cache_dir=tmp_path / "cache", frameworks=["pytorch"])
     a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
-    r = Running(a, phase=phase)
+    r = Running(a, phase=Phase(phase))
     caplog.set_level(logging.DEBUG, logger="crowdtrain.client")
 
     volunteer._heard(r, HeartbeatReply(keep_going=False, reason="assignment is uploaded"))
@@ -299,3 +299,34 @@ def test_a_heartbeat_answered_after_the_clients_own_upload_is_no_reason_to_stop(
         assert infos == [f"assignment {AID}: the server no longer wants it (assignment is uploaded); stopping it"]
     else:
         assert infos == []
+
+
+class RefusingScheduler(FakeScheduler):
+    """Refuses the first `refusals` work requests with `status` (not a token problem), then serves."""
+
+    def __init__(self, status: int, refusals: int):
+        super().__init__(json.dumps({"assignments": [], "retry_after": 0.1, "heartbeat_interval": 5.0}).encode(), {})
+        self.status, self.refusals = status, refusals
+
+    def route(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        if (method, path) == ("POST", "/v1/work") and self.refusals > 0:
+            self.refusals -= 1
+            return self.status, b'{"detail": "not now"}'
+        return super().route(method, path, body)
+
+
+@pytest.mark.parametrize("status", [403, 409, 422])
+def test_a_refused_work_request_is_said_and_asked_again_and_the_client_keeps_running(
+    status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client volunteers leave running outlives a scheduler that refuses its work requests for a
+    while: it says so, waits, and asks again (it used to end)."""
+    monkeypatch.setattr(crowdtrain.client.worker, "BAD_REPLY_WAIT", 0.1)
+    caplog.set_level(logging.WARNING, logger="crowdtrain.client")
+    scheduler = RefusingScheduler(status, refusals=2)
+    try:
+        run_client_until(scheduler, tmp_path / "cache", work_requests=4)
+    finally:
+        scheduler.close()
+    said = [rec.getMessage() for rec in caplog.records if "refused the work request" in rec.getMessage()]
+    assert said == [f"the scheduler refused the work request (HTTP {status}: not now); asking again in 0s"] * 2
