@@ -119,7 +119,10 @@ def test_the_demo_with_keep_leaves_the_dashboard_up_until_ctrl_c(tmp_path: Path)
         assert _dashboard_login(url, token + "x").status_code == 401
 
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0, "".join(seen)
+        stopping = time.monotonic()
+        # 300 s: stopping every part took over 120 s with two suites on 2 cores; the time is printed.
+        assert proc.wait(timeout=300) == 0, "".join(seen)
+        print(f"the kept demo stopped {time.monotonic() - stopping:.1f}s after Ctrl-C")
         assert not scheduler_is_live(url), "Ctrl-C stops the kept scheduler"
     finally:
         if proc.poll() is None:
