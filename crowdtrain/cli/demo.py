@@ -130,6 +130,14 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM stop the demo and every process it started, however it was started:
+    a shell without job control starts a background command with SIGINT ignored, and Python then
+    never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def _print_login(console: Console, cluster: Cluster) -> None:
     """Where the dashboard is and the admin token it takes (random for each demo)."""
     console.print(
@@ -168,7 +176,7 @@ def run_demo(
         shutil.rmtree(var_dir)
     start = time.monotonic()
     cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=parameter_servers)
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_signals()
     try:
         console.print(f"starting Redis, scheduler, transitioner, {parameter_servers} parameter servers ...")
         cluster.start()
@@ -223,7 +231,7 @@ def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int, keep: bool = Fal
         shutil.rmtree(var_dir)
     start = time.monotonic()
     cluster = Cluster(var_dir=var_dir.resolve(), assimilator_concurrency=1)
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_signals()
     try:
         console.print("starting Redis and the scheduler ...")
         cluster.start()

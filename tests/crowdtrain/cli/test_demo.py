@@ -90,8 +90,15 @@ def test_the_demo_prints_the_dashboard_login_and_stops_everything_without_keep(t
 
 @pytest.mark.integration
 def test_the_demo_with_keep_leaves_the_dashboard_up_until_ctrl_c(tmp_path: Path) -> None:
+    """Started as a shell without job control starts a background command, with SIGINT ignored: Ctrl-C
+    still stops it (Python raises no KeyboardInterrupt for an ignored SIGINT unless told to)."""
     proc = subprocess.Popen(
-        _demo_argv(tmp_path, "--keep"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+        _demo_argv(tmp_path, "--keep"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        preexec_fn=_ignore_sigint,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -120,14 +127,17 @@ def test_the_demo_with_keep_leaves_the_dashboard_up_until_ctrl_c(tmp_path: Path)
 
         proc.send_signal(signal.SIGINT)
         stopping = time.monotonic()
-        # 300 s: stopping every part took over 120 s with two suites on 2 cores; the time is printed.
-        assert proc.wait(timeout=300) == 0, "".join(seen)
+        assert proc.wait(timeout=120) == 0, "".join(seen)
         print(f"the kept demo stopped {time.monotonic() - stopping:.1f}s after Ctrl-C")
         assert not scheduler_is_live(url), "Ctrl-C stops the kept scheduler"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _env() -> dict[str, str]:
