@@ -32,6 +32,7 @@ Which peers have joined and which are live is crowdtrain.server.services.dedloc_
 import json
 import logging
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 import redis
 
@@ -45,12 +46,34 @@ log = logging.getLogger(__name__)
 ARTIFACT_TTL = 3600  # seconds rendezvous keys and round blobs are kept
 
 
+class RoundPhase(StrEnum):
+    """The phase of a job's round; ROUND_MOVES says which may follow which (the module docstring why)."""
+
+    accumulating = "accumulating"
+    matchmaking = "matchmaking"
+    reducing = "reducing"
+
+
+ROUND_MOVES: dict[RoundPhase, frozenset[RoundPhase]] = {
+    # step full: matchmaking; the awaited state can no longer be uploaded: rewound to an older step
+    RoundPhase.accumulating: frozenset({RoundPhase.matchmaking, RoundPhase.accumulating}),
+    # members fixed: reducing; no member came ready, or rewound: accumulating again
+    RoundPhase.matchmaking: frozenset({RoundPhase.reducing, RoundPhase.accumulating}),
+    # committed: the next step accumulates; aborted: matchmaking for the next attempt
+    RoundPhase.reducing: frozenset({RoundPhase.accumulating, RoundPhase.matchmaking}),
+}
+
+
+class IllegalRoundMove(RuntimeError):
+    """A move that ROUND_MOVES does not allow: a bug in the coordinator, never a peer's doing."""
+
+
 @dataclass
 class Round:
     """The coordinator's document for one job (see the module docstring)."""
 
     step: int = 0
-    phase: str = "accumulating"
+    phase: RoundPhase = RoundPhase.accumulating
     attempt: int = 0
     candidates: list[str] = field(default_factory=list)
     ready: dict[str, int] = field(default_factory=dict)
@@ -68,6 +91,15 @@ class Round:
     opened: float = 0.0  # when the running step began accumulating (its predecessor's commit)
     ready_at: dict[str, float] = field(default_factory=dict)  # when each ready peer first said so
     claimed_at: dict[str, float] = field(default_factory=dict)  # when each peer first claimed examples for the step
+
+    def __post_init__(self) -> None:
+        self.phase = RoundPhase(self.phase)  # a stored document holds the phase's name
+
+    def move(self, to: RoundPhase) -> None:
+        """Enter phase `to`; raises IllegalRoundMove unless ROUND_MOVES allows it from the phase now."""
+        if to not in ROUND_MOVES[self.phase]:
+            raise IllegalRoundMove(f"step {self.step} attempt {self.attempt}: no move from {self.phase} to {to}")
+        self.phase = to
 
     @property
     def total(self) -> int:
@@ -123,13 +155,13 @@ def advance(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, max_steps
         return rnd
     # Closing does not wait for the state upload of the last step: if its uploader died, the next
     # step's members upload a newer one, and newcomers sync to that.
-    if rnd.phase == "accumulating" and rnd.step < max_steps:
+    if rnd.phase == RoundPhase.accumulating and rnd.step < max_steps:
         _close_step(r, job_id, rnd, spec, now)
-    if rnd.phase == "matchmaking":
+    if rnd.phase == RoundPhase.matchmaking:
         waited_on = awaited(r, job_id, rnd)
         if now > rnd.deadline or dedloc.matchmaking_over(rnd.candidates, rnd.ready, waited_on, spec.target_batch_size):
             _form_round(r, job_id, rnd, spec, waited_on, now)
-    if rnd.phase == "reducing" and now > rnd.deadline:
+    if rnd.phase == RoundPhase.reducing and now > rnd.deadline:
         missing = sorted(set(rnd.members) - set(rnd.done))
         abort(r, job_id, rnd, spec, f"averaging timed out waiting for {missing}", missing, now, timed_out=True)
     return rnd
@@ -139,7 +171,8 @@ def _close_step(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: 
     reported = accumulated(r, job_id, rnd, spec, now)
     if not dedloc.step_is_full(reported, spec.target_batch_size):
         return
-    rnd.phase, rnd.attempt, rnd.ready, rnd.ready_at = "matchmaking", 0, {}, {}
+    rnd.move(RoundPhase.matchmaking)
+    rnd.attempt, rnd.ready, rnd.ready_at = 0, {}, {}
     # Every live peer is a candidate (up to matchmaking_timeout), also one still applying the last
     # step or loading the state: otherwise a fast peer could close steps alone and leave the others
     # chasing the collaboration. Some are waited on (`awaited`), none whose claim runs ahead of its
@@ -176,7 +209,7 @@ def _form_round(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, waite
     rnd.ready = {p: n for p, n in rnd.ready.items() if p not in shut_out}
     if not rnd.ready:
         log.warning("job %s: step %d attempt %d found no members; accumulating again", job_id, rnd.step, rnd.attempt)
-        rnd.phase = "accumulating"
+        rnd.move(RoundPhase.accumulating)
         return
     relayed = {p for p, v in peers(r, job_id).items() if v.relayed}
     rnd.members = dedloc.choose_members(rnd.ready)
@@ -186,7 +219,8 @@ def _form_round(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, waite
     rnd.groups, rnd.relayed, rnd.done = plan.groups, plan.relayed, {}
     rnd.formed += 1
     rnd.sessions = dedloc.group_sessions(plan.groups, rnd.kept, rnd.tag)
-    rnd.phase, rnd.deadline = "reducing", now + spec.averaging_timeout
+    rnd.move(RoundPhase.reducing)
+    rnd.deadline = now + spec.averaging_timeout
     dropped = sorted(set(rnd.candidates) - set(rnd.members))
     log.info(
         "job %s: step %d attempt %d reduces %d examples: groups %s (sessions %s), relayed %s%s",
@@ -230,7 +264,8 @@ def abort(
     rnd.candidates, rnd.ready, rnd.ready_at, rnd.done = [m for m in rnd.members if m not in shut_out], {}, {}, {}
     rnd.members, rnd.examples, rnd.groups, rnd.relayed = [], {}, [], []
     rnd.sessions, rnd.kept = [], {}  # a member may hold a broken process group: every group meets anew
-    rnd.phase, rnd.attempt = "matchmaking", rnd.attempt + 1
+    rnd.move(RoundPhase.matchmaking)
+    rnd.attempt += 1
     rnd.deadline = now + spec.matchmaking_timeout
 
 
@@ -246,7 +281,7 @@ def record_done(
     now: float,
 ) -> dict | None:
     """A member finished its reduction; returns the commit record when this completes the round."""
-    if rnd.phase != "reducing" or rnd.step != step or rnd.attempt != attempt:
+    if rnd.phase != RoundPhase.reducing or rnd.step != step or rnd.attempt != attempt:
         raise RoundGone(
             f"step {step} attempt {attempt} is not running (now step {rnd.step} attempt {rnd.attempt}, {rnd.phase})"
         )
@@ -287,7 +322,8 @@ def record_done(
 def _open_next_step(rnd: Round, now: float) -> None:
     """The running step is committed: its groups' sessions are kept, the next step accumulates from `now`."""
     rnd.kept = {dedloc.group_key(g): s for g, s in zip(rnd.groups, rnd.sessions, strict=True)}
-    rnd.step, rnd.phase, rnd.attempt = rnd.step + 1, "accumulating", 0
+    rnd.move(RoundPhase.accumulating)
+    rnd.step, rnd.attempt = rnd.step + 1, 0
     rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
     rnd.sessions, rnd.ready_at, rnd.claimed_at, rnd.opened = [], {}, {}, now
 
@@ -349,7 +385,7 @@ def commit_of(r: redis.Redis, job_id: int, step: int) -> dict | None:
 
 def check_member(rnd: Round, peer_id: str, step: int, attempt: int) -> None:
     """Raise unless `peer_id` is a member of the running reduction (step, attempt)."""
-    if rnd.phase != "reducing" or rnd.step != step or rnd.attempt != attempt:
+    if rnd.phase != RoundPhase.reducing or rnd.step != step or rnd.attempt != attempt:
         raise RoundGone(
             f"step {step} attempt {attempt} is not running (now step {rnd.step} attempt {rnd.attempt}, {rnd.phase})"
         )

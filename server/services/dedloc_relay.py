@@ -132,7 +132,7 @@ def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: in
         while (chunk := _recent_totals.get(name) or r.get(name)) is None:
             if time.monotonic() - checked > RECHECK:
                 rnd, checked = joined_round(r, job_id), time.monotonic()
-                if rnd.phase != "reducing" or (rnd.step, rnd.attempt) != (step, attempt):
+                if rnd.phase != dedloc.RoundPhase.reducing or (rnd.step, rnd.attempt) != (step, attempt):
                     return
                 if time.time() > rnd.deadline:
                     return

@@ -7,6 +7,7 @@ themselves in crowdtrain.server.services.dedloc; the routes only move data in an
 import base64
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import redis
@@ -28,7 +29,7 @@ from crowdtrain.core.schemas_dedloc import (
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_states
-from crowdtrain.server.services.dedloc import Round, RoundGone
+from crowdtrain.server.services.dedloc import Round, RoundGone, RoundPhase
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
 from crowdtrain.server.services.dedloc_peers import NotAMember
 
@@ -90,50 +91,69 @@ def _next_action(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: 
         return ProgressReply(action=action, step=rnd.step, state_step=rnd.state_step, **kw)
 
     # A committed step is applied by each of its members, even when it was the job's last.
-    if 0 <= req.step < rnd.step and req.attempt is not None:
-        commit = dedloc.commit_of(r, view.id, req.step)
-        if commit and commit["attempt"] == req.attempt and req.peer_id in commit["members"]:
-            # The state after it is uploaded once its members have reported holding the same parameters
-            # (`upload_state` in a later answer: crowdtrain.server.services.dedloc_states).
-            return answer(PeerAction.apply)
+    if _committed_with(r, view, rnd, req):
+        # The state after it is uploaded once its members have reported holding the same parameters
+        # (`upload_state` in a later answer: crowdtrain.server.services.dedloc_states).
+        return answer(PeerAction.apply)
     if rnd.finished or not view.running:
         return answer(PeerAction.stop, message="the job has finished")
     if req.step != rnd.step:
         return answer(PeerAction.resync, message=f"the collaboration is at step {rnd.step}")
     dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
-    if rnd.phase == "accumulating" or req.peer_id not in rnd.candidates + rnd.members:
-        r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
-        if req.examples > 0:
-            rnd.claimed_at.setdefault(req.peer_id, now)
-        dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
-    # An excluded peer (dedloc.excluded) is never a member again; a peer claiming more than its
-    # bound is not ready until time catches up with its claim (a fake claim never does).
-    if rnd.phase == "matchmaking":
-        bound = dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(req.peer_id, 0)
-        if req.examples > bound:
-            log.info(
-                "job %s: peer %s claims %d examples, beyond its bound %d: not ready",
-                view.id,
-                req.peer_id,
-                req.examples,
-                bound,
-            )
-        elif req.examples > 0:
-            if req.peer_id not in rnd.candidates:
-                rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
-            rnd.ready[req.peer_id] = req.examples
-            rnd.ready_at.setdefault(req.peer_id, now)
-            dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
-    if rnd.phase == "reducing" and req.peer_id in rnd.members:
+    if rnd.phase == RoundPhase.accumulating or req.peer_id not in rnd.candidates + rnd.members:
+        _note_claim(r, view, rnd, req, now)
+    if rnd.phase == RoundPhase.matchmaking:
+        _note_ready(r, view, rnd, req, now)
+    if rnd.phase == RoundPhase.reducing and req.peer_id in rnd.members:
         if req.peer_id in rnd.done:
             return answer(PeerAction.wait)
         return answer(PeerAction.reduce, round=_plan_for(rnd, req.peer_id, view.spec))
-    if rnd.phase == "matchmaking" and req.peer_id in rnd.ready:
+    if rnd.phase == RoundPhase.matchmaking and req.peer_id in rnd.ready:
         return answer(PeerAction.matchmaking)
     # What the others are told counts no excluded peer, and each claim only up to its bound.
     bounds = dedloc.claim_bounds(r, view.id, rnd, view.spec, now)
     reported = dedloc_claims.progress(r, view.id, rnd.step, bounds)
     return answer(PeerAction.accumulate, accumulated=sum(reported.values()), peers=max(1, len(bounds)))
+
+
+def _committed_with(r: redis.Redis, view: JobView, rnd: Round, req: Progress) -> bool:
+    """Whether the peer reports an attempt of a step before the running one that was committed with
+    it as a member."""
+    if not 0 <= req.step < rnd.step or req.attempt is None:
+        return False
+    commit = dedloc.commit_of(r, view.id, req.step)
+    return commit is not None and commit["attempt"] == req.attempt and req.peer_id in commit["members"]
+
+
+def _note_claim(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: float) -> None:
+    """Record the examples the peer claims for the running step (and when it first claimed any)."""
+    r.hset(keys.dedloc_progress(view.id, rnd.step), req.peer_id, req.examples)
+    if req.examples > 0:
+        rnd.claimed_at.setdefault(req.peer_id, now)
+    dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
+
+
+def _note_ready(r: redis.Redis, view: JobView, rnd: Round, req: Progress, now: float) -> None:
+    """While matchmaking: the peer is ready with its examples, unless it claims more than its bound
+    (not ready until time catches up with its claim: a fake claim never does). An excluded peer
+    (dedloc.excluded) is never a member again."""
+    bound = dedloc.claim_bounds(r, view.id, rnd, view.spec, now).get(req.peer_id, 0)
+    if req.examples > bound:
+        log.info(
+            "job %s: peer %s claims %d examples, beyond its bound %d: not ready",
+            view.id,
+            req.peer_id,
+            req.examples,
+            bound,
+        )
+        return
+    if req.examples <= 0:
+        return
+    if req.peer_id not in rnd.candidates:
+        rnd.candidates.append(req.peer_id)  # synced and accumulating: welcome while members are gathered
+    rnd.ready[req.peer_id] = req.examples
+    rnd.ready_at.setdefault(req.peer_id, now)
+    dedloc.advance(r, view.id, rnd, view.spec, view.max_steps, now)
 
 
 def report(
@@ -212,46 +232,80 @@ def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int,
     group = dedloc.group_of(rnd, req.peer_id)
     if group is None:
         raise DedlocProblem(RefusalKind.forbidden, f"peer {req.peer_id} is relayed: it has no all-reduce group")
-    prefix = keys.dedloc_store(job_id, step, attempt, group)
-    value = None if req.value is None else base64.b64decode(req.value)
-    if op == "set":
-        r.set(prefix + req.key, value or b"", ex=dedloc.ARTIFACT_TTL)
-        return StoreReply()
-    if op == "get":
-        got = _wait_for(lambda: r.get(prefix + req.key), req.wait)
-        return StoreReply(value=_b64(got), found=got is not None)
-    if op == "add":
-        try:
-            n = r.incrby(prefix + req.key, req.amount)
-        except redis.ResponseError as exc:  # the key holds other bytes, or the sum leaves 64 bits
-            raise DedlocProblem(
-                RefusalKind.conflict, f"store key {req.key!r} holds no counter that can add {req.amount}: {exc}"
-            ) from None
-        r.expire(prefix + req.key, dedloc.ARTIFACT_TTL)
-        return StoreReply(number=n)
-    if op == "check":
-        found = _wait_for(lambda: all(r.exists(prefix + k) for k in req.keys) or None, req.wait)
-        return StoreReply(found=bool(found))
-    if op == "compare_set":
-        expected = None if req.expected is None else base64.b64decode(req.expected)
-        with r.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(prefix + req.key)
-                    # redis-py types replies `bytes | str`; ours are bytes (no `decode_responses`).
-                    current = cast(bytes | None, pipe.get(prefix + req.key))
-                    pipe.multi()
-                    if (current is None and not expected) or current == expected:
-                        pipe.set(prefix + req.key, value or b"", ex=dedloc.ARTIFACT_TTL)
-                        pipe.execute()
-                        return StoreReply(value=_b64(value or b""))
-                    pipe.reset()
-                    return StoreReply(value=_b64(current if current is not None else expected))
-                except redis.WatchError:
-                    continue
-    if op == "delete":
-        return StoreReply(found=bool(r.delete(prefix + req.key)))
-    raise DedlocProblem(RefusalKind.not_found, f"unknown store operation {op!r}")
+    handle = _STORE_OPS.get(op)
+    if handle is None:
+        raise DedlocProblem(RefusalKind.not_found, f"unknown store operation {op!r}")
+    return handle(r, keys.dedloc_store(job_id, step, attempt, group), req)
+
+
+def _value(req: StoreOp) -> bytes:
+    return b"" if req.value is None else base64.b64decode(req.value)
+
+
+def _store_set(r: redis.Redis, prefix: str, req: StoreOp) -> StoreReply:
+    key = prefix + req.key
+    r.set(key, _value(req), ex=dedloc.ARTIFACT_TTL)
+    return StoreReply()
+
+
+def _store_get(r: redis.Redis, prefix: str, req: StoreOp) -> StoreReply:
+    key = prefix + req.key
+    got = _wait_for(lambda: r.get(key), req.wait)
+    return StoreReply(value=_b64(got), found=got is not None)
+
+
+def _store_add(r: redis.Redis, prefix: str, req: StoreOp) -> StoreReply:
+    key = prefix + req.key
+    try:
+        n = r.incrby(key, req.amount)
+    except redis.ResponseError as exc:  # the key holds other bytes, or the sum leaves 64 bits
+        raise DedlocProblem(
+            RefusalKind.conflict, f"store key {req.key!r} holds no counter that can add {req.amount}: {exc}"
+        ) from None
+    r.expire(key, dedloc.ARTIFACT_TTL)
+    return StoreReply(number=n)
+
+
+def _store_check(r: redis.Redis, prefix: str, req: StoreOp) -> StoreReply:
+    found = _wait_for(lambda: all(r.exists(prefix + k) for k in req.keys) or None, req.wait)
+    return StoreReply(found=bool(found))
+
+
+def _store_compare_set(r: redis.Redis, prefix: str, req: StoreOp) -> StoreReply:
+    key = prefix + req.key
+    expected = None if req.expected is None else base64.b64decode(req.expected)
+    value = _value(req)
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(key)
+                # redis-py types replies `bytes | str`; ours are bytes (no `decode_responses`).
+                current = cast(bytes | None, pipe.get(key))
+                pipe.multi()
+                if (current is None and not expected) or current == expected:
+                    pipe.set(key, value, ex=dedloc.ARTIFACT_TTL)
+                    pipe.execute()
+                    return StoreReply(value=_b64(value))
+                pipe.reset()
+                return StoreReply(value=_b64(current if current is not None else expected))
+            except redis.WatchError:
+                continue
+
+
+def _store_delete(r: redis.Redis, prefix: str, req: StoreOp) -> StoreReply:
+    key = prefix + req.key
+    return StoreReply(found=bool(r.delete(key)))
+
+
+# The operations of torch.distributed's Store, each given the group's key prefix and the request.
+_STORE_OPS: dict[str, Callable[[redis.Redis, str, StoreOp], StoreReply]] = {
+    "set": _store_set,
+    "get": _store_get,
+    "add": _store_add,
+    "check": _store_check,
+    "compare_set": _store_compare_set,
+    "delete": _store_delete,
+}
 
 
 def _wait_for(fetch, seconds: float):

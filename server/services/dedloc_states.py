@@ -21,7 +21,7 @@ from crowdtrain.core import keys
 from crowdtrain.core.dedloc import StateVerdict
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.server.services import dedloc, dedloc_peers
-from crowdtrain.server.services.dedloc import Round
+from crowdtrain.server.services.dedloc import Round, RoundPhase
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def rewind_orphaned(r: redis.Redis, job_id: int, spec: DedlocSpec, rnd: Round, n
     once refused, or peers that left. The steps after the accepted state are forgotten (their commits,
     digests and refusals) and the accepted step is accumulated anew; `rnd` is changed in place, for
     the caller to save under the job's lock. True when it rewound."""
-    if rnd.phase == "reducing" or rnd.finished or rnd.state_step >= rnd.step:
+    if rnd.phase == RoundPhase.reducing or rnd.finished or rnd.state_step >= rnd.step:
         return False
     commit = dedloc.commit_of(r, job_id, rnd.step - 1)
     window = dedloc_peers.liveness_window(spec)
@@ -138,7 +138,8 @@ def rewind_orphaned(r: redis.Redis, job_id: int, spec: DedlocSpec, rnd: Round, n
     for step in range(back + 1, lost + 1):
         r.delete(keys.dedloc_digests(job_id, step), keys.dedloc_state_refusals(job_id, step))
     r.delete(keys.dedloc_progress(job_id, back))
-    rnd.step, rnd.phase, rnd.attempt = back, "accumulating", 0
+    rnd.move(RoundPhase.accumulating)
+    rnd.step, rnd.attempt = back, 0
     rnd.candidates, rnd.ready, rnd.members, rnd.examples, rnd.groups, rnd.relayed, rnd.done = [], {}, [], {}, [], [], {}
     rnd.sessions, rnd.kept = [], {}
     log.warning(
