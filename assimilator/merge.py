@@ -1,24 +1,27 @@
 """Merging uploaded results into W_s, one or a job's queue at a time, and their outcomes into the ledger.
 
-`assimilate_many` merges results of one job in one pass: it reads each upload once from where
-the scheduler stored it (crowdtrain.assimilator.inputs: a weights upload the scheduler checked and
+`assimilate_many` merges results of one job in one pass: it reads each upload once from where the
+scheduler stored it (crowdtrain.assimilator.inputs: a weights upload the scheduler checked and
 hashed is neither checked nor hashed again), refuses a replayed result, has a replicated one voted
-on (crowdtrain.assimilator.replica_vote), merges them in order with the job's rule under the policy
-every rule obeys (staleness bound, update-norm bound, clipping: crowdtrain.assimilator.policy) into
-W_s read once and written once, records each outcome, evaluates W_s when due (once per pass, not
-once per merge), publishes a snapshot when due, and closes the epochs that are complete
-(record_merged, with crowdtrain.server.ledger.epochs.close_epoch_if_complete). `assimilate` is a pass of one result.
+on (crowdtrain.assimilator.replica_vote; the canonical replica a vote chooses joins the pass),
+merges them in order with the job's rule under the policy every rule obeys (staleness bound,
+update-norm bound, clipping: crowdtrain.assimilator.policy) into W_s read once and written once, records
+each outcome, evaluates W_s when due (once per pass, not once per merge), publishes a snapshot when
+due, and closes the epochs that are complete (record_merged, with
+crowdtrain.server.ledger.epochs.close_epoch_if_complete). `assimilate` is a pass of one result.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
 assignment, and at most one assignment per workunit (crowdtrain.server.paramstore.merging.merge_batch: a straggler's
 duplicate that loses ends `superseded`), and every ledger step is idempotent
 (crowdtrain.server.ledger.merges), so running a pass again for the same assignments, after a crash
-anywhere in it, completes what is missing and changes nothing else. No Celery here: the task in
+anywhere in it, completes what is missing and changes nothing else. Each result's outcome is a
+value (MergeResult); an exception is a failure. No Celery here: the task in
 crowdtrain.assimilator.worker.tasks only wraps crowdtrain.assimilator.merge_pass.
 """
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -63,15 +66,6 @@ class Superseded(Exception):
         self.winner_id = winner_id
 
 
-class Judged(Exception):
-    """The result's workunit is replicated and this call judged (or awaits) its replicas: the outcome
-    for this assignment is `result`, and nothing more is recorded for it here."""
-
-    def __init__(self, result: "MergeResult"):
-        super().__init__(result.reason)
-        self.result = result
-
-
 class JobBroken(Exception):
     """The job itself cannot take merges (its validation set does not fit its model, ...): every
     merge would fail the same way, so the job fails with this message."""
@@ -96,6 +90,16 @@ class MergeResult:
     outcome: Outcome
     version: int | None = None  # the W_s version that holds the result (merged, already merged)
     reason: str = ""  # why it was refused or failed
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A result whose outcome was decided before any merge (refused, superseded, or judged by a
+    replica vote: validated, refused, awaiting replicas); nothing more is recorded for it here.
+    `also_merge`: the canonical replica the vote chose, another assignment, to merge in the same pass."""
+
+    result: MergeResult
+    also_merge: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,10 +155,16 @@ def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None
 def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None]]) -> list[MergeResult]:
     results: dict[int, MergeResult] = {}
     recorded: list[tuple[merges.PendingMerge, int]] = []  # W_s holds each at that version
-    to_merge: list[tuple[merges.PendingMerge, QueuedResult]] = []
+    to_merge: dict[int, tuple[merges.PendingMerge, QueuedResult]] = {}  # in the order they are merged
     pendings = merges.pending_merges(svc.db, [assignment_id for assignment_id, _ in queued])
-    for assignment_id, received_at in queued:
+    # The queued results, then the canonical replicas their votes chose (another result of one of
+    # their workunits, read afresh): all are merged in the one pass below.
+    work = deque(queued)
+    while work:
+        assignment_id, received_at = work.popleft()
         pending = pendings[assignment_id]
+        if assignment_id in to_merge:
+            continue
         if pending is None:
             results[assignment_id] = MergeResult(Outcome.nothing_to_merge)
             continue
@@ -166,15 +176,16 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
             results[assignment_id] = MergeResult(Outcome.already_merged, version or 0)
             recorded.append((pending, version or 0))
             continue
-        try:
-            to_merge.append((pending, _prepare(svc, pending, received_at)))
-        except Refused as exc:
-            results[assignment_id] = _refuse(svc, assignment_id, exc)
-        except Superseded as exc:
-            results[assignment_id] = _supersede(svc, assignment_id, exc)
-        except Judged as exc:
-            results[assignment_id] = exc.result
-    for (pending, _), result in zip(to_merge, _merge(svc, to_merge), strict=True):
+        prepared = _prepare(svc, pending, received_at)
+        if isinstance(prepared, QueuedResult):
+            to_merge[assignment_id] = (pending, prepared)
+            continue
+        results[assignment_id] = prepared.result
+        if prepared.also_merge is not None:
+            pendings[prepared.also_merge] = merges.pending_merge(svc.db, prepared.also_merge)
+            work.append((prepared.also_merge, received_at))
+    merging_now = list(to_merge.values())
+    for (pending, _), result in zip(merging_now, _merge(svc, merging_now), strict=True):
         results[pending.assignment_id] = result
         if result.version is not None:
             recorded.append((pending, result.version))
@@ -182,10 +193,20 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
     return [results[assignment_id] for assignment_id, _ in queued]
 
 
-def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> QueuedResult:
-    """A result that no delivery has merged yet, read and ready to merge; raises Refused when it must
-    not be, Superseded when another assignment of its workunit was merged first, and Judged when a
-    replica vote decided its outcome."""
+def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> QueuedResult | Decided:
+    """A result that no delivery has merged yet, read and ready to merge; or what was decided instead:
+    refused, superseded when another assignment of its workunit was merged first, or judged by a
+    replica vote."""
+    try:
+        return _read_and_judge(svc, p, received_at)
+    except Refused as exc:
+        return Decided(_refuse(svc, p.assignment_id, exc))
+    except Superseded as exc:
+        return Decided(_supersede(svc, p.assignment_id, exc))
+
+
+def _read_and_judge(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> QueuedResult | Decided:
+    """`_prepare`'s work; raises Refused or Superseded for `_prepare` to record."""
     if not p.job_running:
         raise Refused("job is no longer running", charge=False)
     if p.workunit_done:
@@ -200,7 +221,9 @@ def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | No
     # The digest is noted first, whether replicated or not, so that an original precedes its replays.
     replayed = None if result is None else replay_of(svc.r, p.job_id, p.assignment_id, result.digest)
     if p.quorum > 1 and p.canonical != p.assignment_id:
-        _vote(svc, p, received_at)  # raises Judged, or returns when this result is the one to merge
+        decided = _vote(svc, p)
+        if decided is not None:
+            return decided
     elif replayed is not None:
         raise Refused(replay_reason(replayed), charge=True)
     if result is None:
@@ -240,20 +263,20 @@ def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, Que
     return results
 
 
-def _vote(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> None:
-    """The replica vote (crowdtrain.assimilator.replica_vote) for a replicated result: returns when `p`
-    is the canonical replica, for the caller to merge it; merges the canonical one when it is
-    another's (its own merge ended while it waited); raises Judged with this assignment's outcome."""
+def _vote(svc: MergeServices, p: merges.PendingMerge) -> Decided | None:
+    """The replica vote (crowdtrain.assimilator.replica_vote) for a replicated result: None when `p`
+    is the canonical replica, for the caller to merge it; else this assignment's outcome, with the
+    canonical replica to merge when the vote chose another (its own merge ended while it waited)."""
     vote = judge_replicas(svc.db, svc.storage, svc.r, svc.evaluator, p)
     if vote.canonical == p.assignment_id:
-        return
-    if vote.canonical is not None:
-        _assimilate_many(svc, [(vote.canonical, received_at)])
+        return None
     if vote.refused is not None:
-        raise Judged(MergeResult(Outcome.refused, reason=vote.refused))
-    if vote.canonical is not None:
-        raise Judged(MergeResult(Outcome.validated, reason=f"agrees with replica {vote.canonical}"))
-    raise Judged(MergeResult(Outcome.awaiting_replicas))
+        outcome = MergeResult(Outcome.refused, reason=vote.refused)
+    elif vote.canonical is not None:
+        outcome = MergeResult(Outcome.validated, reason=f"agrees with replica {vote.canonical}")
+    else:
+        outcome = MergeResult(Outcome.awaiting_replicas)
+    return Decided(outcome, also_merge=vote.canonical)
 
 
 def _guarded(p: merges.PendingMerge, rule: Rule, policy: Policy, result: Result) -> Step:
