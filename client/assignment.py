@@ -26,7 +26,6 @@ from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import AssignmentStatus, StatusWriter
 from crowdtrain.client.trainers import Cancelled, TrainControl, TrainResult, train
 from crowdtrain.core import frameworks as fw
-from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.schemas import AssignmentOut, FileRef, HeartbeatReply, Resources, ResultMetrics
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
@@ -109,7 +108,7 @@ class _Inputs:
     params: Params
     x: np.ndarray
     y: np.ndarray
-    framework: Framework
+    framework: str  # a Framework (crowdtrain.core.frameworks.pick's answer)
 
 
 def ewma(old: float | None, new: float) -> float:

@@ -204,38 +204,55 @@ class _Request:
 
     def fill(self, free_slots: int, cached: list[str]) -> None:
         """Replicas first, then ready workunits split by fair share, then straggler duplicates."""
-        c, host, terms = self.c, self.host, self.terms
-        weights = {j: t.scheduling.weight for j, t in terms.items()}
-        running = fair_share.running_assignments(self.s, list(terms)) if len(terms) > 1 else {}
-        for job_id, t in terms.items():
+        running = fair_share.running_assignments(self.s, list(self.terms)) if len(self.terms) > 1 else {}
+        self._fill_replicas(free_slots)
+        self._fill_ready(free_slots, cached, running)
+        self._fill_duplicates(free_slots, running)
+
+    def _fill_replicas(self, free_slots: int) -> None:
+        for job_id, t in self.terms.items():
             if t.validation.enabled and len(self.out) < free_slots:
                 wanted = replicas.claim_replicas(self.s, self.job(job_id), self.host_row(), free_slots - len(self.out))
                 self.open(job_id, [Claim.of(wu, sh) for wu, sh in wanted], "replica, ")
-        reliable = host.consecutive_valid >= RELIABLE_AFTER
-        open_jobs = {j: w for j, w in weights.items() if self.headroom[j] > 0}  # jobs at their budget wait
+
+    def _fill_ready(self, free_slots: int, cached: list[str], running: dict[int, int]) -> None:
+        """Ready workunits, the free slots split between the jobs by fair share (`running` counts each
+        job's assignments, these included); a job at its in-flight budget waits."""
+        reliable = self.host.consecutive_valid >= RELIABLE_AFTER
+        weights = {j: t.scheduling.weight for j, t in self.terms.items()}
+        open_jobs = {j: w for j, w in weights.items() if self.headroom[j] > 0}
         while len(self.out) < free_slots and open_jobs:
             plan = fair_share.split_slots(free_slots - len(self.out), running, open_jobs)
             for job_id, n in plan.items():
                 if n == 0:
                     continue
-                allowed = min(n, self.headroom[job_id])
-                claimed = claim_workunits(c, job_id, reliable, allowed, cached)
-                if len(claimed) < allowed and self.newer_epoch(job_id):
-                    claimed += claim_workunits(c, job_id, reliable, allowed - len(claimed), cached)
+                claimed = self._claim_ready(job_id, min(n, self.headroom[job_id]), reliable, cached)
                 if claimed:
                     running[job_id] = running.get(job_id, 0) + len(claimed)
-                    if terms[job_id].validation.enabled:
-                        _set_quorum(c, claimed, replicas.quorum_for(self.host_row(), terms[job_id].validation))
                     self.open(job_id, claimed)
                 if len(claimed) < n:
                     del open_jobs[job_id]
-        # Slots left over: no job has anything ready, even in an early-released epoch. A host whose
-        # work the job replicates gets no duplicate (its result would be merged unchecked).
+
+    def _claim_ready(self, job_id: int, allowed: int, reliable: bool, cached: list[str]) -> list[Claim]:
+        """Up to `allowed` ready workunits of the job, from a newer epoch too when the one this request
+        saw runs short; with their replica quorum set when the job replicates."""
+        claimed = claim_workunits(self.c, job_id, reliable, allowed, cached)
+        if len(claimed) < allowed and self.newer_epoch(job_id):
+            claimed += claim_workunits(self.c, job_id, reliable, allowed - len(claimed), cached)
+        validation = self.terms[job_id].validation
+        if claimed and validation.enabled:
+            _set_quorum(self.c, claimed, replicas.quorum_for(self.host_row(), validation))
+        return claimed
+
+    def _fill_duplicates(self, free_slots: int, running: dict[int, int]) -> None:
+        """Slots left over: no job has anything ready, even in an early-released epoch. A host whose
+        work the job replicates gets no duplicate (its result would be merged unchecked)."""
+        weights = {j: t.scheduling.weight for j, t in self.terms.items()}
         for job_id in fair_share.by_share(running, weights):
-            after = terms[job_id].scheduling.duplicate_after_seconds
+            after = self.terms[job_id].scheduling.duplicate_after_seconds
             if len(self.out) >= free_slots or after is None:
                 continue
-            if replicas.replicated_host(self.host_row(), terms[job_id].validation):
+            if replicas.replicated_host(self.host_row(), self.terms[job_id].validation):
                 continue
             duplicates = claim_straggler_duplicates(
                 self.s, self.job(job_id), self.host_row(), free_slots - len(self.out), after

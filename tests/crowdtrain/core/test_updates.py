@@ -1,6 +1,8 @@
 """crowdtrain.core.updates: each encoding's round trip within its stated error, and every malformed blob
 refused with a message that names the problem."""
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -133,38 +135,43 @@ def _wire(upload: dict) -> dict:
     return {**carried, **encode_update(_delta(base, client), upload)}
 
 
+def _set(w: dict, name: str, value) -> None:
+    w[name] = value
+
+
+def _set_first(w: dict, name: str, value) -> None:
+    w[name].flat[0] = value
+
+
+def _to_infinity(w: dict) -> None:
+    w["fc.weight" + SCALE_SUFFIX][0] = np.float32(3e38)
+    w["fc.weight"].flat[0] = 127
+
+
+S = SCALE_SUFFIX
+# Each kind of malformed upload: how it changes a well-formed wire dict.
+MALFORM: dict[str, Callable[[dict], None]] = {
+    "missing scale": lambda w: w.pop("fc.weight" + S),
+    "missing tensor": lambda w: [w.pop("fc.bias"), w.pop("fc.bias" + S)],
+    "extra tensor": lambda w: _set(w, "fc.extra", np.zeros(3, np.float32)),
+    "extra scale": lambda w: _set(w, "fc.weight" + S + S, w.pop("bn.num_batches_tracked").reshape(1)),
+    "wrong dtype": lambda w: _set(w, "fc.weight", w["fc.weight"].astype(np.float32)),
+    "wrong scale dtype": lambda w: _set(w, "fc.weight" + S, w["fc.weight" + S].astype(np.float64)),
+    "wrong shape": lambda w: _set(w, "fc.weight", w["fc.weight"].reshape(101, 10)),
+    "integer tensor as float": lambda w: _set(w, "bn.num_batches_tracked", np.array(44.0, np.float32)),
+    "NaN scale": lambda w: _set_first(w, "fc.weight" + S, np.nan),
+    "negative scale": lambda w: _set_first(w, "fc.weight" + S, -1.0),
+    "wrong block count": lambda w: _set(w, "fc.weight" + S, w["fc.weight" + S][:-1]),
+    "int8 -128": lambda w: _set_first(w, "fc.weight", -128),
+    "decodes to infinity": _to_infinity,
+    "bfloat16 infinity": lambda w: _set_first(w, "fc.bias", np.inf),
+}
+
+
 def _malformed(kind: str) -> tuple[dict, bytes]:
     upload = INT8_BLOCKS if kind == "wrong block count" else (BF16 if kind == "bfloat16 infinity" else INT8)
     w = _wire(upload)
-    if kind == "missing scale":
-        del w["fc.weight" + SCALE_SUFFIX]
-    elif kind == "missing tensor":
-        del w["fc.bias"], w["fc.bias" + SCALE_SUFFIX]
-    elif kind == "extra tensor":
-        w["fc.extra"] = np.zeros(3, np.float32)
-    elif kind == "extra scale":
-        w["fc.weight" + SCALE_SUFFIX + SCALE_SUFFIX] = w.pop("bn.num_batches_tracked").reshape(1)
-    elif kind == "wrong dtype":
-        w["fc.weight"] = w["fc.weight"].astype(np.float32)
-    elif kind == "wrong scale dtype":
-        w["fc.weight" + SCALE_SUFFIX] = w["fc.weight" + SCALE_SUFFIX].astype(np.float64)
-    elif kind == "wrong shape":
-        w["fc.weight"] = w["fc.weight"].reshape(101, 10)
-    elif kind == "integer tensor as float":
-        w["bn.num_batches_tracked"] = np.array(44.0, np.float32)
-    elif kind == "NaN scale":
-        w["fc.weight" + SCALE_SUFFIX][0] = np.nan
-    elif kind == "negative scale":
-        w["fc.weight" + SCALE_SUFFIX][0] = -1.0
-    elif kind == "wrong block count":
-        w["fc.weight" + SCALE_SUFFIX] = w["fc.weight" + SCALE_SUFFIX][:-1]
-    elif kind == "int8 -128":
-        w["fc.weight"].flat[0] = -128
-    elif kind == "decodes to infinity":
-        w["fc.weight" + SCALE_SUFFIX][0] = np.float32(3e38)
-        w["fc.weight"].flat[0] = 127
-    elif kind == "bfloat16 infinity":
-        w["fc.bias"][0] = np.inf
+    MALFORM[kind](w)
     return upload, save({k: np.ascontiguousarray(v).reshape(v.shape) for k, v in w.items()})
 
 
