@@ -5,8 +5,8 @@ What it measures
     `Cluster`: private redis-server, scheduler on SQLite, transitioner, Celery parameter servers, and
     client processes of `--slots-per-client` slots), then the same job spec in the training
     simulator (crowdtrain.sim.training) with the timing measured on that real run
-    (crowdtrain.sim.calibration: a slot's seconds per example and the hosts' spread, one
-    transfer, a merge pass's and an evaluation's service times). Compared: the examples to the
+    (crowdtrain.sim.calibration: a slot's seconds per example, the hosts' spread and each
+    assignment's, one transfer, a merge pass's and an evaluation's service times). Compared: the examples to the
     task's target as a ratio to one process (`ratio`, as benchmarks/learning_efficiency.py
     measures it) and the mean staleness of merged results. `ratio_gap` and `staleness_gap` are
     |sim - real| / real; the goal is <= 0.15 for both, at 4 and 8 slots, on two tasks and two rules.

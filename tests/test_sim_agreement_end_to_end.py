@@ -5,16 +5,17 @@ must reach the target with about the same training examples and see about the sa
 simulator is worth what it predicts about the system, and staleness is what its model of slots,
 prefetch, merge passes and service times produces.
 
-The tolerances are wider than benchmarks/sim_agreement.py's goal (15%): one short job's figures move
-with the order in which a loaded machine lets results arrive, which the simulator cannot copy. On
-the development machine (2026-11-28) this test's job took 38,000 examples to 0.85 for real and in
-the replay, with mean staleness 3.10 and 4.58; the example job at 4 slots to 0.90
-(benchmarks/sim_agreement.py) saw 3.57 and 4.53 for real in two runs, 4.59 and 4.72 replayed. So
-staleness must agree within 1.5 merges or half the real figure. At this scale it is set by the
-assignments a host holds: the replay gave 4.45-4.75 with training 10 times faster, passes of 0.5 s,
-no prefetch or one result a pass, but 1.75 and 2.94 with 1 and 2 slots; so the test catches a
-replay that holds a different number of assignments in flight than the system, and examples to
-target that the same training code does not reproduce."""
+One real run is one draw: the order in which a host's slots finish decides the order of merges,
+and with it the examples to the target. On the development machine this test's job took 38,000
+examples for real in one run and 32,000 in another, and 26,000 in a CI run, while a replay without
+that spread (every slot equally fast) gave 38,000 every time. The replay therefore also draws each
+assignment's compute time around its host's, with the spread measured on the run (`jitter_sigma`),
+and the test compares the real run with the median of REPLAYS seeded replays: on the development
+machine (2026-11-28, jitter_sigma 0.47) six replays gave 26,000-36,000 examples and mean staleness
+3.30-4.05 against a real 32,000 and 3.80. So the median of the replays must lie within
+EXAMPLES_TOLERANCE of the real examples to the target, and their staleness within 1.5 merges or
+half the real figure: the test catches a replay that holds a different number of assignments in
+flight than the system, and examples to target that the same training code does not reproduce."""
 
 import statistics
 
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.integration
 
 TARGET = 0.85
 SLOTS = 4
-EXAMPLES_TOLERANCE = 0.35  # |sim - real| / real, examples to the target
+REPLAYS = 8  # seeded replays of the real run's timing
+EXAMPLES_TOLERANCE = 0.35  # |median sim - real| / real, examples to the target
 STALENESS_TOLERANCE = 0.5  # |sim - real| / real, or STALENESS_MERGES, whichever is larger
 STALENESS_MERGES = 1.5
 
@@ -77,14 +79,18 @@ def test_the_simulator_replays_a_real_job_with_its_measured_timing(make_cluster)
     timing = measure(db_url, cluster.redis_url, job_id)
     assert timing.passes > 0 and timing.example_seconds > 0
 
-    sim = simulate_training(spec, hosts=1, slots=SLOTS, seed=0, **timing.sim_settings())
-    sim_examples = next((m.examples for m in sim.metrics if m.accuracy >= TARGET), None)
-    sim_staleness = statistics.fmean(sim.staleness)
+    replays = [
+        simulate_training(spec, hosts=1, slots=SLOTS, seed=seed, **timing.sim_settings()) for seed in range(REPLAYS)
+    ]
+    reached = [next((m.examples for m in r.metrics if m.accuracy >= TARGET), None) for r in replays]
     figures = (
-        f"examples to {TARGET}: real {real_examples}, sim {sim_examples}; mean staleness: real "
-        f"{real_staleness:.2f}, sim {sim_staleness:.2f}; timing {timing.figures()}"
+        f"examples to {TARGET}: real {real_examples}, replays {reached}; mean staleness: real "
+        f"{real_staleness:.2f}, replays {[round(statistics.fmean(r.staleness), 2) for r in replays]}; "
+        f"timing {timing.figures()}"
     )
     print(figures)
-    assert real_examples is not None and sim_examples is not None, figures
+    assert real_examples is not None and None not in reached, figures
+    sim_examples = statistics.median(x for x in reached if x is not None)
+    sim_staleness = statistics.median(statistics.fmean(r.staleness) for r in replays)
     assert abs(sim_examples - real_examples) <= EXAMPLES_TOLERANCE * real_examples, figures
     assert abs(sim_staleness - real_staleness) <= max(STALENESS_MERGES, STALENESS_TOLERANCE * real_staleness), figures

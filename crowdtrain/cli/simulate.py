@@ -89,6 +89,9 @@ def simulate_training(
     ] = None,
     network_seconds: Annotated[float, typer.Option(min=0, help="Seconds per transfer (snapshot, shard, upload)")] = 0.0,
     speed_sigma: Annotated[float, typer.Option(min=0, help="sigma of the hosts' lognormal speed factors")] = 0.5,
+    jitter_sigma: Annotated[
+        float, typer.Option(min=0, help="sigma of each assignment's lognormal compute-time factor around its host's")
+    ] = 0.0,
     example_seconds: Annotated[
         float, typer.Option(min=0, help="Compute seconds per example and local epoch on a speed-1 host")
     ] = 1e-3,
@@ -114,7 +117,7 @@ def simulate_training(
         bool,
         typer.Option(help="Each host's slots carry their optimizer state from one workunit to the next"),
     ] = False,
-    seed: Annotated[int, typer.Option(help="Seed of host speeds and preemptions")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of host speeds, preemptions and jitter")] = 0,
     table: Annotated[bool, typer.Option(help="Also print a table of the main figures")] = False,
 ) -> None:
     """Training simulator: simulated hosts train the job in this process, on a simulated clock.
@@ -134,6 +137,7 @@ def simulate_training(
             network_seconds,
             seed,
             speed_sigma=speed_sigma,
+            jitter_sigma=jitter_sigma,
             example_seconds=example_seconds,
             workunit_seconds=workunit_seconds,
             compute=compute,

@@ -6,7 +6,9 @@ W_s took and when it was written (the Redis merge log, keys.merge_log: one `merg
 and when each metric was recorded (table `metrics`). From them, `measure` gives:
 
 - `example_seconds`: the median seconds per training example of one slot, and `speed_sigma`: the
-  spread (standard deviation of the logarithm) of the hosts' mean seconds per example;
+  spread (standard deviation of the logarithm) of the hosts' mean seconds per example, and
+  `jitter_sigma`: the spread of one assignment's seconds per example around its host's mean (the
+  pooled standard deviation of the logarithm within hosts);
 - `network_seconds`: one transfer, half the 10th percentile of an assignment's time from its
   dispatch to its upload beyond its training (a download and an upload, nothing waited for);
 - `eval_seconds`: the median time from a pass's write of W_s to the metric recorded after it;
@@ -47,6 +49,7 @@ class Timing:
 
     example_seconds: float
     speed_sigma: float
+    jitter_sigma: float
     network_seconds: float
     eval_seconds: float
     pass_seconds: float
@@ -63,6 +66,7 @@ class Timing:
             for k in (
                 "example_seconds",
                 "speed_sigma",
+                "jitter_sigma",
                 "network_seconds",
                 "eval_seconds",
                 "pass_seconds",
@@ -107,8 +111,8 @@ def measure(db_url: str, redis_url: str, job_id: int) -> Timing:
     per_example = [row.train_seconds / row.examples for row in trained]
     by_host: dict[int, list[float]] = {}
     for row, rate in zip(trained, per_example, strict=True):
-        by_host.setdefault(row.host_id, []).append(math.log(rate))
-    host_means = [statistics.fmean(v) for v in by_host.values()]
+        by_host.setdefault(row.host_id, []).append(rate)
+    speed_sigma, jitter_sigma = _spreads(list(by_host.values()))
     beyond = [_epoch(row.uploaded_at) - _epoch(row.sent_at) - row.train_seconds for row in trained]
     passes = _passes(log)
     eval_seconds = _eval_seconds(passes, metrics)
@@ -116,7 +120,8 @@ def measure(db_url: str, redis_url: str, job_id: int) -> Timing:
     pass_seconds, merge_seconds, backlogged = _fit_passes(passes, eval_seconds, evaluated)
     return Timing(
         example_seconds=statistics.median(per_example),
-        speed_sigma=statistics.stdev(host_means) if len(host_means) > 1 else 0.0,
+        speed_sigma=speed_sigma,
+        jitter_sigma=jitter_sigma,
         network_seconds=max(0.0, float(np.percentile(beyond, 10)) / 2),
         eval_seconds=eval_seconds,
         pass_seconds=PASS_SECONDS if pass_seconds is None else pass_seconds,
@@ -125,6 +130,20 @@ def measure(db_url: str, redis_url: str, job_id: int) -> Timing:
         mean_pass=statistics.fmean(len(p.versions) for p in passes),
         backlogged=backlogged,
         fitted=pass_seconds is not None,
+    )
+
+
+def _spreads(rates_by_host: list[list[float]]) -> tuple[float, float]:
+    """(speed_sigma, jitter_sigma) of the seconds per example of each host's assignments: the
+    standard deviation of the hosts' mean logarithms, and the pooled standard deviation of the
+    logarithms around their host's mean (0.0 where there are too few to measure)."""
+    logs = [[math.log(r) for r in rates] for rates in rates_by_host if rates]
+    means = [statistics.fmean(v) for v in logs]
+    within = [x - m for v, m in zip(logs, means, strict=True) for x in v]
+    dof = len(within) - len(logs)
+    return (
+        statistics.stdev(means) if len(means) > 1 else 0.0,
+        math.sqrt(sum(x * x for x in within) / dof) if dof > 0 else 0.0,
     )
 
 

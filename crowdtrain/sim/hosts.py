@@ -6,7 +6,10 @@ scaled to mean 1 (so one host has speed 1, whatever the seed). An assignment tak
 the snapshot, one for the shard unless the host has it cached, the compute time (`workunit_seconds`,
 or else `example_seconds` x shard examples x local_epochs) times the assignment's local fraction
 (1 unless `training.dynamic_local_work`) divided by s_i, and a transfer for the upload; each
-transfer takes `network_seconds`. As the client does (client/worker.py), a host holds `slots`
+transfer takes `network_seconds`. With `jitter_sigma` > 0 each assignment's compute time is also
+multiplied by its own draw from lognormal(-jitter_sigma^2/2, jitter_sigma) (mean 1): a real slot's
+passes differ from one workunit to the next, and the order in which a host's slots finish, which
+decides the order of merges, follows from that spread. As the client does (client/worker.py), a host holds `slots`
 assignments not yet trained, `slots` + 1 with `prefetch`: the extra one downloads while the others
 train and waits for a free slot. A host asks for the next assignment as soon as a slot stops
 training (the upload overlaps it), and gets work the moment some is ready (no polling delay).
@@ -64,6 +67,7 @@ class Fleet:
     restart_seconds: float | None = None  # None: t_o
     prefetch: bool = True  # the client's: slots + 1 assignments held, the next downloaded while one trains
     keep_optimizer_state: bool = False  # a slot's next workunit starts from its optimizer state, not zero
+    jitter_sigma: float = 0.0  # spread of one assignment's compute time around its host's (log scale)
 
     def __post_init__(self) -> None:
         for name in ("hosts", "slots"):
@@ -78,6 +82,7 @@ class Fleet:
             "example_seconds",
             "workunit_seconds",
             "restart_seconds",
+            "jitter_sigma",
         ):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and np.isfinite(value)):
@@ -91,6 +96,13 @@ class Fleet:
         # so a speedup over one slot measures the protocol, not the luck of the draw.
         speeds = rng.lognormal(0.0, self.speed_sigma, self.hosts)
         return speeds / speeds.mean()
+
+    def jitter(self, rng: np.random.Generator) -> float:
+        """One assignment's compute-time factor (mean 1), drawn from `rng`; 1 without a draw when
+        jitter_sigma is 0, so runs without jitter draw the same numbers as before it existed."""
+        if not self.jitter_sigma:
+            return 1.0
+        return float(rng.lognormal(-(self.jitter_sigma**2) / 2, self.jitter_sigma))
 
     def preempts(self, rng: np.random.Generator) -> bool:
         """Whether an assignment is preempted, drawn at its dispatch (nothing is drawn when p is 0)."""

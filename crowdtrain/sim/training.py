@@ -99,11 +99,13 @@ def simulate_training(
     parameter_servers: int = 1,
     backpressure: bool = True,
     keep_optimizer_state: bool = False,
+    jitter_sigma: float = 0.0,
 ) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
     `spec` is a JobSpec or its dict (validated here; ValueError names a bad field). `seed` draws the
-    hosts' speeds and the preemptions; the model and the training follow the spec's own seed, as
+    hosts' speeds, the preemptions and each assignment's compute-time jitter (`jitter_sigma`, see
+    crowdtrain.sim.hosts); the model and the training follow the spec's own seed, as
     in the real system. `compute=False` trains and validates nothing (each host returns the
     snapshot it was given), for timing studies: the job then runs to stop.max_epochs. `data`
     skips loading the spec's dataset (a benchmark running many simulations loads it once).
@@ -135,6 +137,7 @@ def simulate_training(
         restart_seconds,
         prefetch,
         keep_optimizer_state or spec.training.keep_optimizer_state,
+        jitter_sigma,
     )
     servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds, pass_seconds, max_pass)
     data = (
@@ -291,7 +294,12 @@ class _Simulation(MergePasses):
         downloads = 1 + (key not in self.caches[a.host])
         self.caches[a.host].add(key)
         t = self.spec["training"]
-        a.train_seconds = self.fleet.work_seconds(size, t["local_epochs"]) * a.local_fraction / self.speeds[a.host]
+        a.train_seconds = (
+            self.fleet.work_seconds(size, t["local_epochs"])
+            * a.local_fraction
+            * self.fleet.jitter(self.rng)
+            / self.speeds[a.host]
+        )
         if not self.compute:
             a.client, a.upload_bytes = a.base, self.upload_size
             steps = local_steps(size, t["batch_size"], t["local_epochs"], a.local_fraction)

@@ -4,11 +4,13 @@ model, transfers per workunit and shard, and the spread of host speeds.
 Fast: a tiny synthetic dataset, in the compute-free mode.
 """
 
+import math
 import statistics
 
+import numpy as np
 import pytest
 
-from crowdtrain.sim.hosts import expected_wall_time, paper_wall_time
+from crowdtrain.sim.hosts import Fleet, expected_wall_time, paper_wall_time
 from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import Dataset
 from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job
@@ -91,3 +93,39 @@ def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
 
     assert wall(1, 0.8) == wall(1, 0.0) == 16.0
     assert wall(4, 0.8) > wall(4, 0.0) == 4.0  # the slowest host holds each epoch's release back
+
+
+def test_assignment_jitter_has_mean_one_and_its_spread() -> None:
+    draws = np.array([Fleet(jitter_sigma=0.4).jitter(np.random.default_rng(s)) for s in range(4000)])
+    assert draws.mean() == pytest.approx(1.0, abs=0.02)
+    assert np.log(draws).std() == pytest.approx(0.4, rel=0.05)
+    rng = np.random.default_rng(0)
+    assert Fleet().jitter(rng) == 1.0 and rng.random() == np.random.default_rng(0).random()  # nothing drawn
+
+
+def test_jitter_changes_which_slot_finishes_first_but_not_the_mean_wall_time(blobs: Dataset) -> None:
+    """One host of 4 slots: without jitter every slot ends its workunit at the same instant; with it
+    the order of merges differs from seed to seed, and the wall time stays about the same."""
+
+    def run(seed: int, sigma: float):
+        return simulate_training(
+            job(8, 4),
+            hosts=1,
+            slots=4,
+            seed=seed,
+            speed_sigma=0,
+            jitter_sigma=sigma,
+            workunit_seconds=1.0,
+            compute=False,
+            data=blobs,
+            **INSTANT,
+        )
+
+    steady = run(0, 0.0)
+    assert steady.sim_seconds == 8.0
+    jittered = [run(seed, 0.3) for seed in range(12)]
+    orders = {tuple(r.merged) for r in jittered}
+    assert len(orders) > 1 and tuple(steady.merged) == tuple(sorted(steady.merged))
+    # 4 slots each doing 8 workunits of mean 1 s: the wall time is about 8 s, a little above
+    # (each epoch waits for its slowest of 8 draws), never a multiple of it.
+    assert 8.0 < statistics.fmean(r.sim_seconds for r in jittered) < 8.0 * math.exp(0.3)
