@@ -1,11 +1,13 @@
-"""FastAPI dependencies: settings, database, storage, Redis, the evaluator, the merge queue, and the two
-kinds of caller (failed authentication is throttled per client address: crowdtrain.server.services.throttle).
+"""FastAPI dependencies: settings, database, storage, Redis, the evaluator, the merge queue, the clock,
+and the two kinds of caller (failed authentication is throttled per client address:
+crowdtrain.server.services.throttle).
 
 Refusals raised here (NotAuthorized, Throttled) are answered by the app's one refusal handler
 (crowdtrain.server.api.boundary)."""
 
 import hmac
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import cached_property, wraps
@@ -37,6 +39,15 @@ async def app_settings(request: Request) -> Settings:
 
 
 SettingsDep = Annotated[Settings, Depends(app_settings)]
+
+
+def clock() -> float:
+    """The current Unix time, as the routes that hand it to the services read it: a test sets its own
+    time with `app.dependency_overrides[clock]`, instead of sleeping until a real window passes."""
+    return time.time()
+
+
+NowDep = Annotated[float, Depends(clock)]
 
 
 def cache_once(make: Callable) -> Callable:

@@ -85,7 +85,11 @@ def open_job(r: redis.Redis, storage: Storage, job_id: int) -> None:
     dedloc.open_job(r, job_id)
 
 
-def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, relayed: bool) -> PeerJoined:
+def join(
+    db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, relayed: bool, now: float | None = None
+) -> PeerJoined:
+    """A new peer of `host_id` joins at `now` (the clock's if None)."""
+    now = time.time() if now is None else now
     view = job_view(db, job_id)
     if not view.running:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is not running")
@@ -93,7 +97,7 @@ def join(db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, r
     rnd = dedloc.load(r, job_id)
     if rnd is None:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared; join again in a moment")
-    dedloc_peers.join(r, job_id, peer_id, host_id, relayed, time.time())
+    dedloc_peers.join(r, job_id, peer_id, host_id, relayed, now)
     shards = []
     with db.begin() as s:
         for x in s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.epoch == 0).order_by(Shard.index)):
@@ -166,17 +170,20 @@ def put_state(
     peer_id: str,
     step: int,
     body: bytes,
+    now: float | None = None,
 ) -> Outcome:
-    """Parameters + optimizer state at the start of `step`, uploaded by a member of step - 1's commit.
+    """Parameters + optimizer state at the start of `step`, uploaded by a member of step - 1's commit
+    at `now` (the clock's if None).
 
     Accepted only when its parameters are those a majority of the commit's members report holding
     (crowdtrain.server.services.dedloc_states: 409 before they agree, 422 and a strike for other
     parameters). Stored once (a second upload of the same step changes nothing), evaluated on the
     validation set and recorded as a Metric; the stop rule is applied here.
     """
+    now = time.time() if now is None else now
     view = job_view(db, job_id)
     try:
-        dedloc_peers.touch(r, job_id, peer_id, host_id, time.time())
+        dedloc_peers.touch(r, job_id, peer_id, host_id, now)
     except NotAMember as exc:
         raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
     commit = dedloc.commit_of(r, job_id, step - 1) if step >= 1 else None

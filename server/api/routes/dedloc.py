@@ -29,7 +29,16 @@ from crowdtrain.server.api.boundary import (
     octet_stream_body,
     upload_body,
 )
-from crowdtrain.server.api.deps import AdminDep, DbDep, EvaluatorDep, HostDep, RedisDep, SettingsDep, StorageDep
+from crowdtrain.server.api.deps import (
+    AdminDep,
+    DbDep,
+    EvaluatorDep,
+    HostDep,
+    NowDep,
+    RedisDep,
+    SettingsDep,
+    StorageDep,
+)
 from crowdtrain.server.services import dedloc_jobs, dedloc_relay, dedloc_rounds, dedloc_states
 
 router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc"])
@@ -37,9 +46,9 @@ admin_router = APIRouter(prefix="/v1/dedloc/jobs/{job_id}", tags=["dedloc", "adm
 
 
 @router.post("/join", response_model=PeerJoined)
-def join(job_id: Id, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep) -> PeerJoined:
+def join(job_id: Id, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep, now: NowDep) -> PeerJoined:
     """Join the collaboration; the answer names the recipe, the shards and the step to sync to."""
-    return dedloc_jobs.join(db, r, job_id, host_id, req.relayed)
+    return dedloc_jobs.join(db, r, job_id, host_id, req.relayed, now)
 
 
 @router.post("/refusal", response_model=ReplyOk)
@@ -52,17 +61,19 @@ def refuse(job_id: Id, req: PeerRefusal, host_id: HostDep, r: RedisDep) -> Reply
 
 
 @router.post("/progress", response_model=ProgressReply)
-def progress(job_id: Id, req: Progress, host_id: HostDep, db: DbDep, r: RedisDep) -> ProgressReply:
+def progress(job_id: Id, req: Progress, host_id: HostDep, db: DbDep, r: RedisDep, now: NowDep) -> ProgressReply:
     """Report the examples accumulated for the current step; the answer says what to do next."""
-    return dedloc_rounds.progress(db, r, job_id, host_id, req)
+    return dedloc_rounds.progress(db, r, job_id, host_id, req, now)
 
 
 @router.post("/rounds/{step}/{attempt}/report", response_model=ReplyOk)
-def report(job_id: Id, step: Id, attempt: Id, req: RoundReport, host_id: HostDep, db: DbDep, r: RedisDep) -> ReplyOk:
+def report(
+    job_id: Id, step: Id, attempt: Id, req: RoundReport, host_id: HostDep, db: DbDep, r: RedisDep, now: NowDep
+) -> ReplyOk:
     """A member's outcome of its reduction; a failure aborts the attempt for every member."""
     return ReplyOk(
         status=dedloc_rounds.report(
-            db, r, job_id, host_id, step, attempt, req.peer_id, req.ok, req.result_digest, req.message
+            db, r, job_id, host_id, step, attempt, req.peer_id, req.ok, req.result_digest, req.message, now
         )
     )
 
@@ -143,12 +154,13 @@ async def put_state(
     storage: StorageDep,
     settings: SettingsDep,
     evaluator: EvaluatorDep,
+    now: NowDep,
 ) -> ReplyOk:
     """Parameters and optimizer state at the start of `step` (safetensors); evaluated and recorded."""
     async with upload_body(request, settings.upload_max_bytes) as body:
         return ReplyOk(
             status=await run_in_threadpool(
-                dedloc_jobs.put_state, db, r, storage, evaluator, job_id, host_id, peer_id, step, body
+                dedloc_jobs.put_state, db, r, storage, evaluator, job_id, host_id, peer_id, step, body, now
             )
         )
 

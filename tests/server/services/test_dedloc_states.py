@@ -1,6 +1,10 @@
 """Which uploaded DeDLOC state is the collaboration's (crowdtrain.server.services.dedloc_states), over
-the API in process: a real SQLite file, file storage and a private Redis; peers driven by hand."""
+the API in process: a real SQLite file, file storage and a private Redis; peers driven by hand, on a
+clock the test drives (the routes read the time from crowdtrain.server.api.deps.clock): each request
+moves it on by TICK seconds, as if the peers trained that long between reports, and only the test
+moves it further, so that no liveness window passes by itself on a loaded machine."""
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +16,27 @@ import redis
 from crowdtrain.core import dedloc as math
 from crowdtrain.core.jobspec import DedlocSpec
 from crowdtrain.core.tensors import decode, encode
-from crowdtrain.server.services import dedloc
+from crowdtrain.server.api.deps import clock
+from crowdtrain.server.services import dedloc, dedloc_peers
 from tests.server.api.conftest import dedloc_spec
 from tests.server.dedloc_round import HandCollaboration, HandPeer
 from tests.server.inprocess import Scheduler, ok, scheduler_app
+
+TICK = 0.02  # seconds of the routes' clock per request
+
+
+class DrivenClock:
+    """The routes' clock: TICK seconds later at every read, and `advance`d by the test."""
+
+    def __init__(self, start: float) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        self.t += TICK
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
 
 
 @dataclass
@@ -27,6 +48,7 @@ class Committed:
     team: HandCollaboration
     good: bytes
     zeroed: bytes
+    clock: DrivenClock
 
     @property
     def digest(self) -> str:
@@ -54,6 +76,8 @@ def committed(tmp_path, private_redis) -> Iterator[Committed]:
     spec = dedloc_spec()
     spec["dedloc"] |= {"target_batch_size": 96, "micro_batch_size": 16, "exclude_after": 2}
     with scheduler_app(tmp_path, private_redis) as sched:
+        test_clock = DrivenClock(time.time())
+        sched.app.dependency_overrides[clock] = test_clock
         job_id = ok(sched.admin().post("/v1/jobs", json=spec)).json()["job_id"]
         team = HandCollaboration(job_id, [sched.register(f"peer-{i}") for i in range(3)])
         state0 = ok(team.peers[0].http.get(f"{team.base}/states/latest")).content
@@ -61,7 +85,7 @@ def committed(tmp_path, private_redis) -> Iterator[Committed]:
         tensors = decode(state0)
         good = encode({k: v + np.float32(0.5) for k, v in tensors.items()})
         zeroed = encode({k: v * 0 for k, v in tensors.items()})
-        yield Committed(sched, private_redis, team, good, zeroed)
+        yield Committed(sched, private_redis, team, good, zeroed, test_clock)
 
 
 def test_a_state_whose_parameters_are_not_the_members_is_refused_charged_and_nothing_stored(committed) -> None:
@@ -119,6 +143,20 @@ def test_the_designated_uploader_is_asked_first_and_the_others_once_it_is_refuse
     assert [c.report(p)["upload_state"] for p in others] == [True, True]  # the backups are asked
     assert ok(c.put(others[0], c.good)).json()["status"] == "stored"
     assert [c.report(p)["upload_state"] for p in c.team.peers] == [False, False, False]
+
+
+def test_the_others_are_asked_once_the_designated_uploader_is_silent_for_the_liveness_window(committed) -> None:
+    c = committed
+    commits = c.sched.http.get(f"{c.team.base}/commits", headers=c.sched.admin_headers).json()
+    uploader = next(p for p in c.team.peers if p.peer_id == commits["0"]["uploader"])
+    others = [p for p in c.team.peers if p is not uploader]
+    window = dedloc_peers.liveness_window(DedlocSpec.model_validate(dedloc_spec()["dedloc"]))
+    assert [c.report(p)["upload_state"] for p in others] == [False, False]
+    c.clock.advance(window - 0.5)
+    assert [c.report(p)["upload_state"] for p in others] == [False, False]  # it may still upload
+    c.clock.advance(1.0)
+    assert [c.report(p)["upload_state"] for p in others] == [True, True]
+    assert ok(c.put(others[1], c.good)).json()["status"] == "stored"
 
 
 def test_a_peer_whose_states_are_refused_is_excluded_after_the_configured_strikes(committed) -> None:
