@@ -11,7 +11,8 @@ multiplied by its own draw from lognormal(-jitter_sigma^2/2, jitter_sigma) (mean
 passes differ from one workunit to the next, and the order in which a host's slots finish, which
 decides the order of merges, follows from that spread. As the client does (client/worker.py), a host holds `slots`
 assignments not yet trained, `slots` + 1 with `prefetch`: the extra one downloads while the others
-train and waits for a free slot. A host asks for the next assignment as soon as a slot stops
+train and waits for a free slot; with `late_snapshot` it trains from the snapshot published when the
+slot starts it, not the one published at its dispatch. A host asks for the next assignment as soon as a slot stops
 training (the upload overlaps it), and gets work the moment some is ready (no polling delay).
 With `keep_optimizer_state` a slot keeps its optimizer's state (Adam moments and step, SGD
 momentum) from one workunit to the next, the next starting from a newer snapshot of W_s (see
@@ -68,6 +69,7 @@ class Fleet:
     prefetch: bool = True  # the client's: slots + 1 assignments held, the next downloaded while one trains
     keep_optimizer_state: bool = False  # a slot's next workunit starts from its optimizer state, not zero
     jitter_sigma: float = 0.0  # spread of one assignment's compute time around its host's (log scale)
+    late_snapshot: bool = False  # a slot trains from the newest snapshot when it starts, not the dispatched one
 
     def __post_init__(self) -> None:
         for name in ("hosts", "slots"):

@@ -100,6 +100,7 @@ def simulate_training(
     backpressure: bool = True,
     keep_optimizer_state: bool = False,
     jitter_sigma: float = 0.0,
+    late_snapshot: bool = False,
 ) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
@@ -138,6 +139,7 @@ def simulate_training(
         prefetch,
         keep_optimizer_state or spec.training.keep_optimizer_state,
         jitter_sigma,
+        late_snapshot,
     )
     servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds, pass_seconds, max_pass)
     data = (
@@ -311,6 +313,10 @@ class _Simulation(MergePasses):
         while self.free_slots[host] and self.fetched[host]:
             a = self.fetched[host].popleft()
             self.free_slots[host] -= 1
+            if self.fleet.late_snapshot:
+                a.base_version, a.base = self.job.snapshot_version, self.job.snapshot
+                if not self.compute:
+                    a.client = a.base
             if self.compute:
                 key = self.job.shard_key(a.wu)
                 self._train(a, self.deals.of(key[0])[key[1]])

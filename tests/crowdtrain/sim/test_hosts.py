@@ -129,3 +129,26 @@ def test_jitter_changes_which_slot_finishes_first_but_not_the_mean_wall_time(blo
     # 4 slots each doing 8 workunits of mean 1 s: the wall time is about 8 s, a little above
     # (each epoch waits for its slowest of 8 draws), never a multiple of it.
     assert 8.0 < statistics.fmean(r.sim_seconds for r in jittered) < 8.0 * math.exp(0.3)
+
+
+def test_a_late_snapshot_takes_the_prefetch_wait_out_of_staleness(blobs: Dataset) -> None:
+    """With prefetch each host holds one assignment more than its slots; bound at dispatch, that one's
+    snapshot ages while it waits for a slot. Bound when the slot starts it, its staleness is only the
+    merges during its own training: lower on average, and never above the dispatch-bound run's most."""
+
+    def staleness(late: bool) -> list[int]:
+        return simulate_training(
+            job(16, 3),
+            hosts=2,
+            slots=2,
+            speed_sigma=0,
+            workunit_seconds=1.0,
+            compute=False,
+            data=blobs,
+            late_snapshot=late,
+            **INSTANT,
+        ).staleness
+
+    early, late = staleness(False), staleness(True)
+    assert len(early) == len(late) == 48
+    assert statistics.fmean(late) < statistics.fmean(early) and max(late) <= max(early)
