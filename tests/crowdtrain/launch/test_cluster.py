@@ -1,5 +1,6 @@
 """The local launcher: random tokens per cluster, a join token that `ps` does not show, and how a cluster stops."""
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from crowdtrain.cli import app
 from crowdtrain.cli.options import resolve_join_token
 from crowdtrain.core.settings import Settings, secrets_problems
 from crowdtrain.core.states import AssignmentStatus
-from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
+from crowdtrain.launch.cluster import Cluster, Service, wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 
@@ -28,16 +29,23 @@ def _proc_file(pid: int, name: str) -> list[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
 def test_clients_and_peers_get_the_join_token_in_their_environment_not_on_their_command_line(tmp_path) -> None:
-    cluster = Cluster(var_dir=tmp_path, port=free_port())  # not started: only the processes' arguments matter
-    try:
-        for svc in (cluster.start_client("volunteer"), cluster.start_peer("peer", 1)):
-            argv, environ = _proc_file(svc.proc.pid, "cmdline"), _proc_file(svc.proc.pid, "environ")
-            assert not any(cluster.join_token in arg for arg in argv), argv
-            assert f"CROWDTRAIN_CLIENT_JOIN_TOKEN={cluster.join_token}" in environ
-            assert not any(e.startswith("CROWDTRAIN_ADMIN_TOKEN=") for e in environ), "clients get no admin token"
-        # That they register with it is shown by every test that trains through Cluster.start_client.
-    finally:
-        cluster.stop()
+    # The cluster is not started: only the processes' arguments matter. Its port is a socket that
+    # takes connections and never answers, so each process waits on its first request while /proc is
+    # read (against a closed port a peer gives up within seconds, and an exited process shows nothing).
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        cluster = Cluster(var_dir=tmp_path, port=silent.getsockname()[1])
+        try:
+            for svc in (cluster.start_client("volunteer"), cluster.start_peer("peer", 1)):
+                argv, environ = _proc_file(svc.proc.pid, "cmdline"), _proc_file(svc.proc.pid, "environ")
+                assert svc.proc.poll() is None and "crowdtrain" in argv, (svc.name, svc.proc.poll(), argv)
+                assert not any(cluster.join_token in arg for arg in argv), argv
+                assert f"CROWDTRAIN_CLIENT_JOIN_TOKEN={cluster.join_token}" in environ
+                assert not any(e.startswith("CROWDTRAIN_ADMIN_TOKEN=") for e in environ), "clients get no admin token"
+            # That they register with it is shown by every test that trains through Cluster.start_client.
+        finally:
+            cluster.stop()
 
 
 def test_the_join_token_file_is_read_and_stripped(tmp_path: Path) -> None:
