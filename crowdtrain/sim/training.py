@@ -41,10 +41,11 @@ staleness in 4 of 8; where staleness differs, this model's is higher (4.4-5.0 ag
 a machine busy with other work). A real client's slots share its cores and train in waves; here
 each slot keeps its own time.
 
-This module holds the hosts' side of the events. The upload's arrival and the merge passes that take
-it are in crowdtrain.sim.passes; the hosts' timing model, their preemptions and the wall time the
-VC-ASGD paper's model predicts in crowdtrain.sim.hosts; the parameter servers' queue in
-crowdtrain.sim.servers; what a run did, in crowdtrain.sim.result.
+This module runs the events. The hosts' side (downloads, compute slots, training) is in
+crowdtrain.sim.slots; the upload's arrival and the merge passes that take it in crowdtrain.sim.passes;
+the hosts' timing model, their preemptions and the wall time the VC-ASGD paper's model predicts in
+crowdtrain.sim.hosts; the parameter servers' queue in crowdtrain.sim.servers; what a run did, in
+crowdtrain.sim.result.
 """
 
 import heapq
@@ -57,22 +58,19 @@ import numpy as np
 import torch
 
 from crowdtrain.assimilator.evaluate import evaluate
-from crowdtrain.client.trainers import examples_in, local_steps
-from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core.jobspec import VC_ASGD, JobSpec
 from crowdtrain.core.tensors import Params, manifest_of
-from crowdtrain.core.updates import decode_result, encode_result, upload_label, upload_of, upload_sizes
+from crowdtrain.core.updates import upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
-from crowdtrain.server.services.local_work import WINDOW, host_speeds, local_fraction
+from crowdtrain.server.services.local_work import WINDOW
 from crowdtrain.sim.hosts import Fleet
 from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
 from crowdtrain.sim.passes import EVALUATED, MERGED, MergePasses
 from crowdtrain.sim.result import Dispatch, SimResult
 from crowdtrain.sim.servers import EVAL_SECONDS, MAX_PASS, MERGE_SECONDS, PASS_SECONDS, MergeQueue, ParameterServers
+from crowdtrain.sim.slots import ARRIVE, DEADLINE, FETCHED, TRAINED, HostSlots
 from crowdtrain.workgen.datasets import Dataset, load_dataset
 
-FETCHED, TRAINED, ARRIVE = "fetched", "trained", "arrive"
-DEADLINE, BACK = "deadline", "back"
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
 
 
@@ -160,9 +158,9 @@ def simulate_training(
         torch.set_num_threads(threads)
 
 
-class _Simulation(MergePasses):
-    """The hosts' side of the events: dispatch, downloads, compute slots, training, preemptions and
-    deadlines; the scheduler's and parameter servers' side is MergePasses'."""
+class _Simulation(HostSlots, MergePasses):
+    """The event loop and dispatch; the hosts' side of the events is HostSlots', the scheduler's and
+    parameter servers' side MergePasses'."""
 
     def __init__(
         self,
@@ -269,97 +267,6 @@ class _Simulation(MergePasses):
                 return
             self.idle.popleft()
             self._start(a)
-
-    def _start(self, a: Assignment) -> None:
-        """A host took `a`: it downloads what it lacks, then waits for a compute slot."""
-        self._at(a.deadline, DEADLINE, a)
-        preempted = self.fleet.preempts(self.rng)
-        a.local_fraction = self._local_fraction(a.host)
-        self.trace.append(
-            Dispatch(
-                self.now,
-                a.id,
-                a.wu.id,
-                a.wu.epoch,
-                a.wu.shard,
-                a.host,
-                preempted,
-                a.local_fraction,
-                len(self.job.in_flight()),
-            )
-        )
-        if preempted:
-            self._at(self.now + self.restart, BACK, a)
-            return
-        key = self.job.shard_key(a.wu)
-        size = len(self.deals.of(key[0])[key[1]])
-        downloads = 1 + (key not in self.caches[a.host])
-        self.caches[a.host].add(key)
-        t = self.spec["training"]
-        a.train_seconds = (
-            self.fleet.work_seconds(size, t["local_epochs"])
-            * a.local_fraction
-            * self.fleet.jitter(self.rng)
-            / self.speeds[a.host]
-        )
-        if not self.compute:
-            a.client, a.upload_bytes = a.base, self.upload_size
-            steps = local_steps(size, t["batch_size"], t["local_epochs"], a.local_fraction)
-            a.examples = examples_in(steps, size, t["batch_size"])
-        self._after(downloads * self.fleet.network_seconds, FETCHED, a)
-
-    def _train_next(self, host: int) -> None:
-        """Downloaded assignments take the host's free compute slots, in the order they came, and train."""
-        while self.free_slots[host] and self.fetched[host]:
-            a = self.fetched[host].popleft()
-            self.free_slots[host] -= 1
-            if self.fleet.late_snapshot:
-                a.base_version, a.base = self.job.snapshot_version, self.job.snapshot
-                if not self.compute:
-                    a.client = a.base
-            if self.compute:
-                key = self.job.shard_key(a.wu)
-                self._train(a, self.deals.of(key[0])[key[1]])
-            self._at(self.now + a.train_seconds, TRAINED, a)
-
-    def _trained(self, a: Assignment) -> None:
-        """Training ended: the slot takes the next downloaded assignment, the client asks for one more
-        (it holds `slots`, +1 with prefetch, not yet trained) and uploads this one meanwhile."""
-        self.ended[a.id] = self.now
-        self.free_slots[a.host] += 1
-        if a.id in self.end_states:
-            self.slot_states[a.host].append(self.end_states.pop(a.id))
-        self._train_next(a.host)
-        self.idle.append(a.host)
-        self._after(self.fleet.network_seconds, ARRIVE, a)
-
-    def _local_fraction(self, host: int) -> float:
-        """crowdtrain.server.services.local_work.fraction_for over the simulated hosts' recent reports."""
-        t = self.spec["training"]
-        if not t["dynamic_local_work"]:
-            return 1.0
-        speeds = host_speeds(self.reports)
-        return local_fraction(speeds.get(host), speeds.values(), t["min_local_fraction"])
-
-    def _train(self, a: Assignment, examples: np.ndarray) -> None:
-        """Train as the client does, and set W_c to what the server decodes from its upload. With
-        fleet.keep_optimizer_state, from the state its slot kept, which comes back when it ends."""
-        recipe = {"model": self.model_config, "training": self.spec["training"], "seed": self.spec["seed"] + a.id}
-        kept = self.slot_states[a.host]
-        state = kept.pop() if kept and self.fleet.keep_optimizer_state else None
-        result = train(
-            recipe,
-            a.base,
-            self.data.x[examples],
-            self.data.y[examples],
-            local_fraction=a.local_fraction,
-            optimizer_state=state,
-        )
-        if self.fleet.keep_optimizer_state and result.optimizer_state is not None:
-            self.end_states[a.id] = result.optimizer_state
-        blob = encode_result(result.params, a.base, self.upload)
-        a.client = decode_result(blob, self.manifest, self.upload, a.base)
-        a.examples, a.upload_bytes = result.examples, len(blob)
 
     def _evaluate(self, params: Params) -> tuple[float, float]:
         return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val, framework="pytorch")
