@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from crowdtrain.sim.result import SimResult
+from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import Dataset, make_dataset
 
 # Parameter servers that merge and evaluate in no time: tests of the hosts' side, where the servers'
@@ -34,3 +36,10 @@ def job(subsets: int, max_epochs: int, **sections) -> dict:
     for name, values in sections.items():
         spec[name] = {**spec.get(name, {}), **values}
     return spec
+
+
+def timed(spec: dict, data: Dataset, **options) -> SimResult:
+    """A compute-free run for timing: hosts of identical speed, workunits of 1 s, parameter servers
+    that take no time; `options` (simulate_training's) override any of these."""
+    settings = {"speed_sigma": 0.0, "workunit_seconds": 1.0, **INSTANT, **options}
+    return simulate_training(spec, compute=False, data=data, **settings)

@@ -11,27 +11,14 @@ import numpy as np
 import pytest
 
 from crowdtrain.sim.hosts import Fleet, expected_wall_time, paper_wall_time
-from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import Dataset
-from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job
+from tests.crowdtrain.sim.conftest import PAPER, job, timed
 
 
 def mean_wall_time(data: Dataset, p: float, t_o: float, seeds: int) -> float:
     """8 slots of identical speed, 10 epochs of 32 workunits of t_e = 1 s: n = 40 workunits per slot."""
     return statistics.fmean(
-        simulate_training(
-            job(32, 10),
-            hosts=4,
-            slots=2,
-            p=p,
-            timeout=t_o,
-            seed=seed,
-            speed_sigma=0,
-            workunit_seconds=1.0,
-            compute=False,
-            data=data,
-            **PAPER,
-        ).sim_seconds
+        timed(job(32, 10), data, hosts=4, slots=2, p=p, timeout=t_o, seed=seed, **PAPER).sim_seconds
         for seed in range(seeds)
     )
 
@@ -59,18 +46,7 @@ def test_network_time_is_two_transfers_per_workunit_and_one_per_shard_first_fetc
     a slot stops training, so an upload overlaps the next download; with prefetch the next
     assignment's downloads overlap training too, and only the first downloads and the last upload
     are left."""
-    r = simulate_training(
-        job(4, 3),
-        hosts=1,
-        p=0.0,
-        network_seconds=0.25,
-        speed_sigma=0,
-        workunit_seconds=1.0,
-        compute=False,
-        data=blobs,
-        prefetch=prefetch,
-        **INSTANT,
-    )
+    r = timed(job(4, 3), blobs, hosts=1, network_seconds=0.25, prefetch=prefetch)
     expected = 2 * 0.25 + 12 * 1.0 + 0.25 if prefetch else 12 * (1.0 + 0.25) + 4 * 0.25 + 0.25
     assert r.sim_seconds == pytest.approx(expected)
 
@@ -80,16 +56,7 @@ def test_host_speeds_vary_around_a_mean_of_one(blobs: Dataset) -> None:
     so a speedup over one slot does not depend on the seed's draw."""
 
     def wall(hosts: int, sigma: float) -> float:
-        return simulate_training(
-            job(8, 2),
-            hosts=hosts,
-            speed_sigma=sigma,
-            seed=3,
-            workunit_seconds=1.0,
-            compute=False,
-            data=blobs,
-            **INSTANT,
-        ).sim_seconds
+        return timed(job(8, 2), blobs, hosts=hosts, speed_sigma=sigma, seed=3).sim_seconds
 
     assert wall(1, 0.8) == wall(1, 0.0) == 16.0
     assert wall(4, 0.8) > wall(4, 0.0) == 4.0  # the slowest host holds each epoch's release back
@@ -108,18 +75,7 @@ def test_jitter_changes_which_slot_finishes_first_but_not_the_mean_wall_time(blo
     the order of merges differs from seed to seed, and the wall time stays about the same."""
 
     def run(seed: int, sigma: float):
-        return simulate_training(
-            job(8, 4),
-            hosts=1,
-            slots=4,
-            seed=seed,
-            speed_sigma=0,
-            jitter_sigma=sigma,
-            workunit_seconds=1.0,
-            compute=False,
-            data=blobs,
-            **INSTANT,
-        )
+        return timed(job(8, 4), blobs, hosts=1, slots=4, seed=seed, jitter_sigma=sigma)
 
     steady = run(0, 0.0)
     assert steady.sim_seconds == 8.0
@@ -137,17 +93,7 @@ def test_a_late_snapshot_takes_the_prefetch_wait_out_of_staleness(blobs: Dataset
     merges during its own training: lower on average, and never above the dispatch-bound run's most."""
 
     def staleness(late: bool) -> list[int]:
-        return simulate_training(
-            job(16, 3),
-            hosts=2,
-            slots=2,
-            speed_sigma=0,
-            workunit_seconds=1.0,
-            compute=False,
-            data=blobs,
-            late_snapshot=late,
-            **INSTANT,
-        ).staleness
+        return timed(job(16, 3), blobs, hosts=2, slots=2, late_snapshot=late).staleness
 
     early, late = staleness(False), staleness(True)
     assert len(early) == len(late) == 48

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import crowdtrain.sim.training as sim_training
+import crowdtrain.sim.slots as sim_slots
 from crowdtrain.cli import app
 from crowdtrain.sim.hosts import Fleet
 from crowdtrain.sim.job import ShardDeals
+from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, PASS_SECONDS
 from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import Dataset, deal_shards
-from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job
+from tests.crowdtrain.sim.conftest import INSTANT, PAPER, job, timed
 
 
 def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset) -> None:
@@ -45,7 +46,15 @@ def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset)
 
 
 def test_the_next_epoch_is_released_once_the_current_one_has_nothing_left_to_dispatch(blobs: Dataset) -> None:
-    r = simulate_training(job(4, 3), hosts=3, slots=2, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs)
+    r = timed(
+        job(4, 3),
+        blobs,
+        hosts=3,
+        slots=2,
+        merge_seconds=MERGE_SECONDS,
+        eval_seconds=EVAL_SECONDS,
+        pass_seconds=PASS_SECONDS,
+    )
     first_of_epoch_2 = min(d.time for d in r.trace if d.epoch == 2)
     last_of_epoch_1 = max(d.time for d in r.trace if d.epoch == 1)
     assert first_of_epoch_2 == last_of_epoch_1 == 0.0  # 6 slots, 4 workunits: epoch 2 starts at once
@@ -183,9 +192,7 @@ def test_shards_are_dealt_stratified_as_the_work_generator_deals_them(blobs: Dat
 def test_a_reshuffled_epoch_has_new_shards_to_download(blobs: Dataset, reshuffle: bool) -> None:
     """One slot: each shard is fetched once, or once per epoch when every epoch deals anew."""
     spec = job(4, 3, dataset={"reshuffle_each_epoch": reshuffle})
-    r = simulate_training(
-        spec, hosts=1, network_seconds=0.25, speed_sigma=0, workunit_seconds=1.0, compute=False, data=blobs, **PAPER
-    )
+    r = timed(spec, blobs, hosts=1, network_seconds=0.25, **PAPER)
     fetches = 12 if reshuffle else 4
     assert r.sim_seconds == pytest.approx(12 * (1.0 + 0.25) + fetches * 0.25 + 0.25)
 
@@ -291,14 +298,14 @@ def test_a_hosts_slots_keep_their_optimizer_state_across_workunits_only_when_ask
     zero and every later one from the very state a workunit of that host ended with, each such state
     taken once: a chain per slot, whose Adam step count grows by 5 a workunit."""
     calls: list[tuple[dict | None, dict]] = []  # (the state training started from, the one it ended with)
-    real_train = sim_training.train
+    real_train = sim_slots.train
 
     def spy(*args, optimizer_state=None, **kwargs):
         result = real_train(*args, optimizer_state=optimizer_state, **kwargs)
         calls.append((optimizer_state, result.optimizer_state))
         return result
 
-    monkeypatch.setattr(sim_training, "train", spy)
+    monkeypatch.setattr(sim_slots, "train", spy)
     spec, keep = job(4, 3), asked != "no"
     spec["training"]["keep_optimizer_state"] = asked == "by the job spec"
     simulate_training(
