@@ -256,7 +256,7 @@ def simulate(spec: dict, slots: int, seed: int, args, timing: dict | None = None
         p=args.sim_p,
         seed=seed,
         data=_data(spec),
-        late_snapshot=getattr(args, "sim_late_snapshot", False),
+        late_snapshot=args.sim_late_snapshot,
         **({"network_seconds": args.sim_network_seconds} | (timing or {})),
     )
 

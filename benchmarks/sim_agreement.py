@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # What efficiency_runs reads from learning_efficiency's arguments, fixed here.
     args.stop_at_target, args.budget_passes, args.eval_fraction = True, None, None
     args.sim_slots_per_host, args.sim_p, args.sim_network_seconds = args.slots_per_client, 0.0, 0.1
+    args.sim_late_snapshot = False  # the real client binds its snapshot at dispatch; so do the replays
     return args
 
 
