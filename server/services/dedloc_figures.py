@@ -10,7 +10,6 @@ hold when each says it is ready (they go on accumulating through matchmaking): a
 averages over at least the target, usually more.
 """
 
-import time
 from statistics import mean
 
 import redis
@@ -18,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.schemas_dashboard import DedlocFigures, DedlocStep
 from crowdtrain.server.services import dedloc, dedloc_jobs, dedloc_peers
+from crowdtrain.server.services.clock import now_or_wall
 
 RECENT_STEPS = 10
 
@@ -43,7 +43,7 @@ def committed_steps(commits: dict[int, dict]) -> list[DedlocStep]:
 def dedloc_figures(db: sessionmaker[Session], r: redis.Redis, job_id: int, now: float | None = None) -> DedlocFigures:
     """The job's rounds at `now` (Unix time, default the clock's); DedlocProblem if there is no such job
     (not found) or it runs in another mode (conflict)."""
-    now = time.time() if now is None else now
+    now = now_or_wall(now)
     view = dedloc_jobs.job_view(db, job_id)
     commits = dedloc_jobs.commits(r, job_id)
     rnd = dedloc.load(r, job_id)

@@ -7,7 +7,6 @@ crowdtrain.server.services.dedloc; the routes only move data in and out."""
 import json
 import logging
 import secrets
-import time
 
 import redis
 from sqlalchemy import select
@@ -34,6 +33,7 @@ from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.ledger.models import Job, Shard
 from crowdtrain.server.services import access, dedloc, dedloc_peers, dedloc_states, project_key
+from crowdtrain.server.services.clock import now_or_wall
 from crowdtrain.server.services.dedloc import Round
 from crowdtrain.server.services.dedloc_peers import NotAMember
 
@@ -89,7 +89,7 @@ def join(
     db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, relayed: bool, now: float | None = None
 ) -> PeerJoined:
     """A new peer of `host_id` joins at `now` (the clock's if None)."""
-    now = time.time() if now is None else now
+    now = now_or_wall(now)
     view = job_view(db, job_id)
     if not view.running:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is not running")
@@ -131,16 +131,17 @@ def join(
     )
 
 
-def refuse(r: redis.Redis, job_id: int, host_id: int, refusal: PeerRefusal) -> None:
+def refuse(r: redis.Redis, job_id: int, host_id: int, refusal: PeerRefusal, now: float | None = None) -> None:
     """A peer of `host_id` will not train the job (its recipe is unsigned, or signed by a key the peer
-    does not trust): it leaves the collaboration, and its reason is kept for the operator (the job's
-    problems). Saying it again changes nothing but the time."""
+    does not trust): it leaves the collaboration at `now` (the clock's if None), and its reason is
+    kept for the operator (the job's problems). Saying it again changes nothing but the time."""
+    now = now_or_wall(now)
     try:
-        dedloc_peers.touch(r, job_id, refusal.peer_id, host_id, time.time())
+        dedloc_peers.touch(r, job_id, refusal.peer_id, host_id, now)
     except NotAMember as exc:
         raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
     r.hdel(keys.dedloc_peers(job_id), refusal.peer_id)
-    entry = {"peer_id": refusal.peer_id, "message": refusal.message, "at": time.time()}
+    entry = {"peer_id": refusal.peer_id, "message": refusal.message, "at": now}
     r.hset(keys.dedloc_refusals(job_id), str(host_id), json.dumps(entry))
     log.warning(
         "job %s: peer %s (host %s) refused to train it and left: %s", job_id, refusal.peer_id, host_id, refusal.message
@@ -180,7 +181,7 @@ def put_state(
     parameters). Stored once (a second upload of the same step changes nothing), evaluated on the
     validation set and recorded as a Metric; the stop rule is applied here.
     """
-    now = time.time() if now is None else now
+    now = now_or_wall(now)
     view = job_view(db, job_id)
     try:
         dedloc_peers.touch(r, job_id, peer_id, host_id, now)

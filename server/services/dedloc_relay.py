@@ -31,11 +31,19 @@ RECENT_TOTAL_BYTES = 256 << 20  # total chunks kept in this process for its read
 
 
 def check_part(
-    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, part: str, size: int
+    r: redis.Redis,
+    job_id: int,
+    host_id: int,
+    peer_id: str,
+    step: int,
+    attempt: int,
+    part: str,
+    size: int,
+    now: float,
 ) -> list[str]:
     """Refuse the upload of `part` unless it is the caller's (a relayed member's own, or its group's
-    from the group's rank 0) in the running attempt and `size` is the round's; the round's parts."""
-    rnd = running_member(r, job_id, host_id, peer_id, step, attempt)
+    from the group's rank 0) in the attempt running at `now` and `size` is the round's; the round's parts."""
+    rnd = running_member(r, job_id, host_id, peer_id, step, attempt, now)
     group = dedloc.group_of(rnd, peer_id)
     mine = f"relay-{peer_id}" if group is None else f"group-{group}"
     if part != mine or (group is not None and rnd.groups[group][0] != peer_id):
@@ -113,20 +121,21 @@ _recent_totals = RecentTotals(RECENT_TOTAL_BYTES)
 
 
 def total_chunks(
-    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, size: int
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, size: int, now: float
 ) -> Iterator[bytes]:
-    """The round's total, chunk by chunk as it is summed, for a member of the running attempt.
+    """The round's total, chunk by chunk as it is summed, for a member of the attempt running at `now`.
 
     Refuses at once (before anything is sent) a caller that is not a member or a size that is not
-    the round's; the stream ends early when the attempt ends (aborted or timed out) before its total
-    is complete, and the member sees a short body.
+    the round's; the stream ends early when the attempt ends (aborted, or past its deadline: `now`
+    plus the time the stream has waited) before its total is complete, and the member sees a short body.
     """
-    running_member(r, job_id, host_id, peer_id, step, attempt)
+    running_member(r, job_id, host_id, peer_id, step, attempt, now)
     _check_size(r, job_id, step, attempt, size)
-    return _stream_total(r, job_id, step, attempt, size)
+    return _stream_total(r, job_id, step, attempt, size, now)
 
 
-def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: int) -> Iterator[bytes]:
+def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: int, now: float) -> Iterator[bytes]:
+    started = time.monotonic()
     for index in range(math.chunk_count(size)):
         name, checked = keys.dedloc_total(job_id, step, attempt, index), time.monotonic()
         while (chunk := _recent_totals.get(name) or r.get(name)) is None:
@@ -134,7 +143,7 @@ def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: in
                 rnd, checked = joined_round(r, job_id), time.monotonic()
                 if rnd.phase != dedloc.RoundPhase.reducing or (rnd.step, rnd.attempt) != (step, attempt):
                     return
-                if time.time() > rnd.deadline:
+                if now + (time.monotonic() - started) > rnd.deadline:
                     return
             time.sleep(POLL)
         assert isinstance(chunk, bytes)  # ours are bytes (no `decode_responses`)

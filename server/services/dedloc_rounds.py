@@ -29,6 +29,7 @@ from crowdtrain.core.schemas_dedloc import (
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_states
+from crowdtrain.server.services.clock import now_or_wall
 from crowdtrain.server.services.dedloc import Round, RoundGone, RoundPhase
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
 from crowdtrain.server.services.dedloc_peers import NotAMember
@@ -63,7 +64,7 @@ def progress(
     db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress, now: float | None = None
 ) -> ProgressReply:
     """A peer's report of its accumulated examples at `now` (the clock's); the answer says what it does next."""
-    now = time.time() if now is None else now
+    now = now_or_wall(now)
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
@@ -173,7 +174,7 @@ def report(
     result) or failed. A failure reported past the averaging deadline finds the attempt already
     aborted for the members that never answered (a member whose collective timed out waiting
     for an absent peer is not to blame)."""
-    now = time.time() if now is None else now
+    now = now_or_wall(now)
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
@@ -205,9 +206,12 @@ def report(
     return Outcome.recorded if ok else Outcome.aborted
 
 
-def running_member(r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int) -> Round:
+def running_member(
+    r: redis.Redis, job_id: int, host_id: int, peer_id: str, step: int, attempt: int, now: float
+) -> Round:
+    """The running round, once the caller is checked to be a member of (step, attempt) at `now`."""
     try:
-        dedloc_peers.touch(r, job_id, peer_id, host_id, time.time())
+        dedloc_peers.touch(r, job_id, peer_id, host_id, now)
         rnd = joined_round(r, job_id)
         dedloc.check_member(rnd, peer_id, step, attempt)
         dedloc_claims.attend(r, job_id, step, attempt, peer_id, dedloc.ARTIFACT_TTL)
@@ -222,13 +226,15 @@ def _b64(v: bytes | None) -> str | None:
     return None if v is None else base64.b64encode(v).decode()
 
 
-def store_op(r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int, op: str, req: StoreOp) -> StoreReply:
-    """One call of the torch.distributed Store of the caller's all-reduce group in (step, attempt).
+def store_op(
+    r: redis.Redis, job_id: int, host_id: int, step: int, attempt: int, op: str, req: StoreOp, now: float
+) -> StoreReply:
+    """One call, at `now`, of the torch.distributed Store of the caller's all-reduce group in (step, attempt).
 
     Keys live under a prefix per job, step, attempt and group, expire after an hour, and can be
     touched only by that group's members while the attempt runs.
     """
-    rnd = running_member(r, job_id, host_id, req.peer_id, step, attempt)
+    rnd = running_member(r, job_id, host_id, req.peer_id, step, attempt, now)
     group = dedloc.group_of(rnd, req.peer_id)
     if group is None:
         raise DedlocProblem(RefusalKind.forbidden, f"peer {req.peer_id} is relayed: it has no all-reduce group")

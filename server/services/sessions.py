@@ -12,11 +12,11 @@ refuses a marked one. Everything else here is pure.
 import hashlib
 import hmac
 import secrets
-import time
 
 import redis
 
 from crowdtrain.core import keys
+from crowdtrain.server.services.clock import now_or_wall
 
 _KEY_LABEL = b"crowdtrain dashboard session v2\x00"
 _MAX_LENGTH = 120
@@ -27,10 +27,6 @@ def _signature(admin_token: str, expiry: int, nonce: str) -> str:
     return hmac.new(key, f"{expiry}.{nonce}".encode(), hashlib.sha256).hexdigest()
 
 
-def _clock(now: float | None) -> float:
-    return now if now is not None else time.time()
-
-
 def is_admin_token(admin_token: str, candidate: str) -> bool:
     """Whether `candidate` is the admin token (compared in constant time; never when none is set)."""
     return bool(admin_token) and hmac.compare_digest(candidate.encode(), admin_token.encode())
@@ -38,7 +34,7 @@ def is_admin_token(admin_token: str, candidate: str) -> bool:
 
 def issue(admin_token: str, lifetime_seconds: int, now: float | None = None) -> str:
     """A new session value that expires `lifetime_seconds` from `now` (the clock if None)."""
-    expiry = int(_clock(now)) + lifetime_seconds
+    expiry = int(now_or_wall(now)) + lifetime_seconds
     nonce = secrets.token_urlsafe(16)
     return f"{expiry}.{nonce}.{_signature(admin_token, expiry, nonce)}"
 
@@ -52,7 +48,7 @@ def _expiry(admin_token: str, value: str | None, now: float | None) -> int | Non
     if not (expiry_text.isascii() and expiry_text.isdigit()) or len(expiry_text) > 12 or not nonce:
         return None
     expiry = int(expiry_text)
-    if expiry <= _clock(now):
+    if expiry <= now_or_wall(now):
         return None
     if not hmac.compare_digest(signature.encode(), _signature(admin_token, expiry, nonce).encode()):
         return None
@@ -83,5 +79,5 @@ def end(r: redis.Redis, admin_token: str, value: str | None, now: float | None =
     expiry = _expiry(admin_token, value, now)
     if value is None or expiry is None:
         return False
-    r.set(keys.ended_session(_session_id(value)), 1, ex=max(1, int(expiry - _clock(now))))
+    r.set(keys.ended_session(_session_id(value)), 1, ex=max(1, int(expiry - now_or_wall(now))))
     return True

@@ -52,11 +52,11 @@ def join(job_id: Id, req: PeerJoin, host_id: HostDep, db: DbDep, r: RedisDep, no
 
 
 @router.post("/refusal", response_model=ReplyOk)
-def refuse(job_id: Id, req: PeerRefusal, host_id: HostDep, r: RedisDep) -> ReplyOk:
+def refuse(job_id: Id, req: PeerRefusal, host_id: HostDep, r: RedisDep, now: NowDep) -> ReplyOk:
     """The peer will not train this job (its recipe is unsigned, or not signed by the key the peer
     trusts): it leaves the collaboration, and the job's problems show why. 403 for a peer that has not
     joined (or is another host's)."""
-    dedloc_jobs.refuse(r, job_id, host_id, req)
+    dedloc_jobs.refuse(r, job_id, host_id, req, now)
     return ReplyOk(status=Outcome.recorded)
 
 
@@ -79,12 +79,14 @@ def report(
 
 
 @router.post("/rounds/{step}/{attempt}/store/{op}", response_model=StoreReply)
-def store(job_id: Id, step: Id, attempt: Id, op: str, req: StoreOp, host_id: HostDep, r: RedisDep) -> StoreReply:
+def store(
+    job_id: Id, step: Id, attempt: Id, op: str, req: StoreOp, host_id: HostDep, r: RedisDep, now: NowDep
+) -> StoreReply:
     """The torch.distributed Store of the caller's all-reduce group (a prefix per job, step, attempt, group)."""
     if op not in StoreOpName.__members__:
         known = ", ".join(StoreOpName)
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown store operation {op!r}; known: {known}")
-    return dedloc_rounds.store_op(r, job_id, host_id, step, attempt, op, req)
+    return dedloc_rounds.store_op(r, job_id, host_id, step, attempt, op, req, now)
 
 
 @router.put(
@@ -104,11 +106,14 @@ async def put_part(
     host_id: HostDep,
     r: RedisDep,
     settings: SettingsDep,
+    now: NowDep,
 ) -> ReplyOk:
     """A group's sum or a relayed member's weighted gradient, streamed: stored and summed chunk by chunk."""
     if 4 * size > settings.upload_max_bytes:
         raise BodyTooLarge(settings.upload_max_bytes, 4 * size)
-    parts = await run_in_threadpool(dedloc_relay.check_part, r, job_id, host_id, peer_id, step, attempt, part, size)
+    parts = await run_in_threadpool(
+        dedloc_relay.check_part, r, job_id, host_id, peer_id, step, attempt, part, size, now
+    )
     outcome, index = Outcome.stored, 0
     async for chunk in fixed_chunks(request, dedloc_relay.CHUNK_BYTES, 4 * size):
         if await run_in_threadpool(dedloc_relay.put_chunk, r, job_id, step, attempt, parts, part, index, chunk):
@@ -130,10 +135,11 @@ def get_total(
     size: Annotated[int, Query(ge=1, le=INT32_MAX)],
     host_id: HostDep,
     r: RedisDep,
+    now: NowDep,
 ) -> StreamingResponse:
     """The sum of every part of the round, streamed as it is summed; a body shorter than `size`
     float32 means the attempt ended before its total was complete."""
-    chunks = dedloc_relay.total_chunks(r, job_id, host_id, peer_id, step, attempt, size)
+    chunks = dedloc_relay.total_chunks(r, job_id, host_id, peer_id, step, attempt, size, now)
     return StreamingResponse(chunks, media_type="application/octet-stream")
 
 
