@@ -190,14 +190,19 @@ def epoch_budget(task: Task, args) -> int:
     return math.ceil(task.budget_passes * args.system_budget / task.spec["training"]["local_epochs"])
 
 
-def job_spec(task: Task, rule: str, seed: int, max_epochs: int, stop_at_target: bool) -> dict:
-    """The job to submit: the task's spec with the rule's assimilation section and this run's stop rule."""
+def job_spec(
+    task: Task, rule: str, seed: int, max_epochs: int, stop_at_target: bool, snapshot_binding: str | None = None
+) -> dict:
+    """The job to submit: the task's spec with the rule's assimilation section and this run's stop rule,
+    and `snapshot_binding` (scheduling.snapshot_binding) when given, else the task's."""
     target = task.target if stop_at_target else 1.0  # 1.0: run the whole budget, the target is read here
+    scheduling = task.spec.get("scheduling", {})
     return task.spec | {
         "name": f"efficiency-{task.name}-{rule}-s{seed}",
         "seed": seed,
         "assimilation": assimilation_for(rule),
         "stop": {"target_accuracy": target, "max_epochs": max_epochs},
+        "scheduling": scheduling | ({"snapshot_binding": snapshot_binding} if snapshot_binding else {}),
     }
 
 

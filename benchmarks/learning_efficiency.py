@@ -150,9 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sim-p", type=float, default=0.0, help="simulated preemption probability")
     ap.add_argument("--sim-network-seconds", type=float, default=0.1, help="simulated seconds per transfer")
     ap.add_argument(
-        "--sim-late-snapshot",
-        action="store_true",
-        help="simulated slots train from the snapshot published when they start, not the one at dispatch",
+        "--snapshot-binding",
+        choices=["dispatch", "start"],
+        help="scheduling.snapshot_binding of every job, real and simulated: train from the snapshot published "
+        "at dispatch, or from the newest when the slot starts the work (default: the task file's)",
     )
     ap.add_argument("--assimilator-concurrency", type=int, default=1)
     args = ap.parse_args(argv)
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "learning_efficiency",
         "quick": args.quick,
-        "sim_late_snapshot": args.sim_late_snapshot,
+        "snapshot_binding": args.snapshot_binding,
         "default_rule": DEFAULT_RULE,
         "default_assimilation": assimilation_for(DEFAULT_RULE),
         "seeds": args.seeds,

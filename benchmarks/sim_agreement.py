@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slots-per-client", type=int, default=4, help="task slots per client process")
     ap.add_argument("--system-budget", type=float, default=3.0, help="job budget as a multiple of the baseline's")
     ap.add_argument("--job-timeout", type=float, default=900.0, help="seconds one real job may run")
+    ap.add_argument(
+        "--snapshot-binding",
+        choices=["dispatch", "start"],
+        help="scheduling.snapshot_binding of the jobs (the replays follow it); default: the task file's",
+    )
     ap.add_argument("--out", type=Path, help="write every row, calibration included, to this JSON file")
     args = ap.parse_args(argv)
     try:
@@ -60,7 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # What efficiency_runs reads from learning_efficiency's arguments, fixed here.
     args.stop_at_target, args.budget_passes, args.eval_fraction = True, None, None
     args.sim_slots_per_host, args.sim_p, args.sim_network_seconds = args.slots_per_client, 0.0, 0.1
-    args.sim_late_snapshot = False  # the real client binds its snapshot at dispatch; so do the replays
     return args
 
 
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     gaps = {k: [r[k] for r in rows if r.get(k) is not None] for k in ("ratio_gap", "staleness_gap")}
     result = {
         "benchmark": "sim_agreement",
+        "snapshot_binding": args.snapshot_binding,
         "rows": [{k: v for k, v in r.items() if k != "timing"} for r in rows],
         "max_ratio_gap": max(gaps["ratio_gap"], default=None),
         "max_staleness_gap": max(gaps["staleness_gap"], default=None),

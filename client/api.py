@@ -37,6 +37,7 @@ from crowdtrain.core.schemas import (
     HostRegistered,
     Resources,
     ResultMetrics,
+    SnapshotBound,
     WorkReply,
     WorkRequest,
 )
@@ -138,6 +139,10 @@ class SchedulerAPI:
 
     def heartbeat(self, assignment_id: int) -> HeartbeatReply:
         return parse_reply(HeartbeatReply, self._request("POST", f"/v1/assignments/{assignment_id}/heartbeat"))
+
+    def start(self, assignment_id: int) -> SnapshotBound:
+        """Which snapshot the assignment trains from, now that a compute slot starts it."""
+        return parse_reply(SnapshotBound, self._request("POST", f"/v1/assignments/{assignment_id}/start"))
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}

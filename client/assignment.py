@@ -9,7 +9,7 @@ back at once when it cannot finish. The other half, the work loop, decides what 
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -201,6 +201,9 @@ class AssignmentRunner:
             checkpoint = FileCheckpoint(path, self.checkpoint_seconds)
             if checkpoint.resumed is not None:
                 log.info("assignment %s: resuming from its checkpoint at %s", a.assignment_id, checkpoint.resumed[1])
+            elif a.bind_at_start:
+                inputs = self._bind_snapshot(r, inputs)
+                a = r.assignment
             kept = self._take_optimizer_state(a, resumed=checkpoint.resumed is not None)
             try:
                 result = train(
@@ -223,6 +226,39 @@ class AssignmentRunner:
             self.compute.release()
             self.slot_freed.set()
         return result, checkpoint.resumed is not None
+
+    def _bind_snapshot(self, r: Running, inputs: _Inputs) -> _Inputs:
+        """The job binds snapshots when a slot starts the work (scheduling.snapshot_binding): ask which
+        one to train from and fetch it when it is not the one dispatched; the journal then holds the
+        assignment with its new base, so a resumed checkpoint is encoded against the snapshot it
+        started from. When today's download cap cannot take one more snapshot the scheduler is not
+        asked, and the assignment trains from the snapshot it has (the one the scheduler recorded)."""
+        a = r.assignment
+        transfer = self.restraints.transfer
+        try:
+            extra = transfer.reserve(a.snapshot.size, 0)
+        except OverDailyCap as exc:
+            log.info("assignment %s: training from its dispatched snapshot: %s", a.assignment_id, exc)
+            return inputs
+        try:
+            bound = self.api.start(a.assignment_id)
+            if bound.base_version == a.base_version:
+                return inputs
+            if bound.snapshot is None:  # the scheduler's answers say it can only be the dispatched one
+                raise RuntimeError(f"the scheduler bound snapshot v{bound.base_version} without naming its file")
+            snap = self._fetch(self.snapshots, bound.snapshot, transfer, extra)
+            params = decode(snap.read_bytes())
+            r.assignment = a.model_copy(update={"base_version": bound.base_version, "snapshot": bound.snapshot})
+            self.journal.record(r.assignment)
+            log.info(
+                "assignment %s: training from snapshot v%d (dispatched with v%d)",
+                a.assignment_id,
+                bound.base_version,
+                a.base_version,
+            )
+            return replace(inputs, params=params)
+        finally:
+            transfer.release(extra)
 
     def _upload(
         self, r: Running, inputs: _Inputs, result: TrainResult, resumed: bool, reservation: Reservation

@@ -1,6 +1,11 @@
 """Every merge rule trains the example job to its target through the real system (scheduler, Redis,
 Celery parameter servers, transitioner, client processes), one job after another on one cluster, and
-the rule's state in Redis shows exactly one optimizer step per merged result."""
+the rule's state in Redis shows exactly one optimizer step per merged result.
+
+The `delta` job also binds its snapshots when a slot starts the work (scheduling.snapshot_binding)
+and sends updates, not weights: a prefetched assignment trains from a newer snapshot than it was
+dispatched with, and its update is decoded against that one (against the dispatched one, the job
+would not reach its target)."""
 
 import pytest
 import redis
@@ -34,11 +39,17 @@ RULES = {
 }
 
 
+LATE_BINDING = "delta"
+
+
 def _spec(name: str, assimilation: dict) -> dict:
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.name = f"mnist1d-{name}"
     spec.assimilation = AssimilationSpec(**assimilation)
     spec.stop = spec.stop.model_copy(update={"target_accuracy": TARGET})
+    if name == LATE_BINDING:
+        spec.scheduling.snapshot_binding = "start"
+        spec.assimilation.upload.send = "delta"
     return spec.model_dump(mode="json")
 
 
@@ -53,8 +64,7 @@ def _assert_one_step_per_merge(r: redis.Redis, job_id: int, assimilation: dict) 
 
 def test_every_merge_rule_trains_mnist1d_to_its_target(make_cluster, sqlite_url) -> None:
     cluster = make_cluster(sqlite_url)
-    cluster.start_client("alice", tasks=2)
-    cluster.start_client("bob", tasks=2)
+    clients = [cluster.start_client("alice", tasks=2), cluster.start_client("bob", tasks=2)]
     jobs = {}
     for name, assimilation in RULES.items():
         job_id = cluster.submit(_spec(name, assimilation))["job_id"]
@@ -66,3 +76,7 @@ def test_every_merge_rule_trains_mnist1d_to_its_target(make_cluster, sqlite_url)
     for name, job_id in jobs.items():
         assert_exact_accounting(cluster, job_id)  # stops the clients first, then waits for every merge
         _assert_one_step_per_merge(r, job_id, RULES[name])
+    logs = "\n".join(c.log_path.read_text(errors="replace") for c in clients)
+    assert "(dispatched with v" in logs, (
+        "no prefetched assignment of the late-binding job trained from a newer snapshot"
+    )

@@ -210,6 +210,12 @@ class SchedulingSpec(SpecSection):
         "ceil(merges per second x median dispatch-to-upload seconds) + hosts holding the job's work), the rule "
         "floor being assimilation.buffer_size for fedbuff, else 1 (no budget before two merges measure the pace)",
     )
+    snapshot_binding: Literal["dispatch", "start"] = Field(
+        "dispatch",
+        description="Which W_s snapshot an assignment trains from: the one published when it was dispatched, or "
+        "(start) the newest when the host's compute slot starts it; a prefetched assignment then does not age "
+        "while it waits for a slot. Replicated work always keeps its dispatched snapshot",
+    )
 
 
 def scheduling_of(spec: dict[str, Any]) -> SchedulingSpec:

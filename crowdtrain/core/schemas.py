@@ -240,6 +240,11 @@ class AssignmentOut(BaseModel):
     signed: SignedRecipe | None = Field(
         None, description="The job's signed recipe, which `recipe`, `shard` and `seed` must agree with; None: unsigned"
     )
+    bind_at_start: bool = Field(
+        False,
+        description="Ask for the newest snapshot (POST /v1/assignments/{id}/start) when a compute slot starts "
+        "this assignment, and train from the snapshot the answer names (the job's scheduling.snapshot_binding)",
+    )
 
 
 class WorkReply(BaseModel):
@@ -250,6 +255,15 @@ class WorkReply(BaseModel):
         default_factory=list,
         max_length=1000,
         description="Every rotation of the project key, oldest first: a client follows them from the key it trusts",
+    )
+
+
+class SnapshotBound(BaseModel):
+    """The snapshot an assignment trains from, as the scheduler recorded it when its slot started."""
+
+    base_version: int
+    snapshot: FileRef | None = Field(
+        None, description="The snapshot's file; None: the one the assignment was dispatched with (`base_version`)"
     )
 
 

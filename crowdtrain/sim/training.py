@@ -116,7 +116,9 @@ def simulate_training(
     scheduler does (crowdtrain.server.services.backpressure); off, the run is what it was before
     the scheduler had one. `keep_optimizer_state`, or the spec's
     `training.keep_optimizer_state` as the client reads it: each host's slots carry their optimizer
-    state across workunits (see the module docstring). Training runs on one CPU thread.
+    state across workunits (see the module docstring). `late_snapshot`, or the spec's
+    `scheduling.snapshot_binding` "start": a slot trains from the snapshot published when it starts the
+    assignment. Training runs on one CPU thread.
     """
     spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
     if spec.mode != VC_ASGD:
@@ -137,7 +139,7 @@ def simulate_training(
         prefetch,
         keep_optimizer_state or spec.training.keep_optimizer_state,
         jitter_sigma,
-        late_snapshot,
+        late_snapshot or spec.scheduling.snapshot_binding == "start",
     )
     servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds, pass_seconds, max_pass)
     data = (

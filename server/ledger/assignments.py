@@ -5,6 +5,7 @@ returns its workunit to the pool, or fails it after `max_errors`; the epochs who
 are then closed by crowdtrain.server.ledger.epochs.close_epochs_after_failure."""
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import redis
@@ -96,6 +97,48 @@ def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tu
         a.last_heartbeat = now
         a.deadline = max(a.deadline, extended_deadline(a.sent_at, now, scheduling_of(job.spec)))
         return True, "", a.deadline
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The snapshot an assignment trains from: W_s `version` of job `job_id`, with the storage key and
+    digest of the job's newest snapshot when that is the one (None: the assignment keeps the snapshot
+    it was dispatched with)."""
+
+    job_id: int
+    version: int
+    key: str | None
+    sha256: str | None
+    size: int
+
+
+def bind_snapshot(db: sessionmaker[Session], host_id: int, assignment_id: int) -> Binding:
+    """The snapshot the host's assignment trains from, asked when a compute slot starts it. With the job's
+    scheduling.snapshot_binding "start" the assignment moves to the newest published snapshot (its
+    base_version, against which its upload is decoded and its staleness counted); a replicated workunit's
+    replicas keep the snapshot they were dispatched with, so their results stay comparable. Asked again
+    (an answer lost on the way), it moves on to the newest again: the base the host trains from is the
+    last one answered. ResultProblem not_found / conflict as for heartbeats, and once the result is in."""
+    with db.begin() as s:
+        a = own_assignment(s, assignment_id, host_id)
+        if a.status != AssignmentStatus.in_progress.value or a.upload_key is not None:
+            raise ResultProblem(RefusalKind.conflict, f"assignment {assignment_id} is {a.status}, not training")
+        job = s.get_one(Job, a.job_id)
+        if job.status != JobStatus.running.value or job.snapshot_version is None:
+            raise ResultProblem(RefusalKind.conflict, f"job {a.job_id} is {job.status}")
+        late = scheduling_of(job.spec).snapshot_binding == "start"
+        if late and job.snapshot_version > a.base_version and s.get_one(Workunit, a.workunit_id).quorum <= 1:
+            log.info(
+                "assignment %s: bound to snapshot v%d when its slot started (dispatched with v%d)",
+                a.id,
+                job.snapshot_version,
+                a.base_version,
+                extra=ids(job_id=job.id, assignment_id=a.id, host_id=host_id),
+            )
+            a.base_version = job.snapshot_version
+        if a.base_version != job.snapshot_version:
+            return Binding(job.id, a.base_version, None, None, job.param_bytes)
+        return Binding(job.id, a.base_version, job.snapshot_key, job.snapshot_sha256, job.param_bytes)
 
 
 def extended_deadline(sent_at: datetime, now: datetime, sched: SchedulingSpec) -> datetime:

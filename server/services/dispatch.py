@@ -69,6 +69,15 @@ class _PresignedUrls:
 _presigned = _PresignedUrls()
 
 
+def snapshot_ref(
+    storage: Storage, job_id: int, version: int, key: str, sha256: str, size: int, presign_seconds: int
+) -> FileRef:
+    """Where a host downloads snapshot `version` of the job (stored at `key`): object storage that can
+    presign serves the bytes itself; otherwise the scheduler does."""
+    url = _presigned.url(storage, key, presign_seconds)
+    return FileRef(url=url or f"/v1/jobs/{job_id}/snapshots/{version}", sha256=sha256, size=size)
+
+
 def request_work(
     db: sessionmaker[Session],
     storage: Storage,
@@ -338,10 +347,6 @@ class _Request:
         assert cl.shard_sha256 is not None and live.snapshot_key is not None and live.snapshot_sha256 is not None
         # Object storage that can presign serves the bytes itself; otherwise the scheduler does.
         shard_url = _presigned.url(self.storage, cl.shard_key, self.presign_seconds) or f"/v1/shards/{cl.shard_id}"
-        snapshot_url = (
-            _presigned.url(self.storage, live.snapshot_key, self.presign_seconds)
-            or f"/v1/jobs/{live.id}/snapshots/{live.snapshot_version}"
-        )
         signed = (
             SignedRecipe(recipe=t.recipe_text, public_key=live.recipe_public_key, signature=live.recipe_signature)
             if t.recipe_text is not None and live.recipe_public_key is not None and live.recipe_signature is not None
@@ -358,6 +363,15 @@ class _Request:
             local_fraction=fraction,
             recipe=t.recipe.model_copy(update={"seed": t.spec["seed"] + assignment_id}),
             shard=FileRef(url=shard_url, sha256=cl.shard_sha256, size=cl.shard_size),
-            snapshot=FileRef(url=snapshot_url, sha256=live.snapshot_sha256, size=live.param_bytes),
+            snapshot=snapshot_ref(
+                self.storage,
+                live.id,
+                live.snapshot_version,
+                live.snapshot_key,
+                live.snapshot_sha256,
+                live.param_bytes,
+                self.presign_seconds,
+            ),
             signed=signed,
+            bind_at_start=t.scheduling.snapshot_binding == "start",
         )

@@ -18,19 +18,22 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core import keys
 from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.jobspec import UploadSpec
-from crowdtrain.core.schemas import ResultMetrics
+from crowdtrain.core.schemas import ResultMetrics, SnapshotBound
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_spec
+from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat, refuse_result
 from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.ledger.uploads import StoredUpload, record_upload, upload_target
+from crowdtrain.server.services import dispatch
 
 __all__ = [
     "MergeQueue",
     "ResultRefused",
     "accept_result",
+    "bind_snapshot",
     "check_result",
     "give_up",
     "heartbeat",
@@ -45,6 +48,18 @@ class MergeQueue(Protocol):
     called more than once for the same id (merges are idempotent)."""
 
     def __call__(self, assignment_id: int, received_at: float, /) -> None: ...
+
+
+def bind_snapshot(
+    db: sessionmaker[Session], storage: Storage, host_id: int, assignment_id: int, presign_seconds: int
+) -> SnapshotBound:
+    """The snapshot the host's assignment trains from, bound as its compute slot starts it
+    (crowdtrain.server.ledger.assignments.bind_snapshot); its file when it is not the one dispatched."""
+    b = assignments.bind_snapshot(db, host_id, assignment_id)
+    if b.key is None or b.sha256 is None:
+        return SnapshotBound(base_version=b.version, snapshot=None)
+    ref = dispatch.snapshot_ref(storage, b.job_id, b.version, b.key, b.sha256, b.size, presign_seconds)
+    return SnapshotBound(base_version=b.version, snapshot=ref)
 
 
 def check_result(body: bytes, manifest: dict, upload: UploadSpec | dict | None = None) -> str | None:

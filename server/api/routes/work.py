@@ -12,6 +12,7 @@ from crowdtrain.core.schemas import (
     Id,
     ResultAccepted,
     ResultMetrics,
+    SnapshotBound,
     WorkReply,
     WorkRequest,
 )
@@ -101,6 +102,14 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
 def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
     keep_going, reason, deadline = results.heartbeat(db, host_id, assignment_id)
     return HeartbeatReply(keep_going=keep_going, reason=reason, deadline=deadline)
+
+
+@router.post("/assignments/{assignment_id}/start", response_model=SnapshotBound)
+def start(assignment_id: Id, host_id: HostDep, db: DbDep, storage: StorageDep, settings: SettingsDep) -> SnapshotBound:
+    """A compute slot starts the assignment: the snapshot it trains from (the newest, when the job binds
+    snapshots at start; see scheduling.snapshot_binding). Ask again after a lost answer: the last answer
+    is what the scheduler recorded."""
+    return results.bind_snapshot(db, storage, host_id, assignment_id, settings.presign_seconds)
 
 
 @router.put(

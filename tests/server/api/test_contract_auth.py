@@ -10,6 +10,7 @@ from tests.server.api.conftest import World
 HOST_ROUTES = [
     ("POST", "/v1/work"),
     ("POST", "/v1/assignments/1/heartbeat"),
+    ("POST", "/v1/assignments/1/start"),
     ("PUT", "/v1/assignments/1/result"),
     ("POST", "/v1/assignments/1/abandon"),
     ("POST", "/v1/assignments/1/error"),

@@ -29,6 +29,7 @@ UNKNOWN = [
     ("admin", "GET", f"/v1/jobs/{MISSING}/problems", f"job {MISSING} does not exist"),
     ("admin", "GET", f"/v1/jobs/{MISSING}/recipe", f"job {MISSING} does not exist"),
     ("alice", "POST", f"/v1/assignments/{MISSING}/heartbeat", f"assignment {MISSING} does not exist"),
+    ("alice", "POST", f"/v1/assignments/{MISSING}/start", f"assignment {MISSING} does not exist"),
     ("alice", "POST", f"/v1/assignments/{MISSING}/abandon", f"assignment {MISSING} does not exist"),
     ("alice", "PUT", f"/v1/assignments/{MISSING}/result", f"assignment {MISSING} does not exist"),
     ("alice", "GET", f"/v1/shards/{MISSING}", f"shard {MISSING} does not exist"),
@@ -53,7 +54,7 @@ def test_an_error_report_about_an_unknown_assignment_is_a_404(world: World) -> N
 
 def test_another_hosts_assignment_is_reported_like_a_missing_one(world: World) -> None:
     a = world.assignment["assignment_id"]
-    for method, action in (("POST", "heartbeat"), ("POST", "abandon"), ("PUT", "result")):
+    for method, action in (("POST", "heartbeat"), ("POST", "start"), ("POST", "abandon"), ("PUT", "result")):
         _refused(
             world,
             world.bob,
