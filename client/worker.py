@@ -22,9 +22,10 @@ import httpx
 from crowdtrain.client.api import BadReply, Refused, SchedulerAPI
 from crowdtrain.client.assignment import BEFORE_UPLOAD, AssignmentRunner, Phase, Running
 from crowdtrain.client.cachelock import CacheLock
+from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.identity import Identities
 from crowdtrain.client.journal import AssignmentJournal
-from crowdtrain.client.optimizer_states import DEFAULT_MAX_BYTES, OptimizerStates
+from crowdtrain.client.optimizer_states import OptimizerStates
 from crowdtrain.client.origins import Origins, learned_origins
 from crowdtrain.client.preemption import Notice, RunningEstimate, SpotNoticeWatcher, plan_preemption
 from crowdtrain.client.preferences import Preferences
@@ -32,7 +33,6 @@ from crowdtrain.client.resources import detect_resources
 from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import ClientState, ClientStatus, StatusWriter
 from crowdtrain.client.trust import ProjectTrust
-from crowdtrain.core.frameworks import Framework
 from crowdtrain.core.schemas import AssignmentOut, KeyRotation, WorkReply
 
 log = logging.getLogger(__name__)
@@ -40,55 +40,26 @@ log = logging.getLogger(__name__)
 BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work request or its reply was refused
 
 
-# The default cache folder, as the CLI offers it: one per client on a machine.
-DEFAULT_CACHE_DIR = Path("~/.cache/crowdtrain").expanduser()
-
-
 class VolunteerClient(AssignmentRunner):
-    def __init__(
-        self,
-        server_url: str,
-        join_token: str,
-        tasks: int = 1,
-        device: str = "cpu",
-        cache_dir: Path = DEFAULT_CACHE_DIR,
-        name: str | None = None,
-        max_assignments: int | None = None,
-        prefetch: bool = True,
-        checkpoint_seconds: float = 30.0,
-        spot_notice_url: str = "",
-        spot_poll_seconds: float = 5.0,
-        sigterm_grace: float = 0.0,
-        max_download_rate: float | None = None,
-        max_upload_rate: float | None = None,
-        preferences: Preferences | None = None,
-        frameworks: list[Framework] | None = None,
-        project_key: str | None = None,
-        optimizer_state_bytes: int = DEFAULT_MAX_BYTES,
-    ):
-        self.server_url = server_url.rstrip("/")
-        self.join_token = join_token
-        self.tasks = tasks
-        self.device = device
-        self.cache_dir = Path(cache_dir)
+    """The volunteer client of one scheduler, as `config` says (crowdtrain.client.config)."""
+
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self.server_url = config.server_url.rstrip("/")
+        self.device, self.checkpoint_seconds = config.device, config.checkpoint_seconds
+        self.cache_dir = Path(config.cache_dir)
         self.cache_lock = CacheLock(self.cache_dir)
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.max_assignments = max_assignments
-        self.prefetch = prefetch
-        self.checkpoint_seconds = checkpoint_seconds
-        self.spot_notice_url = spot_notice_url
-        self.spot_poll_seconds = spot_poll_seconds
-        self.sigterm_grace = sigterm_grace
+        self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
         self.stop = threading.Event()  # hard stop: no more requests to the server
         self.draining = threading.Event()  # no new work; finish or give back what runs
         self.notice: Notice | None = None
-        self.prefs = preferences or Preferences(tasks=tasks, device=device)
+        self.prefs = config.preferences or Preferences(tasks=config.tasks, device=config.device)
         self.origins = Origins.for_scheduler(self.server_url, self.prefs.download_origins)  # before registration
         self.api = SchedulerAPI(
             self.server_url,
             self.stop,
-            max_download_rate=max_download_rate,
-            max_upload_rate=max_upload_rate,
+            max_download_rate=config.max_download_rate,
+            max_upload_rate=config.max_upload_rate,
             origins=self.origins,
             local_address=str(self.prefs.bind_address) if self.prefs.bind_address else None,
         )
@@ -98,18 +69,18 @@ class VolunteerClient(AssignmentRunner):
         self.status = StatusWriter(self.cache_dir, self._status)
         self.state, self.state_reason = ClientState.waiting, ""
         self.journal = AssignmentJournal(self.cache_dir / "assignments", self.server_url)
-        self.resources = detect_resources(device, frameworks)
+        self.resources = detect_resources(config.device, config.frameworks)
         self.running: dict[int, Running] = {}
         self.lock = threading.Lock()
         self.slot_freed = threading.Event()
-        self.compute = threading.Semaphore(tasks)
+        self.compute = threading.Semaphore(config.tasks)
         self.started = 0
         self.completed = 0
         self.heartbeat_interval = 5.0
         self.train_seconds: dict[int, float] = {}  # job id -> running mean of training time
         self.upload_seconds: float | None = None
-        self.optimizer_states = OptimizerStates(optimizer_state_bytes)  # memory only
-        self.trust = ProjectTrust(self.identities, self.server_url, project_key)
+        self.optimizer_states = OptimizerStates(config.optimizer_state_bytes)  # memory only
+        self.trust = ProjectTrust(self.identities, self.server_url, config.project_key)
 
     # -- identity -------------------------------------------------------------------------------
     def ensure_registered(self) -> None:
@@ -121,7 +92,7 @@ class VolunteerClient(AssignmentRunner):
         known = self.identities.get(self.server_url)
         if known is None:
             self.api.token = None
-            reg = self.api.register(self.join_token, self.name, self.resources, self.prefs.account)
+            reg = self.api.register(self.config.join_token, self.name, self.resources, self.prefs.account)
             known = self.identities.save(
                 self.server_url,
                 reg.host_id,
@@ -158,9 +129,9 @@ class VolunteerClient(AssignmentRunner):
             log.info(
                 "signal %s: giving back work that cannot finish within %.0fs, then exiting",
                 signal.Signals(signum).name,
-                self.sigterm_grace,
+                self.config.sigterm_grace,
             )
-            self.on_notice(Notice(signal.Signals(signum).name, time.time() + self.sigterm_grace))
+            self.on_notice(Notice(signal.Signals(signum).name, time.time() + self.config.sigterm_grace))
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
@@ -187,8 +158,9 @@ class VolunteerClient(AssignmentRunner):
     def _run(self) -> int:
         self.ensure_registered()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-        if self.spot_notice_url:
-            watcher = SpotNoticeWatcher(self.spot_notice_url, self.spot_poll_seconds, self.on_notice, self.stop)
+        if self.config.spot_notice_url:
+            cfg = self.config
+            watcher = SpotNoticeWatcher(cfg.spot_notice_url, cfg.spot_poll_seconds, self.on_notice, self.stop)
             threading.Thread(target=watcher.run, name="spot-notice", daemon=True).start()
         self.restraints.start(self._on_idle_change)
         self.status.start()
@@ -232,12 +204,13 @@ class VolunteerClient(AssignmentRunner):
         """How many assignments to ask for now (<= 0: none, the slots are busy), or None once
         `max_assignments` have been started and have all ended."""
         pending, running = self._in_flight()
-        want = self.tasks + (1 if self.prefetch else 0) - pending
-        if self.max_assignments is None:
+        want = self.config.tasks + (1 if self.config.prefetch else 0) - pending
+        limit = self.config.max_assignments
+        if limit is None:
             return want
-        if self.started >= self.max_assignments and running == 0:
+        if self.started >= limit and running == 0:
             return None
-        return min(want, self.max_assignments - self.started)
+        return min(want, limit - self.started)
 
     def _ask_for_work(self, want: int) -> WorkReply | None:
         """The scheduler's reply to a request for `want` assignments, or None to ask again: the host

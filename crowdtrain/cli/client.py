@@ -21,6 +21,7 @@ from crowdtrain.cli.options import (
     resolve_project_key,
 )
 from crowdtrain.client.cachelock import CacheInUse
+from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.devices import DeviceUnavailable, detect_accelerators, resolve_device
 from crowdtrain.client.preferences import Preferences, PreferencesError, load_preferences
 from crowdtrain.client.status import is_running, now_utc, read_status, render
@@ -159,7 +160,7 @@ def client(
     chosen = _client_frameworks(frameworks)
     if prefs.threads:
         limit_threads(prefs.threads, chosen)
-    c = VolunteerClient(
+    settings = ClientConfig(
         server,
         join_token,
         prefs.tasks,
@@ -178,6 +179,7 @@ def client(
         frameworks=chosen,
         project_key=pinned,
     )
+    c = VolunteerClient(settings)
     c.install_signal_handlers()
     try:
         code = c.run()

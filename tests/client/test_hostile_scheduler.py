@@ -19,6 +19,7 @@ import pytest
 import crowdtrain.client.server_http
 import crowdtrain.client.worker
 from crowdtrain.client.assignment import Phase, Running
+from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.preemption import Notice
 from crowdtrain.client.worker import VolunteerClient
 from crowdtrain.core.schemas import AssignmentOut, HeartbeatReply
@@ -163,13 +164,15 @@ def run_client_until(scheduler: FakeScheduler, cache: Path, work_requests: int) 
     """Run the real work loop in this process until it has asked for work `work_requests` times, then
     stop it as SIGTERM does; it must still be running at that point and stop cleanly."""
     volunteer = VolunteerClient(
-        scheduler.url,
-        "join",
-        cache_dir=cache,
-        name="volunteer",
-        prefetch=False,
-        checkpoint_seconds=0,
-        frameworks=["pytorch"],
+        ClientConfig(
+            scheduler.url,
+            "join",
+            cache_dir=cache,
+            name="volunteer",
+            prefetch=False,
+            checkpoint_seconds=0,
+            frameworks=["pytorch"],
+        )
     )
     runner = threading.Thread(target=volunteer.run, daemon=True)
     try:
@@ -286,7 +289,9 @@ def test_a_heartbeat_answered_after_the_clients_own_upload_is_no_reason_to_stop(
 ) -> None:
     """The server answers "assignment is uploaded" to a heartbeat that crossed the upload: the client
     says nothing about being stopped; while training, the same answer stops it and says so."""
-    volunteer = VolunteerClient("http://127.0.0.1:9", "join", cache_dir=tmp_path / "cache", frameworks=["pytorch"])
+    volunteer = VolunteerClient(
+        ClientConfig("http://127.0.0.1:9", "join", cache_dir=tmp_path / "cache", frameworks=["pytorch"])
+    )
     a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
     r = Running(a, phase=Phase(phase))
     caplog.set_level(logging.DEBUG, logger="crowdtrain.client")

@@ -9,6 +9,7 @@ import pytest
 
 import crowdtrain.client.assignment
 from crowdtrain.client.assignment import Running
+from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.optimizer_states import OptimizerStates, keeps_optimizer_state, recipe_key
 from crowdtrain.client.trainers import TrainResult, local_steps
 from crowdtrain.client.trainers import train as real_train
@@ -136,7 +137,7 @@ def test_the_second_workunit_a_slot_trains_continues_the_optimizer_state_of_the_
     monkeypatch.setattr(crowdtrain.client.assignment, "train", recorded_train)
     server = FilesAndUploads({"/files/snapshot": snapshot, "/files/shard": shard})
     volunteer = VolunteerClient(
-        server.url, "join", cache_dir=tmp_path / "cache", checkpoint_seconds=3600, frameworks=["pytorch"]
+        ClientConfig(server.url, "join", cache_dir=tmp_path / "cache", checkpoint_seconds=3600, frameworks=["pytorch"])
     )
     try:
         for aid in (1, 2):
@@ -186,7 +187,7 @@ def test_a_failed_training_gives_the_slots_state_back_and_a_resumed_one_takes_no
     monkeypatch.setattr(crowdtrain.client.assignment, "train", failing_train)
     server = FilesAndUploads({"/files/snapshot": snapshot, "/files/shard": shard})
     volunteer = VolunteerClient(
-        server.url, "join", cache_dir=tmp_path / "cache", checkpoint_seconds=3600, frameworks=["pytorch"]
+        ClientConfig(server.url, "join", cache_dir=tmp_path / "cache", checkpoint_seconds=3600, frameworks=["pytorch"])
     )
     volunteer.optimizer_states.put(1, recipe_key(a.recipe), kept)
     try:

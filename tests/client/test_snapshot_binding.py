@@ -11,6 +11,7 @@ import pytest
 
 import crowdtrain.client.assignment
 from crowdtrain.client.assignment import Running
+from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.preferences import Preferences
 from crowdtrain.client.trainers import TrainResult
 from crowdtrain.client.trainers import train as real_train
@@ -50,7 +51,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefs: Preferences | N
 
     monkeypatch.setattr(crowdtrain.client.assignment, "train", recorded_train)
     server = BindingServer({"/files/snapshot": snapshot, "/files/shard": shard}, newer)
-    volunteer = VolunteerClient(
+    config = ClientConfig(
         server.url,
         "join",
         cache_dir=tmp_path / "cache",
@@ -58,6 +59,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefs: Preferences | N
         frameworks=["pytorch"],
         preferences=prefs,
     )
+    volunteer = VolunteerClient(config)
     a = assignment(1, False, snapshot, shard).model_copy(update={"bind_at_start": True})
     try:
         volunteer._work(Running(a))
