@@ -7,8 +7,8 @@ on (crowdtrain.assimilator.replica_vote; the canonical replica a vote chooses jo
 merges them in order with the job's rule under the policy every rule obeys (staleness bound,
 update-norm bound, clipping: crowdtrain.assimilator.policy) into W_s read once and written once, records
 each outcome, evaluates W_s when due (once per pass, not once per merge), publishes a snapshot when
-due, and closes the epochs that are complete (record_merged, with
-crowdtrain.server.ledger.epochs.close_epoch_if_complete). `assimilate` is a pass of one result.
+due, and closes the epochs that are complete (crowdtrain.assimilator.recording.record_merged).
+`assimilate` is a pass of one result.
 
 The guarantee: merged exactly once; may be delivered twice. The merge into W_s is exactly once per
 assignment, and at most one assignment per workunit (crowdtrain.server.paramstore.merging.merge_batch: a straggler's
@@ -23,36 +23,26 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any
 
-import redis
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import Session, sessionmaker
-
-from crowdtrain.assimilator.evaluate import FrameworkEvaluator
-from crowdtrain.assimilator.inputs import Refused, Result, read_result, replay_of, replay_reason, validation_set
+from crowdtrain.assimilator.inputs import Refused, Result, read_result, replay_of, replay_reason
+from crowdtrain.assimilator.merge_services import TRANSIENT, JobBroken, MergeServices
 from crowdtrain.assimilator.policy import Policy, apply_with_policy
+from crowdtrain.assimilator.recording import record_merged
 from crowdtrain.assimilator.replica_vote import judge_replicas
 from crowdtrain.assimilator.rules import Rule, make_rule
-from crowdtrain.core.keys import snapshot_key
 from crowdtrain.core.logs import ids
-from crowdtrain.core.settings import Settings
-from crowdtrain.core.storage import Storage, open_storage
-from crowdtrain.core.tensors import Params, sha256
-from crowdtrain.server.ledger import duplicates, merges, result_records, snapshot_list
-from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, fail_job
+from crowdtrain.core.tensors import Params
+from crowdtrain.server.ledger import duplicates, merges
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.paramstore.steps import QueuedResult, Step, Taken
 from crowdtrain.server.services import telemetry
 
 log = logging.getLogger(__name__)
 
-# Failures that go away (a lost database race or connection, Redis unreachable): `assimilate` raises
-# them for its caller to run it again. Any other failure ends the assignment (see `_failed`).
-TRANSIENT = (OperationalError, redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+# What callers use, the merge's services and its transient failures (crowdtrain.assimilator.merge_services) included.
+__all__ = ["TRANSIENT", "MergeResult", "MergeServices", "Outcome", "assimilate", "assimilate_many"]
 
 
 class Superseded(Exception):
@@ -64,11 +54,6 @@ class Superseded(Exception):
             "workunit already merged from " + ("another assignment" if winner_id is None else f"assignment {winner_id}")
         )
         self.winner_id = winner_id
-
-
-class JobBroken(Exception):
-    """The job itself cannot take merges (its validation set does not fit its model, ...): every
-    merge would fail the same way, so the job fails with this message."""
 
 
 class Outcome(StrEnum):
@@ -100,28 +85,6 @@ class Decided:
 
     result: MergeResult
     also_merge: int | None = None
-
-
-@dataclass(frozen=True)
-class MergeServices:
-    """What a merge works with: the ledger, object storage, Redis (W_s), the snapshots to keep, and
-    what scores W_s on a job's validation set (this process's one evaluator)."""
-
-    db: sessionmaker[Session]
-    storage: Storage
-    r: redis.Redis
-    snapshots_kept: int
-    evaluator: Evaluator = field(default_factory=FrameworkEvaluator)
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> "MergeServices":
-        return cls(
-            session_factory(settings.resolved_database_url),
-            open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
-            store.connect(settings.redis_url),
-            settings.snapshots_kept,
-            FrameworkEvaluator(),
-        )
 
 
 def assimilate(svc: MergeServices, assignment_id: int, received_at: float | None = None) -> MergeResult:
@@ -304,97 +267,6 @@ def _supersede(svc: MergeServices, assignment_id: int, superseded: Superseded) -
     if upload_key:
         svc.storage.delete(upload_key)
     return MergeResult(Outcome.superseded, reason=str(superseded))
-
-
-def record_merged(svc: MergeServices, merged: Sequence[tuple[merges.PendingMerge, int]]) -> None:
-    """Record results of one job that W_s holds, each at its version. W_s is evaluated once, when one
-    of those versions is due (`eval_every`), and its figure recorded for the last result of each
-    epoch here: a pass that fell behind evaluates the version it wrote, not every merge. The metric
-    is recorded before the workunits are marked done: when an epoch's last workunit is done, its
-    merges have their validation figures."""
-    if not merged:
-        return
-    last = merged[-1][0]
-    sched = last.spec["scheduling"]
-    # One the ledger shows merged had its turn to be measured before it was marked merged.
-    unrecorded = [(p, version) for p, version in merged if not p.already_merged]
-    if any(version % sched["eval_every"] == 0 for _, version in unrecorded):
-        _record_metrics(svc, list({p.epoch: p for p, _ in unrecorded}.values()))
-        _stop_if_diverged(svc, last)
-    _publish_snapshot_if_due(svc, last.job_id, sched, max(version for _, version in merged))
-    superseded = merges.record_merges(svc.db, [(p.assignment_id, version) for p, version in merged])
-    for key in [*(p.upload_key for p, _ in merged), *superseded]:
-        svc.storage.delete(key)
-    for p, _ in merged:
-        result_records.forget_checked_upload(svc.r, p.job_id, p.upload_key)
-    for epoch in sorted({p.epoch for p, _ in merged}):
-        close_epoch_if_complete(svc.db, svc.storage, svc.r, last.job_id, epoch, svc.evaluator)
-
-
-def _record_metrics(svc: MergeServices, measured: Sequence[merges.PendingMerge]) -> None:
-    """Evaluate W_s on the job's validation set once, and record it for each of `measured` that has no
-    figure yet; JobBroken when that cannot work."""
-    unmeasured = [(p, merges.unmeasured_validation_key(svc.db, p.job_id, p.assignment_id)) for p in measured]
-    unmeasured = [(p, key) for p, key in unmeasured if key is not None]
-    if not unmeasured:
-        return
-    p, validation_key = unmeasured[-1]
-    assert validation_key is not None
-    version, params = store.read(svc.r, p.job_id)
-    try:
-        x, y = validation_set(svc.storage, validation_key)
-        loss, acc = svc.evaluator.evaluate(p.job_id, p.model_config, params, x, y)
-    except TRANSIENT:
-        raise
-    except Exception as exc:
-        raise JobBroken(
-            f"evaluating W_s v{version} on the job's validation set failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    for p, _ in unmeasured:
-        merges.record_metric(svc.db, p.job_id, p.epoch, p.assignment_id, version, loss, acc)
-    log.info("job %s: W_s v%d validation accuracy %.4f loss %.4f (epoch %d)", p.job_id, version, acc, loss, p.epoch)
-
-
-def _stop_if_diverged(svc: MergeServices, p: merges.PendingMerge) -> None:
-    """Fail the job, saying why, when its validation losses show W_s diverging (Policy.divergence):
-    merging more would make it worse, and the operator should lower the rule's step."""
-    policy = Policy.from_spec(p.spec["assimilation"])
-    best, latest = merges.validation_losses(svc.db, p.job_id, policy.divergence_patience)
-    why = policy.divergence(best, latest)
-    if why is None:
-        return
-    message = (
-        f"W_s diverged: {why}. Merging more would make it worse: lower the rule's step "
-        "(assimilation.server_lr, or a higher alpha for vc-asgd) or the clients' learning rate; "
-        "assimilation.divergence_factor sets this bound"
-    )
-    if fail_job(svc.db, svc.storage, svc.r, p.job_id, message, svc.evaluator):
-        log.warning("job %s failed: %s", p.job_id, message, extra=ids(job_id=p.job_id))
-
-
-def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, Any], version: int) -> None:
-    """Publish W_s for dispatch at most once per `snapshot_every_merges` merges or seconds."""
-    last_v, age = merges.last_snapshot(svc.db, job_id)
-    due = version - last_v >= sched["snapshot_every_merges"] or (
-        age is not None and age >= sched["snapshot_every_seconds"]
-    )
-    if version <= last_v or not due:
-        return
-    current, blob = store.read_blob(svc.r, job_id)
-    key = snapshot_key(job_id, current)
-    svc.storage.put(key, blob)
-    if not merges.record_snapshot(svc.db, job_id, current, key, sha256(blob)):
-        return
-    # Only the newest few snapshots are kept, and none that an unmerged assignment started from.
-    expired = snapshot_list.note_snapshot(svc.r, job_id, current, svc.snapshots_kept)
-    if not expired:
-        return
-    in_use = merges.snapshots_in_use(svc.db, job_id, expired)
-    for old in expired:
-        if old in in_use:
-            snapshot_list.keep_snapshot(svc.r, job_id, old)
-        else:
-            svc.storage.delete(snapshot_key(job_id, old))
 
 
 def _failed(svc: MergeServices, assignment_id: int, exc: Exception) -> MergeResult:

@@ -54,7 +54,7 @@ class MergePasses:
 
     def _merged(self, batch: list[Assignment]) -> None:
         """A pass wrote W_s: it took each of `batch` in order (or refused it); then, holding the lease,
-        one evaluation when one of its versions is due (crowdtrain.assimilator.merge.record_merged)."""
+        one evaluation when one of its versions is due (crowdtrain.assimilator.recording.record_merged)."""
         taken, due = [], False
         for a in batch:
             if self.job.apply(a, self.now) is None:

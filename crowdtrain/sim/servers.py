@@ -7,7 +7,7 @@ merge lease and merges what the job has queued in passes: the oldest results, up
 `merge_seconds` for each result in it (reading the result, the rule's arithmetic, the database
 rows); W_s's version moves when the pass writes it. When one of the pass's versions is due for a
 metric (`eval_every`), the holder then evaluates W_s once, for `eval_seconds`, still holding the
-lease (crowdtrain.assimilator.merge.record_merged: the metric, then the snapshot, which dispatch
+lease (crowdtrain.assimilator.recording.record_merged: the metric, then the snapshot, which dispatch
 hands out only from then on), and the results are done. So another process never makes one job's
 merges faster or slower: `processes` serve more jobs, and this simulator runs one. When results
 come faster than passes take them, the queue grows, a pass takes more at once, and staleness
