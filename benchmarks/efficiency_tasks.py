@@ -60,6 +60,8 @@ RULE_CONFIGS: dict[str, dict] = {
     "delta-1-poly1": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "polynomial", "staleness_a": 1.0},
     "delta-0.3": {"rule": "delta", "server_lr": 0.3, "staleness_weight": "constant"},
     "delta-poly-1": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "polynomial", "staleness_a": 0.5},
+    # AdaScale's gain over the update stream (crowdtrain.assimilator.rules.gain): r(1+τ)/(1+τ) per update.
+    "delta-gain": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "gain"},
     # One outer step per 8 results, their mean scaled by sqrt(8) (the square-root rule of large batches).
     "fedbuff-8-sqrt": {"rule": "fedbuff", "buffer_size": 8, "combiner": "mean", "server_lr": 2.83},
     "delta-bf16": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "bfloat16"}},

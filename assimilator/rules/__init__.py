@@ -8,12 +8,14 @@ rule; a rule never refuses.
 
 - `vc-asgd` (vc_asgd.py): the paper's W_s <- α·W_s + (1 − α)·W_c.
 - `delta`, `fedbuff` (delta.py): updates Δ weighted by staleness (staleness.py), buffered and
-  combined (combiners.py), applied by an outer optimizer (outer.py).
+  combined (combiners.py), applied by an outer optimizer (outer.py); `delta` with the weight
+  `gain` (gain.py) scales each update by AdaScale's gain estimated from the updates' noise.
 """
 
 from typing import Any
 
 from crowdtrain.assimilator.rules.delta import Delta, FedBuff
+from crowdtrain.assimilator.rules.gain import GainDelta
 from crowdtrain.assimilator.rules.outer import make_outer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
 from crowdtrain.assimilator.rules.update import Rule, Update, make_update
@@ -30,10 +32,12 @@ def make_rule(assimilation: dict[str, Any]) -> Rule:
     spec = AssimilationSpec.model_validate(assimilation)
     if spec.rule == "vc-asgd":
         return VcAsgd(spec.schedule, spec.alpha)
-    weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
     outer = make_outer(
         spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay, spec.adam_betas, spec.adam_eps
     )
+    if spec.staleness_weight == "gain":  # the spec allows it with rule delta only
+        return GainDelta(outer)
+    weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
     if spec.rule == "delta":
         return Delta(weight, outer)
     if spec.rule == "fedbuff":
@@ -44,6 +48,7 @@ def make_rule(assimilation: dict[str, Any]) -> Rule:
 __all__ = [
     "Delta",
     "FedBuff",
+    "GainDelta",
     "Rule",
     "StalenessWeight",
     "Update",

@@ -85,10 +85,11 @@ class AssimilationSpec(SpecSection):
         le=100,
         description="delta/fedbuff: the server step η on the (combined) update, or the outer optimizer's learning rate",
     )
-    staleness_weight: Literal["constant", "polynomial", "hinge"] = Field(
+    staleness_weight: Literal["constant", "polynomial", "hinge", "gain"] = Field(
         "constant",
         description="delta/fedbuff: s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, "
-        "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync)",
+        "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync); delta only: gain, r(1+tau)/(1+tau) with "
+        "AdaScale's gain r estimated from the updates' noise (crowdtrain.assimilator.rules.gain)",
     )
     staleness_a: float = Field(0.5, ge=0, le=100)
     staleness_b: int = Field(4, ge=0, le=1_000_000)
@@ -162,6 +163,8 @@ class AssimilationSpec(SpecSection):
             )
         if any(not 0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"assimilation.adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
+        if self.staleness_weight == "gain" and self.rule != "delta":
+            raise ValueError(f"assimilation.staleness_weight gain needs rule delta, not {self.rule}")
         return self
 
 
