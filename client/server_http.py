@@ -126,6 +126,9 @@ def detail(body: bytes) -> str:
     return (found if isinstance(found, str) else json.dumps(found))[:1000]
 
 
+UNTIL_STOPPED = 0  # `attempts` of one request that is retried until the client stops, whatever the layer's
+
+
 class ServerHTTP:
     """Requests to one scheduler (see the module docstring). `stop` ends every retry (the client shuts
     down); `attempts` bounds each request's tries (None: until stopped); waits between tries are
@@ -172,10 +175,10 @@ class ServerHTTP:
     ) -> tuple[httpx.Headers, bytes]:
         """The reply's headers and body (at most `limit`, default MAX_REPLY_BYTES); Refused on 4xx,
         BadReply on a redirect; retried on 5xx, 429 and transport errors until the client stops,
-        `give_up` is set or `attempts` (default the layer's) are spent. A `content` given as a
-        function is produced anew for each attempt (a generator is used up)."""
+        `give_up` is set or `attempts` (default the layer's; UNTIL_STOPPED: no bound) are spent. A
+        `content` given as a function is produced anew for each attempt (a generator is used up)."""
         content = kwargs.pop("content", None)
-        tries = attempts if attempts is not None else self.attempts
+        tries = None if attempts == UNTIL_STOPPED else attempts if attempts is not None else self.attempts
         stop = StopWhenSet(self.stop, give_up)
 
         @retry(

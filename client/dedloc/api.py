@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from crowdtrain.client.server_http import BadReply, Refused, ServerHTTP, detail, parse_reply, read_at_most
+from crowdtrain.client.server_http import (
+    UNTIL_STOPPED,
+    BadReply,
+    Refused,
+    ServerHTTP,
+    detail,
+    parse_reply,
+    read_at_most,
+)
 from crowdtrain.core.schemas import HostRegistered
 from crowdtrain.core.schemas_dedloc import PeerJoined, PeerRefusal, Progress, ProgressReply, StoreOp, StoreReply
 
@@ -34,9 +42,11 @@ class PeerAPI:
         return self.server.request(method, url, **kw)
 
     def register(self, join_token: str, name: str) -> HostRegistered:
-        """Register a host and use its token from now on."""
+        """Register a host and use its token from now on. A scheduler not up yet is waited for, as the
+        volunteer client waits: a peer started before its server joins once the server is up."""
         body = {"join_token": join_token, "name": name}
-        registered = parse_reply(HostRegistered, self.request("POST", "/v1/hosts", json=body))
+        reply = self.request("POST", "/v1/hosts", attempts=UNTIL_STOPPED, json=body)
+        registered = parse_reply(HostRegistered, reply)
         self.use_token(registered.host_token)
         return registered
 

@@ -114,3 +114,27 @@ def test_prefetch_holds_the_next_assignment_with_its_files_while_training(
     client.proc.send_signal(signal.SIGTERM)
     assert client.proc.wait(30) == 0, client.tail()
     assert {status for _, status, _ in host_assignments(sqlite_url, "volunteer")} == {AssignmentStatus.abandoned.value}
+
+
+def test_a_peer_started_before_its_server_waits_for_it_and_registers(make_cluster, sqlite_url: str, tmp_path) -> None:
+    """As the client does: a DeDLOC peer retries past its requests' usual few tries until the
+    scheduler answers its registration (before, it gave up within about 1.5 s)."""
+    port, join_token = free_port(), secrets.token_urlsafe(32)
+    peer = Service(
+        "early-peer",
+        crowdtrain_argv("peer", "--server", f"http://127.0.0.1:{port}", "--job", "1", "--name", "early-peer"),
+        dict(os.environ, CROWDTRAIN_CLIENT_JOIN_TOKEN=join_token),
+        tmp_path / "early-peer.log",
+    ).start()
+    try:
+        wait_for(lambda: "retry 6 " in peer.tail(), 90, "the peer should keep retrying", peer)
+        assert peer.alive, peer.tail()
+        make_cluster(sqlite_url, port=port, join_token=join_token)
+
+        def registered() -> bool:
+            with session_factory(sqlite_url).begin() as s:
+                return s.scalar(select(Host.id).where(Host.name == "early-peer")) is not None
+
+        wait_for(registered, 60, "the peer never registered once the server came up", peer)
+    finally:
+        peer.stop()
