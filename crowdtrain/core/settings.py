@@ -31,7 +31,6 @@ class Settings(BaseSettings):
     )
     presign_seconds: int = Field(900, ge=60, description="Lifetime of presigned download URLs")
     ec2_endpoint_url: str | None = Field(None, description="EC2 endpoint for `crowdtrain fleet`; None = AWS")
-    public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the scheduler")
 
     admin_token: str = Field(
         "",

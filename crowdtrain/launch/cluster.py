@@ -196,7 +196,6 @@ class Cluster:
                 "CROWDTRAIN_STORAGE_URL": self.storage_url,
                 "CROWDTRAIN_ADMIN_TOKEN": self.admin_token,
                 "CROWDTRAIN_JOIN_TOKEN": self.join_token,
-                "CROWDTRAIN_PUBLIC_URL": self.url,
                 # Every client of a test or trial cluster registers from 127.0.0.1, one network: generous limits,
                 # and a quarantine that follows accounts only (a test that needs more sets them in extra_env).
                 "CROWDTRAIN_REGISTRATIONS_PER_HOUR_PER_TOKEN": "100000",
