@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from crowdtrain.core.datasetspec import MAX_CLASSES
+from crowdtrain.core.settings import Settings
 from crowdtrain.workgen.read_errors import npz_problem
 
 
@@ -114,10 +115,12 @@ def make_dataset(
 
 
 def data_cache_dir() -> Path:
-    """Where generated datasets are kept between processes: $XDG_CACHE_HOME/crowdtrain (by default
-    ~/.cache/crowdtrain), or $CROWDTRAIN_DATA_CACHE."""
-    if os.environ.get("CROWDTRAIN_DATA_CACHE"):
-        return Path(os.environ["CROWDTRAIN_DATA_CACHE"])
+    """Where generated datasets are kept between processes: Settings.data_cache
+    ($CROWDTRAIN_DATA_CACHE), else $XDG_CACHE_HOME/crowdtrain (by default ~/.cache/crowdtrain). The
+    settings are read anew (not get_settings' cached copy): the call is rare, and a test sets its own."""
+    configured = Settings().data_cache
+    if configured is not None:
+        return configured
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crowdtrain"
 
 

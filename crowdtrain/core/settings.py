@@ -20,6 +20,9 @@ class Settings(BaseSettings):
 
     log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects")
     var_dir: Path = Field(Path("var"), description="Runtime files of the embedded default")
+    data_cache: Path | None = Field(
+        None, description="Where generated datasets are kept between processes (default $XDG_CACHE_HOME/crowdtrain)"
+    )
     database_url: str = Field("", description="SQLAlchemy URL; empty means SQLite under var_dir")
     db_pool_size: int = Field(5, ge=1, description="Database connections kept open per process")
     db_max_overflow: int = Field(5, ge=0, description="Extra connections a process may open under load")
