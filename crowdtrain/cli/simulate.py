@@ -12,6 +12,7 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.result import print_table
 from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, PASS_SECONDS
+from crowdtrain.sim.training import WORK_RETRY_AFTER
 from crowdtrain.sim.training import simulate_training as run_training
 
 app = typer.Typer(
@@ -113,6 +114,12 @@ def simulate_training(
         float, typer.Option(min=0, help="Seconds a parameter server takes per evaluation (every eval_every merges)")
     ] = EVAL_SECONDS,
     parameter_servers: Annotated[int, typer.Option(min=1, help="Parameter-server processes serving the job")] = 1,
+    retry_after: Annotated[
+        float,
+        typer.Option(
+            min=0, help="Seconds a host given no work waits before asking again, unless a slot frees (0: none)"
+        ),
+    ] = WORK_RETRY_AFTER,
     keep_optimizer_state: Annotated[
         bool,
         typer.Option(help="Each host's slots carry their optimizer state from one workunit to the next"),
@@ -138,6 +145,7 @@ def simulate_training(
             seed,
             speed_sigma=speed_sigma,
             jitter_sigma=jitter_sigma,
+            retry_after=retry_after,
             example_seconds=example_seconds,
             workunit_seconds=workunit_seconds,
             compute=compute,

@@ -13,7 +13,10 @@ decides the order of merges, follows from that spread. As the client does (clien
 assignments not yet trained, `slots` + 1 with `prefetch`: the extra one downloads while the others
 train and waits for a free slot; with `late_snapshot` it trains from the snapshot published when the
 slot starts it, not the one published at its dispatch. A host asks for the next assignment as soon as a slot stops
-training (the upload overlaps it), and gets work the moment some is ready (no polling delay).
+training (the upload overlaps it). Told that there is nothing for it (the job at its in-flight budget, or
+between epochs), it asks again `retry_after` seconds later (the scheduler's work_retry_after), or at once
+when one of its own slots frees, as the client does; with retry_after 0 it is given work the moment
+some is ready.
 With `keep_optimizer_state` a slot keeps its optimizer's state (Adam moments and step, SGD
 momentum) from one workunit to the next, the next starting from a newer snapshot of W_s (see
 crowdtrain.sim.training); by default each workunit's optimizer starts from zero, as the client's.
@@ -70,6 +73,7 @@ class Fleet:
     keep_optimizer_state: bool = False  # a slot's next workunit starts from its optimizer state, not zero
     jitter_sigma: float = 0.0  # spread of one assignment's compute time around its host's (log scale)
     late_snapshot: bool = False  # a slot trains from the newest snapshot when it starts, not the dispatched one
+    retry_after: float = 0.0  # a host given nothing waits this long (or until a slot frees); 0: next event
 
     def __post_init__(self) -> None:
         for name in ("hosts", "slots"):
@@ -85,6 +89,7 @@ class Fleet:
             "workunit_seconds",
             "restart_seconds",
             "jitter_sigma",
+            "retry_after",
         ):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and np.isfinite(value)):

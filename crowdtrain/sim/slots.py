@@ -22,7 +22,7 @@ from crowdtrain.sim.result import Dispatch
 from crowdtrain.workgen.datasets import Dataset
 
 FETCHED, TRAINED, ARRIVE = "fetched", "trained", "arrive"
-DEADLINE, BACK = "deadline", "back"
+DEADLINE, BACK, POLL = "deadline", "back", "poll"
 
 
 class HostSlots:
@@ -45,6 +45,7 @@ class HostSlots:
     upload_size: int
     caches: list[set[tuple[int, int]]]
     idle: deque[int]
+    asks_at: list[float]
     fetched: list[deque[Assignment]]
     free_slots: list[int]
     slot_states: list[list[Params]]
@@ -120,6 +121,7 @@ class HostSlots:
             self.slot_states[a.host].append(self.end_states.pop(a.id))
         self._train_next(a.host)
         self.idle.append(a.host)
+        self.asks_at[a.host] = self.now  # the client asks at once when a slot frees (its slot_freed)
         self._after(self.fleet.network_seconds, ARRIVE, a)
 
     def _local_fraction(self, host: int) -> float:

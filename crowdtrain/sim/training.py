@@ -59,6 +59,7 @@ import torch
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.jobspec import VC_ASGD, JobSpec
+from crowdtrain.core.settings import Settings
 from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
@@ -68,9 +69,11 @@ from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
 from crowdtrain.sim.passes import EVALUATED, MERGED, MergePasses
 from crowdtrain.sim.result import Dispatch, SimResult
 from crowdtrain.sim.servers import EVAL_SECONDS, MAX_PASS, MERGE_SECONDS, PASS_SECONDS, MergeQueue, ParameterServers
-from crowdtrain.sim.slots import ARRIVE, DEADLINE, FETCHED, TRAINED, HostSlots
+from crowdtrain.sim.slots import ARRIVE, DEADLINE, FETCHED, POLL, TRAINED, HostSlots
 from crowdtrain.workgen.datasets import Dataset, load_dataset
 
+# The scheduler's answer to a host it gives nothing: ask again after this many seconds (Settings.work_retry_after).
+WORK_RETRY_AFTER: float = Settings.model_fields["work_retry_after"].default
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
 
 
@@ -99,6 +102,7 @@ def simulate_training(
     keep_optimizer_state: bool = False,
     jitter_sigma: float = 0.0,
     late_snapshot: bool = False,
+    retry_after: float = WORK_RETRY_AFTER,
 ) -> SimResult:
     """Simulate one VC-ASGD job on `hosts` x `slots` simulated slots until its stop rule ends it.
 
@@ -140,6 +144,7 @@ def simulate_training(
         keep_optimizer_state or spec.training.keep_optimizer_state,
         jitter_sigma,
         late_snapshot or spec.scheduling.snapshot_binding == "start",
+        retry_after,
     )
     servers = ParameterServers(parameter_servers, merge_seconds, eval_seconds, pass_seconds, max_pass)
     data = (
@@ -203,6 +208,7 @@ class _Simulation(HostSlots, MergePasses):
         # The client holds `slots` assignments not yet trained, one more with prefetch (client/worker.py).
         self.places = fleet.slots + (1 if fleet.prefetch else 0)
         self.idle: deque[int] = deque()  # one entry per free place: its host
+        self.asks_at = [0.0] * fleet.hosts  # when each host asks for work next (told to wait: later)
         self.fetched: list[deque[Assignment]] = [deque() for _ in range(fleet.hosts)]  # waiting for a slot
         self.free_slots = [fleet.slots] * fleet.hosts
         # With fleet.keep_optimizer_state: each host's free slots' optimizer states, the last back at
@@ -245,9 +251,12 @@ class _Simulation(HostSlots, MergePasses):
             self._evaluated(*payload)
         elif kind == DEADLINE:
             self.job.time_out(payload, self.now)
+        elif kind == POLL:  # a host that was told to wait asks again (_wake, after every event)
+            pass
         else:  # BACK: a preempted assignment's place on its host is free again
             self.ended[payload.id] = self.now
             self.idle.append(payload.host)
+            self.asks_at[payload.host] = self.now
 
     def _at(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (float(t), next(self.seq), kind, payload))
@@ -261,14 +270,29 @@ class _Simulation(HostSlots, MergePasses):
 
     def _wake(self) -> None:
         """Give work to hosts' free places (client/worker.py's requests), oldest first, while there is some
-        and the job is under its in-flight budget. A place left waiting asks again after the next event:
-        a merge that lowers the count, or a result that moves the pace."""
+        and the job is under its in-flight budget. A host that got nothing waits, as the client does, for
+        the reply's retry_after (`fleet.retry_after`) or until one of its own slots frees; with
+        retry_after 0 a place left waiting asks again after the next event."""
         while self.idle and self.job.running:
-            a = self.job.dispatch(self.idle[0], self.caches[self.idle[0]], self.now, self.timeout)
-            if a is None:
+            i = next((k for k, h in enumerate(self.idle) if self.asks_at[h] <= self.now), None)
+            if i is None:
                 return
-            self.idle.popleft()
+            host = self.idle[i]
+            a = self.job.dispatch(host, self.caches[host], self.now, self.timeout)
+            if a is None:
+                self._told_to_wait()
+                return
+            del self.idle[i]
             self._start(a)
+
+    def _told_to_wait(self) -> None:
+        """Nothing to dispatch now: every host asking is answered so, and asks again after retry_after."""
+        wait = self.fleet.retry_after
+        if not wait:
+            return
+        for host in {h for h in self.idle if self.asks_at[h] <= self.now}:
+            self.asks_at[host] = self.now + wait
+            self._at(self.now + wait, POLL, host)
 
     def _evaluate(self, params: Params) -> tuple[float, float]:
         return evaluate(self.job_id, self.model_config, params, self.data.x_val, self.data.y_val, framework="pytorch")

@@ -10,8 +10,9 @@ from crowdtrain.workgen.datasets import Dataset, make_dataset
 # Parameter servers that merge and evaluate in no time: tests of the hosts' side, where the servers'
 # queue (tests/crowdtrain/sim/test_servers.py) would only blur the figures.
 INSTANT = {"merge_seconds": 0.0, "eval_seconds": 0.0, "pass_seconds": 0.0}
-# The VC-ASGD paper's model: each slot holds one assignment at a time, merges are instant.
-PAPER = {"prefetch": False, **INSTANT}
+# The VC-ASGD paper's model: each slot holds one assignment at a time, merges are instant, and a slot
+# with nothing to do is given work the moment some is ready (no client told to ask again later).
+PAPER = {"prefetch": False, "retry_after": 0.0, **INSTANT}
 
 
 @pytest.fixture(scope="session")

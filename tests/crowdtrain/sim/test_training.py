@@ -33,6 +33,7 @@ def test_a_preempted_workunit_is_dispatched_again_at_its_timeout(blobs: Dataset)
         restart_seconds=0.0,
         compute=False,
         data=blobs,
+        retry_after=0.0,  # idle hosts ask at every event, not only every retry_after seconds
     )
     # The job ends with its last epoch; a workunit of the epoch before may still wait for its deadline.
     preempted = [d for d in r.trace if d.preempted and d.time + t_o <= r.sim_seconds]
@@ -278,6 +279,7 @@ def test_without_backpressure_a_run_is_what_it_was_before_the_budget(blobs: Data
             pass_seconds=0.0,
             max_pass=1,
             backpressure=False,
+            retry_after=0.0,
         )
         assert (r.staleness_summary()["mean"], r.sim_seconds, r.merges, r.longest_backlog) == (
             mean,
@@ -331,3 +333,18 @@ def test_a_hosts_slots_keep_their_optimizer_state_across_workunits_only_when_ask
     for i, start in enumerate(starts):
         started_at = float(start["__opt__/0/step"]) if start is not None else 0.0
         assert float(ends[i]["__opt__/0/step"]) == started_at + 5
+
+
+def test_a_host_given_nothing_asks_again_after_retry_after_or_when_its_own_slot_frees(blobs: Dataset) -> None:
+    """As the client does (client/worker.py): an in-flight budget of 1 and two one-slot hosts of
+    1-second workunits. Host 1, refused at t = 0, sleeps for retry_after; host 0's slot frees every
+    second and it asks at once, so host 1's polls at t = 2, 4, ... find the budget taken: host 0 does
+    all the work. With retry_after 0 host 1 asks at every event and, the older request, is served at t = 1."""
+
+    def served(retry_after: float) -> list[tuple[float, int]]:
+        spec = job(8, 1, scheduling={"max_in_flight": 1})
+        r = timed(spec, blobs, hosts=2, prefetch=False, retry_after=retry_after)
+        return [(d.time, d.host) for d in r.trace]
+
+    assert served(2.0) == [(float(t), 0) for t in range(8)]
+    assert served(0.0)[:3] == [(0.0, 0), (1.0, 1), (2.0, 0)]
