@@ -54,7 +54,7 @@ from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
 from crowdtrain.server.paramstore.steps import NORMS_KEPT
-from crowdtrain.server.services.backpressure import BudgetTerms, in_flight_budget
+from crowdtrain.server.services.backpressure import BudgetTerms, held_seconds, in_flight_budget
 from crowdtrain.workgen.datasets import deal_shards
 
 READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
@@ -208,6 +208,14 @@ class SimJob:
         holders = {a.host for a in self.in_flight()} | {host}
         rate, turnaround = (self.pace.merge_rate, self.pace.turnaround_seconds) if self.pace else (None, None)
         return in_flight_budget(self.budget_terms, rate, turnaround, len(holders))
+
+    def held_seconds(self, host: int) -> float | None:
+        """When the budget holds `host` back: hosts / merge rate (crowdtrain.server.services.backpressure.
+        held_seconds, the dispatch's hint of when to ask again); None when it does not, or has no pace."""
+        if not self.at_budget(host) or self.pace is None:
+            return None
+        holders = {a.host for a in self.in_flight()} | {host}
+        return held_seconds(self.pace.merge_rate, len(holders))
 
     def at_budget(self, host: int) -> bool:
         """Whether dispatch holds back from `host`: its job has as many in flight as its budget allows."""

@@ -63,6 +63,7 @@ from crowdtrain.core.settings import Settings
 from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.server.services.backpressure import retry_after as scheduler_retry_after
 from crowdtrain.server.services.local_work import WINDOW
 from crowdtrain.sim.hosts import Fleet
 from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
@@ -286,11 +287,13 @@ class _Simulation(HostSlots, MergePasses):
             self._start(a)
 
     def _told_to_wait(self) -> None:
-        """Nothing to dispatch now: every host asking is answered so, and asks again after retry_after."""
-        wait = self.fleet.retry_after
-        if not wait:
+        """Nothing to dispatch now: every host asking is answered so, with the wait the scheduler tells
+        it (crowdtrain.server.services.backpressure.retry_after: fleet.retry_after when nothing is
+        ready, shorter when the in-flight budget holds it and merges will soon make room)."""
+        if not self.fleet.retry_after:
             return
         for host in {h for h in self.idle if self.asks_at[h] <= self.now}:
+            wait = scheduler_retry_after(self.job.held_seconds(host), self.fleet.retry_after)
             self.asks_at[host] = self.now + wait
             self._at(self.now + wait, POLL, host)
 

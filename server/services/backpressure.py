@@ -42,6 +42,7 @@ from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.models import Assignment, Host, Job
 
 MAX_BUDGET = 1_000_000  # as scheduling.max_in_flight's bound
+MIN_RETRY_SECONDS = 0.1  # the shortest wait a held host is told (`retry_after`)
 # In flight: dispatched (training, or prefetched and waiting on its host) or uploaded, not yet merged.
 UNMERGED = (AssignmentStatus.in_progress.value, AssignmentStatus.uploaded.value)
 
@@ -72,6 +73,24 @@ def in_flight_budget(
     if merge_rate is None or turnaround_seconds is None:
         return None
     return max(terms.rule_floor, 1, min(MAX_BUDGET, math.ceil(merge_rate * turnaround_seconds) + hosts))
+
+
+def held_seconds(merge_rate: float | None, hosts: int) -> float | None:
+    """hosts / merge rate: the time the parameter servers take to merge one result for each of the
+    `hosts` holding a job's work; None without a measured rate."""
+    return hosts / merge_rate if merge_rate and merge_rate > 0 else None
+
+
+def retry_after(held: float | None, longest: float) -> float:
+    """How long a host that jobs' budgets held back (and that got nothing else) waits before asking
+    again: `held` (held_seconds of those jobs, the soonest), so that the waiting hosts' requests
+    together come about as often as merges make room; at least MIN_RETRY_SECONDS, at most `longest`
+    (the scheduler's work_retry_after, what a host is told when nothing is ready at all, and when no
+    pace is measured). A fixed 2 s was many workunits' time on a task of short workunits: held hosts
+    slept through most of the room the merges made."""
+    if held is None:
+        return longest
+    return min(longest, max(MIN_RETRY_SECONDS, held))
 
 
 def in_flight_columns() -> tuple[ColumnElement[int], ...]:

@@ -17,9 +17,8 @@ unmerged assignments are counted in the request's first statement.
 """
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Connection, Engine, Row, select, update
@@ -34,8 +33,8 @@ from crowdtrain.server.ledger.claims import RELIABLE_AFTER, Claim, claim_workuni
 from crowdtrain.server.ledger.duplicates import claim_straggler_duplicates
 from crowdtrain.server.ledger.epochs import release_next_epoch_early
 from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
-from crowdtrain.server.services import dispatch_host, fair_share, local_work
-from crowdtrain.server.services.backpressure import MAX_BUDGET, in_flight_budget
+from crowdtrain.server.services import dispatch_host, fair_share, file_refs, local_work
+from crowdtrain.server.services.backpressure import MAX_BUDGET, held_seconds, in_flight_budget
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
 from crowdtrain.server.services.job_terms import JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
@@ -43,39 +42,6 @@ from crowdtrain.workgen.generator import write_epoch_shards
 log = logging.getLogger(__name__)
 
 _terms = TermsCache()
-
-
-class _PresignedUrls:
-    """Presigned download URLs, reused while more than half of their life is left."""
-
-    def __init__(self) -> None:
-        self._urls: dict[str, tuple[float, str | None]] = {}
-        self._lock = threading.Lock()
-
-    def url(self, storage: Storage, key: str, seconds: int) -> str | None:
-        now = time.monotonic()
-        with self._lock:
-            hit = self._urls.get(key)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        url = storage.presigned_url(key, seconds)
-        with self._lock:
-            if len(self._urls) > 100_000:
-                self._urls.clear()
-            self._urls[key] = (now + seconds / 2, url)
-        return url
-
-
-_presigned = _PresignedUrls()
-
-
-def snapshot_ref(
-    storage: Storage, job_id: int, version: int, key: str, sha256: str, size: int, presign_seconds: int
-) -> FileRef:
-    """Where a host downloads snapshot `version` of the job (stored at `key`): object storage that can
-    presign serves the bytes itself; otherwise the scheduler does."""
-    url = _presigned.url(storage, key, presign_seconds)
-    return FileRef(url=url or f"/v1/jobs/{job_id}/snapshots/{version}", sha256=sha256, size=size)
 
 
 def request_work(
@@ -91,7 +57,7 @@ def request_work(
     """Give the host `host_id` up to `free_slots` assignments (see `serve_work`)."""
     with _engine(db).begin() as c:
         rows = c.execute(dispatch_host.HOST_BY_ID, {"seen_host": host_id}).all()
-        return _dispatch(c, storage, rows, free_slots, cached, resources, presign_seconds, refused_jobs)
+        return _dispatch(c, storage, rows, free_slots, cached, resources, presign_seconds, refused_jobs).given
 
 
 def serve_work(
@@ -101,7 +67,7 @@ def serve_work(
     read_request: Callable[[], WorkRequest],
     presign_seconds: int = 900,
     before_commit: Callable[[WorkRequest, list[AssignmentOut]], None] | None = None,
-) -> tuple[WorkRequest, list[AssignmentOut]]:
+) -> tuple[WorkRequest, "Served"]:
     """Authenticate the host by its bearer `token` (NotAuthorized if it is no live host's), then read
     its request (`read_request`, which may refuse it) and give it up to `free_slots` assignments, all
     in one transaction: ready workunits of the jobs it can run and has not refused (their recipe
@@ -117,7 +83,7 @@ def serve_work(
         if not rows or rows[0].revoked:
             raise NotAuthorized("unknown or revoked host token", RefusalKind.unauthenticated)
         req = read_request()
-        given = _dispatch(
+        served = _dispatch(
             c,
             storage,
             rows,
@@ -128,8 +94,18 @@ def serve_work(
             frozenset(req.refused_jobs),
         )
         if before_commit is not None:
-            before_commit(req, given)
-        return req, given
+            before_commit(req, served.given)
+        return req, served
+
+
+@dataclass(frozen=True)
+class Served:
+    """A work request's answer: the assignments given, and when nothing was given because jobs were
+    at their in-flight budget, the seconds until their merges make room for the waiting hosts
+    (hosts / merge rate, the shortest over those jobs; backpressure.retry_after bounds it)."""
+
+    given: list[AssignmentOut]
+    held_seconds: float | None = None
 
 
 def _engine(db: sessionmaker[Session]) -> Engine:
@@ -147,26 +123,30 @@ def _dispatch(
     resources: Resources | None,
     presign_seconds: int,
     refused_jobs: frozenset[int],
-) -> list[AssignmentOut]:
+) -> Served:
     """Serve the host of `rows` (crowdtrain.server.services.dispatch_host.host_and_live_jobs)."""
     host = rows[0]
     host_frameworks = dispatch_host.note_host(c, host, resources)
     if free_slots == 0 or reputation.quarantined(host.quarantined_until):
-        return []
+        return Served([])
     live = {job_id: job for job_id, job in dispatch_host.live_jobs(rows).items() if job_id not in refused_jobs}
     terms = {j: t for j, t in _terms.of(c, live).items() if t.runs_on(host_frameworks)}
     if not terms:
-        return []
+        return Served([])
     with _Request(c, storage, host, live, terms, presign_seconds) as request:
         request.fill(free_slots, cached)
-        return request.out
+        return Served(request.out, None if request.out else request.held_seconds())
+
+
+def _hosts_for(live: LiveJob) -> int:
+    """The hosts holding the job's work, this one counted when it holds none."""
+    return live.in_flight_hosts + (0 if live.held_by_host else 1)
 
 
 def _budget_for(t: JobTerms, live: LiveJob) -> int:
     """The job's in-flight budget for this host (its first assignment of the job raises a derived
     budget by one), or MAX_BUDGET while it has none."""
-    hosts = live.in_flight_hosts + (0 if live.held_by_host else 1)
-    budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, hosts)
+    budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, _hosts_for(live))
     return MAX_BUDGET if budget is None else budget
 
 
@@ -204,6 +184,16 @@ class _Request:
             if exc[0] is None:
                 self._session.flush()  # the connection's transaction commits it with the rest
             self._session.close()
+
+    def held_seconds(self) -> float | None:
+        """For a request given nothing: hosts / merge rate of the jobs at their budget (the soonest),
+        or None when no job held it back (nothing was ready)."""
+        held = [
+            seconds
+            for j, room in self.headroom.items()
+            if room <= 0 and (seconds := held_seconds(self.live[j].merge_rate, _hosts_for(self.live[j]))) is not None
+        ]
+        return min(held, default=None)
 
     @property
     def s(self) -> Session:
@@ -346,7 +336,9 @@ class _Request:
         # Written at submission, or (a re-dealt epoch's shard) before its first dispatch; v0 is published at submission.
         assert cl.shard_sha256 is not None and live.snapshot_key is not None and live.snapshot_sha256 is not None
         # Object storage that can presign serves the bytes itself; otherwise the scheduler does.
-        shard_url = _presigned.url(self.storage, cl.shard_key, self.presign_seconds) or f"/v1/shards/{cl.shard_id}"
+        shard_url = (
+            file_refs.presigned_url(self.storage, cl.shard_key, self.presign_seconds) or f"/v1/shards/{cl.shard_id}"
+        )
         signed = (
             SignedRecipe(recipe=t.recipe_text, public_key=live.recipe_public_key, signature=live.recipe_signature)
             if t.recipe_text is not None and live.recipe_public_key is not None and live.recipe_signature is not None
@@ -363,7 +355,7 @@ class _Request:
             local_fraction=fraction,
             recipe=t.recipe.model_copy(update={"seed": t.spec["seed"] + assignment_id}),
             shard=FileRef(url=shard_url, sha256=cl.shard_sha256, size=cl.shard_size),
-            snapshot=snapshot_ref(
+            snapshot=file_refs.snapshot_ref(
                 self.storage,
                 live.id,
                 live.snapshot_version,

@@ -27,7 +27,7 @@ from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat, refuse_result
 from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.ledger.uploads import StoredUpload, record_upload, upload_target
-from crowdtrain.server.services import dispatch
+from crowdtrain.server.services import file_refs
 
 __all__ = [
     "MergeQueue",
@@ -58,7 +58,7 @@ def bind_snapshot(
     b = assignments.bind_snapshot(db, host_id, assignment_id)
     if b.key is None or b.sha256 is None:
         return SnapshotBound(base_version=b.version, snapshot=None)
-    ref = dispatch.snapshot_ref(storage, b.job_id, b.version, b.key, b.sha256, b.size, presign_seconds)
+    ref = file_refs.snapshot_ref(storage, b.job_id, b.version, b.key, b.sha256, b.size, presign_seconds)
     return SnapshotBound(base_version=b.version, snapshot=ref)
 
 

@@ -37,7 +37,7 @@ from crowdtrain.server.api.deps import (
     host_call,
 )
 from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
-from crowdtrain.server.services import dispatch, project_key, results, telemetry
+from crowdtrain.server.services import backpressure, dispatch, project_key, results, telemetry
 from crowdtrain.server.services.hosts import NotAuthorized
 
 router = APIRouter(prefix="/v1", tags=["work"])
@@ -74,7 +74,7 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
         call.budget.admit(keys.METRIC_COUNTERS, telemetry.work_request_events(req.cached_shards, given))
 
     try:
-        _, assignments = dispatch.serve_work(
+        _, served = dispatch.serve_work(
             call.db,
             call.storage,
             call.token,
@@ -86,10 +86,12 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
         call.budget.check()  # an address that has used up its failures is answered 429 from now on
         call.budget.spend()
         raise
+    longest = call.settings.work_retry_after
+    assignments = served.given
     return (
         WorkReply(
             assignments=assignments,
-            retry_after=call.settings.work_retry_after,
+            retry_after=backpressure.retry_after(served.held_seconds, longest),
             heartbeat_interval=call.settings.heartbeat_interval,
             key_rotations=project_key.rotations(call.db) if any(a.signed for a in assignments) else [],
         )
