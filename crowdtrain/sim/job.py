@@ -210,12 +210,10 @@ class SimJob:
         return in_flight_budget(self.budget_terms, rate, turnaround, len(holders))
 
     def held_seconds(self, host: int) -> float | None:
-        """When the budget holds `host` back: hosts / merge rate (crowdtrain.server.services.backpressure.
-        held_seconds, the dispatch's hint of when to ask again); None when it does not, or has no pace."""
-        if not self.at_budget(host) or self.pace is None:
-            return None
+        """backpressure.held_seconds when the budget holds `host` back (when to ask again), else None."""
         holders = {a.host for a in self.in_flight()} | {host}
-        return held_seconds(self.pace.merge_rate, len(holders))
+        held = self.at_budget(host) and self.pace is not None
+        return held_seconds(self.pace.merge_rate, len(holders)) if held and self.pace else None
 
     def at_budget(self, host: int) -> bool:
         """Whether dispatch holds back from `host`: its job has as many in flight as its budget allows."""
