@@ -27,11 +27,10 @@ result is merged): slots beyond that idle, prefetched places and a merge backlog
 straggler of the older epoch holds the next release back. The real system has the same limit, by
 the same rule; its straggler duplicates (left out here) only copy work already held.
 
-The in-flight budget (`backpressure`, on by default). Dispatch also holds back as the real scheduler
-does (crowdtrain.server.services.backpressure, with its own BudgetTerms and in_flight_budget): at
-`scheduling.max_in_flight`, or at the budget derived from the pace of the simulated merges
-(crowdtrain.server.ledger.pace.pace_of), a place waits for the next event instead of taking work. One
-request at a time here, so, unlike PostgreSQL's concurrent requests, never past the budget.
+The in-flight budget (`backpressure`, on by default), held as the real scheduler holds it
+(crowdtrain.server.services.backpressure): at `scheduling.max_in_flight`, or at the budget derived
+from the simulated merges' pace, a host gets nothing and asks again when `held_seconds` tells it (the
+hosts' side is crowdtrain.sim.training's). One request at a time, so never past the budget.
 
 ShardDeals holds the example indices of each shard, per deal, that shard_key names.
 
@@ -203,17 +202,18 @@ class SimJob:
         return list(self.unmerged.values())
 
     def budget(self, host: int) -> int | None:
-        """The job's in-flight budget as `host` asks (crowdtrain.server.services.backpressure.in_flight_budget):
-        the hosts are those holding its unmerged work, and `host` when it holds none; None without one."""
-        holders = {a.host for a in self.in_flight()} | {host}
+        """The job's in-flight budget as `host` asks (backpressure.in_flight_budget); None without one."""
         rate, turnaround = (self.pace.merge_rate, self.pace.turnaround_seconds) if self.pace else (None, None)
-        return in_flight_budget(self.budget_terms, rate, turnaround, len(holders))
+        return in_flight_budget(self.budget_terms, rate, turnaround, self._holders(host))
+
+    def _holders(self, host: int) -> int:  # the hosts holding unmerged work, and `host`
+        return len({a.host for a in self.in_flight()} | {host})
 
     def held_seconds(self, host: int) -> float | None:
         """backpressure.held_seconds when the budget holds `host` back (when to ask again), else None."""
-        holders = {a.host for a in self.in_flight()} | {host}
-        held = self.at_budget(host) and self.pace is not None
-        return held_seconds(self.pace.merge_rate, len(holders)) if held and self.pace else None
+        if self.pace is None or not self.at_budget(host):
+            return None
+        return held_seconds(self.pace.merge_rate, self._holders(host))
 
     def at_budget(self, host: int) -> bool:
         """Whether dispatch holds back from `host`: its job has as many in flight as its budget allows."""

@@ -188,12 +188,9 @@ class _Request:
     def held_seconds(self) -> float | None:
         """For a request given nothing: hosts / merge rate of the jobs at their budget (the soonest),
         or None when no job held it back (nothing was ready)."""
-        held = [
-            seconds
-            for j, room in self.headroom.items()
-            if room <= 0 and (seconds := held_seconds(self.live[j].merge_rate, _hosts_for(self.live[j]))) is not None
-        ]
-        return min(held, default=None)
+        at_budget = [self.live[j] for j, room in self.headroom.items() if room <= 0]
+        held = [held_seconds(live.merge_rate, _hosts_for(live)) for live in at_budget]
+        return min((s for s in held if s is not None), default=None)
 
     @property
     def s(self) -> Session:
