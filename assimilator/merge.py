@@ -31,7 +31,7 @@ from crowdtrain.assimilator.merge_services import TRANSIENT, JobBroken, MergeSer
 from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.recording import record_merged
 from crowdtrain.assimilator.replica_vote import judge_replicas
-from crowdtrain.assimilator.rules import Rule, make_rule
+from crowdtrain.assimilator.rules import Rule, make_rule, reads_validation
 from crowdtrain.core.logs import ids
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger import duplicates, merges
@@ -193,6 +193,8 @@ def _read_and_judge(svc: MergeServices, p: merges.PendingMerge, received_at: flo
         assert unreadable is not None
         raise unreadable
     assimilation = p.spec["assimilation"]
+    if reads_validation(assimilation):
+        result = replace(result, update=replace(result.update, validation=merges.latest_validation(svc.db, p.job_id)))
     step = _guarded(p, make_rule(assimilation), Policy.from_spec(assimilation), result)
     return QueuedResult(p.assignment_id, step, received_at, result.norm, p.workunit_id)
 

@@ -62,6 +62,16 @@ RULE_CONFIGS: dict[str, dict] = {
     "delta-poly-1": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "polynomial", "staleness_a": 0.5},
     # AdaScale's gain over the update stream (crowdtrain.assimilator.rules.gain): r(1+τ)/(1+τ) per update.
     "delta-gain": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "gain"},
+    # The per-result (1+τ)^-0.5 step scaled by a factor that follows the validation loss
+    # (crowdtrain.assimilator.rules.control): from 1/16, x1.1 at each new lowest loss, halved at a rise.
+    "delta-poly-loss": {
+        "rule": "delta",
+        "server_lr": 1.0,
+        "staleness_weight": "polynomial",
+        "staleness_a": 0.5,
+        "step_control": "loss",
+    },
+    "delta-loss": {"rule": "delta", "server_lr": 1.0, "staleness_weight": "constant", "step_control": "loss"},
     # One outer step per 8 results, their mean scaled by sqrt(8) (the square-root rule of large batches).
     "fedbuff-8-sqrt": {"rule": "fedbuff", "buffer_size": 8, "combiner": "mean", "server_lr": 2.83},
     "delta-bf16": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "bfloat16"}},

@@ -9,11 +9,13 @@ rule; a rule never refuses.
 - `vc-asgd` (vc_asgd.py): the paper's W_s <- α·W_s + (1 − α)·W_c.
 - `delta`, `fedbuff` (delta.py): updates Δ weighted by staleness (staleness.py), buffered and
   combined (combiners.py), applied by an outer optimizer (outer.py); `delta` with the weight
-  `gain` (gain.py) scales each update by AdaScale's gain estimated from the updates' noise.
+  `gain` (gain.py) scales each update by AdaScale's gain estimated from the updates' noise;
+  `step_control: loss` (control.py) scales the step by a factor that follows the validation loss.
 """
 
 from typing import Any
 
+from crowdtrain.assimilator.rules.control import LossControlled
 from crowdtrain.assimilator.rules.delta import Delta, FedBuff
 from crowdtrain.assimilator.rules.gain import GainDelta
 from crowdtrain.assimilator.rules.outer import make_outer
@@ -35,20 +37,29 @@ def make_rule(assimilation: dict[str, Any]) -> Rule:
     outer = make_outer(
         spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay, spec.adam_betas, spec.adam_eps
     )
+    rule: Rule
     if spec.staleness_weight == "gain":  # the spec allows it with rule delta only
-        return GainDelta(outer)
-    weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
-    if spec.rule == "delta":
-        return Delta(weight, outer)
-    if spec.rule == "fedbuff":
-        return FedBuff(weight, outer, spec.buffer_size, spec.combiner, spec.trim_fraction)
-    raise ValueError(f"unknown merge rule {spec.rule!r}")
+        rule = GainDelta(outer)
+    elif spec.rule == "delta":
+        rule = Delta(StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b), outer)
+    elif spec.rule == "fedbuff":
+        weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
+        rule = FedBuff(weight, outer, spec.buffer_size, spec.combiner, spec.trim_fraction)
+    else:
+        raise ValueError(f"unknown merge rule {spec.rule!r}")
+    return LossControlled(rule, spec.step_floor) if spec.step_control == "loss" else rule
+
+
+def reads_validation(assimilation: dict[str, Any]) -> bool:
+    """Whether the rule of `assimilation` reads the job's latest evaluation (`Update.validation`)."""
+    return bool(assimilation.get("step_control", "none") != "none")
 
 
 __all__ = [
     "Delta",
     "FedBuff",
     "GainDelta",
+    "LossControlled",
     "Rule",
     "StalenessWeight",
     "Update",
@@ -58,5 +69,6 @@ __all__ = [
     "make_outer",
     "make_update",
     "merge_vc_asgd",
+    "reads_validation",
     "update_norm",
 ]

@@ -16,6 +16,9 @@ class Update:
     delta: Params  # Δ = W_c − W_base over the floating-point tensors
     staleness: int  # τ = W_s version at merge − the version the host started from
     epoch: int  # the workunit's epoch (1-based)
+    # The job's latest evaluation when the update is merged: (W_s version evaluated, validation loss);
+    # None when none is recorded or the rule does not read it (crowdtrain.assimilator.rules.control).
+    validation: tuple[int, float] | None = None
 
 
 class Rule(Protocol):

@@ -9,10 +9,10 @@ import typer
 
 from crowdtrain.cli.options import HELP_LAYOUT, JOIN_TOKEN_ENV, ArgumentsCommand, OptionalServerOpt
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.sim.hosts import WORK_RETRY_AFTER
 from crowdtrain.sim.load import simulate as run_simulation
 from crowdtrain.sim.result import print_table
 from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, PASS_SECONDS
-from crowdtrain.sim.training import WORK_RETRY_AFTER
 from crowdtrain.sim.training import simulate_training as run_training
 
 app = typer.Typer(

@@ -91,6 +91,13 @@ class AssimilationSpec(SpecSection):
         "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync); delta only: gain, r(1+tau)/(1+tau) with "
         "AdaScale's gain r estimated from the updates' noise (crowdtrain.assimilator.rules.gain)",
     )
+    step_control: Literal["none", "loss"] = Field(
+        "none",
+        description="delta/fedbuff: none, or loss: the step scaled by c, which starts at step_floor, grows "
+        "x1.1 at each new lowest validation loss (to 1) and halves at a loss 2% above the lowest (to "
+        "step_floor): a step that follows what the task tolerates (crowdtrain.assimilator.rules.control)",
+    )
+    step_floor: float = Field(0.0625, gt=0, le=1, description="step_control loss: the smallest (and first) c")
     staleness_a: float = Field(0.5, ge=0, le=100)
     staleness_b: int = Field(4, ge=0, le=1_000_000)
     buffer_size: int = Field(4, ge=1, le=1024, description="fedbuff: updates combined per step of W_s")
@@ -163,6 +170,8 @@ class AssimilationSpec(SpecSection):
             )
         if any(not 0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"assimilation.adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
+        if self.step_control != "none" and self.rule == "vc-asgd":
+            raise ValueError("assimilation.step_control needs rule delta or fedbuff (vc-asgd takes no step)")
         if self.staleness_weight == "gain" and self.rule != "delta":
             raise ValueError(f"assimilation.staleness_weight gain needs rule delta, not {self.rule}")
         return self

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from crowdtrain.core.settings import Settings
+
 
 def paper_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
     """The VC-ASGD paper's wall time n*t_e + n*p*t_o (n workunits per slot)."""
@@ -54,6 +56,10 @@ def paper_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
 def expected_wall_time(n: float, t_e: float, p: float, t_o: float) -> float:
     """The expectation in this simulator's model, re-runs preempted again included: n*t_e + n*p/(1-p)*t_o."""
     return n * t_e + n * p / (1 - p) * t_o
+
+
+# The scheduler's answer to a host it gives nothing: ask again after this many seconds (Settings.work_retry_after).
+WORK_RETRY_AFTER: float = Settings.model_fields["work_retry_after"].default
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class Fleet:
     keep_optimizer_state: bool = False  # a slot's next workunit starts from its optimizer state, not zero
     jitter_sigma: float = 0.0  # spread of one assignment's compute time around its host's (log scale)
     late_snapshot: bool = False  # a slot trains from the newest snapshot when it starts, not the dispatched one
-    retry_after: float = 0.0  # a host given nothing waits this long (or until a slot frees); 0: next event
+    retry_after: float = WORK_RETRY_AFTER  # a host given nothing waits this long (or until a slot frees); 0: next event
 
     def __post_init__(self) -> None:
         for name in ("hosts", "slots"):

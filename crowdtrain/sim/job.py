@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 
 from crowdtrain.assimilator.policy import Policy, apply_with_policy
-from crowdtrain.assimilator.rules import make_rule, make_update
+from crowdtrain.assimilator.rules import make_rule, make_update, reads_validation
 from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
@@ -258,6 +258,8 @@ class SimJob:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
         assert a.client is not None  # set when its training ended, before it arrived
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
+        if self.metrics and reads_validation(self.spec["assimilation"]):
+            update = replace(update, validation=(self.metrics[-1].version, self.metrics[-1].loss))
         norm = params_norm(update.delta)
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
         refusal = apply_with_policy(

@@ -59,13 +59,12 @@ import torch
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core.jobspec import VC_ASGD, JobSpec
-from crowdtrain.core.settings import Settings
 from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
 from crowdtrain.server.services.backpressure import retry_after as scheduler_retry_after
 from crowdtrain.server.services.local_work import WINDOW
-from crowdtrain.sim.hosts import Fleet
+from crowdtrain.sim.hosts import WORK_RETRY_AFTER, Fleet
 from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
 from crowdtrain.sim.passes import EVALUATED, MERGED, MergePasses
 from crowdtrain.sim.result import Dispatch, SimResult
@@ -73,8 +72,6 @@ from crowdtrain.sim.servers import EVAL_SECONDS, MAX_PASS, MERGE_SECONDS, PASS_S
 from crowdtrain.sim.slots import ARRIVE, DEADLINE, FETCHED, POLL, TRAINED, HostSlots
 from crowdtrain.workgen.datasets import Dataset, load_dataset
 
-# The scheduler's answer to a host it gives nothing: ask again after this many seconds (Settings.work_retry_after).
-WORK_RETRY_AFTER: float = Settings.model_fields["work_retry_after"].default
 _sim_ids = itertools.count(-1, -1)  # evaluation caches models per job id: never a real job's
 
 

@@ -100,16 +100,22 @@ def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tu
 
 
 @dataclass(frozen=True)
+class SnapshotFile:
+    """A published snapshot's object: its storage key, digest and size in bytes."""
+
+    key: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
 class Binding:
-    """The snapshot an assignment trains from: W_s `version` of job `job_id`, with the storage key and
-    digest of the job's newest snapshot when that is the one (None: the assignment keeps the snapshot
-    it was dispatched with)."""
+    """The snapshot an assignment trains from: W_s `version` of job `job_id`, with the job's newest
+    snapshot's file when that is the one (None: the assignment keeps the snapshot it was dispatched with)."""
 
     job_id: int
     version: int
-    key: str | None
-    sha256: str | None
-    size: int
+    file: SnapshotFile | None
 
 
 def bind_snapshot(db: sessionmaker[Session], host_id: int, assignment_id: int) -> Binding:
@@ -136,9 +142,9 @@ def bind_snapshot(db: sessionmaker[Session], host_id: int, assignment_id: int) -
                 extra=ids(job_id=job.id, assignment_id=a.id, host_id=host_id),
             )
             a.base_version = job.snapshot_version
-        if a.base_version != job.snapshot_version:
-            return Binding(job.id, a.base_version, None, None, job.param_bytes)
-        return Binding(job.id, a.base_version, job.snapshot_key, job.snapshot_sha256, job.param_bytes)
+        if a.base_version != job.snapshot_version or job.snapshot_key is None or job.snapshot_sha256 is None:
+            return Binding(job.id, a.base_version, None)
+        return Binding(job.id, a.base_version, SnapshotFile(job.snapshot_key, job.snapshot_sha256, job.param_bytes))
 
 
 def extended_deadline(sent_at: datetime, now: datetime, sched: SchedulingSpec) -> datetime:

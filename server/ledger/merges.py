@@ -305,6 +305,18 @@ def validation_losses(db: sessionmaker[Session], job_id: int, latest: int) -> tu
     return (math.inf if best is None else float(best)), [float(loss) for loss in reversed(rows)]
 
 
+def latest_validation(db: sessionmaker[Session], job_id: int) -> tuple[int, float] | None:
+    """The job's newest evaluation: (W_s version, validation loss); None before its first."""
+    with db.begin() as s:
+        row = s.execute(
+            select(Metric.param_version, Metric.val_loss)
+            .where(Metric.job_id == job_id)
+            .order_by(Metric.param_version.desc(), Metric.id.desc())
+            .limit(1)
+        ).first()
+    return None if row is None else (int(row[0]), float(row[1]))
+
+
 def restore_server_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:
     """Redis lost W_s: put back the newest published snapshot. Merges after it are lost.
 

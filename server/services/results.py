@@ -56,9 +56,10 @@ def bind_snapshot(
     """The snapshot the host's assignment trains from, bound as its compute slot starts it
     (crowdtrain.server.ledger.assignments.bind_snapshot); its file when it is not the one dispatched."""
     b = assignments.bind_snapshot(db, host_id, assignment_id)
-    if b.key is None or b.sha256 is None:
+    if b.file is None:
         return SnapshotBound(base_version=b.version, snapshot=None)
-    ref = file_refs.snapshot_ref(storage, b.job_id, b.version, b.key, b.sha256, b.size, presign_seconds)
+    f = b.file
+    ref = file_refs.snapshot_ref(storage, b.job_id, b.version, f.key, f.sha256, f.size, presign_seconds)
     return SnapshotBound(base_version=b.version, snapshot=ref)
 
 

@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 
 from crowdtrain.assimilator.inputs import read_result, replay_of
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
+from crowdtrain.assimilator.rules.control import GROW
 from crowdtrain.core import keys
 from crowdtrain.core.credit import COBBLESTONE_FLOPS
 from crowdtrain.core.digests import weights_digest
@@ -398,3 +399,25 @@ def test_a_merge_after_the_job_ended_is_refused_uncharged(services) -> None:
     version, w_s = job.w_s()
     assert version == 0
     _assert_params_equal(w_s, job.w0)
+
+
+def test_a_loss_controlled_step_reads_the_evaluation_the_ledger_recorded(services) -> None:
+    """`step_control: loss`: the first merge, before any evaluation, takes the floor's step; the
+    second, after the first merge's evaluation was recorded (a new lowest loss), takes a grown one."""
+    job = _job(services, assignments=2, rule="delta", server_lr=1.0, step_control="loss", step_floor=0.25)
+    first, second = job.assignments
+    c1, c2 = _moved(job.w0, 0.01, seed=1), _moved(job.w0, 0.01, seed=2)
+    job.upload_weights(first, c1)
+    assert assimilate(services, first) == MergeResult(Outcome.merged, 1)
+    assert job.metrics() == 1 and merges.latest_validation(services.db, job.job_id)[0] == 1
+    _, after_first = job.w_s()
+    job.upload_weights(second, c2)
+    assert assimilate(services, second) == MergeResult(Outcome.merged, 2)
+
+    _, w_s = job.w_s()
+    floats = [k for k, v in job.w0.items() if v.dtype.kind == "f"]
+    _assert_params_equal(
+        {k: after_first[k] for k in floats}, {k: job.w0[k] + 0.25 * (c1[k] - job.w0[k]) for k in floats}
+    )
+    grown = {k: after_first[k] + 0.25 * GROW * (c2[k] - job.w0[k]) for k in floats}
+    _assert_params_equal({k: w_s[k] for k in floats}, grown)
