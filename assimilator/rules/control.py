@@ -7,15 +7,23 @@ well as small ones, T results in flight may together move W_s by about √T sing
 they do not, by about one (their mean). A fixed step is wrong for one kind of task or the other (a
 per-result (1 + τ)^-0.5 trained the large tabular task in 2.3x the single-process examples and
 diverged on mnist1d). The job already measures what tells them apart: W_s's validation loss, after
-each evaluation. The step is scaled by c, kept in the rule's state:
+each evaluation. The step is scaled by c, kept in the rule's state, and moved once per evaluation:
 
-- a new lowest loss: c grows by GROW (at most 1, the inner rule's full step);
-- a loss above the lowest by more than TOLERANCE (or not finite): c shrinks by SHRINK (at least the floor);
-- anything in between leaves c as it is (noise between evaluations is not a trend).
+- the loss above the previous evaluation's by more than TOLERANCE (or not finite): c shrinks by
+  SHRINK (to the floor at least): the step overshoots;
+- the loss below the previous evaluation's: c grows by GROW (to 1 at most, the inner rule's full step);
+- anything in between leaves c as it is.
 
 c starts at the floor and grows while the loss falls, so a task that tolerates only small steps never
-sees a large one for long. Each evaluation counts once: the update carries the version of W_s that
-was evaluated last (`Update.validation`), and the state remembers the last version it acted on.
+sees a large one for long. A rise is judged against the previous evaluation, not the lowest so far:
+against the lowest, the loss's own spread between evaluations late in training (5-15% on the large
+tabular task at the full step, which reaches its target) halved c again at every evaluation of one
+bump, and held it near the floor. Each evaluation counts once: the update carries the version of W_s
+that was evaluated last (`Update.validation`), and the state remembers the last version it acted on.
+
+Measured in the simulator (8 slots, late snapshot binding, (1 + τ)^-0.5 inner step, seed 0):
+tabular-large-short-kept 2.75x the single-process examples (the default rule 4.71x, the inner step
+uncontrolled 2.32x); mnist1d-short-kept 6.48x (the default 6.46x; uncontrolled it diverged).
 """
 
 import math
@@ -29,8 +37,9 @@ from crowdtrain.core.tensors import Params
 
 GROW = 1.1  # c's factor at a new lowest validation loss
 SHRINK = 0.5  # c's factor at a loss above the lowest by more than TOLERANCE
-TOLERANCE = 0.02  # relative: a loss this close to the lowest is noise, not a rise
-SCALE, BEST, SEEN = "control.scale", "control.best", "control.seen"  # 0-d: c; the lowest loss; its version
+TOLERANCE = 0.05  # relative: a loss this close to the lowest is noise, not a rise
+SCALE, BEST, LAST = "control.scale", "control.best", "control.last"  # 0-d: c; the lowest and the latest loss
+SEEN = "control.seen"  # 0-d: the version of W_s whose evaluation c last followed
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class LossControlled:
         control = {
             SCALE: np.array(self.floor, np.float64),
             BEST: np.array(math.inf, np.float64),
+            LAST: np.array(math.inf, np.float64),
             SEEN: np.array(-1, np.int64),
         }
         return self.inner.initial_state(server) | control
@@ -58,13 +68,13 @@ class LossControlled:
         if validation is None or validation[0] <= int(state[SEEN]):
             return c
         version, loss = validation
-        best = float(state[BEST])
-        state[SEEN][...] = version
-        if math.isfinite(loss) and loss < best:
-            state[BEST][...] = loss
-            c = min(1.0, c * GROW)
-        elif not math.isfinite(loss) or loss > best * (1.0 + TOLERANCE):
+        best, last = float(state[BEST]), float(state[LAST])
+        state[SEEN][...], state[LAST][...] = version, loss
+        if not math.isfinite(loss) or loss > last * (1.0 + TOLERANCE):
             c = max(self.floor, c * SHRINK)
+        elif loss < last:
+            c = min(1.0, c * GROW)
+        state[BEST][...] = min(best, loss) if math.isfinite(loss) else best
         state[SCALE][...] = c
         return c
 

@@ -94,8 +94,9 @@ class AssimilationSpec(SpecSection):
     step_control: Literal["none", "loss"] = Field(
         "none",
         description="delta/fedbuff: none, or loss: the step scaled by c, which starts at step_floor, grows "
-        "x1.1 at each new lowest validation loss (to 1) and halves at a loss 2% above the lowest (to "
-        "step_floor): a step that follows what the task tolerates (crowdtrain.assimilator.rules.control)",
+        "x1.1 at each evaluation whose validation loss is below the previous one (to 1) and halves at one more "
+        "than 5% above it (to step_floor): a step that follows what the task tolerates "
+        "(crowdtrain.assimilator.rules.control)",
     )
     step_floor: float = Field(0.0625, gt=0, le=1, description="step_control loss: the smallest (and first) c")
     staleness_a: float = Field(0.5, ge=0, le=100)

@@ -111,6 +111,7 @@ def ended_session(session_id: str) -> str:
 
 METRIC_COUNTERS = f"{PREFIX}:metrics:counters"  # hash: event name -> count, shared by every process
 MERGE_LATENCY = f"{PREFIX}:metrics:merge-latency"  # hash: histogram buckets, sum and count
+HELD_HOSTS = f"{PREFIX}:held-hosts"  # sorted set: host id -> when in-flight budgets last held it back
 
 
 # Synchronous DeDLOC mode (server/dedloc.py): the rendezvous of one job's peers.

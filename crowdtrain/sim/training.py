@@ -62,6 +62,7 @@ from crowdtrain.core.jobspec import VC_ASGD, JobSpec
 from crowdtrain.core.tensors import Params, manifest_of
 from crowdtrain.core.updates import upload_label, upload_of, upload_sizes
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from crowdtrain.server.services.backpressure import held_wait
 from crowdtrain.server.services.backpressure import retry_after as scheduler_retry_after
 from crowdtrain.server.services.local_work import WINDOW
 from crowdtrain.sim.hosts import WORK_RETRY_AFTER, Fleet
@@ -207,6 +208,7 @@ class _Simulation(HostSlots, MergePasses):
         self.places = fleet.slots + (1 if fleet.prefetch else 0)
         self.idle: deque[int] = deque()  # one entry per free place: its host
         self.asks_at = [0.0] * fleet.hosts  # when each host asks for work next (told to wait: later)
+        self.held_at: dict[int, float] = {}  # when the in-flight budget last held each host back
         self.fetched: list[deque[Assignment]] = [deque() for _ in range(fleet.hosts)]  # waiting for a slot
         self.free_slots = [fleet.slots] * fleet.hosts
         # With fleet.keep_optimizer_state: each host's free slots' optimizer states, the last back at
@@ -290,7 +292,12 @@ class _Simulation(HostSlots, MergePasses):
         if not self.fleet.retry_after:
             return
         for host in {h for h in self.idle if self.asks_at[h] <= self.now}:
-            wait = scheduler_retry_after(self.job.held_seconds(host), self.fleet.retry_after)
+            held = self.job.held_seconds(host)
+            if held is not None:  # crowdtrain.server.services.held_hosts: the hosts held lately
+                self.held_at[host] = self.now
+                waiting = sum(self.now - t <= self.fleet.retry_after for t in self.held_at.values())
+                held = held_wait(held, self.job.pace.merge_rate if self.job.pace else None, waiting)
+            wait = scheduler_retry_after(held, self.fleet.retry_after)
             self.asks_at[host] = self.now + wait
             self._at(self.now + wait, POLL, host)
 

@@ -76,9 +76,20 @@ def in_flight_budget(
 
 
 def held_seconds(merge_rate: float | None, hosts: int) -> float | None:
-    """hosts / merge rate: the time the parameter servers take to merge one result for each of the
-    `hosts` holding a job's work; None without a measured rate."""
+    """hosts / merge rate: the time the parameter servers take to merge one result for each of
+    `hosts` (those holding a job's work, or waiting for it); None without a measured rate."""
     return hosts / merge_rate if merge_rate and merge_rate > 0 else None
+
+
+def held_wait(held: float | None, fastest_rate: float | None, waiting: int) -> float | None:
+    """What a held host waits before `retry_after` bounds it: `held` (the soonest job's hosts holding
+    its work / its merge rate), or longer when more hosts are waiting (`waiting`, those held lately:
+    crowdtrain.server.services.held_hosts) than hold work: waiting / the fastest merge rate of the jobs
+    that held it, so that all waiting hosts' requests together still come about as often as merges
+    make room. None when no job with a measured pace held it."""
+    if held is None:
+        return None
+    return max(held, held_seconds(fastest_rate, waiting) or 0.0)
 
 
 def retry_after(held: float | None, longest: float) -> float:

@@ -106,6 +106,8 @@ class Served:
 
     given: list[AssignmentOut]
     held_seconds: float | None = None
+    held_rate: float | None = None  # the fastest merge rate of the jobs that held it back
+    host_id: int | None = None  # the host held back, when it was
 
 
 def _engine(db: sessionmaker[Session]) -> Engine:
@@ -135,7 +137,10 @@ def _dispatch(
         return Served([])
     with _Request(c, storage, host, live, terms, presign_seconds) as request:
         request.fill(free_slots, cached)
-        return Served(request.out, None if request.out else request.held_seconds())
+        if request.out:
+            return Served(request.out)
+        held = request.held_seconds()
+        return Served([], held, request.held_rate(), host.id) if held is not None else Served([])
 
 
 def _hosts_for(live: LiveJob) -> int:
@@ -191,6 +196,11 @@ class _Request:
         at_budget = [self.live[j] for j, room in self.headroom.items() if room <= 0]
         held = [held_seconds(live.merge_rate, _hosts_for(live)) for live in at_budget]
         return min((s for s in held if s is not None), default=None)
+
+    def held_rate(self) -> float | None:
+        """The fastest measured merge rate of the jobs at their budget; None when none has one."""
+        rates = [self.live[j].merge_rate for j, room in self.headroom.items() if room <= 0]
+        return max((rate for rate in rates if rate), default=None)
 
     @property
     def s(self) -> Session:

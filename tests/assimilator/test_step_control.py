@@ -22,21 +22,24 @@ def _step(rule: LossControlled, server: dict, state: dict, validation: tuple[int
     return float((server["w"] - before)[0])
 
 
-def test_the_step_starts_at_the_floor_grows_at_each_new_low_and_halves_at_a_rise() -> None:
+def test_the_step_starts_at_the_floor_grows_while_the_loss_falls_and_halves_at_a_rise() -> None:
     rule = make_rule(CONTROLLED)
     assert isinstance(rule, LossControlled) and isinstance(rule.inner, Delta)
     server = {"w": np.zeros(4, np.float32)}
     state = rule.initial_state(server)
     assert _step(rule, server, state, None) == pytest.approx(0.125)  # nothing evaluated yet
-    assert _step(rule, server, state, (1, 2.0)) == pytest.approx(0.125 * GROW)  # the first loss is a low
-    assert _step(rule, server, state, (2, 1.5)) == pytest.approx(0.125 * GROW**2)
-    assert _step(rule, server, state, (3, 1.52)) == pytest.approx(0.125 * GROW**2)  # within 2%: noise
-    for v in range(4, 12):
-        _step(rule, server, state, (v, 1.0 / v))  # eight more lows
-    c = 0.125 * GROW**10
-    assert _step(rule, server, state, (12, 0.2)) == pytest.approx(c * SHRINK)  # a rise above the lowest, 1/11
-    assert _step(rule, server, state, (13, math.nan)) == pytest.approx(0.125)  # halved, down to the floor
-    assert _step(rule, server, state, (14, math.inf)) == pytest.approx(0.125)  # never below it
+    assert _step(rule, server, state, (1, 2.0)) == pytest.approx(0.125 * GROW)  # the first loss
+    assert _step(rule, server, state, (2, 1.5)) == pytest.approx(0.125 * GROW**2)  # lower than the previous
+    assert _step(rule, server, state, (3, 1.55)) == pytest.approx(0.125 * GROW**2)  # higher, within 5%: noise
+    assert _step(rule, server, state, (4, 1.54)) == pytest.approx(0.125 * GROW**3)  # lower than the previous
+    for v in range(5, 40):
+        _step(rule, server, state, (v, 1.0 / v))  # 35 more falls: c at 1, the inner rule's full step
+    assert _step(rule, server, state, (40, 0.1)) == pytest.approx(SHRINK)  # 4x the previous: a rise
+    assert _step(rule, server, state, (41, 0.15)) == pytest.approx(SHRINK**2)  # and another
+    assert _step(rule, server, state, (42, 0.14)) == pytest.approx(SHRINK**2 * GROW, rel=1e-5)  # still above
+    # the lowest, but falling: a bump is halved once per rise, not at every evaluation until it is gone
+    assert _step(rule, server, state, (43, math.nan)) == pytest.approx(SHRINK**3 * GROW, rel=1e-5)
+    assert _step(rule, server, state, (44, math.inf)) == pytest.approx(0.125)  # halved to the floor, no lower
 
 
 def test_each_evaluation_counts_once_however_many_updates_see_it() -> None:

@@ -37,7 +37,7 @@ from crowdtrain.server.api.deps import (
     host_call,
 )
 from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
-from crowdtrain.server.services import backpressure, dispatch, project_key, results, telemetry
+from crowdtrain.server.services import backpressure, dispatch, held_hosts, project_key, results, telemetry
 from crowdtrain.server.services.hosts import NotAuthorized
 
 router = APIRouter(prefix="/v1", tags=["work"])
@@ -88,10 +88,14 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
         raise
     longest = call.settings.work_retry_after
     assignments = served.given
+    held = served.held_seconds
+    if held is not None and served.host_id is not None:
+        waiting = held_hosts.note_waiting(call.r, served.host_id, time.time(), longest)
+        held = backpressure.held_wait(held, served.held_rate, waiting)
     return (
         WorkReply(
             assignments=assignments,
-            retry_after=backpressure.retry_after(served.held_seconds, longest),
+            retry_after=backpressure.retry_after(held, longest),
             heartbeat_interval=call.settings.heartbeat_interval,
             key_rotations=project_key.rotations(call.db) if any(a.signed for a in assignments) else [],
         )
