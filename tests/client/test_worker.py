@@ -8,6 +8,7 @@ import time
 import pytest
 from sqlalchemy import select
 
+from crowdtrain.client.status import read_status
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, wait_for
@@ -38,8 +39,14 @@ def test_sigterm_abandons_running_assignments_and_exits_cleanly(make_cluster, sq
     cluster = make_cluster(sqlite_url)
     submit_slow_job(cluster)
     client = cluster.start_client("volunteer", tasks=2)
-    wait_for(lambda: len(host_assignments(sqlite_url, "volunteer")) >= 2, 60, "no work for the client", client)
-    time.sleep(2)  # well into training
+    cache = cluster.var_dir / "clients" / "volunteer"
+
+    def training() -> int:
+        status = read_status(cache)
+        return 0 if status is None else sum(a.phase == "training" for a in status.assignments)
+
+    # Both slots training (the client's status file says so), not a guess of how long that takes.
+    wait_for(lambda: training() >= 2, 90, "the client's two slots never trained at once", client)
     client.proc.send_signal(signal.SIGTERM)
     assert client.proc.wait(30) == 0, client.tail()
     rows = host_assignments(sqlite_url, "volunteer")
@@ -63,7 +70,8 @@ def test_client_waits_for_an_unreachable_server_and_then_works(make_cluster, sql
     try:
         # Retrying, and still alive a while later (the first attempt waits for the client's imports).
         wait_for(lambda: "server unreachable" in client.tail(), 60, "the client should be retrying", client)
-        time.sleep(3)
+        # Retried again after its first wait, and still alive: it does not give up after a few tries.
+        wait_for(lambda: "retry 3 in" in client.tail(), 60, "the client stopped retrying", client)
         assert client.alive, client.tail()
         cluster = make_cluster(sqlite_url, port=port, join_token=join_token)
         submit_slow_job(cluster)
