@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import crowdtrain.sim.slots as sim_slots
+from crowdtrain.assimilator.rules.control import LossControlled
 from crowdtrain.cli import app
 from crowdtrain.sim.hosts import Fleet
 from crowdtrain.sim.job import ShardDeals
@@ -348,3 +349,20 @@ def test_a_host_given_nothing_asks_again_after_retry_after_or_when_its_own_slot_
 
     assert served(2.0) == [(float(t), 0) for t in range(8)]
     assert served(0.0)[:3] == [(0.0, 0), (1.0, 1), (2.0, 0)]
+
+
+def test_a_rule_that_follows_the_validation_loss_sees_the_latest_evaluation(blobs: Dataset, monkeypatch) -> None:
+    """`step_control: loss` in the simulator as on the parameter servers: each merge's update carries
+    the newest evaluation recorded before it (W_s version, loss), None before the first."""
+    seen: list[tuple[int, float] | None] = []
+    apply = LossControlled.apply
+    monkeypatch.setattr(
+        LossControlled, "apply", lambda self, w, st, u: (seen.append(u.validation), apply(self, w, st, u))
+    )
+    spec = job(4, 2, assimilation={"rule": "delta", "staleness_weight": "polynomial", "step_control": "loss"})
+    r = simulate_training(spec, hosts=2, seed=0, data=blobs, **PAPER)
+
+    assert seen[0] is None and len(seen) == r.merges
+    evaluated = {(m.version, m.loss) for m in r.metrics}
+    assert all(v in evaluated for v in seen[1:]) and len(set(seen[1:])) > 1
+    assert [v for v, _ in seen[1:]] == sorted(v for v, _ in seen[1:])  # never an older one after a newer
