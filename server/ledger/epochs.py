@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 import redis
-from sqlalchemy import event, func, select
+from sqlalchemy import event, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
@@ -189,7 +189,8 @@ def close_epoch_if_complete(
             return
     for _ in range(3):
         try:
-            _close_epoch(db, storage, r, job_id, epoch, evaluator)
+            if _close_epoch(db, storage, r, job_id, epoch, evaluator):
+                _export_or_leave_it(db, storage, r, job_id)
             return
         except ExportBelowTarget as exc:
             log.info("job %s: %s; the stop rule is applied again", job_id, exc, extra=ids(job_id=job_id, epoch=epoch))
@@ -197,11 +198,12 @@ def close_epoch_if_complete(
 
 def _close_epoch(
     db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluator: Evaluator
-) -> None:
+) -> bool:
+    """`close_epoch_if_complete`'s transaction: True when it ended the job (its model still to export)."""
     with db.begin() as s:
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
-            return
+            return False
         if _open_before(s, job_id, epoch):
             log.info(
                 "job %s: epoch %d closed before an older one; the stop rule waits for it",
@@ -209,17 +211,18 @@ def _close_epoch(
                 epoch,
                 extra=ids(job_id=job_id, epoch=epoch),
             )
-            return
+            return False
         closed = epoch
         while not _apply_stop_rule(s, storage, r, job, closed, evaluator):
             if closed >= job.current_epoch:
                 release_epoch(s, job, job.current_epoch + 1)
-                return
+                return False
             closed += 1
             if _open_workunits(s, job_id, closed):
                 if next_epoch_releasable(s, job):
                     release_epoch(s, job, job.current_epoch + 1)
-                return
+                return False
+        return True
 
 
 def _open_before(s: Session, job_id: int, epoch: int) -> int:
@@ -291,13 +294,14 @@ def fail_job(
 ) -> bool:
     """End a running job as failed with `message`, its model exported as it stands (scored by
     `evaluator` when no metric of that version is recorded); False if it was no longer running.
-    One transaction."""
+    One transaction, then the export (`export_final_model`)."""
     with db.begin() as s:
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value:
             return False
         _finish(s, storage, r, job, JobStatus.failed, evaluator, message)
-        return True
+    _export_or_leave_it(db, storage, r, job_id)
+    return True
 
 
 def _finish(
@@ -311,13 +315,14 @@ def _finish(
     require: float | None = None,
     scored: tuple[int, float] | None = None,
 ) -> None:
-    """Close the job's merges, export W_s and report the validation accuracy of exactly the version
-    exported. If the transaction does not commit, the job still runs and its merges reopen.
+    """Close the job's merges and record its end, with the validation accuracy of exactly the version
+    it exports; the export itself is written after the transaction commits (`export_final_model`), so
+    that no object storage write holds the job's lock (on SQLite, the whole database's). If the
+    transaction does not commit, the job still runs and its merges reopen.
 
-    The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
-    header that says what they are (crowdtrain.core.modelfile). With `require`, an exported version
-    scoring below it raises ExportBelowTarget before anything is written. `scored` (version, accuracy)
-    is a version the caller has just scored: not scored again if it is still the one exported."""
+    With `require`, a version scoring below it raises ExportBelowTarget before anything is recorded.
+    `scored` (version, accuracy) is a version the caller has just scored: not scored again if it is
+    still the one exported."""
     close_merges(s, r, job.id)
     version, blob = store.read_blob(r, job.id)
     if scored is not None and scored[0] == version:
@@ -326,15 +331,76 @@ def _finish(
         job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluator)
     if require is not None and (job.final_accuracy is None or job.final_accuracy < require):
         raise ExportBelowTarget(f"W_s v{version}, to be exported, scores {job.final_accuracy} < {require}")
-    metadata = model_metadata(job.id, job.name, job.spec, job.model_config_, version, job.final_accuracy)
-    storage.put(keys.final_key(job.id), with_metadata(blob, metadata))
-    job.final_key = keys.final_key(job.id)
     job.param_version = max(job.param_version, version)
     cancel_open_workunits(s, job.id)
     states.move(job, outcome)
     job.status_message = message
     job.finished_at = utcnow()
-    log.info("job %s %s: %s; final model v%d exported to %s", job.id, outcome.value, message, version, job.final_key)
+    log.info("job %s %s: %s; final model v%d to export", job.id, outcome.value, message, version)
+
+
+def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> str | None:
+    """Write the final model of an ended VC-ASGD job whose end is recorded but whose model is not yet
+    exported, and record where (`final_key`); the key, None when the job has no final model (it has
+    not ended, was cancelled, or failed before it ran). Idempotent: its merges are closed, so W_s no
+    longer changes, and the file is the same whichever process writes it. The job's end calls it after
+    its transaction commits; the transitioner calls it for a job whose process died in between
+    (`export_pending_models`), and so does a download that comes first.
+
+    The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
+    header that says what they are (crowdtrain.core.modelfile): the version and the accuracy recorded
+    when the job ended."""
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        if job.final_key is not None or not _export_due(job):
+            return job.final_key
+        name, spec, model_config, accuracy = job.name, job.spec, job.model_config_, job.final_accuracy
+        status, message = job.status, job.status_message
+    version, blob = store.read_blob(r, job_id)
+    key = keys.final_key(job_id)
+    storage.put(key, with_metadata(blob, model_metadata(job_id, name, spec, model_config, version, accuracy)))
+    with db.begin() as s:
+        s.execute(update(Job).where(Job.id == job_id, Job.final_key.is_(None)).values(final_key=key))
+    log.info("job %s %s: %s; final model v%d exported to %s", job_id, status, message, version, key)
+    return key
+
+
+def _export_or_leave_it(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:
+    """Export the model of a job whose end just committed; a failure (storage unreachable) is logged and
+    left to the transitioner's next sweep (`export_pending_models`): the end stands either way."""
+    try:
+        export_final_model(db, storage, r, job_id)
+    except Exception as exc:
+        log.warning(
+            "job %s: its final model could not be exported yet (%s: %s); the transitioner tries again",
+            job_id,
+            type(exc).__name__,
+            exc,
+            extra=ids(job_id=job_id),
+        )
+
+
+def _export_due(job: Job) -> bool:
+    """Whether `job` ended with a model to export that is not exported yet."""
+    ended = job.status in (JobStatus.succeeded.value, JobStatus.failed.value) and job.finished_at is not None
+    return job.mode == VC_ASGD and ended and job.final_key is None
+
+
+def export_pending_models(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> int:
+    """Export the final model of every ended job whose export did not happen (its process died
+    between the end's commit and the write); how many. For the transitioner."""
+    with db.begin() as s:
+        due = s.scalars(
+            select(Job.id).where(
+                Job.mode == VC_ASGD,
+                Job.status.in_([JobStatus.succeeded.value, JobStatus.failed.value]),
+                Job.finished_at.is_not(None),
+                Job.final_key.is_(None),
+            )
+        ).all()
+    for job_id in due:
+        export_final_model(db, storage, r, job_id)
+    return len(due)
 
 
 def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:

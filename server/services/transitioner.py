@@ -18,7 +18,12 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger import replicas
 from crowdtrain.server.ledger.assignments import time_out_expired
-from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import (
+    Evaluator,
+    close_epoch_if_complete,
+    close_epochs_after_failure,
+    export_pending_models,
+)
 from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
 from crowdtrain.server.services import telemetry
 
@@ -133,6 +138,7 @@ def run_forever(
             reap_expired_assignments(db, storage, r, evaluator)
             close_stalled_votes(db, storage, r, evaluator)
             close_finished_epochs(db, storage, r, evaluator)
+            export_pending_models(db, storage, r)
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)
                 end_stalled_uploads(db, r, stalled_after, enqueue)

@@ -107,9 +107,9 @@ def cancel(job_id: Id, db: DbDep, r: RedisDep) -> JobCancelled:
 
 
 @router.get("/{job_id}/model", response_class=Response)
-def download_model(job_id: Id, db: DbDep, storage: StorageDep) -> Response:
+def download_model(job_id: Id, db: DbDep, storage: StorageDep, r: RedisDep) -> Response:
     """The final model (safetensors) once the job has finished (409 before)."""
-    key = jobs.final_model_key(db, job_id)
+    key = jobs.final_model_key(db, storage, r, job_id)
     if key is None:
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} has no final model yet")
     return Response(

@@ -19,10 +19,17 @@ from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import result_records
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
+from crowdtrain.server.ledger.epochs import (
+    close_epoch_if_complete,
+    export_final_model,
+    export_pending_models,
+    fail_job,
+    release_epoch,
+)
 from crowdtrain.server.ledger.jobs import cancel_job
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
 from crowdtrain.server.paramstore import merging, store
+from crowdtrain.server.services.jobs import final_model_key
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
@@ -235,3 +242,81 @@ def test_the_stop_rule_scores_the_version_it_exports_once(sqlite_url, private_re
         assert job.status == JobStatus.succeeded.value and job.final_accuracy is not None
     assert calls == [job_id], "scored once"
     assert read_metadata(storage.get(final_key(job_id)))["param_version"] == str(v2)
+
+
+def _ended_job(sqlite_url, r, tmp_path):
+    """The example job with one merge measured and its first epoch done, ready to end at the target."""
+    upgrade(sqlite_url)
+    db, storage = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri())
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy = 0.01
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    version = _merge(r, job_id, 1, store.read(r, job_id)[1])
+    with db.begin() as s:
+        s.add(Metric(job_id=job_id, epoch=1, param_version=version, val_loss=2.0, val_accuracy=0.25))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+    return db, storage, job_id, version
+
+
+def test_the_final_model_is_written_after_the_end_commits_not_under_the_jobs_lock(
+    sqlite_url, private_redis, tmp_path
+) -> None:
+    db, storage, job_id, version = _ended_job(sqlite_url, private_redis, tmp_path)
+    put = storage.put
+    seen_when_written: list[tuple[str, str | None]] = []
+
+    def watched_put(key: str, data: bytes) -> None:
+        if key == final_key(job_id):  # read on a connection of its own: what is committed by now
+            with db.begin() as s:
+                job = s.get_one(Job, job_id)
+                seen_when_written.append((job.status, job.final_key))
+        put(key, data)
+
+    storage.put = watched_put
+    close_epoch_if_complete(db, storage, private_redis, job_id, 1, FrameworkEvaluator())
+
+    assert seen_when_written == [(JobStatus.succeeded.value, None)], "the end was committed before the write"
+    with db.begin() as s:
+        assert s.get_one(Job, job_id).final_key == final_key(job_id)
+    assert read_metadata(storage.get(final_key(job_id)))["param_version"] == str(version)
+
+
+def test_an_export_lost_between_the_end_and_the_write_is_written_by_the_next_sweep_or_download(
+    sqlite_url, private_redis, tmp_path
+) -> None:
+    """The process that ended the job could not write its model (storage down, or it died): the job
+    has ended all the same, with no model yet; the transitioner's sweep writes it, exactly as the end
+    would have, and a download that comes first writes it itself."""
+    db, storage, job_id, version = _ended_job(sqlite_url, private_redis, tmp_path)
+    put = storage.put
+
+    def storage_down(key: str, data: bytes) -> None:
+        raise OSError("object storage unreachable")
+
+    storage.put = storage_down
+    close_epoch_if_complete(db, storage, private_redis, job_id, 1, FrameworkEvaluator())
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert (job.status, job.final_key, job.final_accuracy) == (JobStatus.succeeded.value, None, 0.25)
+    assert not storage.exists(final_key(job_id))
+
+    storage.put = put
+    assert export_pending_models(db, storage, private_redis) == 1
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        assert job.final_key == final_key(job_id)
+        expected = model_metadata(job_id, job.name, job.spec, job.model_config_, version, 0.25)
+    assert read_metadata(storage.get(final_key(job_id))) == expected
+    assert export_pending_models(db, storage, private_redis) == 0, "nothing left to export"
+    assert export_final_model(db, storage, private_redis, job_id) == final_key(job_id), "idempotent"
+
+
+def test_a_download_that_comes_before_the_sweep_writes_the_model_itself(sqlite_url, private_redis, tmp_path) -> None:
+    db, storage, job_id, version = _ended_job(sqlite_url, private_redis, tmp_path)
+    put = storage.put
+    storage.put = lambda key, data: (_ for _ in ()).throw(OSError("object storage unreachable"))
+    close_epoch_if_complete(db, storage, private_redis, job_id, 1, FrameworkEvaluator())
+    storage.put = put
+
+    assert final_model_key(db, storage, private_redis, job_id) == final_key(job_id)
+    assert read_metadata(storage.get(final_key(job_id)))["param_version"] == str(version)
