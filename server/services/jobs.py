@@ -20,7 +20,7 @@ from crowdtrain.core.schemas_jobs import (
 )
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.server.ledger import epochs
+from crowdtrain.server.ledger import exports
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Workunit, utcnow
 from crowdtrain.server.services.backpressure import UNMERGED, BudgetTerms, in_flight_budget
@@ -216,10 +216,10 @@ def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> JobSta
 
 def final_model_key(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> str | None:
     """Where the job's final model is; None while it has none. A job whose end is recorded but whose
-    export has not been written yet (crowdtrain.server.ledger.epochs.export_final_model) is exported now."""
+    export has not been written yet (crowdtrain.server.ledger.exports.export_final_model) is exported now."""
     with db.begin() as s:
         job = s.get(Job, job_id)
         if job is None:
             raise JobNotFound(f"job {job_id} does not exist")
         key = job.final_key
-    return key if key is not None else epochs.export_final_model(db, storage, r, job_id)
+    return key if key is not None else exports.export_final_model(db, storage, r, job_id)

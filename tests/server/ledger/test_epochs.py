@@ -19,13 +19,8 @@ from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import result_records
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import (
-    close_epoch_if_complete,
-    export_final_model,
-    export_pending_models,
-    fail_job,
-    release_epoch,
-)
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
+from crowdtrain.server.ledger.exports import export_final_model, export_pending_models
 from crowdtrain.server.ledger.jobs import cancel_job
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
 from crowdtrain.server.paramstore import merging, store

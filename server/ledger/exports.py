@@ -1,0 +1,84 @@
+"""A finished job's final model, written after the transaction that ended it commits
+(crowdtrain.server.ledger.epochs records the end): no object storage write holds the job's lock,
+which on SQLite is the whole database's."""
+
+import logging
+
+import redis
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core import keys
+from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.logs import ids
+from crowdtrain.core.modelfile import model_metadata, with_metadata
+from crowdtrain.core.states import JobStatus
+from crowdtrain.core.storage import Storage
+from crowdtrain.server.ledger.models import Job
+from crowdtrain.server.paramstore import store
+
+log = logging.getLogger(__name__)
+
+
+def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> str | None:
+    """Write the final model of an ended VC-ASGD job whose end is recorded but whose model is not yet
+    exported, and record where (`final_key`); the key, None when the job has no final model (it has
+    not ended, was cancelled, or failed before it ran). Idempotent: its merges are closed, so W_s no
+    longer changes, and the file is the same whichever process writes it. The job's end calls it after
+    its transaction commits; the transitioner calls it for a job whose process died in between
+    (`export_pending_models`), and so does a download that comes first.
+
+    The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
+    header that says what they are (crowdtrain.core.modelfile): the version and the accuracy recorded
+    when the job ended."""
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        if job.final_key is not None or not _export_due(job):
+            return job.final_key
+        name, spec, model_config, accuracy = job.name, job.spec, job.model_config_, job.final_accuracy
+        status, message = job.status, job.status_message
+    version, blob = store.read_blob(r, job_id)
+    key = keys.final_key(job_id)
+    storage.put(key, with_metadata(blob, model_metadata(job_id, name, spec, model_config, version, accuracy)))
+    with db.begin() as s:
+        s.execute(update(Job).where(Job.id == job_id, Job.final_key.is_(None)).values(final_key=key))
+    log.info("job %s %s: %s; final model v%d exported to %s", job_id, status, message, version, key)
+    return key
+
+
+def export_or_leave_it(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:
+    """Export the model of a job whose end just committed; a failure (storage unreachable) is logged and
+    left to the transitioner's next sweep (`export_pending_models`): the end stands either way."""
+    try:
+        export_final_model(db, storage, r, job_id)
+    except Exception as exc:
+        log.warning(
+            "job %s: its final model could not be exported yet (%s: %s); the transitioner tries again",
+            job_id,
+            type(exc).__name__,
+            exc,
+            extra=ids(job_id=job_id),
+        )
+
+
+def _export_due(job: Job) -> bool:
+    """Whether `job` ended with a model to export that is not exported yet."""
+    ended = job.status in (JobStatus.succeeded.value, JobStatus.failed.value) and job.finished_at is not None
+    return job.mode == VC_ASGD and ended and job.final_key is None
+
+
+def export_pending_models(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> int:
+    """Export the final model of every ended job whose export did not happen (its process died
+    between the end's commit and the write); how many. For the transitioner."""
+    with db.begin() as s:
+        due = s.scalars(
+            select(Job.id).where(
+                Job.mode == VC_ASGD,
+                Job.status.in_([JobStatus.succeeded.value, JobStatus.failed.value]),
+                Job.finished_at.is_not(None),
+                Job.final_key.is_(None),
+            )
+        ).all()
+    for job_id in due:
+        export_final_model(db, storage, r, job_id)
+    return len(due)
