@@ -20,9 +20,12 @@ pytestmark = pytest.mark.integration
 
 
 def submit_slow_job(cluster: Cluster) -> int:
-    """Assignments that train for a long time, so a test can act while they run."""
+    """Assignments that train for a long time, so a test can act while they run. Their deadline is
+    long too: on a loaded machine (a full suite with four workers on two cores) a client's first
+    heartbeat came after the example job's 60 s, and the assignment timed out under the test."""
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.training.local_epochs = 500
+    spec.scheduling.deadline_seconds = 600
     with cluster.admin() as http:
         return http.post("/v1/jobs", json=spec.model_dump(mode="json")).json()["job_id"]
 
