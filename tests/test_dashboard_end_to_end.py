@@ -139,7 +139,9 @@ def test_the_dashboard_shows_a_running_job_live_in_chromium(make_cluster, sqlite
     first = int(text_of(browser, "fig-merges").replace(",", ""))
     assert first >= MERGES_BEFORE_BROWSING
     for chart in ("chart-time", "chart-examples"):
-        assert count(browser, f"#{chart} circle.point") >= MERGES_BEFORE_BROWSING, chart
+        # A point is an evaluation, which the parameter server records after its merge: the next poll draws it.
+        points = f"#{chart} circle.point"
+        WebDriverWait(browser, 60).until(lambda d, points=points: count(d, points) >= MERGES_BEFORE_BROWSING)
         assert count(browser, f"#{chart} rect.band") >= 1, chart
     workunits = {row[0]: int(row[2]) for row in rows(browser, "workunits")}
     assert workunits.get("done", 0) >= MERGES_BEFORE_BROWSING

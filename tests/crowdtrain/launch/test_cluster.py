@@ -38,8 +38,11 @@ def test_clients_and_peers_get_the_join_token_in_their_environment_not_on_their_
         cluster = Cluster(var_dir=tmp_path, port=silent.getsockname()[1])
         try:
             for svc in (cluster.start_client("volunteer"), cluster.start_peer("peer", 1)):
-                argv, environ = _proc_file(svc.proc.pid, "cmdline"), _proc_file(svc.proc.pid, "environ")
-                assert svc.proc.poll() is None and "crowdtrain" in argv, (svc.name, svc.proc.poll(), argv)
+                # Under load /proc can show an empty command line for a moment after the start: read it
+                # again until it names the program (a process that exits fails the wait).
+                pid = svc.proc.pid
+                wait_for(lambda pid=pid: "crowdtrain" in _proc_file(pid, "cmdline"), 30, "no command line", svc)
+                argv, environ = _proc_file(pid, "cmdline"), _proc_file(pid, "environ")
                 assert not any(cluster.join_token in arg for arg in argv), argv
                 assert f"CROWDTRAIN_CLIENT_JOIN_TOKEN={cluster.join_token}" in environ
                 assert not any(e.startswith("CROWDTRAIN_ADMIN_TOKEN=") for e in environ), "clients get no admin token"
