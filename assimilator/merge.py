@@ -87,6 +87,22 @@ class Decided:
     also_merge: int | None = None
 
 
+@dataclass(frozen=True)
+class JobTerms:
+    """What one pass reads once for a job: its rule and policy, and, for a rule that follows it, the
+    job's latest evaluation (merges.latest_validation)."""
+
+    rule: Rule
+    policy: Policy
+    validation: tuple[int, float] | None
+
+
+def _job_terms(svc: MergeServices, p: merges.PendingMerge) -> JobTerms:
+    assimilation = p.spec["assimilation"]
+    validation = merges.latest_validation(svc.db, p.job_id) if reads_validation(assimilation) else None
+    return JobTerms(make_rule(assimilation), Policy.from_spec(assimilation), validation)
+
+
 def assimilate(svc: MergeServices, assignment_id: int, received_at: float | None = None) -> MergeResult:
     """Merge the uploaded result of `assignment_id` into W_s and record what happened.
 
@@ -120,6 +136,7 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
     recorded: list[tuple[merges.PendingMerge, int]] = []  # W_s holds each at that version
     to_merge: dict[int, tuple[merges.PendingMerge, QueuedResult]] = {}  # in the order they are merged
     pendings = merges.pending_merges(svc.db, [assignment_id for assignment_id, _ in queued])
+    terms: dict[int, JobTerms] = {}  # by job: read at the first result that needs them
     # The queued results, then the canonical replicas their votes chose (another result of one of
     # their workunits, read afresh): all are merged in the one pass below.
     work = deque(queued)
@@ -139,7 +156,7 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
             results[assignment_id] = MergeResult(Outcome.already_merged, version or 0)
             recorded.append((pending, version or 0))
             continue
-        prepared = _prepare(svc, pending, received_at)
+        prepared = _prepare(svc, pending, received_at, terms)
         if isinstance(prepared, QueuedResult):
             to_merge[assignment_id] = (pending, prepared)
             continue
@@ -148,7 +165,7 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
             pendings[prepared.also_merge] = merges.pending_merge(svc.db, prepared.also_merge)
             work.append((prepared.also_merge, received_at))
     merging_now = list(to_merge.values())
-    for (pending, _), result in zip(merging_now, _merge(svc, merging_now), strict=True):
+    for (pending, _), result in zip(merging_now, _merge(svc, merging_now, terms), strict=True):
         results[pending.assignment_id] = result
         if result.version is not None:
             recorded.append((pending, result.version))
@@ -156,19 +173,23 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
     return [results[assignment_id] for assignment_id, _ in queued]
 
 
-def _prepare(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> QueuedResult | Decided:
+def _prepare(
+    svc: MergeServices, p: merges.PendingMerge, received_at: float | None, terms: dict[int, JobTerms]
+) -> QueuedResult | Decided:
     """A result that no delivery has merged yet, read and ready to merge; or what was decided instead:
     refused, superseded when another assignment of its workunit was merged first, or judged by a
     replica vote."""
     try:
-        return _read_and_judge(svc, p, received_at)
+        return _read_and_judge(svc, p, received_at, terms)
     except Refused as exc:
         return Decided(_refuse(svc, p.assignment_id, exc))
     except Superseded as exc:
         return Decided(_supersede(svc, p.assignment_id, exc))
 
 
-def _read_and_judge(svc: MergeServices, p: merges.PendingMerge, received_at: float | None) -> QueuedResult | Decided:
+def _read_and_judge(
+    svc: MergeServices, p: merges.PendingMerge, received_at: float | None, terms: dict[int, JobTerms]
+) -> QueuedResult | Decided:
     """`_prepare`'s work; raises Refused or Superseded for `_prepare` to record."""
     if not p.job_running:
         raise Refused("job is no longer running", charge=False)
@@ -192,21 +213,25 @@ def _read_and_judge(svc: MergeServices, p: merges.PendingMerge, received_at: flo
     if result is None:
         assert unreadable is not None
         raise unreadable
-    assimilation = p.spec["assimilation"]
-    if reads_validation(assimilation):
-        result = replace(result, update=replace(result.update, validation=merges.latest_validation(svc.db, p.job_id)))
-    step = _guarded(p, make_rule(assimilation), Policy.from_spec(assimilation), result)
+    if p.job_id not in terms:
+        terms[p.job_id] = _job_terms(svc, p)
+    job = terms[p.job_id]
+    if job.validation is not None:
+        result = replace(result, update=replace(result.update, validation=job.validation))
+    step = _guarded(p, job.rule, job.policy, result)
     return QueuedResult(p.assignment_id, step, received_at, result.norm, p.workunit_id)
 
 
-def _merge(svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, QueuedResult]]) -> list[MergeResult]:
+def _merge(
+    svc: MergeServices, to_merge: Sequence[tuple[merges.PendingMerge, QueuedResult]], terms: dict[int, JobTerms]
+) -> list[MergeResult]:
     """Merge the prepared results in one pass (merging.merge_batch), refusing or superseding those
     it did not merge; each one's outcome, in order."""
     if not to_merge:
         return []
     first = to_merge[0][0]
     assert all(p.job_id == first.job_id for p, _ in to_merge), "a pass merges one job's results"
-    initial_state = make_rule(first.spec["assimilation"]).initial_state
+    initial_state = terms[first.job_id].rule.initial_state
     try:
         takings = merging.merge_batch(svc.r, first.job_id, [q for _, q in to_merge], initial_state)
     except merging.MergesClosed:
