@@ -5,19 +5,28 @@ which on SQLite is the whole database's."""
 import logging
 
 import redis
-from sqlalchemy import select, update
+from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import VC_ASGD
 from crowdtrain.core.logs import ids
 from crowdtrain.core.modelfile import model_metadata, with_metadata
+from crowdtrain.core.refusals import NotFound
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)
+
+# A job that ended with a model to export, not exported yet.
+_EXPORT_DUE = and_(
+    Job.mode == VC_ASGD,
+    Job.status.in_([JobStatus.succeeded.value, JobStatus.failed.value]),
+    Job.finished_at.is_not(None),
+    Job.final_key.is_(None),
+)
 
 
 def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> str | None:
@@ -30,10 +39,12 @@ def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Red
 
     The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
     header that says what they are (crowdtrain.core.modelfile): the version and the accuracy recorded
-    when the job ended."""
+    when the job ended. NotFound for no such job."""
     with db.begin() as s:
-        job = s.get_one(Job, job_id)
-        if job.final_key is not None or not _export_due(job):
+        job = s.get(Job, job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} does not exist")
+        if job.final_key is not None or s.scalar(select(Job.id).where(Job.id == job_id, _EXPORT_DUE)) is None:
             return job.final_key
         name, spec, model_config, accuracy = job.name, job.spec, job.model_config_, job.final_accuracy
         status, message = job.status, job.status_message
@@ -61,24 +72,11 @@ def export_or_leave_it(db: sessionmaker[Session], storage: Storage, r: redis.Red
         )
 
 
-def _export_due(job: Job) -> bool:
-    """Whether `job` ended with a model to export that is not exported yet."""
-    ended = job.status in (JobStatus.succeeded.value, JobStatus.failed.value) and job.finished_at is not None
-    return job.mode == VC_ASGD and ended and job.final_key is None
-
-
 def export_pending_models(db: sessionmaker[Session], storage: Storage, r: redis.Redis) -> int:
     """Export the final model of every ended job whose export did not happen (its process died
     between the end's commit and the write); how many. For the transitioner."""
     with db.begin() as s:
-        due = s.scalars(
-            select(Job.id).where(
-                Job.mode == VC_ASGD,
-                Job.status.in_([JobStatus.succeeded.value, JobStatus.failed.value]),
-                Job.finished_at.is_not(None),
-                Job.final_key.is_(None),
-            )
-        ).all()
+        due = s.scalars(select(Job.id).where(_EXPORT_DUE)).all()
     for job_id in due:
         export_final_model(db, storage, r, job_id)
     return len(due)

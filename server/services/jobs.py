@@ -217,9 +217,4 @@ def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> JobSta
 def final_model_key(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> str | None:
     """Where the job's final model is; None while it has none. A job whose end is recorded but whose
     export has not been written yet (crowdtrain.server.ledger.exports.export_final_model) is exported now."""
-    with db.begin() as s:
-        job = s.get(Job, job_id)
-        if job is None:
-            raise JobNotFound(f"job {job_id} does not exist")
-        key = job.final_key
-    return key if key is not None else exports.export_final_model(db, storage, r, job_id)
+    return exports.export_final_model(db, storage, r, job_id)  # NotFound for no such job
