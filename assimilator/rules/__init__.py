@@ -39,20 +39,24 @@ def make_rule(assimilation: dict[str, Any]) -> Rule:
     )
     rule: Rule
     if spec.staleness_weight == "gain":  # the spec allows it with rule delta only
-        rule = GainDelta(outer)
-    elif spec.rule == "delta":
-        rule = Delta(StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b), outer)
+        return _controlled(spec, GainDelta(outer))
+    weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
+    if spec.rule == "delta":
+        rule = Delta(weight, outer)
     elif spec.rule == "fedbuff":
-        weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
         rule = FedBuff(weight, outer, spec.buffer_size, spec.combiner, spec.trim_fraction)
     else:
         raise ValueError(f"unknown merge rule {spec.rule!r}")
+    return _controlled(spec, rule)
+
+
+def _controlled(spec: AssimilationSpec, rule: Rule) -> Rule:
     return LossControlled(rule, spec.step_floor) if spec.step_control == "loss" else rule
 
 
 def reads_validation(assimilation: dict[str, Any]) -> bool:
     """Whether the rule of `assimilation` reads the job's latest evaluation (`Update.validation`)."""
-    return bool(assimilation.get("step_control", "none") != "none")
+    return AssimilationSpec.model_validate(assimilation).step_control != "none"
 
 
 __all__ = [
