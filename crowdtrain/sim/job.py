@@ -32,7 +32,7 @@ The in-flight budget (`backpressure`, on by default), held as the real scheduler
 from the simulated merges' pace, a host gets nothing and asks again when `held_seconds` tells it (the
 hosts' side is crowdtrain.sim.training's). One request at a time, so never past the budget.
 
-ShardDeals holds the example indices of each shard, per deal, that shard_key names.
+Its records (workunits, assignments, metrics, shard deals) are crowdtrain.sim.records'.
 
 Left out: the reliability preference of dispatch (retried workunits to reliable hosts) and
 duplicates of stragglers. No I/O: the caller trains, and evaluates through `evaluate`.
@@ -54,70 +54,21 @@ from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
 from crowdtrain.server.paramstore.steps import NORMS_KEPT
 from crowdtrain.server.services.backpressure import BudgetTerms, held_seconds, in_flight_budget
-from crowdtrain.workgen.datasets import deal_shards
+from crowdtrain.sim.records import (
+    DONE,
+    FAILED,
+    IN_PROGRESS,
+    READY,
+    RUNNING,
+    SUCCEEDED,
+    UNMERGED,
+    UPLOADED,
+    Assignment,
+    Metric,
+    Workunit,
+)
 
-READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
-UPLOADED = "uploaded"
-RUNNING, SUCCEEDED = "running", "succeeded"
-UNMERGED = (IN_PROGRESS, UPLOADED)  # in flight, as backpressure.UNMERGED: dispatched or uploaded, not merged
 _CLOCK_ZERO = datetime(2000, 1, 1, tzinfo=UTC)  # simulated second 0, for pace_of's timestamps
-
-
-@dataclass(eq=False)
-class Workunit:
-    id: int
-    epoch: int
-    shard: int
-    status: str = READY
-    error_count: int = 0
-
-
-@dataclass(eq=False)
-class Assignment:
-    id: int
-    wu: Workunit
-    host: int
-    base_version: int
-    base: Params  # the snapshot the host starts from (read-only)
-    sent: float
-    deadline: float
-    uploaded: float | None = None  # when its result reached the scheduler
-    status: str = IN_PROGRESS  # in_progress -> uploaded -> merged | rejected; in_progress -> timed_out
-    client: Params | None = None  # W_c once trained (decoded from its upload)
-    examples: int = 0
-    local_fraction: float = 1.0  # of the recipe's local epochs (dynamic local work)
-    train_seconds: float = 0.0  # simulated compute time, as the host reports it
-    upload_bytes: int = 0  # the size of its result on the wire
-
-
-@dataclass(frozen=True)
-class Metric:
-    """A validation figure of W_s right after a merge."""
-
-    version: int
-    epoch: int
-    time: float  # simulated seconds
-    examples: int  # examples trained into the merged results so far
-    accuracy: float
-    loss: float
-
-
-class ShardDeals:
-    """The example indices of each shard, per deal (see SimJob.shard_key): deal 0 as
-    crowdtrain.workgen.generator.submit_job deals the training set; deal e >= 2 as write_epoch_shards deals
-    the examples of deal 0's shards, laid end to end, anew for epoch e."""
-
-    def __init__(self, y: np.ndarray, dataset: dict, seed: int) -> None:
-        self.y, self.subsets, self.shuffle, self.seed = y, dataset["subsets"], dataset["shuffle"], seed
-        self._deals = {0: deal_shards(y, self.subsets, self.shuffle, seed)}
-
-    def of(self, deal: int) -> list[np.ndarray]:
-        if deal not in self._deals:
-            line = np.concatenate(self._deals[0])
-            self._deals[deal] = [
-                line[p] for p in deal_shards(self.y[line], self.subsets, self.shuffle, self.seed, deal)
-            ]
-        return self._deals[deal]
 
 
 @dataclass(eq=False)

@@ -9,7 +9,8 @@ dispatch and training, stays in crowdtrain.sim.training.
 from collections import deque
 from dataclasses import replace
 
-from crowdtrain.sim.job import IN_PROGRESS, UPLOADED, Assignment, Metric, SimJob
+from crowdtrain.sim.job import SimJob
+from crowdtrain.sim.records import IN_PROGRESS, UPLOADED, Assignment, Metric
 from crowdtrain.sim.servers import MergeQueue, ParameterServers
 
 MERGED, EVALUATED = "merged", "evaluated"

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from crowdtrain.sim.hosts import Fleet
-from crowdtrain.sim.job import Metric
+from crowdtrain.sim.records import Metric
 from crowdtrain.sim.servers import ParameterServers
 
 

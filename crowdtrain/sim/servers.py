@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from crowdtrain.assimilator.merge_pass import MAX_PASS
-from crowdtrain.sim.job import Assignment
+from crowdtrain.sim.records import Assignment
 
 PASS_SECONDS = 0.030  # a pass's own cost: the lease, W_s read and written, the database's transaction
 MERGE_SECONDS = 0.010  # each result in a pass: its upload read and checked, the rule, its rows

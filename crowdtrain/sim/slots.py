@@ -17,7 +17,8 @@ from crowdtrain.core.tensors import Manifest, Params
 from crowdtrain.core.updates import decode_result, encode_result
 from crowdtrain.server.services.local_work import host_speeds, local_fraction
 from crowdtrain.sim.hosts import Fleet
-from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
+from crowdtrain.sim.job import SimJob
+from crowdtrain.sim.records import Assignment, ShardDeals
 from crowdtrain.sim.result import Dispatch
 from crowdtrain.workgen.datasets import Dataset
 

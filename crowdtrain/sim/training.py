@@ -66,8 +66,9 @@ from crowdtrain.server.services.backpressure import held_wait
 from crowdtrain.server.services.backpressure import retry_after as scheduler_retry_after
 from crowdtrain.server.services.local_work import WINDOW
 from crowdtrain.sim.hosts import WORK_RETRY_AFTER, Fleet
-from crowdtrain.sim.job import Assignment, ShardDeals, SimJob
+from crowdtrain.sim.job import SimJob
 from crowdtrain.sim.passes import EVALUATED, MERGED, MergePasses
+from crowdtrain.sim.records import Assignment, ShardDeals
 from crowdtrain.sim.result import Dispatch, SimResult
 from crowdtrain.sim.servers import EVAL_SECONDS, MAX_PASS, MERGE_SECONDS, PASS_SECONDS, MergeQueue, ParameterServers
 from crowdtrain.sim.slots import ARRIVE, DEADLINE, FETCHED, POLL, TRAINED, HostSlots

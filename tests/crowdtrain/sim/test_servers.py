@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from crowdtrain.sim.job import Assignment, Workunit
+from crowdtrain.sim.records import Assignment, Workunit
 from crowdtrain.sim.servers import MergeQueue, ParameterServers
 from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import Dataset

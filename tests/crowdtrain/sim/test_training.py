@@ -14,7 +14,7 @@ import crowdtrain.sim.slots as sim_slots
 from crowdtrain.assimilator.rules.control import LossControlled
 from crowdtrain.cli import app
 from crowdtrain.sim.hosts import Fleet
-from crowdtrain.sim.job import ShardDeals
+from crowdtrain.sim.records import ShardDeals
 from crowdtrain.sim.servers import EVAL_SECONDS, MERGE_SECONDS, PASS_SECONDS
 from crowdtrain.sim.training import simulate_training
 from crowdtrain.workgen.datasets import Dataset, deal_shards
