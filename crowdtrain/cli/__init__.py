@@ -46,6 +46,11 @@ COMMANDS = {
     "peer": LazyCommand(
         "crowdtrain.cli.peer", "Run a peer of a synchronous DeDLOC job until the job finishes.", needs=_CLIENT
     ),
+    "expert-host": LazyCommand(
+        "crowdtrain.cli.experts",
+        "Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.",
+        needs=("torch", "uvicorn", "starlette"),
+    ),
     "demo": LazyCommand(
         "crowdtrain.cli.demo",
         "Run the whole system locally on the embedded defaults and train the example job to its target.",

@@ -1,0 +1,208 @@
+"""A trainer's side of expert-parallel training: mixture-of-experts layers whose experts live on
+expert hosts (crowdtrain.client.experts.host).
+
+Gating follows Learning@home (Ryabinin & Gusev 2020, section 3.1): a layer's experts sit on a grid,
+one small linear layer per grid dimension scores its coordinates, and an expert's score is the sum
+of its coordinates' scores, g(x) = sum_i g_i(x)[u_i]. Each input goes to its k best experts among
+those the routing table lists. One call per expert per batch carries all the rows routed to it;
+the calls run concurrently, and the trainer waits until every row has `k_min` answers and then a
+`grace` period more, or until the timeout. Experts that fail or answer late are dropped and the
+weights of the rest renormalised (a softmax over the answered experts' scores): this acts like
+dropout, and training goes on while hosts come and go. A row with fewer than `k_min` answers gets
+no output from the layer (its residual passes it on). Backward is sent only to the experts that
+answered forward; one that fails then contributes no input gradient.
+"""
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from torch import nn
+
+from crowdtrain.core.experts import ExpertLayout, encode_call, parse_uid, read_call
+
+_ANSWER = {"forward": ("y",), "backward": ("grad_x",)}
+
+
+class ExpertCallFailed(RuntimeError):
+    pass
+
+
+class ExpertClient:
+    """Calls to the experts of a routing table (expert id -> its host's base URL), run concurrently."""
+
+    def __init__(self, layout: ExpertLayout, routes: Mapping[str, str], max_concurrency: int = 64):
+        self.layout = layout
+        self.routes = dict(routes)
+        self.figures: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        timeout = max(layout.forward_timeout, layout.backward_timeout)
+        self._http = httpx.Client(
+            timeout=timeout, limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=32)
+        )
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="expert-call")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    def available(self, layer: int) -> list[str]:
+        """The experts of `layer` the routing table lists, in a stable order."""
+        return sorted(uid for uid in self.routes if parse_uid(uid)[0] == layer)
+
+    def submit(self, uid: str, kind: str, **tensors: np.ndarray) -> "Future[np.ndarray]":
+        return self._pool.submit(self._call, uid, kind, tensors)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.figures[what] += 1
+
+    def _call(self, uid: str, kind: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        rows = int(next(iter(tensors.values())).shape[0])
+        (name,) = _ANSWER[kind]
+        limit = self.layout.call_limit((name,))
+        try:
+            with self._http.stream(
+                "POST", f"{self.routes[uid]}/v1/experts/{uid}/{kind}", content=encode_call(**tensors)
+            ) as response:
+                body = bytearray()
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if len(body) > limit:
+                        raise ExpertCallFailed(f"expert {uid}: an answer of more than {limit} bytes")
+            if response.status_code != 200:
+                raise ExpertCallFailed(f"expert {uid}: {kind} answered {response.status_code}: {bytes(body[:200])!r}")
+            out = read_call(bytes(body), (name,), self.layout.dim, self.layout.max_rows)[name]
+            if out.shape[0] != rows:
+                raise ExpertCallFailed(f"expert {uid}: {out.shape[0]} rows answered for {rows} sent")
+        except (httpx.HTTPError, ValueError, ExpertCallFailed) as exc:
+            self._count(f"{kind}_failed")
+            raise ExpertCallFailed(str(exc)) from exc
+        self._count(f"{kind}_answered")
+        return np.array(out)
+
+
+@dataclass
+class _Routed:
+    """The rows of a batch routed to one expert, and at which of their k places."""
+
+    uid: str
+    rows: torch.Tensor  # [n] row indices of the batch
+    places: torch.Tensor  # [n] indices into the k chosen experts of each row
+
+
+def _gather(
+    client: ExpertClient, futures: dict["Future[np.ndarray]", _Routed], need: int, n_rows: int, timeout: float
+) -> dict[str, np.ndarray]:
+    """The answers of the calls that came back in time: every one, or, once each row has `need` answers,
+    those within the layout's grace period after that; by `timeout` at the latest."""
+    deadline = time.monotonic() + timeout
+    answered = torch.zeros(n_rows, dtype=torch.long)
+    out: dict[str, np.ndarray] = {}
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+        if not done:
+            break
+        for f in done:
+            if f.exception() is None:
+                routed = futures[f]
+                out[routed.uid] = f.result()
+                answered[routed.rows] += 1
+        if pending and bool((answered >= need).all()):
+            deadline = min(deadline, time.monotonic() + client.layout.grace)
+    for f in pending:
+        f.cancel()
+        client._count("late")
+    return out
+
+
+class _RemoteExperts(torch.autograd.Function):
+    """Calls the routed experts: forward returns their outputs [rows, k, dim] (zeros where none came)
+    and which came [rows, k]; backward sends the outputs' gradient to the experts that answered and
+    sums the input gradients they return."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, client: ExpertClient, routed: list[_Routed], k: int) -> Any:
+        layout = client.layout
+        x_np = x.detach().numpy()
+        futures = {client.submit(r.uid, "forward", x=x_np[r.rows.numpy()]): r for r in routed}
+        answers = _gather(client, futures, layout.k_min, x.shape[0], layout.forward_timeout)
+        y = torch.zeros(x.shape[0], k, layout.dim)
+        came = torch.zeros(x.shape[0], k, dtype=torch.bool)
+        for r in routed:
+            if r.uid in answers:
+                y[r.rows, r.places] = torch.from_numpy(answers[r.uid])
+                came[r.rows, r.places] = True
+        ctx.client, ctx.x_np = client, x_np
+        ctx.answered = [r for r in routed if r.uid in answers]
+        ctx.mark_non_differentiable(came)
+        return y, came
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor, _grad_came: torch.Tensor) -> Any:
+        client: ExpertClient = ctx.client
+        g = grad_y.contiguous().numpy()
+        futures = {
+            client.submit(r.uid, "backward", x=ctx.x_np[r.rows.numpy()], grad_y=g[r.rows.numpy(), r.places.numpy()]): r
+            for r in ctx.answered
+        }
+        answers = _gather(client, futures, 0, ctx.x_np.shape[0], client.layout.backward_timeout)
+        grad_x = torch.zeros(ctx.x_np.shape)
+        for r in ctx.answered:
+            if r.uid in answers:
+                grad_x.index_add_(0, r.rows, torch.from_numpy(answers[r.uid]))
+        return grad_x, None, None, None
+
+
+class GridGate(nn.Module):
+    """Scores of a layer's experts: one linear layer per grid dimension, an expert's score the sum of
+    its coordinates' scores."""
+
+    def __init__(self, dim: int, grid: list[int]):
+        super().__init__()
+        self.per_dimension = nn.ModuleList(nn.Linear(dim, n) for n in grid)
+
+    def forward(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+        """[rows, experts] scores of the experts at `coords` [experts, grid dimensions]."""
+        return sum(gate(x)[:, coords[:, i]] for i, gate in enumerate(self.per_dimension))  # type: ignore[return-value]
+
+
+class RemoteMixture(nn.Module):
+    """A mixture-of-experts layer whose experts are remote: [rows, dim] -> [rows, dim]."""
+
+    def __init__(self, layout: ExpertLayout, layer: int, client: ExpertClient):
+        super().__init__()
+        self.layout, self.layer, self.client = layout, layer, client
+        self.gate = GridGate(layout.dim, layout.grid)
+        self.dropped_rows = 0  # rows that got fewer than k_min answers, so far
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        uids = self.client.available(self.layer)
+        if not uids:
+            self.dropped_rows += x.shape[0]
+            return torch.zeros_like(x)
+        coords = torch.tensor([parse_uid(uid)[1] for uid in uids])
+        scores = self.gate(x, coords)
+        k = min(self.layout.k, len(uids))
+        top_scores, top = scores.topk(k, dim=1)
+        routed = []
+        for e in torch.unique(top).tolist():
+            rows, places = (top == e).nonzero(as_tuple=True)
+            routed.append(_Routed(uids[e], rows, places))
+        y, came = _RemoteExperts.apply(x, self.client, routed, k)
+        enough = came.sum(dim=1) >= self.layout.k_min
+        self.dropped_rows += int((~enough).sum())
+        # Rows with no answer at all are given finite scores, so that no NaN of a softmax over -inf
+        # reaches the gradient; their weights are zeroed with the other rows that have too few.
+        some = came.any(dim=1, keepdim=True)
+        scores_came = torch.where(some, top_scores.masked_fill(~came, float("-inf")), torch.zeros_like(top_scores))
+        weights = torch.where(enough[:, None], torch.softmax(scores_came, dim=1), torch.zeros_like(top_scores))
+        return (weights[:, :, None] * y).sum(dim=1)
