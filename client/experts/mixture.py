@@ -172,7 +172,7 @@ class GridGate(nn.Module):
 
     def forward(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """[rows, experts] scores of the experts at `coords` [experts, grid dimensions]."""
-        return sum(gate(x)[:, coords[:, i]] for i, gate in enumerate(self.per_dimension))  # type: ignore[return-value]
+        return sum(gate(x)[:, coords[:, i]] for i, gate in enumerate(self.per_dimension))
 
 
 class RemoteMixture(nn.Module):

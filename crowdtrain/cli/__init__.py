@@ -16,7 +16,7 @@ from crowdtrain.cli.lazy import LazyCommand, LazyGroup
 _PROCESSES = "crowdtrain.cli.processes"
 # The packages each command imports beyond the base install (crowdtrain.cli.errors.EXTRA_OF names
 # their extras): a command this install cannot run is left out of the help and explained if run.
-_SERVER = ("uvicorn", "sqlalchemy", "celery", "redis")
+_SERVER = ("sqlalchemy", "uvicorn", "celery", "redis")  # sqlalchemy first: uvicorn alone is the experts' extra
 _CLIENT = ("httpx", "torch")
 COMMANDS = {
     "migrate": LazyCommand(
@@ -49,7 +49,7 @@ COMMANDS = {
     "expert-host": LazyCommand(
         "crowdtrain.cli.experts",
         "Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.",
-        needs=("torch", "uvicorn", "starlette"),
+        needs=("torch", "uvicorn"),
     ),
     "demo": LazyCommand(
         "crowdtrain.cli.demo",

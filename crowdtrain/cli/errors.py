@@ -20,7 +20,7 @@ NOT_ENABLED = 4
 
 # Modules a command imports under another name than the requirement that installs them: theirs, or
 # one that comes with it.
-INSTALLED_BY = {"starlette": "fastapi", "botocore": "boto3", "keras": "tensorflow", "PIL": "pillow"}
+INSTALLED_BY = {"botocore": "boto3", "keras": "tensorflow", "PIL": "pillow"}
 
 
 def _extra_of() -> dict[str, str]:
@@ -38,7 +38,7 @@ def _extra_of() -> dict[str, str]:
         extra = next((e for e in extras if req.marker is not None and req.marker.evaluate({"extra": e})), None)
         if extra is not None and req.name != "crowdtrain":
             found.setdefault(req.name.lower().replace("-", "_"), extra)
-    return found | {package: found[carrier] for package, carrier in INSTALLED_BY.items() if carrier in found}
+    return {package: found[carrier] for package, carrier in INSTALLED_BY.items() if carrier in found} | found
 
 
 EXTRA_OF = _extra_of()

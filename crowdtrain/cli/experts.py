@@ -42,7 +42,10 @@ def expert_host(
         float, typer.Option(min=0, max=1, help="Seconds an expert waits for more calls to batch with the first")
     ] = 0.005,
 ) -> None:
-    """Serve experts' forward and backward calls over HTTP until stopped."""
+    """Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.
+
+    Each expert answers forward and backward calls; its calls are batched, and a bad call gets a 4xx.
+    Runs until stopped."""
     configure_logging()
     shape = read_layout(layout)
     uids = (
