@@ -39,7 +39,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from crowdtrain.core.jobspec import JobSpec
-from crowdtrain.launch.cluster import Cluster, SpotNoticeServer, wait_for
+from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.launch.spot_notice import SpotNoticeServer
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
 

@@ -1,6 +1,7 @@
 """Expert-parallel training end to end: a trainer trains a model whose two mixture-of-experts layers
-(4x4 grids, top-4) live on three expert host processes, one of which is SIGKILLed mid-run; the
-model still reaches its target, which its dense trunk alone does not."""
+(4x4 grids, top-4) live on three expert host processes that lease them from the scheduler; one host
+is SIGKILLed mid-run, its experts are leased again to the others and restored from their
+checkpoints, and the model still reaches its target, which its dense trunk alone does not."""
 
 import signal
 
@@ -9,14 +10,18 @@ import numpy as np
 import pytest
 import torch
 
+from crowdtrain.client.experts.leasing import MixtureAPI, RoutingFollower
 from crowdtrain.client.experts.mixture import ExpertClient
 from crowdtrain.client.experts.trainer import MixtureClassifier, accuracy, train_step
 from crowdtrain.core.experts import ExpertLayout
-from tests.client.experts.hosts import start_host
+from crowdtrain.launch.cluster import wait_for
 
 pytestmark = pytest.mark.integration
 
-LAYOUT = ExpertLayout(layers=2, grid=[4, 4], dim=32, hidden=64, k=4, k_min=1, lr=3e-3)
+# Heartbeats every second and checkpoints every 20 steps, so that a killed host's experts move within seconds.
+LAYOUT = ExpertLayout(
+    layers=2, grid=[4, 4], dim=32, hidden=64, k=4, k_min=1, lr=3e-3, heartbeat_seconds=1, checkpoint_every=20
+)
 TARGET = 0.9  # a linear trunk reaches about 0.63 on this task, a dense MLP 0.99
 KILL_AT, MAX_STEPS, EVAL_EVERY = 60, 800, 25
 
@@ -52,25 +57,42 @@ def test_the_dense_trunk_alone_stays_below_the_target() -> None:
     client.close()
 
 
-def test_a_moe_model_trains_to_its_target_through_expert_hosts_while_one_is_killed(tmp_path) -> None:
+def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_restored_elsewhere(
+    make_cluster, sqlite_url
+) -> None:
     torch.set_num_threads(1)
+    cluster = make_cluster(sqlite_url)
+    with cluster.admin() as admin:
+        created = admin.post("/v1/mixtures", json={"name": "moe", "layout": LAYOUT.model_dump(mode="json")})
+        assert created.status_code == 201, created.text
+        mixture = created.json()["mixture_id"]
+    hosts = [cluster.start_expert_host(f"host{i}", mixture, 16) for i in range(3)]
+    api = MixtureAPI(cluster.url)
+    api.register(cluster.join_token, "trainer")
+    client = ExpertClient(LAYOUT, {})
+    follower = RoutingFollower(api, mixture, client)
+    experts = LAYOUT.layers * LAYOUT.experts_per_layer
+
+    def routed() -> dict[str, str]:
+        follower.refresh()
+        return dict(client.routes)
+
+    wait_for(lambda: len(routed()) == experts, 120, "the experts were not all leased", hosts[0][0])
+    assert len(set(client.routes.values())) == 3, "three hosts share the experts"
     x_train, y_train = clusters(6000, 1)
     x_val, y_val = clusters(1000, 2)
-    uids = [uid for layer in range(LAYOUT.layers) for uid in LAYOUT.uids(layer)]
-    shares = [uids[i::3] for i in range(3)]
-    hosts = [start_host(tmp_path, f"host{i}", LAYOUT, share) for i, share in enumerate(shares)]
-    client = ExpertClient(LAYOUT, {uid: url for (_, url), share in zip(hosts, shares, strict=True) for uid in share})
+    torch.manual_seed(0)
+    model = MixtureClassifier(8, 10, LAYOUT, client)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    rng = np.random.default_rng(0)
+    killed_url, reached, history = hosts[2][1], None, []
     try:
-        torch.manual_seed(0)
-        model = MixtureClassifier(8, 10, LAYOUT, client)
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        rng = np.random.default_rng(0)
-        reached, history = None, []
         for step in range(1, MAX_STEPS + 1):
             batch = rng.integers(0, len(x_train), 64)
             train_step(model, optimizer, x_train[batch], y_train[batch])
+            follower.refresh()
             if step == KILL_AT:
-                failed_before = client.figures["forward_failed"]
+                orphans = sorted(uid for uid, url in client.routes.items() if url == killed_url)
                 hosts[2][0].signal(signal.SIGKILL)
                 hosts[2][0].proc.wait(30)
             if step % EVAL_EVERY == 0:
@@ -79,13 +101,20 @@ def test_a_moe_model_trains_to_its_target_through_expert_hosts_while_one_is_kill
                     reached = step
                     break
         assert reached is not None, history
-        # The killed host's experts failed from then on, and only theirs: the others answered every call.
-        assert failed_before == 0 and client.figures["forward_failed"] > 0
-        for service, url in hosts[:2]:
-            figures = httpx.get(f"{url}/v1/experts", timeout=10).json()["experts"]
-            assert all(f["failures"] == 0 for f in figures.values()), (service.name, figures)
-            assert sum(f["steps"] > 0 for f in figures.values()) >= len(figures) // 2, (service.name, figures)
+        # Every expert of the killed host was leased again to a living one, which restored it from its
+        # checkpoint: the registry shows it moved, and its new host holds at least the checkpoint's steps.
+        wait_for(lambda: killed_url not in routed().values() and len(client.routes) == experts, 60, "not re-leased")
+        with cluster.admin() as admin:
+            view = {e["uid"]: e for e in admin.get(f"/v1/mixtures/{mixture}").json()["experts"]}
+        steps = {}
+        for _, url in hosts[:2]:
+            steps |= {
+                uid: f["steps"] for uid, f in httpx.get(f"{url}/v1/experts", timeout=10).json()["experts"].items()
+            }
+        assert orphans and all(view[uid]["leases"] == 2 for uid in orphans)
+        restored = [uid for uid in orphans if view[uid]["checkpoint_step"] > 0]
+        assert restored, "the killed host had checkpointed its experts"
+        assert all(steps[uid] >= view[uid]["checkpoint_step"] for uid in restored)
     finally:
         client.close()
-        for service, _ in hosts:
-            service.stop()
+        api.close()

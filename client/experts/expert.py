@@ -10,8 +10,36 @@ import threading
 
 import numpy as np
 import torch
+from torch import nn
 
-from crowdtrain.core.experts import ExpertLayout, build_expert
+from crowdtrain.core.experts import ExpertLayout, layout_has, parse_uid
+from crowdtrain.core.tensors import check_layout, encode, header_limits, views
+
+
+class FeedForwardExpert(nn.Module):
+    """An expert: dim -> hidden -> dim with a GELU between, as the experts of Learning@home's experiments."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+def build_expert(layout: ExpertLayout, uid: str, seed: int | None = None) -> FeedForwardExpert:
+    """Expert `uid`'s module with its initial weights: the same for every host that builds it from the
+    same seed (the layout's by default), so that a host starting an expert that has no checkpoint yet
+    starts where any other would. The global random state is left as it was."""
+    layer, coords = parse_uid(uid)
+    seed = layout.seed if seed is None else seed
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed * 1_000_003 + layer * 65_537 + int(np.ravel_multi_index(coords, layout.grid)))
+        return FeedForwardExpert(layout.dim, layout.hidden)
+    finally:
+        torch.random.set_rng_state(generator_state)
 
 
 class ExpertFailed(RuntimeError):
@@ -19,7 +47,9 @@ class ExpertFailed(RuntimeError):
 
 
 class Expert:
-    def __init__(self, layout: ExpertLayout, uid: str, seed: int = 0):
+    def __init__(self, layout: ExpertLayout, uid: str, seed: int | None = None):
+        if not layout_has(layout, uid):
+            raise ValueError(f"expert {uid!r} is not in the layout (layers {layout.layers}, grid {layout.grid})")
         self.uid = uid
         self.module = build_expert(layout, uid, seed)
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=layout.lr)
@@ -45,6 +75,54 @@ class Expert:
             self.optimizer.step()
             self.steps += 1
         return grad_x
+
+    def state(self) -> tuple[int, bytes]:
+        """(steps, checkpoint): the expert's weights and its optimizer's state, as safetensors, taken
+        between calls so that they belong together."""
+        with self._lock:
+            tensors = {f"param/{n}": p.detach().numpy().copy() for n, p in self.module.named_parameters()}
+            for n, p in self.module.named_parameters():
+                moments = self.optimizer.state.get(p, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in moments:
+                        tensors[f"adam/{key}/{n}"] = moments[key].numpy().copy()
+            tensors["steps"] = np.array([self.steps], np.int64)
+            return self.steps, encode(tensors)
+
+    def restore(self, checkpoint: bytes) -> None:
+        """Take the weights and optimizer state of `checkpoint` (`state`'s bytes, perhaps from another
+        host); ValueError, leaving the expert as it was, when they are not this expert's."""
+        expected = self.state_manifest()
+        tensors = views(checkpoint, max_header_bytes=header_limits(expected)[0], max_tensors=len(expected))
+        names = set(tensors)
+        if "steps" not in names or not {k for k in expected if k.startswith("param/")} <= names:
+            raise ValueError(f"expert {self.uid}: a checkpoint without its weights or step count")
+        check_layout({k: tensors[k] for k in names}, {k: expected[k] for k in names}, f"expert {self.uid}")
+        if not all(np.isfinite(t).all() for t in tensors.values()):
+            raise ValueError(f"expert {self.uid}: a checkpoint with NaN or infinite values")
+        with self._lock:
+            params = dict(self.module.named_parameters())
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(torch.from_numpy(np.array(tensors[f"param/{n}"])))
+            self.optimizer.state.clear()
+            steps = int(tensors["steps"][0])
+            for n, p in params.items():
+                if f"adam/exp_avg/{n}" in names and f"adam/exp_avg_sq/{n}" in names:
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(float(steps)),
+                        "exp_avg": torch.from_numpy(np.array(tensors[f"adam/exp_avg/{n}"])),
+                        "exp_avg_sq": torch.from_numpy(np.array(tensors[f"adam/exp_avg_sq/{n}"])),
+                    }
+            self.steps = steps
+
+    def state_manifest(self) -> dict[str, tuple[list[int], str]]:
+        """Every tensor a checkpoint of this expert may hold: name -> (shape, dtype)."""
+        out: dict[str, tuple[list[int], str]] = {"steps": ([1], "int64")}
+        for n, p in self.module.named_parameters():
+            for name in (f"param/{n}", f"adam/exp_avg/{n}", f"adam/exp_avg_sq/{n}"):
+                out[name] = (list(p.shape), "float32")
+        return out
 
     def _finite(self, out: np.ndarray, what: str) -> np.ndarray:
         if not np.isfinite(out).all():

@@ -75,21 +75,30 @@ async def _read(request: Request, layout: ExpertLayout, args: tuple[str, ...]) -
 
 
 class ExpertHost:
-    """The experts `uids` of `layout`, with their initial weights from `seed`, and the calls they answer."""
+    """The experts this host serves, of one `layout`, and the calls they answer. Experts come and go
+    while it serves (`add`, `remove`: a leasing host's leases, crowdtrain.client.experts.leasing)."""
 
-    def __init__(self, layout: ExpertLayout, uids: Sequence[str], seed: int = 0, batch_window: float = 0.005):
-        for uid in uids:
-            if not layout_has(layout, uid):
-                raise ValueError(f"expert {uid!r} is not in the layout (layers {layout.layers}, grid {layout.grid})")
-        self.layout = layout
+    def __init__(self, layout: ExpertLayout, uids: Sequence[str] = (), batch_window: float = 0.005):
+        self.layout, self.batch_window = layout, batch_window
         self.served: dict[str, Served] = {}
         for uid in uids:
-            expert = Expert(layout, uid, seed)
-            self.served[uid] = Served(
-                expert,
-                BatchQueue(expert.forward, batch_window, layout.max_rows),
-                BatchQueue(expert.backward, batch_window, layout.max_rows),
+            self.add(Expert(layout, uid))
+
+    def add(self, expert: Expert) -> None:
+        """Serve `expert` (in place of any expert of its id)."""
+        if not layout_has(self.layout, expert.uid):
+            raise ValueError(
+                f"expert {expert.uid!r} is not in the layout (layers {self.layout.layers}, grid {self.layout.grid})"
             )
+        self.served[expert.uid] = Served(
+            expert,
+            BatchQueue(expert.forward, self.batch_window, self.layout.max_rows),
+            BatchQueue(expert.backward, self.batch_window, self.layout.max_rows),
+        )
+
+    def remove(self, uid: str) -> None:
+        """Stop serving expert `uid`: its next calls get 404, as for any expert this host does not serve."""
+        self.served.pop(uid, None)
 
     async def call(self, request: Request) -> Response:
         uid, kind = request.path_params["uid"], request.path_params["kind"]

@@ -55,22 +55,36 @@ class ExpertClient:
 
     def available(self, layer: int) -> list[str]:
         """The experts of `layer` the routing table lists, in a stable order."""
-        return sorted(uid for uid in self.routes if parse_uid(uid)[0] == layer)
+        with self._lock:
+            return sorted(uid for uid in self.routes if parse_uid(uid)[0] == layer)
+
+    def set_routes(self, changes: Mapping[str, str | None]) -> None:
+        """Apply changes of the routing table: an expert's new host, or None for none."""
+        with self._lock:
+            for uid, url in changes.items():
+                if url is None:
+                    self.routes.pop(uid, None)
+                else:
+                    self.routes[uid] = url
 
     def submit(self, uid: str, kind: str, **tensors: np.ndarray) -> "Future[np.ndarray]":
-        return self._pool.submit(self._call, uid, kind, tensors)
+        with self._lock:
+            url = self.routes.get(uid)
+        return self._pool.submit(self._call, uid, url, kind, tensors)
 
     def _count(self, what: str) -> None:
         with self._lock:
             self.figures[what] += 1
 
-    def _call(self, uid: str, kind: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    def _call(self, uid: str, url: str | None, kind: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
         rows = int(next(iter(tensors.values())).shape[0])
         (name,) = _ANSWER[kind]
         limit = self.layout.call_limit((name,))
         try:
+            if url is None:
+                raise ExpertCallFailed(f"expert {uid}: no host serves it now")
             with self._http.stream(
-                "POST", f"{self.routes[uid]}/v1/experts/{uid}/{kind}", content=encode_call(**tensors)
+                "POST", f"{url}/v1/experts/{uid}/{kind}", content=encode_call(**tensors)
             ) as response:
                 body = bytearray()
                 for chunk in response.iter_bytes():

@@ -1,5 +1,7 @@
-"""`crowdtrain expert-host`: serve experts of a mixture-of-experts model (crowdtrain.client.experts.host)."""
+"""`crowdtrain expert-host`: serve experts of a mixture-of-experts model (crowdtrain.client.experts.host),
+leased from the scheduler (crowdtrain.client.experts.leasing) or named on the command line."""
 
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -7,8 +9,16 @@ import typer
 import uvicorn
 from pydantic import ValidationError
 
-from crowdtrain.cli.options import HELP_LAYOUT, configure_logging
+from crowdtrain.cli.options import (
+    HELP_LAYOUT,
+    JoinTokenFileOpt,
+    JoinTokenOpt,
+    OptionalServerOpt,
+    configure_logging,
+    resolve_join_token,
+)
 from crowdtrain.client.experts.host import ExpertHost
+from crowdtrain.client.experts.leasing import LeaseKeeper, MixtureAPI, layout_of
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.specfile import load_yaml
 
@@ -27,26 +37,7 @@ def read_layout(path: Path | None) -> ExpertLayout:
         raise typer.BadParameter(f"{path}: {where}: {first['msg']}", param_hint="--layout") from None
 
 
-@app.command()
-def expert_host(
-    experts: Annotated[
-        str, typer.Option(help="The experts to serve: ids (layer.coordinate...) separated by commas, or 'all'")
-    ] = "all",
-    layout: Annotated[
-        Path | None, typer.Option(help="The model's expert layout (YAML or JSON); default: the built-in one")
-    ] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on")] = 8800,
-    seed: Annotated[int, typer.Option(help="Seed of the experts' initial weights")] = 0,
-    batch_window: Annotated[
-        float, typer.Option(min=0, max=1, help="Seconds an expert waits for more calls to batch with the first")
-    ] = 0.005,
-) -> None:
-    """Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.
-
-    Each expert answers forward and backward calls; its calls are batched, and a bad call gets a 4xx.
-    Runs until stopped."""
-    configure_logging()
+def _fixed_experts(experts: str, layout: Path | None, batch_window: float) -> ExpertHost:
     shape = read_layout(layout)
     uids = (
         [uid for layer in range(shape.layers) for uid in shape.uids(layer)]
@@ -54,7 +45,61 @@ def expert_host(
         else [u.strip() for u in experts.split(",") if u.strip()]
     )
     try:
-        served = ExpertHost(shape, uids, seed, batch_window)
+        return ExpertHost(shape, uids, batch_window)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--experts") from None
-    uvicorn.run(served.app(), host=host, port=port, log_level="warning")
+
+
+@app.command()
+def expert_host(
+    server: OptionalServerOpt = None,
+    mixture: Annotated[
+        int | None, typer.Option(min=1, help="With --server: the mixture whose experts to lease", show_default=False)
+    ] = None,
+    capacity: Annotated[int, typer.Option(min=1, max=4096, help="With --server: experts to serve at most")] = 8,
+    advertise: Annotated[
+        str | None,
+        typer.Option(
+            help="With --server: the URL the scheduler and trainers reach this host at (default http://HOST:PORT)",
+            show_default=False,
+        ),
+    ] = None,
+    name: Annotated[str, typer.Option(help="With --server: the host name shown to the operator")] = "expert-host",
+    join_token: JoinTokenOpt = None,
+    join_token_file: JoinTokenFileOpt = None,
+    experts: Annotated[
+        str, typer.Option(help="Without --server: the experts to serve, ids (layer.coordinate...) or 'all'")
+    ] = "all",
+    layout: Annotated[
+        Path | None, typer.Option(help="Without --server: the expert layout (YAML or JSON); default: the built-in")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on")] = 8800,
+    batch_window: Annotated[
+        float, typer.Option(min=0, max=1, help="Seconds an expert waits for more calls to batch with the first")
+    ] = 0.005,
+) -> None:
+    """Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.
+
+    With --server, the experts are leased from the scheduler (it must reach this host at --advertise),
+    restored from their checkpoints and checkpointed back; without, they are those of --experts. Each
+    expert answers forward and backward calls, batched; a bad call gets a 4xx. Runs until stopped."""
+    configure_logging()
+    if server is None:
+        uvicorn.run(_fixed_experts(experts, layout, batch_window).app(), host=host, port=port, log_level="warning")
+        return
+    if mixture is None:
+        raise typer.BadParameter("--server needs --mixture: the mixture whose experts to lease", param_hint="--mixture")
+    url = advertise or f"http://{host}:{port}"
+    stop = threading.Event()
+    api = MixtureAPI(server, stop=stop)
+    api.register(resolve_join_token(join_token, join_token_file), name)
+    served = ExpertHost(layout_of(api, mixture, url), batch_window=batch_window)
+    keeper = LeaseKeeper(api, served, mixture, url, capacity)
+    beats = threading.Thread(target=keeper.run, args=(stop, 1.0), name="lease-keeper", daemon=True)
+    beats.start()
+    try:
+        uvicorn.run(served.app(), host=host, port=port, log_level="warning")
+    finally:
+        stop.set()
+        api.close()

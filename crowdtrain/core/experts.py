@@ -2,6 +2,9 @@
 model's mixture-of-experts layers, expert ids, the experts' architecture and the wire format of a
 call to an expert. No I/O.
 
+The experts' modules are the client's (crowdtrain.client.experts.expert): this module imports no
+framework, so that the scheduler and a job's spec can use it.
+
 An expert is named by its layer and its coordinates on the layer's grid: `"1.3.0"` is layer 1,
 coordinates (3, 0) of a 4x4 grid. A call carries one tensor per argument in a safetensors body:
 forward sends `x` [rows, dim] and gets `y` [rows, dim]; backward sends `x` and `grad_y` and gets
@@ -13,9 +16,7 @@ import math
 import re
 
 import numpy as np
-import torch
 from pydantic import Field, model_validator
-from torch import nn
 
 from crowdtrain.core.specfile import SpecSection
 from crowdtrain.core.tensors import encode, views
@@ -42,6 +43,14 @@ class ExpertLayout(SpecSection):
     forward_timeout: float = Field(5.0, gt=0, le=600, description="seconds a trainer waits for forward answers")
     backward_timeout: float = Field(5.0, gt=0, le=600, description="seconds a trainer waits for backward answers")
     grace: float = Field(0.05, ge=0, le=60, description="seconds to wait for more answers once k_min are in")
+    heartbeat_seconds: float = Field(5.0, ge=0.1, le=3600, description="how often an expert host reports in")
+    lease_heartbeats: int = Field(
+        3, ge=2, le=100, description="heartbeats an expert's lease outlives: missed that many, it is leased anew"
+    )
+    checkpoint_every: int = Field(
+        50, ge=1, le=1_000_000, description="an expert's steps between the checkpoints its host uploads"
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the experts' initial weights")
 
     @model_validator(mode="after")
     def _coherent(self) -> "ExpertLayout":
@@ -60,6 +69,12 @@ class ExpertLayout(SpecSection):
     def uids(self, layer: int) -> list[str]:
         """Every expert id of `layer`, in grid order."""
         return [expert_uid(layer, tuple(int(c) for c in coords)) for coords in np.ndindex(*self.grid)]
+
+    def checkpoint_limit(self) -> int:
+        """The largest checkpoint of one expert: its weights and Adam's two moments in float32, the step
+        count, and the header."""
+        weights = 2 * self.dim * self.hidden + self.hidden + self.dim
+        return 65_536 + 3 * weights * 4 + 8
 
     def call_limit(self, args: tuple[str, ...]) -> int:
         """The largest body a call with `args` may have: its header, then `max_rows` float32 rows per tensor."""
@@ -83,30 +98,6 @@ def layout_has(layout: ExpertLayout, uid: str) -> bool:
     if layer >= layout.layers or len(coords) != len(layout.grid):
         return False
     return all(c < n for c, n in zip(coords, layout.grid, strict=True))
-
-
-class FeedForwardExpert(nn.Module):
-    """An expert: dim -> hidden -> dim with a GELU between, as the experts of Learning@home's experiments."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.net(x)
-        return out
-
-
-def build_expert(layout: ExpertLayout, uid: str, seed: int = 0) -> FeedForwardExpert:
-    """Expert `uid`'s module with its initial weights: the same for every host that builds it from the
-    same seed, so that a host restarting an expert without a checkpoint starts where the first did."""
-    layer, coords = parse_uid(uid)
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed * 1_000_003 + layer * 65_537 + int(np.ravel_multi_index(coords, layout.grid)))
-        return FeedForwardExpert(layout.dim, layout.hidden)
-    finally:
-        torch.random.set_rng_state(generator_state)
 
 
 def encode_call(**tensors: np.ndarray) -> bytes:

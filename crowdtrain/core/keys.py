@@ -274,3 +274,9 @@ def health(kind: str, ident: str) -> str:
 
 def health_pattern(kind: str) -> str:
     return f"{PREFIX}:health:{kind}:*"
+
+
+def expert_checkpoint_key(mixture_id: int, uid: str, step: int, nonce: str) -> str:
+    """An expert's weights and optimizer state after `step` of its steps, as its host uploaded them,
+    under a key of its own per upload (`nonce`): a refused upload is deleted without touching the kept one."""
+    return f"mixtures/{mixture_id}/experts/{uid}/step-{step:010d}-{nonce}.safetensors"

@@ -19,7 +19,7 @@ from crowdtrain.core.schemas import Health, HealthReport
 from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
 from crowdtrain.server.api.deps import Clients
-from crowdtrain.server.api.routes import admin, dashboard, datasets, dedloc, files, hosts, jobs, metrics, work
+from crowdtrain.server.api.routes import admin, dashboard, datasets, dedloc, experts, files, hosts, jobs, metrics, work
 from crowdtrain.server.ledger.epochs import Evaluator
 from crowdtrain.server.services import health
 
@@ -55,6 +55,8 @@ def create_app(settings: Settings | None = None, evaluator: Evaluator | None = N
         app.include_router(module.router)
     app.include_router(dedloc.router)
     app.include_router(dedloc.admin_router)
+    app.include_router(experts.router)
+    app.include_router(experts.admin_router)
     for router in dashboard.ROUTERS:
         app.include_router(router)
 

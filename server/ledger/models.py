@@ -210,3 +210,41 @@ class Metric(Base):
     val_loss: Mapped[float] = mapped_column(Float)
     val_accuracy: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Mixture(Base):
+    """The mixture-of-experts layers of a model trained expert-parallel: their layout
+    (crowdtrain.core.experts.ExpertLayout) and its experts, leased to expert hosts."""
+
+    __tablename__ = "mixtures"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    layout: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(20), default="open")  # open: its experts are leased; closed
+    # Bumped at each change of an expert's host: the routing table's version (crowdtrain.server.ledger.experts).
+    route_version: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Expert(Base):
+    """One expert of a mixture: the host that serves it under a lease, and its last checkpoint."""
+
+    __tablename__ = "experts"
+    __table_args__ = (
+        UniqueConstraint("mixture_id", "uid"),
+        Index("ix_experts_mixture_route_version", "mixture_id", "route_version"),
+        Index("ix_experts_lease_expires_at", "lease_expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    mixture_id: Mapped[int] = mapped_column(ForeignKey("mixtures.id"))
+    uid: Mapped[str] = mapped_column(String(40))
+    host_id: Mapped[int | None] = mapped_column(ForeignKey("hosts.id"), nullable=True, index=True)
+    url: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    route_version: Mapped[int] = mapped_column(Integer, default=0)
+    leases: Mapped[int] = mapped_column(Integer, default=0)  # leases granted so far: 1 + the times it moved
+    checkpoint_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    checkpoint_step: Mapped[int] = mapped_column(Integer, default=0)
+    checkpoint_at: Mapped[datetime | None] = mapped_column(nullable=True)

@@ -21,7 +21,7 @@ from crowdtrain.server.ledger.assignments import time_out_expired
 from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.ledger.exports import export_pending_models
 from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
-from crowdtrain.server.services import telemetry
+from crowdtrain.server.services import experts, telemetry
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ def run_forever(
             close_stalled_votes(db, storage, r, evaluator)
             close_finished_epochs(db, storage, r, evaluator)
             export_pending_models(db, storage, r)
+            experts.expire_leases(db, time.time())
             if time.monotonic() - last_requeue >= stalled_after:
                 requeue_stalled_merges(db, stalled_after, enqueue)
                 end_stalled_uploads(db, r, stalled_after, enqueue)

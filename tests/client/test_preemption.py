@@ -8,7 +8,8 @@ from sqlalchemy import select
 from crowdtrain.client.preemption import RunningEstimate, parse_notice, plan_preemption
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
-from crowdtrain.launch.cluster import Cluster, SpotNoticeServer, wait_for
+from crowdtrain.launch.cluster import Cluster, wait_for
+from crowdtrain.launch.spot_notice import SpotNoticeServer
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host
 from tests.conftest import EXAMPLE_SPEC

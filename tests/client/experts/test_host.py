@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain.core.experts import ExpertLayout, build_expert, encode_call, read_call
+from crowdtrain.client.experts.expert import build_expert
+from crowdtrain.core.experts import ExpertLayout, encode_call, read_call
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Service
 from tests.client.experts.hosts import start_host

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from crowdtrain.client.experts.expert import build_expert
 from crowdtrain.client.experts.mixture import ExpertClient, RemoteMixture
-from crowdtrain.core.experts import ExpertLayout, build_expert, parse_uid
+from crowdtrain.core.experts import ExpertLayout, parse_uid
 from tests.client.experts.hosts import start_host
 
 pytestmark = pytest.mark.integration

@@ -24,6 +24,10 @@ HOST_ROUTES = [
     ("PUT", "/v1/dedloc/jobs/1/rounds/0/0/parts/p?peer_id=x&size=1"),
     ("GET", "/v1/dedloc/jobs/1/rounds/0/0/total?peer_id=x&size=1"),
     ("PUT", "/v1/dedloc/jobs/1/states/1?peer_id=x"),
+    ("POST", "/v1/mixtures/1/leases"),
+    ("GET", "/v1/mixtures/1/routing"),
+    ("PUT", "/v1/mixtures/1/experts/0.0/checkpoint?step=1"),
+    ("GET", "/v1/mixtures/1/experts/0.0/checkpoint"),
     ("GET", "/v1/dedloc/jobs/1/states/latest"),
 ]
 ADMIN_ROUTES = [
@@ -51,6 +55,8 @@ ADMIN_ROUTES = [
     ("GET", "/v1/dedloc/jobs/1/commits"),
     ("GET", "/v1/dedloc/jobs/1/aborts"),
     ("GET", "/v1/dedloc/jobs/1/state-refusals"),
+    ("POST", "/v1/mixtures"),
+    ("GET", "/v1/mixtures/1"),
 ]
 PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health"), ("GET", "/v1/health/live"), ("GET", "/v1/project")}
 
@@ -58,7 +64,10 @@ PUBLIC_ROUTES = {("POST", "/v1/hosts"), ("GET", "/v1/health"), ("GET", "/v1/heal
 def _template(path: str) -> str:
     """'/v1/jobs/1/snapshots/0?x=y' or '/v1/jobs/{job_id}/snapshots/{version}' -> '/v1/jobs/{}/snapshots/{}'."""
     parts = path.split("?")[0].split("/")
-    return "/".join("{}" if part.isdigit() or part.startswith("{") or part in ("p", "set") else part for part in parts)
+    return "/".join(
+        "{}" if part.replace(".", "").isdigit() or part.startswith("{") or part in ("p", "set") else part
+        for part in parts
+    )
 
 
 def test_every_route_is_public_or_guarded_and_listed_here(world: World) -> None:

@@ -1,0 +1,141 @@
+"""Expert hosts and trainers as the scheduler's registry sees them (`/v1/mixtures`,
+crowdtrain.server.services.experts).
+
+A leasing host (`LeaseKeeper`) calls the scheduler every heartbeat with its URL and capacity; the
+answer lists every expert it serves from then on. An expert newly leased is restored from its last
+checkpoint (a host that died took nothing with it but the steps since) or, with none, built from the
+layout's seed; one no longer listed is dropped (its lease ended and it went elsewhere). Every
+`checkpoint_every` steps of an expert its weights and optimizer state are uploaded. A trainer
+(`RoutingFollower`) follows the routing table by its changes, with no lookup per batch.
+"""
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from crowdtrain.client.experts.expert import Expert
+from crowdtrain.client.experts.host import ExpertHost
+from crowdtrain.client.experts.mixture import ExpertClient
+from crowdtrain.client.server_http import Refused, ServerHTTP, parse_reply
+from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.schemas import HostRegister, HostRegistered
+from crowdtrain.core.schemas_experts import CheckpointStored, LeaseRequest, Leases, RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+class MixtureAPI:
+    """The registry's calls, as one host (by its host token)."""
+
+    def __init__(self, server_url: str, timeout: float = 30.0, stop: threading.Event | None = None):
+        self.server = ServerHTTP(server_url, timeout, stop, attempts=5)
+        self.token = ""
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def register(self, join_token: str, name: str) -> None:
+        body = HostRegister(join_token=join_token, name=name).model_dump()
+        self.token = parse_reply(HostRegistered, self.server.request("POST", "/v1/hosts", json=body)).host_token
+
+    def lease(self, mixture_id: int, url: str, capacity: int) -> Leases:
+        body = LeaseRequest(url=url, capacity=capacity).model_dump()
+        reply = self.server.request("POST", f"/v1/mixtures/{mixture_id}/leases", json=body, headers=self._auth())
+        return parse_reply(Leases, reply)
+
+    def routing(self, mixture_id: int, since: int) -> RoutingTable:
+        reply = self.server.request("GET", f"/v1/mixtures/{mixture_id}/routing?since={since}", headers=self._auth())
+        return parse_reply(RoutingTable, reply)
+
+    def put_checkpoint(self, mixture_id: int, uid: str, step: int, blob: bytes) -> CheckpointStored:
+        url = f"/v1/mixtures/{mixture_id}/experts/{uid}/checkpoint?step={step}"
+        headers = {**self._auth(), "Content-Type": "application/octet-stream"}
+        return parse_reply(CheckpointStored, self.server.request("PUT", url, content=blob, headers=headers))
+
+    def checkpoint(self, mixture_id: int, uid: str, limit: int) -> bytes:
+        url = f"/v1/mixtures/{mixture_id}/experts/{uid}/checkpoint"
+        return self.server.exchange("GET", url, limit=limit, headers=self._auth())[1]
+
+
+@dataclass
+class LeaseKeeper:
+    """Keeps `host` serving the experts the scheduler leases it (see the module docstring)."""
+
+    api: MixtureAPI
+    host: ExpertHost
+    mixture_id: int
+    url: str
+    capacity: int
+    checkpointed: dict[str, int] = field(default_factory=dict)  # expert -> its step at the last upload
+
+    def beat(self) -> Leases:
+        """One heartbeat: leases renewed and taken, experts restored or dropped, due checkpoints uploaded."""
+        leases = self.api.lease(self.mixture_id, self.url, self.capacity)
+        listed = {lease.uid: lease for lease in leases.leases}
+        for uid in set(self.host.served) - set(listed):
+            log.warning("expert %s: its lease ended (it is served elsewhere now); dropped", uid)
+            self.host.remove(uid)
+            self.checkpointed.pop(uid, None)
+        for uid, lease in listed.items():
+            if uid not in self.host.served:
+                self.host.add(self._start(uid, lease.has_checkpoint))
+        self._upload_due()
+        return leases
+
+    def _start(self, uid: str, has_checkpoint: bool) -> Expert:
+        expert = Expert(self.host.layout, uid)
+        if has_checkpoint:
+            try:
+                expert.restore(self.api.checkpoint(self.mixture_id, uid, self.host.layout.checkpoint_limit()))
+                log.info("expert %s: restored from its checkpoint of step %d", uid, expert.steps)
+            except (Refused, ValueError) as exc:
+                log.warning("expert %s: its checkpoint cannot be restored (%s); starting it afresh", uid, exc)
+                expert = Expert(self.host.layout, uid)
+        self.checkpointed[uid] = expert.steps
+        return expert
+
+    def _upload_due(self) -> None:
+        every = self.host.layout.checkpoint_every
+        for uid, served in list(self.host.served.items()):
+            if served.expert.steps - self.checkpointed.get(uid, 0) < every:
+                continue
+            step, blob = served.expert.state()
+            try:
+                self.api.put_checkpoint(self.mixture_id, uid, step, blob)
+                self.checkpointed[uid] = step
+            except Refused as exc:
+                log.warning("expert %s: checkpoint of step %d refused: %s", uid, step, exc.message)
+
+    def run(self, stop: threading.Event, interval: float) -> None:
+        """Beat every `interval` seconds until `stop` is set; a failed beat is logged and tried again."""
+        while not stop.is_set():
+            try:
+                interval = self.beat().heartbeat_seconds
+            except Exception as exc:
+                log.warning("lease heartbeat failed (%s: %s); trying again", type(exc).__name__, exc)
+            stop.wait(interval)
+
+
+def layout_of(api: MixtureAPI, mixture_id: int, url: str) -> ExpertLayout:
+    """The mixture's layout, asked for without taking any expert (capacity 0)."""
+    return api.lease(mixture_id, url, 0).layout
+
+
+@dataclass
+class RoutingFollower:
+    """A trainer's copy of the routing table, brought up to date by its changes."""
+
+    api: MixtureAPI
+    mixture_id: int
+    client: ExpertClient
+    version: int = 0
+
+    def refresh(self) -> int:
+        """Apply what changed since the version held; how many routes changed."""
+        table = self.api.routing(self.mixture_id, self.version)
+        self.client.set_routes({r.uid: r.url for r in table.routes})
+        self.version = table.version
+        return len(table.routes)

@@ -1,0 +1,80 @@
+"""Wire schemas of expert-parallel training's registry (`/v1/mixtures`): mixtures, the leases of
+expert hosts, and the routing table trainers follow."""
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+from crowdtrain.core.experts import ExpertLayout
+
+# An expert host's base URL as the scheduler and trainers call it: scheme, host and port, no path.
+HOST_URL_PATTERN = r"^https?://[A-Za-z0-9.\-\[\]:]{1,253}$"
+
+
+class MixtureCreate(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    layout: ExpertLayout
+
+
+class MixtureCreated(BaseModel):
+    mixture_id: int
+
+
+class LeaseRequest(BaseModel):
+    """An expert host's call: it serves at `url` and has room for `capacity` experts in all."""
+
+    url: str = Field(
+        max_length=300, pattern=HOST_URL_PATTERN, description="the host's base URL, e.g. http://10.0.0.5:8800"
+    )
+    capacity: int = Field(ge=0, le=4096, description="experts this host can serve (its memory's share)")
+
+
+class LeaseOut(BaseModel):
+    uid: str
+    expires_in: float = Field(description="seconds the lease lasts unless the host calls again")
+    checkpoint_step: int = Field(description="the expert's step of its last checkpoint; 0 with none")
+    has_checkpoint: bool
+
+
+class Leases(BaseModel):
+    """Every expert the host serves from now on: any it served before and is not listed here is lost."""
+
+    mixture_id: int
+    layout: ExpertLayout
+    heartbeat_seconds: float
+    leases: list[LeaseOut]
+
+
+class RouteOut(BaseModel):
+    uid: str
+    url: str | None = Field(description="where to call the expert; null while no host serves it")
+
+
+class RoutingTable(BaseModel):
+    version: int = Field(description="ask again with since= this version for what changes next")
+    routes: list[RouteOut]
+
+
+class ExpertOut(BaseModel):
+    uid: str
+    host_id: int | None
+    url: str | None
+    lease_expires_at: datetime | None
+    leases: int = Field(description="leases granted: 1 + the times it moved to another host")
+    checkpoint_step: int
+    checkpoint_at: datetime | None
+
+
+class MixtureOut(BaseModel):
+    mixture_id: int
+    name: str
+    status: str
+    layout: ExpertLayout
+    route_version: int
+    served: int = Field(description="experts a host serves now")
+    experts: list[ExpertOut]
+
+
+class CheckpointStored(BaseModel):
+    uid: str
+    step: int

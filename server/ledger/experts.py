@@ -1,0 +1,217 @@
+"""Expert-parallel training's life cycle in the database: a mixture's experts leased to expert hosts,
+leases renewed at each host's call and expired by the transitioner, checkpoints recorded, and the
+routing table that trainers follow. The scheduler is the registry (where Learning@home looks experts
+up in a DHT).
+
+An expert's lease, as a table (one transaction per transition):
+
+    free   --lease (a host asks, and passed the connect-back probe)-->  leased
+    leased --renew (its host asks again before the lease ends)-->      leased
+    leased --expire (the transitioner, once the lease has ended)-->    free
+    leased --lease (another host asks after the lease ended)-->        leased (moved: it restores
+                                                                        the last checkpoint)
+
+Every change of an expert's host bumps the mixture's `route_version` and stamps the expert with it,
+so that `routing_changes(since)` gives a trainer what changed since the version it holds. No I/O
+here: the probe and the checkpoint's bytes are crowdtrain.server.services.experts'.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
+from crowdtrain.server.ledger.models import Expert, Mixture
+
+LEASES_PER_CALL = 4  # experts one call may take, so that hosts asking together share them out
+OPEN, CLOSED = "open", "closed"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An expert a host serves until `expires_at` unless it asks again, and the checkpoint to start from."""
+
+    uid: str
+    expires_at: datetime
+    checkpoint_key: str | None
+    checkpoint_step: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a trainer calls an expert: its host's base URL, or None while it has none."""
+
+    uid: str
+    url: str | None
+
+
+def lease_seconds(layout: ExpertLayout) -> float:
+    return layout.heartbeat_seconds * layout.lease_heartbeats
+
+
+def create_mixture(db: sessionmaker[Session], name: str, layout: ExpertLayout) -> int:
+    """A new open mixture with every expert of `layout`, none leased yet; its id."""
+    with db.begin() as s:
+        mixture = Mixture(name=name, layout=layout.model_dump(mode="json"), status=OPEN, route_version=0)
+        s.add(mixture)
+        s.flush()
+        s.add_all(
+            Expert(mixture_id=mixture.id, uid=uid, route_version=0, leases=0, checkpoint_step=0)
+            for layer in range(layout.layers)
+            for uid in layout.uids(layer)
+        )
+        return mixture.id
+
+
+def mixture_layout(db: sessionmaker[Session], mixture_id: int) -> ExpertLayout:
+    with db.begin() as s:
+        mixture = s.get(Mixture, mixture_id)
+        if mixture is None:
+            raise NotFound(f"mixture {mixture_id} does not exist")
+        return ExpertLayout.model_validate(mixture.layout)
+
+
+def _locked_mixture(s: Session, mixture_id: int) -> Mixture:
+    mixture = s.get(Mixture, mixture_id, with_for_update=True)
+    if mixture is None:
+        raise NotFound(f"mixture {mixture_id} does not exist")
+    return mixture
+
+
+def _route(mixture: Mixture, expert: Expert, host_id: int | None, url: str | None) -> None:
+    mixture.route_version += 1
+    expert.host_id, expert.url, expert.route_version = host_id, url, mixture.route_version
+
+
+def renew_and_lease(
+    db: sessionmaker[Session], host_id: int, mixture_id: int, url: str, capacity: int, now: datetime, grant: bool
+) -> list[Lease]:
+    """The host's leases of the mixture after its call at `now`: those it holds renewed, and, with
+    `grant` (it passed the connect-back probe), up to LEASES_PER_CALL free experts more while it holds
+    fewer than `capacity`. A lease that ended is not renewed (its expert may be another host's now):
+    the host learns it has lost it by its absence. One transaction."""
+    with db.begin() as s:
+        mixture = _locked_mixture(s, mixture_id)
+        until = now + timedelta(seconds=lease_seconds(ExpertLayout.model_validate(mixture.layout)))
+        held = list(
+            s.scalars(
+                select(Expert)
+                .where(Expert.mixture_id == mixture_id, Expert.host_id == host_id, Expert.lease_expires_at > now)
+                .order_by(Expert.id)
+            )
+        )
+        for expert in held:
+            expert.lease_expires_at = until
+            if expert.url != url:  # the host moved: trainers follow
+                _route(mixture, expert, host_id, url)
+        room = min(capacity - len(held), LEASES_PER_CALL)
+        if grant and mixture.status == OPEN and room > 0:
+            free = s.scalars(
+                select(Expert)
+                .where(
+                    Expert.mixture_id == mixture_id,
+                    or_(Expert.host_id.is_(None), Expert.lease_expires_at <= now),
+                )
+                .order_by(Expert.id)
+                .limit(room)
+            ).all()
+            for expert in free:
+                _route(mixture, expert, host_id, url)
+                expert.lease_expires_at = until
+                expert.leases += 1
+            held += free
+        return [Lease(e.uid, until, e.checkpoint_key, e.checkpoint_step) for e in held]
+
+
+def expire_leases(db: sessionmaker[Session], now: datetime) -> int:
+    """Free every expert whose lease ended before `now`, so that trainers stop calling its host and
+    another host may lease it; how many. For the transitioner."""
+    with db.begin() as s:
+        ended = s.scalars(
+            select(Expert).where(Expert.host_id.is_not(None), Expert.lease_expires_at <= now).order_by(Expert.id)
+        ).all()
+        mixtures: dict[int, Mixture] = {}
+        for expert in ended:
+            if expert.mixture_id not in mixtures:
+                mixtures[expert.mixture_id] = _locked_mixture(s, expert.mixture_id)
+            _route(mixtures[expert.mixture_id], expert, None, None)
+            expert.lease_expires_at = None
+        return len(ended)
+
+
+def _leased_expert(s: Session, host_id: int, mixture_id: int, uid: str, now: datetime) -> Expert:
+    expert = s.scalars(select(Expert).where(Expert.mixture_id == mixture_id, Expert.uid == uid)).one_or_none()
+    if expert is None:
+        raise NotFound(f"mixture {mixture_id} has no expert {uid[:40]!r}")
+    if expert.host_id != host_id or expert.lease_expires_at is None or expert.lease_expires_at <= now:
+        raise Refusal(f"expert {uid} is not leased to this host", RefusalKind.forbidden)
+    return expert
+
+
+def check_lease(db: sessionmaker[Session], host_id: int, mixture_id: int, uid: str, now: datetime) -> Lease:
+    """The host's lease of the expert; NotFound for no such expert, forbidden when it is not the host's."""
+    with db.begin() as s:
+        e = _leased_expert(s, host_id, mixture_id, uid, now)
+        assert e.lease_expires_at is not None
+        return Lease(e.uid, e.lease_expires_at, e.checkpoint_key, e.checkpoint_step)
+
+
+def record_checkpoint(
+    db: sessionmaker[Session], host_id: int, mixture_id: int, uid: str, step: int, key: str, now: datetime
+) -> str | None:
+    """Record `key` as the expert's checkpoint after `step` of its steps, uploaded by the host that
+    leases it; the key it replaces (for the caller to delete), if any. A checkpoint no newer than the
+    one recorded is refused (conflict): a host restored from it has nothing newer to say."""
+    with db.begin() as s:
+        expert = _leased_expert(s, host_id, mixture_id, uid, now)
+        if expert.checkpoint_key is not None and step <= expert.checkpoint_step:
+            raise Refusal(
+                f"expert {uid} has a checkpoint of step {expert.checkpoint_step} already; {step} is not newer"
+            )
+        replaced = expert.checkpoint_key
+        expert.checkpoint_key, expert.checkpoint_step, expert.checkpoint_at = key, step, now
+        return replaced
+
+
+def routing_changes(db: sessionmaker[Session], mixture_id: int, since: int) -> tuple[int, list[Route]]:
+    """The mixture's routing table as (version, the routes of the experts that changed after `since`):
+    since 0, every expert that has had a host. A trainer applies the routes in order and asks again
+    from the version."""
+    with db.begin() as s:
+        mixture = s.get(Mixture, mixture_id)
+        if mixture is None:
+            raise NotFound(f"mixture {mixture_id} does not exist")
+        changed = s.execute(
+            select(Expert.uid, Expert.url)
+            .where(Expert.mixture_id == mixture_id, Expert.route_version > since)
+            .order_by(Expert.route_version)
+        ).all()
+        return mixture.route_version, [Route(uid, url) for uid, url in changed]
+
+
+@dataclass(frozen=True)
+class ExpertRow:
+    uid: str
+    host_id: int | None
+    url: str | None
+    lease_expires_at: datetime | None
+    leases: int
+    checkpoint_step: int
+    checkpoint_at: datetime | None
+
+
+def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture, list[ExpertRow]]:
+    """The mixture and each of its experts' lease and checkpoint, for the operator."""
+    with db.begin() as s:
+        mixture = s.get(Mixture, mixture_id)
+        if mixture is None:
+            raise NotFound(f"mixture {mixture_id} does not exist")
+        rows = s.scalars(select(Expert).where(Expert.mixture_id == mixture_id).order_by(Expert.id)).all()
+        s.expunge(mixture)
+        return mixture, [
+            ExpertRow(e.uid, e.host_id, e.url, e.lease_expires_at, e.leases, e.checkpoint_step, e.checkpoint_at)
+            for e in rows
+        ]

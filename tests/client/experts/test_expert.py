@@ -1,0 +1,79 @@
+"""An expert on its host: the same initial weights everywhere, and checkpoints that carry it to another host."""
+
+import numpy as np
+import pytest
+import torch
+
+from crowdtrain.client.experts.expert import Expert, build_expert
+from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.tensors import decode, encode
+
+LAYOUT = ExpertLayout(layers=2, grid=[4, 4], dim=8, hidden=16, k=4, k_min=2, lr=0.01, max_rows=32)
+
+
+def test_every_host_builds_an_expert_with_the_same_initial_weights_and_leaves_the_global_seed_alone() -> None:
+    torch.manual_seed(7)
+    before = torch.rand(1)
+    torch.manual_seed(7)
+    a, b, other = build_expert(LAYOUT, "0.1.2"), build_expert(LAYOUT, "0.1.2"), build_expert(LAYOUT, "0.2.1")
+    assert torch.rand(1) == before
+    for pa, pb, po in zip(a.parameters(), b.parameters(), other.parameters(), strict=True):
+        assert torch.equal(pa, pb) and not torch.equal(pa, po)
+
+
+def trained(uid: str, steps: int) -> Expert:
+    expert = Expert(LAYOUT, uid)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        x, g = rng.normal(size=(2, 4, LAYOUT.dim)).astype(np.float32)
+        expert.backward(x, g)
+    return expert
+
+
+def test_a_checkpoint_restored_on_another_host_goes_on_exactly_as_the_original() -> None:
+    original = trained("1.2.3", 3)
+    steps, checkpoint = original.state()
+    assert steps == 3
+    moved = Expert(LAYOUT, "1.2.3")
+    moved.restore(checkpoint)
+    assert moved.steps == 3
+    x, g = np.random.default_rng(5).normal(size=(2, 6, LAYOUT.dim)).astype(np.float32)
+    np.testing.assert_array_equal(original.forward(x), moved.forward(x))
+    original.backward(x, g)  # the optimizer's moments came along: the same next step
+    moved.backward(x, g)
+    np.testing.assert_array_equal(original.forward(x), moved.forward(x))
+
+
+def test_a_checkpoint_of_a_fresh_expert_has_no_moments_and_restores() -> None:
+    fresh = Expert(LAYOUT, "0.0.0")
+    steps, checkpoint = fresh.state()
+    assert steps == 0 and not any(k.startswith("adam/") for k in decode(checkpoint))
+    Expert(LAYOUT, "0.0.0").restore(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: {k: v for k, v in t.items() if k != "steps"}, "without its weights or step count"),
+        (lambda t: {k: v for k, v in t.items() if not k.startswith("param/net.0")}, "without its weights"),
+        (lambda t: {**t, "param/net.0.weight": np.zeros((3, 3), np.float32)}, "has shape"),
+        (lambda t: {**t, "param/net.0.bias": np.full(16, np.nan, np.float32)}, "NaN"),
+        (lambda t: {**t, "param/extra": np.zeros(1, np.float32)}, "names differ|more than"),
+    ],
+)
+def test_a_checkpoint_that_is_not_this_experts_is_refused_and_changes_nothing(change, message) -> None:
+    expert = trained("0.1.1", 2)
+    _, checkpoint = expert.state()
+    x = np.ones((2, LAYOUT.dim), np.float32)
+    before = expert.forward(x)
+    with pytest.raises(ValueError, match=message):
+        expert.restore(encode(change(dict(decode(checkpoint)))))
+    np.testing.assert_array_equal(expert.forward(x), before)
+    assert expert.steps == 2
+
+
+def test_a_checkpoint_of_another_expert_shape_is_refused() -> None:
+    other = ExpertLayout(layers=2, grid=[4, 4], dim=8, hidden=24, k=4)
+    _, checkpoint = Expert(other, "0.1.1").state()
+    with pytest.raises(ValueError, match="has shape"):
+        Expert(LAYOUT, "0.1.1").restore(checkpoint)

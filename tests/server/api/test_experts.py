@@ -1,0 +1,145 @@
+"""`/v1/mixtures` in process (a real SQLite file, file storage, a private Redis): the operator creates a
+mixture; a host reachable at its URL leases experts, keeps their checkpoints and loses a lease it does
+not renew; a trainer follows the routing table; refusals say why and change nothing."""
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.tensors import encode
+from crowdtrain.server.api.deps import clock
+from tests.server.inprocess import Scheduler, private_scheduler
+
+LAYOUT = ExpertLayout(layers=1, grid=[2, 2], dim=4, hidden=8, k=2, heartbeat_seconds=10, lease_heartbeats=3)
+T0 = 1_800_000_000.0
+
+
+class Health(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"status": "ok"}).encode() if self.path == "/v1/health" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def reachable() -> Iterator[str]:
+    """The URL of a host that answers its health check."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture
+def sched(tmp_path) -> Iterator[Scheduler]:
+    with private_scheduler(tmp_path) as s:
+        s.now = T0
+        s.app.dependency_overrides[clock] = lambda: s.now
+        yield s
+
+
+def create(sched: Scheduler) -> int:
+    resp = sched.admin().post("/v1/mixtures", json={"name": "moe", "layout": LAYOUT.model_dump(mode="json")})
+    assert resp.status_code == 201, resp.text
+    return resp.json()["mixture_id"]
+
+
+def test_a_reachable_host_leases_experts_and_a_trainer_sees_where_they_are(sched, reachable) -> None:
+    mixture = create(sched)
+    host = sched.register("expert-host")
+    leases = host.post(f"/v1/mixtures/{mixture}/leases", json={"url": reachable, "capacity": 3}).json()
+    assert [lease["uid"] for lease in leases["leases"]] == ["0.0.0", "0.0.1", "0.1.0"]
+    assert leases["heartbeat_seconds"] == 10 and leases["leases"][0]["expires_in"] == 30
+    assert leases["layout"]["grid"] == [2, 2]
+    trainer = sched.register("trainer")
+    table = trainer.get(f"/v1/mixtures/{mixture}/routing").json()
+    assert {r["uid"]: r["url"] for r in table["routes"]} == dict.fromkeys(["0.0.0", "0.0.1", "0.1.0"], reachable)
+    assert trainer.get(f"/v1/mixtures/{mixture}/routing", params={"since": table["version"]}).json()["routes"] == []
+    view = sched.admin().get(f"/v1/mixtures/{mixture}").json()
+    assert view["served"] == 3 and len(view["experts"]) == 4
+
+
+def test_a_host_the_scheduler_cannot_reach_gets_no_expert_and_is_told_why(sched) -> None:
+    mixture = create(sched)
+    host = sched.register("nat")
+    before = sched.rows()
+    resp = host.post(f"/v1/mixtures/{mixture}/leases", json={"url": "http://127.0.0.1:9", "capacity": 2})
+    assert resp.status_code == 422 and "cannot reach http://127.0.0.1:9/v1/health" in resp.json()["detail"]
+    assert sched.rows() == before
+
+
+def test_a_checkpoint_is_kept_for_the_next_host_of_its_expert(sched, reachable) -> None:
+    mixture = create(sched)
+    first, second = sched.register("first"), sched.register("second")
+    first.post(f"/v1/mixtures/{mixture}/leases", json={"url": reachable, "capacity": 1})
+    blob = encode({"param/w": np.ones((2, 2), np.float32), "steps": np.array([7])})
+    url = f"/v1/mixtures/{mixture}/experts/0.0.0/checkpoint"
+    stored = first.put(f"{url}?step=7", content=blob, headers={"Content-Type": "application/octet-stream"})
+    assert stored.status_code == 200 and stored.json() == {"uid": "0.0.0", "step": 7}
+    assert first.put(f"{url}?step=7", content=blob).status_code == 409
+    assert second.get(url).status_code == 403  # not its expert
+    # The first host stops calling: after its lease ends, the second leases the expert and restores it.
+    sched.now = T0 + 31
+    leases = second.post(f"/v1/mixtures/{mixture}/leases", json={"url": reachable, "capacity": 1}).json()
+    assert leases["leases"][0] == {"uid": "0.0.0", "expires_in": 30, "checkpoint_step": 7, "has_checkpoint": True}
+    assert second.get(url).content == blob
+    assert first.get(url).status_code == 403
+    assert len(sched.stored_files()) == 1
+
+
+@pytest.mark.parametrize(
+    ("step", "body", "status", "message"),
+    [
+        (8, b"not safetensors", 400, "not a safetensors file"),
+        (8, b"\x00" * 600_000, 422, "at most"),
+        (0, b"x", 422, "step"),
+    ],
+)
+def test_a_bad_checkpoint_is_refused_and_nothing_is_stored(sched, reachable, step, body, status, message) -> None:
+    mixture = create(sched)
+    host = sched.register("h")
+    host.post(f"/v1/mixtures/{mixture}/leases", json={"url": reachable, "capacity": 1})
+    resp = host.put(f"/v1/mixtures/{mixture}/experts/0.0.0/checkpoint?step={step}", content=body)
+    assert resp.status_code == status and message in resp.text
+    assert sched.stored_files() == []
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("POST", "/v1/mixtures/99/leases", {"url": "http://127.0.0.1:1", "capacity": 1}, 404),
+        ("GET", "/v1/mixtures/99/routing", None, 404),
+        ("POST", "/v1/mixtures/{m}/leases", {"url": "ftp://x", "capacity": 1}, 422),
+        ("POST", "/v1/mixtures/{m}/leases", {"url": "http://x/path", "capacity": 1}, 422),
+        ("POST", "/v1/mixtures/{m}/leases", {"url": "http://x:1", "capacity": -1}, 422),
+        ("GET", "/v1/mixtures/{m}/routing?since=-1", None, 422),
+        ("GET", "/v1/mixtures/{m}/experts/9.9/checkpoint", None, 404),
+        ("GET", "/v1/mixtures/{m}/experts/not-an-id/checkpoint", None, 422),
+    ],
+)
+def test_requests_that_name_nothing_or_say_nonsense_get_a_4xx(sched, method, path, body, status) -> None:
+    mixture = create(sched)
+    host = sched.register("h")
+    before = sched.rows()
+    resp = host.request(method, path.format(m=mixture), json=body)
+    assert resp.status_code == status, resp.text
+    assert sched.rows() == before
+
+
+def test_creating_a_mixture_needs_the_admin_and_a_layout_that_works(sched) -> None:
+    host = sched.register("h")
+    layout = LAYOUT.model_dump(mode="json")
+    assert host.post("/v1/mixtures", json={"name": "m", "layout": layout}).status_code == 401
+    bad = sched.admin().post("/v1/mixtures", json={"name": "m", "layout": {**layout, "k": 9}})
+    assert bad.status_code == 422 and "above the 4 experts" in bad.text
+    assert sched.admin().get("/v1/mixtures/5").status_code == 404

@@ -1,0 +1,121 @@
+"""Expert leases in the database, on SQLite and PostgreSQL, with the clock passed in: leased out a few
+at a time, renewed by the host's calls, expired and leased anew, checkpoints recorded by the lease
+holder only, and a routing table that tells trainers what changed."""
+
+from datetime import datetime, timedelta
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import experts
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Host
+
+LAYOUT = ExpertLayout(layers=1, grid=[2, 3], dim=4, hidden=8, k=2, heartbeat_seconds=10, lease_heartbeats=3)
+T0 = datetime(2026, 1, 1)
+LEASE = timedelta(seconds=30)  # 3 heartbeats of 10 s
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request, tmp_path) -> sessionmaker[Session]:
+    url = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+    upgrade(url)
+    factory = session_factory(url)
+    with factory.begin() as s:
+        s.add_all(Host(name=f"h{i}", token_hash=f"{i:064d}") for i in (1, 2))
+    return factory
+
+
+def uids(leases: list[experts.Lease]) -> list[str]:
+    return [lease.uid for lease in leases]
+
+
+def routes(db, mixture: int, since: int) -> tuple[int, dict[str, str | None]]:
+    version, changed = experts.routing_changes(db, mixture, since)
+    return version, {r.uid: r.url for r in changed}
+
+
+def test_hosts_that_ask_together_share_the_experts_out_a_few_at_a_call(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    first = experts.renew_and_lease(db, 1, mixture, "http://a:1", 100, at(0), grant=True)
+    second = experts.renew_and_lease(db, 2, mixture, "http://b:1", 100, at(1), grant=True)
+    assert uids(first) == ["0.0.0", "0.0.1", "0.0.2", "0.1.0"]  # LEASES_PER_CALL at most
+    assert uids(second) == ["0.1.1", "0.1.2"]
+    assert all(lease.expires_at == at(1) + LEASE for lease in second)
+    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 100, at(2), grant=True)[0].expires_at == at(2) + LEASE
+
+
+def test_a_host_gets_no_more_than_its_capacity_and_nothing_without_the_probe(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 3, at(0), grant=False) == []
+    assert len(experts.renew_and_lease(db, 1, mixture, "http://a:1", 3, at(0), grant=True)) == 3
+    assert len(experts.renew_and_lease(db, 1, mixture, "http://a:1", 3, at(1), grant=True)) == 3
+
+
+def test_a_lease_not_renewed_ends_and_its_expert_goes_to_the_next_host_that_asks(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(0), grant=True)  # 0.0.0 to host 1
+    experts.renew_and_lease(db, 2, mixture, "http://b:1", 6, at(0), grant=True)  # four more to host 2
+    version, _ = routes(db, mixture, 0)
+    # Host 1 stops calling. Before its lease ends, nobody else gets 0.0.0; after, host 2 does.
+    assert "0.0.0" not in uids(experts.renew_and_lease(db, 2, mixture, "http://b:1", 6, at(29), grant=True))
+    moved = experts.renew_and_lease(db, 2, mixture, "http://b:1", 6, at(31), grant=True)
+    assert "0.0.0" in uids(moved)
+    assert routes(db, mixture, version)[1]["0.0.0"] == "http://b:1"
+    # Host 1 comes back: 0.0.0 is not among its leases any more, which is how it learns it lost it.
+    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(32), grant=False) == []
+
+
+def test_the_transitioner_frees_ended_leases_and_trainers_see_the_experts_without_a_host(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    experts.renew_and_lease(db, 1, mixture, "http://a:1", 2, at(0), grant=True)
+    version, table = routes(db, mixture, 0)
+    assert table == {"0.0.0": "http://a:1", "0.0.1": "http://a:1"}
+    assert experts.expire_leases(db, at(29)) == 0
+    assert experts.expire_leases(db, at(30)) == 2
+    newer, changed = routes(db, mixture, version)
+    assert newer > version and changed == {"0.0.0": None, "0.0.1": None}
+    assert routes(db, mixture, newer) == (newer, {})
+    assert experts.expire_leases(db, at(60)) == 0
+
+
+def test_a_host_that_moves_to_another_url_is_followed(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(0), grant=True)
+    version, _ = routes(db, mixture, 0)
+    experts.renew_and_lease(db, 1, mixture, "http://a:2", 1, at(5), grant=False)
+    assert routes(db, mixture, version)[1] == {"0.0.0": "http://a:2"}
+
+
+def test_only_the_lease_holder_records_a_checkpoint_and_only_a_newer_one(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(0), grant=True)
+    assert experts.record_checkpoint(db, 1, mixture, "0.0.0", 5, "k5", at(1)) is None
+    assert experts.record_checkpoint(db, 1, mixture, "0.0.0", 9, "k9", at(2)) == "k5"
+    with pytest.raises(Refusal, match="not newer") as stale:
+        experts.record_checkpoint(db, 1, mixture, "0.0.0", 9, "k9b", at(3))
+    assert stale.value.kind is RefusalKind.conflict
+    with pytest.raises(Refusal, match="not leased to this host") as other:
+        experts.record_checkpoint(db, 2, mixture, "0.0.0", 12, "k12", at(3))
+    assert other.value.kind is RefusalKind.forbidden
+    with pytest.raises(Refusal, match="not leased to this host"):  # its lease ended
+        experts.record_checkpoint(db, 1, mixture, "0.0.0", 12, "k12", at(31))
+    with pytest.raises(NotFound, match="no expert"):
+        experts.record_checkpoint(db, 1, mixture, "7.7.7", 1, "k", at(1))
+    # The next host to lease the expert is told where to restore it from.
+    (lease,) = experts.renew_and_lease(db, 2, mixture, "http://b:1", 1, at(40), grant=True)
+    assert (lease.uid, lease.checkpoint_key, lease.checkpoint_step) == ("0.0.0", "k9", 9)
+
+
+def test_an_unknown_mixture_is_not_found(db) -> None:
+    with pytest.raises(NotFound, match="mixture 99"):
+        experts.renew_and_lease(db, 1, 99, "http://a:1", 1, at(0), grant=True)
+    with pytest.raises(NotFound, match="mixture 99"):
+        experts.routing_changes(db, 99, 0)
