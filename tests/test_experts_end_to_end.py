@@ -15,6 +15,7 @@ from crowdtrain.client.experts.mixture import ExpertClient
 from crowdtrain.client.experts.trainer import MixtureClassifier, accuracy, train_step
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.launch.cluster import wait_for
+from tests.benchmark_modules import load_benchmark
 
 pytestmark = pytest.mark.integration
 
@@ -28,11 +29,8 @@ KILL_AT, MAX_STEPS, EVAL_EVERY = 60, 800, 25
 
 def clusters(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """40 Gaussian clusters in 8 dimensions, four per class: no linear model separates the classes."""
-    centers = np.random.default_rng(12345).normal(size=(40, 8))
-    rng = np.random.default_rng(seed)
-    which = rng.integers(0, 40, n)
-    x = centers[which] + 0.3 * rng.normal(size=(n, 8))
-    return x.astype(np.float32), (which % 10).astype(np.int64)
+    arrays = load_benchmark("efficiency_data").cluster_arrays(seed, n_train=n, n_val=1)
+    return arrays["x"], arrays["y"]
 
 
 def train(model: MixtureClassifier, steps: int) -> float:

@@ -12,9 +12,10 @@ its batch) gets 503 for that call alone: the host and its other experts go on se
 each expert are batched (crowdtrain.client.experts.batching).
 """
 
+import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from starlette.applications import Starlette
@@ -74,12 +75,40 @@ async def _read(request: Request, layout: ExpertLayout, args: tuple[str, ...]) -
         return _problem(422, str(exc))
 
 
+@dataclass
+class InjectedNetwork:
+    """A wide-area network laid over the host's answers, for benchmarks: each call waits an exponential
+    delay of mean `latency` seconds, and a share `drop_rate` of them is lost (its caller waits
+    `drop_hold` seconds for an answer that is an error). Off by default."""
+
+    latency: float = 0.0
+    drop_rate: float = 0.0
+    drop_hold: float = 2.0
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    async def lost(self) -> bool:
+        """Wait out this call's delay; whether the call is lost (after holding its caller)."""
+        if self.drop_rate and self.rng.random() < self.drop_rate:
+            await asyncio.sleep(self.drop_hold)
+            return True
+        if self.latency:
+            await asyncio.sleep(self.rng.exponential(self.latency))
+        return False
+
+
 class ExpertHost:
     """The experts this host serves, of one `layout`, and the calls they answer. Experts come and go
     while it serves (`add`, `remove`: a leasing host's leases, crowdtrain.client.experts.leasing)."""
 
-    def __init__(self, layout: ExpertLayout, uids: Sequence[str] = (), batch_window: float = 0.005):
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        uids: Sequence[str] = (),
+        batch_window: float = 0.005,
+        network: InjectedNetwork | None = None,
+    ):
         self.layout, self.batch_window = layout, batch_window
+        self.network = network or InjectedNetwork()
         self.served: dict[str, Served] = {}
         for uid in uids:
             self.add(Expert(layout, uid))
@@ -111,6 +140,8 @@ class ExpertHost:
         tensors = await _read(request, self.layout, args)
         if isinstance(tensors, Response):
             return tensors
+        if await self.network.lost():
+            return _problem(503, "the call was lost (injected)")
         queue = entry.forward if kind == "forward" else entry.backward
         try:
             out: np.ndarray = await queue.call(*(tensors[a] for a in args))

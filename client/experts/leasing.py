@@ -11,6 +11,7 @@ layout's seed; one no longer listed is dropped (its lease ended and it went else
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 from crowdtrain.client.experts.expert import Expert
@@ -22,6 +23,7 @@ from crowdtrain.core.schemas import HostRegister, HostRegistered
 from crowdtrain.core.schemas_experts import CheckpointStored, LeaseRequest, Leases, RoutingTable
 
 log = logging.getLogger(__name__)
+CHECKPOINT_CHECK_SECONDS = 0.2  # how often, between heartbeats, a host looks for checkpoints due
 
 
 class MixtureAPI:
@@ -110,13 +112,20 @@ class LeaseKeeper:
                 log.warning("expert %s: checkpoint of step %d refused: %s", uid, step, exc.message)
 
     def run(self, stop: threading.Event, interval: float) -> None:
-        """Beat every `interval` seconds until `stop` is set; a failed beat is logged and tried again."""
+        """Beat every `interval` seconds (then the scheduler's heartbeat) until `stop` is set, and between
+        beats upload the checkpoints that fall due, so that an expert's checkpoint lags its steps by
+        little more than `checkpoint_every`. A failed beat or upload is logged and tried again."""
+        next_beat = 0.0
         while not stop.is_set():
             try:
-                interval = self.beat().heartbeat_seconds
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + interval
+                    interval = self.beat().heartbeat_seconds
+                else:
+                    self._upload_due()
             except Exception as exc:
-                log.warning("lease heartbeat failed (%s: %s); trying again", type(exc).__name__, exc)
-            stop.wait(interval)
+                log.warning("expert host: %s failed (%s); trying again", type(exc).__name__, exc)
+            stop.wait(max(0.0, min(CHECKPOINT_CHECK_SECONDS, next_beat - time.monotonic())))
 
 
 def layout_of(api: MixtureAPI, mixture_id: int, url: str) -> ExpertLayout:

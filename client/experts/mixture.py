@@ -113,12 +113,12 @@ class _Routed:
 
 
 def _gather(
-    client: ExpertClient, futures: dict["Future[np.ndarray]", _Routed], need: int, n_rows: int, timeout: float
+    client: ExpertClient, futures: dict["Future[np.ndarray]", _Routed], need: torch.Tensor, timeout: float
 ) -> dict[str, np.ndarray]:
-    """The answers of the calls that came back in time: every one, or, once each row has `need` answers,
-    those within the layout's grace period after that; by `timeout` at the latest."""
+    """The answers of the calls that came back in time: every one, or, once each row has its `need`
+    [rows] answers, those within the layout's grace period after that; by `timeout` at the latest."""
     deadline = time.monotonic() + timeout
-    answered = torch.zeros(n_rows, dtype=torch.long)
+    answered = torch.zeros_like(need)
     out: dict[str, np.ndarray] = {}
     pending = set(futures)
     while pending:
@@ -148,7 +148,8 @@ class _RemoteExperts(torch.autograd.Function):
         layout = client.layout
         x_np = x.detach().numpy()
         futures = {client.submit(r.uid, "forward", x=x_np[r.rows.numpy()]): r for r in routed}
-        answers = _gather(client, futures, layout.k_min, x.shape[0], layout.forward_timeout)
+        need = torch.full((x.shape[0],), layout.k_min, dtype=torch.long)
+        answers = _gather(client, futures, need, layout.forward_timeout)
         y = torch.zeros(x.shape[0], k, layout.dim)
         came = torch.zeros(x.shape[0], k, dtype=torch.bool)
         for r in routed:
@@ -157,6 +158,8 @@ class _RemoteExperts(torch.autograd.Function):
                 came[r.rows, r.places] = True
         ctx.client, ctx.x_np = client, x_np
         ctx.answered = [r for r in routed if r.uid in answers]
+        # Backward waits for as many answers per row as forward got, up to k_min.
+        ctx.need = came.sum(dim=1).clamp(max=layout.k_min)
         ctx.mark_non_differentiable(came)
         return y, came
 
@@ -168,7 +171,7 @@ class _RemoteExperts(torch.autograd.Function):
             client.submit(r.uid, "backward", x=ctx.x_np[r.rows.numpy()], grad_y=g[r.rows.numpy(), r.places.numpy()]): r
             for r in ctx.answered
         }
-        answers = _gather(client, futures, 0, ctx.x_np.shape[0], client.layout.backward_timeout)
+        answers = _gather(client, futures, ctx.need, client.layout.backward_timeout)
         grad_x = torch.zeros(ctx.x_np.shape)
         for r in ctx.answered:
             if r.uid in answers:

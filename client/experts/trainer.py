@@ -2,6 +2,11 @@
 (crowdtrain.client.experts.mixture). The trunk's parameters live here; the experts' live on their
 hosts, which step them on each backward call."""
 
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
 import numpy as np
 import torch
 from torch import nn
@@ -50,3 +55,54 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray, batch: int = 512) -
             for i in range(0, len(x), batch)
         )
     return right / len(x)
+
+
+class PipelinedTrainer:
+    """Keeps `in_flight` micro-batches going through the model at once, as Learning@home's trainers do to
+    hide the network's latency behind other batches' work. Each micro-batch runs on a replica of the
+    trunk (one per thread, sharing the expert client) loaded with the trunk's parameters when it starts,
+    and applies its gradient when it ends: the trunk's steps are asynchronous, each stale by at most
+    `in_flight - 1` steps (the experts' steps happen on their hosts, at each backward call)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, in_flight: int):
+        self.model, self.optimizer, self.in_flight = model, optimizer, in_flight
+        self.steps, self.examples = 0, 0
+        self._lock = threading.Lock()
+        self._replicas = threading.local()
+
+    def _replica(self) -> nn.Module:
+        replica = getattr(self._replicas, "model", None)
+        if replica is None:
+            shared = {id(m.client): m.client for m in self.model.modules() if isinstance(m, RemoteMixture)}
+            with self._lock:
+                replica = copy.deepcopy(self.model, memo=shared)
+            self._replicas.model = replica
+        return replica
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One micro-batch's forward, backward and trunk step; its loss. Safe to call from many threads."""
+        replica = self._replica()
+        with self._lock, torch.no_grad():
+            for mine, theirs in zip(replica.parameters(), self.model.parameters(), strict=True):
+                mine.copy_(theirs)
+        replica.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(replica(torch.from_numpy(x)), torch.from_numpy(y))
+        loss.backward()
+        with self._lock:
+            for p, mine in zip(self.model.parameters(), replica.parameters(), strict=True):
+                p.grad = mine.grad
+            self.optimizer.step()
+            self.steps += 1
+            self.examples += len(y)
+        return float(loss.detach())
+
+    def train(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], done: Callable[[], bool]) -> None:
+        """Train on `batches`, `in_flight` at a time, until `done()` says so (checked as each one ends)."""
+        with ThreadPoolExecutor(self.in_flight, thread_name_prefix="micro-batch") as pool:
+            running = {pool.submit(self.step, *next(batches)) for _ in range(self.in_flight)}
+            while running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    f.result()
+                    if not done():
+                        running.add(pool.submit(self.step, *next(batches)))

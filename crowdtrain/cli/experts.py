@@ -17,7 +17,7 @@ from crowdtrain.cli.options import (
     configure_logging,
     resolve_join_token,
 )
-from crowdtrain.client.experts.host import ExpertHost
+from crowdtrain.client.experts.host import ExpertHost, InjectedNetwork
 from crowdtrain.client.experts.leasing import LeaseKeeper, MixtureAPI, layout_of
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.specfile import load_yaml
@@ -37,7 +37,7 @@ def read_layout(path: Path | None) -> ExpertLayout:
         raise typer.BadParameter(f"{path}: {where}: {first['msg']}", param_hint="--layout") from None
 
 
-def _fixed_experts(experts: str, layout: Path | None, batch_window: float) -> ExpertHost:
+def _fixed_experts(experts: str, layout: Path | None, batch_window: float, network: InjectedNetwork) -> ExpertHost:
     shape = read_layout(layout)
     uids = (
         [uid for layer in range(shape.layers) for uid in shape.uids(layer)]
@@ -45,7 +45,7 @@ def _fixed_experts(experts: str, layout: Path | None, batch_window: float) -> Ex
         else [u.strip() for u in experts.split(",") if u.strip()]
     )
     try:
-        return ExpertHost(shape, uids, batch_window)
+        return ExpertHost(shape, uids, batch_window, network)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--experts") from None
 
@@ -78,6 +78,15 @@ def expert_host(
     batch_window: Annotated[
         float, typer.Option(min=0, max=1, help="Seconds an expert waits for more calls to batch with the first")
     ] = 0.005,
+    inject_latency: Annotated[
+        float, typer.Option(min=0, max=60, help="Benchmarks: delay each answer by an exponential wait of this mean")
+    ] = 0.0,
+    inject_drop_rate: Annotated[
+        float, typer.Option(min=0, max=1, help="Benchmarks: lose this share of calls (answered late, with an error)")
+    ] = 0.0,
+    inject_drop_hold: Annotated[
+        float, typer.Option(min=0, max=600, help="Benchmarks: seconds a lost call holds its caller")
+    ] = 2.0,
 ) -> None:
     """Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.
 
@@ -85,8 +94,10 @@ def expert_host(
     restored from their checkpoints and checkpointed back; without, they are those of --experts. Each
     expert answers forward and backward calls, batched; a bad call gets a 4xx. Runs until stopped."""
     configure_logging()
+    network = InjectedNetwork(inject_latency, inject_drop_rate, inject_drop_hold)
     if server is None:
-        uvicorn.run(_fixed_experts(experts, layout, batch_window).app(), host=host, port=port, log_level="warning")
+        fixed = _fixed_experts(experts, layout, batch_window, network)
+        uvicorn.run(fixed.app(), host=host, port=port, log_level="warning")
         return
     if mixture is None:
         raise typer.BadParameter("--server needs --mixture: the mixture whose experts to lease", param_hint="--mixture")
@@ -94,7 +105,7 @@ def expert_host(
     stop = threading.Event()
     api = MixtureAPI(server, stop=stop)
     api.register(resolve_join_token(join_token, join_token_file), name)
-    served = ExpertHost(layout_of(api, mixture, url), batch_window=batch_window)
+    served = ExpertHost(layout_of(api, mixture, url), batch_window=batch_window, network=network)
     keeper = LeaseKeeper(api, served, mixture, url, capacity)
     beats = threading.Thread(target=keeper.run, args=(stop, 1.0), name="lease-keeper", daemon=True)
     beats.start()
