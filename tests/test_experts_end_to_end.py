@@ -19,9 +19,19 @@ from tests.benchmark_modules import load_benchmark
 
 pytestmark = pytest.mark.integration
 
-# Heartbeats every second and checkpoints every 20 steps, so that a killed host's experts move within seconds.
+# Heartbeats every second, leases of 5 (a loaded machine delays a living host's heartbeat by seconds) and
+# checkpoints every 20 steps, so that a killed host's experts move within seconds.
 LAYOUT = ExpertLayout(
-    layers=2, grid=[4, 4], dim=32, hidden=64, k=4, k_min=1, lr=3e-3, heartbeat_seconds=1, checkpoint_every=20
+    layers=2,
+    grid=[4, 4],
+    dim=32,
+    hidden=64,
+    k=4,
+    k_min=1,
+    lr=3e-3,
+    heartbeat_seconds=1,
+    lease_heartbeats=5,
+    checkpoint_every=20,
 )
 TARGET = 0.9  # a linear trunk reaches about 0.63 on this task, a dense MLP 0.99
 KILL_AT, MAX_STEPS, EVAL_EVERY = 60, 800, 25
@@ -109,7 +119,8 @@ def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_resto
             steps |= {
                 uid: f["steps"] for uid, f in httpx.get(f"{url}/v1/experts", timeout=10).json()["experts"].items()
             }
-        assert orphans and all(view[uid]["leases"] == 2 for uid in orphans)
+        # (Twice or more: under load a living host's lease can lapse too, and its experts move on again.)
+        assert orphans and all(view[uid]["leases"] >= 2 for uid in orphans), {u: view[u]["leases"] for u in orphans}
         restored = [uid for uid in orphans if view[uid]["checkpoint_step"] > 0]
         assert restored, "the killed host had checkpointed its experts"
         assert all(steps[uid] >= view[uid]["checkpoint_step"] for uid in restored)

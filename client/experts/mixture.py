@@ -116,8 +116,11 @@ def _gather(
     client: ExpertClient, futures: dict["Future[np.ndarray]", _Routed], need: torch.Tensor, timeout: float
 ) -> dict[str, np.ndarray]:
     """The answers of the calls that came back in time: every one, or, once each row has its `need`
-    [rows] answers, those within the layout's grace period after that; by `timeout` at the latest."""
-    deadline = time.monotonic() + timeout
+    [rows] answers, those within a grace period after that (as long again as those answers took, at
+    most the layout's `grace`: on a fast network a lost call holds the batch for little); by `timeout`
+    at the latest."""
+    started = time.monotonic()
+    deadline = started + timeout
     answered = torch.zeros_like(need)
     out: dict[str, np.ndarray] = {}
     pending = set(futures)
@@ -131,7 +134,8 @@ def _gather(
                 out[routed.uid] = f.result()
                 answered[routed.rows] += 1
         if pending and bool((answered >= need).all()):
-            deadline = min(deadline, time.monotonic() + client.layout.grace)
+            now = time.monotonic()
+            deadline = min(deadline, now + min(client.layout.grace, now - started))
     for f in pending:
         f.cancel()
         client._count("late")

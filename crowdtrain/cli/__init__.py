@@ -51,6 +51,11 @@ COMMANDS = {
         "Serve experts of a mixture-of-experts model (expert-parallel training) over HTTP.",
         needs=("torch", "uvicorn"),
     ),
+    "mixture": LazyCommand(
+        "crowdtrain.cli.mixtures",
+        "Expert-parallel training's mixtures: create one, see its experts (needs the admin token).",
+        needs=("httpx",),
+    ),
     "demo": LazyCommand(
         "crowdtrain.cli.demo",
         "Run the whole system locally on the embedded defaults and train the example job to its target.",

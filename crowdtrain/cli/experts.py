@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 import uvicorn
-from pydantic import ValidationError
 
+from crowdtrain.cli.mixtures import read_layout
 from crowdtrain.cli.options import (
     HELP_LAYOUT,
     JoinTokenFileOpt,
@@ -19,26 +19,12 @@ from crowdtrain.cli.options import (
 )
 from crowdtrain.client.experts.host import ExpertHost, InjectedNetwork
 from crowdtrain.client.experts.leasing import LeaseKeeper, MixtureAPI, layout_of
-from crowdtrain.core.experts import ExpertLayout
-from crowdtrain.core.specfile import load_yaml
 
 app = typer.Typer(add_completion=False, **HELP_LAYOUT)
 
 
-def read_layout(path: Path | None) -> ExpertLayout:
-    """The layout in `path` (YAML or JSON), or the default one; a clear error for a bad file."""
-    if path is None:
-        return ExpertLayout()
-    try:
-        return ExpertLayout.model_validate(load_yaml(path) or {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the layout"
-        raise typer.BadParameter(f"{path}: {where}: {first['msg']}", param_hint="--layout") from None
-
-
 def _fixed_experts(experts: str, layout: Path | None, batch_window: float, network: InjectedNetwork) -> ExpertHost:
-    shape = read_layout(layout)
+    shape = read_layout(layout, "--layout")
     uids = (
         [uid for layer in range(shape.layers) for uid in shape.uids(layer)]
         if experts == "all"

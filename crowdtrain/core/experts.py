@@ -42,7 +42,13 @@ class ExpertLayout(SpecSection):
     max_rows: int = Field(4096, ge=1, le=1_000_000, description="rows one call may carry")
     forward_timeout: float = Field(5.0, gt=0, le=600, description="seconds a trainer waits for forward answers")
     backward_timeout: float = Field(5.0, gt=0, le=600, description="seconds a trainer waits for backward answers")
-    grace: float = Field(0.05, ge=0, le=60, description="seconds to wait for more answers once k_min are in")
+    grace: float = Field(
+        0.05,
+        ge=0,
+        le=60,
+        description="once every input has k_min answers, how long to wait for more: as long again as those "
+        "took, at most this many seconds",
+    )
     heartbeat_seconds: float = Field(5.0, ge=0.1, le=3600, description="how often an expert host reports in")
     lease_heartbeats: int = Field(
         3, ge=2, le=100, description="heartbeats an expert's lease outlives: missed that many, it is leased anew"
