@@ -13,7 +13,9 @@ What it measures
     calls and the trunk's step), keeping `--in-flight` micro-batches of 64 going at once
     (PipelinedTrainer), measured over `--seconds` after a warm-up. Latency is injected at the hosts
     (each answer waits an exponential delay of the given mean: a wide-area link); a lost call holds
-    its caller 2 s and answers an error. `throughput_200ms_over_clean`: at 200 ms mean latency over
+    its caller 2 s and answers an error. The clean figure (no latency, nothing lost) is measured first and
+    again last (`clean_first_and_last`), and the better of the two is the one the ratios divide by: the
+    first configuration ran low in every run. `throughput_200ms_over_clean`: at 200 ms mean latency over
     no latency (goal >= 0.8); `speedup_over_sequential_200ms`: at 200 ms, the pipelined trainer over
     the same trainer with one micro-batch at a time (each layer waits for the one before it: a
     sequential layer-by-layer model-parallel step); `throughput_at_10pct_drop_over_clean` (goal >= 0.85).
@@ -311,7 +313,7 @@ def main() -> None:
     out: dict = {"in_flight": args.in_flight, "seconds": args.seconds}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        clean = throughput(work / "clean", args.seconds, args.in_flight)
+        clean = by_first = throughput(work / "clean", args.seconds, args.in_flight)
         by_latency = {0: clean}
         for ms in (50, 100, 200):
             by_latency[ms] = throughput(work / f"latency{ms}", args.seconds, args.in_flight, latency=ms / 1000)
@@ -319,6 +321,10 @@ def main() -> None:
         by_drop = {0: clean}
         for pct in (5, 10, 20):
             by_drop[pct] = throughput(work / f"drop{pct}", args.seconds, args.in_flight, drop_rate=pct / 100)
+        # Clean again, last: the first configuration measured ran low in every run (the machine warming up),
+        # which flattered the ratios against it. The clean figure is the better of the two.
+        clean_again = throughput(work / "clean-again", args.seconds, args.in_flight)
+        clean = by_latency[0] = by_drop[0] = max(clean, clean_again)
         moe, dense = accuracies(work / "accuracy", args.examples, args.in_flight, drop_rate=0.1)
         cluster = Cluster(var_dir=work / "cluster", database_url=f"sqlite:///{work / 'cluster.db'}").start()
         try:
@@ -340,6 +346,7 @@ def main() -> None:
         "accuracy_moe_10pct_drop": round(moe, 4),
         "accuracy_dense": round(dense, 4),
         "accuracy_gap_vs_dense": round(100 * (dense - moe), 2),
+        "clean_first_and_last": [round(by_first, 1), round(clean_again, 1)],
         "examples": args.examples,
         "simulated_hosts": args.simulated_hosts,
     }
