@@ -41,6 +41,14 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Renewal:
+    """A host's call as the ledger answers it: the mixture's layout and the host's leases after it."""
+
+    layout: ExpertLayout
+    leases: list[Lease]
+
+
+@dataclass(frozen=True)
 class Route:
     """Where a trainer calls an expert: its host's base URL, or None while it has none."""
 
@@ -88,14 +96,15 @@ def _route(mixture: Mixture, expert: Expert, host_id: int | None, url: str | Non
 
 def renew_and_lease(
     db: sessionmaker[Session], host_id: int, mixture_id: int, url: str, capacity: int, now: datetime, grant: bool
-) -> list[Lease]:
-    """The host's leases of the mixture after its call at `now`: those it holds renewed, and, with
+) -> Renewal:
+    """The mixture's layout and the host's leases after its call at `now`: those it holds renewed, and, with
     `grant` (it passed the connect-back probe), up to LEASES_PER_CALL free experts more while it holds
     fewer than `capacity`. A lease that ended is not renewed (its expert may be another host's now):
     the host learns it has lost it by its absence. One transaction."""
     with db.begin() as s:
         mixture = _locked_mixture(s, mixture_id)
-        until = now + timedelta(seconds=lease_seconds(ExpertLayout.model_validate(mixture.layout)))
+        layout = ExpertLayout.model_validate(mixture.layout)
+        until = now + timedelta(seconds=lease_seconds(layout))
         held = list(
             s.scalars(
                 select(Expert)
@@ -123,7 +132,7 @@ def renew_and_lease(
                 expert.lease_expires_at = until
                 expert.leases += 1
             held += free
-        return [Lease(e.uid, until, e.checkpoint_key, e.checkpoint_step) for e in held]
+        return Renewal(layout, [Lease(e.uid, until, e.checkpoint_key, e.checkpoint_step) for e in held])
 
 
 def expire_leases(db: sessionmaker[Session], now: datetime) -> int:

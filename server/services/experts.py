@@ -62,18 +62,18 @@ def lease(
 ) -> Leases:
     """The host's call (its heartbeat): its leases renewed and, if it has room and answers at its URL,
     more experts leased to it."""
-    layout = ledger.mixture_layout(db, mixture_id)
     at = _naive(now)
-    held = ledger.renew_and_lease(db, host_id, mixture_id, req.url, req.capacity, at, grant=False)
-    if len(held) < req.capacity:
+    renewal = ledger.renew_and_lease(db, host_id, mixture_id, req.url, req.capacity, at, grant=False)
+    if len(renewal.leases) < req.capacity:
         if probe(req.url):
-            held = ledger.renew_and_lease(db, host_id, mixture_id, req.url, req.capacity, at, grant=True)
-        elif not held:
+            renewal = ledger.renew_and_lease(db, host_id, mixture_id, req.url, req.capacity, at, grant=True)
+        elif not renewal.leases:
             raise Refusal(
                 f"the scheduler cannot reach {req.url}/v1/health: an expert host must accept connections "
                 "at the URL it gives (train as a trainer instead)",
                 RefusalKind.unacceptable,
             )
+    layout = renewal.layout
     return Leases(
         mixture_id=mixture_id,
         layout=layout,
@@ -85,7 +85,7 @@ def lease(
                 checkpoint_step=h.checkpoint_step,
                 has_checkpoint=h.checkpoint_key is not None,
             )
-            for h in held
+            for h in renewal.leases
         ],
     )
 

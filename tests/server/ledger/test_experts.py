@@ -33,6 +33,11 @@ def db(request, tmp_path) -> sessionmaker[Session]:
     return factory
 
 
+def renew(*args, **kwargs) -> list[experts.Lease]:
+    """The host's leases after its call (experts.renew_and_lease)."""
+    return experts.renew_and_lease(*args, **kwargs).leases
+
+
 def uids(leases: list[experts.Lease]) -> list[str]:
     return [lease.uid for lease in leases]
 
@@ -44,38 +49,38 @@ def routes(db, mixture: int, since: int) -> tuple[int, dict[str, str | None]]:
 
 def test_hosts_that_ask_together_share_the_experts_out_a_few_at_a_call(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
-    first = experts.renew_and_lease(db, 1, mixture, "http://a:1", 100, at(0), grant=True)
-    second = experts.renew_and_lease(db, 2, mixture, "http://b:1", 100, at(1), grant=True)
+    first = renew(db, 1, mixture, "http://a:1", 100, at(0), grant=True)
+    second = renew(db, 2, mixture, "http://b:1", 100, at(1), grant=True)
     assert uids(first) == ["0.0.0", "0.0.1", "0.0.2", "0.1.0"]  # LEASES_PER_CALL at most
     assert uids(second) == ["0.1.1", "0.1.2"]
     assert all(lease.expires_at == at(1) + LEASE for lease in second)
-    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 100, at(2), grant=True)[0].expires_at == at(2) + LEASE
+    assert renew(db, 1, mixture, "http://a:1", 100, at(2), grant=True)[0].expires_at == at(2) + LEASE
 
 
 def test_a_host_gets_no_more_than_its_capacity_and_nothing_without_the_probe(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
-    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 3, at(0), grant=False) == []
-    assert len(experts.renew_and_lease(db, 1, mixture, "http://a:1", 3, at(0), grant=True)) == 3
-    assert len(experts.renew_and_lease(db, 1, mixture, "http://a:1", 3, at(1), grant=True)) == 3
+    assert renew(db, 1, mixture, "http://a:1", 3, at(0), grant=False) == []
+    assert len(renew(db, 1, mixture, "http://a:1", 3, at(0), grant=True)) == 3
+    assert len(renew(db, 1, mixture, "http://a:1", 3, at(1), grant=True)) == 3
 
 
 def test_a_lease_not_renewed_ends_and_its_expert_goes_to_the_next_host_that_asks(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
-    experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(0), grant=True)  # 0.0.0 to host 1
-    experts.renew_and_lease(db, 2, mixture, "http://b:1", 6, at(0), grant=True)  # four more to host 2
+    renew(db, 1, mixture, "http://a:1", 1, at(0), grant=True)  # 0.0.0 to host 1
+    renew(db, 2, mixture, "http://b:1", 6, at(0), grant=True)  # four more to host 2
     version, _ = routes(db, mixture, 0)
     # Host 1 stops calling. Before its lease ends, nobody else gets 0.0.0; after, host 2 does.
-    assert "0.0.0" not in uids(experts.renew_and_lease(db, 2, mixture, "http://b:1", 6, at(29), grant=True))
-    moved = experts.renew_and_lease(db, 2, mixture, "http://b:1", 6, at(31), grant=True)
+    assert "0.0.0" not in uids(renew(db, 2, mixture, "http://b:1", 6, at(29), grant=True))
+    moved = renew(db, 2, mixture, "http://b:1", 6, at(31), grant=True)
     assert "0.0.0" in uids(moved)
     assert routes(db, mixture, version)[1]["0.0.0"] == "http://b:1"
     # Host 1 comes back: 0.0.0 is not among its leases any more, which is how it learns it lost it.
-    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(32), grant=False) == []
+    assert renew(db, 1, mixture, "http://a:1", 1, at(32), grant=False) == []
 
 
 def test_the_transitioner_frees_ended_leases_and_trainers_see_the_experts_without_a_host(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
-    experts.renew_and_lease(db, 1, mixture, "http://a:1", 2, at(0), grant=True)
+    renew(db, 1, mixture, "http://a:1", 2, at(0), grant=True)
     version, table = routes(db, mixture, 0)
     assert table == {"0.0.0": "http://a:1", "0.0.1": "http://a:1"}
     assert experts.expire_leases(db, at(29)) == 0
@@ -88,15 +93,15 @@ def test_the_transitioner_frees_ended_leases_and_trainers_see_the_experts_withou
 
 def test_a_host_that_moves_to_another_url_is_followed(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
-    experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(0), grant=True)
+    renew(db, 1, mixture, "http://a:1", 1, at(0), grant=True)
     version, _ = routes(db, mixture, 0)
-    experts.renew_and_lease(db, 1, mixture, "http://a:2", 1, at(5), grant=False)
+    renew(db, 1, mixture, "http://a:2", 1, at(5), grant=False)
     assert routes(db, mixture, version)[1] == {"0.0.0": "http://a:2"}
 
 
 def test_only_the_lease_holder_records_a_checkpoint_and_only_a_newer_one(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
-    experts.renew_and_lease(db, 1, mixture, "http://a:1", 1, at(0), grant=True)
+    renew(db, 1, mixture, "http://a:1", 1, at(0), grant=True)
     assert experts.record_checkpoint(db, 1, mixture, "0.0.0", 5, "k5", at(1)) is None
     assert experts.record_checkpoint(db, 1, mixture, "0.0.0", 9, "k9", at(2)) == "k5"
     with pytest.raises(Refusal, match="not newer") as stale:
@@ -110,12 +115,12 @@ def test_only_the_lease_holder_records_a_checkpoint_and_only_a_newer_one(db) -> 
     with pytest.raises(NotFound, match="no expert"):
         experts.record_checkpoint(db, 1, mixture, "7.7.7", 1, "k", at(1))
     # The next host to lease the expert is told where to restore it from.
-    (lease,) = experts.renew_and_lease(db, 2, mixture, "http://b:1", 1, at(40), grant=True)
+    (lease,) = renew(db, 2, mixture, "http://b:1", 1, at(40), grant=True)
     assert (lease.uid, lease.checkpoint_key, lease.checkpoint_step) == ("0.0.0", "k9", 9)
 
 
 def test_an_unknown_mixture_is_not_found(db) -> None:
     with pytest.raises(NotFound, match="mixture 99"):
-        experts.renew_and_lease(db, 1, 99, "http://a:1", 1, at(0), grant=True)
+        renew(db, 1, 99, "http://a:1", 1, at(0), grant=True)
     with pytest.raises(NotFound, match="mixture 99"):
         experts.routing_changes(db, 99, 0)
