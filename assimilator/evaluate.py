@@ -10,6 +10,7 @@ the transitioner evaluate only when a job ends or a DeDLOC step is stored, and t
 """
 
 import importlib
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -62,13 +63,22 @@ def evaluate(
 
 class FrameworkEvaluator:
     """The evaluator a process makes once where it starts and hands its services
-    (crowdtrain.server.ledger.epochs.Evaluator): `evaluate` with the job's framework. Holds nothing;
-    a test that needs other scores gives its services another object with the same method."""
+    (crowdtrain.server.ledger.epochs.Evaluator): `evaluate` with the job's framework. A test that
+    needs other scores gives its services another object with the same method.
+
+    The model of a mode moe job is its trunk W_s with the experts' weights that `expert_weights`
+    (mixture id) gives (crowdtrain.assimilator.expert_weights.ExpertCheckpoints); a process without it
+    evaluates such a job with the experts' initial weights."""
+
+    def __init__(self, expert_weights: Callable[[int], Params] | None = None):
+        self.expert_weights = expert_weights
 
     def evaluate(
         self, job_id: int, model_config: dict, params: Params, x: np.ndarray, y: np.ndarray
     ) -> tuple[float, float]:
         """(mean cross-entropy loss, accuracy) of `params` on (x, y) (`evaluate`)."""
+        if "mixture" in model_config and self.expert_weights is not None:
+            params = {**params, **self.expert_weights(int(model_config["mixture"]))}
         return evaluate(job_id, model_config, params, x, y)
 
 

@@ -1,11 +1,15 @@
 """Logits of a zoo model with PyTorch, for evaluation (crowdtrain.assimilator.evaluate)."""
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import torch
 from torch import nn
 
 from crowdtrain.core import zoo
 from crowdtrain.core.tensors import Params
+from crowdtrain.core.zoo_experts import EXPERT_PREFIX, MixtureTrunk, local_experts
 
 # Each job's model, built once per process.
 _models: dict[int, nn.Module] = {}
@@ -18,9 +22,14 @@ def logits(job_id: int, model_config: dict, params: Params, x: np.ndarray, batch
         model = _models[job_id] = zoo.build_model(
             model_config["name"], model_config["input_shape"], model_config["num_classes"], **model_config["options"]
         )
-    zoo.load_numpy_state(model, params)
+    if isinstance(model, MixtureTrunk):  # mode moe: the trunk, and its experts from `params` (expert/UID/NAME)
+        zoo.load_numpy_state(model, {k: v for k, v in params.items() if not k.startswith(EXPERT_PREFIX)})
+        forward: Callable[[torch.Tensor], torch.Tensor] = partial(model, experts=local_experts(model.layout, params))
+    else:
+        zoo.load_numpy_state(model, params)
+        forward = model
     model.eval()
     with torch.inference_mode():
         return np.concatenate(
-            [model(torch.from_numpy(x[i : i + batch_size])).numpy() for i in range(0, len(x), batch_size)]
+            [forward(torch.from_numpy(x[i : i + batch_size])).numpy() for i in range(0, len(x), batch_size)]
         )

@@ -8,6 +8,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator
+from crowdtrain.assimilator.expert_weights import ExpertCheckpoints
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.server.ledger.db import session_factory
@@ -37,10 +38,12 @@ class MergeServices:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "MergeServices":
+        db = session_factory(settings.resolved_database_url)
+        storage = open_storage(settings.resolved_storage_url, settings.s3_endpoint_url)
         return cls(
-            session_factory(settings.resolved_database_url),
-            open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+            db,
+            storage,
             store.connect(settings.redis_url),
             settings.snapshots_kept,
-            FrameworkEvaluator(),
+            FrameworkEvaluator(ExpertCheckpoints(db, storage)),
         )

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from crowdtrain.workgen.datasets import gaussian_clusters
+
 Arrays = dict[str, np.ndarray]
 
 
@@ -78,19 +80,9 @@ def image_arrays(
 def cluster_arrays(
     seed: int, n_train: int = 6000, n_val: int = 1000, dim: int = 8, clusters: int = 40, classes: int = 10
 ) -> Arrays:
-    """Gaussian clusters (fixed centres, spread 0.3) with `clusters // classes` clusters per class, so
-    that no linear model separates the classes (one reaches about 0.63 with the defaults, an MLP 0.99):
-    expert-parallel training's task, where the experts must do the work. `seed` draws the examples."""
-    centres = np.random.default_rng(12345).normal(size=(clusters, dim))
-    rng = np.random.default_rng(seed)
-
-    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
-        which = rng.integers(0, clusters, n)
-        x = centres[which] + 0.3 * rng.normal(size=(n, dim))
-        return x.astype(np.float32), (which % classes).astype(np.int64)
-
-    x, y = draw(n_train)
-    x_val, y_val = draw(n_val)
+    """Gaussian clusters that no linear model separates (crowdtrain.workgen.datasets.gaussian_clusters,
+    the examples of `builtin:clusters`): expert-parallel training's task. `seed` draws the examples."""
+    x, y, x_val, y_val = gaussian_clusters(seed, n_train, n_val, dim, clusters, classes)
     return {"x": x, "y": y, "x_val": x_val, "y_val": y_val}
 
 

@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -59,10 +60,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from crowdtrain.client.experts.leasing import MixtureAPI, RoutingFollower
-from crowdtrain.client.experts.mixture import ExpertClient
+from crowdtrain.client.experts.leasing import MixtureAPI
+from crowdtrain.client.experts.mixture import ExpertClient, RoutingFollower
 from crowdtrain.client.experts.trainer import MixtureClassifier, PipelinedTrainer, accuracy
 from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.zoo_experts import MixtureTrunk
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, wait_for
 from efficiency_data import cluster_arrays
 from process_cpu import cpu_seconds
@@ -137,7 +139,7 @@ def throughput(directory: Path, seconds: float, in_flight: int, latency: float =
     client = ExpertClient(LAYOUT, hosts.routes, max_concurrency=256)
     try:
         torch.manual_seed(0)
-        model = MixtureClassifier(8, 10, LAYOUT, client)
+        model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
         trainer = PipelinedTrainer(model, torch.optim.Adam(model.parameters(), lr=3e-3), in_flight)
         stream = batches(data["x"], data["y"], 0)
         warm_until = time.monotonic() + min(5.0, seconds / 2)
@@ -183,7 +185,7 @@ def accuracies(directory: Path, examples: int, in_flight: int, drop_rate: float)
     client = ExpertClient(LAYOUT, hosts.routes, max_concurrency=256)
     try:
         torch.manual_seed(0)
-        model = MixtureClassifier(8, 10, LAYOUT, client)
+        model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
         trainer = PipelinedTrainer(model, torch.optim.Adam(model.parameters(), lr=3e-3), in_flight)
         trainer.train(batches(data["x"], data["y"], 0), lambda: trainer.examples >= examples)
         moe = accuracy(model, data["x_val"], data["y_val"])
@@ -214,7 +216,7 @@ def restore(cluster: Cluster, in_flight: int) -> dict:
     api = MixtureAPI(cluster.url)
     api.register(cluster.join_token, "trainer")
     client = ExpertClient(LAYOUT, {}, max_concurrency=256)
-    follower = RoutingFollower(api, mixture_id, client)
+    follower = RoutingFollower(partial(api.routing, mixture_id), client)
     total = LAYOUT.layers * LAYOUT.experts_per_layer
 
     def routed() -> dict[str, str]:
@@ -224,7 +226,7 @@ def restore(cluster: Cluster, in_flight: int) -> dict:
     wait_for(lambda: len(routed()) == total, 120, "the experts were not all leased", hosts[0][0])
     data = cluster_arrays(1)
     torch.manual_seed(0)
-    model = MixtureClassifier(8, 10, LAYOUT, client)
+    model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
     trainer = PipelinedTrainer(model, torch.optim.Adam(model.parameters(), lr=3e-3), in_flight)
     stop = threading.Event()
     training = threading.Thread(target=trainer.train, args=(batches(data["x"], data["y"], 0), stop.is_set))

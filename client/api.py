@@ -41,6 +41,7 @@ from crowdtrain.core.schemas import (
     WorkReply,
     WorkRequest,
 )
+from crowdtrain.core.schemas_experts import RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ class SchedulerAPI:
     def start(self, assignment_id: int) -> SnapshotBound:
         """Which snapshot the assignment trains from, now that a compute slot starts it."""
         return parse_reply(SnapshotBound, self._request("POST", f"/v1/assignments/{assignment_id}/start"))
+
+    def routing(self, mixture_id: int, since: int) -> RoutingTable:
+        """What changed in the routing table of a mixture-of-experts job's experts since version `since`."""
+        return parse_reply(RoutingTable, self._request("GET", f"/v1/mixtures/{mixture_id}/routing?since={since}"))
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}

@@ -4,16 +4,18 @@ is SIGKILLed mid-run, its experts are leased again to the others and restored fr
 checkpoints, and the model still reaches its target, which its dense trunk alone does not."""
 
 import signal
+from functools import partial
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from crowdtrain.client.experts.leasing import MixtureAPI, RoutingFollower
-from crowdtrain.client.experts.mixture import ExpertClient
+from crowdtrain.client.experts.leasing import MixtureAPI
+from crowdtrain.client.experts.mixture import ExpertClient, RoutingFollower
 from crowdtrain.client.experts.trainer import MixtureClassifier, accuracy, train_step
 from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.zoo_experts import MixtureTrunk
 from crowdtrain.launch.cluster import wait_for
 from tests.benchmark_modules import load_benchmark
 
@@ -59,7 +61,7 @@ def test_the_dense_trunk_alone_stays_below_the_target() -> None:
     experts add is what the test below needs to reach its target."""
     client = ExpertClient(LAYOUT, {})
     torch.manual_seed(0)
-    model = MixtureClassifier(8, 10, LAYOUT, client)
+    model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
     assert train(model, MAX_STEPS) < TARGET - 0.1
     assert model.dropped_rows > 0
     client.close()
@@ -78,7 +80,7 @@ def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_resto
     api = MixtureAPI(cluster.url)
     api.register(cluster.join_token, "trainer")
     client = ExpertClient(LAYOUT, {})
-    follower = RoutingFollower(api, mixture, client)
+    follower = RoutingFollower(partial(api.routing, mixture), client)
     experts = LAYOUT.layers * LAYOUT.experts_per_layer
 
     def routed() -> dict[str, str]:
@@ -90,7 +92,7 @@ def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_resto
     x_train, y_train = clusters(6000, 1)
     x_val, y_val = clusters(1000, 2)
     torch.manual_seed(0)
-    model = MixtureClassifier(8, 10, LAYOUT, client)
+    model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     rng = np.random.default_rng(0)
     killed_url, reached, history = hosts[2][1], None, []

@@ -26,6 +26,7 @@ from crowdtrain.core.tensors import (
 )
 from crowdtrain.core.updates import upload_of
 from crowdtrain.core.zoo_keras import build_model as build_keras_model
+from crowdtrain.server.ledger import experts as mixtures
 from crowdtrain.server.ledger import jobs, snapshot_list
 from crowdtrain.server.ledger.models import Job, Shard
 from crowdtrain.server.paramstore import store
@@ -102,6 +103,8 @@ def _create_job(
             f"one upload ({upload_max_bytes:,} bytes, upload_max_bytes)"
         )
     recorded = spec.model_dump(mode="json")
+    if spec.experts is not None:  # mode moe: the experts its trainers call, leased to expert hosts from now on
+        model_config["mixture"] = mixtures.create_mixture(db, spec.name, spec.experts)
     if data.label_names is not None:  # the order string labels were numbered in (DatasetSpec.label_names)
         recorded["dataset"]["label_names"] = data.label_names
     job_id = jobs.create_job(

@@ -1,4 +1,5 @@
-"""One expert on its host: its module, its optimizer and the two calls it answers. No I/O.
+"""One expert on its host: its module (crowdtrain.core.zoo_experts), its optimizer and the two calls it
+answers. No I/O.
 
 backward recomputes the forward pass from the inputs it is sent (the host keeps no activations
 between calls: gradient checkpointing, as in Learning@home), returns the gradient of the inputs and
@@ -10,36 +11,10 @@ import threading
 
 import numpy as np
 import torch
-from torch import nn
 
-from crowdtrain.core.experts import ExpertLayout, layout_has, parse_uid
+from crowdtrain.core.experts import ExpertLayout, layout_has
 from crowdtrain.core.tensors import check_layout, encode, header_limits, views
-
-
-class FeedForwardExpert(nn.Module):
-    """An expert: dim -> hidden -> dim with a GELU between, as the experts of Learning@home's experiments."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.net(x)
-        return out
-
-
-def build_expert(layout: ExpertLayout, uid: str, seed: int | None = None) -> FeedForwardExpert:
-    """Expert `uid`'s module with its initial weights: the same for every host that builds it from the
-    same seed (the layout's by default), so that a host starting an expert that has no checkpoint yet
-    starts where any other would. The global random state is left as it was."""
-    layer, coords = parse_uid(uid)
-    seed = layout.seed if seed is None else seed
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed * 1_000_003 + layer * 65_537 + int(np.ravel_multi_index(coords, layout.grid)))
-        return FeedForwardExpert(layout.dim, layout.hidden)
-    finally:
-        torch.random.set_rng_state(generator_state)
+from crowdtrain.core.zoo_experts import build_expert
 
 
 class ExpertFailed(RuntimeError):

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from crowdtrain.client.experts.expert import Expert
 from crowdtrain.client.experts.host import ExpertHost
-from crowdtrain.client.experts.mixture import ExpertClient
 from crowdtrain.client.server_http import Refused, ServerHTTP, parse_reply
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.schemas import HostRegister, HostRegistered
@@ -131,20 +130,3 @@ class LeaseKeeper:
 def layout_of(api: MixtureAPI, mixture_id: int, url: str) -> ExpertLayout:
     """The mixture's layout, asked for without taking any expert (capacity 0)."""
     return api.lease(mixture_id, url, 0).layout
-
-
-@dataclass
-class RoutingFollower:
-    """A trainer's copy of the routing table, brought up to date by its changes."""
-
-    api: MixtureAPI
-    mixture_id: int
-    client: ExpertClient
-    version: int = 0
-
-    def refresh(self) -> int:
-        """Apply what changed since the version held; how many routes changed."""
-        table = self.api.routing(self.mixture_id, self.version)
-        self.client.set_routes({r.uid: r.url for r in table.routes})
-        self.version = table.version
-        return len(table.routes)

@@ -1,10 +1,9 @@
 """A trainer's side of expert-parallel training: mixture-of-experts layers whose experts live on
 expert hosts (crowdtrain.client.experts.host).
 
-Gating follows Learning@home (Ryabinin & Gusev 2020, section 3.1): a layer's experts sit on a grid,
-one small linear layer per grid dimension scores its coordinates, and an expert's score is the sum
-of its coordinates' scores, g(x) = sum_i g_i(x)[u_i]. Each input goes to its k best experts among
-those the routing table lists. One call per expert per batch carries all the rows routed to it;
+The routing (grid gating, each input's k best experts among those the routing table lists) and the
+renormalised combination are crowdtrain.core.zoo_experts', shared with the parameter servers'
+evaluation. One call per expert per batch carries all the rows routed to it;
 the calls run concurrently, and the trainer waits until every row has `k_min` answers and then a
 `grace` period more, or until the timeout. Experts that fail or answer late are dropped and the
 weights of the rest renormalised (a softmax over the answered experts' scores): this acts like
@@ -16,7 +15,7 @@ answered forward; one that fails then contributes no input gradient.
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +23,10 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
-from torch import nn
 
 from crowdtrain.core.experts import ExpertLayout, encode_call, parse_uid, read_call
+from crowdtrain.core.schemas_experts import RoutingTable
+from crowdtrain.core.zoo_experts import GridGate, combine, route
 
 _ANSWER = {"forward": ("y",), "backward": ("grad_x",)}
 
@@ -183,47 +183,43 @@ class _RemoteExperts(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-class GridGate(nn.Module):
-    """Scores of a layer's experts: one linear layer per grid dimension, an expert's score the sum of
-    its coordinates' scores."""
+class RemoteExperts:
+    """A trunk's mixture-of-experts layers (crowdtrain.core.zoo_experts.MixtureLayers) whose experts are
+    remote: each row's k best among the experts the routing table lists, called over `client`."""
 
-    def __init__(self, dim: int, grid: list[int]):
-        super().__init__()
-        self.per_dimension = nn.ModuleList(nn.Linear(dim, n) for n in grid)
-
-    def forward(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
-        """[rows, experts] scores of the experts at `coords` [experts, grid dimensions]."""
-        return sum(gate(x)[:, coords[:, i]] for i, gate in enumerate(self.per_dimension))
-
-
-class RemoteMixture(nn.Module):
-    """A mixture-of-experts layer whose experts are remote: [rows, dim] -> [rows, dim]."""
-
-    def __init__(self, layout: ExpertLayout, layer: int, client: ExpertClient):
-        super().__init__()
-        self.layout, self.layer, self.client = layout, layer, client
-        self.gate = GridGate(layout.dim, layout.grid)
+    def __init__(self, client: ExpertClient):
+        self.client, self.layout = client, client.layout
         self.dropped_rows = 0  # rows that got fewer than k_min answers, so far
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        uids = self.client.available(self.layer)
+    def __call__(self, layer: int, gate: GridGate, x: torch.Tensor) -> torch.Tensor:
+        uids = self.client.available(layer)
         if not uids:
             self.dropped_rows += x.shape[0]
             return torch.zeros_like(x)
-        coords = torch.tensor([parse_uid(uid)[1] for uid in uids])
-        scores = self.gate(x, coords)
-        k = min(self.layout.k, len(uids))
-        top_scores, top = scores.topk(k, dim=1)
+        top_scores, top = route(gate, x, uids, self.layout.k)
         routed = []
         for e in torch.unique(top).tolist():
             rows, places = (top == e).nonzero(as_tuple=True)
             routed.append(_Routed(uids[e], rows, places))
-        y, came = _RemoteExperts.apply(x, self.client, routed, k)
-        enough = came.sum(dim=1) >= self.layout.k_min
+        y, came = _RemoteExperts.apply(x, self.client, routed, top.shape[1])
+        out, enough = combine(top_scores, y, came, self.layout.k_min)
         self.dropped_rows += int((~enough).sum())
-        # Rows with no answer at all are given finite scores, so that no NaN of a softmax over -inf
-        # reaches the gradient; their weights are zeroed with the other rows that have too few.
-        some = came.any(dim=1, keepdim=True)
-        scores_came = torch.where(some, top_scores.masked_fill(~came, float("-inf")), torch.zeros_like(top_scores))
-        weights = torch.where(enough[:, None], torch.softmax(scores_came, dim=1), torch.zeros_like(top_scores))
-        return (weights[:, :, None] * y).sum(dim=1)
+        return out
+
+
+@dataclass
+class RoutingFollower:
+    """A trainer's copy of a mixture's routing table in `client`, brought up to date by its changes:
+    `fetch(since)` answers what changed since a version (MixtureAPI.routing or SchedulerAPI.routing of
+    one mixture)."""
+
+    fetch: Callable[[int], RoutingTable]
+    client: ExpertClient
+    version: int = 0
+
+    def refresh(self) -> int:
+        """Apply what changed since the version held; how many routes changed."""
+        table = self.fetch(self.version)
+        self.client.set_routes({r.uid: r.url for r in table.routes})
+        self.version = table.version
+        return len(table.routes)

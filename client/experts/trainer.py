@@ -3,6 +3,7 @@
 hosts, which step them on each backward call."""
 
 import copy
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -11,32 +12,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from crowdtrain.client.experts.mixture import ExpertClient, RemoteMixture
-from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.client.experts.mixture import ExpertClient, RemoteExperts
+from crowdtrain.core.zoo_experts import MixtureTrunk
 
 
 class MixtureClassifier(nn.Module):
-    """input -> linear to the layout's width -> each mixture layer as a residual branch after a layer
-    norm (x + moe(norm(x))) -> layer norm -> linear to the classes. A row that a layer drops (too few
-    experts answered) passes through that layer unchanged."""
+    """A trainer's model: the dense `trunk` (crowdtrain.core.zoo_experts.MixtureTrunk, whose parameters
+    are all the trainer holds) with its mixture layers computed by the remote experts `client` calls."""
 
-    def __init__(self, input_dim: int, num_classes: int, layout: ExpertLayout, client: ExpertClient):
+    def __init__(self, trunk: MixtureTrunk, client: ExpertClient):
         super().__init__()
-        self.embed = nn.Linear(input_dim, layout.dim)
-        self.norms = nn.ModuleList(nn.LayerNorm(layout.dim) for _ in range(layout.layers))
-        self.mixtures = nn.ModuleList(RemoteMixture(layout, layer, client) for layer in range(layout.layers))
-        self.head = nn.Sequential(nn.LayerNorm(layout.dim), nn.Linear(layout.dim, num_classes))
+        self.trunk = trunk
+        self.remote = RemoteExperts(client)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for norm, mixture in zip(self.norms, self.mixtures, strict=True):
-            h = h + mixture(norm(h))
-        logits: torch.Tensor = self.head(h)
+        logits: torch.Tensor = self.trunk(x, self.remote)
         return logits
 
     @property
     def dropped_rows(self) -> int:
-        return sum(m.dropped_rows for m in self.mixtures)  # type: ignore[misc]
+        return self.remote.dropped_rows
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: np.ndarray, y: np.ndarray) -> float:
@@ -64,16 +59,17 @@ class PipelinedTrainer:
     and applies its gradient when it ends: the trunk's steps are asynchronous, each stale by at most
     `in_flight - 1` steps (the experts' steps happen on their hosts, at each backward call)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, in_flight: int):
+    def __init__(self, model: MixtureClassifier, optimizer: torch.optim.Optimizer, in_flight: int):
         self.model, self.optimizer, self.in_flight = model, optimizer, in_flight
-        self.steps, self.examples = 0, 0
+        self.steps, self.examples, self.loss_sum = 0, 0, 0.0
         self._lock = threading.Lock()
         self._replicas = threading.local()
 
     def _replica(self) -> nn.Module:
         replica = getattr(self._replicas, "model", None)
         if replica is None:
-            shared = {id(m.client): m.client for m in self.model.modules() if isinstance(m, RemoteMixture)}
+            client = self.model.remote.client
+            shared = {id(client): client}
             with self._lock:
                 replica = copy.deepcopy(self.model, memo=shared)
             self._replicas.model = replica
@@ -94,15 +90,19 @@ class PipelinedTrainer:
             self.optimizer.step()
             self.steps += 1
             self.examples += len(y)
+            self.loss_sum += float(loss.detach()) * len(y)
         return float(loss.detach())
 
-    def train(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], done: Callable[[], bool]) -> None:
-        """Train on `batches`, `in_flight` at a time, until `done()` says so (checked as each one ends)."""
+    def train(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], done: Callable[[], bool] = lambda: False) -> None:
+        """Train on `batches`, `in_flight` at a time, until they run out or `done()` says so (checked as
+        each one ends). An exception of a micro-batch, or of `batches` (a cancelled workunit), ends the
+        training once the micro-batches running have ended."""
         with ThreadPoolExecutor(self.in_flight, thread_name_prefix="micro-batch") as pool:
-            running = {pool.submit(self.step, *next(batches)) for _ in range(self.in_flight)}
+            running = {pool.submit(self.step, *batch) for batch in itertools.islice(batches, self.in_flight)}
             while running:
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
                 for f in finished:
                     f.result()
-                    if not done():
-                        running.add(pool.submit(self.step, *next(batches)))
+                    batch = None if done() else next(batches, None)
+                    if batch is not None:
+                        running.add(pool.submit(self.step, *batch))

@@ -21,9 +21,9 @@ The contract every trainer keeps:
 import importlib
 import math
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +32,8 @@ from crowdtrain.core.tensors import Params
 
 # The trainer module of each framework, imported only when it trains: each imports its framework.
 TRAINERS = {"pytorch": "crowdtrain.client.trainers.pytorch", "tensorflow": "crowdtrain.client.trainers.tensorflow"}
+# The trainer of a mode moe workunit (the trunk of model "moe", through its remote experts): PyTorch.
+MOE_MODEL, MOE_TRAINER = "moe", "crowdtrain.client.experts.workunit"
 # The trainers that can start from an optimizer state (the Keras one always starts from zero).
 KEEPS_OPTIMIZER_STATE = frozenset({"pytorch"})
 
@@ -132,12 +134,22 @@ def train(
     checkpoint: Checkpoint | None = None,
     local_fraction: float = 1.0,
     optimizer_state: Params | None = None,
+    routing: Callable[[int, int], Any] | None = None,
 ) -> TrainResult:
     """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
     epochs' steps, the optimizer from `optimizer_state` where the trainer can; see the module
-    docstring for the contract."""
+    docstring for the contract. The trunk of a mixture-of-experts model (mode moe) trains through its
+    experts, whose hosts `routing` (mixture id, since) names (crowdtrain.client.experts.workunit)."""
     if framework not in TRAINERS:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
+    if recipe["model"]["name"] == MOE_MODEL:
+        if routing is None:
+            raise ValueError("a moe workunit trains through its mixture's experts: give `routing`")
+        run_moe = importlib.import_module(MOE_TRAINER).train
+        result: TrainResult = run_moe(
+            recipe, params, x, y, routing, control, local_fraction=local_fraction, optimizer_state=optimizer_state
+        )
+        return result
     run = importlib.import_module(TRAINERS[framework]).train
     extra = {"optimizer_state": optimizer_state} if framework in KEEPS_OPTIMIZER_STATE else {}
     return run(

@@ -15,13 +15,13 @@ _ORDER = "__order__"
 _RNG = "__rng__"
 
 
-def _optimizer(model: torch.nn.Module, t: dict) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, t: dict) -> torch.optim.Optimizer:
     if t["optimizer"] == "adam":
         return torch.optim.Adam(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
     return torch.optim.SGD(model.parameters(), lr=t["lr"], momentum=t["momentum"], weight_decay=t["weight_decay"])
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> Params:
+def optimizer_tensors(opt: torch.optim.Optimizer) -> Params:
     """The optimizer's per-parameter state (Adam moments and step, SGD momentum) as named arrays."""
     out: Params = {}
     for index, state in opt.state_dict()["state"].items():
@@ -30,7 +30,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> Params:
     return out
 
 
-def _load_optimizer(opt: torch.optim.Optimizer, tensors: Params) -> None:
+def load_optimizer(opt: torch.optim.Optimizer, tensors: Params) -> None:
     sd = opt.state_dict()
     state: dict[int, dict] = {}
     for name, value in tensors.items():
@@ -60,14 +60,14 @@ def train(
     control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]
     model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
-    opt = _optimizer(model, t)
+    opt = make_optimizer(model, t)
     gen = torch.Generator().manual_seed(int(recipe["seed"]))
     first_epoch, first_batch, loss_sum, seen, order = 0, 0, 0.0, 0, None
     resumed = checkpoint.resumed if checkpoint is not None else None
     if resumed is not None:
         tensors, progress = resumed
         load_numpy_state(model, {k: v for k, v in tensors.items() if not k.startswith("__")})
-        _load_optimizer(opt, tensors)
+        load_optimizer(opt, tensors)
         gen.set_state(torch.from_numpy(np.array(tensors[_RNG], copy=True)))
         order = torch.from_numpy(np.array(tensors[_ORDER], copy=True))
         first_epoch, first_batch = progress["epoch"], progress["batch_start"]
@@ -75,7 +75,7 @@ def train(
     else:
         load_numpy_state(model, params)
         if optimizer_state is not None:
-            _load_optimizer(opt, optimizer_state)
+            load_optimizer(opt, optimizer_state)
     model.to(device).train()
     # Moving the model after loading keeps the optimizer state on the parameters' device.
     for st in opt.state.values():
@@ -110,7 +110,7 @@ def train(
         loss_sum / max(seen, 1),
         examples_in(steps, len(xt), bs),
         time.monotonic() - start,
-        _optimizer_tensors(opt),
+        optimizer_tensors(opt),
     )
 
 
@@ -127,7 +127,7 @@ def _save(
 ) -> None:
     tensors = {
         **state_to_numpy(model),
-        **_optimizer_tensors(opt),
+        **optimizer_tensors(opt),
         _ORDER: order.numpy().copy(),
         _RNG: gen.get_state().numpy().copy(),
     }

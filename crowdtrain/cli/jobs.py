@@ -10,6 +10,7 @@ from rich.console import Console
 
 from crowdtrain.cli.adminapi import TokenOpt, admin_client, checked, checked_rows
 from crowdtrain.cli.datasets import upload_dataset
+from crowdtrain.cli.mixtures import print_mixture
 from crowdtrain.cli.options import DEFAULT_SERVER, HELP_LAYOUT, ArgumentsCommand, ServerOpt
 from crowdtrain.cli.plot import Against, NothingToPlot, plot_accuracy
 from crowdtrain.cli.progress import jobs_table, now_utc, problems_view, status_table, watch
@@ -165,9 +166,12 @@ def job_status(
     with admin_client(server, admin_token) as http:
         st = JobStatusOut.model_validate(checked(http.get(f"/v1/jobs/{job_id}")))
         found = JobProblems.model_validate(checked(http.get(f"/v1/jobs/{job_id}/problems", params={"limit": problems})))
+        mixture = None if st.mixture_id is None else checked(http.get(f"/v1/mixtures/{st.mixture_id}"))
     console = Console()
     console.print(status_table(st, last_epochs=None))
     console.print(problems_view(found))
+    if mixture is not None:  # mode moe: where its experts are served
+        print_mixture(mixture)
 
 
 @app.command("plot", cls=ArgumentsCommand)

@@ -63,7 +63,12 @@ def status(
 ) -> None:
     """Each expert's host, lease and last checkpoint."""
     with admin_client(server, admin_token) as http:
-        mixture = checked(http.get(f"/v1/mixtures/{mixture_id}"))
+        print_mixture(checked(http.get(f"/v1/mixtures/{mixture_id}")))
+
+
+def print_mixture(mixture: dict) -> None:
+    """A mixture as `GET /v1/mixtures/{id}` answers it: a line of figures, then each expert's host,
+    lease left and last checkpoint (also `crowdtrain job status` of a mode moe job)."""
     now = datetime.now(UTC).replace(tzinfo=None)
     rows = []
     for e in mixture["experts"]:

@@ -13,6 +13,7 @@ import typer
 import uvicorn
 
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator
+from crowdtrain.assimilator.expert_weights import ExpertCheckpoints
 from crowdtrain.assimilator.worker.celery_app import celery_app, enqueue_merge
 from crowdtrain.cli.options import HELP_LAYOUT, configure_logging
 from crowdtrain.core import keys
@@ -130,11 +131,13 @@ def transitioner() -> None:
     r = store.connect(settings.redis_url)
     heartbeat = health.Heartbeat(r, "transitioner", f"{socket.gethostname()}-{os.getpid()}").start()
     try:
+        db = session_factory(settings.resolved_database_url)
+        storage = open_storage(settings.resolved_storage_url, settings.s3_endpoint_url)
         run_forever(
-            session_factory(settings.resolved_database_url),
-            open_storage(settings.resolved_storage_url, settings.s3_endpoint_url),
+            db,
+            storage,
             r,
-            FrameworkEvaluator(),
+            FrameworkEvaluator(ExpertCheckpoints(db, storage)),
             settings.transitioner_interval,
             settings.stuck_upload_seconds,
             enqueue_merge,

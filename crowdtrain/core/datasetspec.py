@@ -18,7 +18,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_CLASSES = 100_000
-BUILTIN_SOURCES = ("builtin:mnist1d",)
+# mnist1d: 4,000 + 1,000 1-D signals of 10 digits; clusters: 6,000 + 1,000 examples of 40 Gaussian clusters in 8
+# dimensions, four per class, which no linear model separates (crowdtrain.workgen.datasets.gaussian_clusters)
+BUILTIN_SOURCES = ("builtin:mnist1d", "builtin:clusters")
 FORMATS = ("npz", "csv", "parquet", "hf", "images")
 TABLE_FORMATS = ("csv", "parquet")
 FOLDER_FORMATS = ("hf", "images")  # uploaded as a tar archive of the folder
@@ -32,7 +34,7 @@ class DatasetSpec(BaseModel):
 
     source: str = Field(
         ...,
-        description="builtin:mnist1d, or FORMAT:LOCATION with FORMAT one of npz, csv, parquet, hf "
+        description="builtin:mnist1d, builtin:clusters, or FORMAT:LOCATION with FORMAT one of npz, csv, parquet, hf "
         "(datasets.save_to_disk), images (a sub-folder per class) and LOCATION an absolute path on the "
         "scheduler's machine or sha256:HEX of a dataset uploaded to the scheduler (`crowdtrain job "
         "submit` uploads a local path and resolves a relative one against the spec file's folder)",
@@ -81,7 +83,7 @@ class DatasetSpec(BaseModel):
         fmt, _, location = self.source.partition(":")
         if fmt not in FORMATS or not location:
             raise ValueError(
-                f"dataset.source must be 'builtin:mnist1d' or FORMAT:LOCATION with FORMAT one of "
+                f"dataset.source must be 'builtin:mnist1d', 'builtin:clusters' or FORMAT:LOCATION with FORMAT one of "
                 f"{', '.join(FORMATS)}, got {self.source!r}"
             )
         if location.startswith(UPLOADED):

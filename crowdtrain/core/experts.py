@@ -57,6 +57,7 @@ class ExpertLayout(SpecSection):
         50, ge=1, le=1_000_000, description="an expert's steps between the checkpoints its host uploads"
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the experts' initial weights")
+    in_flight: int = Field(8, ge=1, le=256, description="micro-batches a trainer keeps going through the model at once")
 
     @model_validator(mode="after")
     def _coherent(self) -> "ExpertLayout":

@@ -13,7 +13,7 @@ Framework = Literal["pytorch", "tensorflow"]
 FRAMEWORKS: tuple[Framework, ...] = ("pytorch", "tensorflow")
 KERAS_MODEL = "keras"  # model.name of a job whose model is a Keras model JSON
 # Zoo models each framework has a port of (crowdtrain/zoo.py, crowdtrain/zoo_keras.py).
-ZOO_PORTS = {"pytorch": frozenset({"mlp", "cnn1d", "resnet"}), "tensorflow": frozenset({"mlp", "cnn1d"})}
+ZOO_PORTS = {"pytorch": frozenset({"mlp", "cnn1d", "resnet", "moe"}), "tensorflow": frozenset({"mlp", "cnn1d"})}
 _MODULES = {"pytorch": "torch", "tensorflow": "tensorflow"}
 
 

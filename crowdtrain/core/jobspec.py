@@ -9,13 +9,18 @@ from typing import Any, Final, Literal
 from pydantic import Field, model_validator
 
 from crowdtrain.core.datasetspec import DatasetSpec, resolve_relative_source
+from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.frameworks import KERAS_MODEL, ZOO_PORTS, Framework
 from crowdtrain.core.modelspec import MAX_KERAS_JSON_BYTES, ModelSpec
 from crowdtrain.core.specfile import SpecFileError, SpecSection, load_yaml, read_bounded
 from crowdtrain.core.validationspec import ValidationSpec
 
-VC_ASGD: Final = "vc-asgd"  # the one job mode whose work is epochs of workunits
+VC_ASGD: Final = "vc-asgd"  # asynchronous data-parallel: epochs of workunits whose results are merged
 DEDLOC: Final = "dedloc"  # synchronous rounds of peers (crowdtrain.server.services.dedloc); never workunits
+# Expert-parallel (Learning@home): workunits train the dense trunk, merged as in vc-asgd, while its
+# mixture-of-experts layers are served by expert hosts (crowdtrain.core.experts)
+MOE: Final = "moe"
+WORKUNIT_MODES: Final = (VC_ASGD, MOE)  # the modes whose work is epochs of workunits
 
 
 class TrainingSpec(SpecSection):
@@ -287,7 +292,7 @@ class DedlocSpec(SpecSection):
 
 class JobSpec(SpecSection):
     name: str = Field(..., min_length=1, max_length=200)
-    mode: Literal["vc-asgd", "dedloc"] = VC_ASGD
+    mode: Literal["vc-asgd", "dedloc", "moe"] = VC_ASGD
     framework: Framework = Field(
         "pytorch",
         description="The framework the job is written for; clients with another framework that "
@@ -302,6 +307,11 @@ class JobSpec(SpecSection):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     validation: ValidationSpec = Field(default_factory=ValidationSpec)
     dedloc: DedlocSpec | None = Field(None, description="Required in dedloc mode, refused otherwise")
+    experts: ExpertLayout | None = Field(
+        None,
+        description="Required in moe mode, refused otherwise: the mixture-of-experts layers served by expert "
+        "hosts, their optimizer and checkpoints, and how trainers call them",
+    )
 
     @model_validator(mode="after")
     def _mode_sections(self) -> "JobSpec":
@@ -316,11 +326,29 @@ class JobSpec(SpecSection):
                 raise ValueError("mode 'dedloc' supports models without BatchNorm (mlp, cnn1d), not 'resnet'")
             if self.framework != "pytorch":
                 raise ValueError("mode 'dedloc' peers train with PyTorch: use framework 'pytorch'")
+        elif self.dedloc is not None:
+            raise ValueError(f"a 'dedloc' section is only allowed with mode 'dedloc', not {self.mode!r}")
+        if self.mode != DEDLOC and self.stop.max_steps is not None:
+            raise ValueError(f"stop.max_steps applies to mode 'dedloc'; {self.mode} stops at stop.max_epochs")
+        return self
+
+    @model_validator(mode="after")
+    def _moe_sections(self) -> "JobSpec":
+        if self.mode == MOE:
+            if self.experts is None:
+                raise ValueError("mode 'moe' needs an 'experts' section (layers, grid, dim, k, ...)")
+            if self.model.name != "moe":
+                raise ValueError(
+                    f"mode 'moe' trains the trunk of a mixture-of-experts model: model.name is 'moe', not "
+                    f"{self.model.name!r}"
+                )
+            if self.framework != "pytorch":
+                raise ValueError("mode 'moe' trainers run PyTorch: use framework 'pytorch'")
         else:
-            if self.dedloc is not None:
-                raise ValueError(f"a 'dedloc' section is only allowed with mode 'dedloc', not {self.mode!r}")
-            if self.stop.max_steps is not None:
-                raise ValueError("stop.max_steps applies to mode 'dedloc'; vc-asgd stops at stop.max_epochs")
+            if self.experts is not None:
+                raise ValueError(f"an 'experts' section is only allowed with mode 'moe', not {self.mode!r}")
+            if self.model.name == "moe":
+                raise ValueError("model 'moe' is the trunk of a mixture-of-experts model: it needs mode 'moe'")
         return self
 
     @model_validator(mode="after")
@@ -344,6 +372,8 @@ class JobSpec(SpecSection):
             "num_classes": num_classes,
             "options": self.model.options,
         }
+        if self.experts is not None:  # the trunk's shape (crowdtrain.core.zoo_experts.MixtureTrunk)
+            config["options"] = {**self.model.options, "layout": self.experts.model_dump(mode="json")}
         if self.model.keras is not None:
             config["keras"] = self.model.keras
         return config

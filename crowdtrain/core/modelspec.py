@@ -8,7 +8,7 @@ from pydantic import Field, StrictInt, ValidationError, model_validator
 from crowdtrain.core.frameworks import KERAS_MODEL
 from crowdtrain.core.specfile import SpecSection
 
-ZOO_MODELS = ("mlp", "cnn1d", "resnet")
+ZOO_MODELS = ("mlp", "cnn1d", "resnet", "moe")
 
 # Bounds that keep a zoo model buildable at all; whether it fits the upload limit is checked at
 # submission by building it without memory (crowdtrain.core.zoo.check_model).
@@ -20,6 +20,7 @@ BUILDER_ARGUMENTS = {
     "name": "model.name",
     "input_shape": "the dataset's examples",
     "num_classes": "the dataset's labels (dataset.classes)",
+    "layout": "the job's experts section (mode moe)",
 }
 MAX_KERAS_JSON_BYTES = 8 * 1024 * 1024  # a spec file's `model.keras_file`
 
@@ -41,9 +42,18 @@ class ResNetOptions(SpecSection):
     blocks: StrictInt = Field(2, ge=1, le=MAX_DEPTH)
 
 
+class MoeOptions(SpecSection):
+    """The trunk of a mixture-of-experts model (mode moe) takes its shape from the job's experts section."""
+
+
 # The keyword options of each zoo builder (crowdtrain.core.zoo, crowdtrain.core.zoo_keras); a test keeps
 # these in step with the builders' signatures.
-ZOO_OPTIONS: dict[str, type[SpecSection]] = {"mlp": MLPOptions, "cnn1d": CNN1DOptions, "resnet": ResNetOptions}
+ZOO_OPTIONS: dict[str, type[SpecSection]] = {
+    "mlp": MLPOptions,
+    "cnn1d": CNN1DOptions,
+    "resnet": ResNetOptions,
+    "moe": MoeOptions,
+}
 
 
 def check_zoo_options(model: str, options: dict[str, Any]) -> None:
@@ -70,8 +80,10 @@ def check_zoo_options(model: str, options: dict[str, Any]) -> None:
 
 
 class ModelSpec(SpecSection):
-    name: Literal["mlp", "cnn1d", "resnet", "keras"] = Field(
-        ..., description="A zoo model, or 'keras' for the Keras model JSON given in `keras`"
+    name: Literal["mlp", "cnn1d", "resnet", "moe", "keras"] = Field(
+        ...,
+        description="A zoo model ('moe': the dense trunk of mode moe, shaped by the experts section), or "
+        "'keras' for the Keras model JSON given in `keras`",
     )
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the zoo builder")
     keras: dict[str, Any] | None = Field(

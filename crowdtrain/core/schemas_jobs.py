@@ -135,6 +135,11 @@ class JobStatusOut(BaseModel):
     metrics: list[MetricPoint] = Field(default_factory=list)
     elapsed_seconds: float | None
     in_flight: InFlightFigures | None = Field(None, description="Backpressure; None in dedloc mode")
+    mixture_id: int | None = Field(
+        None,
+        description="Mode moe: the mixture whose experts expert hosts serve (`crowdtrain expert-host --mixture ID`, "
+        "`GET /v1/mixtures/{id}`); None in the other modes",
+    )
 
 
 class JobSummary(BaseModel):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from crowdtrain.core.tensors import Params
+from crowdtrain.core.zoo_experts import MixtureTrunk
 
 
 class MLP(nn.Module):
@@ -110,7 +111,8 @@ class PreActResNet(nn.Module):
         return logits
 
 
-_BUILDERS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet}
+# "moe" is the dense trunk of a mixture-of-experts model (mode moe); its experts live on expert hosts.
+_BUILDERS: dict[str, type[nn.Module]] = {"mlp": MLP, "cnn1d": CNN1D, "resnet": PreActResNet, "moe": MixtureTrunk}
 
 
 def build_model(

@@ -20,6 +20,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator
+from crowdtrain.assimilator.expert_weights import ExpertCheckpoints
 from crowdtrain.assimilator.worker.celery_app import enqueue_merge
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.settings import Settings
@@ -84,12 +85,17 @@ class Clients:
 
     def __init__(self, settings: Settings, evaluator: Evaluator | None = None, merge_queue: MergeQueue | None = None):
         self.settings = settings
-        self.evaluator: Evaluator = evaluator or FrameworkEvaluator()
+        self._evaluator = evaluator
         self.merge_queue: MergeQueue = merge_queue or enqueue_merge
 
     @cached_property
     def db(self) -> sessionmaker[Session]:
         return session_factory(self.settings.resolved_database_url)
+
+    @cached_property
+    def evaluator(self) -> Evaluator:
+        # A mode moe job's model is evaluated with its experts' last checkpoints.
+        return self._evaluator or FrameworkEvaluator(ExpertCheckpoints(self.db, self.storage))
 
     @cached_property
     def storage(self) -> Storage:

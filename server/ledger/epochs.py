@@ -11,7 +11,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
@@ -71,11 +71,11 @@ def release_epoch(s: Session, job: Job, epoch: int) -> bool:
     the work generator writes them when one is first dispatched
     (crowdtrain.workgen.generator.write_epoch_shards), not here, in the job's locked transaction.
 
-    Only VC-ASGD jobs have workunits: releasing an epoch of another mode raises ValueError, so that
+    Only VC-ASGD and moe jobs have workunits: releasing an epoch of another mode raises ValueError, so that
     no path (dispatch, epoch closing, a repair) can hand a DeDLOC job's shards out as VC-ASGD work.
     """
-    if job.mode != VC_ASGD:
-        raise ValueError(f"job {job.id} runs in mode {job.mode!r}: only {VC_ASGD} jobs have epochs of workunits")
+    if job.mode not in WORKUNIT_MODES:
+        raise ValueError(f"job {job.id} runs in mode {job.mode!r}: only {WORKUNIT_MODES} jobs have epochs of workunits")
     if job.current_epoch >= epoch:
         return False
     shard_ids = s.scalars(select(Shard.id).where(Shard.job_id == job.id, Shard.epoch == 0).order_by(Shard.index)).all()
@@ -107,9 +107,9 @@ def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> b
     """Early release: the current epoch has nothing left to dispatch and no older epoch is still open.
 
     `ignore_ready` is for a caller that has already seen every ready workunit claimed by others.
-    Never for a job of another mode than VC-ASGD (see `release_epoch`). Read only.
+    Never for a job of a mode without workunits (see `release_epoch`). Read only.
     """
-    if job.mode != VC_ASGD:
+    if job.mode not in WORKUNIT_MODES:
         return False
     if job.status != JobStatus.running.value or job.current_epoch >= job.spec["stop"]["max_epochs"]:
         return False

@@ -224,3 +224,14 @@ def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture
             ExpertRow(e.uid, e.host_id, e.url, e.lease_expires_at, e.leases, e.checkpoint_step, e.checkpoint_at)
             for e in rows
         ]
+
+
+def checkpoint_keys(db: sessionmaker[Session], mixture_id: int) -> dict[str, str]:
+    """Where each expert of the mixture that has a checkpoint keeps its last one: uid -> object key."""
+    with db.begin() as s:
+        rows = s.execute(
+            select(Expert.uid, Expert.checkpoint_key).where(
+                Expert.mixture_id == mixture_id, Expert.checkpoint_key.is_not(None)
+            )
+        ).all()
+        return {uid: key for uid, key in rows if key is not None}

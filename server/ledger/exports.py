@@ -9,7 +9,7 @@ from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.logs import ids
 from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.refusals import NotFound
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # A job that ended with a model to export, not exported yet.
 _EXPORT_DUE = and_(
-    Job.mode == VC_ASGD,
+    Job.mode.in_(WORKUNIT_MODES),
     Job.status.in_([JobStatus.succeeded.value, JobStatus.failed.value]),
     Job.finished_at.is_not(None),
     Job.final_key.is_(None),

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys, signing
-from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import states
@@ -90,7 +90,9 @@ def _run(s: Session, job: Job) -> None:
     job.started_at = utcnow()
     states.move(job, JobStatus.running)
     s.flush()
-    if job.mode == VC_ASGD:  # DeDLOC peers need no workunits: crowdtrain.server.services.dedloc runs their rounds
+    if (
+        job.mode in WORKUNIT_MODES
+    ):  # DeDLOC peers need no workunits: crowdtrain.server.services.dedloc runs their rounds
         release_epoch(s, job, 1)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, Row, Select, and_, bindparam, select, update
 
-from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.schemas import Resources
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger.models import Host, Job, utcnow
@@ -38,7 +38,7 @@ def host_and_live_jobs(host: ColumnElement[bool]) -> Select:
     beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
     in one round trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
     crowdtrain.server.services.dedloc."""
-    running = and_(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
+    running = and_(Job.status == JobStatus.running.value, Job.mode.in_(WORKUNIT_MODES))
     return (
         select(*_HOST_COLUMNS, *(c.label(f"job_{c.key}") for c in LIVE_JOB_COLUMNS), *in_flight_columns())
         .select_from(Host)

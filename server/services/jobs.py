@@ -80,6 +80,7 @@ def job_status(db: sessionmaker[Session], job_id: int, with_metrics: bool = Fals
             metrics=_metric_points(s, job, metric_rows, start) if with_metrics else [],
             elapsed_seconds=(end - start).total_seconds(),
             in_flight=None if job.mode == DEDLOC else in_flight_figures(s, job, a_counts),
+            mixture_id=job.model_config_.get("mixture"),
         )
 
 

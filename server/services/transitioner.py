@@ -12,7 +12,7 @@ import redis
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from crowdtrain.core.jobspec import VC_ASGD
+from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import jobs as ledger_jobs
@@ -56,7 +56,7 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
     epochs of workunits: their rounds end their steps, not this sweep."""
     with db.begin() as s:
         jobs = s.execute(
-            select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value, Job.mode == VC_ASGD)
+            select(Job.id, Job.current_epoch).where(Job.status == JobStatus.running.value, Job.mode.in_(WORKUNIT_MODES))
         ).all()
     for job_id, current in jobs:
         for epoch in (current - 1, current):

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain.client.experts.expert import Expert, build_expert
+from crowdtrain.client.experts.expert import Expert
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.tensors import decode, encode
+from crowdtrain.core.zoo_experts import build_expert
 
 LAYOUT = ExpertLayout(layers=2, grid=[4, 4], dim=8, hidden=16, k=4, k_min=2, lr=0.01, max_rows=32)
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain.client.experts.expert import build_expert
 from crowdtrain.core.experts import ExpertLayout, encode_call, read_call
 from crowdtrain.core.tensors import encode
+from crowdtrain.core.zoo_experts import build_expert
 from crowdtrain.launch.cluster import Service
 from tests.client.experts.hosts import start_host
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain.client.experts.expert import build_expert
-from crowdtrain.client.experts.mixture import ExpertClient, RemoteMixture
+from crowdtrain.client.experts.mixture import ExpertClient, RemoteExperts
 from crowdtrain.core.experts import ExpertLayout, parse_uid
+from crowdtrain.core.zoo_experts import GridGate, build_expert
 from tests.client.experts.hosts import start_host
 
 pytestmark = pytest.mark.integration
@@ -21,13 +21,13 @@ HOST_A = ["0.0.0", "0.0.1", "0.0.2"]
 HOST_B = ["0.1.0", "0.1.1", "0.1.2"]
 
 
-def reference(layer: RemoteMixture, x: torch.Tensor, alive: list[str]) -> torch.Tensor:
+def reference(gate: GridGate, x: torch.Tensor, alive: list[str]) -> torch.Tensor:
     """The layer's formula, with local copies of the experts: the k best of all experts by the gate's
     score, the dead ones dropped, a softmax over the rest; zero for rows with fewer than k_min left."""
     uids = sorted(LAYOUT.uids(0))
     coords = torch.tensor([parse_uid(u)[1] for u in uids])
     experts = {u: build_expert(LAYOUT, u) for u in uids}
-    scores = copy.deepcopy(layer.gate)(x, coords)
+    scores = copy.deepcopy(gate)(x, coords)
     top_scores, top = scores.topk(LAYOUT.k, dim=1)
     out = torch.zeros_like(x)
     for row in range(x.shape[0]):
@@ -53,30 +53,30 @@ def hosts(tmp_path) -> Iterator[dict]:
 
 def test_the_layer_and_its_gradients_equal_the_same_layer_with_its_experts_at_hand(hosts) -> None:
     torch.manual_seed(0)
-    layer = RemoteMixture(LAYOUT, 0, hosts["client"])
+    gate, layer = GridGate(LAYOUT.dim, LAYOUT.grid), RemoteExperts(hosts["client"])
     x = torch.randn(40, LAYOUT.dim, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     target = torch.randn(40, LAYOUT.dim)
 
-    out = layer(x)
-    expected = reference(layer, x_ref, LAYOUT.uids(0))
+    out = layer(0, gate, x)
+    expected = reference(gate, x_ref, LAYOUT.uids(0))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     ((out - target) ** 2).sum().backward()
     ((expected - target) ** 2).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.gate.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gate.parameters())
     assert layer.dropped_rows == 0
     assert hosts["client"].figures["forward_failed"] == 0 and hosts["client"].figures["backward_answered"] > 0
 
 
 def test_a_dead_hosts_experts_are_dropped_and_the_rest_renormalised(hosts) -> None:
     torch.manual_seed(1)
-    layer = RemoteMixture(LAYOUT, 0, hosts["client"])
+    gate, layer = GridGate(LAYOUT.dim, LAYOUT.grid), RemoteExperts(hosts["client"])
     x = torch.randn(60, LAYOUT.dim, requires_grad=True)
     hosts["b"].stop(timeout=0)  # SIGTERM, then SIGKILL: its experts stop answering
 
-    out = layer(x)
-    expected = reference(layer, x.detach(), HOST_A)
+    out = layer(0, gate, x)
+    expected = reference(gate, x.detach(), HOST_A)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     # k = 3 of 6 experts and k_min = 2: a row whose best three include two or three of B's has too few.
     assert 0 < layer.dropped_rows < 60

@@ -7,6 +7,7 @@ import torch
 from crowdtrain.client.experts.mixture import ExpertClient
 from crowdtrain.client.experts.trainer import MixtureClassifier, PipelinedTrainer, accuracy
 from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.zoo_experts import MixtureTrunk
 from tests.benchmark_modules import load_benchmark
 
 LAYOUT = ExpertLayout(layers=2, grid=[2, 2], dim=16, hidden=16, k=2)
@@ -16,8 +17,11 @@ def test_micro_batches_in_flight_each_apply_one_step_to_the_shared_trunk() -> No
     data = load_benchmark("efficiency_data").cluster_arrays(1, n_train=4000, n_val=500)
     client = ExpertClient(LAYOUT, {})  # no expert answers: the trunk alone learns
     torch.manual_seed(0)
-    model = MixtureClassifier(8, 10, LAYOUT, client)
-    trunk = [*model.embed.parameters(), *model.head.parameters()]  # (the gates get no gradient without experts)
+    model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
+    trunk = [
+        *model.trunk.embed.parameters(),
+        *model.trunk.head.parameters(),
+    ]  # (the gates get no gradient without experts)
     before = [p.detach().clone() for p in trunk]
     trainer = PipelinedTrainer(model, torch.optim.Adam(model.parameters(), lr=1e-2), in_flight=4)
     rng = np.random.default_rng(0)

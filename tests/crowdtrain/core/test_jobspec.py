@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from crowdtrain.core.jobspec import DedlocSpec, JobSpec, load_job_spec
-from tests.conftest import EXAMPLE_SPEC
+from tests.conftest import EXAMPLE_SPEC, ROOT
 
 
 def test_the_example_spec_is_valid() -> None:
@@ -190,3 +190,34 @@ def test_an_unknown_compression_is_refused_with_the_formats_it_could_be(compress
         DedlocSpec.model_validate({"target_batch_size": 64, "compression": compression})
     message = str(err.value)
     assert "compression" in message and all(f"'{c}'" in message for c in ("none", "float16", "bfloat16"))
+
+
+MOE_SPEC = ROOT / "examples" / "clusters-moe.yaml"
+
+
+def test_the_moe_example_spec_is_valid_and_its_model_is_shaped_by_its_experts_section() -> None:
+    spec = load_job_spec(MOE_SPEC)
+    assert spec.mode == "moe" and spec.experts is not None
+    config = spec.configure_model([8], 10)
+    assert config["name"] == "moe" and config["options"]["layout"] == spec.experts.model_dump(mode="json")
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"experts": None}, "mode 'moe' needs an 'experts' section"),
+        ({"model": {"name": "mlp"}}, "model.name is 'moe', not 'mlp'"),
+        ({"framework": "tensorflow"}, "mode 'moe' trainers run PyTorch"),
+        ({"mode": "vc-asgd"}, "an 'experts' section is only allowed with mode 'moe'"),
+        ({"mode": "vc-asgd", "experts": None}, "model 'moe' is the trunk of a mixture-of-experts model"),
+        ({"model": {"name": "moe", "options": {"layout": {}}}}, "the scheduler sets it from the job's experts"),
+        ({"experts": {"k": 5, "k_min": 6}}, "k_min (6) is above k (5)"),
+        ({"experts": {"grid": [2, 2], "k": 5}}, "k (5) is above the 4 experts of a layer"),
+        ({"experts": {"in_flight": 0}}, "experts.in_flight"),
+    ],
+)
+def test_a_moe_spec_refuses_sections_that_do_not_fit_the_mode(patch: dict, message: str) -> None:
+    data = load_job_spec(MOE_SPEC).model_dump(mode="json") | patch
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate(data)
+    assert message in str(err.value)

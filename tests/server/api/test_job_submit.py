@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crowdtrain.server.ledger.models import Job, Shard, Workunit
+from crowdtrain.server.ledger.models import Job, Mixture, Shard, Workunit
 from tests.server.inprocess import private_scheduler
 
 UPLOAD_LIMIT = 200_000  # bytes: cnn1d at the defaults (43 kB) fits, mlp hidden [256, 256] (0.3 MB) does not
@@ -92,9 +92,43 @@ def test_a_spec_that_cannot_train_is_refused_and_stores_nothing(scheduler, datas
     assert scheduler.count(Job) == 0 and scheduler.stored_files() == []
 
 
+def moe_spec(datasets: Path, **experts) -> dict:
+    layout = {"layers": 1, "grid": [2, 2], "dim": 8, "hidden": 8, "k": 2, **experts}
+    return spec(datasets, model={"name": "moe"}) | {"mode": "moe", "experts": layout}
+
+
+@pytest.mark.parametrize(
+    ("experts", "words"),
+    [
+        ({"dim": 4096}, "bytes of parameters, more than the scheduler accepts in one upload"),
+        ({"k": 5}, "k (5) is above the 4 experts of a layer"),
+        ({"grid": [2, 300]}, "grid sizes must lie in [1, 256]"),
+        ({"heartbeat_seconds": 0}, "experts.heartbeat_seconds"),
+    ],
+)
+def test_a_moe_spec_that_cannot_train_is_refused_and_stores_nothing_not_even_a_mixture(
+    scheduler, datasets, experts: dict, words: str
+) -> None:
+    resp = scheduler.http.post("/v1/jobs", json=moe_spec(datasets, **experts), headers=scheduler.admin_headers)
+    assert resp.status_code == 422, resp.text
+    assert words in resp.text
+    assert scheduler.count(Job) == 0 and scheduler.count(Mixture) == 0 and scheduler.stored_files() == []
+
+
 def test_a_good_npz_spec_is_accepted(scheduler, datasets) -> None:
-    """Runs last in this module: the harness accepts what it should."""
+    """Runs after the refusals: the harness accepts what it should."""
     resp = scheduler.http.post("/v1/jobs", json=spec(datasets), headers=scheduler.admin_headers)
     assert resp.status_code == 201, resp.text
     assert resp.json()["shards"] == 3
     assert (scheduler.count(Job), scheduler.count(Shard), scheduler.count(Workunit)) == (1, 3, 3)
+
+
+def test_a_moe_job_is_accepted_with_a_mixture_of_its_experts(scheduler, datasets) -> None:
+    """Runs last in this module: the job's status names its mixture, which lists every expert."""
+    resp = scheduler.http.post("/v1/jobs", json=moe_spec(datasets), headers=scheduler.admin_headers)
+    assert resp.status_code == 201, resp.text
+    job_id = resp.json()["job_id"]
+    mixture = scheduler.http.get(f"/v1/jobs/{job_id}", headers=scheduler.admin_headers).json()["mixture_id"]
+    view = scheduler.http.get(f"/v1/mixtures/{mixture}", headers=scheduler.admin_headers).json()
+    assert sorted(e["uid"] for e in view["experts"]) == ["0.0.0", "0.0.1", "0.1.0", "0.1.1"]
+    assert scheduler.count(Mixture) == 1

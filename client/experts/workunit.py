@@ -1,0 +1,101 @@
+"""A moe job's workunit on a volunteer client: the dense trunk (W_s of the job, merged by the parameter
+servers like any model) trained on the shard through the mixture's experts, which their hosts step
+with every backward call. The trunk's result is what the client uploads; the experts' progress stays
+on their hosts and in their checkpoints.
+
+It keeps the trainers' contract (crowdtrain.client.trainers) but for checkpoints: a workunit
+interrupted mid-way starts again, since the experts it trained with have moved on anyway. The
+routing table is read at the start and again every heartbeat interval of the layout, as changes.
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import numpy as np
+import torch
+
+from crowdtrain.client.experts.mixture import ExpertClient, RoutingFollower
+from crowdtrain.client.experts.trainer import MixtureClassifier, PipelinedTrainer
+from crowdtrain.client.trainers import TrainControl, TrainResult, examples_in, local_steps
+from crowdtrain.client.trainers.pytorch import load_optimizer, make_optimizer, optimizer_tensors
+from crowdtrain.core.schemas_experts import RoutingTable
+from crowdtrain.core.tensors import Params
+from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
+from crowdtrain.core.zoo_experts import MixtureTrunk
+
+# (mixture id, since) -> the routing table's changes (crowdtrain.client.api.SchedulerAPI.routing)
+RoutingSource = Callable[[int, int], RoutingTable]
+
+
+def train(
+    recipe: dict,
+    params: Params,
+    x: np.ndarray,
+    y: np.ndarray,
+    routing: RoutingSource,
+    control: TrainControl | None = None,
+    local_fraction: float = 1.0,
+    optimizer_state: Params | None = None,
+) -> TrainResult:
+    """Train the trunk `params` for `local_fraction` of the recipe's local epochs' steps on (x, y), the
+    layout's `in_flight` micro-batches at a time, calling the experts the mixture's routing table lists."""
+    start = time.monotonic()
+    control = control or TrainControl()
+    m, t = recipe["model"], recipe["training"]
+    trunk = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
+    assert isinstance(trunk, MixtureTrunk)
+    load_numpy_state(trunk, params)
+    layout = trunk.layout
+    client = ExpertClient(layout, {})
+    try:
+        follower = RoutingFollower(partial(routing, int(m["mixture"])), client)
+        follower.refresh()
+        model = MixtureClassifier(trunk, client).train()
+        opt = make_optimizer(model, t)
+        if optimizer_state is not None:
+            load_optimizer(opt, optimizer_state)
+        steps = local_steps(len(x), t["batch_size"], t["local_epochs"], local_fraction)
+        pipeline = PipelinedTrainer(model, opt, layout.in_flight)
+        batches = _batches(
+            x, y, t["batch_size"], steps, int(recipe["seed"]), control, follower, layout.heartbeat_seconds
+        )
+        pipeline.train(batches)
+    finally:
+        client.close()
+    return TrainResult(
+        state_to_numpy(trunk),
+        pipeline.loss_sum / max(pipeline.examples, 1),
+        examples_in(steps, len(x), t["batch_size"]),
+        time.monotonic() - start,
+        optimizer_tensors(opt),
+    )
+
+
+def _batches(
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    steps: int,
+    seed: int,
+    control: TrainControl,
+    follower: RoutingFollower,
+    refresh_seconds: float,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`steps` batches of (x, y), a new permutation for each pass; between batches the control is
+    asked (it raises Cancelled, or waits while the client is paused) and the routing refreshed when due."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ys = np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+    refreshed, given = time.monotonic(), 0
+    while given < steps:
+        order = torch.randperm(len(xs), generator=gen).numpy()
+        for i in range(0, len(order), batch_size):
+            if given == steps:
+                return
+            control.between_batches()
+            if time.monotonic() - refreshed >= refresh_seconds:
+                follower.refresh()
+                refreshed = time.monotonic()
+            idx = order[i : i + batch_size]
+            given += 1
+            yield xs[idx], ys[idx]
