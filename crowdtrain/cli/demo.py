@@ -13,7 +13,7 @@ from rich.table import Table
 from crowdtrain.cli.options import HELP_LAYOUT
 from crowdtrain.cli.plot import plot_accuracy
 from crowdtrain.cli.progress import watch
-from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.jobspec import MOE, load_job_spec
 from crowdtrain.core.schemas_jobs import BEST_LABEL, JobStatusOut, best_closed_epoch
 from crowdtrain.launch.cluster import CLIENT_GRACE, Cluster
 
@@ -21,7 +21,8 @@ DEMO_TIMEOUT = 600
 # The example specs live in the repository's examples/ folder, found from this module rather than from
 # the working directory, so that `crowdtrain demo` runs from anywhere in a checkout (or editable install).
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-DEMO_SPECS = {"vc-asgd": "mnist1d-cnn.yaml", "dedloc": "mnist1d-dedloc.yaml"}
+DEMO_SPECS = {"vc-asgd": "mnist1d-cnn.yaml", "dedloc": "mnist1d-dedloc.yaml", "moe": "clusters-moe.yaml"}
+EXPERTS_LEASED_TIMEOUT = 120  # seconds the moe demo waits for its expert hosts to lease every expert
 # Each mode keeps its output in a folder of its own, which a run empties first: one demo never deletes
 # the other's.
 DEMO_VAR = Path("var/demo")
@@ -42,14 +43,24 @@ def demo(
         Path | None,
         typer.Option(
             help="Job spec to run (default: the repository's examples/mnist1d-cnn.yaml, "
-            "or examples/mnist1d-dedloc.yaml with --mode dedloc)",
+            "examples/mnist1d-dedloc.yaml with --mode dedloc, examples/clusters-moe.yaml with --mode moe)",
             show_default=False,
         ),
     ] = None,
-    clients: Annotated[int, typer.Option(min=1, help="Clients, or peers with --mode dedloc")] = 3,
+    clients: Annotated[
+        int | None,
+        typer.Option(min=1, help="Clients, or peers with --mode dedloc [default: 3; 1 trainer with --mode moe]"),
+    ] = None,
+    expert_hosts: Annotated[int, typer.Option(min=1, help="--mode moe: expert hosts serving the experts")] = 3,
     tasks: Annotated[int, typer.Option(min=1, help="Task slots of each client")] = 2,
     parameter_servers: Annotated[int, typer.Option(min=1, help="Celery worker processes merging results")] = 2,
-    mode: Annotated[str, typer.Option(help="vc-asgd, or dedloc: synchronous peers (the last one relayed)")] = "vc-asgd",
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="vc-asgd; dedloc: synchronous peers (the last one relayed); or moe: expert-parallel, the experts "
+            "on expert hosts and the trunk trained by the clients"
+        ),
+    ] = "vc-asgd",
     keep: Annotated[
         bool,
         typer.Option(
@@ -60,13 +71,15 @@ def demo(
     ] = False,
 ) -> None:
     """Run the whole system locally on the embedded defaults and train the example job to its target."""
-    if mode not in ("vc-asgd", "dedloc"):
-        raise typer.BadParameter(f"must be vc-asgd or dedloc, not {mode!r}", param_hint="--mode")
+    if mode not in DEMO_SPECS:
+        raise typer.BadParameter(f"must be one of {', '.join(DEMO_SPECS)}, not {mode!r}", param_hint="--mode")
     var_dir = var_dir or DEMO_VAR / mode
     spec = spec or _example_spec(mode)
     if mode == "dedloc":
-        raise typer.Exit(run_dedloc_demo(var_dir, spec, clients, keep))
-    raise typer.Exit(run_demo(var_dir, spec, clients, tasks, parameter_servers, keep))
+        raise typer.Exit(run_dedloc_demo(var_dir, spec, clients or 3, keep))
+    hosts = expert_hosts if mode == MOE else 0
+    default_clients = 1 if mode == MOE else 3
+    raise typer.Exit(run_demo(var_dir, spec, clients or default_clients, tasks, parameter_servers, keep, hosts))
 
 
 def _example_spec(mode: str) -> Path:
@@ -168,10 +181,21 @@ def _keep_running(console: Console, cluster: Cluster, code: int) -> int:
 
 
 def run_demo(
-    var_dir: Path, spec_path: Path, clients: int, tasks: int, parameter_servers: int, keep: bool = False
+    var_dir: Path,
+    spec_path: Path,
+    clients: int,
+    tasks: int,
+    parameter_servers: int,
+    keep: bool = False,
+    expert_hosts: int = 0,
 ) -> int:
+    """The scheduler, its parameter servers and `clients` clients training the spec's job; for a mode
+    moe job, `expert_hosts` expert hosts serving its experts first."""
     console = Console()
     spec = load_job_spec(spec_path)
+    if (spec.mode == MOE) != (expert_hosts > 0):
+        console.print(f"[red]{spec_path} is a {spec.mode} job: --mode moe runs a moe spec, the others none")
+        return 2
     if var_dir.exists():
         shutil.rmtree(var_dir)
     start = time.monotonic()
@@ -188,6 +212,8 @@ def run_demo(
                 console.print(f"[red]job rejected: {resp.text}")
                 return 2
             job_id = resp.json()["job_id"]
+            if expert_hosts and not _serve_experts(console, http, cluster, job_id, expert_hosts):
+                return 1
             console.print(f"starting {clients} clients with {tasks} task slots each")
             for i in range(clients):
                 cluster.start_client(f"client-{i + 1}", tasks)
@@ -217,6 +243,27 @@ def run_demo(
         return 130
     finally:
         cluster.stop()
+
+
+def _serve_experts(console: Console, http, cluster: Cluster, job_id: int, hosts: int) -> bool:
+    """Start `hosts` expert hosts for the moe job and wait until they serve every expert. Each may take
+    twice its share, so that the others can take over a host's experts when it goes."""
+    mixture = http.get(f"/v1/jobs/{job_id}").json()["mixture_id"]
+    experts = len(http.get(f"/v1/mixtures/{mixture}").json()["experts"])
+    capacity = -(-2 * experts // hosts)
+    console.print(f"starting {hosts} expert hosts for the {experts} experts of mixture {mixture}")
+    for i in range(hosts):
+        cluster.start_expert_host(f"expert-host-{i + 1}", mixture, capacity)
+    deadline = time.monotonic() + EXPERTS_LEASED_TIMEOUT
+    served = 0
+    while time.monotonic() < deadline:
+        served = http.get(f"/v1/mixtures/{mixture}").json()["served"]
+        if served == experts:
+            console.print(f"every expert is served ({experts})")
+            return True
+        time.sleep(0.5)
+    console.print(f"[red]only {served} of {experts} experts were served after {EXPERTS_LEASED_TIMEOUT}s")
+    return False
 
 
 def run_dedloc_demo(var_dir: Path, spec_path: Path, peers: int, keep: bool = False) -> int:

@@ -24,7 +24,11 @@ from crowdtrain.launch.cluster import scheduler_is_live
 
 @pytest.mark.parametrize(
     ("mode", "spec", "runner"),
-    [("vc-asgd", "mnist1d-cnn.yaml", "run_demo"), ("dedloc", "mnist1d-dedloc.yaml", "run_dedloc_demo")],
+    [
+        ("vc-asgd", "mnist1d-cnn.yaml", "run_demo"),
+        ("dedloc", "mnist1d-dedloc.yaml", "run_dedloc_demo"),
+        ("moe", "clusters-moe.yaml", "run_demo"),
+    ],
 )
 def test_the_demo_runs_from_any_directory_with_its_own_output_folder(
     mode: str, spec: str, runner: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
