@@ -41,7 +41,7 @@ from crowdtrain.core.schemas import (
     WorkReply,
     WorkRequest,
 )
-from crowdtrain.core.schemas_experts import RoutingTable
+from crowdtrain.core.schemas_experts import CallReport, CallsRecorded, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,11 @@ class SchedulerAPI:
     def routing(self, mixture_id: int, since: int) -> RoutingTable:
         """What changed in the routing table of a mixture-of-experts job's experts since version `since`."""
         return parse_reply(RoutingTable, self._request("GET", f"/v1/mixtures/{mixture_id}/routing?since={since}"))
+
+    def report_calls(self, mixture_id: int, report: CallReport) -> CallsRecorded:
+        """Report a moe workunit's calls to the mixture's experts (their hosts' credit and charges)."""
+        body = report.model_dump(mode="json")
+        return parse_reply(CallsRecorded, self._request("POST", f"/v1/mixtures/{mixture_id}/calls", json=body))
 
     def upload(self, a: AssignmentOut, blob: bytes, metrics: ResultMetrics) -> None:
         params = {k: v for k, v in metrics.model_dump().items() if v is not None}

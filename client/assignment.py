@@ -217,7 +217,7 @@ class AssignmentRunner:
                     checkpoint,
                     a.local_fraction,
                     kept,
-                    self.api.routing,
+                    self.api,
                 )
             except BaseException:
                 self._keep_optimizer_state(a, kept)  # unchanged: the slot's next workunit continues it

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from crowdtrain.core.experts import ExpertLayout, encode_call, parse_uid, read_call
-from crowdtrain.core.schemas_experts import RoutingTable
+from crowdtrain.core.schemas_experts import ExpertCalls, RoutingTable
 from crowdtrain.core.zoo_experts import GridGate, combine, route
 
 _ANSWER = {"forward": ("y",), "backward": ("grad_x",)}
@@ -35,13 +35,21 @@ class ExpertCallFailed(RuntimeError):
     pass
 
 
+class AnswerRefused(ExpertCallFailed):
+    """The host answered, but not with something a trainer can use (too large, not the call's tensors,
+    NaN): the host's fault, reported as refused (crowdtrain.core.schemas_experts.ExpertCalls)."""
+
+
 class ExpertClient:
-    """Calls to the experts of a routing table (expert id -> its host's base URL), run concurrently."""
+    """Calls to the experts of a routing table (expert id -> its host's base URL), run concurrently.
+    It counts what they came to per expert and host (`take_calls`), for the trainer's reports: a call
+    dropped late may still be answered, and then counts as both."""
 
     def __init__(self, layout: ExpertLayout, routes: Mapping[str, str], max_concurrency: int = 64):
         self.layout = layout
         self.routes = dict(routes)
         self.figures: Counter[str] = Counter()
+        self._calls: dict[tuple[str, str], Counter[str]] = {}
         self._lock = threading.Lock()
         timeout = max(layout.forward_timeout, layout.backward_timeout)
         self._http = httpx.Client(
@@ -72,9 +80,33 @@ class ExpertClient:
             url = self.routes.get(uid)
         return self._pool.submit(self._call, uid, url, kind, tensors)
 
-    def _count(self, what: str) -> None:
+    def _count(self, what: str, uid: str | None = None, url: str | None = None, rows: int = 0) -> None:
         with self._lock:
             self.figures[what] += 1
+            if uid is None:
+                return
+            url = url if url is not None else self.routes.get(uid)
+            if url is not None:
+                counts = self._calls.setdefault((uid, url), Counter())
+                counts[what.rsplit("_", 1)[-1]] += 1
+                counts["rows"] += rows
+
+    def take_calls(self) -> list[ExpertCalls]:
+        """What the calls to each expert at each host came to since the last time this was asked."""
+        with self._lock:
+            taken, self._calls = self._calls, {}
+        return [
+            ExpertCalls(
+                uid=uid,
+                url=url,
+                answered=c["answered"],
+                rows=c["rows"],
+                failed=c["failed"],
+                late=c["late"],
+                refused=c["refused"],
+            )
+            for (uid, url), c in sorted(taken.items())
+        ]
 
     def _call(self, uid: str, url: str | None, kind: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
         rows = int(next(iter(tensors.values())).shape[0])
@@ -90,16 +122,22 @@ class ExpertClient:
                 for chunk in response.iter_bytes():
                     body += chunk
                     if len(body) > limit:
-                        raise ExpertCallFailed(f"expert {uid}: an answer of more than {limit} bytes")
+                        raise AnswerRefused(f"expert {uid}: an answer of more than {limit} bytes")
             if response.status_code != 200:
                 raise ExpertCallFailed(f"expert {uid}: {kind} answered {response.status_code}: {bytes(body[:200])!r}")
-            out = read_call(bytes(body), (name,), self.layout.dim, self.layout.max_rows)[name]
+            try:
+                out = read_call(bytes(body), (name,), self.layout.dim, self.layout.max_rows)[name]
+            except ValueError as exc:
+                raise AnswerRefused(f"expert {uid}: {exc}") from None
             if out.shape[0] != rows:
-                raise ExpertCallFailed(f"expert {uid}: {out.shape[0]} rows answered for {rows} sent")
-        except (httpx.HTTPError, ValueError, ExpertCallFailed) as exc:
-            self._count(f"{kind}_failed")
+                raise AnswerRefused(f"expert {uid}: {out.shape[0]} rows answered for {rows} sent")
+        except AnswerRefused as exc:
+            self._count(f"{kind}_refused", uid, url)
             raise ExpertCallFailed(str(exc)) from exc
-        self._count(f"{kind}_answered")
+        except (httpx.HTTPError, ExpertCallFailed) as exc:
+            self._count(f"{kind}_failed", uid, url)
+            raise ExpertCallFailed(str(exc)) from exc
+        self._count(f"{kind}_answered", uid, url, rows)
         return np.array(out)
 
 
@@ -138,7 +176,7 @@ def _gather(
             deadline = min(deadline, now + min(client.layout.grace, now - started))
     for f in pending:
         f.cancel()
-        client._count("late")
+        client._count("late", futures[f].uid)
     return out
 
 

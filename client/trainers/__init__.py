@@ -21,13 +21,14 @@ The contract every trainer keeps:
 import importlib
 import math
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from crowdtrain.core.frameworks import FRAMEWORKS, Framework, installed
+from crowdtrain.core.schemas_experts import CallReport, CallsRecorded, RoutingTable
 from crowdtrain.core.tensors import Params
 
 # The trainer module of each framework, imported only when it trains: each imports its framework.
@@ -36,6 +37,15 @@ TRAINERS = {"pytorch": "crowdtrain.client.trainers.pytorch", "tensorflow": "crow
 MOE_MODEL, MOE_TRAINER = "moe", "crowdtrain.client.experts.workunit"
 # The trainers that can start from an optimizer state (the Keras one always starts from zero).
 KEEPS_OPTIMIZER_STATE = frozenset({"pytorch"})
+
+
+class ExpertRegistry(Protocol):
+    """The scheduler's calls a mode moe workunit makes (crowdtrain.client.api.SchedulerAPI has them):
+    the routing table's changes since a version, and the report of its calls to the experts."""
+
+    def routing(self, mixture_id: int, since: int) -> RoutingTable: ...
+
+    def report_calls(self, mixture_id: int, report: CallReport) -> CallsRecorded: ...
 
 
 class Cancelled(Exception):
@@ -134,20 +144,20 @@ def train(
     checkpoint: Checkpoint | None = None,
     local_fraction: float = 1.0,
     optimizer_state: Params | None = None,
-    routing: Callable[[int, int], Any] | None = None,
+    experts: ExpertRegistry | None = None,
 ) -> TrainResult:
     """Train with `framework` from `params` on (x, y) for `local_fraction` of the recipe's local
     epochs' steps, the optimizer from `optimizer_state` where the trainer can; see the module
     docstring for the contract. The trunk of a mixture-of-experts model (mode moe) trains through its
-    experts, whose hosts `routing` (mixture id, since) names (crowdtrain.client.experts.workunit)."""
+    experts, found and reported on through `experts` (crowdtrain.client.experts.workunit)."""
     if framework not in TRAINERS:
         raise ValueError(f"unknown framework {framework!r}; expected one of {FRAMEWORKS}")
     if recipe["model"]["name"] == MOE_MODEL:
-        if routing is None:
-            raise ValueError("a moe workunit trains through its mixture's experts: give `routing`")
+        if experts is None:
+            raise ValueError("a moe workunit trains through its mixture's experts: give the expert registry")
         run_moe = importlib.import_module(MOE_TRAINER).train
         result: TrainResult = run_moe(
-            recipe, params, x, y, routing, control, local_fraction=local_fraction, optimizer_state=optimizer_state
+            recipe, params, x, y, experts, control, local_fraction=local_fraction, optimizer_state=optimizer_state
         )
         return result
     run = importlib.import_module(TRAINERS[framework]).train

@@ -68,7 +68,8 @@ def status(
 
 def print_mixture(mixture: dict) -> None:
     """A mixture as `GET /v1/mixtures/{id}` answers it: a line of figures, then each expert's host,
-    lease left and last checkpoint (also `crowdtrain job status` of a mode moe job)."""
+    lease left and last checkpoint, and what trainers reported of their calls (answers per second, the
+    share of calls failed or dropped late, answers refused); also `crowdtrain job status` of a moe job."""
     now = datetime.now(UTC).replace(tzinfo=None)
     rows = []
     for e in mixture["experts"]:
@@ -80,6 +81,8 @@ def print_mixture(mixture: dict) -> None:
             | {
                 "lease_s": None if left is None or e["url"] is None else round(max(0.0, left), 1),
                 "checkpoint_age_s": None if at is None else round((now - datetime.fromisoformat(at)).total_seconds()),
+                "answers_per_s": None if e["answers_per_s"] is None else round(e["answers_per_s"], 1),
+                "unanswered": _share(e["failed"] + e["late"], e["answered"] + e["failed"] + e["late"]),
             }
         )
     layout = mixture["layout"]
@@ -89,10 +92,18 @@ def print_mixture(mixture: dict) -> None:
         f"routing version {mixture['route_version']}"
     )
     columns = ["uid", "host_id", "url", "lease_s", "leases", "checkpoint_step", "checkpoint_age_s"]
+    columns += ["answers_per_s", "unanswered", "refused"]
     headers = {
         "host_id": "host",
         "lease_s": "lease left s",
         "checkpoint_step": "ckpt step",
         "checkpoint_age_s": "ckpt age s",
+        "answers_per_s": "answers/s",
+        "unanswered": "failed+late",
     }
     print_rows(rows, columns, headers)
+
+
+def _share(part: int, whole: int) -> str | None:
+    """`part` of `whole` calls as a percentage; None with no calls."""
+    return None if whole == 0 else f"{100 * part / whole:.1f}%"

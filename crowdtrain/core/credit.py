@@ -17,6 +17,11 @@ def assigned_examples(examples: int, local_epochs: int, local_fraction: float) -
     return round(examples * local_epochs * local_fraction)
 
 
+def flops_credit(flops: float) -> float:
+    """Cobblestones for `flops` floating-point operations (an expert host's answers)."""
+    return flops / COBBLESTONE_FLOPS
+
+
 def result_credit(examples: int, local_epochs: int, local_fraction: float, training_flops: int) -> float:
     """Cobblestones for one merged result."""
     return examples * local_epochs * local_fraction * training_flops / COBBLESTONE_FLOPS

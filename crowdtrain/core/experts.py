@@ -88,6 +88,13 @@ class ExpertLayout(SpecSection):
         return 8 + _HEADER_BYTES + len(args) * self.max_rows * self.dim * 4
 
 
+def answer_flops(layout: ExpertLayout, rows: int) -> int:
+    """Floating-point operations an expert host spends answering `rows` rows, forward and backward calls
+    counted alike: a forward row costs 4 x dim x hidden (two matrix products), a backward row three
+    times that (it recomputes the forward pass, then both gradients); each row is credited their mean."""
+    return 8 * layout.dim * layout.hidden * rows
+
+
 def expert_uid(layer: int, coords: tuple[int, ...]) -> str:
     return ".".join(str(v) for v in (layer, *coords))
 

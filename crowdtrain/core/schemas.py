@@ -153,7 +153,11 @@ class HostPublic(BaseModel):
     consecutive_valid: int
     mean_turnaround: float | None
     account: str
-    credit: float = Field(..., description="Cobblestones earned by merged results (crowdtrain.core.credit)")
+    credit: float = Field(
+        ...,
+        description="Cobblestones earned by merged results, and by answers to trainers as an expert host "
+        "(crowdtrain.core.credit)",
+    )
     consecutive_refused: int
     quarantined_until: UtcDatetime | None = Field(
         ..., description="No work for the host until then (repeated refusals); release it to end it sooner"

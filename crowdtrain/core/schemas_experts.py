@@ -55,6 +55,36 @@ class RoutingTable(BaseModel):
     routes: list[RouteOut]
 
 
+_COUNT = 1_000_000_000  # bounds a reported count: far above what one report's window can hold
+
+
+class ExpertCalls(BaseModel):
+    """What one trainer's calls to one expert at one host came to, over a report's window."""
+
+    uid: str = Field(max_length=40, pattern=r"^\d{1,4}(\.\d{1,4}){1,4}$", description="the expert")
+    url: str = Field(max_length=300, pattern=HOST_URL_PATTERN, description="the host the calls went to")
+    answered: int = Field(0, ge=0, le=_COUNT, description="calls answered with a usable answer")
+    rows: int = Field(0, ge=0, le=_COUNT, description="rows those answers carried (forward and backward)")
+    failed: int = Field(0, ge=0, le=_COUNT, description="calls that got no answer: an error status or no connection")
+    late: int = Field(0, ge=0, le=_COUNT, description="calls dropped unanswered when the trainer stopped waiting")
+    refused: int = Field(
+        0, ge=0, le=_COUNT, description="answers the trainer refused: not safetensors, wrong shapes, NaN, too large"
+    )
+
+
+class CallReport(BaseModel):
+    """A trainer's calls to a mixture's experts since its last report (`POST /v1/mixtures/{id}/calls`):
+    what counts the hosts' credit and charges their refused answers."""
+
+    seconds: float = Field(gt=0, le=86_400, description="the window the counts cover")
+    experts: list[ExpertCalls] = Field(max_length=4096)
+
+
+class CallsRecorded(BaseModel):
+    counted: int = Field(description="entries counted: the expert's current host, another host than the reporter")
+    ignored: int = Field(description="entries left out: an expert the host no longer serves, or the reporter's own")
+
+
 class ExpertOut(BaseModel):
     uid: str
     host_id: int | None
@@ -63,6 +93,13 @@ class ExpertOut(BaseModel):
     leases: int = Field(description="leases granted: 1 + the times it moved to another host")
     checkpoint_step: int
     checkpoint_at: datetime | None
+    answered: int = Field(0, description="calls trainers reported answered, by every host it had")
+    failed: int = Field(0, description="calls trainers reported unanswered (error status, no connection)")
+    late: int = Field(0, description="calls trainers stopped waiting for")
+    refused: int = Field(0, description="answers trainers refused (NaN, wrong shapes): charged to the host")
+    answers_per_s: float | None = Field(
+        None, description="answered calls per second over the reports' span; None before two reports"
+    )
 
 
 class MixtureOut(BaseModel):

@@ -22,9 +22,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.credit import flops_credit
+from crowdtrain.core.experts import ExpertLayout, answer_flops
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
-from crowdtrain.server.ledger.models import Expert, Mixture
+from crowdtrain.server.ledger import reputation
+from crowdtrain.server.ledger.models import Expert, Host, Mixture
 
 LEASES_PER_CALL = 4  # experts one call may take, so that hosts asking together share them out
 OPEN, CLOSED = "open", "closed"
@@ -100,7 +102,8 @@ def renew_and_lease(
     """The mixture's layout and the host's leases after its call at `now`: those it holds renewed, and, with
     `grant` (it passed the connect-back probe), up to LEASES_PER_CALL free experts more while it holds
     fewer than `capacity`. A lease that ended is not renewed (its expert may be another host's now):
-    the host learns it has lost it by its absence. One transaction."""
+    the host learns it has lost it by its absence. A quarantined host (its answers refused, `record_calls`)
+    holds nothing: its experts are freed. One transaction."""
     with db.begin() as s:
         mixture = _locked_mixture(s, mixture_id)
         layout = ExpertLayout.model_validate(mixture.layout)
@@ -112,6 +115,10 @@ def renew_and_lease(
                 .order_by(Expert.id)
             )
         )
+        host = s.get_one(Host, host_id)
+        if host.quarantined_until is not None and host.quarantined_until > now:  # it serves nothing
+            _free_hosts_experts(s, mixture, host_id)
+            return Renewal(layout, [])
         for expert in held:
             expert.lease_expires_at = until
             if expert.url != url:  # the host moved: trainers follow
@@ -185,6 +192,85 @@ def record_checkpoint(
         return replaced
 
 
+@dataclass(frozen=True)
+class CallCounts:
+    """A trainer's report of its calls to one expert at one host (crowdtrain.core.schemas_experts.ExpertCalls)."""
+
+    uid: str
+    url: str
+    answered: int
+    rows: int
+    failed: int
+    late: int
+    refused: int
+
+
+def record_calls(
+    db: sessionmaker[Session],
+    reporter_id: int,
+    mixture_id: int,
+    counts: list[CallCounts],
+    seconds: float,
+    now: datetime,
+    quarantine_after: int | None,
+) -> tuple[int, int]:
+    """Count a trainer's report of its calls over the last `seconds`: each entry about an expert's current
+    host (by its URL), and not the reporter's own, adds to the expert's counts; its host is credited
+    for the rows answered (crowdtrain.core.credit) and charged for the answers refused, which quarantine
+    it at `quarantine_after` refusals in a row, and a quarantined host's experts are freed at once.
+    (counted, ignored). One transaction; the mixture is locked before the hosts, in id order.
+
+    A report is taken on the trainer's word (it is a registered host): it cannot credit the reporter,
+    but a lying trainer could charge a host it names. Comparing two replicas' answers to the same
+    batch (replication r = 2) is the check that would catch it; it is not built yet."""
+    with db.begin() as s:
+        mixture = _locked_mixture(s, mixture_id)
+        layout = ExpertLayout.model_validate(mixture.layout)
+        experts = {
+            e.uid: e
+            for e in s.scalars(
+                select(Expert).where(Expert.mixture_id == mixture_id, Expert.uid.in_({c.uid for c in counts}))
+            )
+        }
+        mine = [
+            (c, experts[c.uid])
+            for c in counts
+            if c.uid in experts and experts[c.uid].url == c.url and experts[c.uid].host_id not in (None, reporter_id)
+        ]
+        hosts = {
+            h.id: h
+            for h in s.scalars(
+                select(Host).where(Host.id.in_({e.host_id for _, e in mine})).order_by(Host.id).with_for_update()
+            )
+        }
+        for c, expert in mine:
+            expert.calls_answered += c.answered
+            expert.calls_failed += c.failed
+            expert.calls_late += c.late
+            expert.calls_refused += c.refused
+            expert.rows_answered += c.rows
+            start = now - timedelta(seconds=seconds)
+            expert.reported_from = start if expert.reported_from is None else min(expert.reported_from, start)
+            expert.reported_to = now
+            host = hosts[expert.host_id]  # type: ignore[index]
+            host.credit += flops_credit(answer_flops(layout, c.rows))
+            if c.refused:
+                message = f"expert {c.uid}: {c.refused} answers refused by a trainer (NaN, wrong shapes or size)"
+                reputation.count_refused_answers(host, c.refused, message, quarantine_after)
+            elif c.answered:
+                host.consecutive_refused = 0
+        for host in hosts.values():
+            if host.quarantined_until is not None and host.quarantined_until > now:
+                _free_hosts_experts(s, mixture, host.id)
+        return len(mine), len(counts) - len(mine)
+
+
+def _free_hosts_experts(s: Session, mixture: Mixture, host_id: int) -> None:
+    for expert in s.scalars(select(Expert).where(Expert.mixture_id == mixture.id, Expert.host_id == host_id)):
+        _route(mixture, expert, None, None)
+        expert.lease_expires_at = None
+
+
 def routing_changes(db: sessionmaker[Session], mixture_id: int, since: int) -> tuple[int, list[Route]]:
     """The mixture's routing table as (version, the routes of the experts that changed after `since`):
     since 0, every expert that has had a host. A trainer applies the routes in order and asks again
@@ -210,6 +296,11 @@ class ExpertRow:
     leases: int
     checkpoint_step: int
     checkpoint_at: datetime | None
+    answered: int
+    failed: int
+    late: int
+    refused: int
+    reported_seconds: float  # the span of the trainers' reports that gave those counts; 0 before two
 
 
 def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture, list[ExpertRow]]:
@@ -221,9 +312,26 @@ def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture
         rows = s.scalars(select(Expert).where(Expert.mixture_id == mixture_id).order_by(Expert.id)).all()
         s.expunge(mixture)
         return mixture, [
-            ExpertRow(e.uid, e.host_id, e.url, e.lease_expires_at, e.leases, e.checkpoint_step, e.checkpoint_at)
+            ExpertRow(
+                e.uid,
+                e.host_id,
+                e.url,
+                e.lease_expires_at,
+                e.leases,
+                e.checkpoint_step,
+                e.checkpoint_at,
+                e.calls_answered,
+                e.calls_failed,
+                e.calls_late,
+                e.calls_refused,
+                0.0 if e.reported_from is None or e.reported_to is None else _seconds(e.reported_to - e.reported_from),
+            )
             for e in rows
         ]
+
+
+def _seconds(span: timedelta) -> float:
+    return span.total_seconds()
 
 
 def checkpoint_keys(db: sessionmaker[Session], mixture_id: int) -> dict[str, str]:

@@ -37,7 +37,21 @@ def count_failure(host: Host, job: Job, outcome: AssignmentStatus, message: str)
     if outcome is not AssignmentStatus.rejected:
         return
     host.consecutive_refused += 1
-    reason = reputation.quarantine_reason(host.consecutive_refused, message, validation_of(job.spec).quarantine_after)
+    _quarantine_if_due(host, message, validation_of(job.spec).quarantine_after)
+
+
+def count_refused_answers(host: Host, refused: int, message: str, after: int | None) -> None:
+    """`refused` answers of an expert host that trainers could not use (NaN, wrong shapes): charged as
+    refused results are, the run of refusals quarantining the host at `after` (a job's
+    validation.quarantine_after)."""
+    host.results_failed += refused
+    host.consecutive_valid = 0
+    host.consecutive_refused += refused
+    _quarantine_if_due(host, message, after)
+
+
+def _quarantine_if_due(host: Host, message: str, after: int | None) -> None:
+    reason = reputation.quarantine_reason(host.consecutive_refused, message, after)
     if reason is not None and not is_quarantined(host):
         host.quarantined_until = utcnow() + reputation.QUARANTINE_FOR
         host.quarantine_reason = reason

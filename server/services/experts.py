@@ -1,7 +1,8 @@
 """Expert-parallel training's registry (the ledger's crowdtrain.server.ledger.experts) with its I/O:
-the connect-back probe of a host that asks for experts, and the experts' checkpoints in object
-storage. A checkpoint is written before it is recorded and deleted when it is replaced; a crash in
-between leaves an unrecorded object behind, never a record without its object."""
+the connect-back probe of a host that asks for experts, the experts' checkpoints in object storage,
+and the trainers' reports of their calls. A checkpoint is written before it is recorded and deleted
+when it is replaced; a crash in between leaves an unrecorded object behind, never a record without
+its object."""
 
 import logging
 import secrets
@@ -15,6 +16,8 @@ from crowdtrain.core import keys
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.refusals import Refusal, RefusalKind
 from crowdtrain.core.schemas_experts import (
+    CallReport,
+    CallsRecorded,
     CheckpointStored,
     ExpertOut,
     LeaseOut,
@@ -28,6 +31,7 @@ from crowdtrain.core.schemas_experts import (
 )
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError, views
+from crowdtrain.core.validationspec import validation_of
 from crowdtrain.server.ledger import experts as ledger
 
 log = logging.getLogger(__name__)
@@ -143,6 +147,21 @@ def routing(db: sessionmaker[Session], mixture_id: int, since: int) -> RoutingTa
     return RoutingTable(version=version, routes=[RouteOut(uid=r.uid, url=r.url) for r in routes])
 
 
+def record_calls(
+    db: sessionmaker[Session], host_id: int, mixture_id: int, report: CallReport, now: float
+) -> CallsRecorded:
+    """A trainer's report of its calls to the mixture's experts (crowdtrain.server.ledger.experts.record_calls):
+    the experts' counts, the hosts' credit for what they answered and charges for what was refused."""
+    counts = [ledger.CallCounts(**c.model_dump()) for c in report.experts]
+    counted, ignored = ledger.record_calls(
+        db, host_id, mixture_id, counts, report.seconds, _naive(now), validation_of({}).quarantine_after
+    )
+    refused = sum(c.refused for c in report.experts)
+    if refused:
+        log.warning("mixture %s: host %s reports %d expert answers refused", mixture_id, host_id, refused)
+    return CallsRecorded(counted=counted, ignored=ignored)
+
+
 def expire_leases(db: sessionmaker[Session], now: float) -> int:
     """The transitioner's sweep: free the experts whose lease ended (crowdtrain.server.ledger.experts)."""
     freed = ledger.expire_leases(db, _naive(now))
@@ -169,6 +188,11 @@ def mixture_status(db: sessionmaker[Session], mixture_id: int) -> MixtureOut:
                 leases=r.leases,
                 checkpoint_step=r.checkpoint_step,
                 checkpoint_at=r.checkpoint_at,
+                answered=r.answered,
+                failed=r.failed,
+                late=r.late,
+                refused=r.refused,
+                answers_per_s=r.answered / r.reported_seconds if r.reported_seconds > 0 else None,
             )
             for r in rows
         ],

@@ -1,6 +1,6 @@
 """`/v1/mixtures`: expert-parallel training's registry. The operator creates a mixture (admin token);
 expert hosts lease its experts and keep their checkpoints here, and trainers follow its routing
-table (host token)."""
+table and report their calls (host token)."""
 
 from typing import Annotated
 
@@ -10,6 +10,8 @@ from fastapi.responses import Response
 
 from crowdtrain.core.schemas import INT32_MAX, Id
 from crowdtrain.core.schemas_experts import (
+    CallReport,
+    CallsRecorded,
     CheckpointStored,
     LeaseRequest,
     Leases,
@@ -46,6 +48,15 @@ def lease(mixture_id: Id, req: LeaseRequest, host_id: HostDep, db: DbDep, now: N
     it has room and the scheduler reaches its URL (a connect-back probe of `/v1/health`), it is leased
     free experts. Unreachable with no expert yet: 422."""
     return experts.lease(db, host_id, mixture_id, req, now)
+
+
+@router.post("/{mixture_id}/calls", response_model=CallsRecorded)
+def calls(mixture_id: Id, report: CallReport, host_id: HostDep, db: DbDep, now: NowDep) -> CallsRecorded:
+    """A trainer's report of its calls to the mixture's experts since its last: per expert and host, the
+    calls answered (and their rows), failed, dropped late and refused. The experts' current hosts are
+    credited for what they answered and charged for refused answers (NaN, wrong shapes), which
+    quarantine a host that keeps sending them; entries about an expert's former host are ignored."""
+    return experts.record_calls(db, host_id, mixture_id, report, now)
 
 
 @router.get("/{mixture_id}/routing", response_model=RoutingTable)

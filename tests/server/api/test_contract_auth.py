@@ -25,6 +25,7 @@ HOST_ROUTES = [
     ("GET", "/v1/dedloc/jobs/1/rounds/0/0/total?peer_id=x&size=1"),
     ("PUT", "/v1/dedloc/jobs/1/states/1?peer_id=x"),
     ("POST", "/v1/mixtures/1/leases"),
+    ("POST", "/v1/mixtures/1/calls"),
     ("GET", "/v1/mixtures/1/routing"),
     ("PUT", "/v1/mixtures/1/experts/0.0/checkpoint?step=1"),
     ("GET", "/v1/mixtures/1/experts/0.0/checkpoint"),

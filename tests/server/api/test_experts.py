@@ -125,6 +125,22 @@ def test_a_bad_checkpoint_is_refused_and_nothing_is_stored(sched, reachable, ste
         ("GET", "/v1/mixtures/{m}/routing?since=-1", None, 422),
         ("GET", "/v1/mixtures/{m}/experts/9.9/checkpoint", None, 404),
         ("GET", "/v1/mixtures/{m}/experts/not-an-id/checkpoint", None, 422),
+        ("POST", "/v1/mixtures/99/calls", {"seconds": 1, "experts": []}, 404),
+        ("POST", "/v1/mixtures/{m}/calls", {"seconds": 0, "experts": []}, 422),
+        ("POST", "/v1/mixtures/{m}/calls", {"seconds": 1, "experts": [{"uid": "x", "url": "http://a:1"}]}, 422),
+        ("POST", "/v1/mixtures/{m}/calls", {"seconds": 1, "experts": [{"uid": "0.0", "url": "a"}]}, 422),
+        (
+            "POST",
+            "/v1/mixtures/{m}/calls",
+            {"seconds": 1, "experts": [{"uid": "0.0", "url": "http://a:1", "refused": -1}]},
+            422,
+        ),
+        (
+            "POST",
+            "/v1/mixtures/{m}/calls",
+            {"seconds": 1, "experts": [{"uid": "0.0", "url": "http://a:1"}] * 4097},
+            422,
+        ),
     ],
 )
 def test_requests_that_name_nothing_or_say_nonsense_get_a_4xx(sched, method, path, body, status) -> None:
@@ -143,3 +159,23 @@ def test_creating_a_mixture_needs_the_admin_and_a_layout_that_works(sched) -> No
     bad = sched.admin().post("/v1/mixtures", json={"name": "m", "layout": {**layout, "k": 9}})
     assert bad.status_code == 422 and "above the 4 experts" in bad.text
     assert sched.admin().get("/v1/mixtures/5").status_code == 404
+
+
+def test_a_trainers_report_shows_in_the_mixtures_figures_and_credits_the_host(sched, reachable) -> None:
+    mixture = create(sched)
+    host = sched.register("expert-host")
+    leased = host.post(f"/v1/mixtures/{mixture}/leases", json={"url": reachable, "capacity": 1}).json()["leases"]
+    uid = leased[0]["uid"]
+    trainer = sched.register("trainer")
+    report = {"seconds": 10, "experts": [{"uid": uid, "url": reachable, "answered": 20, "rows": 640, "late": 1}]}
+    first = trainer.post(f"/v1/mixtures/{mixture}/calls", json=report)
+    assert first.status_code == 200 and first.json() == {"counted": 1, "ignored": 0}
+    sched.now += 10
+    assert trainer.post(f"/v1/mixtures/{mixture}/calls", json=report).json() == {"counted": 1, "ignored": 0}
+    # The host reporting on its own expert: not counted.
+    assert host.post(f"/v1/mixtures/{mixture}/calls", json=report).json() == {"counted": 0, "ignored": 1}
+    view = {e["uid"]: e for e in sched.admin().get(f"/v1/mixtures/{mixture}").json()["experts"]}
+    assert (view[uid]["answered"], view[uid]["late"], view[uid]["failed"], view[uid]["refused"]) == (40, 2, 0, 0)
+    assert view[uid]["answers_per_s"] == pytest.approx(40 / 20)  # over the reports' span, 10 s before the first
+    credit = sched.admin().get("/v1/admin/hosts").json()
+    assert next(h["credit"] for h in credit if h["name"] == "expert-host") > 0

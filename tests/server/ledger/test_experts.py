@@ -124,3 +124,56 @@ def test_an_unknown_mixture_is_not_found(db) -> None:
         renew(db, 1, 99, "http://a:1", 1, at(0), grant=True)
     with pytest.raises(NotFound, match="mixture 99"):
         experts.routing_changes(db, 99, 0)
+
+
+def calls(uid: str, url: str, answered: int = 0, rows: int = 0, refused: int = 0, failed: int = 0, late: int = 0):
+    return experts.CallCounts(uid, url, answered, rows, failed, late, refused)
+
+
+def host_row(db, host_id: int) -> Host:
+    with db.begin() as s:
+        host = s.get_one(Host, host_id)
+        s.expunge(host)
+        return host
+
+
+def test_a_trainers_report_counts_for_the_experts_current_hosts_only_and_credits_what_they_answered(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    renew(db, 1, mixture, "http://a:1", 2, at(0), grant=True)  # 0.0.0, 0.0.1 to host 1
+    renew(db, 2, mixture, "http://b:1", 1, at(0), grant=True)  # 0.0.2 to host 2
+    report = [
+        calls("0.0.0", "http://a:1", answered=10, rows=640, failed=1, late=2),
+        calls("0.0.1", "http://old:1", answered=5, rows=320),  # a host it had before: not counted
+        calls("0.0.2", "http://b:1", answered=4, rows=256),  # host 2 reporting on itself: not counted
+        calls("1.0.0", "http://a:1", answered=1, rows=1),  # no such expert
+    ]
+    assert experts.record_calls(db, 2, mixture, report, 60.0, at(10), quarantine_after=5) == (1, 3)
+    assert experts.record_calls(db, 2, mixture, report[:1], 30.0, at(40), quarantine_after=5) == (1, 0)
+    _, rows = experts.mixture_experts(db, mixture)
+    view = {r.uid: r for r in rows}
+    assert (view["0.0.0"].answered, view["0.0.0"].failed, view["0.0.0"].late) == (20, 2, 4)
+    assert view["0.0.0"].reported_seconds == 90.0  # from 60 s before the first report to the second
+    assert view["0.0.1"].answered == view["0.0.2"].answered == 0
+    # Credit for the rows answered: 1,280 rows of a dim-4, hidden-8 expert, 8 x 4 x 8 FLOPs each.
+    assert host_row(db, 1).credit == pytest.approx(1280 * 8 * 4 * 8 / 4.32e11)
+    assert host_row(db, 2).credit == 0
+
+
+def test_refused_answers_charge_their_host_until_it_is_quarantined_and_its_experts_freed(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    renew(db, 1, mixture, "http://a:1", 2, at(0), grant=True)  # 0.0.0, 0.0.1 to host 1
+    version, _ = routes(db, mixture, 0)
+    experts.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=3)], 10.0, at(5), quarantine_after=5)
+    charged = host_row(db, 1)
+    assert (charged.results_failed, charged.consecutive_refused, charged.quarantined_until) == (3, 3, None)
+    # Usable answers end the run of refusals; two more refused do not reach 5 in a row.
+    experts.record_calls(db, 2, mixture, [calls("0.0.1", "http://a:1", answered=4, rows=8)], 10.0, at(6), 5)
+    experts.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=2)], 10.0, at(7), 5)
+    assert host_row(db, 1).quarantined_until is None
+    experts.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=3)], 10.0, at(8), 5)
+    quarantined = host_row(db, 1)
+    assert quarantined.quarantined_until is not None and "answers refused" in quarantined.quarantine_reason
+    # Its experts are freed at once: trainers stop calling it, and its next call leases it nothing.
+    assert routes(db, mixture, version)[1] == {"0.0.0": None, "0.0.1": None}
+    assert renew(db, 1, mixture, "http://a:1", 2, at(9), grant=True) == []
+    assert uids(renew(db, 2, mixture, "http://b:1", 2, at(9), grant=True)) == ["0.0.0", "0.0.1"]
