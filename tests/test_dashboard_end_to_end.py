@@ -262,3 +262,34 @@ def test_epoch_labels_of_a_long_job_never_overlap_in_chromium(browser: WebDriver
         assert all(w > 0 for _, w in drawn)
         for (x0, w0), (x1, _) in itertools.pairwise(drawn):
             assert x0 + w0 < x1, (epochs, first, drawn)
+
+
+def test_the_job_page_of_a_moe_job_shows_its_experts_in_chromium(make_cluster, sqlite_url, browser: WebDriver) -> None:
+    """Two expert hosts serve a moe job's experts and a client trains its trunk, reporting its calls: the
+    job page's Experts section shows every expert served by the two hosts, with their call figures."""
+    spec = load_job_spec(ROOT / "examples" / "clusters-moe.yaml").model_dump(mode="json")
+    spec["stop"] = {"target_accuracy": 0.999, "max_epochs": 1000}  # out of reach: still running while read
+    cluster = make_cluster(sqlite_url)
+    job_id = cluster.submit(spec)["job_id"]
+    with cluster.admin() as http:
+        mixture = http.get(f"/v1/jobs/{job_id}").json()["mixture_id"]
+    experts = spec["experts"]["layers"] * spec["experts"]["grid"][0] * spec["experts"]["grid"][1]
+    for name in ("host-a", "host-b"):
+        cluster.start_expert_host(name, mixture, experts)
+    cluster.start_client("trainer", tasks=1)
+    wait_for(lambda: merges(cluster, job_id) >= 2, 240, "no two merges", cluster.service("trainer"))
+
+    log_in(browser, cluster)
+    browser.get(f"{cluster.url}/dashboard/jobs/{job_id}")
+    WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "experts-section").is_displayed())
+    assert browser.find_element(By.ID, "in-flight-section").is_displayed()  # its trunk's workunits, as vc-asgd's
+    assert text_of(browser, "ex-served") == f"{experts} / {experts}"
+    assert text_of(browser, "ex-hosts") == "2"
+    assert float(text_of(browser, "ex-rate")) > 0
+    table = rows(browser, "experts")
+    assert len(table) == experts and all(r[2].startswith("http://127.0.0.1:") for r in table)
+    assert all(r[3].startswith("in ") for r in table)  # every lease runs ahead
+    # Reported on: at least the k experts of each layer that the first rows were routed to.
+    assert sum(r[6] != "–" for r in table) >= spec["experts"]["k"] * spec["experts"]["layers"]
+    screenshot(browser, "moe-job")
+    section_screenshot(browser, "experts-section", "job-experts")

@@ -70,7 +70,7 @@ def print_mixture(mixture: dict) -> None:
     """A mixture as `GET /v1/mixtures/{id}` answers it: a line of figures, then each expert's host,
     lease left and last checkpoint, and what trainers reported of their calls (answers per second, the
     share of calls failed or dropped late, answers refused); also `crowdtrain job status` of a moe job."""
-    now = datetime.now(UTC).replace(tzinfo=None)
+    now = datetime.now(UTC)
     rows = []
     for e in mixture["experts"]:
         ends = e["lease_expires_at"]

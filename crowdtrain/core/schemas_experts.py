@@ -1,11 +1,10 @@
 """Wire schemas of expert-parallel training's registry (`/v1/mixtures`): mixtures, the leases of
 expert hosts, and the routing table trainers follow."""
 
-from datetime import datetime
-
 from pydantic import BaseModel, Field
 
 from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.core.schemas import UtcDatetime
 
 # An expert host's base URL as the scheduler and trainers call it: scheme, host and port, no path.
 HOST_URL_PATTERN = r"^https?://[A-Za-z0-9.\-\[\]:]{1,253}$"
@@ -89,10 +88,10 @@ class ExpertOut(BaseModel):
     uid: str
     host_id: int | None
     url: str | None
-    lease_expires_at: datetime | None
+    lease_expires_at: UtcDatetime | None
     leases: int = Field(description="leases granted: 1 + the times it moved to another host")
     checkpoint_step: int
-    checkpoint_at: datetime | None
+    checkpoint_at: UtcDatetime | None
     answered: int = Field(0, description="calls trainers reported answered, by every host it had")
     failed: int = Field(0, description="calls trainers reported unanswered (error status, no connection)")
     late: int = Field(0, description="calls trainers stopped waiting for")

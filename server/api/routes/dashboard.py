@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from crowdtrain.core.schemas import Id
 from crowdtrain.core.schemas_dashboard import DedlocFigures, HostFigures, JobDashboard, JobInFlight, ProjectPublic
+from crowdtrain.core.schemas_experts import MixtureOut
 from crowdtrain.core.schemas_jobs import JobSummary
 from crowdtrain.server.api import public_page
 from crowdtrain.server.api.deps import (
@@ -28,7 +29,7 @@ from crowdtrain.server.api.deps import (
     SessionDep,
     SettingsDep,
 )
-from crowdtrain.server.services import dashboard, dedloc_figures, in_flight, jobs, sessions
+from crowdtrain.server.services import dashboard, dedloc_figures, experts, in_flight, jobs, sessions
 
 STATIC = resources.files("crowdtrain.server.api") / "static"
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
@@ -182,6 +183,13 @@ def job_dedloc(job_id: Id, db: DbDep, r: RedisDep) -> DedlocFigures:
     """A DeDLOC job's rounds: steps committed, members, mean round time, examples per step. 404 for no
     such job, 409 for a job of another mode."""
     return dedloc_figures.dedloc_figures(db, r, job_id)
+
+
+@operator_data.get("/mixtures/{mixture_id}", response_model=MixtureOut)
+def mixture_data(mixture_id: Id, db: DbDep) -> MixtureOut:
+    """A moe job's experts: each one's host, lease and checkpoint, and what trainers reported of their
+    calls. 404 for no such mixture."""
+    return experts.mixture_status(db, mixture_id)
 
 
 @operator_data.get("/hosts", response_model=list[HostFigures])

@@ -207,6 +207,29 @@ function dedlocSection(f) {
   ]);
 }
 
+function share(part, whole) { return whole ? pct(part / whole) : "–"; }
+
+function expertsSection(m) {
+  document.getElementById("experts-section").hidden = false;
+  const sum = (key) => m.experts.reduce((total, e) => total + e[key], 0);
+  const calls = sum("answered") + sum("failed") + sum("late");
+  const rate = m.experts.filter((e) => e.answers_per_s !== null).reduce((total, e) => total + e.answers_per_s, 0);
+  setText("ex-served", num(m.served) + " / " + num(m.experts.length));
+  setText("ex-hosts", num(new Set(m.experts.filter((e) => e.host_id !== null).map((e) => e.host_id)).size));
+  setText("ex-rate", num(rate, 1));
+  setText("ex-unanswered", share(sum("failed") + sum("late"), calls));
+  setText("ex-refused", num(sum("refused")));
+  setText("ex-moves", num(m.experts.reduce((total, e) => total + Math.max(0, e.leases - 1), 0)));
+  fillTable("experts", m.experts, (e) => [
+    e.uid, e.host_id === null ? "–" : String(e.host_id), e.url || "not served",
+    e.url ? until(e.lease_expires_at) : "–", [num(Math.max(0, e.leases - 1)), "num"],
+    e.checkpoint_at ? "step " + num(e.checkpoint_step) + ", " + ago(e.checkpoint_at) : "none yet",
+    [e.answers_per_s === null ? "–" : num(e.answers_per_s, 1), "num"],
+    [share(e.failed + e.late, e.answered + e.failed + e.late), "num"],
+    [num(e.refused), e.refused ? "revoked" : "num"],
+  ]);
+}
+
 function jobPage() {
   const jobId = window.location.pathname.split("/").filter(Boolean).pop();
   const base = "/dashboard/api/jobs/" + encodeURIComponent(jobId);
@@ -215,6 +238,7 @@ function jobPage() {
     if (!sectionStarted) {
       if (d.mode === "dedloc") poll(base + "/dedloc", dedlocSection);
       else poll(base + "/in-flight", inFlightSection);
+      if (d.job.mixture_id !== null) poll("/dashboard/api/mixtures/" + d.job.mixture_id, expertsSection);
     }
     sectionStarted = true;
     const job = d.job, m = job.metrics;
