@@ -11,13 +11,12 @@ import logging
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.core.experts import checkpoint_weights
 from crowdtrain.core.storage import ObjectNotFound, Storage
-from crowdtrain.core.tensors import Params, TensorFormatError, decode
-from crowdtrain.core.zoo_experts import EXPERT_PREFIX
+from crowdtrain.core.tensors import Params, TensorFormatError
 from crowdtrain.server.ledger import experts as ledger
 
 log = logging.getLogger(__name__)
-_WEIGHTS = "param/"  # a checkpoint's weights, beside its optimizer state (crowdtrain.client.experts.expert)
 
 
 class ExpertCheckpoints:
@@ -33,15 +32,12 @@ class ExpertCheckpoints:
             held = self._read.get((mixture_id, uid))
             if held is None or held[0] != key:
                 held = self._read[(mixture_id, uid)] = (key, self._weights(uid, key))
-            out.update({f"{EXPERT_PREFIX}{uid}/{name}": v for name, v in held[1].items()})
+            out.update(held[1])
         return out
 
     def _weights(self, uid: str, key: str) -> Params:
         try:
-            tensors = decode(self.storage.get(key))
+            return checkpoint_weights(uid, self.storage.get(key))
         except (TensorFormatError, ObjectNotFound) as exc:
-            log.warning(
-                "expert %s: its checkpoint %s cannot be read (%s); evaluated with its initial weights", uid, key, exc
-            )
+            log.warning("expert %s: checkpoint %s unreadable (%s); evaluated with its initial weights", uid, key, exc)
             return {}
-        return {name[len(_WEIGHTS) :]: v for name, v in tensors.items() if name.startswith(_WEIGHTS)}

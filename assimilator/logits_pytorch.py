@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from crowdtrain.core import zoo
+from crowdtrain.core.experts import EXPERT_PREFIX
 from crowdtrain.core.tensors import Params
-from crowdtrain.core.zoo_experts import EXPERT_PREFIX, MixtureTrunk, local_experts
+from crowdtrain.core.zoo_experts import MixtureTrunk, local_experts
 
 # Each job's model, built once per process.
 _models: dict[int, nn.Module] = {}

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.tensors import decode
 from crowdtrain.launch.cluster import wait_for
 from tests.conftest import ROOT
 from tests.test_training_end_to_end import job_status, wait_finished
@@ -53,6 +54,13 @@ def test_a_moe_job_trains_to_its_target_through_expert_hosts_while_one_is_killed
         assert st["status"] == "succeeded", (st["status_message"], cluster.service("trainer").tail())
         assert st["final_accuracy"] >= spec.stop.target_accuracy
         view = {e["uid"]: e for e in http.get(f"/v1/mixtures/{mixture}").json()["experts"]}
+        model = http.get(f"/v1/jobs/{job_id}/model")
+        assert model.status_code == 200, model.text
+    # The exported model is the whole model: the trunk, and the weights of every expert's last checkpoint.
+    tensors = decode(model.content)
+    checkpointed = {uid for uid, e in view.items() if e["checkpoint_step"] > 0}
+    assert checkpointed and {name.split("/")[1] for name in tensors if name.startswith("expert/")} == checkpointed
+    assert {"embed.weight", "head.1.weight"} <= set(tensors)
     # The killed host's experts moved to the living hosts, within the lease and a heartbeat or two.
     assert orphans and all(view[uid]["leases"] >= 2 for uid in orphans)
     lease = spec.experts.heartbeat_seconds * spec.experts.lease_heartbeats

@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from crowdtrain.core.specfile import SpecSection
-from crowdtrain.core.tensors import encode, views
+from crowdtrain.core.tensors import decode, encode, views
 
 FORWARD_ARGS = ("x",)
 BACKWARD_ARGS = ("x", "grad_y")
@@ -93,6 +93,22 @@ def answer_flops(layout: ExpertLayout, rows: int) -> int:
     counted alike: a forward row costs 4 x dim x hidden (two matrix products), a backward row three
     times that (it recomputes the forward pass, then both gradients); each row is credited their mean."""
     return 8 * layout.dim * layout.hidden * rows
+
+
+EXPERT_PREFIX = "expert/"  # a whole model's parameters: the trunk's, and each expert's as expert/UID/NAME
+_CHECKPOINT_WEIGHTS = "param/"  # a checkpoint's weights, beside its optimizer state
+
+
+def checkpoint_weights(uid: str, checkpoint: bytes) -> dict[str, np.ndarray]:
+    """The weights in an expert's checkpoint (crowdtrain.client.experts.expert.Expert.state), named as
+    a whole model's parameters name them (expert/UID/NAME); TensorFormatError for bytes that are not
+    safetensors. Whether they fit the expert is the reader's check (zoo_experts.local_experts)."""
+    tensors = decode(checkpoint)
+    return {
+        f"{EXPERT_PREFIX}{uid}/{name[len(_CHECKPOINT_WEIGHTS) :]}": t
+        for name, t in tensors.items()
+        if name.startswith(_CHECKPOINT_WEIGHTS)
+    }
 
 
 def expert_uid(layer: int, coords: tuple[int, ...]) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from crowdtrain.core.experts import ExpertLayout, parse_uid
+from crowdtrain.core.experts import EXPERT_PREFIX, ExpertLayout, parse_uid
 
 
 class FeedForwardExpert(nn.Module):
@@ -115,9 +115,6 @@ class MixtureTrunk(nn.Module):
                 h = h + experts(layer, gate, norm(h))  # type: ignore[arg-type]
         logits: torch.Tensor = self.head(h)
         return logits
-
-
-EXPERT_PREFIX = "expert/"  # evaluation's parameters: the trunk's, and each expert's as expert/UID/NAME
 
 
 class LocalExperts:

@@ -9,12 +9,15 @@ from sqlalchemy import and_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
+from crowdtrain.core.experts import checkpoint_weights
 from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.logs import ids
 from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.refusals import NotFound
 from crowdtrain.core.states import JobStatus
-from crowdtrain.core.storage import Storage
+from crowdtrain.core.storage import ObjectNotFound, Storage
+from crowdtrain.core.tensors import TensorFormatError, decode, encode
+from crowdtrain.server.ledger import experts
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.paramstore import store
 
@@ -39,7 +42,8 @@ def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Red
 
     The exported file is W_s's tensors as the parameter store holds them, byte for byte, under a
     header that says what they are (crowdtrain.core.modelfile): the version and the accuracy recorded
-    when the job ended. NotFound for no such job."""
+    when the job ended. A moe job's file adds its experts' weights from their last checkpoints
+    (`with_experts`). NotFound for no such job."""
     with db.begin() as s:
         job = s.get(Job, job_id)
         if job is None:
@@ -49,12 +53,29 @@ def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Red
         name, spec, model_config, accuracy = job.name, job.spec, job.model_config_, job.final_accuracy
         status, message = job.status, job.status_message
     version, blob = store.read_blob(r, job_id)
+    if "mixture" in model_config:
+        blob = with_experts(db, storage, int(model_config["mixture"]), blob)
     key = keys.final_key(job_id)
     storage.put(key, with_metadata(blob, model_metadata(job_id, name, spec, model_config, version, accuracy)))
     with db.begin() as s:
         s.execute(update(Job).where(Job.id == job_id, Job.final_key.is_(None)).values(final_key=key))
     log.info("job %s %s: %s; final model v%d exported to %s", job_id, status, message, version, key)
     return key
+
+
+def with_experts(db: sessionmaker[Session], storage: Storage, mixture_id: int, trunk: bytes) -> bytes:
+    """A moe job's whole model: its trunk's tensors and each expert's weights from its last checkpoint
+    (expert/UID/NAME). An expert without a readable checkpoint is left out: it is at its initial
+    weights, which the layout's seed in the file's header gives (crowdtrain.core.zoo_experts.build_expert)."""
+    params = decode(trunk)
+    for uid, key in experts.checkpoint_keys(db, mixture_id).items():
+        try:
+            params.update(checkpoint_weights(uid, storage.get(key)))
+        except (TensorFormatError, ObjectNotFound) as exc:
+            log.warning(
+                "mixture %s: expert %s's checkpoint %s is left out of the export: %s", mixture_id, uid, key, exc
+            )
+    return encode(params)
 
 
 def export_or_leave_it(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:

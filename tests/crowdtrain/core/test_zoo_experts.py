@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from crowdtrain.core import zoo
-from crowdtrain.core.experts import ExpertLayout
-from crowdtrain.core.zoo_experts import EXPERT_PREFIX, MixtureTrunk, build_expert, local_experts
+from crowdtrain.core.experts import EXPERT_PREFIX, ExpertLayout
+from crowdtrain.core.zoo_experts import MixtureTrunk, build_expert, local_experts
 
 LAYOUT = ExpertLayout(layers=2, grid=[2, 3], dim=6, hidden=12, k=3, k_min=2)
 
