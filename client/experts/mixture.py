@@ -3,9 +3,9 @@ expert hosts (crowdtrain.client.experts.host).
 
 The routing (grid gating, each input's k best experts among those the routing table lists) and the
 renormalised combination are crowdtrain.core.zoo_experts', shared with the parameter servers'
-evaluation. One call per expert per batch carries all the rows routed to it;
-the calls run concurrently, and the trainer waits until every row has `k_min` answers and then a
-`grace` period more, or until the timeout. Experts that fail or answer late are dropped and the
+evaluation. One call per expert per batch carries all the rows routed to it; the calls run
+concurrently, and the trainer waits until every row has `k_min` answers and then a `grace` period
+more, or until the timeout. Experts that fail or answer late are dropped and the
 weights of the rest renormalised (a softmax over the answered experts' scores): this acts like
 dropout, and training goes on while hosts come and go. A row with fewer than `k_min` answers gets
 no output from the layer (its residual passes it on). Backward is sent only to the experts that
@@ -151,12 +151,16 @@ class _Routed:
 
 
 def _gather(
-    client: ExpertClient, futures: dict["Future[np.ndarray]", _Routed], need: torch.Tensor, timeout: float
+    client: ExpertClient,
+    futures: dict["Future[np.ndarray]", _Routed],
+    need: torch.Tensor,
+    timeout: float,
+    quorum: float = 1.0,
 ) -> dict[str, np.ndarray]:
     """The answers of the calls that came back in time: every one, or, once each row has its `need`
-    [rows] answers, those within a grace period after that (as long again as those answers took, at
-    most the layout's `grace`: on a fast network a lost call holds the batch for little); by `timeout`
-    at the latest."""
+    [rows] answers or a share `quorum` of the calls has answered, those within a grace period after
+    that (as long again as those answers took, at most the layout's `grace`: on a fast network a lost
+    call holds the batch for little); by `timeout` at the latest."""
     started = time.monotonic()
     deadline = started + timeout
     answered = torch.zeros_like(need)
@@ -171,7 +175,7 @@ def _gather(
                 routed = futures[f]
                 out[routed.uid] = f.result()
                 answered[routed.rows] += 1
-        if pending and bool((answered >= need).all()):
+        if pending and (bool((answered >= need).all()) or len(out) >= quorum * len(futures)):
             now = time.monotonic()
             deadline = min(deadline, now + min(client.layout.grace, now - started))
     for f in pending:
@@ -213,7 +217,7 @@ class _RemoteExperts(torch.autograd.Function):
             client.submit(r.uid, "backward", x=ctx.x_np[r.rows.numpy()], grad_y=g[r.rows.numpy(), r.places.numpy()]): r
             for r in ctx.answered
         }
-        answers = _gather(client, futures, ctx.need, client.layout.backward_timeout)
+        answers = _gather(client, futures, ctx.need, client.layout.backward_timeout, client.layout.backward_quorum)
         grad_x = torch.zeros(ctx.x_np.shape)
         for r in ctx.answered:
             if r.uid in answers:

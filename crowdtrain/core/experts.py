@@ -42,6 +42,15 @@ class ExpertLayout(SpecSection):
     max_rows: int = Field(4096, ge=1, le=1_000_000, description="rows one call may carry")
     forward_timeout: float = Field(5.0, gt=0, le=600, description="seconds a trainer waits for forward answers")
     backward_timeout: float = Field(5.0, gt=0, le=600, description="seconds a trainer waits for backward answers")
+    backward_quorum: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="a trainer waits for a micro-batch's backward answers until each row has as many as its "
+        "forward had (up to k_min), or until this share of the calls has answered, then the grace period: a "
+        "row whose call is lost then lacks that expert's part of its input gradient, instead of holding the "
+        "batch until the call's error or timeout",
+    )
     grace: float = Field(
         0.05,
         ge=0,
