@@ -97,7 +97,7 @@ class ExpertOut(BaseModel):
     late: int = Field(0, description="calls trainers stopped waiting for")
     refused: int = Field(0, description="answers trainers refused (NaN, wrong shapes): charged to the host")
     answers_per_s: float | None = Field(
-        None, description="answered calls per second over the reports' span; None before two reports"
+        None, description="answered calls per second over the span of the reports; None before any report"
     )
 
 

@@ -300,7 +300,7 @@ class ExpertRow:
     failed: int
     late: int
     refused: int
-    reported_seconds: float  # the span of the trainers' reports that gave those counts; 0 before two
+    reported_seconds: float  # the span of the trainers' reports that gave those counts; 0 before any
 
 
 def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture, list[ExpertRow]]:
@@ -324,14 +324,12 @@ def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture
                 e.calls_failed,
                 e.calls_late,
                 e.calls_refused,
-                0.0 if e.reported_from is None or e.reported_to is None else _seconds(e.reported_to - e.reported_from),
+                0.0
+                if e.reported_from is None or e.reported_to is None
+                else (e.reported_to - e.reported_from).total_seconds(),
             )
             for e in rows
         ]
-
-
-def _seconds(span: timedelta) -> float:
-    return span.total_seconds()
 
 
 def checkpoint_keys(db: sessionmaker[Session], mixture_id: int) -> dict[str, str]:
