@@ -307,10 +307,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds measured per throughput figure")
     parser.add_argument("--examples", type=int, default=40_000, help="examples trained for the accuracy figures")
     parser.add_argument("--in-flight", type=int, default=16, help="micro-batches the trainer keeps going")
-    parser.add_argument("--simulated-hosts", type=int, default=1000, help="expert hosts of the scheduler's CPU figures")
+    parser.add_argument(
+        "--simulated-hosts",
+        type=int,
+        default=None,
+        help="expert hosts of the scheduler's CPU figures (1000; quick 200)",
+    )
     args = parser.parse_args()
     if args.quick:
-        args.seconds, args.examples, args.simulated_hosts = 8.0, 20_000, 200
+        args.seconds, args.examples = 8.0, 20_000
+    if args.simulated_hosts is None:
+        args.simulated_hosts = 200 if args.quick else 1000
     torch.set_num_threads(1)
     out: dict = {"in_flight": args.in_flight, "seconds": args.seconds}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,16 +1,27 @@
-"""A mode moe job end to end, from the example spec: three expert host processes lease the job's
-mixture; a volunteer client trains the job's dense trunk through them, workunit by workunit; the
-parameter servers merge the trunk and evaluate it with the experts' checkpoints. One host is
-SIGKILLed mid-run; its experts are leased again and restored, and the job still reaches its target."""
+"""A mode moe job end to end, from the example spec: expert host processes lease the job's mixture; a
+volunteer client trains the job's dense trunk through them, workunit by workunit; the parameter
+servers merge the trunk and evaluate it with the experts' checkpoints. Among the hosts is a hostile
+one, leasing like any other but answering with NaN: the trainer refuses its answers and reports them,
+the scheduler charges it until it is quarantined, and its experts move on. Then an honest host is
+SIGKILLed mid-run: its experts are leased again and restored. The job still reaches its target, and
+its exported model carries the experts."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
+from crowdtrain.client.experts.leasing import MixtureAPI
+from crowdtrain.client.server_http import Refused
+from crowdtrain.core.experts import FORWARD_ARGS, encode_call, read_call
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import decode
 from crowdtrain.launch.cluster import wait_for
@@ -20,53 +31,116 @@ from tests.test_training_end_to_end import job_status, wait_finished
 pytestmark = pytest.mark.integration
 
 SPEC = ROOT / "examples" / "clusters-moe.yaml"
+HOSTILE_CAPACITY = 8
 
 
-def test_a_moe_job_trains_to_its_target_through_expert_hosts_while_one_is_killed(make_cluster, sqlite_url) -> None:
+class NaNAnswers(BaseHTTPRequestHandler):
+    """An expert host that passes the scheduler's connect-back probe and answers every call with NaN."""
+
+    dim = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(b'{"status": "ok"}')
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        rows = read_call(body, FORWARD_ARGS, self.dim, 1 << 16)["x"].shape[0]
+        self._send(encode_call(y=np.full((rows, self.dim), np.nan)))
+
+
+@pytest.fixture
+def hostile_url() -> Iterator[str]:
+    layout = load_job_spec(SPEC).experts
+    assert layout is not None
+    handler = type("Hostile", (NaNAnswers,), {"dim": layout.dim})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_moe_job_reaches_its_target_through_a_hostile_host_and_a_killed_one(
+    make_cluster, sqlite_url, hostile_url
+) -> None:
     spec = load_job_spec(SPEC)
     assert spec.experts is not None
     cluster = make_cluster(sqlite_url)
     job_id = cluster.submit(spec.model_dump(mode="json"))["job_id"]
+    stop = threading.Event()
     with cluster.admin() as http:
         mixture = job_status(http, job_id)["mixture_id"]
         assert mixture is not None
-        hosts = [cluster.start_expert_host(f"host{i}", mixture, 16) for i in range(3)]
-        experts = spec.experts.layers * spec.experts.experts_per_layer
 
         def leased() -> dict[str, str]:
             view = http.get(f"/v1/mixtures/{mixture}").json()["experts"]
             return {e["uid"]: e["url"] for e in view if e["url"] is not None}
 
+        # The hostile host leases first, then three honest ones take the rest.
+        hostile = MixtureAPI(cluster.url, stop=stop)
+        hostile.register(cluster.join_token, "hostile")
+        held = {lease.uid for lease in hostile.lease(mixture, hostile_url, HOSTILE_CAPACITY).leases}
+
+        def beat() -> None:  # it renews its leases for as long as the scheduler lets it
+            while not stop.wait(spec.experts.heartbeat_seconds):
+                with contextlib.suppress(Refused):
+                    hostile.lease(mixture, hostile_url, HOSTILE_CAPACITY)
+
+        threading.Thread(target=beat, daemon=True).start()
+        hosts = [cluster.start_expert_host(f"host{i}", mixture, 16) for i in range(3)]
+        experts = spec.experts.layers * spec.experts.experts_per_layer
         wait_for(lambda: len(leased()) == experts, 120, "the experts were not all leased", hosts[0][0])
         cluster.start_client("trainer", tasks=1)
-        # Kill a host once the trunk has been merged a few times and its experts have checkpoints.
-        wait_for(lambda: job_status(http, job_id)["merges"] >= 3, 300, "no merges", cluster.service("trainer"))
-        killed_url = hosts[2][1]
-        orphans = sorted(uid for uid, url in leased().items() if url == killed_url)
-        hosts[2][0].signal(signal.SIGKILL)
-        hosts[2][0].proc.wait(30)
-        killed_at = time.monotonic()
-        wait_for(
-            lambda: killed_url not in leased().values() and len(leased()) == experts, 60, "not re-leased", hosts[0][0]
-        )
-        moved_after = time.monotonic() - killed_at
-        st = wait_finished(cluster, job_id)
+        try:
+            # The trainer's reports charge the hostile host; 5 refused answers in a row quarantine it and
+            # free its experts, which the honest hosts lease.
+            wait_for(lambda: hostile_url not in leased().values(), 240, "the hostile host kept its experts")
+            # Kill an honest host once the trunk has been merged a few times and its experts checkpointed.
+            wait_for(lambda: job_status(http, job_id)["merges"] >= 3, 300, "no merges", cluster.service("trainer"))
+            killed_url = hosts[2][1]
+            orphans = sorted(uid for uid, url in leased().items() if url == killed_url)
+            hosts[2][0].signal(signal.SIGKILL)
+            hosts[2][0].proc.wait(30)
+            killed_at = time.monotonic()
+            wait_for(lambda: killed_url not in leased().values() and len(leased()) == experts, 60, "not re-leased")
+            moved_after = time.monotonic() - killed_at
+            st = wait_finished(cluster, job_id)
+        finally:
+            stop.set()
         assert st["status"] == "succeeded", (st["status_message"], cluster.service("trainer").tail())
         assert st["final_accuracy"] >= spec.stop.target_accuracy
         view = {e["uid"]: e for e in http.get(f"/v1/mixtures/{mixture}").json()["experts"]}
+        credit = {h["name"]: h for h in http.get("/v1/admin/hosts").json()}
         model = http.get(f"/v1/jobs/{job_id}/model")
         assert model.status_code == 200, model.text
-    # The exported model is the whole model: the trunk, and the weights of every expert's last checkpoint.
-    tensors = decode(model.content)
-    checkpointed = {uid for uid, e in view.items() if e["checkpoint_step"] > 0}
-    assert checkpointed and {name.split("/")[1] for name in tensors if name.startswith("expert/")} == checkpointed
-    assert {"embed.weight", "head.1.weight"} <= set(tensors)
+    # The hostile host was refused, charged and quarantined, and earned nothing; its experts moved.
+    assert held and sum(view[uid]["refused"] for uid in held) >= 5
+    assert all(view[uid]["leases"] >= 2 for uid in held)
+    bad = credit["hostile"]
+    assert bad["quarantined_until"] is not None and "answers refused by a trainer" in bad["quarantine_reason"]
+    assert bad["credit"] == 0 and all(credit[f"host{i}"]["credit"] > 0 for i in range(2))
     # The killed host's experts moved to the living hosts, within the lease and a heartbeat or two.
     assert orphans and all(view[uid]["leases"] >= 2 for uid in orphans)
     lease = spec.experts.heartbeat_seconds * spec.experts.lease_heartbeats
     assert moved_after < lease + 10 * spec.experts.heartbeat_seconds, moved_after
     # The trunk was trained by the volunteer and merged: results of several workunits, each merged once.
     assert st["merges"] >= 6 and st["assignments"].get("merged") == st["merges"]
+    # The exported model is the whole model: the trunk, and the weights of the experts' last checkpoints
+    # when the job ended (a host may upload one more after), each expert's every tensor.
+    tensors = decode(model.content)
+    checkpointed = {uid for uid, e in view.items() if e["checkpoint_step"] > 0}
+    exported = {name.split("/")[1] for name in tensors if name.startswith("expert/")}
+    assert exported and exported <= checkpointed
+    assert all(sum(name.startswith(f"expert/{uid}/") for name in tensors) == 4 for uid in exported)
+    assert {"embed.weight", "head.1.weight"} <= set(tensors)
     # The operator's view of the job shows where its experts are served.
     env = {**os.environ, "CROWDTRAIN_ADMIN_TOKEN": cluster.admin_token, "COLUMNS": "200"}
     shown = subprocess.run(

@@ -22,7 +22,7 @@ import torch
 
 from crowdtrain.client.experts.mixture import ExpertClient, RoutingFollower
 from crowdtrain.client.experts.trainer import MixtureClassifier, PipelinedTrainer
-from crowdtrain.client.server_http import Refused, Stopping
+from crowdtrain.client.server_http import BadReply, Refused, Stopping
 from crowdtrain.client.trainers import ExpertRegistry, TrainControl, TrainResult, examples_in, local_steps
 from crowdtrain.client.trainers.pytorch import load_optimizer, make_optimizer, optimizer_tensors
 from crowdtrain.core.schemas_experts import CallReport
@@ -53,7 +53,7 @@ class _CallReports:
             return
         try:
             self.registry.report_calls(self.mixture_id, CallReport(seconds=seconds, experts=calls))
-        except (Refused, Stopping) as exc:
+        except (Refused, Stopping, BadReply) as exc:
             log.warning(
                 "mixture %s: the report of %d experts' calls was not taken: %s", self.mixture_id, len(calls), exc
             )
