@@ -17,7 +17,7 @@ from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from crowdtrain.core.logs import ids
-from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Shard, Workunit, utcnow
 
@@ -106,7 +106,61 @@ def supersede_result(db: sessionmaker[Session], assignment_id: int, winner_id: i
         if a.status != AssignmentStatus.uploaded.value:
             return None
         _supersede(a, winner_id)
+        wu = s.get_one(Workunit, a.workunit_id, with_for_update=True)
+        if wu.status == WorkunitStatus.in_progress.value and not _holder(s, wu.id):
+            _release(wu, "the merge of the result that superseded it failed on the server")
         return a.upload_key
+
+
+# An assignment in one of these holds its workunit: it runs, waits for its merge, or was merged.
+HOLDING = (*LIVE, AssignmentStatus.merged.value, AssignmentStatus.validated.value)
+
+
+def _holder(s: Session, workunit_id: int) -> int | None:
+    """An assignment that holds `workunit_id` (HOLDING), if any."""
+    return s.scalar(
+        select(Assignment.id).where(Assignment.workunit_id == workunit_id, Assignment.status.in_(HOLDING)).limit(1)
+    )
+
+
+def _release(wu: Workunit, why: str) -> None:
+    """An in-progress workunit that no assignment holds is ready again."""
+    states.move(wu, WorkunitStatus.ready)
+    log.warning(
+        "workunit %s: in progress with no assignment holding it (%s); ready again",
+        wu.id,
+        why,
+        extra=ids(job_id=wu.job_id, epoch=wu.epoch, workunit_id=wu.id),
+    )
+
+
+def release_orphaned_workunits(db: sessionmaker[Session], job_modes: tuple[str, ...], limit: int = 500) -> int:
+    """The transitioner's repair: in-progress workunits of running jobs (of `job_modes`) that no
+    assignment holds any more (a race between a winner's failed merge and its duplicate's end, or
+    any other lost step) are ready again, so their epoch can finish. Each is checked again once
+    locked: a claim that committed meanwhile holds it. Returns how many were released."""
+    held = exists().where(Assignment.workunit_id == Workunit.id, Assignment.status.in_(HOLDING))
+    with db.begin() as s:
+        candidates = s.scalars(
+            select(Workunit.id)
+            .join(Job, Job.id == Workunit.job_id)
+            .where(
+                Workunit.status == WorkunitStatus.in_progress.value,
+                Job.status == JobStatus.running.value,
+                Job.mode.in_(job_modes),
+                ~held,
+            )
+            .order_by(Workunit.id)
+            .limit(limit)
+        ).all()
+    released = 0
+    for workunit_id in candidates:
+        with db.begin() as s:
+            wu = s.get_one(Workunit, workunit_id, with_for_update=True)
+            if wu.status == WorkunitStatus.in_progress.value and not _holder(s, wu.id):
+                _release(wu, "found by the transitioner")
+                released += 1
+    return released
 
 
 def _supersede(a: Assignment, winner_id: int | None) -> None:

@@ -1,6 +1,6 @@
 """The transitioner: times out assignments past their deadline, re-queues merges that stalled (or
-ends them, once their job no longer runs), closes replica votes that no replica comes for, and
-closes epochs whose closing was lost."""
+ends them, once their job no longer runs), closes replica votes that no replica comes for, makes
+ready again the workunits no assignment holds, and closes epochs whose closing was lost."""
 
 import logging
 import threading
@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.core.storage import Storage
+from crowdtrain.server.ledger import duplicates, replicas
 from crowdtrain.server.ledger import jobs as ledger_jobs
-from crowdtrain.server.ledger import replicas
 from crowdtrain.server.ledger.assignments import time_out_expired
 from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.ledger.exports import export_pending_models
@@ -133,6 +133,7 @@ def run_forever(
         try:
             reap_expired_assignments(db, storage, r, evaluator)
             close_stalled_votes(db, storage, r, evaluator)
+            duplicates.release_orphaned_workunits(db, WORKUNIT_MODES)
             close_finished_epochs(db, storage, r, evaluator)
             export_pending_models(db, storage, r)
             experts.expire_leases(db, time.time())

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import load_job_spec
+from crowdtrain.core.jobspec import WORKUNIT_MODES, load_job_spec
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import ResultMetrics
 from crowdtrain.core.settings import Settings
@@ -25,6 +25,7 @@ from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.core.tensors import encode
 from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger import duplicates, merges
 from crowdtrain.server.ledger.assignments import ResultProblem, give_up, heartbeat, time_out_expired
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Host, Workunit, utcnow
@@ -335,6 +336,52 @@ def test_a_result_whose_workunit_w_s_already_holds_is_superseded_not_merged(ledg
     assert int(ledger.r.get(keys.version(t.job_id))) == version, "W_s took a second result for the workunit"
     assert ledger.merge(t.duplicate) == Outcome.already_merged  # the redelivered task records it
     _assert_accounting(ledger, t, t.duplicate, t.original, t.idle, t.straggler)
+
+
+@BOTH_DATABASES
+def test_a_workunit_whose_winner_fails_after_superseding_its_duplicate_is_dealt_again(ledger) -> None:
+    """The race behind a stalled epoch: the duplicate is merged into W_s, the straggler's merge
+    decides `superseded`, Redis then loses everything, so the winner's merge is recorded as failed
+    while the straggler is still uploaded (the workunit stays in progress), and the straggler's end
+    comes last. Nothing holds the workunit then: it is ready again, dealt and merged once."""
+    t = _tail(ledger)
+    ledger.upload(t.straggler, t.job_id, t.original)
+    ledger.upload(t.idle, t.job_id, t.duplicate)
+    merging.merge_once(ledger.r, t.job_id, t.duplicate, lambda params, _state, _v: params, workunit_id=t.workunit)
+    ledger.r.flushall()
+    assert merges.end_failed_merge(
+        ledger.db, ledger.storage, ledger.r, t.duplicate, "NoServerModel", False, FrameworkEvaluator()
+    )
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.in_progress.value, 0), "the straggler still holds it"
+    duplicates.supersede_result(ledger.db, t.original, t.duplicate)
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.ready.value, 0)
+    merges.restore_server_model(ledger.db, ledger.storage, ledger.r, t.job_id)  # as the next merge pass does
+    (late,) = ledger.hosts(1)
+    (again,) = request_work(ledger.db, ledger.storage, late, 1, [], None)
+    assert again.workunit_id == t.workunit
+    ledger.upload(late, t.job_id, again.assignment_id)
+    assert ledger.merge(again.assignment_id) == Outcome.merged
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.done.value, 0)
+
+
+@BOTH_DATABASES
+def test_the_transitioner_makes_ready_a_workunit_no_assignment_holds(ledger) -> None:
+    t = _tail(ledger)
+    assert duplicates.release_orphaned_workunits(ledger.db, WORKUNIT_MODES) == 0, "every workunit is held"
+    with ledger.db.begin() as s:  # a lost step: both assignments ended, the workunit left in progress
+        s.execute(
+            update(Assignment)
+            .where(Assignment.id.in_([t.original, t.duplicate]))
+            .values(status=AssignmentStatus.abandoned.value)
+        )
+    assert duplicates.release_orphaned_workunits(ledger.db, WORKUNIT_MODES) == 1
+    assert ledger.workunit(t.workunit) == (WorkunitStatus.ready.value, 0)
+    assert ledger.workunit(_other_workunit(ledger, t)) == (WorkunitStatus.in_progress.value, 0), "still held"
+    assert duplicates.release_orphaned_workunits(ledger.db, WORKUNIT_MODES) == 0
+
+
+def _other_workunit(ledger: Ledger, t: Tail) -> int:
+    return ledger.assignment(t.other).workunit_id
 
 
 @BOTH_DATABASES
