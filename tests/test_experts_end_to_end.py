@@ -129,3 +129,78 @@ def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_resto
     finally:
         client.close()
         api.close()
+
+
+REPLICATED = ExpertLayout(
+    layers=1,
+    grid=[2, 2],
+    dim=16,
+    hidden=32,
+    k=2,
+    k_min=1,
+    lr=3e-3,
+    heartbeat_seconds=1,
+    lease_heartbeats=5,
+    checkpoint_every=10,
+    replicas=2,
+    compare_every=4,
+)
+
+
+def test_replicated_experts_are_averaged_at_checkpoints_agree_and_outlive_a_killed_host(
+    make_cluster, sqlite_url
+) -> None:
+    """Two hosts, each serving one replica of every expert: the trainer calls them in turn and compares
+    a sample of answers (honest replicas agree), each replica averages with the other's checkpoints,
+    and when one host is SIGKILLed every expert is still served, with no restore to wait for."""
+    torch.set_num_threads(1)
+    cluster = make_cluster(sqlite_url)
+    with cluster.admin() as admin:
+        created = admin.post("/v1/mixtures", json={"name": "r2", "layout": REPLICATED.model_dump(mode="json")})
+        assert created.status_code == 201, created.text
+        mixture = created.json()["mixture_id"]
+    hosts = [cluster.start_expert_host(f"replica{i}", mixture, 16) for i in range(2)]
+    api = MixtureAPI(cluster.url)
+    api.register(cluster.join_token, "trainer")
+    client = ExpertClient(REPLICATED, {})
+    follower = RoutingFollower(partial(api.routing, mixture), client)
+    experts = REPLICATED.layers * REPLICATED.experts_per_layer
+
+    def replicas() -> dict[str, set[str]]:
+        follower.refresh()
+        return {uid: set(urls.values()) for uid, urls in client.replicas.items()}
+
+    try:
+        urls = {url for _, url in hosts}
+        wait_for(lambda: replicas() == dict.fromkeys(REPLICATED.uids(0), urls), 120, "not two replicas each")
+        torch.manual_seed(0)
+        model = MixtureClassifier(MixtureTrunk([8], 10, REPLICATED.model_dump()), client)
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        x_train, y_train = clusters(2000, 1)
+        rng = np.random.default_rng(0)
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                batch = rng.integers(0, len(x_train), 32)
+                train_step(model, optimizer, x_train[batch], y_train[batch])
+
+        steps(60)
+        wait_for(
+            lambda: all("averaged with another replica's checkpoint" in service.tail(400) for service, _ in hosts),
+            60,
+            "the replicas did not average",
+        )
+        assert client.figures["compared_agreed"] > 0 and client.figures["compared_disagreed"] == 0, client.figures
+        with cluster.admin() as admin:
+            view = admin.get(f"/v1/mixtures/{mixture}").json()
+        assert len(view["experts"]) == 2 * experts and all(e["checkpoint_step"] > 0 for e in view["experts"])
+        killed, survivor = hosts[1], hosts[0]
+        killed[0].signal(signal.SIGKILL)
+        killed[0].proc.wait(30)
+        wait_for(lambda: replicas() == dict.fromkeys(REPLICATED.uids(0), {survivor[1]}), 60, "the lease did not end")
+        dropped = model.dropped_rows
+        steps(20)
+        assert model.dropped_rows == dropped, "an expert went unserved"
+    finally:
+        client.close()
+        api.close()

@@ -64,9 +64,8 @@ class Expert:
             tensors["steps"] = np.array([self.steps], np.int64)
             return self.steps, encode(tensors)
 
-    def restore(self, checkpoint: bytes) -> None:
-        """Take the weights and optimizer state of `checkpoint` (`state`'s bytes, perhaps from another
-        host); ValueError, leaving the expert as it was, when they are not this expert's."""
+    def _read(self, checkpoint: bytes) -> dict[str, np.ndarray]:
+        """The tensors of `checkpoint`, checked against this expert; ValueError when they are not its."""
         expected = self.state_manifest()
         tensors = views(checkpoint, max_header_bytes=header_limits(expected)[0], max_tensors=len(expected))
         names = set(tensors)
@@ -75,6 +74,26 @@ class Expert:
         check_layout({k: tensors[k] for k in names}, {k: expected[k] for k in names}, f"expert {self.uid}")
         if not all(np.isfinite(t).all() for t in tensors.values()):
             raise ValueError(f"expert {self.uid}: a checkpoint with NaN or infinite values")
+        return tensors
+
+    def average_with(self, checkpoint: bytes) -> None:
+        """Replicas re-synchronised: the weights become the mean of this expert's and those of
+        `checkpoint` (another replica's), and so do Adam's moments where both have them; the step
+        count stays this replica's. ValueError, leaving the expert as it was, when they are not this expert's."""
+        tensors = self._read(checkpoint)
+        with self._lock, torch.no_grad():
+            for n, p in self.module.named_parameters():
+                p.mul_(0.5).add_(torch.from_numpy(np.array(tensors[f"param/{n}"])), alpha=0.5)
+                moments = self.optimizer.state.get(p, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in moments and f"adam/{key}/{n}" in tensors:
+                        moments[key].mul_(0.5).add_(torch.from_numpy(np.array(tensors[f"adam/{key}/{n}"])), alpha=0.5)
+
+    def restore(self, checkpoint: bytes) -> None:
+        """Take the weights and optimizer state of `checkpoint` (`state`'s bytes, perhaps from another
+        host); ValueError, leaving the expert as it was, when they are not this expert's."""
+        tensors = self._read(checkpoint)
+        names = set(tensors)
         with self._lock:
             params = dict(self.module.named_parameters())
             with torch.no_grad():

@@ -5,7 +5,9 @@ A leasing host (`LeaseKeeper`) calls the scheduler every heartbeat with its URL 
 answer lists every expert it serves from then on. An expert newly leased is restored from its last
 checkpoint (a host that died took nothing with it but the steps since) or, with none, built from the
 layout's seed; one no longer listed is dropped (its lease ended and it went elsewhere). Every
-`checkpoint_every` steps of an expert its weights and optimizer state are uploaded. A trainer
+`checkpoint_every` steps of an expert its weights and optimizer state are uploaded; a replica of an
+expert that has others first averages its weights with the newest checkpoint they uploaded since it
+last did (replicas re-synchronised by averaging, as the layout's `replicas` say). A trainer
 (`RoutingFollower`) follows the routing table by its changes, with no lookup per batch.
 """
 
@@ -56,8 +58,9 @@ class MixtureAPI:
         headers = {**self._auth(), "Content-Type": "application/octet-stream"}
         return parse_reply(CheckpointStored, self.server.request("PUT", url, content=blob, headers=headers))
 
-    def checkpoint(self, mixture_id: int, uid: str, limit: int) -> bytes:
-        url = f"/v1/mixtures/{mixture_id}/experts/{uid}/checkpoint"
+    def checkpoint(self, mixture_id: int, uid: str, limit: int, of: str = "newest") -> bytes:
+        """The newest checkpoint of any of the expert's replicas, or with `of="peer"` of its other replicas."""
+        url = f"/v1/mixtures/{mixture_id}/experts/{uid}/checkpoint?of={of}"
         return self.server.exchange("GET", url, limit=limit, headers=self._auth())[1]
 
 
@@ -71,6 +74,8 @@ class LeaseKeeper:
     url: str
     capacity: int
     checkpointed: dict[str, int] = field(default_factory=dict)  # expert -> its step at the last upload
+    peers: dict[str, int] = field(default_factory=dict)  # expert -> its other replicas' newest checkpoint step
+    averaged: dict[str, int] = field(default_factory=dict)  # expert -> the peer step it last averaged with
 
     def beat(self) -> Leases:
         """One heartbeat: leases renewed and taken, experts restored or dropped, due checkpoints uploaded."""
@@ -79,10 +84,14 @@ class LeaseKeeper:
         for uid in set(self.host.served) - set(listed):
             log.warning("expert %s: its lease ended (it is served elsewhere now); dropped", uid)
             self.host.remove(uid)
-            self.checkpointed.pop(uid, None)
+            for seen in (self.checkpointed, self.peers, self.averaged):
+                seen.pop(uid, None)
         for uid, lease in listed.items():
+            self.peers[uid] = lease.peer_step
             if uid not in self.host.served:
                 self.host.add(self._start(uid, lease.has_checkpoint))
+                # What it restored is at least as new as any other replica's checkpoint.
+                self.averaged[uid] = lease.checkpoint_step
         self._upload_due()
         return leases
 
@@ -103,12 +112,25 @@ class LeaseKeeper:
         for uid, served in list(self.host.served.items()):
             if served.expert.steps - self.checkpointed.get(uid, 0) < every:
                 continue
+            if self.peers.get(uid, 0) > self.averaged.get(uid, 0):
+                self._average(uid, served.expert)
             step, blob = served.expert.state()
             try:
                 self.api.put_checkpoint(self.mixture_id, uid, step, blob)
                 self.checkpointed[uid] = step
             except Refused as exc:
                 log.warning("expert %s: checkpoint of step %d refused: %s", uid, step, exc.message)
+
+    def _average(self, uid: str, expert: Expert) -> None:
+        """Average the expert with its other replicas' newest checkpoint; a failure is logged, and the
+        replica goes on alone until its next checkpoint."""
+        peer_step = self.peers[uid]
+        try:
+            expert.average_with(self.api.checkpoint(self.mixture_id, uid, self.host.layout.checkpoint_limit(), "peer"))
+            log.info("expert %s: averaged with another replica's checkpoint of step %d", uid, peer_step)
+        except (Refused, ValueError) as exc:
+            log.warning("expert %s: another replica's checkpoint cannot be averaged with (%s)", uid, exc)
+        self.averaged[uid] = peer_step
 
     def run(self, stop: threading.Event, interval: float) -> None:
         """Beat every `interval` seconds (then the scheduler's heartbeat) until `stop` is set, and between

@@ -10,6 +10,11 @@ weights of the rest renormalised (a softmax over the answered experts' scores): 
 dropout, and training goes on while hosts come and go. A row with fewer than `k_min` answers gets
 no output from the layer (its residual passes it on). Backward is sent only to the experts that
 answered forward; one that fails then contributes no input gradient.
+
+An expert with replicas (the layout's `replicas`) is called at one of them in turn; backward goes to
+the replica that answered forward. Every `compare_every`-th forward call to such an expert also goes
+to another replica, and the two answers are compared (crowdtrain.core.experts.disagree): the counts go
+into the trainer's reports, which charge a host whose answers disagree with every partner's.
 """
 
 import threading
@@ -24,7 +29,7 @@ import httpx
 import numpy as np
 import torch
 
-from crowdtrain.core.experts import ExpertLayout, encode_call, parse_uid, read_call
+from crowdtrain.core.experts import ExpertLayout, disagree, encode_call, parse_uid, read_call
 from crowdtrain.core.schemas_experts import ExpertCalls, RoutingTable
 from crowdtrain.core.zoo_experts import GridGate, combine, route
 
@@ -41,13 +46,15 @@ class AnswerRefused(ExpertCallFailed):
 
 
 class ExpertClient:
-    """Calls to the experts of a routing table (expert id -> its host's base URL), run concurrently.
-    It counts what they came to per expert and host (`take_calls`), for the trainer's reports: a call
-    dropped late may still be answered, and then counts as both."""
+    """Calls to the experts of a routing table (expert id -> its replicas' hosts' base URLs; `routes`
+    gives the hosts of replica 0), run concurrently. It counts what they came to per expert and host
+    (`take_calls`), for the trainer's reports: a call dropped late may still be answered, and then
+    counts as both."""
 
     def __init__(self, layout: ExpertLayout, routes: Mapping[str, str], max_concurrency: int = 64):
         self.layout = layout
-        self.routes = dict(routes)
+        self.replicas: dict[str, dict[int, str]] = {uid: {0: url} for uid, url in routes.items()}
+        self._turns: Counter[str] = Counter()  # forward calls to each expert so far
         self.figures: Counter[str] = Counter()
         self._calls: dict[tuple[str, str], Counter[str]] = {}
         self._lock = threading.Lock()
@@ -61,35 +68,75 @@ class ExpertClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
+    @property
+    def routes(self) -> dict[str, str]:
+        """Each served expert's host: that of its lowest replica served."""
+        with self._lock:
+            return {uid: urls[min(urls)] for uid, urls in self.replicas.items()}
+
     def available(self, layer: int) -> list[str]:
         """The experts of `layer` the routing table lists, in a stable order."""
         with self._lock:
-            return sorted(uid for uid in self.routes if parse_uid(uid)[0] == layer)
+            return sorted(uid for uid in self.replicas if parse_uid(uid)[0] == layer)
 
-    def set_routes(self, changes: Mapping[str, str | None]) -> None:
-        """Apply changes of the routing table: an expert's new host, or None for none."""
+    def set_routes(self, changes: Mapping[tuple[str, int], str | None]) -> None:
+        """Apply changes of the routing table: the new host of an expert's replica, or None for none."""
         with self._lock:
-            for uid, url in changes.items():
+            for (uid, replica), url in changes.items():
+                urls = self.replicas.setdefault(uid, {})
                 if url is None:
-                    self.routes.pop(uid, None)
+                    urls.pop(replica, None)
                 else:
-                    self.routes[uid] = url
+                    urls[replica] = url
+                if not urls:
+                    del self.replicas[uid]
 
-    def submit(self, uid: str, kind: str, **tensors: np.ndarray) -> "Future[np.ndarray]":
+    def pick(self, uid: str) -> str | None:
+        """The host to call the expert at: its replicas in turn; None while none is served."""
         with self._lock:
-            url = self.routes.get(uid)
-        return self._pool.submit(self._call, uid, url, kind, tensors)
+            urls = [url for _, url in sorted(self.replicas.get(uid, {}).items())]
+            return urls[self._turns[uid] % len(urls)] if urls else None
+
+    def submit(self, uid: str, kind: str, url: str | None = None, **tensors: np.ndarray) -> "Future[np.ndarray]":
+        """Call the expert at `url` (by default `pick`'s); a forward call due for comparison also goes
+        to another replica, and the answers are compared once both are in."""
+        url = self.pick(uid) if url is None else url
+        future = self._pool.submit(self._call, uid, url, kind, tensors)
+        if kind == "forward":
+            other = self._compare_with(uid, url)
+            if other is not None:
+                second = self._pool.submit(self._call, uid, other, kind, tensors)
+                _when_both(future, second, lambda a, b: self._compared(uid, url, other, a, b))
+        return future
+
+    def _compare_with(self, uid: str, url: str | None) -> str | None:
+        """Another replica's host when this forward call to `uid` is due for comparison, else None."""
+        with self._lock:
+            self._turns[uid] += 1
+            every = self.layout.compare_every
+            others = [u for u in self.replicas.get(uid, {}).values() if u != url]
+            if url is None or not others or every == 0 or self._turns[uid] % every:
+                return None
+            return others[(self._turns[uid] // every) % len(others)]
+
+    def _compared(self, uid: str, url: str | None, other: str, a: np.ndarray, b: np.ndarray) -> None:
+        verdict = "disagreed" if disagree(a, b, self.layout.compare_tolerance) else "agreed"
+        with self._lock:
+            self.figures[f"compared_{verdict}"] += 1
+            for host in (url, other):
+                if host is not None:
+                    counts = self._calls.setdefault((uid, host), Counter())
+                    counts["compared"] += 1
+                    counts["disagreed"] += verdict == "disagreed"
 
     def _count(self, what: str, uid: str | None = None, url: str | None = None, rows: int = 0) -> None:
         with self._lock:
             self.figures[what] += 1
-            if uid is None:
+            if uid is None or url is None:
                 return
-            url = url if url is not None else self.routes.get(uid)
-            if url is not None:
-                counts = self._calls.setdefault((uid, url), Counter())
-                counts[what.rsplit("_", 1)[-1]] += 1
-                counts["rows"] += rows
+            counts = self._calls.setdefault((uid, url), Counter())
+            counts[what.rsplit("_", 1)[-1]] += 1
+            counts["rows"] += rows
 
     def take_calls(self) -> list[ExpertCalls]:
         """What the calls to each expert at each host came to since the last time this was asked."""
@@ -104,6 +151,8 @@ class ExpertClient:
                 failed=c["failed"],
                 late=c["late"],
                 refused=c["refused"],
+                compared=c["compared"],
+                disagreed=c["disagreed"],
             )
             for (uid, url), c in sorted(taken.items())
         ]
@@ -141,13 +190,32 @@ class ExpertClient:
         return np.array(out)
 
 
+def _when_both(
+    a: "Future[np.ndarray]", b: "Future[np.ndarray]", then: Callable[[np.ndarray, np.ndarray], None]
+) -> None:
+    """Call `then` with both results once both futures are done, if both succeeded."""
+    lock, pending = threading.Lock(), [2]
+
+    def done(_: "Future[np.ndarray]") -> None:
+        with lock:
+            pending[0] -= 1
+            if pending[0]:
+                return
+        if not (a.cancelled() or b.cancelled()) and a.exception() is None and b.exception() is None:
+            then(a.result(), b.result())
+
+    a.add_done_callback(done)
+    b.add_done_callback(done)
+
+
 @dataclass
 class _Routed:
-    """The rows of a batch routed to one expert, and at which of their k places."""
+    """The rows of a batch routed to one expert, at which of their k places, and the host called."""
 
     uid: str
     rows: torch.Tensor  # [n] row indices of the batch
     places: torch.Tensor  # [n] indices into the k chosen experts of each row
+    url: str | None = None
 
 
 def _gather(
@@ -180,7 +248,7 @@ def _gather(
             deadline = min(deadline, now + min(client.layout.grace, now - started))
     for f in pending:
         f.cancel()
-        client._count("late", futures[f].uid)
+        client._count("late", futures[f].uid, futures[f].url)
     return out
 
 
@@ -193,7 +261,9 @@ class _RemoteExperts(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, client: ExpertClient, routed: list[_Routed], k: int) -> Any:
         layout = client.layout
         x_np = x.detach().numpy()
-        futures = {client.submit(r.uid, "forward", x=x_np[r.rows.numpy()]): r for r in routed}
+        for r in routed:
+            r.url = client.pick(r.uid)
+        futures = {client.submit(r.uid, "forward", r.url, x=x_np[r.rows.numpy()]): r for r in routed}
         need = torch.full((x.shape[0],), layout.k_min, dtype=torch.long)
         answers = _gather(client, futures, need, layout.forward_timeout)
         y = torch.zeros(x.shape[0], k, layout.dim)
@@ -214,7 +284,9 @@ class _RemoteExperts(torch.autograd.Function):
         client: ExpertClient = ctx.client
         g = grad_y.contiguous().numpy()
         futures = {
-            client.submit(r.uid, "backward", x=ctx.x_np[r.rows.numpy()], grad_y=g[r.rows.numpy(), r.places.numpy()]): r
+            client.submit(
+                r.uid, "backward", r.url, x=ctx.x_np[r.rows.numpy()], grad_y=g[r.rows.numpy(), r.places.numpy()]
+            ): r
             for r in ctx.answered
         }
         answers = _gather(client, futures, ctx.need, client.layout.backward_timeout, client.layout.backward_quorum)
@@ -262,6 +334,6 @@ class RoutingFollower:
     def refresh(self) -> int:
         """Apply what changed since the version held; how many routes changed."""
         table = self.fetch(self.version)
-        self.client.set_routes({r.uid: r.url for r in table.routes})
+        self.client.set_routes({(r.uid, r.replica): r.url for r in table.routes})
         self.version = table.version
         return len(table.routes)

@@ -93,6 +93,11 @@ def print_mixture(mixture: dict) -> None:
     )
     columns = ["uid", "host_id", "url", "lease_s", "leases", "checkpoint_step", "checkpoint_age_s"]
     columns += ["answers_per_s", "unanswered", "refused"]
+    if layout.get("replicas", 1) > 1:  # a row per replica, each named uid#replica
+        rows = [
+            r | {"uid": f"{r['uid']}#{r['replica']}", "disagreed": f"{r['disagreed']}/{r['compared']}"} for r in rows
+        ]
+        columns += ["disagreed"]
     headers = {
         "host_id": "host",
         "lease_s": "lease left s",

@@ -67,6 +67,27 @@ class ExpertLayout(SpecSection):
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the experts' initial weights")
     in_flight: int = Field(8, ge=1, le=256, description="micro-batches a trainer keeps going through the model at once")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=3,
+        description="hosts that serve each expert: each replica is leased to a different host, steps on the "
+        "calls it gets, and averages its weights with another replica's newest checkpoint at each of its own",
+    )
+    compare_every: int = Field(
+        20,
+        ge=0,
+        le=1_000_000,
+        description="with replicas: every this many forward calls to an expert go to two of its replicas, "
+        "and the trainer compares the answers; 0: never",
+    )
+    compare_tolerance: float = Field(
+        0.5,
+        gt=0,
+        le=100,
+        description="two replicas' answers disagree when |a - b| / max(|a|, |b|) (Frobenius norms) is above this: "
+        "replicas drift apart between their averagings, an answer made up is far off",
+    )
 
     @model_validator(mode="after")
     def _coherent(self) -> "ExpertLayout":
@@ -95,6 +116,13 @@ class ExpertLayout(SpecSection):
     def call_limit(self, args: tuple[str, ...]) -> int:
         """The largest body a call with `args` may have: its header, then `max_rows` float32 rows per tensor."""
         return 8 + _HEADER_BYTES + len(args) * self.max_rows * self.dim * 4
+
+
+def disagree(a: np.ndarray, b: np.ndarray, tolerance: float) -> bool:
+    """Whether two replicas' answers to the same call differ by more than `tolerance`, relative to the
+    larger of the two (ExpertLayout.compare_tolerance)."""
+    scale = max(float(np.linalg.norm(a)), float(np.linalg.norm(b)))
+    return a.shape != b.shape or float(np.linalg.norm(a - b)) > tolerance * max(scale, 1e-12)
 
 
 def answer_flops(layout: ExpertLayout, rows: int) -> int:

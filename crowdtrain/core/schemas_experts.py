@@ -30,9 +30,13 @@ class LeaseRequest(BaseModel):
 
 class LeaseOut(BaseModel):
     uid: str
+    replica: int = Field(0, description="which of the expert's replicas the host serves")
     expires_in: float = Field(description="seconds the lease lasts unless the host calls again")
-    checkpoint_step: int = Field(description="the expert's step of its last checkpoint; 0 with none")
+    checkpoint_step: int = Field(description="the step of the expert's newest checkpoint (of any replica); 0 with none")
     has_checkpoint: bool
+    peer_step: int = Field(
+        0, description="the step of the newest checkpoint of the expert's other replicas, to average with; 0 with none"
+    )
 
 
 class Leases(BaseModel):
@@ -46,7 +50,8 @@ class Leases(BaseModel):
 
 class RouteOut(BaseModel):
     uid: str
-    url: str | None = Field(description="where to call the expert; null while no host serves it")
+    replica: int = Field(0, description="which of the expert's replicas")
+    url: str | None = Field(description="where to call the replica; null while no host serves it")
 
 
 class RoutingTable(BaseModel):
@@ -69,6 +74,10 @@ class ExpertCalls(BaseModel):
     refused: int = Field(
         0, ge=0, le=_COUNT, description="answers the trainer refused: not safetensors, wrong shapes, NaN, too large"
     )
+    compared: int = Field(
+        0, ge=0, le=_COUNT, description="answers compared with another replica's answer to the same call"
+    )
+    disagreed: int = Field(0, ge=0, le=_COUNT, description="of those, answers that disagreed beyond the tolerance")
 
 
 class CallReport(BaseModel):
@@ -86,6 +95,7 @@ class CallsRecorded(BaseModel):
 
 class ExpertOut(BaseModel):
     uid: str
+    replica: int = Field(0, description="which of the expert's replicas this row is")
     host_id: int | None
     url: str | None
     lease_expires_at: UtcDatetime | None
@@ -96,6 +106,8 @@ class ExpertOut(BaseModel):
     failed: int = Field(0, description="calls trainers reported unanswered (error status, no connection)")
     late: int = Field(0, description="calls trainers stopped waiting for")
     refused: int = Field(0, description="answers trainers refused (NaN, wrong shapes): charged to the host")
+    compared: int = Field(0, description="answers trainers compared with another replica's")
+    disagreed: int = Field(0, description="of those, answers that disagreed (charged when none of the host's agreed)")
     answers_per_s: float | None = Field(
         None, description="answered calls per second over the span of the reports; None before any report"
     )
@@ -107,7 +119,7 @@ class MixtureOut(BaseModel):
     status: str
     layout: ExpertLayout
     route_version: int
-    served: int = Field(description="experts a host serves now")
+    served: int = Field(description="replicas a host serves now (experts, with one replica each)")
     experts: list[ExpertOut]
 
 

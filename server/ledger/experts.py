@@ -14,6 +14,12 @@ An expert's lease, as a table (one transaction per transition):
 Every change of an expert's host bumps the mixture's `route_version` and stamps the expert with it,
 so that `routing_changes(since)` gives a trainer what changed since the version it holds. No I/O
 here: the probe and the checkpoint's bytes are crowdtrain.server.services.experts'.
+
+Replication (the layout's `replicas` r): an expert has r rows, one per replica, each with the table
+above. A host holds at most one replica of an expert, and every expert gets its first replica
+leased before any gets a second. Each replica has its own checkpoints; a host that takes a replica
+restores the newest checkpoint of any of them (`Lease.checkpoint_key`), and a serving replica averages
+its weights with the newest of the others' (`Lease.peer_key`) at each of its own checkpoints.
 """
 
 from dataclasses import dataclass
@@ -34,12 +40,18 @@ OPEN, CLOSED = "open", "closed"
 
 @dataclass(frozen=True)
 class Lease:
-    """An expert a host serves until `expires_at` unless it asks again, and the checkpoint to start from."""
+    """A replica of an expert that a host serves until `expires_at` unless it asks again; the newest
+    checkpoint of any of the expert's replicas (to start from) and of its other replicas (to average with)."""
 
     uid: str
+    replica: int
     expires_at: datetime
     checkpoint_key: str | None
     checkpoint_step: int
+    peer_key: str | None = None
+    peer_step: int = 0
+    own_key: str | None = None  # this replica's own last checkpoint
+    own_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,9 +64,10 @@ class Renewal:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a trainer calls an expert: its host's base URL, or None while it has none."""
+    """Where a trainer calls a replica of an expert: its host's base URL, or None while it has none."""
 
     uid: str
+    replica: int
     url: str | None
 
 
@@ -69,7 +82,8 @@ def create_mixture(db: sessionmaker[Session], name: str, layout: ExpertLayout) -
         s.add(mixture)
         s.flush()
         s.add_all(
-            Expert(mixture_id=mixture.id, uid=uid, route_version=0, leases=0, checkpoint_step=0)
+            Expert(mixture_id=mixture.id, uid=uid, replica=replica, route_version=0, leases=0, checkpoint_step=0)
+            for replica in range(layout.replicas)
             for layer in range(layout.layers)
             for uid in layout.uids(layer)
         )
@@ -101,9 +115,10 @@ def renew_and_lease(
 ) -> Renewal:
     """The mixture's layout and the host's leases after its call at `now`: those it holds renewed, and, with
     `grant` (it passed the connect-back probe), up to LEASES_PER_CALL free experts more while it holds
-    fewer than `capacity`. A lease that ended is not renewed (its expert may be another host's now):
-    the host learns it has lost it by its absence. A quarantined host (its answers refused, `record_calls`)
-    holds nothing: its experts are freed. One transaction."""
+    fewer than `capacity` (lowest replica first, never a second replica of an expert it holds). A lease
+    that ended is not renewed (its expert may be another host's now): the host learns it has lost it by
+    its absence. A quarantined host (its answers refused, `record_calls`) holds nothing: its experts are
+    freed. One transaction."""
     with db.begin() as s:
         mixture = _locked_mixture(s, mixture_id)
         layout = ExpertLayout.model_validate(mixture.layout)
@@ -125,21 +140,65 @@ def renew_and_lease(
                 _route(mixture, expert, host_id, url)
         room = min(capacity - len(held), LEASES_PER_CALL)
         if grant and mixture.status == OPEN and room > 0:
+            holds = select(Expert.uid).where(
+                Expert.mixture_id == mixture_id, Expert.host_id == host_id, Expert.lease_expires_at > now
+            )
             free = s.scalars(
                 select(Expert)
                 .where(
                     Expert.mixture_id == mixture_id,
                     or_(Expert.host_id.is_(None), Expert.lease_expires_at <= now),
+                    Expert.uid.not_in(holds),
                 )
-                .order_by(Expert.id)
-                .limit(room)
+                .order_by(Expert.replica, Expert.id)
+                .limit(room * layout.replicas)
             ).all()
+            taken: set[str] = set()
             for expert in free:
+                if expert.uid in taken or len(taken) == room:
+                    continue
+                taken.add(expert.uid)
                 _route(mixture, expert, host_id, url)
                 expert.lease_expires_at = until
                 expert.leases += 1
-            held += free
-        return Renewal(layout, [Lease(e.uid, until, e.checkpoint_key, e.checkpoint_step) for e in held])
+                held.append(expert)
+        return Renewal(layout, _leases(s, mixture_id, held, until))
+
+
+def _leases(s: Session, mixture_id: int, held: list[Expert], until: datetime) -> list[Lease]:
+    """The leases of the replicas `held`, each with the newest checkpoint of its expert's replicas and
+    of its other replicas (one query for all of them)."""
+    if not held:
+        return []
+    checkpoints: dict[str, list[tuple[int, int, str]]] = {}  # uid -> (step, replica, key)
+    for uid, replica, step, key in s.execute(
+        select(Expert.uid, Expert.replica, Expert.checkpoint_step, Expert.checkpoint_key).where(
+            Expert.mixture_id == mixture_id,
+            Expert.uid.in_({e.uid for e in held}),
+            Expert.checkpoint_key.is_not(None),
+        )
+    ):
+        if key is not None:
+            checkpoints.setdefault(uid, []).append((step, replica, key))
+    leases = []
+    for e in held:
+        every = sorted(checkpoints.get(e.uid, []), reverse=True)
+        others = [c for c in every if c[1] != e.replica]
+        newest, peer = (every[0] if every else None), (others[0] if others else None)
+        leases.append(
+            Lease(
+                e.uid,
+                e.replica,
+                until,
+                None if newest is None else newest[2],
+                0 if newest is None else newest[0],
+                None if peer is None else peer[2],
+                0 if peer is None else peer[0],
+                e.checkpoint_key,
+                e.checkpoint_step,
+            )
+        )
+    return leases
 
 
 def expire_leases(db: sessionmaker[Session], now: datetime) -> int:
@@ -159,27 +218,32 @@ def expire_leases(db: sessionmaker[Session], now: datetime) -> int:
 
 
 def _leased_expert(s: Session, host_id: int, mixture_id: int, uid: str, now: datetime) -> Expert:
-    expert = s.scalars(select(Expert).where(Expert.mixture_id == mixture_id, Expert.uid == uid)).one_or_none()
-    if expert is None:
+    """The replica of expert `uid` that the host leases (it holds one replica of an expert at most)."""
+    replicas = s.scalars(
+        select(Expert).where(Expert.mixture_id == mixture_id, Expert.uid == uid).order_by(Expert.replica)
+    ).all()
+    if not replicas:
         raise NotFound(f"mixture {mixture_id} has no expert {uid[:40]!r}")
-    if expert.host_id != host_id or expert.lease_expires_at is None or expert.lease_expires_at <= now:
-        raise Refusal(f"expert {uid} is not leased to this host", RefusalKind.forbidden)
-    return expert
+    for expert in replicas:
+        if expert.host_id == host_id and expert.lease_expires_at is not None and expert.lease_expires_at > now:
+            return expert
+    raise Refusal(f"expert {uid} is not leased to this host", RefusalKind.forbidden)
 
 
 def check_lease(db: sessionmaker[Session], host_id: int, mixture_id: int, uid: str, now: datetime) -> Lease:
-    """The host's lease of the expert; NotFound for no such expert, forbidden when it is not the host's."""
+    """The host's lease of the expert (with the checkpoints of its replicas); NotFound for no such
+    expert, forbidden when the host leases none of its replicas."""
     with db.begin() as s:
         e = _leased_expert(s, host_id, mixture_id, uid, now)
         assert e.lease_expires_at is not None
-        return Lease(e.uid, e.lease_expires_at, e.checkpoint_key, e.checkpoint_step)
+        return _leases(s, mixture_id, [e], e.lease_expires_at)[0]
 
 
 def record_checkpoint(
     db: sessionmaker[Session], host_id: int, mixture_id: int, uid: str, step: int, key: str, now: datetime
 ) -> str | None:
-    """Record `key` as the expert's checkpoint after `step` of its steps, uploaded by the host that
-    leases it; the key it replaces (for the caller to delete), if any. A checkpoint no newer than the
+    """Record `key` as the checkpoint, after `step` of its steps, of the replica of the expert that the
+    host leases; the key it replaces (for the caller to delete), if any. A checkpoint no newer than the
     one recorded is refused (conflict): a host restored from it has nothing newer to say."""
     with db.begin() as s:
         expert = _leased_expert(s, host_id, mixture_id, uid, now)
@@ -203,6 +267,8 @@ class CallCounts:
     failed: int
     late: int
     refused: int
+    compared: int = 0
+    disagreed: int = 0
 
 
 def record_calls(
@@ -214,41 +280,50 @@ def record_calls(
     now: datetime,
     quarantine_after: int | None,
 ) -> tuple[int, int]:
-    """Count a trainer's report of its calls over the last `seconds`: each entry about an expert's current
-    host (by its URL), and not the reporter's own, adds to the expert's counts; its host is credited
+    """Count a trainer's report of its calls over the last `seconds`: each entry about a replica's current
+    host (by its URL), and not the reporter's own, adds to the replica's counts; its host is credited
     for the rows answered (crowdtrain.core.credit) and charged for the answers refused, which quarantine
     it at `quarantine_after` refusals in a row, and a quarantined host's experts are freed at once.
     (counted, ignored). One transaction; the mixture is locked before the hosts, in id order.
 
+    Replicas' answers compared (the layout's `compare_every`): a disagreement cannot say which of the
+    two is wrong, so a host is charged for its disagreements only when, in this report, none of its
+    compared answers agreed with another replica. A host that makes answers up disagrees with every
+    partner and is charged; an honest host that shares an expert with it agrees on its other experts.
+    (With two hosts in all, or every partner hostile, the honest one is charged too.)
+
     A report is taken on the trainer's word (it is a registered host): it cannot credit the reporter,
-    but a lying trainer could charge a host it names. Comparing two replicas' answers to the same
-    batch (replication r = 2) is the check that would catch it; it is not built yet."""
+    but a lying trainer could charge a host it names."""
     with db.begin() as s:
         mixture = _locked_mixture(s, mixture_id)
         layout = ExpertLayout.model_validate(mixture.layout)
         experts = {
-            e.uid: e
+            (e.uid, e.url): e
             for e in s.scalars(
-                select(Expert).where(Expert.mixture_id == mixture_id, Expert.uid.in_({c.uid for c in counts}))
+                select(Expert).where(
+                    Expert.mixture_id == mixture_id,
+                    Expert.uid.in_({c.uid for c in counts}),
+                    Expert.host_id.is_not(None),
+                    Expert.host_id != reporter_id,
+                )
             )
         }
-        mine = [
-            (c, experts[c.uid])
-            for c in counts
-            if c.uid in experts and experts[c.uid].url == c.url and experts[c.uid].host_id not in (None, reporter_id)
-        ]
+        mine = [(c, experts[(c.uid, c.url)]) for c in counts if (c.uid, c.url) in experts]
         hosts = {
             h.id: h
             for h in s.scalars(
                 select(Host).where(Host.id.in_({e.host_id for _, e in mine})).order_by(Host.id).with_for_update()
             )
         }
+        agreed = {e.host_id for c, e in mine if c.compared > c.disagreed}  # hosts with an answer that agreed
         for c, expert in mine:
             expert.calls_answered += c.answered
             expert.calls_failed += c.failed
             expert.calls_late += c.late
             expert.calls_refused += c.refused
             expert.rows_answered += c.rows
+            expert.calls_compared += c.compared
+            expert.calls_disagreed += c.disagreed
             start = now - timedelta(seconds=seconds)
             expert.reported_from = start if expert.reported_from is None else min(expert.reported_from, start)
             expert.reported_to = now
@@ -257,6 +332,9 @@ def record_calls(
             if c.refused:
                 message = f"expert {c.uid}: {c.refused} answers refused by a trainer (NaN, wrong shapes or size)"
                 reputation.count_refused_answers(host, c.refused, message, quarantine_after)
+            elif c.disagreed and host.id not in agreed:
+                message = f"expert {c.uid}: {c.disagreed} answers disagreed with another replica's, and none agreed"
+                reputation.count_refused_answers(host, c.disagreed, message, quarantine_after)
             elif c.answered:
                 host.consecutive_refused = 0
         for host in hosts.values():
@@ -280,16 +358,17 @@ def routing_changes(db: sessionmaker[Session], mixture_id: int, since: int) -> t
         if mixture is None:
             raise NotFound(f"mixture {mixture_id} does not exist")
         changed = s.execute(
-            select(Expert.uid, Expert.url)
+            select(Expert.uid, Expert.replica, Expert.url)
             .where(Expert.mixture_id == mixture_id, Expert.route_version > since)
             .order_by(Expert.route_version)
         ).all()
-        return mixture.route_version, [Route(uid, url) for uid, url in changed]
+        return mixture.route_version, [Route(uid, replica, url) for uid, replica, url in changed]
 
 
 @dataclass(frozen=True)
 class ExpertRow:
     uid: str
+    replica: int
     host_id: int | None
     url: str | None
     lease_expires_at: datetime | None
@@ -300,6 +379,8 @@ class ExpertRow:
     failed: int
     late: int
     refused: int
+    compared: int
+    disagreed: int
     reported_seconds: float  # the span of the trainers' reports that gave those counts; 0 before any
 
 
@@ -309,11 +390,14 @@ def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture
         mixture = s.get(Mixture, mixture_id)
         if mixture is None:
             raise NotFound(f"mixture {mixture_id} does not exist")
-        rows = s.scalars(select(Expert).where(Expert.mixture_id == mixture_id).order_by(Expert.id)).all()
+        rows = s.scalars(
+            select(Expert).where(Expert.mixture_id == mixture_id).order_by(Expert.uid, Expert.replica)
+        ).all()
         s.expunge(mixture)
         return mixture, [
             ExpertRow(
                 e.uid,
+                e.replica,
                 e.host_id,
                 e.url,
                 e.lease_expires_at,
@@ -324,6 +408,8 @@ def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture
                 e.calls_failed,
                 e.calls_late,
                 e.calls_refused,
+                e.calls_compared,
+                e.calls_disagreed,
                 0.0
                 if e.reported_from is None or e.reported_to is None
                 else (e.reported_to - e.reported_from).total_seconds(),
@@ -333,11 +419,12 @@ def mixture_experts(db: sessionmaker[Session], mixture_id: int) -> tuple[Mixture
 
 
 def checkpoint_keys(db: sessionmaker[Session], mixture_id: int) -> dict[str, str]:
-    """Where each expert of the mixture that has a checkpoint keeps its last one: uid -> object key."""
+    """Where each expert of the mixture that has a checkpoint keeps its newest one (of any replica):
+    uid -> object key."""
     with db.begin() as s:
         rows = s.execute(
-            select(Expert.uid, Expert.checkpoint_key).where(
-                Expert.mixture_id == mixture_id, Expert.checkpoint_key.is_not(None)
-            )
+            select(Expert.uid, Expert.checkpoint_key)
+            .where(Expert.mixture_id == mixture_id, Expert.checkpoint_key.is_not(None))
+            .order_by(Expert.checkpoint_step, Expert.replica.desc())
         ).all()
-        return {uid: key for uid, key in rows if key is not None}
+        return {uid: key for uid, key in rows if key is not None}  # the newest last, so it stays

@@ -228,11 +228,12 @@ class Mixture(Base):
 
 
 class Expert(Base):
-    """One expert of a mixture: the host that serves it under a lease, and its last checkpoint."""
+    """One replica of an expert of a mixture (replica 0 when the layout has one): the host that serves
+    it under a lease, and its last checkpoint."""
 
     __tablename__ = "experts"
     __table_args__ = (
-        UniqueConstraint("mixture_id", "uid"),
+        UniqueConstraint("mixture_id", "uid", "replica", name="uq_experts_mixture_uid_replica"),
         Index("ix_experts_mixture_route_version", "mixture_id", "route_version"),
         Index("ix_experts_lease_expires_at", "lease_expires_at"),
     )
@@ -240,6 +241,7 @@ class Expert(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     mixture_id: Mapped[int] = mapped_column(ForeignKey("mixtures.id"))
     uid: Mapped[str] = mapped_column(String(40))
+    replica: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     host_id: Mapped[int | None] = mapped_column(ForeignKey("hosts.id"), nullable=True, index=True)
     url: Mapped[str | None] = mapped_column(String(300), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(nullable=True)
@@ -255,5 +257,8 @@ class Expert(Base):
     calls_late: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     calls_refused: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     rows_answered: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Calls a trainer also sent to another replica, and those whose two answers disagreed.
+    calls_compared: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    calls_disagreed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     reported_from: Mapped[datetime | None] = mapped_column(nullable=True)
     reported_to: Mapped[datetime | None] = mapped_column(nullable=True)

@@ -85,9 +85,11 @@ def lease(
         leases=[
             LeaseOut(
                 uid=h.uid,
+                replica=h.replica,
                 expires_in=(h.expires_at - at).total_seconds(),
                 checkpoint_step=h.checkpoint_step,
                 has_checkpoint=h.checkpoint_key is not None,
+                peer_step=h.peer_step,
             )
             for h in renewal.leases
         ],
@@ -110,8 +112,8 @@ def store_checkpoint(
     layout = ledger.mixture_layout(db, mixture_id)
     at = _naive(now)
     held = ledger.check_lease(db, host_id, mixture_id, uid, at)
-    if held.checkpoint_key is not None and step <= held.checkpoint_step:
-        raise Refusal(f"expert {uid} has a checkpoint of step {held.checkpoint_step} already; {step} is not newer")
+    if held.own_key is not None and step <= held.own_step:
+        raise Refusal(f"expert {uid} has a checkpoint of step {held.own_step} already; {step} is not newer")
     if len(body) > layout.checkpoint_limit():
         raise Refusal(
             f"a checkpoint of this layout is at most {layout.checkpoint_limit()} bytes", RefusalKind.unacceptable
@@ -133,18 +135,21 @@ def store_checkpoint(
 
 
 def checkpoint(
-    db: sessionmaker[Session], storage: Storage, host_id: int, mixture_id: int, uid: str, now: float
+    db: sessionmaker[Session], storage: Storage, host_id: int, mixture_id: int, uid: str, now: float, peer: bool = False
 ) -> bytes:
-    """The expert's last checkpoint, for the host that leases it (to restore it); NotFound with none."""
+    """For the host that leases a replica of the expert: the newest checkpoint of any of its replicas
+    (to restore it), or with `peer` of its other replicas (to average with); NotFound with none."""
     held = ledger.check_lease(db, host_id, mixture_id, uid, _naive(now))
-    if held.checkpoint_key is None:
-        raise Refusal(f"expert {uid} has no checkpoint yet", RefusalKind.not_found)
-    return storage.get(held.checkpoint_key)
+    key = held.peer_key if peer else held.checkpoint_key
+    if key is None:
+        which = "no other replica" if peer else "no replica"
+        raise Refusal(f"expert {uid}: {which} has a checkpoint yet", RefusalKind.not_found)
+    return storage.get(key)
 
 
 def routing(db: sessionmaker[Session], mixture_id: int, since: int) -> RoutingTable:
     version, routes = ledger.routing_changes(db, mixture_id, since)
-    return RoutingTable(version=version, routes=[RouteOut(uid=r.uid, url=r.url) for r in routes])
+    return RoutingTable(version=version, routes=[RouteOut(uid=r.uid, replica=r.replica, url=r.url) for r in routes])
 
 
 def record_calls(
@@ -159,6 +164,9 @@ def record_calls(
     refused = sum(c.refused for c in report.experts)
     if refused:
         log.warning("mixture %s: host %s reports %d expert answers refused", mixture_id, host_id, refused)
+    disagreed = sum(c.disagreed for c in report.experts)
+    if disagreed:
+        log.warning("mixture %s: host %s reports %d replica answers that disagreed", mixture_id, host_id, disagreed)
     return CallsRecorded(counted=counted, ignored=ignored)
 
 
@@ -182,6 +190,7 @@ def mixture_status(db: sessionmaker[Session], mixture_id: int) -> MixtureOut:
         experts=[
             ExpertOut(
                 uid=r.uid,
+                replica=r.replica,
                 host_id=r.host_id,
                 url=r.url,
                 lease_expires_at=r.lease_expires_at,
@@ -192,6 +201,8 @@ def mixture_status(db: sessionmaker[Session], mixture_id: int) -> MixtureOut:
                 failed=r.failed,
                 late=r.late,
                 refused=r.refused,
+                compared=r.compared,
+                disagreed=r.disagreed,
                 answers_per_s=r.answered / r.reported_seconds if r.reported_seconds > 0 else None,
             )
             for r in rows

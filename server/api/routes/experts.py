@@ -2,7 +2,7 @@
 expert hosts lease its experts and keep their checkpoints here, and trainers follow its routing
 table and report their calls (host token)."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -96,9 +96,19 @@ async def put_checkpoint(
 
 @router.get("/{mixture_id}/experts/{uid}/checkpoint", response_class=Response)
 def get_checkpoint(
-    mixture_id: Id, uid: ExpertId, host_id: HostDep, db: DbDep, storage: StorageDep, now: NowDep
+    mixture_id: Id,
+    uid: ExpertId,
+    host_id: HostDep,
+    db: DbDep,
+    storage: StorageDep,
+    now: NowDep,
+    of: Annotated[
+        Literal["newest", "peer"],
+        Query(description="newest: of any of the expert's replicas (to restore); peer: of its other replicas"),
+    ] = "newest",
 ) -> Response:
-    """The expert's last checkpoint, for the host that leases it."""
+    """A checkpoint of the expert, for the host that leases one of its replicas."""
     return Response(
-        experts.checkpoint(db, storage, host_id, mixture_id, uid, now), media_type="application/octet-stream"
+        experts.checkpoint(db, storage, host_id, mixture_id, uid, now, peer=of == "peer"),
+        media_type="application/octet-stream",
     )

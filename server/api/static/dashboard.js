@@ -221,7 +221,8 @@ function expertsSection(m) {
   setText("ex-refused", num(sum("refused")));
   setText("ex-moves", num(m.experts.reduce((total, e) => total + Math.max(0, e.leases - 1), 0)));
   fillTable("experts", m.experts, (e) => [
-    e.uid, e.host_id === null ? "–" : String(e.host_id), e.url || "not served",
+    m.layout.replicas > 1 ? e.uid + " #" + e.replica : e.uid, e.host_id === null ? "–" : String(e.host_id),
+    e.url || "not served",
     e.url ? until(e.lease_expires_at) : "–", [num(Math.max(0, e.leases - 1)), "num"],
     e.checkpoint_at ? "step " + num(e.checkpoint_step) + ", " + ago(e.checkpoint_at) : "none yet",
     [e.answers_per_s === null ? "–" : num(e.answers_per_s, 1), "num"],

@@ -78,3 +78,30 @@ def test_a_checkpoint_of_another_expert_shape_is_refused() -> None:
     _, checkpoint = Expert(other, "0.1.1").state()
     with pytest.raises(ValueError, match="has shape"):
         Expert(LAYOUT, "0.1.1").restore(checkpoint)
+
+
+def test_replicas_averaged_at_a_checkpoint_meet_halfway_and_keep_their_own_step_count() -> None:
+    a, b = trained("0.1.2", 3), Expert(LAYOUT, "0.1.2")
+    before = {n: p.detach().clone() for n, p in b.module.named_parameters()}
+    x = np.random.default_rng(1).normal(size=(4, LAYOUT.dim)).astype(np.float32)
+    b.backward(x, x)  # b has one step and Adam moments of its own
+    moments = {n: b.optimizer.state[p]["exp_avg"].clone() for n, p in b.module.named_parameters()}
+    own = {n: p.detach().clone() for n, p in b.module.named_parameters()}
+    peer = decode(a.state()[1])
+    b.average_with(a.state()[1])
+    assert b.steps == 1
+    for n, p in b.module.named_parameters():
+        assert torch.allclose(p, (own[n] + torch.from_numpy(peer[f"param/{n}"])) / 2, atol=1e-6)
+        assert not torch.equal(p, before[n])
+        expected = (moments[n] + torch.from_numpy(peer[f"adam/exp_avg/{n}"])) / 2
+        assert torch.allclose(b.optimizer.state[p]["exp_avg"], expected, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_expert_is_not_averaged_with() -> None:
+    a, b = trained("0.1.2", 1), Expert(LAYOUT, "0.1.2")
+    wrong = decode(a.state()[1])
+    wrong[next(k for k in wrong if k.startswith("param/"))] = np.ones((3, 3), np.float32)  # not its shape
+    before = [p.detach().clone() for p in b.module.parameters()]
+    with pytest.raises(ValueError):
+        b.average_with(encode(wrong))
+    assert all(torch.equal(p, q) for p, q in zip(b.module.parameters(), before, strict=True))

@@ -23,7 +23,9 @@ def calls(pool: ThreadPoolExecutor, slow: threading.Event) -> dict[Future, _Rout
         return np.zeros((1, LAYOUT.dim), np.float32)
 
     return {
-        pool.submit(answer, slow if row == 0 else None): _Routed(f"0.{row}", torch.tensor([row]), torch.tensor([0]))
+        pool.submit(answer, slow if row == 0 else None): _Routed(
+            f"0.{row}", torch.tensor([row]), torch.tensor([0]), "http://a:1"
+        )
         for row in range(10)
     }
 

@@ -5,6 +5,7 @@ not renew; a trainer follows the routing table; refusals say why and change noth
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -31,13 +32,21 @@ class Health(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.fixture
-def reachable() -> Iterator[str]:
-    """The URL of a host that answers its health check."""
+@contextmanager
+def health_server() -> Iterator[str]:
+    """The URL of a host that answers its health check, while the context lasts."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def reachable() -> Iterator[str]:
+    with health_server() as url:
+        yield url
 
 
 @pytest.fixture
@@ -48,8 +57,8 @@ def sched(tmp_path) -> Iterator[Scheduler]:
         yield s
 
 
-def create(sched: Scheduler) -> int:
-    resp = sched.admin().post("/v1/mixtures", json={"name": "moe", "layout": LAYOUT.model_dump(mode="json")})
+def create(sched: Scheduler, layout: ExpertLayout = LAYOUT) -> int:
+    resp = sched.admin().post("/v1/mixtures", json={"name": "moe", "layout": layout.model_dump(mode="json")})
     assert resp.status_code == 201, resp.text
     return resp.json()["mixture_id"]
 
@@ -91,7 +100,14 @@ def test_a_checkpoint_is_kept_for_the_next_host_of_its_expert(sched, reachable) 
     # The first host stops calling: after its lease ends, the second leases the expert and restores it.
     sched.now = T0 + 31
     leases = second.post(f"/v1/mixtures/{mixture}/leases", json={"url": reachable, "capacity": 1}).json()
-    assert leases["leases"][0] == {"uid": "0.0.0", "expires_in": 30, "checkpoint_step": 7, "has_checkpoint": True}
+    assert leases["leases"][0] == {
+        "uid": "0.0.0",
+        "replica": 0,
+        "expires_in": 30,
+        "checkpoint_step": 7,
+        "has_checkpoint": True,
+        "peer_step": 0,
+    }
     assert second.get(url).content == blob
     assert first.get(url).status_code == 403
     assert len(sched.stored_files()) == 1
@@ -179,3 +195,55 @@ def test_a_trainers_report_shows_in_the_mixtures_figures_and_credits_the_host(sc
     assert view[uid]["answers_per_s"] == pytest.approx(40 / 20)  # over the reports' span, 10 s before the first
     credit = sched.admin().get("/v1/admin/hosts").json()
     assert next(h["credit"] for h in credit if h["name"] == "expert-host") > 0
+
+
+def test_replicas_go_to_different_hosts_share_checkpoints_and_a_host_that_disagrees_with_all_is_charged(
+    sched, reachable
+) -> None:
+    mixture = create(sched, LAYOUT.model_copy(update={"replicas": 2}))
+    lease = f"/v1/mixtures/{mixture}/leases"
+    a, b, trainer = sched.register("a"), sched.register("b"), sched.register("trainer")
+    with health_server() as other:
+        # Every expert's first replica is leased before any second one, and never two to one host.
+        first = a.post(lease, json={"url": reachable, "capacity": 8}).json()["leases"]
+        assert [(x["uid"], x["replica"]) for x in first] == [(u, 0) for u in ("0.0.0", "0.0.1", "0.1.0", "0.1.1")]
+        assert a.post(lease, json={"url": reachable, "capacity": 8}).json()["leases"] == [
+            {**x, "expires_in": 30} for x in first
+        ]
+        second = b.post(lease, json={"url": other, "capacity": 8}).json()["leases"]
+        assert [(x["uid"], x["replica"]) for x in second] == [(u, 1) for u in ("0.0.0", "0.0.1", "0.1.0", "0.1.1")]
+        table = trainer.get(f"/v1/mixtures/{mixture}/routing").json()["routes"]
+        assert sorted((r["uid"], r["replica"], r["url"]) for r in table if r["uid"] == "0.0.0") == [
+            ("0.0.0", 0, reachable),
+            ("0.0.0", 1, other),
+        ]
+        # A replica's checkpoint is the other's to average with, and the newest of both is what restores.
+        url = f"/v1/mixtures/{mixture}/experts/0.0.0/checkpoint"
+        blob_a = encode({"param/w": np.ones((2, 2), np.float32), "steps": np.array([5])})
+        assert a.put(f"{url}?step=5", content=blob_a).status_code == 200
+        assert b.get(url, params={"of": "peer"}).content == blob_a
+        assert a.get(url, params={"of": "peer"}).status_code == 404  # b has none yet
+        blob_b = encode({"param/w": np.zeros((2, 2), np.float32), "steps": np.array([3])})
+        assert b.put(f"{url}?step=3", content=blob_b).status_code == 200  # its own first, though older
+        assert a.get(url, params={"of": "peer"}).content == blob_b
+        assert b.get(url).content == blob_a  # the newest
+        renewed = {x["uid"]: x for x in b.post(lease, json={"url": other, "capacity": 8}).json()["leases"]}
+        assert (renewed["0.0.0"]["checkpoint_step"], renewed["0.0.0"]["peer_step"]) == (5, 5)
+        # Compared answers: a disagreed on both experts it was compared on; b agreed on one.
+        report = {
+            "seconds": 10,
+            "experts": [
+                {"uid": "0.0.0", "url": reachable, "answered": 4, "compared": 2, "disagreed": 2},
+                {"uid": "0.0.0", "url": other, "answered": 4, "compared": 2, "disagreed": 2},
+                {"uid": "0.0.1", "url": reachable, "answered": 4, "compared": 1, "disagreed": 1},
+                {"uid": "0.0.1", "url": other, "answered": 4, "compared": 1, "disagreed": 1},
+                {"uid": "0.1.0", "url": other, "answered": 4, "compared": 1, "disagreed": 0},
+            ],
+        }
+        assert trainer.post(f"/v1/mixtures/{mixture}/calls", json=report).json() == {"counted": 5, "ignored": 0}
+    hosts = {h["name"]: h for h in sched.admin().get("/v1/admin/hosts").json()}
+    assert hosts["a"]["consecutive_refused"] == 3
+    assert hosts["b"]["consecutive_refused"] == 0
+    view = {(e["uid"], e["replica"]): e for e in sched.admin().get(f"/v1/mixtures/{mixture}").json()["experts"]}
+    assert (view[("0.0.0", 0)]["compared"], view[("0.0.0", 0)]["disagreed"]) == (2, 2)
+    assert view[("0.1.0", 1)]["compared"] == 1 and len(view) == 8
