@@ -1,10 +1,16 @@
 """Expert-parallel training end to end: a trainer trains a model whose two mixture-of-experts layers
 (4x4 grids, top-4) live on three expert host processes that lease them from the scheduler; one host
 is SIGKILLed mid-run, its experts are leased again to the others and restored from their
-checkpoints, and the model still reaches its target, which its dense trunk alone does not."""
+checkpoints, and the model still reaches its target, which its dense trunk alone does not. With
+replicated experts, a host that makes its answers up is caught by the comparison of replicas'
+answers, and a killed host's experts stay served by their other replicas."""
 
+import contextlib
 import signal
+import threading
+from collections.abc import Iterator
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -14,7 +20,9 @@ import torch
 from crowdtrain.client.experts.leasing import MixtureAPI
 from crowdtrain.client.experts.mixture import ExpertClient, RoutingFollower
 from crowdtrain.client.experts.trainer import MixtureClassifier, accuracy, train_step
-from crowdtrain.core.experts import ExpertLayout
+from crowdtrain.client.server_http import Refused
+from crowdtrain.core.experts import BACKWARD_ARGS, FORWARD_ARGS, ExpertLayout, encode_call, read_call
+from crowdtrain.core.schemas_experts import CallReport
 from crowdtrain.core.zoo_experts import MixtureTrunk
 from crowdtrain.launch.cluster import wait_for
 from tests.benchmark_modules import load_benchmark
@@ -143,36 +151,87 @@ REPLICATED = ExpertLayout(
     lease_heartbeats=5,
     checkpoint_every=10,
     replicas=2,
-    compare_every=4,
+    compare_every=2,
 )
+MADE_UP_CAPACITY = 2
 
 
-def test_replicated_experts_are_averaged_at_checkpoints_agree_and_outlive_a_killed_host(
-    make_cluster, sqlite_url
+class MadeUpAnswers(BaseHTTPRequestHandler):
+    """An expert host that passes every check a single answer can get (finite, the call's shapes) and
+    makes its answers up: forward a constant, backward zeros."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(b'{"status": "ok"}')
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        backward = self.path.endswith("/backward")
+        args = BACKWARD_ARGS if backward else FORWARD_ARGS
+        x = read_call(body, args, REPLICATED.dim, REPLICATED.max_rows)["x"]
+        self._send(encode_call(grad_x=np.zeros_like(x)) if backward else encode_call(y=np.full_like(x, 3.0)))
+
+
+@pytest.fixture
+def made_up_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), MadeUpAnswers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_replicated_experts_average_catch_a_host_that_makes_answers_up_and_outlive_a_killed_host(
+    make_cluster, sqlite_url, made_up_url
 ) -> None:
-    """Two hosts, each serving one replica of every expert: the trainer calls them in turn and compares
-    a sample of answers (honest replicas agree), each replica averages with the other's checkpoints,
-    and when one host is SIGKILLed every expert is still served, with no restore to wait for."""
+    """A host that makes its answers up leases two experts' first replicas; two honest host processes
+    serve the rest, each holding at most one replica of an expert. The trainer calls replicas in turn
+    and compares every second answer: the made-up host disagrees with its partner every time and the
+    honest hosts agree with each other, so its reports charge and quarantine the made-up host only, and
+    honest hosts take its replicas. The replicas average at their checkpoints. When an honest host is
+    SIGKILLed, every expert is still served by its other replica, with no restore to wait for."""
     torch.set_num_threads(1)
     cluster = make_cluster(sqlite_url)
     with cluster.admin() as admin:
         created = admin.post("/v1/mixtures", json={"name": "r2", "layout": REPLICATED.model_dump(mode="json")})
         assert created.status_code == 201, created.text
         mixture = created.json()["mixture_id"]
+    stop = threading.Event()
+    made_up = MixtureAPI(cluster.url, stop=stop)
+    made_up.register(cluster.join_token, "made-up")
+    held = {lease.uid for lease in made_up.lease(mixture, made_up_url, MADE_UP_CAPACITY).leases}
+    assert len(held) == MADE_UP_CAPACITY
+
+    def beat() -> None:  # it renews its leases for as long as the scheduler lets it
+        while not stop.wait(REPLICATED.heartbeat_seconds):
+            with contextlib.suppress(Refused):
+                made_up.lease(mixture, made_up_url, MADE_UP_CAPACITY)
+
+    threading.Thread(target=beat, daemon=True).start()
     hosts = [cluster.start_expert_host(f"replica{i}", mixture, 16) for i in range(2)]
     api = MixtureAPI(cluster.url)
     api.register(cluster.join_token, "trainer")
     client = ExpertClient(REPLICATED, {})
     follower = RoutingFollower(partial(api.routing, mixture), client)
-    experts = REPLICATED.layers * REPLICATED.experts_per_layer
+    honest = {url for _, url in hosts}
 
     def replicas() -> dict[str, set[str]]:
         follower.refresh()
         return {uid: set(urls.values()) for uid, urls in client.replicas.items()}
 
+    def report() -> None:
+        api.report_calls(mixture, CallReport(seconds=1, experts=client.take_calls()))
+
     try:
-        urls = {url for _, url in hosts}
-        wait_for(lambda: replicas() == dict.fromkeys(REPLICATED.uids(0), urls), 120, "not two replicas each")
+        wait_for(lambda: sum(map(len, replicas().values())) == 8, 120, "not two replicas each", hosts[0][0])
+        assert all(made_up_url in replicas()[uid] for uid in held)
         torch.manual_seed(0)
         model = MixtureClassifier(MixtureTrunk([8], 10, REPLICATED.model_dump()), client)
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -180,20 +239,37 @@ def test_replicated_experts_are_averaged_at_checkpoints_agree_and_outlive_a_kill
         rng = np.random.default_rng(0)
 
         def steps(n: int) -> None:
-            for _ in range(n):
+            for step in range(n):
                 batch = rng.integers(0, len(x_train), 32)
                 train_step(model, optimizer, x_train[batch], y_train[batch])
+                follower.refresh()
+                if step % 10 == 9:
+                    report()
 
-        steps(60)
+        # Until the made-up host is quarantined and its replicas are served by honest hosts.
+        for _ in range(30):
+            steps(10)
+            if set().union(*replicas().values()) == honest and sum(map(len, replicas().values())) == 8:
+                break
+        assert set().union(*replicas().values()) == honest, replicas()
+        steps(40)
+        report()
         wait_for(
             lambda: all("averaged with another replica's checkpoint" in service.tail(400) for service, _ in hosts),
             60,
             "the replicas did not average",
         )
-        assert client.figures["compared_agreed"] > 0 and client.figures["compared_disagreed"] == 0, client.figures
         with cluster.admin() as admin:
-            view = admin.get(f"/v1/mixtures/{mixture}").json()
-        assert len(view["experts"]) == 2 * experts and all(e["checkpoint_step"] > 0 for e in view["experts"])
+            by_name = {h["name"]: h for h in admin.get("/v1/admin/hosts").json()}
+            view = admin.get(f"/v1/mixtures/{mixture}").json()["experts"]
+        bad = by_name["made-up"]
+        assert bad["quarantined_until"] is not None and "disagreed" in bad["quarantine_reason"], bad
+        for i in range(2):
+            assert by_name[f"replica{i}"]["quarantined_until"] is None, by_name[f"replica{i}"]
+        assert sum(e["disagreed"] for e in view) > 0 and sum(e["compared"] for e in view) > sum(
+            e["disagreed"] for e in view
+        )
+        assert all(e["checkpoint_step"] > 0 for e in view)
         killed, survivor = hosts[1], hosts[0]
         killed[0].signal(signal.SIGKILL)
         killed[0].proc.wait(30)
@@ -202,5 +278,7 @@ def test_replicated_experts_are_averaged_at_checkpoints_agree_and_outlive_a_kill
         steps(20)
         assert model.dropped_rows == dropped, "an expert went unserved"
     finally:
+        stop.set()
         client.close()
         api.close()
+        made_up.close()

@@ -21,7 +21,14 @@ from crowdtrain.client.experts.host import ExpertHost
 from crowdtrain.client.server_http import Refused, ServerHTTP, parse_reply
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.schemas import HostRegister, HostRegistered
-from crowdtrain.core.schemas_experts import CheckpointStored, LeaseRequest, Leases, RoutingTable
+from crowdtrain.core.schemas_experts import (
+    CallReport,
+    CallsRecorded,
+    CheckpointStored,
+    LeaseRequest,
+    Leases,
+    RoutingTable,
+)
 
 log = logging.getLogger(__name__)
 CHECKPOINT_CHECK_SECONDS = 0.2  # how often, between heartbeats, a host looks for checkpoints due
@@ -52,6 +59,13 @@ class MixtureAPI:
     def routing(self, mixture_id: int, since: int) -> RoutingTable:
         reply = self.server.request("GET", f"/v1/mixtures/{mixture_id}/routing?since={since}", headers=self._auth())
         return parse_reply(RoutingTable, reply)
+
+    def report_calls(self, mixture_id: int, report: CallReport) -> CallsRecorded:
+        """A trainer's report of its calls to the mixture's experts (their hosts' credit and charges)."""
+        reply = self.server.request(
+            "POST", f"/v1/mixtures/{mixture_id}/calls", json=report.model_dump(mode="json"), headers=self._auth()
+        )
+        return parse_reply(CallsRecorded, reply)
 
     def put_checkpoint(self, mixture_id: int, uid: str, step: int, blob: bytes) -> CheckpointStored:
         url = f"/v1/mixtures/{mixture_id}/experts/{uid}/checkpoint?step={step}"
