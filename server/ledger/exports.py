@@ -3,6 +3,7 @@
 which on SQLite is the whole database's."""
 
 import logging
+from collections.abc import Callable
 
 import redis
 from sqlalchemy import and_, select, update
@@ -16,7 +17,7 @@ from crowdtrain.core.modelfile import model_metadata, with_metadata
 from crowdtrain.core.refusals import NotFound
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import ObjectNotFound, Storage
-from crowdtrain.core.tensors import TensorFormatError, decode, encode
+from crowdtrain.core.tensors import Params, TensorFormatError, decode, encode
 from crowdtrain.server.ledger import experts
 from crowdtrain.server.ledger.models import Job
 from crowdtrain.server.paramstore import store
@@ -64,18 +65,36 @@ def export_final_model(db: sessionmaker[Session], storage: Storage, r: redis.Red
 
 
 def with_experts(db: sessionmaker[Session], storage: Storage, mixture_id: int, trunk: bytes) -> bytes:
-    """A moe job's whole model: its trunk's tensors and each expert's weights from its last checkpoint
+    """A moe job's whole model: its trunk's tensors and each expert's weights from its newest checkpoint
     (expert/UID/NAME). An expert without a readable checkpoint is left out: it is at its initial
     weights, which the layout's seed in the file's header gives (crowdtrain.core.zoo_experts.build_expert)."""
     params = decode(trunk)
-    for uid, key in experts.checkpoint_keys(db, mixture_id).items():
-        try:
-            params.update(checkpoint_weights(uid, storage.get(key)))
-        except (TensorFormatError, ObjectNotFound) as exc:
-            log.warning(
-                "mixture %s: expert %s's checkpoint %s is left out of the export: %s", mixture_id, uid, key, exc
-            )
+    params.update(mixture_weights(db, storage, mixture_id))
     return encode(params)
+
+
+CheckpointReader = Callable[[Storage, int, str, str], Params]
+
+
+def checkpoint_weights_at(storage: Storage, mixture_id: int, uid: str, key: str) -> Params:
+    """The weights of expert `uid`'s checkpoint at `key` (expert/UID/NAME); none, logged, when it cannot
+    be read: the expert is then taken at its initial weights."""
+    try:
+        return checkpoint_weights(uid, storage.get(key))
+    except (TensorFormatError, ObjectNotFound) as exc:
+        log.warning("mixture %s: expert %s's checkpoint %s is unreadable (%s); left out", mixture_id, uid, key, exc)
+        return {}
+
+
+def mixture_weights(
+    db: sessionmaker[Session], storage: Storage, mixture_id: int, read: CheckpointReader = checkpoint_weights_at
+) -> Params:
+    """The weights of every expert of the mixture that has a checkpoint, from its newest, read by `read`
+    (a caching reader may stand in): what evaluation and the export use beside the trunk."""
+    out: Params = {}
+    for uid, key in experts.checkpoint_keys(db, mixture_id).items():
+        out.update(read(storage, mixture_id, uid, key))
+    return out
 
 
 def export_or_leave_it(db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int) -> None:

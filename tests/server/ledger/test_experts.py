@@ -177,3 +177,30 @@ def test_refused_answers_charge_their_host_until_it_is_quarantined_and_its_exper
     assert routes(db, mixture, version)[1] == {"0.0.0": None, "0.0.1": None}
     assert renew(db, 1, mixture, "http://a:1", 2, at(9), grant=True) == []
     assert uids(renew(db, 2, mixture, "http://b:1", 2, at(9), grant=True)) == ["0.0.0", "0.0.1"]
+
+
+def test_replicas_of_an_expert_go_to_different_hosts_and_the_newest_checkpoint_of_any_restores(db) -> None:
+    mixture = experts.create_mixture(db, "m", LAYOUT.model_copy(update={"replicas": 2, "grid": [2]}))
+    with db.begin() as s:
+        s.add(Host(name="h3", token_hash=f"{3:064d}"))
+    first = renew(db, 1, mixture, "http://a:1", 100, at(0), grant=True)
+    assert [(x.uid, x.replica) for x in first] == [("0.0", 0), ("0.1", 0)]  # never two replicas of one
+    second = renew(db, 2, mixture, "http://b:1", 100, at(1), grant=True)
+    assert [(x.uid, x.replica) for x in second] == [("0.0", 1), ("0.1", 1)]
+    assert renew(db, 3, mixture, "http://c:1", 100, at(2), grant=True) == []  # every replica is served
+    _, changed = experts.routing_changes(db, mixture, 0)
+    assert sorted((r.uid, r.replica, r.url) for r in changed) == [
+        ("0.0", 0, "http://a:1"),
+        ("0.0", 1, "http://b:1"),
+        ("0.1", 0, "http://a:1"),
+        ("0.1", 1, "http://b:1"),
+    ]
+    experts.record_checkpoint(db, 1, mixture, "0.0", 40, "ckpt/a40", at(3))
+    experts.record_checkpoint(db, 2, mixture, "0.0", 30, "ckpt/b30", at(3))
+    a, b = (experts.check_lease(db, host, mixture, "0.0", at(4)) for host in (1, 2))
+    assert (a.checkpoint_key, a.peer_key, a.own_key) == ("ckpt/a40", "ckpt/b30", "ckpt/a40")
+    assert (b.checkpoint_key, b.peer_key, b.own_key, b.peer_step) == ("ckpt/a40", "ckpt/a40", "ckpt/b30", 40)
+    assert experts.checkpoint_keys(db, mixture) == {"0.0": "ckpt/a40"}
+    # Host 1 stops calling: host 3 takes its replicas and restores the newest checkpoint of the expert.
+    taken = renew(db, 3, mixture, "http://c:1", 100, at(1 + 31), grant=True)
+    assert [(x.uid, x.replica, x.checkpoint_key) for x in taken] == [("0.0", 0, "ckpt/a40"), ("0.1", 0, None)]
