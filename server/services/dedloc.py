@@ -37,7 +37,7 @@ from enum import StrEnum
 import redis
 
 from crowdtrain.core import dedloc, keys
-from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.server.services import dedloc_claims
 from crowdtrain.server.services.dedloc_peers import NotAMember, live_peers, peers
 

@@ -10,7 +10,7 @@ import redis
 
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.dedlocspec import DedlocSpec
 
 
 def record_round(r: redis.Redis, job_id: int, examples: Mapping[str, int], seconds: Mapping[str, float]) -> None:

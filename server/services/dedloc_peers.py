@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.dedlocspec import DedlocSpec
 
 
 def liveness_window(spec: DedlocSpec) -> float:

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas_dedloc import (
     Outcome,

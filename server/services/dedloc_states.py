@@ -19,7 +19,7 @@ import redis
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.dedloc import StateVerdict
-from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.server.services import dedloc, dedloc_peers
 from crowdtrain.server.services.dedloc import Round, RoundPhase
 

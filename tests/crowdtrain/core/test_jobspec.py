@@ -4,7 +4,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from crowdtrain.core.jobspec import DedlocSpec, JobSpec, load_job_spec
+from crowdtrain.core.dedlocspec import DedlocSpec
+from crowdtrain.core.jobspec import JobSpec, load_job_spec
 from tests.conftest import EXAMPLE_SPEC, ROOT
 
 

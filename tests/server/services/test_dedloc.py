@@ -9,7 +9,8 @@ import redis
 
 from crowdtrain.core import keys
 from crowdtrain.core.dedloc import dissenters
-from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
+from crowdtrain.core.dedlocspec import DedlocSpec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.models import Job

@@ -5,7 +5,8 @@ import pytest
 import redis
 
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import DedlocSpec, load_job_spec
+from crowdtrain.core.dedlocspec import DedlocSpec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_dedloc import Progress
 from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_rounds
 from tests.conftest import EXAMPLE_SPEC

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from crowdtrain.core import dedloc as math
-from crowdtrain.core.jobspec import DedlocSpec
+from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.core.tensors import decode, encode
 from crowdtrain.server.api.deps import clock
 from crowdtrain.server.services import dedloc, dedloc_peers
