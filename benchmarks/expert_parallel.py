@@ -10,7 +10,9 @@ What it measures
     Three expert hosts (`crowdtrain expert-host` processes) serve a third of the experts each.
 
     `samples_per_s`: examples the trainer trains per second (forward, backward, both layers' expert
-    calls and the trunk's step), keeping `--in-flight` micro-batches of 64 going at once
+    calls and the trunk's step), keeping `--in-flight` micro-batches of 64 going at once (8, the
+    layout's default `in_flight`: more hides more latency, and each micro-batch's trunk step is stale
+    by up to that many steps less one, which costs accuracy at equal examples)
     (PipelinedTrainer), measured over `--seconds` after a warm-up. Latency is injected at the hosts
     (each answer waits an exponential delay of the given mean: a wide-area link); a lost call holds
     its caller 2 s and answers an error. This machine's speed drifts by more than the effects measured
@@ -40,7 +42,7 @@ What it measures
 
 Run
     .venv/bin/python benchmarks/expert_parallel.py [--quick] [--seconds 20] [--examples 40000]
-        [--in-flight 16] [--simulated-hosts 1000]
+        [--in-flight 8] [--simulated-hosts 1000]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
@@ -308,7 +310,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short runs: about 8 minutes on 2 cores")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds measured per throughput figure")
     parser.add_argument("--examples", type=int, default=40_000, help="examples trained for the accuracy figures")
-    parser.add_argument("--in-flight", type=int, default=16, help="micro-batches the trainer keeps going")
+    parser.add_argument(
+        "--in-flight", type=int, default=ExpertLayout().in_flight, help="micro-batches the trainer keeps going"
+    )
     parser.add_argument(
         "--simulated-hosts",
         type=int,

@@ -10,7 +10,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -26,6 +25,7 @@ from crowdtrain.core.schemas_experts import CallReport
 from crowdtrain.core.zoo_experts import MixtureTrunk
 from crowdtrain.launch.cluster import wait_for
 from tests.benchmark_modules import load_benchmark
+from tests.stub_http import OK, stub_server
 
 pytestmark = pytest.mark.integration
 
@@ -156,36 +156,20 @@ REPLICATED = ExpertLayout(
 MADE_UP_CAPACITY = 2
 
 
-class MadeUpAnswers(BaseHTTPRequestHandler):
+def made_up_answers(method: str, path: str, body: bytes) -> tuple[int, bytes]:
     """An expert host that passes every check a single answer can get (finite, the call's shapes) and
     makes its answers up: forward a constant, backward zeros."""
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        self._send(b'{"status": "ok"}')
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        backward = self.path.endswith("/backward")
-        args = BACKWARD_ARGS if backward else FORWARD_ARGS
-        x = read_call(body, args, REPLICATED.dim, REPLICATED.max_rows)["x"]
-        self._send(encode_call(grad_x=np.zeros_like(x)) if backward else encode_call(y=np.full_like(x, 3.0)))
+    if method == "GET":
+        return OK
+    backward = path.endswith("/backward")
+    x = read_call(body, BACKWARD_ARGS if backward else FORWARD_ARGS, REPLICATED.dim, REPLICATED.max_rows)["x"]
+    return 200, encode_call(grad_x=np.zeros_like(x)) if backward else encode_call(y=np.full_like(x, 3.0))
 
 
 @pytest.fixture
 def made_up_url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), MadeUpAnswers)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with stub_server(made_up_answers) as url:
+        yield url
 
 
 def test_replicated_experts_average_catch_a_host_that_makes_answers_up_and_outlive_a_killed_host(

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import decode
 from crowdtrain.launch.cluster import wait_for
 from tests.conftest import ROOT
+from tests.stub_http import OK, stub_server
 from tests.test_training_end_to_end import job_status, wait_finished
 
 pytestmark = pytest.mark.integration
@@ -34,38 +34,20 @@ SPEC = ROOT / "examples" / "clusters-moe.yaml"
 HOSTILE_CAPACITY = 8
 
 
-class NaNAnswers(BaseHTTPRequestHandler):
-    """An expert host that passes the scheduler's connect-back probe and answers every call with NaN."""
-
-    dim = 0
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        self._send(b'{"status": "ok"}')
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        rows = read_call(body, FORWARD_ARGS, self.dim, 1 << 16)["x"].shape[0]
-        self._send(encode_call(y=np.full((rows, self.dim), np.nan)))
-
-
 @pytest.fixture
 def hostile_url() -> Iterator[str]:
+    """An expert host that passes the scheduler's connect-back probe and answers every call with NaN."""
     layout = load_job_spec(SPEC).experts
     assert layout is not None
-    handler = type("Hostile", (NaNAnswers,), {"dim": layout.dim})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+
+    def nan_answers(method: str, _path: str, body: bytes) -> tuple[int, bytes]:
+        if method == "GET":
+            return OK
+        rows = read_call(body, FORWARD_ARGS, layout.dim, 1 << 16)["x"].shape[0]
+        return 200, encode_call(y=np.full((rows, layout.dim), np.nan))
+
+    with stub_server(nan_answers) as url:
+        yield url
 
 
 def test_a_moe_job_reaches_its_target_through_a_hostile_host_and_a_killed_one(

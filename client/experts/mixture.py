@@ -13,13 +13,15 @@ answered forward; one that fails then contributes no input gradient.
 
 An expert with replicas (the layout's `replicas`) is called at one of them in turn; backward goes to
 the replica that answered forward. Every `compare_every`-th forward call to such an expert also goes
-to another replica, and the two answers are compared (crowdtrain.core.experts.disagree): the counts go
-into the trainer's reports, which charge a host whose answers disagree with every partner's.
+to another replica, and the two answers are compared (crowdtrain.core.experts.disagree). A
+disagreement is blamed on the one of the two hosts whose compared answers agreed less often over all
+the trainer compared (a tie waits for more evidence), and the blamed count goes into the trainer's
+reports, which charge the host.
 """
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from crowdtrain.core.schemas_experts import ExpertCalls, RoutingTable
 from crowdtrain.core.zoo_experts import GridGate, combine, route
 
 _ANSWER = {"forward": ("y",), "backward": ("grad_x",)}
+MAX_DISPUTES = 1024  # disagreements a trainer keeps waiting for blame; the oldest go first
 
 
 class ExpertCallFailed(RuntimeError):
@@ -55,6 +58,10 @@ class ExpertClient:
         self.layout = layout
         self.replicas: dict[str, dict[int, str]] = {uid: {0: url} for uid, url in routes.items()}
         self._turns: Counter[str] = Counter()  # forward calls to each expert so far
+        # Each host's compared answers that agreed and disagreed, over this trainer's life, and the
+        # disagreements not yet blamed on one of their two hosts: (expert, host, host).
+        self._record: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        self._disputes: deque[tuple[str, str, str]] = deque(maxlen=MAX_DISPUTES)
         self.figures: Counter[str] = Counter()
         self._calls: dict[tuple[str, str], Counter[str]] = {}
         self._lock = threading.Lock()
@@ -104,9 +111,9 @@ class ExpertClient:
         future = self._pool.submit(self._call, uid, url, kind, tensors)
         if kind == "forward":
             other = self._compare_with(uid, url)
-            if other is not None:
-                second = self._pool.submit(self._call, uid, other, kind, tensors)
-                _when_both(future, second, lambda a, b: self._compared(uid, url, other, a, b))
+            if other is not None and url is not None:
+                first, second = url, self._pool.submit(self._call, uid, other, kind, tensors)
+                _when_both(future, second, lambda a, b: self._compared(uid, first, other, a, b))
         return future
 
     def _compare_with(self, uid: str, url: str | None) -> str | None:
@@ -119,15 +126,33 @@ class ExpertClient:
                 return None
             return others[(self._turns[uid] // every) % len(others)]
 
-    def _compared(self, uid: str, url: str | None, other: str, a: np.ndarray, b: np.ndarray) -> None:
+    def _compared(self, uid: str, url: str, other: str, a: np.ndarray, b: np.ndarray) -> None:
         verdict = "disagreed" if disagree(a, b, self.layout.compare_tolerance) else "agreed"
         with self._lock:
             self.figures[f"compared_{verdict}"] += 1
             for host in (url, other):
-                if host is not None:
-                    counts = self._calls.setdefault((uid, host), Counter())
-                    counts["compared"] += 1
-                    counts["disagreed"] += verdict == "disagreed"
+                self._calls.setdefault((uid, host), Counter())["compared"] += 1
+                self._record[host][verdict] += 1
+            if verdict == "disagreed":
+                self._disputes.append((uid, url, other))
+
+    def _blame(self) -> None:
+        """Settle the disputes that can be: the host whose compared answers agreed less often, over all
+        this trainer compared, is blamed for a disagreement (`disagreed` in its report). A tie (two hosts
+        that never agreed with anyone, say) stays open until one of them agrees with a third."""
+
+        def share(host: str) -> float:
+            record = self._record[host]
+            return record["agreed"] / (record["agreed"] + record["disagreed"])
+
+        still: deque[tuple[str, str, str]] = deque(maxlen=MAX_DISPUTES)
+        for uid, a, b in self._disputes:
+            if share(a) == share(b):
+                still.append((uid, a, b))
+            else:
+                blamed = a if share(a) < share(b) else b
+                self._calls.setdefault((uid, blamed), Counter())["disagreed"] += 1
+        self._disputes = still
 
     def _count(self, what: str, uid: str | None = None, url: str | None = None, rows: int = 0) -> None:
         with self._lock:
@@ -141,6 +166,7 @@ class ExpertClient:
     def take_calls(self) -> list[ExpertCalls]:
         """What the calls to each expert at each host came to since the last time this was asked."""
         with self._lock:
+            self._blame()
             taken, self._calls = self._calls, {}
         return [
             ExpertCalls(

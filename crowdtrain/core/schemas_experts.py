@@ -77,7 +77,13 @@ class ExpertCalls(BaseModel):
     compared: int = Field(
         0, ge=0, le=_COUNT, description="answers compared with another replica's answer to the same call"
     )
-    disagreed: int = Field(0, ge=0, le=_COUNT, description="of those, answers that disagreed beyond the tolerance")
+    disagreed: int = Field(
+        0,
+        ge=0,
+        le=_COUNT,
+        description="answers that disagreed with another replica's beyond the tolerance and that the trainer "
+        "blames on this host: of the two, its answers agreed less often over all the trainer compared",
+    )
 
 
 class CallReport(BaseModel):
@@ -107,7 +113,7 @@ class ExpertOut(BaseModel):
     late: int = Field(0, description="calls trainers stopped waiting for")
     refused: int = Field(0, description="answers trainers refused (NaN, wrong shapes): charged to the host")
     compared: int = Field(0, description="answers trainers compared with another replica's")
-    disagreed: int = Field(0, description="of those, answers that disagreed (charged when none of the host's agreed)")
+    disagreed: int = Field(0, description="answers trainers blamed for disagreeing with another replica's: charged")
     answers_per_s: float | None = Field(
         None, description="answered calls per second over the span of the reports; None before any report"
     )

@@ -286,11 +286,9 @@ def record_calls(
     it at `quarantine_after` refusals in a row, and a quarantined host's experts are freed at once.
     (counted, ignored). One transaction; the mixture is locked before the hosts, in id order.
 
-    Replicas' answers compared (the layout's `compare_every`): a disagreement cannot say which of the
-    two is wrong, so a host is charged for its disagreements only when, in this report, none of its
-    compared answers agreed with another replica. A host that makes answers up disagrees with every
-    partner and is charged; an honest host that shares an expert with it agrees on its other experts.
-    (With two hosts in all, or every partner hostile, the honest one is charged too.)
+    Replicas' answers compared (the layout's `compare_every`): the trainer blames each disagreement on
+    the one of its two hosts whose answers agreed less often over everything it compared
+    (crowdtrain.client.experts.mixture.ExpertClient), so `disagreed` is charged like refused answers.
 
     A report is taken on the trainer's word (it is a registered host): it cannot credit the reporter,
     but a lying trainer could charge a host it names."""
@@ -315,7 +313,6 @@ def record_calls(
                 select(Host).where(Host.id.in_({e.host_id for _, e in mine})).order_by(Host.id).with_for_update()
             )
         }
-        agreed = {e.host_id for c, e in mine if c.compared > c.disagreed}  # hosts with an answer that agreed
         for c, expert in mine:
             expert.calls_answered += c.answered
             expert.calls_failed += c.failed
@@ -332,8 +329,8 @@ def record_calls(
             if c.refused:
                 message = f"expert {c.uid}: {c.refused} answers refused by a trainer (NaN, wrong shapes or size)"
                 reputation.count_refused_answers(host, c.refused, message, quarantine_after)
-            elif c.disagreed and host.id not in agreed:
-                message = f"expert {c.uid}: {c.disagreed} answers disagreed with another replica's, and none agreed"
+            elif c.disagreed:
+                message = f"expert {c.uid}: {c.disagreed} answers disagreed with another replica's (blamed)"
                 reputation.count_refused_answers(host, c.disagreed, message, quarantine_after)
             elif c.answered:
                 host.consecutive_refused = 0

@@ -2,17 +2,15 @@
 to (crowdtrain.client.experts.mixture.ExpertClient.take_calls): the figures its reports carry to the
 scheduler, which charges refused answers to the host and credits answered rows."""
 
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
 from crowdtrain.client.experts.mixture import ExpertCallFailed, ExpertClient
 from crowdtrain.core.experts import FORWARD_ARGS, ExpertLayout, encode_call, read_call
+from tests.stub_http import Handle, stub_server
 
 LAYOUT = ExpertLayout(layers=1, grid=[2, 3], dim=4, hidden=8, k=2, max_rows=16)
 ROWS = 5
@@ -31,26 +29,15 @@ def answer(uid: str, rows: int) -> tuple[int, bytes]:
     }[uid]
 
 
-class Hostile(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        rows = read_call(body, FORWARD_ARGS, LAYOUT.dim, LAYOUT.max_rows)["x"].shape[0]
-        status, out = answer(self.path.split("/")[3], rows)
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
+def hostile(_method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    rows = read_call(body, FORWARD_ARGS, LAYOUT.dim, LAYOUT.max_rows)["x"].shape[0]
+    return answer(path.split("/")[3], rows)
 
 
 @pytest.fixture
 def url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with stub_server(hostile) as url:
+        yield url
 
 
 def test_unusable_answers_are_refused_and_counted_apart_from_failed_calls_and_answered_rows(url) -> None:
@@ -80,40 +67,21 @@ def test_unusable_answers_are_refused_and_counted_apart_from_failed_calls_and_an
     assert client.take_calls() == []  # taken once
 
 
-def answering(y: Callable[[np.ndarray], np.ndarray]) -> type[BaseHTTPRequestHandler]:
+def answering(y: Callable[[np.ndarray], np.ndarray]) -> Handle:
     """A host whose every expert answers forward with `y(x)`."""
 
-    class Answering(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
+    def handle(_method: str, _path: str, body: bytes) -> tuple[int, bytes]:
+        return 200, encode_call(y=y(read_call(body, FORWARD_ARGS, LAYOUT.dim, 16)["x"]))
 
-        def do_POST(self) -> None:
-            x = read_call(self.rfile.read(int(self.headers["Content-Length"])), FORWARD_ARGS, LAYOUT.dim, 16)["x"]
-            out = encode_call(y=y(x))
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-    return Answering
+    return handle
 
 
-@contextmanager
-def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-
-
-def test_replicas_are_called_in_turn_and_a_sample_of_calls_is_compared_between_two() -> None:
+def test_replicas_are_called_in_turn_a_sample_is_compared_and_a_disagreement_blamed_on_the_worse_record() -> None:
     layout = LAYOUT.model_copy(update={"replicas": 2, "compare_every": 2, "compare_tolerance": 0.5})
     with (
-        serving(answering(lambda x: x + 1)) as honest,
-        serving(answering(lambda x: x + 1.05)) as close,
-        serving(answering(lambda x: np.full_like(x, -5.0))) as made_up,
+        stub_server(answering(lambda x: x + 1)) as honest,
+        stub_server(answering(lambda x: x + 1.05)) as close,
+        stub_server(answering(lambda x: np.full_like(x, -5.0))) as made_up,
     ):
         client = ExpertClient(layout, {})
         client.set_routes({("0.0.0", 0): honest, ("0.0.0", 1): close, ("0.0.1", 0): honest, ("0.0.1", 1): made_up})
@@ -121,16 +89,43 @@ def test_replicas_are_called_in_turn_and_a_sample_of_calls_is_compared_between_t
         for uid in ("0.0.0", "0.0.1"):
             for _ in range(4):
                 client.submit(uid, "forward", x=x).result(timeout=30)
-        deadline = time.monotonic() + 30  # the second answer of a compared call may come after the first
-        while client.figures["compared_agreed"] + client.figures["compared_disagreed"] < 4:
-            assert time.monotonic() < deadline, client.figures
-            time.sleep(0.01)
+        wait_compared(client, 4)
         client.close()
     counts = {(c.uid, c.url): (c.answered, c.compared, c.disagreed) for c in client.take_calls()}
-    # Four calls per expert, at its two replicas in turn; every second one also went to the other.
+    # Four calls per expert, at its two replicas in turn; every second one also went to the other. The
+    # honest host agreed with another host, the made-up one never did: the disagreements are its.
     assert counts == {
         ("0.0.0", honest): (4, 2, 0),
         ("0.0.0", close): (2, 2, 0),
-        ("0.0.1", honest): (4, 2, 2),
+        ("0.0.1", honest): (4, 2, 0),
         ("0.0.1", made_up): (2, 2, 2),
     }
+
+
+def test_a_disagreement_between_two_hosts_with_the_same_record_waits_for_more_evidence() -> None:
+    layout = LAYOUT.model_copy(update={"replicas": 2, "compare_every": 1})
+    with (
+        stub_server(answering(lambda x: x + 1)) as one,
+        stub_server(answering(lambda x: x - 9)) as two,
+        stub_server(answering(lambda x: x + 1.01)) as three,
+    ):
+        client = ExpertClient(layout, {})
+        client.set_routes({("0.0.0", 0): one, ("0.0.0", 1): two})
+        x = np.zeros((ROWS, layout.dim), np.float32)
+        client.submit("0.0.0", "forward", x=x).result(timeout=30)
+        wait_compared(client, 1)
+        assert [c.disagreed for c in client.take_calls()] == [0, 0], "neither has agreed with anyone: no blame yet"
+        client.set_routes({("0.0.0", 1): three})  # host one now shares the expert with a third, and agrees
+        client.submit("0.0.0", "forward", x=x).result(timeout=30)
+        wait_compared(client, 2)
+        client.close()
+    blamed = {c.url: c.disagreed for c in client.take_calls()}
+    assert blamed == {one: 0, two: 1, three: 0}
+
+
+def wait_compared(client: ExpertClient, n: int) -> None:
+    """Until `n` comparisons are done: the second answer of a compared call may come after the first."""
+    deadline = time.monotonic() + 30
+    while client.figures["compared_agreed"] + client.figures["compared_disagreed"] < n:
+        assert time.monotonic() < deadline, client.figures
+        time.sleep(0.01)

@@ -4,9 +4,7 @@ file, its experts' hosts and leases shown; a bad layout or an unknown mixture sa
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -21,6 +19,7 @@ from crowdtrain.launch.cluster import (
     start_redis,
     wait_for,
 )
+from tests.stub_http import healthy, stub_server
 
 pytestmark = pytest.mark.integration
 
@@ -47,17 +46,6 @@ def crowdtrain(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*argv, "--server", cluster.url], env=env, capture_output=True, text=True, timeout=120)
 
 
-class Health(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-
 def test_the_operator_creates_a_mixture_and_sees_where_its_experts_are(cluster: Cluster, tmp_path: Path) -> None:
     layout = tmp_path / "layout.yaml"
     layout.write_text("layers: 1\ngrid: [2, 3]\ndim: 8\nhidden: 16\nk: 2\n")
@@ -65,17 +53,14 @@ def test_the_operator_creates_a_mixture_and_sees_where_its_experts_are(cluster: 
     assert created.returncode == 0, created.stderr
     mixture = int(created.stdout.strip())
 
-    health = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=health.serve_forever, daemon=True).start()
-    host_url = f"http://127.0.0.1:{health.server_address[1]}"
-    token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "h"}).json()
-    leased = httpx.post(
-        f"{cluster.url}/v1/mixtures/{mixture}/leases",
-        json={"url": host_url, "capacity": 2},
-        headers={"Authorization": f"Bearer {token['host_token']}"},
-    )
-    assert leased.status_code == 200, leased.text
-    health.shutdown()
+    with stub_server(healthy) as host_url:
+        token = httpx.post(f"{cluster.url}/v1/hosts", json={"join_token": cluster.join_token, "name": "h"}).json()
+        leased = httpx.post(
+            f"{cluster.url}/v1/mixtures/{mixture}/leases",
+            json={"url": host_url, "capacity": 2},
+            headers={"Authorization": f"Bearer {token['host_token']}"},
+        )
+        assert leased.status_code == 200, leased.text
 
     shown = crowdtrain(cluster, "status", str(mixture))
     assert shown.returncode == 0, shown.stderr
