@@ -162,12 +162,27 @@ def renew_and_lease(
                 expert.lease_expires_at = until
                 expert.leases += 1
                 held.append(expert)
-        return Renewal(layout, _leases(s, mixture_id, held, until))
+        return Renewal(layout, _leases(s, mixture_id, held, until, layout.replicas))
 
 
-def _leases(s: Session, mixture_id: int, held: list[Expert], until: datetime) -> list[Lease]:
+def _leases(s: Session, mixture_id: int, held: list[Expert], until: datetime, replicas: int) -> list[Lease]:
     """The leases of the replicas `held`, each with the newest checkpoint of its expert's replicas and
-    of its other replicas (one query for all of them)."""
+    of its other replicas (one query for all of them; none with one replica per expert)."""
+    if replicas == 1:
+        return [
+            Lease(
+                e.uid,
+                e.replica,
+                until,
+                e.checkpoint_key,
+                e.checkpoint_step,
+                None,
+                0,
+                e.checkpoint_key,
+                e.checkpoint_step,
+            )
+            for e in held
+        ]
     if not held:
         return []
     checkpoints: dict[str, list[tuple[int, int, str]]] = {}  # uid -> (step, replica, key)
@@ -236,7 +251,8 @@ def check_lease(db: sessionmaker[Session], host_id: int, mixture_id: int, uid: s
     with db.begin() as s:
         e = _leased_expert(s, host_id, mixture_id, uid, now)
         assert e.lease_expires_at is not None
-        return _leases(s, mixture_id, [e], e.lease_expires_at)[0]
+        layout = ExpertLayout.model_validate(s.get_one(Mixture, mixture_id).layout)
+        return _leases(s, mixture_id, [e], e.lease_expires_at, layout.replicas)[0]
 
 
 def record_checkpoint(
