@@ -111,8 +111,14 @@ def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_resto
             follower.refresh()
             if step == KILL_AT:
                 orphans = sorted(uid for uid, url in client.routes.items() if url == killed_url)
+                # No call is in flight between two steps of this trainer: these are the steps the kill takes.
+                at_kill = httpx.get(f"{killed_url}/v1/experts", timeout=10).json()["experts"]
                 hosts[2][0].signal(signal.SIGKILL)
                 hosts[2][0].proc.wait(30)
+                with cluster.admin() as admin:
+                    stored = {e["uid"]: e for e in admin.get(f"/v1/mixtures/{mixture}").json()["experts"]}
+                lost = {uid: at_kill[uid]["steps"] - stored[uid]["checkpoint_step"] for uid in orphans}
+                assert max(lost.values()) <= LAYOUT.checkpoint_every, lost
             if step % EVAL_EVERY == 0:
                 history.append((step, accuracy(model, x_val, y_val)))
                 if step > KILL_AT and history[-1][1] >= TARGET:

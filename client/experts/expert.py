@@ -5,9 +5,17 @@ backward recomputes the forward pass from the inputs it is sent (the host keeps 
 between calls: gradient checkpointing, as in Learning@home), returns the gradient of the inputs and
 takes one optimizer step. A lock orders the calls of one expert: a forward reads the weights that
 the last backward wrote, whole.
+
+An expert whose checkpoints are kept (`keep_checkpoints`, a leasing host's) takes a snapshot of its
+weights and optimizer state inside the step that reaches each half of its checkpoint interval, so the
+snapshot holds exactly that step, and hands it to its host's uploader (`take_snapshot`, `stored`). A step
+that would leave it more than the interval past its last stored checkpoint waits for the upload, and is
+refused (ExpertFailed: the caller drops this expert for the batch) if the upload does not come within
+`wait` seconds: a host that dies loses at most `checkpoint_every` steps of each expert.
 """
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,6 +38,34 @@ class Expert:
         self.optimizer = torch.optim.Adam(self.module.parameters(), lr=layout.lr)
         self.steps = 0
         self._lock = threading.Lock()
+        self._stored_cond = threading.Condition(self._lock)
+        self._bound = 0  # most steps past the stored checkpoint (0: checkpoints not kept)
+        self._stored_step = self._snapshot_step = 0
+        self._snapshot: tuple[int, bytes] | None = None
+        self._wait, self._notify = 0.0, lambda: None
+
+    def keep_checkpoints(self, every: int, wait: float, notify: Callable[[], None]) -> None:
+        """Snapshot every `max(1, every // 2)` steps and call `notify`; never run more than `every` steps
+        past the last stored checkpoint (the one restored, or the initial weights, count as stored)."""
+        with self._lock:
+            self._bound, self._wait, self._notify = every, wait, notify
+            self._stored_step = self._snapshot_step = self.steps
+
+    def take_snapshot(self) -> tuple[int, bytes] | None:
+        """The newest snapshot not yet handed over: (step, checkpoint), or None."""
+        with self._lock:
+            snapshot, self._snapshot = self._snapshot, None
+            return snapshot
+
+    def stored(self, step: int) -> None:
+        """The checkpoint of `step` is in storage: steps blocked on it may go on."""
+        with self._lock:
+            self._stored_step = max(self._stored_step, step)
+            self._stored_cond.notify_all()
+
+    @property
+    def stored_step(self) -> int:
+        return self._stored_step
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         with self._lock, torch.no_grad():
@@ -40,6 +76,13 @@ class Expert:
         """The gradient of the inputs `x` given the outputs' gradient `grad_y`; then one optimizer step
         on the parameters' gradient. A step that would make a weight non-finite is not taken."""
         with self._lock:
+            if self._bound and not self._stored_cond.wait_for(
+                lambda: self.steps + 1 - self._stored_step <= self._bound, self._wait
+            ):
+                raise ExpertFailed(
+                    f"expert {self.uid}: step {self.steps + 1} waits for the checkpoint of step "
+                    f"{self._snapshot_step} to be stored; no step taken"
+                )
             inputs = torch.from_numpy(np.array(x)).requires_grad_(True)
             self.optimizer.zero_grad(set_to_none=True)
             self.module(inputs).backward(torch.from_numpy(grad_y))
@@ -49,20 +92,27 @@ class Expert:
                 raise ExpertFailed(f"expert {self.uid}: its parameters' gradient is not finite; no step taken")
             self.optimizer.step()
             self.steps += 1
+            if self._bound and self.steps - self._snapshot_step >= max(1, self._bound // 2):
+                self._snapshot_step = self.steps
+                self._snapshot = self._state()
+                self._notify()
         return grad_x
 
     def state(self) -> tuple[int, bytes]:
         """(steps, checkpoint): the expert's weights and its optimizer's state, as safetensors, taken
         between calls so that they belong together."""
         with self._lock:
-            tensors = {f"param/{n}": p.detach().numpy().copy() for n, p in self.module.named_parameters()}
-            for n, p in self.module.named_parameters():
-                moments = self.optimizer.state.get(p, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in moments:
-                        tensors[f"adam/{key}/{n}"] = moments[key].numpy().copy()
-            tensors["steps"] = np.array([self.steps], np.int64)
-            return self.steps, encode(tensors)
+            return self._state()
+
+    def _state(self) -> tuple[int, bytes]:
+        tensors = {f"param/{n}": p.detach().numpy().copy() for n, p in self.module.named_parameters()}
+        for n, p in self.module.named_parameters():
+            moments = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments:
+                    tensors[f"adam/{key}/{n}"] = moments[key].numpy().copy()
+        tensors["steps"] = np.array([self.steps], np.int64)
+        return self.steps, encode(tensors)
 
     def _read(self, checkpoint: bytes) -> dict[str, np.ndarray]:
         """The tensors of `checkpoint`, checked against this expert; ValueError when they are not its."""
@@ -108,7 +158,8 @@ class Expert:
                         "exp_avg": torch.from_numpy(np.array(tensors[f"adam/exp_avg/{n}"])),
                         "exp_avg_sq": torch.from_numpy(np.array(tensors[f"adam/exp_avg_sq/{n}"])),
                     }
-            self.steps = steps
+            self.steps = self._stored_step = self._snapshot_step = steps
+            self._snapshot = None
 
     def state_manifest(self) -> dict[str, tuple[list[int], str]]:
         """Every tensor a checkpoint of this expert may hold: name -> (shape, dtype)."""

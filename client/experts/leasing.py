@@ -4,10 +4,12 @@ crowdtrain.server.services.experts).
 A leasing host (`LeaseKeeper`) calls the scheduler every heartbeat with its URL and capacity; the
 answer lists every expert it serves from then on. An expert newly leased is restored from its last
 checkpoint (a host that died took nothing with it but the steps since) or, with none, built from the
-layout's seed; one no longer listed is dropped (its lease ended and it went elsewhere). Every
-`checkpoint_every` steps of an expert its weights and optimizer state are uploaded; a replica of an
-expert that has others first averages its weights with the newest checkpoint they uploaded since it
-last did (replicas re-synchronised by averaging, as the layout's `replicas` say). A trainer
+layout's seed; one no longer listed is dropped (its lease ended and it went elsewhere). Every half
+`checkpoint_every` steps an expert snapshots its weights and optimizer state inside its step and the
+keeper uploads the snapshot at once; the expert never runs more than `checkpoint_every` steps past its
+last stored checkpoint (crowdtrain.client.experts.expert). Once a checkpoint is stored, a replica of
+an expert that has others averages its weights with the newest checkpoint they uploaded since it last
+did (replicas re-synchronised by averaging, as the layout's `replicas` say). A trainer
 (`RoutingFollower`) follows the routing table by its changes, with no lookup per batch.
 """
 
@@ -31,7 +33,7 @@ from crowdtrain.core.schemas_experts import (
 )
 
 log = logging.getLogger(__name__)
-CHECKPOINT_CHECK_SECONDS = 0.2  # how often, between heartbeats, a host looks for checkpoints due
+STOP_CHECK_SECONDS = 0.5  # how often, between heartbeats and snapshots, the keeper looks at its stop event
 
 
 class MixtureAPI:
@@ -88,6 +90,8 @@ class LeaseKeeper:
     url: str
     capacity: int
     checkpointed: dict[str, int] = field(default_factory=dict)  # expert -> its step at the last upload
+    unstored: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # expert -> a snapshot to upload again
+    due: threading.Event = field(default_factory=threading.Event)  # set by an expert's new snapshot
     peers: dict[str, int] = field(default_factory=dict)  # expert -> its other replicas' newest checkpoint step
     averaged: dict[str, int] = field(default_factory=dict)  # expert -> the peer step it last averaged with
 
@@ -98,7 +102,7 @@ class LeaseKeeper:
         for uid in set(self.host.served) - set(listed):
             log.warning("expert %s: its lease ended (it is served elsewhere now); dropped", uid)
             self.host.remove(uid)
-            for seen in (self.checkpointed, self.peers, self.averaged):
+            for seen in (self.checkpointed, self.peers, self.averaged, self.unstored):
                 seen.pop(uid, None)
         for uid, lease in listed.items():
             self.peers[uid] = lease.peer_step
@@ -119,21 +123,30 @@ class LeaseKeeper:
                 log.warning("expert %s: its checkpoint cannot be restored (%s); starting it afresh", uid, exc)
                 expert = Expert(self.host.layout, uid)
         self.checkpointed[uid] = expert.steps
+        layout = self.host.layout
+        expert.keep_checkpoints(layout.checkpoint_every, layout.backward_timeout, self.due.set)
         return expert
 
     def _upload_due(self) -> None:
-        every = self.host.layout.checkpoint_every
+        """Upload each expert's newest snapshot (or one whose upload failed and is not yet replaced);
+        a refused one is dropped (the expert's next snapshot comes within half an interval)."""
         for uid, served in list(self.host.served.items()):
-            if served.expert.steps - self.checkpointed.get(uid, 0) < every:
+            snapshot = served.expert.take_snapshot() or self.unstored.pop(uid, None)
+            if snapshot is None:
                 continue
-            if self.peers.get(uid, 0) > self.averaged.get(uid, 0):
-                self._average(uid, served.expert)
-            step, blob = served.expert.state()
+            self.unstored[uid] = snapshot  # until stored: a failed upload is tried again
+            step, blob = snapshot
             try:
                 self.api.put_checkpoint(self.mixture_id, uid, step, blob)
-                self.checkpointed[uid] = step
             except Refused as exc:
                 log.warning("expert %s: checkpoint of step %d refused: %s", uid, step, exc.message)
+                del self.unstored[uid]
+                continue
+            del self.unstored[uid]
+            served.expert.stored(step)
+            self.checkpointed[uid] = step
+            if self.peers.get(uid, 0) > self.averaged.get(uid, 0):
+                self._average(uid, served.expert)
 
     def _average(self, uid: str, expert: Expert) -> None:
         """Average the expert with its other replicas' newest checkpoint; a failure is logged, and the
@@ -148,8 +161,8 @@ class LeaseKeeper:
 
     def run(self, stop: threading.Event, interval: float) -> None:
         """Beat every `interval` seconds (then the scheduler's heartbeat) until `stop` is set, and between
-        beats upload the checkpoints that fall due, so that an expert's checkpoint lags its steps by
-        little more than `checkpoint_every`. A failed beat or upload is logged and tried again."""
+        beats upload each snapshot as soon as an expert takes it. A failed beat or upload is logged and
+        tried again."""
         next_beat = 0.0
         while not stop.is_set():
             try:
@@ -160,7 +173,10 @@ class LeaseKeeper:
                     self._upload_due()
             except Exception as exc:
                 log.warning("expert host: %s failed (%s); trying again", type(exc).__name__, exc)
-            stop.wait(max(0.0, min(CHECKPOINT_CHECK_SECONDS, next_beat - time.monotonic())))
+            if self.unstored:
+                stop.wait(STOP_CHECK_SECONDS / 5)  # an upload failed: try again soon, not at once
+            if self.due.wait(max(0.0, min(STOP_CHECK_SECONDS, next_beat - time.monotonic()))):
+                self.due.clear()
 
 
 def layout_of(api: MixtureAPI, mixture_id: int, url: str) -> ExpertLayout:

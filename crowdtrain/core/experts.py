@@ -63,7 +63,11 @@ class ExpertLayout(SpecSection):
         3, ge=2, le=100, description="heartbeats an expert's lease outlives: missed that many, it is leased anew"
     )
     checkpoint_every: int = Field(
-        50, ge=1, le=1_000_000, description="an expert's steps between the checkpoints its host uploads"
+        50,
+        ge=1,
+        le=1_000_000,
+        description="the most steps of an expert a host that vanishes can lose: the host uploads a checkpoint "
+        "every half of it, and a step beyond it past the last stored checkpoint waits for the upload",
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the experts' initial weights")
     in_flight: int = Field(8, ge=1, le=256, description="micro-batches a trainer keeps going through the model at once")

@@ -1,10 +1,13 @@
-"""An expert on its host: the same initial weights everywhere, and checkpoints that carry it to another host."""
+"""An expert on its host: the same initial weights everywhere, checkpoints that carry it to another host,
+and the snapshots that keep what a dying host loses within one checkpoint interval."""
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from crowdtrain.client.experts.expert import Expert
+from crowdtrain.client.experts.expert import Expert, ExpertFailed
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.tensors import decode, encode
 from crowdtrain.core.zoo_experts import build_expert
@@ -105,3 +108,77 @@ def test_a_checkpoint_of_another_expert_is_not_averaged_with() -> None:
     with pytest.raises(ValueError):
         b.average_with(encode(wrong))
     assert all(torch.equal(p, q) for p, q in zip(b.module.parameters(), before, strict=True))
+
+
+def call(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    x, g = np.random.default_rng(seed).normal(size=(2, 4, LAYOUT.dim)).astype(np.float32)
+    return x, g
+
+
+def test_a_kept_expert_snapshots_exactly_the_step_that_ends_each_half_interval() -> None:
+    kept, twin, notified = Expert(LAYOUT, "0.1.2"), Expert(LAYOUT, "0.1.2"), []
+    kept.keep_checkpoints(6, wait=5.0, notify=lambda: notified.append(kept.steps))
+    for i in range(3):
+        kept.backward(*call(i))
+        twin.backward(*call(i))
+    assert notified == [3]
+    step, checkpoint = kept.take_snapshot() or (0, b"")
+    assert step == 3 and kept.take_snapshot() is None  # handed over once
+    kept.stored(step)
+    kept.backward(*call(3))  # a step after the snapshot does not change it
+    restored = Expert(LAYOUT, "0.1.2")
+    restored.restore(checkpoint)
+    assert restored.steps == 3
+    x = call(9)[0]
+    np.testing.assert_array_equal(restored.forward(x), twin.forward(x))
+    assert restored.state()[1] == twin.state()[1]
+
+
+def test_a_step_beyond_the_interval_past_the_stored_checkpoint_is_refused_until_one_is_stored() -> None:
+    expert = Expert(LAYOUT, "0.1.2")
+    expert.keep_checkpoints(4, wait=0.05, notify=lambda: None)
+    for i in range(4):
+        expert.backward(*call(i))
+    snapshot = expert.take_snapshot()
+    assert snapshot is not None and snapshot[0] == 4 and expert.stored_step == 0
+    weights = [p.detach().clone() for p in expert.module.parameters()]
+    with pytest.raises(ExpertFailed, match="waits for the checkpoint of step 4"):
+        expert.backward(*call(4))
+    assert expert.steps == 4 and all(
+        torch.equal(p, w) for p, w in zip(expert.module.parameters(), weights, strict=True)
+    )
+    expert.stored(2)  # the checkpoint of step 2 stored: up to step 6 may go on, no further
+    expert.backward(*call(4))
+    expert.backward(*call(5))
+    with pytest.raises(ExpertFailed, match="step 7 waits"):
+        expert.backward(*call(6))
+    expert.stored(6)
+    expert.backward(*call(6))
+    assert expert.steps == 7
+
+
+def test_a_waiting_step_goes_on_as_soon_as_its_checkpoint_is_stored_and_forwards_are_not_held() -> None:
+    expert = Expert(LAYOUT, "0.1.2")
+    expert.keep_checkpoints(2, wait=60.0, notify=lambda: None)
+    expert.backward(*call(0))
+    expert.backward(*call(1))
+    done = threading.Event()
+    waiting = threading.Thread(target=lambda: (expert.backward(*call(2)), done.set()))
+    waiting.start()
+    assert not done.wait(0.2) and expert.steps == 2
+    expert.forward(call(3)[0])  # the waiting step does not hold the lock
+    expert.stored(2)
+    waiting.join(30)
+    assert done.is_set() and expert.steps == 3
+
+
+def test_a_restored_expert_counts_its_checkpoint_as_stored() -> None:
+    _, checkpoint = trained("0.1.2", 5).state()
+    expert = Expert(LAYOUT, "0.1.2")
+    expert.restore(checkpoint)
+    expert.keep_checkpoints(2, wait=0.05, notify=lambda: None)
+    expert.backward(*call(0))
+    expert.backward(*call(1))
+    assert expert.steps == 7 and expert.take_snapshot() is not None
+    with pytest.raises(ExpertFailed):
+        expert.backward(*call(2))
