@@ -5,7 +5,7 @@ Revises: 0012
 Create Date: 2026-11-29 11:00:00.000000
 
 Trainers report, per expert and host, the calls answered (and the rows they carried), failed, dropped
-late and refused (crowdtrain.server.ledger.experts.record_calls): the expert's counts, and the span of
+late and refused (crowdtrain.server.ledger.expert_calls.record_calls): the expert's counts, and the span of
 the reports that gave them, are the operator's request and failure rates; the host's credit and
 charges are kept on the host's row as for results.
 """

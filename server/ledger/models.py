@@ -250,7 +250,7 @@ class Expert(Base):
     checkpoint_key: Mapped[str | None] = mapped_column(String(500), nullable=True)
     checkpoint_step: Mapped[int] = mapped_column(Integer, default=0)
     checkpoint_at: Mapped[datetime | None] = mapped_column(nullable=True)
-    # What trainers reported of their calls to it (crowdtrain.server.ledger.experts.record_calls), and
+    # What trainers reported of their calls to it (crowdtrain.server.ledger.expert_calls.record_calls), and
     # the span of those reports: the operator's request rate and failure rates.
     calls_answered: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     calls_failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")

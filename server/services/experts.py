@@ -32,6 +32,7 @@ from crowdtrain.core.schemas_experts import (
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError, views
 from crowdtrain.core.validationspec import validation_of
+from crowdtrain.server.ledger import expert_calls
 from crowdtrain.server.ledger import experts as ledger
 
 log = logging.getLogger(__name__)
@@ -155,10 +156,10 @@ def routing(db: sessionmaker[Session], mixture_id: int, since: int) -> RoutingTa
 def record_calls(
     db: sessionmaker[Session], host_id: int, mixture_id: int, report: CallReport, now: float
 ) -> CallsRecorded:
-    """A trainer's report of its calls to the mixture's experts (crowdtrain.server.ledger.experts.record_calls):
+    """A trainer's report of its calls to the mixture's experts (crowdtrain.server.ledger.expert_calls.record_calls):
     the experts' counts, the hosts' credit for what they answered and charges for what was refused."""
-    counts = [ledger.CallCounts(**c.model_dump()) for c in report.experts]
-    counted, ignored = ledger.record_calls(
+    counts = [expert_calls.CallCounts(**c.model_dump()) for c in report.experts]
+    counted, ignored = expert_calls.record_calls(
         db, host_id, mixture_id, counts, report.seconds, _naive(now), validation_of({}).quarantine_after
     )
     refused = sum(c.refused for c in report.experts)
@@ -179,7 +180,7 @@ def expire_leases(db: sessionmaker[Session], now: float) -> int:
 
 
 def mixture_status(db: sessionmaker[Session], mixture_id: int) -> MixtureOut:
-    mixture, rows = ledger.mixture_experts(db, mixture_id)
+    mixture, rows = expert_calls.mixture_experts(db, mixture_id)
     return MixtureOut(
         mixture_id=mixture.id,
         name=mixture.name,

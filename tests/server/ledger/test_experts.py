@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core.experts import ExpertLayout
 from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.migrations import upgrade
-from crowdtrain.server.ledger import experts
+from crowdtrain.server.ledger import expert_calls, experts
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Host
 
@@ -127,7 +127,7 @@ def test_an_unknown_mixture_is_not_found(db) -> None:
 
 
 def calls(uid: str, url: str, answered: int = 0, rows: int = 0, refused: int = 0, failed: int = 0, late: int = 0):
-    return experts.CallCounts(uid, url, answered, rows, failed, late, refused)
+    return expert_calls.CallCounts(uid, url, answered, rows, failed, late, refused)
 
 
 def host_row(db, host_id: int) -> Host:
@@ -147,9 +147,9 @@ def test_a_trainers_report_counts_for_the_experts_current_hosts_only_and_credits
         calls("0.0.2", "http://b:1", answered=4, rows=256),  # host 2 reporting on itself: not counted
         calls("1.0.0", "http://a:1", answered=1, rows=1),  # no such expert
     ]
-    assert experts.record_calls(db, 2, mixture, report, 60.0, at(10), quarantine_after=5) == (1, 3)
-    assert experts.record_calls(db, 2, mixture, report[:1], 30.0, at(40), quarantine_after=5) == (1, 0)
-    _, rows = experts.mixture_experts(db, mixture)
+    assert expert_calls.record_calls(db, 2, mixture, report, 60.0, at(10), quarantine_after=5) == (1, 3)
+    assert expert_calls.record_calls(db, 2, mixture, report[:1], 30.0, at(40), quarantine_after=5) == (1, 0)
+    _, rows = expert_calls.mixture_experts(db, mixture)
     view = {r.uid: r for r in rows}
     assert (view["0.0.0"].answered, view["0.0.0"].failed, view["0.0.0"].late) == (20, 2, 4)
     assert view["0.0.0"].reported_seconds == 90.0  # from 60 s before the first report to the second
@@ -163,14 +163,14 @@ def test_refused_answers_charge_their_host_until_it_is_quarantined_and_its_exper
     mixture = experts.create_mixture(db, "m", LAYOUT)
     renew(db, 1, mixture, "http://a:1", 2, at(0), grant=True)  # 0.0.0, 0.0.1 to host 1
     version, _ = routes(db, mixture, 0)
-    experts.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=3)], 10.0, at(5), quarantine_after=5)
+    expert_calls.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=3)], 10.0, at(5), 5)
     charged = host_row(db, 1)
     assert (charged.results_failed, charged.consecutive_refused, charged.quarantined_until) == (3, 3, None)
     # Usable answers end the run of refusals; two more refused do not reach 5 in a row.
-    experts.record_calls(db, 2, mixture, [calls("0.0.1", "http://a:1", answered=4, rows=8)], 10.0, at(6), 5)
-    experts.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=2)], 10.0, at(7), 5)
+    expert_calls.record_calls(db, 2, mixture, [calls("0.0.1", "http://a:1", answered=4, rows=8)], 10.0, at(6), 5)
+    expert_calls.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=2)], 10.0, at(7), 5)
     assert host_row(db, 1).quarantined_until is None
-    experts.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=3)], 10.0, at(8), 5)
+    expert_calls.record_calls(db, 2, mixture, [calls("0.0.0", "http://a:1", refused=3)], 10.0, at(8), 5)
     quarantined = host_row(db, 1)
     assert quarantined.quarantined_until is not None and "answers refused" in quarantined.quarantine_reason
     # Its experts are freed at once: trainers stop calling it, and its next call leases it nothing.
