@@ -23,6 +23,7 @@ restores the newest checkpoint of any of them (`Lease.checkpoint_key`), and a se
 its weights with the newest of the others' (`Lease.peer_key`) at each of its own checkpoints.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -122,6 +123,10 @@ def renew_and_lease(
     with db.begin() as s:
         mixture = locked_mixture(s, mixture_id)
         layout = ExpertLayout.model_validate(mixture.layout)
+        host = s.get_one(Host, host_id)
+        if host.quarantined_until is not None and host.quarantined_until > now:  # it serves nothing
+            free_hosts_experts(s, mixture, host_id)
+            return Renewal(layout, [])
         until = now + timedelta(seconds=lease_seconds(layout))
         held = list(
             s.scalars(
@@ -130,10 +135,6 @@ def renew_and_lease(
                 .order_by(Expert.id)
             )
         )
-        host = s.get_one(Host, host_id)
-        if host.quarantined_until is not None and host.quarantined_until > now:  # it serves nothing
-            free_hosts_experts(s, mixture, host_id)
-            return Renewal(layout, [])
         for expert in held:
             expert.lease_expires_at = until
             if expert.url != url:  # the host moved: trainers follow
@@ -168,31 +169,22 @@ def renew_and_lease(
 def _leases(s: Session, mixture_id: int, held: list[Expert], until: datetime, replicas: int) -> list[Lease]:
     """The leases of the replicas `held`, each with the newest checkpoint of its expert's replicas and
     of its other replicas (one query for all of them; none with one replica per expert)."""
-    if replicas == 1:
-        return [
-            Lease(
-                e.uid,
-                e.replica,
-                until,
-                e.checkpoint_key,
-                e.checkpoint_step,
-                None,
-                0,
-                e.checkpoint_key,
-                e.checkpoint_step,
-            )
-            for e in held
+    if replicas == 1:  # the replica held is its expert's only one: its own checkpoint is the newest
+        rows: Sequence[tuple[str, int, int, str | None]] = [
+            (e.uid, e.replica, e.checkpoint_step, e.checkpoint_key) for e in held
         ]
-    if not held:
+    elif held:
+        rows = s.execute(
+            select(Expert.uid, Expert.replica, Expert.checkpoint_step, Expert.checkpoint_key).where(
+                Expert.mixture_id == mixture_id,
+                Expert.uid.in_({e.uid for e in held}),
+                Expert.checkpoint_key.is_not(None),
+            )
+        ).all()
+    else:
         return []
     checkpoints: dict[str, list[tuple[int, int, str]]] = {}  # uid -> (step, replica, key)
-    for uid, replica, step, key in s.execute(
-        select(Expert.uid, Expert.replica, Expert.checkpoint_step, Expert.checkpoint_key).where(
-            Expert.mixture_id == mixture_id,
-            Expert.uid.in_({e.uid for e in held}),
-            Expert.checkpoint_key.is_not(None),
-        )
-    ):
+    for uid, replica, step, key in rows:
         if key is not None:
             checkpoints.setdefault(uid, []).append((step, replica, key))
     leases = []
@@ -232,8 +224,9 @@ def expire_leases(db: sessionmaker[Session], now: datetime) -> int:
         return len(ended)
 
 
-def _leased_expert(s: Session, host_id: int, mixture_id: int, uid: str, now: datetime) -> Expert:
-    """The replica of expert `uid` that the host leases (it holds one replica of an expert at most)."""
+def _leased_expert(s: Session, host_id: int, mixture_id: int, uid: str, now: datetime) -> tuple[Expert, int]:
+    """The replica of expert `uid` that the host leases (it holds one replica of an expert at most), and
+    how many replicas the expert has."""
     replicas = s.scalars(
         select(Expert).where(Expert.mixture_id == mixture_id, Expert.uid == uid).order_by(Expert.replica)
     ).all()
@@ -241,7 +234,7 @@ def _leased_expert(s: Session, host_id: int, mixture_id: int, uid: str, now: dat
         raise NotFound(f"mixture {mixture_id} has no expert {uid[:40]!r}")
     for expert in replicas:
         if expert.host_id == host_id and expert.lease_expires_at is not None and expert.lease_expires_at > now:
-            return expert
+            return expert, len(replicas)
     raise Refusal(f"expert {uid} is not leased to this host", RefusalKind.forbidden)
 
 
@@ -249,10 +242,9 @@ def check_lease(db: sessionmaker[Session], host_id: int, mixture_id: int, uid: s
     """The host's lease of the expert (with the checkpoints of its replicas); NotFound for no such
     expert, forbidden when the host leases none of its replicas."""
     with db.begin() as s:
-        e = _leased_expert(s, host_id, mixture_id, uid, now)
+        e, replicas = _leased_expert(s, host_id, mixture_id, uid, now)
         assert e.lease_expires_at is not None
-        layout = ExpertLayout.model_validate(s.get_one(Mixture, mixture_id).layout)
-        return _leases(s, mixture_id, [e], e.lease_expires_at, layout.replicas)[0]
+        return _leases(s, mixture_id, [e], e.lease_expires_at, replicas)[0]
 
 
 def record_checkpoint(
@@ -262,7 +254,7 @@ def record_checkpoint(
     host leases; the key it replaces (for the caller to delete), if any. A checkpoint no newer than the
     one recorded is refused (conflict): a host restored from it has nothing newer to say."""
     with db.begin() as s:
-        expert = _leased_expert(s, host_id, mixture_id, uid, now)
+        expert, _ = _leased_expert(s, host_id, mixture_id, uid, now)
         if expert.checkpoint_key is not None and step <= expert.checkpoint_step:
             raise Refusal(
                 f"expert {uid} has a checkpoint of step {expert.checkpoint_step} already; {step} is not newer"
