@@ -136,6 +136,8 @@ def test_a_moe_job_reaches_its_target_through_a_hostile_host_and_a_killed_one(
     assert bad["credit"] == 0 and all(credit[f"host{i}"]["credit"] > 0 for i in range(2))
     # The killed host's experts moved to the living hosts, within the lease and a heartbeat or two.
     assert orphans and all(view[uid]["leases"] >= 2 for uid in orphans)
+    logs = "\n".join(service.tail(100_000) for service, _ in hosts[:2])
+    assert any(f"expert {uid}: restored from its checkpoint" in logs for uid in orphans), "none restored"
     lease = spec.experts.heartbeat_seconds * spec.experts.lease_heartbeats
     assert moved_after < lease + 10 * spec.experts.heartbeat_seconds, moved_after
     # The trunk was trained by the volunteer and merged: results of several workunits, each merged once.
