@@ -26,7 +26,10 @@ What it measures
 
     `accuracy_gap_vs_dense`: validation accuracy, in points, of a dense model with the same FLOPs per
     example (each layer a residual feed-forward block of width 4 x 64: the four experts an input
-    visits) minus the mixture's trained with 10% of calls lost, after the same `--examples` (goal <= 1).
+    visits) minus the mixture's trained with 10% of calls lost, after the same `--examples`, each of
+    them the mean over `--accuracy-seeds` runs (initial weights, the experts' too, and batch order
+    drawn from seeds 0, 1, ...: one run's gap varied by more than a point between days);
+    `accuracy_gap_by_seed` lists each run's (goal: the mean <= 1).
 
     `restore_s`: a real scheduler (Cluster: SQLite, private Redis) leases the experts to three hosts
     (heartbeat 1 s, a lease lasts 3), a trainer trains through them, one host is SIGKILLed: seconds
@@ -42,7 +45,7 @@ What it measures
 
 Run
     .venv/bin/python benchmarks/expert_parallel.py [--quick] [--seconds 20] [--examples 40000]
-        [--in-flight 8] [--simulated-hosts 1000]
+        [--accuracy-seeds 3] [--in-flight 8] [--simulated-hosts 1000]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures.
 """
@@ -104,10 +107,10 @@ def batches(x: np.ndarray, y: np.ndarray, seed: int) -> Iterator[tuple[np.ndarra
 class Hosts:
     """Three expert hosts with the experts named on their command line, the injected network given."""
 
-    def __init__(self, directory: Path, latency: float = 0.0, drop_rate: float = 0.0):
+    def __init__(self, directory: Path, latency: float = 0.0, drop_rate: float = 0.0, layout: ExpertLayout = LAYOUT):
         directory.mkdir(parents=True, exist_ok=True)
         layout_file = directory / "layout.json"
-        layout_file.write_text(json.dumps(LAYOUT.model_dump(mode="json")))
+        layout_file.write_text(json.dumps(layout.model_dump(mode="json")))
         uids = [uid for layer in range(LAYOUT.layers) for uid in LAYOUT.uids(layer)]
         self.routes: dict[str, str] = {}
         self.services: list[Service] = []
@@ -182,24 +185,25 @@ class Dense(nn.Module):
         return out
 
 
-def accuracies(directory: Path, examples: int, in_flight: int, drop_rate: float) -> tuple[float, float]:
-    """(mixture with `drop_rate` of calls lost, dense of equal FLOPs): validation accuracy after `examples`."""
+def accuracies(directory: Path, examples: int, in_flight: int, drop_rate: float, seed: int) -> tuple[float, float]:
+    """(mixture with `drop_rate` of calls lost, dense of equal FLOPs): validation accuracy after `examples`,
+    both from the initial weights and the batch order of `seed` (the experts' too: the layout's seed)."""
     data = cluster_arrays(1)
-    hosts = Hosts(directory, drop_rate=drop_rate)
+    hosts = Hosts(directory, drop_rate=drop_rate, layout=LAYOUT.model_copy(update={"seed": seed}))
     client = ExpertClient(LAYOUT, hosts.routes, max_concurrency=256)
     try:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
         trainer = PipelinedTrainer(model, torch.optim.Adam(model.parameters(), lr=3e-3), in_flight)
-        trainer.train(batches(data["x"], data["y"], 0), lambda: trainer.examples >= examples)
+        trainer.train(batches(data["x"], data["y"], seed), lambda: trainer.examples >= examples)
         moe = accuracy(model, data["x_val"], data["y_val"])
     finally:
         client.close()
         hosts.stop()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     dense = Dense()
     optimizer = torch.optim.Adam(dense.parameters(), lr=3e-3)
-    stream = batches(data["x"], data["y"], 0)
+    stream = batches(data["x"], data["y"], seed)
     for _ in range(-(-examples // BATCH)):
         x, y = next(stream)
         optimizer.zero_grad()
@@ -207,7 +211,10 @@ def accuracies(directory: Path, examples: int, in_flight: int, drop_rate: float)
         optimizer.step()
     with torch.no_grad():
         dense_accuracy = float((dense(torch.from_numpy(data["x_val"])).argmax(1).numpy() == data["y_val"]).mean())
-    say(f"accuracy after {examples} examples: mixture at {drop_rate:.0%} lost {moe:.3f}, dense {dense_accuracy:.3f}")
+    say(
+        f"accuracy after {examples} examples, seed {seed}: mixture at {drop_rate:.0%} lost {moe:.3f}, "
+        f"dense {dense_accuracy:.3f}"
+    )
     return moe, dense_accuracy
 
 
@@ -311,6 +318,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds measured per throughput figure")
     parser.add_argument("--examples", type=int, default=40_000, help="examples trained for the accuracy figures")
     parser.add_argument(
+        "--accuracy-seeds", type=int, default=3, help="accuracy runs (seeds 0..N-1), their mean compared"
+    )
+    parser.add_argument(
         "--in-flight", type=int, default=ExpertLayout().in_flight, help="micro-batches the trainer keeps going"
     )
     parser.add_argument(
@@ -340,7 +350,11 @@ def main() -> None:
         cleans.append(throughput(work / "clean2", args.seconds, args.in_flight))
         latency_clean, drop_clean = (cleans[0] + cleans[1]) / 2, (cleans[1] + cleans[2]) / 2
         by_latency[0], by_drop[0] = latency_clean, drop_clean
-        moe, dense = accuracies(work / "accuracy", args.examples, args.in_flight, drop_rate=0.1)
+        pairs = [
+            accuracies(work / f"accuracy{seed}", args.examples, args.in_flight, 0.1, seed)
+            for seed in range(args.accuracy_seeds)
+        ]
+        moe, dense = (float(np.mean(side)) for side in zip(*pairs, strict=True))
         cluster = Cluster(var_dir=work / "cluster", database_url=f"sqlite:///{work / 'cluster.db'}").start()
         try:
             out |= restore(cluster, args.in_flight)
@@ -361,6 +375,7 @@ def main() -> None:
         "accuracy_moe_10pct_drop": round(moe, 4),
         "accuracy_dense": round(dense, 4),
         "accuracy_gap_vs_dense": round(100 * (dense - moe), 2),
+        "accuracy_gap_by_seed": [round(100 * (d - m), 2) for m, d in pairs],
         "clean_runs": [round(c, 1) for c in cleans],
         "examples": args.examples,
         "simulated_hosts": args.simulated_hosts,
