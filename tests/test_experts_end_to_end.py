@@ -204,7 +204,8 @@ def test_replicated_experts_average_catch_a_host_that_makes_answers_up_and_outli
             with contextlib.suppress(Refused):
                 made_up.lease(mixture, made_up_url, MADE_UP_CAPACITY)
 
-    threading.Thread(target=beat, daemon=True).start()
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
     hosts = [cluster.start_expert_host(f"replica{i}", mixture, 16) for i in range(2)]
     api = MixtureAPI(cluster.url)
     api.register(cluster.join_token, "trainer")
@@ -241,7 +242,11 @@ def test_replicated_experts_average_catch_a_host_that_makes_answers_up_and_outli
             steps(10)
             if set().union(*replicas().values()) == honest and sum(map(len, replicas().values())) == 8:
                 break
-        assert set().union(*replicas().values()) == honest, replicas()
+        if set().union(*replicas().values()) != honest:
+            with cluster.admin() as admin:
+                standing = {h["name"]: h["quarantine_reason"] for h in admin.get("/v1/admin/hosts").json()}
+            logs = [service.tail(40) for service, _ in hosts]
+            pytest.fail(f"routes {replicas()}, hosts {hosts}, quarantined {standing}, logs {logs}")
         steps(40)
         report()
         wait_for(
@@ -269,6 +274,7 @@ def test_replicated_experts_average_catch_a_host_that_makes_answers_up_and_outli
         assert model.dropped_rows == dropped, "an expert went unserved"
     finally:
         stop.set()
+        beating.join(60)  # its call in flight ends before its connection closes
         client.close()
         api.close()
         made_up.close()
