@@ -14,9 +14,10 @@ answered forward; one that fails then contributes no input gradient.
 An expert with replicas (the layout's `replicas`) is called at one of them in turn; backward goes to
 the replica that answered forward. Every `compare_every`-th forward call to such an expert also goes
 to another replica, and the two answers are compared (crowdtrain.core.experts.disagree). A
-disagreement is blamed on the one of the two hosts whose compared answers agreed less often over all
-the trainer compared (a tie waits for more evidence), and the blamed count goes into the trainer's
-reports, which charge the host.
+disagreement is blamed on one of its two hosts only when that host is a suspect (`suspects`: it agreed
+with fewer than half the answers of hosts that are not suspects themselves) and the other is not; two
+honest replicas that drifted apart between their averagings blame nobody. The blamed count goes into
+the trainer's reports, which charge the host.
 """
 
 import threading
@@ -48,6 +49,28 @@ class AnswerRefused(ExpertCallFailed):
     NaN): the host's fault, reported as refused (crowdtrain.core.schemas_experts.ExpertCalls)."""
 
 
+def suspects(record: Mapping[tuple[str, str], Counter[str]]) -> set[str]:
+    """The hosts whose answers are not trusted, from compared answers (`record`: (host, partner) -> counts
+    of `agreed` and `disagreed`, kept both ways). The hosts that agreed least often with hosts not yet
+    suspected are suspected when that is less than half the time, and the shares are counted again
+    without them, until no host is below half. A host that makes its answers up disagrees with everyone;
+    an honest host it was compared with is judged by its other partners alone. Two hosts that only ever
+    disagreed with each other are both suspected, so neither is blamed for it (_blame)."""
+    suspected: set[str] = set()
+    while True:
+        agreed: Counter[str] = Counter()
+        compared: Counter[str] = Counter()
+        for (host, partner), counts in record.items():
+            if host not in suspected and partner not in suspected:
+                agreed[host] += counts["agreed"]
+                compared[host] += counts["agreed"] + counts["disagreed"]
+        share = {host: agreed[host] / n for host, n in compared.items() if n}
+        lowest = min(share.values(), default=1.0)
+        if lowest >= 0.5:
+            return suspected
+        suspected |= {host for host, s in share.items() if s == lowest}
+
+
 class ExpertClient:
     """Calls to the experts of a routing table (expert id -> its replicas' hosts' base URLs; `routes`
     gives the hosts of replica 0), run concurrently. It counts what they came to per expert and host
@@ -58,9 +81,9 @@ class ExpertClient:
         self.layout = layout
         self.replicas: dict[str, dict[int, str]] = {uid: {0: url} for uid, url in routes.items()}
         self._turns: Counter[str] = Counter()  # forward calls to each expert so far
-        # Each host's compared answers that agreed and disagreed, over this trainer's life, and the
-        # disagreements not yet blamed on one of their two hosts: (expert, host, host).
-        self._record: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        # Each pair of hosts' compared answers that agreed and disagreed, over this trainer's life, kept
+        # under (host, partner) both ways, and the disagreements not yet blamed: (expert, host, host).
+        self._record: defaultdict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         self._disputes: deque[tuple[str, str, str]] = deque(maxlen=MAX_DISPUTES)
         self.figures: Counter[str] = Counter()
         self._calls: dict[tuple[str, str], Counter[str]] = {}
@@ -130,27 +153,23 @@ class ExpertClient:
         verdict = "disagreed" if disagree(a, b, self.layout.compare_tolerance) else "agreed"
         with self._lock:
             self.figures[f"compared_{verdict}"] += 1
-            for host in (url, other):
+            for host, partner in ((url, other), (other, url)):
                 self._calls.setdefault((uid, host), Counter())["compared"] += 1
-                self._record[host][verdict] += 1
+                self._record[(host, partner)][verdict] += 1
             if verdict == "disagreed":
                 self._disputes.append((uid, url, other))
 
     def _blame(self) -> None:
-        """Settle the disputes that can be: the host whose compared answers agreed less often, over all
-        this trainer compared, is blamed for a disagreement (`disagreed` in its report). A tie (two hosts
-        that never agreed with anyone, say) stays open until one of them agrees with a third."""
-
-        def share(host: str) -> float:
-            record = self._record[host]
-            return record["agreed"] / (record["agreed"] + record["disagreed"])
-
+        """Settle the disputes that can be: a disagreement between a suspect and a host that is not one is
+        the suspect's (`disagreed` in its report). One between two hosts that are not suspects (replicas
+        that drifted apart, or two hosts nobody else has compared yet) stays open until one of them is."""
+        suspected = suspects(self._record)
         still: deque[tuple[str, str, str]] = deque(maxlen=MAX_DISPUTES)
         for uid, a, b in self._disputes:
-            if share(a) == share(b):
+            if (a in suspected) == (b in suspected):
                 still.append((uid, a, b))
             else:
-                blamed = a if share(a) < share(b) else b
+                blamed = a if a in suspected else b
                 self._calls.setdefault((uid, blamed), Counter())["disagreed"] += 1
         self._disputes = still
 

@@ -3,12 +3,13 @@ to (crowdtrain.client.experts.mixture.ExpertClient.take_calls): the figures its 
 scheduler, which charges refused answers to the host and credits answered rows."""
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
-from crowdtrain.client.experts.mixture import ExpertCallFailed, ExpertClient
+from crowdtrain.client.experts.mixture import ExpertCallFailed, ExpertClient, suspects
 from crowdtrain.core.experts import FORWARD_ARGS, ExpertLayout, encode_call, read_call
 from tests.stub_http import Handle, stub_server
 
@@ -76,7 +77,7 @@ def answering(y: Callable[[np.ndarray], np.ndarray]) -> Handle:
     return handle
 
 
-def test_replicas_are_called_in_turn_a_sample_is_compared_and_a_disagreement_blamed_on_the_worse_record() -> None:
+def test_replicas_are_called_in_turn_a_sample_is_compared_and_a_disagreement_blamed_on_the_suspect() -> None:
     layout = LAYOUT.model_copy(update={"replicas": 2, "compare_every": 2, "compare_tolerance": 0.5})
     with (
         stub_server(answering(lambda x: x + 1)) as honest,
@@ -121,6 +122,48 @@ def test_a_disagreement_between_two_hosts_with_the_same_record_waits_for_more_ev
         client.close()
     blamed = {c.url: c.disagreed for c in client.take_calls()}
     assert blamed == {one: 0, two: 1, three: 0}
+
+
+def test_an_honest_host_compared_mostly_with_a_made_up_one_is_not_blamed_for_drifting_from_its_honest_partner() -> None:
+    """Host `a` shares one expert with a host that makes its answers up and another with an honest host
+    `b` whose replica drifted: they agree on one call and not on the next. Counted over all its
+    comparisons, `a` agreed least after the made-up host; judged without the made-up host, `a` and `b`
+    agree as often as each other, so the drift is nobody's fault and only the made-up host is charged."""
+    layout = LAYOUT.model_copy(update={"replicas": 2, "compare_every": 1})
+    drifted = iter([1.0, 4.0] * 10)  # b's offsets call by call: agreeing with a's x + 1, then far off
+    with (
+        stub_server(answering(lambda x: x + 1)) as a,
+        stub_server(answering(lambda x: x + next(drifted))) as b,
+        stub_server(answering(lambda x: np.full_like(x, -5.0))) as made_up,
+    ):
+        client = ExpertClient(layout, {})
+        client.set_routes({("0.0.0", 0): a, ("0.0.0", 1): made_up, ("0.0.1", 0): a, ("0.0.1", 1): b})
+        x = np.zeros((ROWS, layout.dim), np.float32)
+        for _ in range(4):
+            client.submit("0.0.0", "forward", url=a, x=x).result(timeout=30)
+        for _ in range(2):
+            client.submit("0.0.1", "forward", url=a, x=x).result(timeout=30)
+        wait_compared(client, 6)
+        client.close()
+    assert client.figures["compared_disagreed"] == 5
+    blamed = {(c.uid, c.url): c.disagreed for c in client.take_calls()}
+    assert blamed == {("0.0.0", a): 0, ("0.0.0", made_up): 4, ("0.0.1", a): 0, ("0.0.1", b): 0}
+
+
+def test_suspects_are_the_hosts_that_disagree_most_with_those_not_suspected_counted_again_without_them() -> None:
+    def record(*pairs: tuple[str, str, int, int]) -> dict[tuple[str, str], Counter[str]]:
+        out: dict[tuple[str, str], Counter[str]] = {}
+        for host, partner, agreed, disagreed in pairs:
+            for key in ((host, partner), (partner, host)):
+                out[key] = Counter(agreed=agreed, disagreed=disagreed)
+        return out
+
+    # Two hosts that make answers up, each compared with honest hosts that agree among themselves.
+    liars = record(("m1", "a", 0, 9), ("m1", "b", 0, 3), ("m2", "a", 0, 2), ("a", "b", 5, 1), ("b", "c", 4, 0))
+    assert suspects(liars) == {"m1", "m2"}
+    assert suspects(record(("a", "b", 0, 3))) == {"a", "b"}, "two hosts alone: both, so neither is blamed"
+    assert suspects(record(("a", "b", 3, 3), ("b", "c", 2, 2))) == set(), "agreeing half the time is no proof"
+    assert suspects({}) == set()
 
 
 def wait_compared(client: ExpertClient, n: int) -> None:
