@@ -25,6 +25,7 @@ from crowdtrain.core.schemas_experts import CallReport
 from crowdtrain.core.zoo_experts import MixtureTrunk
 from crowdtrain.launch.cluster import wait_for
 from tests.benchmark_modules import load_benchmark
+from tests.client.experts.trunk import trunk_alone
 from tests.stub_http import OK, stub_server
 
 pytestmark = pytest.mark.integration
@@ -53,26 +54,14 @@ def clusters(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return arrays["x"], arrays["y"]
 
 
-def train(model: MixtureClassifier, steps: int) -> float:
-    """`steps` steps of the trainer's loop; the validation accuracy after them."""
-    x_train, y_train = clusters(6000, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    rng = np.random.default_rng(0)
-    for _ in range(steps):
-        batch = rng.integers(0, len(x_train), 64)
-        train_step(model, optimizer, x_train[batch], y_train[batch])
-    return accuracy(model, *clusters(1000, 2))
-
-
 def test_the_dense_trunk_alone_stays_below_the_target() -> None:
     """The same model with no expert to call (every mixture layer passes its input on): what the
     experts add is what the test below needs to reach its target."""
-    client = ExpertClient(LAYOUT, {})
-    torch.manual_seed(0)
-    model = MixtureClassifier(MixtureTrunk([8], 10, LAYOUT.model_dump()), client)
-    assert train(model, MAX_STEPS) < TARGET - 0.1
-    assert model.dropped_rows > 0
-    client.close()
+    reached, dropped = trunk_alone(
+        LAYOUT, [8], 10, clusters(6000, 1), clusters(1000, 2), steps=MAX_STEPS, batch=64, lr=3e-3
+    )
+    assert reached < TARGET - 0.1
+    assert dropped > 0
 
 
 def test_a_moe_model_trains_to_its_target_while_a_killed_hosts_experts_are_restored_elsewhere(

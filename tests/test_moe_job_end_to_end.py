@@ -18,18 +18,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import torch
 
 from crowdtrain.client.experts.leasing import MixtureAPI
-from crowdtrain.client.experts.mixture import ExpertClient
-from crowdtrain.client.experts.trainer import MixtureClassifier, accuracy, train_step
 from crowdtrain.client.server_http import Refused
 from crowdtrain.core.experts import FORWARD_ARGS, encode_call, read_call
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import decode
-from crowdtrain.core.zoo_experts import MixtureTrunk
 from crowdtrain.launch.cluster import wait_for
 from crowdtrain.workgen.datasets import load_dataset
+from tests.client.experts.trunk import trunk_alone
 from tests.conftest import ROOT
 from tests.stub_http import OK, stub_server
 from tests.test_training_end_to_end import job_status, wait_finished
@@ -46,17 +43,18 @@ def test_the_trunk_alone_stays_below_the_example_target() -> None:
     spec = load_job_spec(SPEC)
     assert spec.experts is not None
     data = load_dataset(spec.dataset.source)
-    torch.manual_seed(0)
-    client = ExpertClient(spec.experts, {})
-    model = MixtureClassifier(MixtureTrunk(data.input_shape, data.num_classes, spec.experts.model_dump()), client)
-    optimizer = torch.optim.Adam(model.parameters(), lr=spec.training.lr)
-    rng = np.random.default_rng(0)
-    for _ in range(4000):
-        batch = rng.integers(0, len(data.x), spec.training.batch_size)
-        train_step(model, optimizer, data.x[batch], data.y[batch])
-    assert accuracy(model, data.x_val, data.y_val) < spec.stop.target_accuracy - 0.08
-    assert model.dropped_rows > 0
-    client.close()
+    reached, dropped = trunk_alone(
+        spec.experts,
+        data.input_shape,
+        data.num_classes,
+        (data.x, data.y),
+        (data.x_val, data.y_val),
+        steps=4000,
+        batch=spec.training.batch_size,
+        lr=spec.training.lr,
+    )
+    assert reached < spec.stop.target_accuracy - 0.08
+    assert dropped > 0
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from crowdtrain.core.schemas_experts import (
 
 log = logging.getLogger(__name__)
 STOP_CHECK_SECONDS = 0.5  # how often, between heartbeats and snapshots, the keeper looks at its stop event
+RETRY_SECONDS = 0.1  # the pause before a failed checkpoint upload is tried again
 
 
 class MixtureAPI:
@@ -89,7 +90,6 @@ class LeaseKeeper:
     mixture_id: int
     url: str
     capacity: int
-    checkpointed: dict[str, int] = field(default_factory=dict)  # expert -> its step at the last upload
     unstored: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # expert -> a snapshot to upload again
     due: threading.Event = field(default_factory=threading.Event)  # set by an expert's new snapshot
     peers: dict[str, int] = field(default_factory=dict)  # expert -> its other replicas' newest checkpoint step
@@ -102,7 +102,7 @@ class LeaseKeeper:
         for uid in set(self.host.served) - set(listed):
             log.warning("expert %s: its lease ended (it is served elsewhere now); dropped", uid)
             self.host.remove(uid)
-            for seen in (self.checkpointed, self.peers, self.averaged, self.unstored):
+            for seen in (self.peers, self.averaged, self.unstored):
                 seen.pop(uid, None)
         for uid, lease in listed.items():
             self.peers[uid] = lease.peer_step
@@ -122,7 +122,6 @@ class LeaseKeeper:
             except (Refused, ValueError) as exc:
                 log.warning("expert %s: its checkpoint cannot be restored (%s); starting it afresh", uid, exc)
                 expert = Expert(self.host.layout, uid)
-        self.checkpointed[uid] = expert.steps
         layout = self.host.layout
         expert.keep_checkpoints(layout.checkpoint_every, layout.backward_timeout, self.due.set)
         return expert
@@ -144,7 +143,6 @@ class LeaseKeeper:
                 continue
             del self.unstored[uid]
             served.expert.stored(step)
-            self.checkpointed[uid] = step
             if self.peers.get(uid, 0) > self.averaged.get(uid, 0):
                 self._average(uid, served.expert)
 
@@ -174,7 +172,7 @@ class LeaseKeeper:
             except Exception as exc:
                 log.warning("expert host: %s failed (%s); trying again", type(exc).__name__, exc)
             if self.unstored:
-                stop.wait(STOP_CHECK_SECONDS / 5)  # an upload failed: try again soon, not at once
+                stop.wait(RETRY_SECONDS)  # an upload failed: try again soon, not at once
             if self.due.wait(max(0.0, min(STOP_CHECK_SECONDS, next_beat - time.monotonic()))):
                 self.due.clear()
 
