@@ -10,7 +10,7 @@ What it measures
     Three expert hosts (`crowdtrain expert-host` processes) serve a third of the experts each.
 
     `samples_per_s`: examples the trainer trains per second (forward, backward, both layers' expert
-    calls and the trunk's step), keeping `--in-flight` micro-batches of 64 going at once (8, the
+    calls and the trunk's step), keeping `--in-flight` micro-batches of 64 going at once (12, the
     layout's default `in_flight`: more hides more latency, and each micro-batch's trunk step is stale
     by up to that many steps less one, which costs accuracy at equal examples)
     (PipelinedTrainer), measured over `--seconds` after a warm-up. Latency is injected at the hosts

@@ -70,7 +70,9 @@ class ExpertLayout(SpecSection):
         "every half of it, and a step beyond it past the last stored checkpoint waits for the upload",
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the experts' initial weights")
-    in_flight: int = Field(8, ge=1, le=256, description="micro-batches a trainer keeps going through the model at once")
+    in_flight: int = Field(
+        12, ge=1, le=256, description="micro-batches a trainer keeps going through the model at once"
+    )
     replicas: int = Field(
         1,
         ge=1,
