@@ -9,6 +9,7 @@ from typing import Any
 from crowdtrain.assimilator.inputs import validation_set
 from crowdtrain.assimilator.merge_services import TRANSIENT, JobBroken, MergeServices
 from crowdtrain.assimilator.policy import Policy
+from crowdtrain.core import rounds
 from crowdtrain.core.keys import snapshot_key
 from crowdtrain.core.logs import ids
 from crowdtrain.core.tensors import sha256
@@ -28,13 +29,12 @@ def record_merged(svc: MergeServices, merged: Sequence[tuple[merges.PendingMerge
     if not merged:
         return
     last = merged[-1][0]
-    sched = last.spec["scheduling"]
     # One the ledger shows merged had its turn to be measured before it was marked merged.
     unrecorded = [(p, version) for p, version in merged if not p.already_merged]
-    if any(version % sched["eval_every"] == 0 for _, version in unrecorded):
+    if any(rounds.evaluation_due(last.spec, version) for _, version in unrecorded):
         _record_metrics(svc, list({p.epoch: p for p, _ in unrecorded}.values()))
         _stop_if_diverged(svc, last)
-    _publish_snapshot_if_due(svc, last.job_id, sched, max(version for _, version in merged))
+    _publish_snapshot_if_due(svc, last.job_id, last.spec, max(version for _, version in merged))
     superseded = merges.record_merges(svc.db, [(p.assignment_id, version) for p, version in merged])
     for key in [*(p.upload_key for p, _ in merged), *superseded]:
         svc.storage.delete(key)
@@ -85,13 +85,12 @@ def _stop_if_diverged(svc: MergeServices, p: merges.PendingMerge) -> None:
         log.warning("job %s failed: %s", p.job_id, message, extra=ids(job_id=p.job_id))
 
 
-def _publish_snapshot_if_due(svc: MergeServices, job_id: int, sched: dict[str, Any], version: int) -> None:
-    """Publish W_s for dispatch at most once per `snapshot_every_merges` merges or seconds."""
+def _publish_snapshot_if_due(svc: MergeServices, job_id: int, spec: dict[str, Any], version: int) -> None:
+    """Publish W_s for dispatch at most once per `snapshot_every_merges` merges or seconds, or at each
+    round's end (crowdtrain.core.rounds.snapshot_due). Before the merges are recorded: a job in rounds
+    opens its next round when they are, with this snapshot."""
     last_v, age = merges.last_snapshot(svc.db, job_id)
-    due = version - last_v >= sched["snapshot_every_merges"] or (
-        age is not None and age >= sched["snapshot_every_seconds"]
-    )
-    if version <= last_v or not due:
+    if not rounds.snapshot_due(spec, version, last_v, age):
         return
     current, blob = store.read_blob(svc.r, job_id)
     key = snapshot_key(job_id, current)

@@ -207,7 +207,7 @@ def _job_figures(cluster: Cluster, job_id: int, target: float) -> dict:
 
 def run_real(cluster: Cluster, task: Task, rule: str, slots: int, seed: int, base: dict, args) -> dict:
     """One job through the real system with `slots` task slots; its row of figures."""
-    spec = job_spec(task, rule, seed, epoch_budget(task, args), args.stop_at_target, args.snapshot_binding)
+    spec = job_spec(task, rule, seed, epoch_budget(task, args), args.stop_at_target, args.snapshot_binding, slots)
     row = {"task": task.name, "rule": rule, "mode": "real", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:
@@ -271,7 +271,7 @@ def run_simulated(task: Task, rule: str, slots: int, seed: int, base: dict, args
     """One simulated job at `slots` slots (with `timing`, see `simulate`); its row of figures, the
     wall-time speedup over one process (`one_process_seconds` of the baseline's examples to target)
     among them."""
-    spec = job_spec(task, rule, seed, epoch_budget(task, args), args.stop_at_target, args.snapshot_binding)
+    spec = job_spec(task, rule, seed, epoch_budget(task, args), args.stop_at_target, args.snapshot_binding, slots)
     row = {"task": task.name, "rule": rule, "mode": "sim", "slots": slots, "seed": seed}
     reason = unsupported_reason(spec)
     if reason:

@@ -26,6 +26,7 @@ DEFAULT_RULE = "default"
 # Named assimilation sections (fields of crowdtrain.core.jobspec.AssimilationSpec). `default` is filled
 # in from EXAMPLE_SPEC. Add a configuration here and it is benchmarked; one the code does not
 # know yet is reported "unsupported".
+ROUND_SIZE = "slots"  # a rule configuration's buffer_size that asks for rounds of the run's slot count
 RULE_CONFIGS: dict[str, dict] = {
     "default": {},
     "vc-asgd": {"rule": "vc-asgd", "schedule": "constant", "alpha": 0.6},
@@ -76,7 +77,20 @@ RULE_CONFIGS: dict[str, dict] = {
     "fedbuff-8-sqrt": {"rule": "fedbuff", "buffer_size": 8, "combiner": "mean", "server_lr": 2.83},
     "delta-bf16": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "bfloat16"}},
     "delta-int8": {"rule": "delta", "server_lr": 0.2, "upload": {"send": "delta", "dtype": "int8"}},
+    # Semi-synchronous rounds (scheduling.rounds, crowdtrain.core.rounds): one round per `slots` results
+    # that all start from one W_s, their mean applied by DiLoCo's outer Nesterov (Douillard et al. 2023:
+    # learning rate 0.7, momentum 0.9). ROUND_SIZE is replaced by the run's slot count.
+    "rounds": {
+        "rule": "fedbuff",
+        "buffer_size": ROUND_SIZE,
+        "combiner": "mean",
+        "outer_optimizer": "nesterov",
+        "server_lr": 0.7,
+        "outer_momentum": 0.9,
+    },
 }
+# The same rounds with other outer learning rates (docs/benchmarks.md, "Semi-synchronous rounds").
+RULE_CONFIGS |= {f"rounds-{lr}": RULE_CONFIGS["rounds"] | {"server_lr": lr} for lr in (0.2, 0.35, 0.5, 1.4, 2.8)}
 
 
 @dataclass(frozen=True)
@@ -203,18 +217,29 @@ def epoch_budget(task: Task, args) -> int:
 
 
 def job_spec(
-    task: Task, rule: str, seed: int, max_epochs: int, stop_at_target: bool, snapshot_binding: str | None = None
+    task: Task,
+    rule: str,
+    seed: int,
+    max_epochs: int,
+    stop_at_target: bool,
+    snapshot_binding: str | None = None,
+    slots: int = 1,
 ) -> dict:
     """The job to submit: the task's spec with the rule's assimilation section and this run's stop rule,
-    and `snapshot_binding` (scheduling.snapshot_binding) when given, else the task's."""
+    and `snapshot_binding` (scheduling.snapshot_binding) when given, else the task's. A rule in rounds
+    (buffer_size ROUND_SIZE) gets rounds of `slots` results."""
     target = task.target if stop_at_target else 1.0  # 1.0: run the whole budget, the target is read here
-    scheduling = task.spec.get("scheduling", {})
+    scheduling = task.spec.get("scheduling", {}) | ({"snapshot_binding": snapshot_binding} if snapshot_binding else {})
+    assimilation = assimilation_for(rule)
+    if assimilation.get("buffer_size") == ROUND_SIZE:
+        assimilation = assimilation | {"buffer_size": slots}
+        scheduling = scheduling | {"rounds": True}
     return task.spec | {
         "name": f"efficiency-{task.name}-{rule}-s{seed}",
         "seed": seed,
-        "assimilation": assimilation_for(rule),
+        "assimilation": assimilation,
         "stop": {"target_accuracy": target, "max_epochs": max_epochs},
-        "scheduling": scheduling | ({"snapshot_binding": snapshot_binding} if snapshot_binding else {}),
+        "scheduling": scheduling,
     }
 
 

@@ -272,6 +272,16 @@ def test_a_rule_the_code_does_not_know_is_unsupported_not_a_crash():
         tasks.assimilation_for("no-such-configuration")
 
 
+def test_a_rule_in_rounds_gets_rounds_of_the_runs_slots():
+    task = tasks.Task("mnist1d", tasks.example_spec(), 0.9, budget_passes=1)
+    for rule in ("rounds", "rounds-0.35"):
+        spec = tasks.job_spec(task, rule, 0, 5, False, slots=64)
+        assert (spec["assimilation"]["buffer_size"], spec["scheduling"]["rounds"]) == (64, True)
+        assert tasks.unsupported_reason(spec) is None
+    plain = tasks.job_spec(task, "fedbuff", 0, 5, False, slots=64)
+    assert (plain["assimilation"]["buffer_size"], plain["scheduling"]["rounds"]) == (2, False)
+
+
 def test_default_rule_is_the_example_jobs_assimilation():
     assert tasks.assimilation_for(tasks.DEFAULT_RULE) == tasks.example_spec()["assimilation"]
 

@@ -1,6 +1,7 @@
 """Every merge rule trains the example job to its target through the real system (scheduler, Redis,
 Celery parameter servers, transitioner, client processes), one job after another on one cluster, and
-the rule's state in Redis shows exactly one optimizer step per merged result.
+the rule's state in Redis shows exactly one optimizer step per merged result (per buffer). The job in
+semi-synchronous rounds merges each result within the round it was dispatched in.
 
 The `delta` job also binds its snapshots when a slot starts the work (scheduling.snapshot_binding)
 and sends updates, not weights: a prefetched assignment trains from a newer snapshot than it was
@@ -9,8 +10,12 @@ would not reach its target)."""
 
 import pytest
 import redis
+from sqlalchemy import select
 
 from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.ledger.db import session_factory
+from crowdtrain.server.ledger.models import Assignment
 from crowdtrain.server.paramstore import store
 from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import assert_exact_accounting, wait_finished
@@ -28,6 +33,14 @@ RULES = {
         "server_lr": 0.2,
         "outer_momentum": 0.5,
     },
+    # Semi-synchronous rounds of the 4 slots (scheduling.rounds), DiLoCo's outer Nesterov.
+    "rounds": {
+        "rule": "fedbuff",
+        "buffer_size": 4,
+        "outer_optimizer": "nesterov",
+        "server_lr": 0.7,
+        "outer_momentum": 0.9,
+    },
     "delta-adam": {
         "rule": "delta",
         "outer_optimizer": "adam",
@@ -40,6 +53,7 @@ RULES = {
 
 
 LATE_BINDING = "delta"
+ROUNDS = "rounds"
 
 
 def _spec(name: str, assimilation: dict) -> dict:
@@ -50,6 +64,7 @@ def _spec(name: str, assimilation: dict) -> dict:
     if name == LATE_BINDING:
         spec.scheduling.snapshot_binding = "start"
         spec.assimilation.upload.send = "delta"
+    spec.scheduling.rounds = name == ROUNDS
     return spec.model_dump(mode="json")
 
 
@@ -76,7 +91,22 @@ def test_every_merge_rule_trains_mnist1d_to_its_target(make_cluster, sqlite_url)
     for name, job_id in jobs.items():
         assert_exact_accounting(cluster, job_id)  # stops the clients first, then waits for every merge
         _assert_one_step_per_merge(r, job_id, RULES[name])
+    _assert_each_round_started_from_one_snapshot(cluster, jobs[ROUNDS], RULES[ROUNDS]["buffer_size"])
     logs = "\n".join(c.log_path.read_text(errors="replace") for c in clients)
     assert "(dispatched with v" in logs, (
         "no prefetched assignment of the late-binding job trained from a newer snapshot"
     )
+
+
+def _assert_each_round_started_from_one_snapshot(cluster, job_id: int, size: int) -> None:
+    """Every merged result of the job in rounds trained from the snapshot a round ended with, and was
+    merged within that round: base a multiple of `size`, merged version at most `size` above it."""
+    db = session_factory(cluster.database_url or f"sqlite:///{cluster.var_dir / 'crowdtrain.db'}")
+    with db.begin() as s:
+        merged = s.execute(
+            select(Assignment.base_version, Assignment.merged_version).where(
+                Assignment.job_id == job_id, Assignment.status == AssignmentStatus.merged.value
+            )
+        ).all()
+    assert merged
+    assert all(base % size == 0 and base < version <= base + size for base, version in merged), merged

@@ -235,6 +235,13 @@ class SchedulingSpec(SpecSection):
         "(start) the newest when the host's compute slot starts it; a prefetched assignment then does not age "
         "while it waits for a slot. Replicated work always keeps its dispatched snapshot",
     )
+    rounds: bool = Field(
+        False,
+        description="Semi-synchronous rounds (rule fedbuff): every workunit of a round trains from the same W_s; "
+        "dispatch opens at most assimilation.buffer_size of them (prefetched ones included) and the next round "
+        "only once the buffer's outer step has made and published the new W_s. Snapshots are published and W_s "
+        "evaluated (every eval_every rounds) at the rounds' ends. Replaces max_in_flight",
+    )
 
 
 def scheduling_of(spec: dict[str, Any]) -> SchedulingSpec:
@@ -280,6 +287,15 @@ class JobSpec(SpecSection):
                 raise ValueError("mode 'dedloc' peers train with PyTorch: use framework 'pytorch'")
         elif self.dedloc is not None:
             raise ValueError(f"a 'dedloc' section is only allowed with mode 'dedloc', not {self.mode!r}")
+        if self.scheduling.rounds and self.assimilation.rule != "fedbuff":
+            raise ValueError(
+                "scheduling.rounds needs assimilation.rule 'fedbuff' (a round is its buffer: buffer_size results "
+                f"combined in one outer step), not {self.assimilation.rule!r}"
+            )
+        if self.scheduling.rounds and self.scheduling.max_in_flight is not None:
+            raise ValueError(
+                "scheduling.rounds sets the in-flight budget (assimilation.buffer_size): drop max_in_flight"
+            )
         if self.mode != DEDLOC and self.stop.max_steps is not None:
             raise ValueError(f"stop.max_steps applies to mode 'dedloc'; {self.mode} stops at stop.max_epochs")
         return self

@@ -50,6 +50,7 @@ import numpy as np
 from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.rules import make_rule, make_update, reads_validation
 from crowdtrain.assimilator.rules.update import params_norm
+from crowdtrain.core import rounds
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
 from crowdtrain.server.paramstore.steps import NORMS_KEPT
@@ -155,7 +156,7 @@ class SimJob:
     def budget(self, host: int) -> int | None:
         """The job's in-flight budget as `host` asks (backpressure.in_flight_budget); None without one."""
         rate, turnaround = (self.pace.merge_rate, self.pace.turnaround_seconds) if self.pace else (None, None)
-        return in_flight_budget(self.budget_terms, rate, turnaround, self._holders(host))
+        return in_flight_budget(self.budget_terms, rate, turnaround, self._holders(host), self.version)
 
     def _holders(self, host: int) -> int:  # the hosts holding unmerged work, and `host`
         return len({a.host for a in self.in_flight()} | {host})
@@ -170,6 +171,9 @@ class SimJob:
         """Whether dispatch holds back from `host`: its job has as many in flight as its budget allows."""
         if not self.backpressure:
             return False
+        size = self.budget_terms.round_size
+        if size is not None and self.version % size == 0 and self.snapshot_version < self.version:
+            return True  # a round ended: the next opens once its snapshot is published (record_merged's order)
         budget = self.budget(host)
         return budget is not None and len(self.in_flight()) >= budget
 
@@ -251,7 +255,7 @@ class SimJob:
     def evaluation_due(self) -> bool:
         """Whether the merge that made W_s's version is evaluated (`_record`: every `eval_every` merges);
         in the compute-free mode too, where the evaluation takes its time and records nothing."""
-        return self.version % self.spec["scheduling"]["eval_every"] == 0
+        return rounds.evaluation_due(self.spec, self.version)
 
     def measure(self, a: Assignment, now: float) -> Metric | None:
         """Validate W_s as it stands (the evaluation `_record_metric` starts after a merge); None in the
@@ -273,11 +277,7 @@ class SimJob:
         self._close_epoch_if_complete(a.wu.epoch, now)
 
     def _publish_snapshot_if_due(self, now: float) -> None:
-        sched = self.spec["scheduling"]
-        if (
-            self.version - self.snapshot_version >= sched["snapshot_every_merges"]
-            or now - self.snapshot_at >= sched["snapshot_every_seconds"]
-        ):
+        if rounds.snapshot_due(self.spec, self.version, self.snapshot_version, now - self.snapshot_at):
             self.snapshot_version, self.snapshot, self.snapshot_at = self.version, _copy(self.params), now
             self._snapshot_norm = params_norm(self.snapshot)
 

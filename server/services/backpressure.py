@@ -21,6 +21,10 @@ merge pace (crowdtrain.server.ledger.pace, measured over the latest merges when 
 - rule floor: fedbuff combines `assimilation.buffer_size` results per step, so never fewer than that;
   any other rule 1.
 
+A job in semi-synchronous rounds (`scheduling.rounds`, crowdtrain.core.rounds) has no derived budget:
+at most one round's results are unmerged or waiting in the rule's buffer, so its budget is what is
+left of the current round, and the next round opens when the last result of this one is merged.
+
 Before two merges are recorded there is no pace to derive it from, and no derived budget: dispatch
 gives as before (at most the current epoch and the next, released early) until the first merges
 measure it. Requests on PostgreSQL that run at the same moment each see the count before the
@@ -37,6 +41,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, and_, func, select
 
+from crowdtrain.core import rounds
 from crowdtrain.core.jobspec import scheduling_of
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.models import Assignment, Host, Job
@@ -53,6 +58,7 @@ class BudgetTerms:
 
     max_in_flight: int | None  # scheduling.max_in_flight: the budget, when set
     rule_floor: int  # the fewest results in flight the merge rule needs: fedbuff's buffer, else 1
+    round_size: int | None = None  # scheduling.rounds: the results of a round (crowdtrain.core.rounds)
 
     @classmethod
     def of(cls, spec: dict[str, Any]) -> "BudgetTerms":
@@ -60,14 +66,23 @@ class BudgetTerms:
         return cls(
             max_in_flight=scheduling_of(spec).max_in_flight,
             rule_floor=int(assimilation.get("buffer_size", 4)) if assimilation.get("rule") == "fedbuff" else 1,
+            round_size=rounds.round_size(spec),
         )
 
 
 def in_flight_budget(
-    terms: BudgetTerms, merge_rate: float | None, turnaround_seconds: float | None, hosts: int
+    terms: BudgetTerms,
+    merge_rate: float | None,
+    turnaround_seconds: float | None,
+    hosts: int,
+    version: int = 0,
 ) -> int | None:
-    """The job's budget: `max_in_flight` if set, else derived (see the module docstring) from its
-    measured pace and the `hosts` holding its work; None (no budget) while it has no pace. Never 0."""
+    """The job's budget: in rounds what is left of the round at W_s `version` (the newest recorded
+    merged; crowdtrain.core.rounds.budget), else `max_in_flight` if set, else derived (see the module
+    docstring) from its measured pace and the `hosts` holding its work; None (no budget) while it
+    has no pace. Never 0."""
+    if terms.round_size is not None:
+        return rounds.budget(terms.round_size, version)
     if terms.max_in_flight is not None:
         return terms.max_in_flight
     if merge_rate is None or turnaround_seconds is None:

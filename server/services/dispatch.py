@@ -151,7 +151,7 @@ def _hosts_for(live: LiveJob) -> int:
 def _budget_for(t: JobTerms, live: LiveJob) -> int:
     """The job's in-flight budget for this host (its first assignment of the job raises a derived
     budget by one), or MAX_BUDGET while it has none."""
-    budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, _hosts_for(live))
+    budget = in_flight_budget(t.budget, live.merge_rate, live.turnaround_seconds, _hosts_for(live), live.param_version)
     return MAX_BUDGET if budget is None else budget
 
 

@@ -31,6 +31,7 @@ LIVE_JOB_COLUMNS = (
     Job.recipe_signature,
     Job.merge_rate,
     Job.turnaround_seconds,
+    Job.param_version,
 )
 
 
@@ -49,6 +50,7 @@ class LiveJob:
     recipe_signature: str | None
     merge_rate: float | None
     turnaround_seconds: float | None
+    param_version: int  # the newest W_s version the ledger has recorded merged
     # Counted in the same statement (crowdtrain.server.services.dispatch): its assignments dispatched
     # or uploaded but not merged, the hosts holding them, and how many the asking host holds.
     in_flight: int = 0

@@ -141,11 +141,11 @@ def in_flight_figures(s: Session, job: Job, a_counts: dict[str, int]) -> InFligh
         else 0
     )
     terms = BudgetTerms.of(job.spec)
-    budget = in_flight_budget(terms, job.merge_rate, job.turnaround_seconds, hosts or 0)
+    budget = in_flight_budget(terms, job.merge_rate, job.turnaround_seconds, hosts or 0, job.param_version or 0)
     return InFlightFigures(
         count=count,
         budget=budget,
-        derived=terms.max_in_flight is None,
+        derived=terms.max_in_flight is None and terms.round_size is None,
         held_back=job.status == JobStatus.running.value and budget is not None and count >= budget,
         merge_rate=job.merge_rate,
         turnaround_seconds=job.turnaround_seconds,

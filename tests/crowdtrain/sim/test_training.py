@@ -100,6 +100,22 @@ def test_prefetch_makes_one_slot_results_stale(blobs: Dataset) -> None:
     assert staleness(True)[2:] == [2] * 18
 
 
+def test_in_rounds_every_result_of_a_round_starts_from_the_round_s_snapshot(blobs: Dataset) -> None:
+    """Rounds of 4 on 3 hosts of 2 slots with prefetch and the parameter servers' service times: never
+    more than 4 in flight, and each round's results were all dispatched with the snapshot the last
+    round ended with, so the k-th merge of a round has staleness k - 1. The same rule without rounds
+    lets the slots run ahead of the buffer."""
+    rule = {"rule": "fedbuff", "buffer_size": 4, "outer_optimizer": "nesterov", "server_lr": 0.7}
+    spec = job(16, 3, assimilation=rule, scheduling={"rounds": True})
+    r = simulate_training(spec, hosts=3, slots=2, seed=1, network_seconds=0.05, compute=False, data=blobs)
+    assert r.merges == 48 and max(d.in_flight for d in r.trace) == 4
+    assert r.staleness == [i % 4 for i in range(48)]
+    free = simulate_training(
+        job(16, 3, assimilation=rule), hosts=3, slots=2, seed=1, network_seconds=0.05, compute=False, data=blobs
+    )
+    assert max(d.in_flight for d in free.trace) > 4 and max(free.staleness) > 3
+
+
 def test_the_staleness_bound_of_the_policy_refuses_stale_results(blobs: Dataset) -> None:
     r = simulate_training(job(8, 2, assimilation={"max_staleness": 1}), hosts=8, seed=0, compute=False, data=blobs)
     assert r.refusals.get("stale", 0) > 0

@@ -60,6 +60,37 @@ def test_a_job_at_its_budget_leaves_the_slots_to_another_job(ledger) -> None:
     assert Counter(a.job_id for a in work(ledger, host, 2)) == {other: 2}
 
 
+ROUNDS_OF_3 = {"rule": "fedbuff", "buffer_size": 3, "outer_optimizer": "nesterov", "server_lr": 0.7}
+
+
+@BOTH_DATABASES
+def test_a_job_in_rounds_dispatches_each_round_from_the_snapshot_that_ended_the_last(ledger) -> None:
+    """Rounds of 3: the prefetch included, 3 go out from W_s 0; merged results wait in the buffer and
+    still hold their places, so nothing more goes out until the third is merged; then the next 3 go
+    out from the snapshot of version 3, which the round's outer step made."""
+    job = ledger.submit(subsets=8, assimilation=ROUNDS_OF_3, rounds=True)
+    (host,) = ledger.hosts(1)
+    first = work(ledger, host, 5)
+    assert [a.base_version for a in first] == [0, 0, 0]
+    for n, a in enumerate(first, start=1):
+        assert work(ledger, host, 2) == []
+        ledger.upload(host, job, a.assignment_id)
+        assert ledger.merge(a.assignment_id) == Outcome.merged
+        status = job_status(ledger.db, job).in_flight
+        if n < 3:
+            assert status is not None and (status.count, status.budget, status.derived, status.held_back) == (
+                3 - n,
+                3 - n,
+                False,
+                True,
+            ), "a buffered result keeps its place in the round"
+    second = work(ledger, host, 5)
+    assert [a.base_version for a in second] == [3, 3, 3]
+    assert {a.workunit_id for a in second}.isdisjoint(a.workunit_id for a in first)
+    with ledger.db.begin() as s:
+        assert s.get_one(Job, job).snapshot_version == 3, "only the round's end is published"
+
+
 def test_the_derived_budget_is_merge_rate_times_turnaround_plus_hosts() -> None:
     """The pure formula: the spec's value when set; else max(rule floor, ceil(r x t) + hosts); before
     any pace, none."""
@@ -73,6 +104,9 @@ def test_the_derived_budget_is_merge_rate_times_turnaround_plus_hosts() -> None:
     assert in_flight_budget(BudgetTerms(7, 1), None, None, 0) == 7
     assert BudgetTerms.of({"assimilation": {"rule": "fedbuff", "buffer_size": 6}}) == BudgetTerms(None, 6)
     assert BudgetTerms.of({"scheduling": {"max_in_flight": 4}}) == BudgetTerms(4, 1)
+    rounds = BudgetTerms.of({"assimilation": {"rule": "fedbuff", "buffer_size": 8}, "scheduling": {"rounds": True}})
+    assert rounds == BudgetTerms(None, 8, 8)
+    assert [in_flight_budget(rounds, 0.1, 1.0, 5, version) for version in (0, 1, 7, 8, 13)] == [8, 7, 1, 8, 3]
 
 
 @BOTH_DATABASES

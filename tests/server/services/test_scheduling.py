@@ -46,8 +46,9 @@ class Ledger:
     r: redis.Redis
     var: Path
 
-    def submit(self, subsets: int, max_epochs: int = 50, **scheduling) -> int:
-        """The example job on a small random dataset (quick to prepare) with `scheduling` options."""
+    def submit(self, subsets: int, max_epochs: int = 50, assimilation: dict | None = None, **scheduling) -> int:
+        """The example job on a small random dataset (quick to prepare) with `scheduling` options (and
+        `assimilation` ones)."""
         data = self.var / "small.npz"
         if not data.exists():
             rng = np.random.default_rng(0)
@@ -62,6 +63,8 @@ class Ledger:
         spec.dataset.source, spec.dataset.subsets = f"npz:{data}", subsets
         spec.stop.max_epochs, spec.stop.target_accuracy = max_epochs, 0.01
         spec.scheduling = spec.scheduling.model_copy(update=scheduling)
+        if assimilation:
+            spec.assimilation = spec.assimilation.model_copy(update=assimilation)
         return submit_job(self.db, self.storage, self.r, spec, Settings().upload_max_bytes).job_id
 
     def hosts(self, n: int) -> list[int]:
