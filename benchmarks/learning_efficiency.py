@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     limit_threads(1)
     start = time.monotonic()
+    default = assimilation_for(DEFAULT_RULE)  # what `default` means for this run, read once
     with tempfile.TemporaryDirectory(prefix="ct-efficiency-") as tmp:
         try:
             tasks = [make_task(name, Path(tmp), args.budget_passes) for name in args.tasks]
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         "quick": args.quick,
         "snapshot_binding": args.snapshot_binding,
         "default_rule": DEFAULT_RULE,
-        "default_assimilation": assimilation_for(DEFAULT_RULE),
+        "default_assimilation": default,
         "seeds": args.seeds,
         "targets": {t.name: t.target for t in tasks},
         "baseline": {k: _figures(b) for k, b in singles["baseline"].items()},

@@ -79,11 +79,33 @@ MERGE_RULES = ("vc-asgd", "delta", "fedbuff")
 OUTER_OPTIMIZERS = ("none", "nesterov", "delayed-nesterov", "adam")
 
 
+# The assimilation a job gets when its spec names no rule: the configuration that scored best over the
+# benchmark suite among those that do not need the slot count (benchmarks/choosing_table.py; the
+# ranking is in docs/operator/choosing-a-mode.md). A spec that names a rule gets that rule with the
+# fields' own defaults.
+DEFAULT_ASSIMILATION: dict[str, Any] = {
+    "rule": "delta",
+    "server_lr": 1.0,
+    "staleness_weight": "polynomial",
+    "staleness_a": 0.5,
+    "step_control": "loss",
+}
+
+
+# Fields that only one rule reads: given without a rule, they would silently do nothing.
+_OWN_FIELDS: dict[str, tuple[str, ...]] = {
+    "vc-asgd": ("alpha", "schedule"),
+    "fedbuff": ("buffer_size", "combiner", "trim_fraction"),
+}
+
+
 class AssimilationSpec(SpecSection):
     rule: Literal["vc-asgd", "delta", "fedbuff"] = Field(
-        "vc-asgd",
+        DEFAULT_ASSIMILATION["rule"],
         description="vc-asgd: W_s <- a*W_s + (1-a)*W_c; delta: W_s <- W_s + server_lr * s(tau) * Δ; "
-        "fedbuff: buffer buffer_size updates, combine, apply once",
+        "fedbuff: buffer buffer_size updates, combine, apply once. A section without a rule gets the "
+        "default configuration: delta, server_lr 1, staleness_weight polynomial (staleness_a 0.5), "
+        "step_control loss (crowdtrain.core.jobspec.DEFAULT_ASSIMILATION), its other fields as given",
     )
     server_lr: float = Field(
         1.0,
@@ -129,7 +151,7 @@ class AssimilationSpec(SpecSection):
         0.6,
         ge=0,
         lt=1,
-        description="vc-asgd: W_s keeps this share of itself at each merge (the examples' default too)",
+        description="vc-asgd: W_s keeps this share of itself at each merge",
     )
     max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
     max_update_norm: float | None = Field(
@@ -167,6 +189,21 @@ class AssimilationSpec(SpecSection):
         "constant, its values spread (max - min) over at most this fraction of the tensor's largest weight "
         "(never less than the dtype's rounding); null accepts them",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_configuration(cls, data: Any) -> Any:
+        """A section that names no rule starts from DEFAULT_ASSIMILATION; what it sets wins."""
+        if not isinstance(data, dict) or "rule" in data:
+            return data
+        for rule, fields in _OWN_FIELDS.items():
+            named = sorted(set(fields) & set(data))
+            if named and rule != DEFAULT_ASSIMILATION["rule"]:
+                raise ValueError(
+                    f"assimilation.{named[0]} is a {rule} setting, and a section without a rule gets the default "
+                    f"({DEFAULT_ASSIMILATION['rule']}): add `rule: {rule}`"
+                )
+        return DEFAULT_ASSIMILATION | data
 
     @model_validator(mode="after")
     def _options_of_the_rule(self) -> "AssimilationSpec":

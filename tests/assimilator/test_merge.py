@@ -33,7 +33,7 @@ from crowdtrain.server.services.results import check_result, store_result
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
 
-ALPHA = 0.6  # the demo job's constant VC-ASGD alpha
+ALPHA = 0.6  # the paper's rule, as these tests merge unless they name another
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Job:
 
 def _job(svc: MergeServices, assignments: int = 1, **assimilation) -> Job:
     spec = load_job_spec(EXAMPLE_SPEC)
-    spec.assimilation = AssimilationSpec.model_validate({**spec.assimilation.model_dump(), **assimilation})
+    spec.assimilation = AssimilationSpec.model_validate({"rule": "vc-asgd", "alpha": ALPHA, **assimilation})
     settings = Settings()
     job_id = submit_job(svc.db, svc.storage, svc.r, spec, settings.upload_max_bytes).job_id
     token = "join-token-for-this-test"

@@ -5,6 +5,7 @@ import torch
 from crowdtrain.assimilator.rules import (
     Delta,
     FedBuff,
+    LossControlled,
     StalenessWeight,
     Update,
     VcAsgd,
@@ -325,7 +326,12 @@ def test_rule_state_is_named_arrays_of_fixed_shapes() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "kind"),
-    [({}, VcAsgd), ({"rule": "delta"}, Delta), ({"rule": "fedbuff", "outer_optimizer": "nesterov"}, FedBuff)],
+    [
+        ({"rule": "vc-asgd"}, VcAsgd),
+        ({"rule": "delta"}, Delta),
+        ({"rule": "fedbuff", "outer_optimizer": "nesterov"}, FedBuff),
+        ({}, LossControlled),  # the default configuration: delta with step_control loss
+    ],
 )
 def test_make_rule_picks_the_rule_of_the_spec(spec: dict, kind: type) -> None:
     assert isinstance(make_rule(spec), kind)

@@ -45,15 +45,21 @@ def hosts(tmp_path) -> Iterator[dict]:
     b, url_b = start_host(tmp_path, "b", LAYOUT, HOST_B)
     routes = {**dict.fromkeys(HOST_A, url_a), **dict.fromkeys(HOST_B, url_b)}
     client = ExpertClient(LAYOUT, routes)
-    yield {"a": a, "b": b, "client": client}
+    yield {"a": a, "b": b, "client": client, "routes": routes}
     client.close()
     a.stop()
     b.stop()
 
 
 def test_the_layer_and_its_gradients_equal_the_same_layer_with_its_experts_at_hand(hosts) -> None:
+    """With a layout that waits for every answer (k_min = k, a backward quorum of all calls, long
+    timeouts), so that no answer a loaded machine delays past the grace period is left out."""
     torch.manual_seed(0)
-    gate, layer = GridGate(LAYOUT.dim, LAYOUT.grid), RemoteExperts(hosts["client"])
+    exact = LAYOUT.model_copy(
+        update={"k_min": LAYOUT.k, "backward_quorum": 1.0, "forward_timeout": 120.0, "backward_timeout": 120.0}
+    )
+    client = ExpertClient(exact, hosts["routes"])
+    gate, layer = GridGate(LAYOUT.dim, LAYOUT.grid), RemoteExperts(client)
     x = torch.randn(40, LAYOUT.dim, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     target = torch.randn(40, LAYOUT.dim)
@@ -66,7 +72,8 @@ def test_the_layer_and_its_gradients_equal_the_same_layer_with_its_experts_at_ha
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gate.parameters())
     assert layer.dropped_rows == 0
-    assert hosts["client"].figures["forward_failed"] == 0 and hosts["client"].figures["backward_answered"] > 0
+    assert client.figures["forward_failed"] == 0 and client.figures["backward_answered"] > 0
+    client.close()
 
 
 def test_a_dead_hosts_experts_are_dropped_and_the_rest_renormalised(hosts) -> None:

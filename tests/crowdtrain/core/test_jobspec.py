@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from crowdtrain.core.dedlocspec import DedlocSpec
-from crowdtrain.core.jobspec import JobSpec, load_job_spec
+from crowdtrain.core.jobspec import DEFAULT_ASSIMILATION, AssimilationSpec, JobSpec, load_job_spec
 from tests.conftest import EXAMPLE_SPEC, ROOT
 
 
@@ -14,12 +14,35 @@ def test_the_example_spec_is_valid() -> None:
     assert spec.stop.target_accuracy == 0.90 and spec.dataset.source == "builtin:mnist1d"
 
 
+@pytest.mark.parametrize("example", ["mnist1d-cnn.yaml", "mnist1d-cnn-tensorflow.yaml", "mnist1d-keras.yaml"])
+def test_the_example_jobs_merge_with_the_default_configuration(example: str) -> None:
+    assert load_job_spec(ROOT / "examples" / example).assimilation == AssimilationSpec()
+
+
+def test_a_section_without_a_rule_gets_the_default_configuration_and_keeps_what_it_sets() -> None:
+    default = AssimilationSpec()
+    assert default.model_dump(include=set(DEFAULT_ASSIMILATION)) == DEFAULT_ASSIMILATION
+    assert AssimilationSpec(server_lr=0.5).model_dump(include=set(DEFAULT_ASSIMILATION)) == (
+        DEFAULT_ASSIMILATION | {"server_lr": 0.5}
+    )
+    # A rule named: that rule with the fields' own defaults, not the default configuration's.
+    named = AssimilationSpec(rule="delta")
+    assert (named.staleness_weight, named.step_control) == ("constant", "none")
+    assert AssimilationSpec(rule="vc-asgd").alpha == 0.6
+
+
+@pytest.mark.parametrize(("fields", "rule"), [({"alpha": 0.7}, "vc-asgd"), ({"buffer_size": 8}, "fedbuff")])
+def test_another_rule_s_own_field_without_a_rule_is_refused_naming_the_rule_to_add(fields: dict, rule: str) -> None:
+    with pytest.raises(ValidationError, match=f"assimilation.{next(iter(fields))} is a {rule} setting.*rule: {rule}"):
+        AssimilationSpec.model_validate(fields)
+
+
 @pytest.mark.parametrize(
     ("patch", "field"),
     [
         ({"dataset": {"source": "http://example.com/data"}}, "dataset.source"),
-        ({"assimilation": {"alpha": 1.0}}, "assimilation.alpha"),
-        ({"assimilation": {"schedule": "cosine"}}, "assimilation.schedule"),
+        ({"assimilation": {"rule": "vc-asgd", "alpha": 1.0}}, "assimilation.alpha"),
+        ({"assimilation": {"rule": "vc-asgd", "schedule": "cosine"}}, "assimilation.schedule"),
         ({"training": {"lr": -1}}, "training.lr"),
         ({"surprise": 1}, "surprise"),
     ],

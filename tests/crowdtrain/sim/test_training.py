@@ -123,7 +123,7 @@ def test_the_staleness_bound_of_the_policy_refuses_stale_results(blobs: Dataset)
 
 
 def test_training_a_real_model_improves_its_accuracy(blobs: Dataset) -> None:
-    spec = job(4, 6, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5})
+    spec = job(4, 6, stop={"target_accuracy": 0.97}, assimilation={"rule": "vc-asgd", "alpha": 0.5})
     r = simulate_training(spec, hosts=2, slots=2, seed=0, data=blobs, **INSTANT)
     assert r.metrics[0].accuracy < 0.9 and r.best_accuracy >= 0.97, [m.accuracy for m in r.metrics]
     assert r.outcome == "succeeded" and r.final_accuracy is not None and r.uploads == r.merges
@@ -153,7 +153,9 @@ def test_an_int8_upload_is_decoded_as_the_server_decodes_it(blobs: Dataset) -> N
     """The merged W_c is W_base + the int8-rounded Δ: the run differs from a float32 one, and still learns."""
 
     def run(upload: dict):
-        spec = job(4, 4, stop={"target_accuracy": 0.97}, assimilation={"alpha": 0.5, "upload": upload})
+        spec = job(
+            4, 4, stop={"target_accuracy": 0.97}, assimilation={"rule": "vc-asgd", "alpha": 0.5, "upload": upload}
+        )
         return simulate_training(spec, hosts=2, seed=0, data=blobs)
 
     exact, int8 = run({"send": "weights"}), run({"send": "delta", "dtype": "int8"})

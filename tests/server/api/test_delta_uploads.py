@@ -27,7 +27,7 @@ UPLOAD = {"send": "delta", "dtype": "int8", "block_size": 64}
 def setup(tmp_path_factory):
     """A cluster (no clients) with the example job sending int8 deltas; one host and its W_base."""
     spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
-    spec["assimilation"]["upload"] = UPLOAD
+    spec["assimilation"] = {"rule": "vc-asgd", "alpha": 0.6, "upload": UPLOAD}  # the merge checked below
     spec["scheduling"].update(max_errors=100, deadline_seconds=600)
     spec["validation"] = {"quarantine_after": None}  # one host sends every refused body
     cluster = Cluster(var_dir=tmp_path_factory.mktemp("delta-uploads")).start()
