@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys, signing
 from crowdtrain.core.frameworks import KERAS_MODEL
-from crowdtrain.core.jobspec import JobSpec
+from crowdtrain.core.jobspec import WORKUNIT_MODES, JobSpec, effective_rule
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import (
     Params,
@@ -149,12 +149,13 @@ def _create_job(
     )
     jobs.start_job(db, job_id, shard_rows, sha256(initial), recipe, hold_for_signature)
     log.info(
-        "job %s (%s, %s): %d shards, %d parameters, %s",
+        "job %s (%s, %s): %d shards, %d parameters%s; %s",
         job_id,
         spec.name,
         spec.mode,
         len(shard_rows),
         n_parameters,
+        f", merge rule {effective_rule(spec.assimilation)}" if spec.mode in WORKUNIT_MODES else "",
         "waiting for the operator's signature" if hold_for_signature else "running",
     )
     return PreparedJob(job_id, len(shard_rows), n_parameters, recipe)

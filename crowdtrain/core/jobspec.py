@@ -3,6 +3,7 @@ model, validation and dedloc sections have modules of their own (crowdtrain.core
 crowdtrain.core.modelspec, crowdtrain.core.validationspec, crowdtrain.core.dedlocspec)."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -219,6 +220,39 @@ class AssimilationSpec(SpecSection):
         if self.staleness_weight == "gain" and self.rule != "delta":
             raise ValueError(f"assimilation.staleness_weight gain needs rule delta, not {self.rule}")
         return self
+
+
+def _steps(a: "AssimilationSpec") -> bool:
+    return a.rule != "vc-asgd"
+
+
+# The options a merge rule reads, in the order they are shown, each with when it is read.
+_READ_WHEN: tuple[tuple[str, Callable[["AssimilationSpec"], bool]], ...] = (
+    ("schedule", lambda a: a.rule == "vc-asgd"),
+    ("alpha", lambda a: a.rule == "vc-asgd" and a.schedule == "constant"),
+    ("server_lr", _steps),
+    ("staleness_weight", _steps),
+    ("staleness_a", lambda a: _steps(a) and a.staleness_weight in ("polynomial", "hinge")),
+    ("staleness_b", lambda a: _steps(a) and a.staleness_weight == "hinge"),
+    ("buffer_size", lambda a: a.rule == "fedbuff"),
+    ("combiner", lambda a: a.rule == "fedbuff"),
+    ("trim_fraction", lambda a: a.rule == "fedbuff" and a.combiner == "trimmed-mean"),
+    ("outer_optimizer", lambda a: _steps(a) and a.outer_optimizer != "none"),
+    ("outer_momentum", lambda a: _steps(a) and a.outer_optimizer in ("nesterov", "delayed-nesterov")),
+    ("nesterov_delay", lambda a: _steps(a) and a.outer_optimizer == "delayed-nesterov"),
+    ("adam_betas", lambda a: _steps(a) and a.outer_optimizer == "adam"),
+    ("step_control", _steps),
+    ("step_floor", lambda a: _steps(a) and a.step_control != "none"),
+    ("clip_norm", lambda a: a.clip_norm is not None),
+    ("max_staleness", lambda a: a.max_staleness is not None),
+)
+
+
+def effective_rule(a: AssimilationSpec) -> str:
+    """The merge rule a job runs with and the options it reads, defaults included, in one line (the
+    scheduler logs it when the job is created): what a spec left out is shown, not guessed."""
+    shown = ", ".join(f"{name} {getattr(a, name)}" for name, read in _READ_WHEN if read(a))
+    return f"{a.rule} ({shown})"
 
 
 class StopSpec(SpecSection):

@@ -9,11 +9,16 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from crowdtrain.core.jobspec import effective_rule, load_job_spec
+from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode_shard, sha256
+from crowdtrain.migrations import upgrade
+from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.workgen.generator import write_epoch_shards
+from crowdtrain.workgen.generator import submit_job, write_epoch_shards
+from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import Scheduler, scheduler_app
 
 CLASSES, EXAMPLES, SHARDS = 5, 400, 4
@@ -132,3 +137,14 @@ def test_a_job_without_reshuffling_shares_its_shards_across_epochs(scheduler, so
     assert sorted(a["epoch"] for a in given) == [1] * SHARDS + [2] * SHARDS
     assert len({a["shard"]["sha256"] for a in given}) == SHARDS
     assert scheduler.count(Shard) == SHARDS
+
+
+def test_a_job_s_creation_logs_its_effective_merge_rule(sqlite_url, private_redis, tmp_path, caplog) -> None:
+    """What the spec left out is in the scheduler's log from the job's first line."""
+    upgrade(sqlite_url)
+    db, storage = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri())
+    spec = load_job_spec(EXAMPLE_SPEC)
+    with caplog.at_level("INFO", logger="crowdtrain.workgen.generator"):
+        submit_job(db, storage, private_redis, spec, Settings().upload_max_bytes)
+    assert f"merge rule {effective_rule(spec.assimilation)}; running" in caplog.text
+    assert "delta (server_lr 1.0, staleness_weight polynomial" in caplog.text

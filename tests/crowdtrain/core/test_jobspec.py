@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from crowdtrain.core.dedlocspec import DedlocSpec
-from crowdtrain.core.jobspec import DEFAULT_ASSIMILATION, AssimilationSpec, JobSpec, load_job_spec
+from crowdtrain.core.jobspec import DEFAULT_ASSIMILATION, AssimilationSpec, JobSpec, effective_rule, load_job_spec
 from tests.conftest import EXAMPLE_SPEC, ROOT
 
 
@@ -245,3 +245,23 @@ def test_a_moe_spec_refuses_sections_that_do_not_fit_the_mode(patch: dict, messa
     with pytest.raises(ValidationError) as err:
         JobSpec.model_validate(data)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("assimilation", "line"),
+    [
+        (
+            {},
+            "delta (server_lr 1.0, staleness_weight polynomial, staleness_a 0.5, step_control loss, step_floor 0.0625)",
+        ),
+        ({"rule": "vc-asgd"}, "vc-asgd (schedule constant, alpha 0.6)"),
+        ({"rule": "vc-asgd", "schedule": "epoch", "max_staleness": 3}, "vc-asgd (schedule epoch, max_staleness 3)"),
+        (
+            {"rule": "fedbuff", "combiner": "trimmed-mean", "outer_optimizer": "nesterov", "clip_norm": 2.0},
+            "fedbuff (server_lr 1.0, staleness_weight constant, buffer_size 4, combiner trimmed-mean, "
+            "trim_fraction 0.2, outer_optimizer nesterov, outer_momentum 0.9, step_control none, clip_norm 2.0)",
+        ),
+    ],
+)
+def test_the_effective_rule_names_every_option_the_rule_reads_defaults_included(assimilation: dict, line: str) -> None:
+    assert effective_rule(AssimilationSpec.model_validate(assimilation)) == line
