@@ -58,6 +58,8 @@ def test_a_cell_shows_the_ratio_and_bound_or_how_far_the_rule_got_and_whether_it
     )
     fell = _row("a", "r", status="not reached", best_accuracy=0.58, last_accuracy=0.13)
     assert table.cell(fell) == "not reached (0.580), unstable: fell to 0.130"
+    some = _row("a", "r", status="not reached", best_accuracy=0.879, seeds=2, reached=1)
+    assert table.cell(some) == "reached in 1 of 2 seeds (0.879)"
     assert table.cell(_row("a", "r", status="error")) == "error"
     assert table.cell(None) == "-"
 
@@ -107,11 +109,34 @@ def test_the_document_holds_the_rendering_of_the_evidence(capsys):
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
 
 
-def test_the_example_jobs_rule_is_the_best_eligible_rule_of_the_evidence():
+def test_the_example_jobs_rule_stands_as_the_default_on_the_evidence():
     rows = json.loads(table.EVIDENCE.read_text())["rows"]
-    best = table.best_eligible(rows)
-    assert best is not None
-    assert table.named(tasks.assimilation_for(tasks.DEFAULT_RULE)) == best
+    default = table.named(tasks.assimilation_for(tasks.DEFAULT_RULE))
+    assert default is not None and table.stands(rows, default)
+
+
+def test_a_default_stands_only_while_it_misses_no_more_tasks_and_scores_within_the_tie_of_the_best():
+    rows = [
+        _row("a", "best", ratio=2.0),
+        _row("a", "close", ratio=2.0 * (1 + table.TIE) - 0.01),
+        _row("a", "far", ratio=2.0 * (1 + table.TIE) + 0.01),
+        _row("a", "rounds", ratio=1.0),  # better, but needs the slot count: not the one to tie with
+        _row("b", "best", ratio=2.0),
+        _row("b", "close", ratio=2.0),
+        _row("b", "far", ratio=2.0 * (1 + table.TIE) + 0.01),
+        _row("b", "rounds", ratio=1.0),
+        _row("a", "missing", ratio=1.0),
+        _row("b", "missing", status="not reached", examples_seen=150),  # a better score, one task missed
+    ]
+    assert table.best_eligible(rows) == "best"
+    assert [table.stands(rows, r) for r in ("best", "close", "far", "rounds", "missing", "unknown")] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_a_document_without_the_generated_block_is_an_error_naming_the_markers(tmp_path):
