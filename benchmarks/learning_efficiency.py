@@ -83,6 +83,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from crowdtrain.client.trainers import limit_threads
@@ -173,7 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, tasks: list[Task], tmp: Path) -> tuple[list[dict], dict]:
+def run(
+    args: argparse.Namespace, tasks: list[Task], tmp: Path, progress: Callable[[list[dict], dict], None]
+) -> tuple[list[dict], dict]:
+    """Every run's row, and the single processes' figures (baselines and bounds); `progress` is given
+    both after each run, so that a long benchmark stopped part way keeps what it measured."""
     baselines = {(t.name, seed): baseline(t, seed, args.eval_fraction) for t in tasks for seed in args.seeds}
     bounds = {
         (t.name, slots, seed): large_batch_bound(
@@ -187,7 +192,18 @@ def run(args: argparse.Namespace, tasks: list[Task], tmp: Path) -> tuple[list[di
         for slots in sorted(set(args.slots + args.sim_slots))
         for seed in args.seeds
     }
+    singles = {
+        "baseline": {f"{name}/seed{seed}": b for (name, seed), b in baselines.items()},
+        "bound": {f"{name}/{slots}slots/seed{seed}": b for (name, slots, seed), b in bounds.items()},
+    }
     rows: list[dict] = []
+
+    def add(row: dict) -> None:
+        if row["status"] in ("ok", "not reached"):
+            row |= against_bound(row["examples_to_target"], bounds[row["task"], row["slots"], row["seed"]])
+        rows.append(row)
+        progress(rows, singles)
+
     if args.slots:
         cluster = Cluster(var_dir=tmp / "cluster", assimilator_concurrency=args.assimilator_concurrency)
         say("starting the cluster (Redis, scheduler, transitioner, parameter servers) ...")
@@ -197,23 +213,15 @@ def run(args: argparse.Namespace, tasks: list[Task], tmp: Path) -> tuple[list[di
                 for rule in args.rules:
                     for slots in args.slots:
                         for seed in args.seeds:
-                            rows.append(
-                                _guarded(run_real, cluster, t, rule, slots, seed, baselines[t.name, seed], args)
-                            )
+                            add(_guarded(run_real, cluster, t, rule, slots, seed, baselines[t.name, seed], args))
         finally:
             cluster.stop()
     for t in tasks:
         for rule in args.rules:
             for slots in args.sim_slots:
                 for seed in args.seeds:
-                    rows.append(_guarded(run_simulated, t, rule, slots, seed, baselines[t.name, seed], args))
-    for r in rows:
-        if r["status"] in ("ok", "not reached"):
-            r |= against_bound(r["examples_to_target"], bounds[r["task"], r["slots"], r["seed"]])
-    return rows, {
-        "baseline": {f"{name}/seed{seed}": b for (name, seed), b in baselines.items()},
-        "bound": {f"{name}/{slots}slots/seed{seed}": b for (name, slots, seed), b in bounds.items()},
-    }
+                    add(_guarded(run_simulated, t, rule, slots, seed, baselines[t.name, seed], args))
+    return rows, singles
 
 
 def _guarded(fn, *a) -> dict:
@@ -247,10 +255,32 @@ def main(argv: list[str] | None = None) -> None:
         if args.baseline_only:
             baselines_only(args, tasks)
             return
-        rows, singles = run(args, tasks, Path(tmp))
+
+        def save(rows: list[dict], singles: dict, partial: bool) -> dict:
+            """The result so far; with --out, also written (atomically) with every run's curves, marked
+            `partial` until the last run is in."""
+            result = outcome(args, rows, singles, tasks, default, start)
+            if args.out:
+                tmp_out = args.out.with_name(args.out.name + ".tmp")
+                tmp_out.write_text(json.dumps(result | {"partial": partial, "runs": rows, "curves": singles}, indent=1))
+                tmp_out.replace(args.out)
+            return result
+
+        rows, singles = run(args, tasks, Path(tmp), lambda rows, singles: save(rows, singles, partial=True))
+        result = save(rows, singles, partial=False)
+    print_table(result["results"])
+    if args.out:
+        say(f"full results: {args.out}")
+    print(json.dumps(result))
+
+
+def outcome(
+    args: argparse.Namespace, rows: list[dict], singles: dict, tasks: list[Task], default: dict, start: float
+) -> dict:
+    """The benchmark's result: its settings, the single processes' figures, the summary rows and the
+    headline figures."""
     summary = summarize(rows)
-    print_table(summary)
-    result = {
+    return {
         "benchmark": "learning_efficiency",
         "quick": args.quick,
         "snapshot_binding": args.snapshot_binding,
@@ -265,10 +295,6 @@ def main(argv: list[str] | None = None) -> None:
         "goal": {"ratio_8_slots": 1.5, "ratio_64_simulated": 2.0},
         "seconds": round(time.monotonic() - start, 1),
     }
-    if args.out:
-        args.out.write_text(json.dumps(result | {"runs": rows, "curves": singles}, indent=1))
-        say(f"full results: {args.out}")
-    print(json.dumps(result))
 
 
 def baselines_only(args: argparse.Namespace, tasks: list[Task]) -> None:

@@ -8,6 +8,7 @@ An entry point of benchmarks/ is a module with `if __name__ == "__main__":` and 
 docstring; a module without that guard is a part that entry points import by name, and says so."""
 
 import ast
+import json
 import os
 import re
 import shlex
@@ -332,3 +333,26 @@ def test_baseline_hook_evaluates_every_k_examples_in_one_training_call():
     # every 25 examples, at the first batch boundary at or after it (an epoch's first batch is never one)
     assert [e for e, _ in hook.points] == [30, 50, 80, 110, 130, 150, 180, 210, 230, 250, 280]
     assert all(names == sorted(state_to_numpy(build_model("mlp", [4], 2, hidden=[8]))) for names in seen)
+
+
+def test_learning_efficiency_hands_over_every_run_as_it_ends_and_marks_its_output_whole_at_the_end(tmp_path):
+    """A long benchmark stopped part way keeps what it measured: `run` gives its progress callback the
+    rows so far after each run (with their bound ratios), and `--out` holds them, marked partial until
+    the last run is in."""
+    efficiency = load_benchmark("learning_efficiency")
+    argv = ["--tasks", "tabular", "--rules", "vc-asgd,delta", "--slots", "", "--sim-slots", "2", "--budget-passes", "1"]
+    args = efficiency.parse_args(argv)
+    seen: list[list[str]] = []
+    rows, singles = efficiency.run(
+        args,
+        [tasks.make_task("tabular", tmp_path, 1)],
+        tmp_path,
+        lambda rows, singles: seen.append([r["rule"] for r in rows]),
+    )
+    assert seen == [["vc-asgd"], ["vc-asgd", "delta"]]
+    assert [r["rule"] for r in rows] == ["vc-asgd", "delta"] and set(singles) == {"baseline", "bound"}
+    assert all("bound_examples" in r for r in rows if r["status"] in ("ok", "not reached"))
+    out = tmp_path / "out.json"
+    efficiency.main([*argv, "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["partial"] is False and [r["rule"] for r in written["runs"]] == ["vc-asgd", "delta"]
