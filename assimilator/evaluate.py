@@ -63,7 +63,7 @@ def evaluate(
 
 class FrameworkEvaluator:
     """The evaluator a process makes once where it starts and hands its services
-    (crowdtrain.server.ledger.epochs.Evaluator): `evaluate` with the job's framework. A test that
+    (crowdtrain.server.ledger.job_end.Evaluator): `evaluate` with the job's framework. A test that
     needs other scores gives its services another object with the same method.
 
     The model of a mode moe job is its trunk W_s with the experts' weights that `expert_weights`

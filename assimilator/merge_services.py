@@ -12,7 +12,7 @@ from crowdtrain.assimilator.expert_weights import ExpertCheckpoints
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.paramstore import store
 
 # Failures that go away (a lost database race or connection, Redis unreachable): `assimilate` raises

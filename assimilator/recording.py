@@ -14,7 +14,8 @@ from crowdtrain.core.keys import snapshot_key
 from crowdtrain.core.logs import ids
 from crowdtrain.core.tensors import sha256
 from crowdtrain.server.ledger import merges, result_records, snapshot_list
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete
+from crowdtrain.server.ledger.job_end import fail_job
 from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)

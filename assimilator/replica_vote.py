@@ -23,7 +23,8 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import decode_shard
 from crowdtrain.core.validationspec import ValidationSpec, validation_of
 from crowdtrain.server.ledger import merges, replicas, result_records
-from crowdtrain.server.ledger.epochs import Evaluator, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import close_epochs_after_failure
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from crowdtrain.core.settings import Settings, check_secrets, get_settings
 from crowdtrain.server.api import boundary
 from crowdtrain.server.api.deps import Clients
 from crowdtrain.server.api.routes import admin, dashboard, datasets, dedloc, experts, files, hosts, jobs, metrics, work
-from crowdtrain.server.ledger.epochs import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.services import health
 
 log = logging.getLogger(__name__)

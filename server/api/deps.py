@@ -26,7 +26,7 @@ from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.storage import Storage, open_storage
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.paramstore import store
 from crowdtrain.server.services import sessions
 from crowdtrain.server.services.hosts import NotAuthorized, authenticate_host
@@ -79,7 +79,7 @@ def _redis(url: str) -> redis.Redis:
 class Clients:
     """The database, object storage and Redis clients of an app's settings, made on first use and
     kept: resolving the settings' URLs on every request cost more than the lookups it served; and the
-    app's one evaluator (crowdtrain.server.ledger.epochs.Evaluator), which scores the model a job
+    app's one evaluator (crowdtrain.server.ledger.job_end.Evaluator), which scores the model a job
     exports when a host's request ends it, and a DeDLOC step's state; and its merge queue (the
     parameter servers' Celery queue unless given), where an accepted result's merge is queued."""
 

@@ -19,7 +19,8 @@ from crowdtrain.core.schemas import HostPublic
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import reputation, states
-from crowdtrain.server.ledger.epochs import Evaluator, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import close_epochs_after_failure
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Workunit, utcnow
 
 log = logging.getLogger(__name__)

@@ -1,13 +1,11 @@
-"""Epochs of a job's workunits: releasing them, closing them with the stop rule, and ending the job
-with its final model exported."""
+"""Epochs of a job's workunits: releasing them, and closing them with the stop rule, which may end the
+job (crowdtrain.server.ledger.job_end) with its final model exported."""
 
 import logging
 from collections.abc import Iterable
-from typing import Protocol
 
-import numpy as np
 import redis
-from sqlalchemy import event, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
@@ -15,38 +13,23 @@ from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
-from crowdtrain.core.tensors import Params, decode, decode_shard
-from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.exports import export_or_leave_it
-from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit, utcnow
+from crowdtrain.server.ledger.job_end import (
+    OPEN,
+    TRIES,
+    Evaluator,
+    ExportBelowTarget,
+    ScoreFirst,
+    Scores,
+    accuracy_of,
+    finish,
+    lock_job,
+    score_server_model,
+)
+from crowdtrain.server.ledger.models import Job, Metric, Shard, Workunit
 from crowdtrain.server.paramstore import store
 
 log = logging.getLogger(__name__)
-
-
-class Evaluator(Protocol):
-    """Scores parameters on a validation split. Each process makes one where it starts
-    (crowdtrain.assimilator.evaluate.FrameworkEvaluator) and its services hand it to the ledger, which
-    only calls what it is given: to score the model a job exports when no metric of it is recorded."""
-
-    def evaluate(
-        self, job_id: int, model_config: dict, params: Params, x: np.ndarray, y: np.ndarray
-    ) -> tuple[float, float]:
-        """(mean loss, accuracy) of `params` on (x, y)."""
-        ...
-
-
-_OPEN = [WorkunitStatus.ready.value, WorkunitStatus.in_progress.value]
-
-
-def lock_job(s: Session, job_id: int) -> Job:
-    """The job's row, locked for the rest of the transaction `s`."""
-    return s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one()
-
-
-class ExportBelowTarget(Exception):
-    """W_s changed between the stop rule's check and the export, and the exported version misses the
-    target: the transaction ending the job rolls back (its merges reopen) and the rule is applied again."""
 
 
 def epoch_accuracy(s: Session, job_id: int, epoch: int) -> float | None:
@@ -58,7 +41,7 @@ def _open_workunits(s: Session, job_id: int, epoch: int) -> int:
     return s.execute(
         select(func.count())
         .select_from(Workunit)
-        .where(Workunit.job_id == job_id, Workunit.epoch == epoch, Workunit.status.in_(_OPEN))
+        .where(Workunit.job_id == job_id, Workunit.epoch == epoch, Workunit.status.in_(OPEN))
     ).scalar_one()
 
 
@@ -129,7 +112,7 @@ def next_epoch_releasable(s: Session, job: Job, ignore_ready: bool = False) -> b
     older_open = s.scalar(
         select(func.count())
         .select_from(Workunit)
-        .where(Workunit.job_id == job.id, Workunit.epoch < job.current_epoch, Workunit.status.in_(_OPEN))
+        .where(Workunit.job_id == job.id, Workunit.epoch < job.current_epoch, Workunit.status.in_(OPEN))
     )
     return ready == 0 and older_open == 0
 
@@ -175,9 +158,10 @@ def close_epoch_if_complete(
 ) -> None:
     """If every workunit of `epoch` is done or failed, apply the stop rule: the job succeeds (target
     accuracy reached by the epoch's mean and by the model it exports) or fails (max_epochs reached),
-    its model exported (`evaluator` scores it when no metric of that version is recorded); else the
-    next epoch is released. Safe to call repeatedly. One transaction (again, at most three times in
-    all, if W_s changed below the target between the check and the export).
+    its model exported (`evaluator` scores it when no metric of that version is recorded, outside any
+    transaction: ScoreFirst); else the next epoch is released. Safe to call repeatedly. One
+    transaction (again, at most `TRIES` times in all, when W_s had to be scored first or changed
+    below the target between the check and the export; the transitioner's sweep calls it again).
 
     The stop rule reads epochs in order. An epoch released early can close before an older one; it
     then waits, and the older epoch's closing applies the rule to it as well, so that no job ends
@@ -187,19 +171,21 @@ def close_epoch_if_complete(
     with db.begin() as s:
         if _open_workunits(s, job_id, epoch):
             return
-    for _ in range(3):
+    scores: Scores = {}
+    for _ in range(TRIES):
         try:
-            if _close_epoch(db, storage, r, job_id, epoch, evaluator):
+            if _close_epoch(db, r, job_id, epoch, scores):
                 export_or_leave_it(db, storage, r, job_id)
             return
+        except ScoreFirst:
+            scores.update(score_server_model(db, storage, r, job_id, evaluator))
         except ExportBelowTarget as exc:
             log.info("job %s: %s; the stop rule is applied again", job_id, exc, extra=ids(job_id=job_id, epoch=epoch))
 
 
-def _close_epoch(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, epoch: int, evaluator: Evaluator
-) -> bool:
-    """`close_epoch_if_complete`'s transaction: True when it ended the job (its model still to export)."""
+def _close_epoch(db: sessionmaker[Session], r: redis.Redis, job_id: int, epoch: int, scores: Scores) -> bool:
+    """`close_epoch_if_complete`'s transaction: True when it ended the job (its model still to export);
+    ScoreFirst when the stop rule needs a version of W_s that `scores` lacks."""
     with db.begin() as s:
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
@@ -213,7 +199,7 @@ def _close_epoch(
             )
             return False
         closed = epoch
-        while not _apply_stop_rule(s, storage, r, job, closed, evaluator):
+        while not _apply_stop_rule(s, r, job, closed, scores):
             if closed >= job.current_epoch:
                 release_epoch(s, job, job.current_epoch + 1)
                 return False
@@ -229,11 +215,11 @@ def _open_before(s: Session, job_id: int, epoch: int) -> int:
     return s.execute(
         select(func.count())
         .select_from(Workunit)
-        .where(Workunit.job_id == job_id, Workunit.epoch < epoch, Workunit.status.in_(_OPEN))
+        .where(Workunit.job_id == job_id, Workunit.epoch < epoch, Workunit.status.in_(OPEN))
     ).scalar_one()
 
 
-def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epoch: int, evaluator: Evaluator) -> bool:
+def _apply_stop_rule(s: Session, r: redis.Redis, job: Job, epoch: int, scores: Scores) -> bool:
     """The stop rule for a closed `epoch` whose older epochs are all closed: True if it ended the job."""
     figure = epoch_accuracy(s, job.id, epoch)
     stop = job.spec["stop"]
@@ -241,15 +227,15 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
     target = stop["target_accuracy"]
     if figure is not None and figure >= target:
         # The job succeeds only if the model it exports meets the target, not an epoch's mean of it.
-        version, blob = store.read_blob(r, job.id)
-        exported = _accuracy_of(s, storage, job, version, blob, evaluator)
+        version = store.version_of(r, job.id)
+        exported = accuracy_of(s, job, version, scores)
         if exported is not None and exported >= target:
             message = (
                 f"epoch {epoch} reached mean validation accuracy {figure:.4f} and W_s v{version} {exported:.4f} "
                 f">= {target}"
             )
             scored = (version, exported)
-            _finish(s, storage, r, job, JobStatus.succeeded, evaluator, message, require=target, scored=scored)
+            finish(s, r, job, JobStatus.succeeded, scores, message, require=target, scored=scored)
             return True
         log.info(
             "job %s: epoch %d's mean validation accuracy %.4f reached the target %s, but W_s v%d scores %s: "
@@ -266,7 +252,7 @@ def _apply_stop_rule(s: Session, storage: Storage, r: redis.Redis, job: Job, epo
         message = (
             f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} < target {stop['target_accuracy']}"
         )
-        _finish(s, storage, r, job, JobStatus.failed, evaluator, message)
+        finish(s, r, job, JobStatus.failed, scores, message)
         return True
     log.info(
         "job %s: epoch %d closed with accuracy %s (target %s)",
@@ -287,102 +273,3 @@ def close_epochs_after_failure(
     the transaction that ended them has committed. An empty `failed` does nothing."""
     for job_id, epoch in sorted(set(failed)):
         close_epoch_if_complete(db, storage, r, job_id, epoch, evaluator)
-
-
-def fail_job(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, job_id: int, message: str, evaluator: Evaluator
-) -> bool:
-    """End a running job as failed with `message`, its model exported as it stands (scored by
-    `evaluator` when no metric of that version is recorded); False if it was no longer running.
-    One transaction, then the export (`export_final_model`)."""
-    with db.begin() as s:
-        job = lock_job(s, job_id)
-        if job.status != JobStatus.running.value:
-            return False
-        _finish(s, storage, r, job, JobStatus.failed, evaluator, message)
-    export_or_leave_it(db, storage, r, job_id)
-    return True
-
-
-def _finish(
-    s: Session,
-    storage: Storage,
-    r: redis.Redis,
-    job: Job,
-    outcome: JobStatus,
-    evaluator: Evaluator,
-    message: str,
-    require: float | None = None,
-    scored: tuple[int, float] | None = None,
-) -> None:
-    """Close the job's merges and record its end, with the validation accuracy of exactly the version
-    it exports; the export itself is written after the transaction commits (`export_final_model`), so
-    that no object storage write holds the job's lock (on SQLite, the whole database's). If the
-    transaction does not commit, the job still runs and its merges reopen.
-
-    With `require`, a version scoring below it raises ExportBelowTarget before anything is recorded.
-    `scored` (version, accuracy) is a version the caller has just scored: not scored again if it is
-    still the one exported."""
-    close_merges(s, r, job.id)
-    version, blob = store.read_blob(r, job.id)
-    if scored is not None and scored[0] == version:
-        job.final_accuracy = scored[1]
-    else:
-        job.final_accuracy = _accuracy_of(s, storage, job, version, blob, evaluator)
-    if require is not None and (job.final_accuracy is None or job.final_accuracy < require):
-        raise ExportBelowTarget(f"W_s v{version}, to be exported, scores {job.final_accuracy} < {require}")
-    job.param_version = max(job.param_version, version)
-    cancel_open_workunits(s, job.id)
-    states.move(job, outcome)
-    job.status_message = message
-    job.finished_at = utcnow()
-    log.info("job %s %s: %s; final model v%d to export", job.id, outcome.value, message, version)
-
-
-def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
-    """Close the job's merges (store.close_merges) as part of the transaction `s` that ends it:
-    reopened if `s` rolls back, and what only its merges read is deleted once `s` commits
-    (store.forget_finished). Returns the assignment ids W_s holds, final once `s` commits."""
-    event.listen(s, "after_rollback", lambda _: store.reopen_merges(r, job_id), once=True)
-    event.listen(s, "after_commit", lambda _: store.forget_finished(r, job_id), once=True)
-    return store.close_merges(r, job_id)
-
-
-def _accuracy_of(
-    s: Session, storage: Storage, job: Job, version: int, blob: bytes, evaluator: Evaluator
-) -> float | None:
-    """Validation accuracy of W_s `version` (`blob`): its recorded metric, else evaluated now.
-
-    A merge may land after the last recorded metric (or eval_every may skip versions), so the
-    newest metric is not necessarily the exported model's. None if it cannot be evaluated.
-    """
-    recorded = s.scalar(
-        select(Metric.val_accuracy)
-        .where(Metric.job_id == job.id, Metric.param_version == version)
-        .order_by(Metric.id.desc())
-        .limit(1)
-    )
-    if recorded is not None:
-        return recorded
-    try:
-        x, y = decode_shard(storage.get(job.validation_key))
-        return evaluator.evaluate(job.id, job.model_config_, decode(blob), x, y)[1]
-    except Exception as exc:  # the job ends either way; a missing figure is logged, not fatal
-        log.warning(
-            "job %s: the exported W_s v%d could not be evaluated: %s: %s",
-            job.id,
-            version,
-            type(exc).__name__,
-            exc,
-            extra=ids(job_id=job.id),
-        )
-        return None
-
-
-def cancel_open_workunits(s: Session, job_id: int) -> int:
-    """Cancel the job's ready and in-progress workunits in `s` (its end); returns how many."""
-    wus = s.scalars(select(Workunit).where(Workunit.job_id == job_id, Workunit.status.in_(_OPEN))).all()
-    for wu in wus:
-        states.move(wu, WorkunitStatus.cancelled)
-        wu.finished_at = utcnow()
-    return len(wus)

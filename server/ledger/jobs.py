@@ -14,12 +14,8 @@ from crowdtrain.core.refusals import NotFound, Refusal, RefusalKind
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.assignments import end_assignment
-from crowdtrain.server.ledger.epochs import (
-    cancel_open_workunits,
-    close_merges,
-    lock_job,
-    release_epoch,
-)
+from crowdtrain.server.ledger.epochs import release_epoch
+from crowdtrain.server.ledger.job_end import cancel_open_workunits, close_merges, lock_job
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Shard, utcnow
 
 

@@ -29,7 +29,8 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import replicas, reputation, states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.duplicates import lock_siblings, supersede_siblings
-from crowdtrain.server.ledger.epochs import Evaluator, close_epochs_after_failure, fail_job
+from crowdtrain.server.ledger.epochs import close_epochs_after_failure
+from crowdtrain.server.ledger.job_end import Evaluator, fail_job
 from crowdtrain.server.ledger.models import Assignment, Host, Job, Metric, Workunit, utcnow
 from crowdtrain.server.ledger.pace import measure_pace
 from crowdtrain.server.paramstore import merging, store

@@ -105,6 +105,14 @@ def read_blob(r: redis.Redis, job_id: int) -> tuple[int, bytes]:
     return blobs.version, blobs.params
 
 
+def version_of(r: redis.Redis, job_id: int) -> int:
+    """W_s's version (one GET); NoServerModel when the job has none."""
+    version = r.get(keys.version(job_id))
+    if version is None:
+        raise NoServerModel(f"job {job_id} has no server model in Redis")
+    return int(version)
+
+
 def read(r: redis.Redis, job_id: int) -> tuple[int, Params]:
     version, blob = read_blob(r, job_id)
     return version, decode(blob)

@@ -30,7 +30,7 @@ from crowdtrain.core.tensors import (
     sha256,
 )
 from crowdtrain.server.ledger import jobs as ledger_jobs
-from crowdtrain.server.ledger.epochs import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.models import Job, Shard
 from crowdtrain.server.services import access, dedloc, dedloc_peers, dedloc_states, project_key
 from crowdtrain.server.services.clock import now_or_wall

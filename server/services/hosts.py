@@ -21,7 +21,7 @@ from crowdtrain.core.schemas import (
 )
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import assignments, reputation
-from crowdtrain.server.ledger.epochs import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.models import Host, JoinToken, utcnow
 from crowdtrain.server.services import registration
 from crowdtrain.server.services.registration import DEFAULT_POLICY, RegistrationPolicy

@@ -25,7 +25,7 @@ from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_spec
 from crowdtrain.server.ledger import assignments
 from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat, refuse_result
-from crowdtrain.server.ledger.epochs import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.uploads import StoredUpload, record_upload, upload_target
 from crowdtrain.server.services import file_refs
 

@@ -18,8 +18,9 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import duplicates, replicas
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.assignments import time_out_expired
-from crowdtrain.server.ledger.epochs import Evaluator, close_epoch_if_complete, close_epochs_after_failure
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.ledger.exports import export_pending_models
+from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
 from crowdtrain.server.services import experts, telemetry
 

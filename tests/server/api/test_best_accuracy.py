@@ -11,7 +11,8 @@ from crowdtrain.cli.progress import status_table
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_jobs import BEST_LABEL, EpochFigures, JobStatusOut, best_closed_epoch
 from crowdtrain.core.states import WorkunitStatus
-from crowdtrain.server.ledger.epochs import lock_job, release_epoch
+from crowdtrain.server.ledger.epochs import release_epoch
+from crowdtrain.server.ledger.job_end import lock_job
 from crowdtrain.server.ledger.models import Metric, Workunit
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import ADMIN_TOKEN, Scheduler, ok, scheduler_app

@@ -13,7 +13,7 @@ from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage
 from crowdtrain.core.tensors import decode, encode
 from crowdtrain.server.ledger import states
-from crowdtrain.server.ledger.epochs import cancel_open_workunits, lock_job
+from crowdtrain.server.ledger.job_end import cancel_open_workunits, lock_job
 from crowdtrain.server.ledger.models import utcnow
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import ok, scheduler_app

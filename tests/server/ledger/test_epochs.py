@@ -1,10 +1,12 @@
 """Closing epochs against a real SQLite ledger and a private Redis: what a finished job reports."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, make_url, select, update
 
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator, evaluate
 from crowdtrain.assimilator.rules import merge_vc_asgd
@@ -19,8 +21,9 @@ from crowdtrain.core.tensors import decode, decode_shard
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import result_records
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_epoch_if_complete, fail_job, release_epoch
+from crowdtrain.server.ledger.epochs import close_epoch_if_complete, release_epoch
 from crowdtrain.server.ledger.exports import export_final_model, export_pending_models
+from crowdtrain.server.ledger.job_end import fail_job
 from crowdtrain.server.ledger.jobs import cancel_job
 from crowdtrain.server.ledger.models import Job, Metric, Workunit
 from crowdtrain.server.paramstore import merging, store
@@ -315,3 +318,63 @@ def test_a_download_that_comes_before_the_sweep_writes_the_model_itself(sqlite_u
 
     assert final_model_key(db, storage, private_redis, job_id) == final_key(job_id)
     assert read_metadata(storage.get(final_key(job_id)))["param_version"] == str(version)
+
+
+class _WriterMeanwhile:
+    """An evaluator that, before it scores, has another process take SQLite's write lock and commit
+    (`BEGIN IMMEDIATE`, with 60 s to get it), and waits for that process: were the job's end to
+    evaluate inside its transaction, the writer would wait on the end's lock and the end on the writer
+    until the writer gives up, and `writes` would record the failure."""
+
+    def __init__(self, path: str):
+        self.path, self.writes = path, []
+        self.scorer = FrameworkEvaluator()
+
+    def evaluate(self, job_id, model_config, params, x, y):
+        code = (
+            "import sqlite3, sys\n"
+            "db = sqlite3.connect(sys.argv[1], timeout=60, isolation_level=None)\n"
+            "db.execute('BEGIN IMMEDIATE')\n"
+            "db.execute('UPDATE workunits SET error_count = error_count WHERE id = -1')\n"
+            "db.execute('COMMIT')\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code, self.path], capture_output=True, text=True, timeout=120)
+        self.writes.append((done.returncode, done.stderr[-500:]))
+        return self.scorer.evaluate(job_id, model_config, params, x, y)
+
+
+@pytest.mark.parametrize("end", ["stop rule", "failure"])
+def test_a_job_s_end_scores_its_model_with_no_lock_held_so_another_process_writes_meanwhile(
+    end, sqlite_url, private_redis, tmp_path
+) -> None:
+    """The exported W_s has no recorded metric, so the job's end must evaluate it: it does so outside
+    its transaction, and a writer in another process commits during the evaluation (on SQLite the job
+    row's lock is the database's write lock). The end then records that evaluation's accuracy."""
+    upgrade(sqlite_url)
+    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy = 0.01
+    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        model_config, validation_key = job.model_config_, job.validation_key
+    _, w0 = store.read(r, job_id)
+    version = _merge(r, job_id, 1, w0)  # no metric of v1: the end must score it
+    with db.begin() as s:
+        s.add(Metric(job_id=job_id, epoch=1, param_version=0, val_loss=2.0, val_accuracy=0.5))
+        s.execute(update(Workunit).where(Workunit.job_id == job_id).values(status="done"))
+    evaluator = _WriterMeanwhile(make_url(sqlite_url).database)
+
+    if end == "stop rule":
+        close_epoch_if_complete(db, storage, r, job_id, 1, evaluator)
+    else:
+        assert fail_job(db, storage, r, job_id, "given up", evaluator)
+
+    assert evaluator.writes == [(0, "")]
+    x, y = decode_shard(storage.get(validation_key))
+    with db.begin() as s:
+        job = s.get_one(Job, job_id)
+        status, final_accuracy = job.status, job.final_accuracy
+    assert status == (JobStatus.succeeded.value if end == "stop rule" else JobStatus.failed.value)
+    assert final_accuracy == pytest.approx(evaluate(job_id, model_config, store.read(r, job_id)[1], x, y)[1])
+    assert store.read(r, job_id)[0] == version

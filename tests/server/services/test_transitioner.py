@@ -17,7 +17,7 @@ from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.epochs import close_merges
+from crowdtrain.server.ledger.job_end import close_merges
 from crowdtrain.server.ledger.models import Assignment, Host, Job
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
