@@ -26,7 +26,7 @@ import math
 import sys
 from pathlib import Path
 
-from crowdtrain.core.jobspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import AssimilationSpec
 from efficiency_tasks import DEFAULT_RULE, ROUND_SIZE, RULE_CONFIGS, assimilation_for
 
 ROOT = Path(__file__).resolve().parent.parent

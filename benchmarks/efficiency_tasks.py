@@ -23,7 +23,7 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 MAX_LR = 10.0  # crowdtrain.core.jobspec.TrainingSpec.lr's bound
 DEFAULT_RULE = "default"
 
-# Named assimilation sections (fields of crowdtrain.core.jobspec.AssimilationSpec). `default` is filled
+# Named assimilation sections (fields of crowdtrain.core.assimilationspec.AssimilationSpec). `default` is filled
 # in from EXAMPLE_SPEC. Add a configuration here and it is benchmarked; one the code does not
 # know yet is reported "unsupported".
 ROUND_SIZE = "slots"  # a rule configuration's buffer_size that asks for rounds of the run's slot count

@@ -12,7 +12,8 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment

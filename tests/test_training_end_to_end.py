@@ -11,7 +11,8 @@ from sqlalchemy import func, select
 
 from crowdtrain.assimilator.evaluate import evaluate
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import UploadSpec, load_job_spec
+from crowdtrain.core.assimilationspec import UploadSpec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.modelfile import read_metadata
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import decode

@@ -13,8 +13,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys, signing
+from crowdtrain.core.assimilationspec import effective_rule
 from crowdtrain.core.frameworks import KERAS_MODEL
-from crowdtrain.core.jobspec import WORKUNIT_MODES, JobSpec, effective_rule
+from crowdtrain.core.jobspec import WORKUNIT_MODES, JobSpec
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import (
     Params,

@@ -22,7 +22,7 @@ from crowdtrain.assimilator.rules.outer import make_outer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
 from crowdtrain.assimilator.rules.update import Rule, Update, make_update
 from crowdtrain.assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_vc_asgd, update_norm
-from crowdtrain.core.jobspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import AssimilationSpec
 
 
 def make_rule(assimilation: dict[str, Any]) -> Rule:

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 import annotated_types as at
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints, computed_field
 
+from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.frameworks import Framework
-from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.reputation import score
 from crowdtrain.core.states import AssignmentStatus
 

@@ -1,5 +1,5 @@
 """Results on the wire: a client's weights W_c, or its update Δ = W_c − W_base encoded as float32,
-bfloat16 or int8, as the job's `assimilation.upload` (crowdtrain.core.jobspec.UploadSpec) says; and the
+bfloat16 or int8, as the job's `assimilation.upload` (crowdtrain.core.assimilationspec.UploadSpec) says; and the
 validated decode back to W_c that the scheduler and the parameter servers run. No I/O.
 
 A result is one safetensors blob whose tensors are named after the model's (its manifest):
@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save as _st_save
 
-from crowdtrain.core.jobspec import UploadSpec
+from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.tensors import (
     Manifest,
     Params,

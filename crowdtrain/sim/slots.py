@@ -12,7 +12,7 @@ import numpy as np
 
 from crowdtrain.client.trainers import examples_in, local_steps
 from crowdtrain.client.trainers.pytorch import train
-from crowdtrain.core.jobspec import UploadSpec
+from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.tensors import Manifest, Params
 from crowdtrain.core.updates import decode_result, encode_result
 from crowdtrain.server.services.local_work import host_speeds, local_fraction

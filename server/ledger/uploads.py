@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.credit import assigned_examples
-from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.logs import ids
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import ResultMetrics

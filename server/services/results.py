@@ -16,8 +16,8 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import keys
+from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.digests import weights_digest
-from crowdtrain.core.jobspec import UploadSpec
 from crowdtrain.core.schemas import ResultMetrics, SnapshotBound
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.storage import Storage

@@ -8,7 +8,7 @@ import pytest
 from crowdtrain.assimilator.rules import GainDelta, Update, make_rule
 from crowdtrain.assimilator.rules.gain import WARMUP, gain
 from crowdtrain.assimilator.rules.outer import make_outer
-from crowdtrain.core.jobspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import AssimilationSpec
 
 SIZE = 4096
 

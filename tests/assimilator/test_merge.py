@@ -15,9 +15,10 @@ from crowdtrain.assimilator.inputs import read_result, replay_of
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
 from crowdtrain.assimilator.rules.control import GROW
 from crowdtrain.core import keys
+from crowdtrain.core.assimilationspec import AssimilationSpec
 from crowdtrain.core.credit import COBBLESTONE_FLOPS
 from crowdtrain.core.digests import weights_digest
-from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus

@@ -17,7 +17,7 @@ from crowdtrain.assimilator.policy import (
     staleness_refusal,
 )
 from crowdtrain.assimilator.rules import Update, make_rule
-from crowdtrain.core.jobspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import AssimilationSpec
 
 DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
 

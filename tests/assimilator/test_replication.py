@@ -16,7 +16,8 @@ from sqlalchemy import select
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core import keys
-from crowdtrain.core.jobspec import AssimilationSpec, load_job_spec
+from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import AssignmentOut, HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from crowdtrain.assimilator.rules import Delta, FedBuff, LossControlled, Update, make_rule, reads_validation
 from crowdtrain.assimilator.rules.control import GROW, SHRINK
-from crowdtrain.core.jobspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import AssimilationSpec
 
 CONTROLLED = {"rule": "delta", "server_lr": 1.0, "step_control": "loss", "step_floor": 0.125}
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.core.jobspec import effective_rule, load_job_spec
+from crowdtrain.core.assimilationspec import effective_rule
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.settings import Settings
 from crowdtrain.core.states import JobStatus
 from crowdtrain.core.storage import open_storage

@@ -4,8 +4,9 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from crowdtrain.core.assimilationspec import DEFAULT_ASSIMILATION, AssimilationSpec, effective_rule
 from crowdtrain.core.dedlocspec import DedlocSpec
-from crowdtrain.core.jobspec import DEFAULT_ASSIMILATION, AssimilationSpec, JobSpec, effective_rule, load_job_spec
+from crowdtrain.core.jobspec import JobSpec, load_job_spec
 from tests.conftest import EXAMPLE_SPEC, ROOT
 
 
