@@ -22,6 +22,7 @@ from crowdtrain.server.ledger.job_end import (
     ScoreFirst,
     Scores,
     accuracy_of,
+    ending,
     finish,
     lock_job,
     score_server_model,
@@ -186,7 +187,7 @@ def close_epoch_if_complete(
 def _close_epoch(db: sessionmaker[Session], r: redis.Redis, job_id: int, epoch: int, scores: Scores) -> bool:
     """`close_epoch_if_complete`'s transaction: True when it ended the job (its model still to export);
     ScoreFirst when the stop rule needs a version of W_s that `scores` lacks."""
-    with db.begin() as s:
+    with ending(db, r) as s:
         job = lock_job(s, job_id)
         if job.status != JobStatus.running.value or _open_workunits(s, job_id, epoch):
             return False

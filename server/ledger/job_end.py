@@ -8,13 +8,16 @@ itself is written after the commit (crowdtrain.server.ledger.exports). crowdtrai
 applies the stop rule that decides a job's end; `fail_job` ends one for other causes."""
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
 import redis
-from sqlalchemy import event, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.core.jobspec import WORKUNIT_MODES
 from crowdtrain.core.logs import ids
 from crowdtrain.core.states import JobStatus, WorkunitStatus
 from crowdtrain.core.storage import Storage
@@ -78,7 +81,7 @@ def fail_job(
     scores: Scores = {}
     for _ in range(TRIES):
         try:
-            with db.begin() as s:
+            with ending(db, r) as s:
                 job = lock_job(s, job_id)
                 if job.status != JobStatus.running.value:
                     return False
@@ -87,7 +90,7 @@ def fail_job(
         except ScoreFirst:
             scores.update(score_server_model(db, storage, r, job_id, evaluator))
     else:  # W_s kept moving while it was scored: end the job with its final accuracy unknown
-        with db.begin() as s:
+        with ending(db, r) as s:
             job = lock_job(s, job_id)
             if job.status != JobStatus.running.value:
                 return False
@@ -109,8 +112,8 @@ def finish(
 ) -> None:
     """Close the job's merges and record its end, with the validation accuracy of exactly the version
     it exports; the export itself is written after the transaction commits (`export_final_model`), so
-    that no object storage write holds the job's lock (on SQLite, the whole database's). If the
-    transaction does not commit, the job still runs and its merges reopen.
+    that no object storage write holds the job's lock (on SQLite, the whole database's). `s` is an
+    `ending` transaction: if it does not commit, the job still runs and its merges reopen.
 
     The exported version's accuracy is its recorded metric, else its score in `scores`, else ScoreFirst
     rolls the transaction back to have it scored (with `unscored`, it is recorded as unknown instead).
@@ -138,13 +141,62 @@ def finish(
     log.info("job %s %s: %s; final model v%d to export", job.id, outcome.value, message, version)
 
 
+_CLOSED = "crowdtrain.closed_merges"  # Session.info: the jobs whose merges the transaction closed
+
+
+@contextmanager
+def ending(db: sessionmaker[Session], r: redis.Redis) -> Iterator[Session]:
+    """A transaction that may close jobs' merges (`close_merges`), compensated by state rather than by
+    session events: if it does not commit, each job it closed gets its merges back while it still runs
+    (`reopen_if_running`); once it commits, what only running merges read is deleted
+    (store.forget_finished). A process that dies in between leaves a running job's merges closed:
+    the transitioner's sweep reopens them (`reopen_abandoned_merges`)."""
+    closed: set[int] = set()
+    try:
+        with db.begin() as s:
+            s.info[_CLOSED] = closed
+            yield s
+    except BaseException:
+        for job_id in sorted(closed):
+            reopen_if_running(db, r, job_id)
+        raise
+    for job_id in sorted(closed):
+        store.forget_finished(r, job_id)
+
+
 def close_merges(s: Session, r: redis.Redis, job_id: int) -> set[int]:
-    """Close the job's merges (store.close_merges) as part of the transaction `s` that ends it:
-    reopened if `s` rolls back, and what only its merges read is deleted once `s` commits
-    (store.forget_finished). Returns the assignment ids W_s holds, final once `s` commits."""
-    event.listen(s, "after_rollback", lambda _: store.reopen_merges(r, job_id), once=True)
-    event.listen(s, "after_commit", lambda _: store.forget_finished(r, job_id), once=True)
+    """Close the job's merges (store.close_merges) as part of the `ending` transaction `s`, which holds
+    the job row's lock: reopened if `s` does not commit, final once it does. Returns the assignment ids
+    W_s holds."""
+    if _CLOSED not in s.info:
+        raise RuntimeError("close_merges belongs in an `ending` transaction, which reopens them if it fails")
+    s.info[_CLOSED].add(job_id)
     return store.close_merges(r, job_id)
+
+
+def reopen_if_running(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> bool:
+    """Reopen the job's merges if they are closed while it runs; whether it did. Under the job row's
+    lock, which every transaction that closes merges holds until it commits or rolls back, so merges
+    closed now belong to a job's end that did not commit: never to one in progress."""
+    if not store.merges_closed(r, job_id):
+        return False
+    with db.begin() as s:
+        job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
+        if job is None or job.status != JobStatus.running.value or not store.merges_closed(r, job_id):
+            return False
+        store.reopen_merges(r, job_id)
+    log.warning("job %s: its merges were closed by an end that never committed; reopened", job_id)
+    return True
+
+
+def reopen_abandoned_merges(db: sessionmaker[Session], r: redis.Redis) -> int:
+    """`reopen_if_running` for every running job of the workunit modes (the transitioner's sweep: a
+    process that died inside a job's end left its merges closed); how many it reopened."""
+    with db.begin() as s:
+        running = s.scalars(
+            select(Job.id).where(Job.status == JobStatus.running.value, Job.mode.in_(WORKUNIT_MODES))
+        ).all()
+    return sum(reopen_if_running(db, r, job_id) for job_id in running)
 
 
 def accuracy_of(s: Session, job: Job, version: int, scores: Scores) -> float | None:

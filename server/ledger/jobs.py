@@ -15,7 +15,7 @@ from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.assignments import end_assignment
 from crowdtrain.server.ledger.epochs import release_epoch
-from crowdtrain.server.ledger.job_end import cancel_open_workunits, close_merges, lock_job
+from crowdtrain.server.ledger.job_end import cancel_open_workunits, close_merges, ending, lock_job
 from crowdtrain.server.ledger.models import Assignment, Job, Metric, Shard, utcnow
 
 
@@ -128,7 +128,7 @@ def cancel_job(db: sessionmaker[Session], r: redis.Redis, job_id: int) -> str | 
     cancelled, hosts are told at heartbeat, its merges are closed, and its uploaded results not in
     W_s are rejected (not charged) so that no merge of them is queued again. Those W_s already holds
     are recorded by their merge task. Returns the new status, None if there is no such job. One transaction."""
-    with db.begin() as s:
+    with ending(db, r) as s:
         job = s.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
         if job is None:
             return None
@@ -170,7 +170,7 @@ def end_stalled_uploads(db: sessionmaker[Session], r: redis.Redis, uploaded_befo
     is final: a result in it is left for its merge to be recorded, any other is rejected, uncharged.
     Returns (how many were rejected, the ids of those W_s holds). One transaction."""
     ended, held = 0, []
-    with db.begin() as s:
+    with ending(db, r) as s:
         jobs = s.scalars(
             select(Assignment.job_id)
             .distinct()

@@ -190,6 +190,10 @@ def close_merges(r: redis.Redis, job_id: int) -> set[int]:
     return {int(m) for m in merged}
 
 
+def merges_closed(r: redis.Redis, job_id: int) -> bool:
+    return bool(r.exists(keys.closed(job_id)))
+
+
 def reopen_merges(r: redis.Redis, job_id: int) -> None:
     """Undo close_merges when the job's end could not be recorded (it still runs)."""
     r.delete(keys.closed(job_id))

@@ -20,7 +20,7 @@ from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.assignments import time_out_expired
 from crowdtrain.server.ledger.epochs import close_epoch_if_complete, close_epochs_after_failure
 from crowdtrain.server.ledger.exports import export_pending_models
-from crowdtrain.server.ledger.job_end import Evaluator
+from crowdtrain.server.ledger.job_end import Evaluator, reopen_abandoned_merges
 from crowdtrain.server.ledger.models import Assignment, Job, Workunit, utcnow
 from crowdtrain.server.services import experts, telemetry
 
@@ -136,6 +136,7 @@ def run_forever(
             close_stalled_votes(db, storage, r, evaluator)
             duplicates.release_orphaned_workunits(db, WORKUNIT_MODES)
             close_finished_epochs(db, storage, r, evaluator)
+            reopen_abandoned_merges(db, r)
             export_pending_models(db, storage, r)
             experts.expire_leases(db, time.time())
             if time.monotonic() - last_requeue >= stalled_after:

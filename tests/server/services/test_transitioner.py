@@ -17,7 +17,7 @@ from crowdtrain.launch.cluster import free_port, start_redis
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.job_end import close_merges
+from crowdtrain.server.ledger.job_end import close_merges, ending, reopen_abandoned_merges
 from crowdtrain.server.ledger.models import Assignment, Host, Job
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
@@ -144,9 +144,43 @@ def test_a_finished_jobs_result_that_w_s_holds_is_recorded_not_rejected(uploaded
 
 def test_a_job_end_that_does_not_commit_reopens_its_merges(uploaded) -> None:
     db, r, job_id, aid, _ = uploaded
-    with pytest.raises(RuntimeError, match="commit failed"), db.begin() as s:
+    with pytest.raises(RuntimeError, match="commit failed"), ending(db, r) as s:
         close_merges(s, r, job_id)
         with pytest.raises(merging.MergesClosed):
             _merge(r, job_id, aid)
         raise RuntimeError("commit failed")
     assert _merge(r, job_id, aid).applied_now
+
+
+def test_a_failed_transaction_on_a_job_that_no_longer_runs_leaves_its_merges_closed(uploaded) -> None:
+    """Compensation follows the job's state: an ended job's merges stay closed whatever a later
+    transaction that closed them again does (its W_s is exported)."""
+    db, r, job_id, aid, _ = uploaded
+    with db.begin() as s:
+        states.move(s.get_one(Job, job_id), JobStatus.succeeded)
+    with pytest.raises(RuntimeError, match="commit failed"), ending(db, r) as s:
+        close_merges(s, r, job_id)
+        raise RuntimeError("commit failed")
+    with pytest.raises(merging.MergesClosed):
+        _merge(r, job_id, aid)
+
+
+def test_closing_merges_outside_an_ending_transaction_is_refused(uploaded) -> None:
+    db, r, job_id, aid, _ = uploaded
+    with pytest.raises(RuntimeError, match="ending"), db.begin() as s:
+        close_merges(s, r, job_id)
+    assert _merge(r, job_id, aid).applied_now
+
+
+def test_the_sweep_reopens_the_merges_a_dead_process_left_closed_on_a_running_job_only(uploaded) -> None:
+    """A process that died between closing a job's merges and its commit: no transaction is left to
+    compensate, so the transitioner's sweep does, for running jobs (an ended job's stay closed)."""
+    db, r, job_id, aid, _ = uploaded
+    store.close_merges(r, job_id)  # what the dead process did before its transaction was lost
+    assert reopen_abandoned_merges(db, r) == 1
+    assert reopen_abandoned_merges(db, r) == 0
+    assert _merge(r, job_id, aid).applied_now
+    with db.begin() as s:
+        states.move(s.get_one(Job, job_id), JobStatus.failed)
+    store.close_merges(r, job_id)
+    assert reopen_abandoned_merges(db, r) == 0 and store.merges_closed(r, job_id)
