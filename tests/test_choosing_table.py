@@ -144,3 +144,17 @@ def test_a_document_without_the_generated_block_is_an_error_naming_the_markers(t
     doc.write_text("# no table here\n")
     with pytest.raises(SystemExit, match="no generated merge-rule table"):
         table.main(["--check", "--document", str(doc)])
+
+
+def test_a_task_only_one_rule_ran_neither_beats_nor_saves_the_default():
+    """The default missed a task the others have not run: they are compared on the tasks both ran."""
+    rows = [
+        _row("a", "default", ratio=2.0),
+        _row("a", "other", ratio=2.1),
+        _row("b", "default", status="not reached", examples_seen=500),
+        _row("c", "other", ratio=1.0),
+    ]
+    assert not table.beats(rows, "default", "other") and table.stands(rows, "default")
+    rows.append(_row("b", "other", ratio=3.0))  # now it has run b, and reached it
+    assert table.beats(rows, "default", "other") and not table.stands(rows, "default")
+    assert table.beaten_by(rows, "default") == "other"
