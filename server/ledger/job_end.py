@@ -79,22 +79,17 @@ def fail_job(
     no longer running. One transaction (again, if W_s had to be scored first), then the export
     (`export_final_model`)."""
     scores: Scores = {}
-    for _ in range(TRIES):
+    for attempt in range(1, TRIES + 1):
         try:
             with ending(db, r) as s:
                 job = lock_job(s, job_id)
                 if job.status != JobStatus.running.value:
                     return False
-                finish(s, r, job, JobStatus.failed, scores, message)
+                # the last try ends the job with its final accuracy unknown if W_s kept moving while it was scored
+                finish(s, r, job, JobStatus.failed, scores, message, unscored=attempt == TRIES)
             break
         except ScoreFirst:
             scores.update(score_server_model(db, storage, r, job_id, evaluator))
-    else:  # W_s kept moving while it was scored: end the job with its final accuracy unknown
-        with ending(db, r) as s:
-            job = lock_job(s, job_id)
-            if job.status != JobStatus.running.value:
-                return False
-            finish(s, r, job, JobStatus.failed, scores, message, unscored=True)
     export_or_leave_it(db, storage, r, job_id)
     return True
 

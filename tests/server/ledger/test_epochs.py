@@ -38,14 +38,20 @@ def _merge(r, job_id: int, assignment_id: int, client: dict) -> int:
     ).version
 
 
+def _easy_job(sqlite_url, r, tmp_path):
+    """The example job on a fresh SQLite ledger, its target (0.01) met by any model: (db, storage, job id)."""
+    upgrade(sqlite_url)
+    db, storage = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri())
+    spec = load_job_spec(EXAMPLE_SPEC)
+    spec.stop.target_accuracy = 0.01
+    return db, storage, submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+
+
 def test_the_final_accuracy_is_the_exported_models(sqlite_url, private_redis, tmp_path) -> None:
     """A merge lands after the last recorded metric: the job exports that newer W_s, and must report
     its accuracy, not the older metric's."""
-    upgrade(sqlite_url)
-    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
-    spec = load_job_spec(EXAMPLE_SPEC)
-    spec.stop.target_accuracy = 0.01
-    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    r = private_redis
+    db, storage, job_id = _easy_job(sqlite_url, r, tmp_path)
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         model_config, validation_key = job.model_config_, job.validation_key
@@ -117,11 +123,8 @@ def test_a_job_succeeds_only_if_the_model_it_exports_meets_the_target(sqlite_url
 def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path) -> None:
     """The exported file's header names the job, its spec and model, and the version and accuracy
     exported; its tensors are W_s's, read back from the parameter store's own bytes."""
-    upgrade(sqlite_url)
-    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
-    spec = load_job_spec(EXAMPLE_SPEC)
-    spec.stop.target_accuracy = 0.01
-    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    r = private_redis
+    db, storage, job_id = _easy_job(sqlite_url, r, tmp_path)
     _, w0 = store.read(r, job_id)
     version = _merge(r, job_id, 1, w0)
     with db.begin() as s:
@@ -134,8 +137,8 @@ def test_the_exported_model_says_what_it_is(sqlite_url, private_redis, tmp_path)
     meta = read_metadata(exported)
     with db.begin() as s:
         job = s.get_one(Job, job_id)
-        assert meta == model_metadata(job_id, spec.name, job.spec, job.model_config_, version, 0.25)
-    assert json.loads(meta["job_spec"])["name"] == spec.name and meta["param_version"] == "1"
+        assert meta == model_metadata(job_id, job.name, job.spec, job.model_config_, version, 0.25)
+    assert json.loads(meta["job_spec"])["name"] == load_job_spec(EXAMPLE_SPEC).name and meta["param_version"] == "1"
     stored = store.read_blob(r, job_id)[1]
     assert exported.endswith(stored[8 + int.from_bytes(stored[:8], "little") :])
 
@@ -215,11 +218,8 @@ def test_the_end_of_a_job_deletes_what_only_its_merges_read(sqlite_url, private_
 def test_the_stop_rule_scores_the_version_it_exports_once(sqlite_url, private_redis, tmp_path) -> None:
     """W_s has a merge after the last metric: the stop rule evaluates that version, and the export
     reports the same figure without evaluating it again."""
-    upgrade(sqlite_url)
-    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
-    spec = load_job_spec(EXAMPLE_SPEC)
-    spec.stop.target_accuracy = 0.01
-    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    r = private_redis
+    db, storage, job_id = _easy_job(sqlite_url, r, tmp_path)
     _, w0 = store.read(r, job_id)
     v1 = _merge(r, job_id, 1, w0)
     with db.begin() as s:
@@ -244,11 +244,7 @@ def test_the_stop_rule_scores_the_version_it_exports_once(sqlite_url, private_re
 
 def _ended_job(sqlite_url, r, tmp_path):
     """The example job with one merge measured and its first epoch done, ready to end at the target."""
-    upgrade(sqlite_url)
-    db, storage = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri())
-    spec = load_job_spec(EXAMPLE_SPEC)
-    spec.stop.target_accuracy = 0.01
-    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    db, storage, job_id = _easy_job(sqlite_url, r, tmp_path)
     version = _merge(r, job_id, 1, store.read(r, job_id)[1])
     with db.begin() as s:
         s.add(Metric(job_id=job_id, epoch=1, param_version=version, val_loss=2.0, val_accuracy=0.25))
@@ -350,11 +346,8 @@ def test_a_job_s_end_scores_its_model_with_no_lock_held_so_another_process_write
     """The exported W_s has no recorded metric, so the job's end must evaluate it: it does so outside
     its transaction, and a writer in another process commits during the evaluation (on SQLite the job
     row's lock is the database's write lock). The end then records that evaluation's accuracy."""
-    upgrade(sqlite_url)
-    db, storage, r = session_factory(sqlite_url), open_storage((tmp_path / "storage").as_uri()), private_redis
-    spec = load_job_spec(EXAMPLE_SPEC)
-    spec.stop.target_accuracy = 0.01
-    job_id = submit_job(db, storage, r, spec, Settings().upload_max_bytes).job_id
+    r = private_redis
+    db, storage, job_id = _easy_job(sqlite_url, r, tmp_path)
     with db.begin() as s:
         job = s.get_one(Job, job_id)
         model_config, validation_key = job.model_config_, job.validation_key
