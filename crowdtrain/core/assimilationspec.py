@@ -212,3 +212,9 @@ def effective_rule(a: AssimilationSpec) -> str:
     scheduler logs it when the job is created): what a spec left out is shown, not guessed."""
     shown = ", ".join(f"{name} {getattr(a, name)}" for name, owner, when in _OPTIONS if _reads(a, owner, when))
     return f"{a.rule} ({shown})"
+
+
+def buffer_size_of(spec: dict[str, Any]) -> int:
+    """fedbuff's buffer (the results combined per step, a round's K) of a stored job spec; the model's
+    default where a spec stored before the field existed leaves it out."""
+    return int(spec.get("assimilation", {}).get("buffer_size", AssimilationSpec.model_fields["buffer_size"].default))

@@ -14,6 +14,7 @@ published and evaluated.
 
 from typing import Any
 
+from crowdtrain.core.assimilationspec import buffer_size_of
 from crowdtrain.core.jobspec import scheduling_of
 
 
@@ -21,7 +22,7 @@ def round_size(spec: dict[str, Any]) -> int | None:
     """K, the results of one round, for a stored job spec in rounds; None when it is not in rounds."""
     if not scheduling_of(spec).rounds:
         return None
-    return int(spec.get("assimilation", {}).get("buffer_size", 4))
+    return buffer_size_of(spec)
 
 
 def budget(size: int, version: int) -> int:

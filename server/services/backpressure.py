@@ -42,6 +42,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, func, select
 
 from crowdtrain.core import rounds
+from crowdtrain.core.assimilationspec import buffer_size_of
 from crowdtrain.core.jobspec import scheduling_of
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.models import Assignment, Host, Job
@@ -62,10 +63,9 @@ class BudgetTerms:
 
     @classmethod
     def of(cls, spec: dict[str, Any]) -> "BudgetTerms":
-        assimilation = spec.get("assimilation", {})
         return cls(
             max_in_flight=scheduling_of(spec).max_in_flight,
-            rule_floor=int(assimilation.get("buffer_size", 4)) if assimilation.get("rule") == "fedbuff" else 1,
+            rule_floor=buffer_size_of(spec) if spec.get("assimilation", {}).get("rule") == "fedbuff" else 1,
             round_size=rounds.round_size(spec),
         )
 
