@@ -51,23 +51,13 @@ from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.rules import make_rule, make_update, reads_validation
 from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core import rounds
+from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
+from crowdtrain.server.ledger.states import move
 from crowdtrain.server.paramstore.steps import NORMS_KEPT
-from crowdtrain.server.services.backpressure import BudgetTerms, held_seconds, in_flight_budget
-from crowdtrain.sim.records import (
-    DONE,
-    FAILED,
-    IN_PROGRESS,
-    READY,
-    RUNNING,
-    SUCCEEDED,
-    UNMERGED,
-    UPLOADED,
-    Assignment,
-    Metric,
-    Workunit,
-)
+from crowdtrain.server.services.backpressure import UNMERGED, BudgetTerms, held_seconds, in_flight_budget
+from crowdtrain.sim.records import Assignment, Metric, Workunit
 
 _CLOCK_ZERO = datetime(2000, 1, 1, tzinfo=UTC)  # simulated second 0, for pace_of's timestamps
 
@@ -87,7 +77,7 @@ class SimJob:
     evaluate: Callable[[Params], tuple[float, float]] | None = None
     backpressure: bool = True  # hold dispatch at the in-flight budget (crowdtrain.server.services.backpressure)
     version: int = 0
-    status: str = RUNNING
+    status: str = JobStatus.running.value
     message: str = ""
     current_epoch: int = 0
     examples: int = 0
@@ -121,7 +111,7 @@ class SimJob:
 
     @property
     def running(self) -> bool:
-        return self.status == RUNNING
+        return self.status == JobStatus.running
 
     # --- dispatch (crowdtrain.server.services.dispatch) -------------------------------------------------------------
 
@@ -142,7 +132,7 @@ class SimJob:
             return None
         i = next((i for i, (_, _, wu) in enumerate(self.ready) if self.shard_key(wu) in cached), 0)
         wu = self.ready.pop(i)[2]
-        wu.status = IN_PROGRESS
+        move(wu, WorkunitStatus.in_progress)
         self._next_ids["a"] += 1
         a = Assignment(self._next_ids["a"], wu, host, self.snapshot_version, self.snapshot, now, now + timeout)
         self.unmerged[a.id] = a
@@ -190,11 +180,12 @@ class SimJob:
         self.current_epoch = epoch
 
     def _make_ready(self, wu: Workunit) -> None:
-        wu.status = READY
+        if wu.status != WorkunitStatus.ready:  # tried again; a released workunit starts ready
+            move(wu, WorkunitStatus.ready)
         bisect.insort(self.ready, (wu.epoch, wu.id, wu), key=lambda t: t[:2])
 
-    def _settle(self, wu: Workunit, status: str) -> None:
-        wu.status = status
+    def _settle(self, wu: Workunit, status: WorkunitStatus) -> None:
+        move(wu, status)
         self.open_count[wu.epoch] -= 1
 
     def _next_epoch_releasable(self) -> bool:
@@ -209,7 +200,7 @@ class SimJob:
         """A parameter server's merge of an uploaded result (`_prepare`, paramstore.merge_batch): the
         refusal, the assignment then rejected, or None when W_s took it (its version one higher).
         What follows a merge in the real task is `record`, once the evaluation it may need is done."""
-        if not self.running or a.status != UPLOADED:
+        if not self.running or a.status != AssignmentStatus.uploaded:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
         assert a.client is not None  # set when its training ended, before it arrived
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
@@ -230,7 +221,7 @@ class SimJob:
         )
         if refusal:
             self.refusals["stale" if refusal.startswith("stale") else "update norm"] += 1
-            self._end_assignment(a, "rejected", now)
+            self._end_assignment(a, AssignmentStatus.rejected, now)
             return refusal
         self.version += 1
         self.recent_norms.appendleft(norm)  # paramstore.steps.Pass: newest first, NORMS_KEPT kept
@@ -238,7 +229,7 @@ class SimJob:
         self.merged_hosts.append(a.host)
         self.merged.append(a.id)
         self.examples += a.examples
-        a.status = "merged"
+        move(a, AssignmentStatus.merged)
         self._measure_pace(a, now)
         return None
 
@@ -273,7 +264,7 @@ class SimJob:
         if metric is not None:
             self.metrics.append(replace(metric, time=float(now)))
         self._publish_snapshot_if_due(now)
-        self._settle(a.wu, DONE)
+        self._settle(a.wu, WorkunitStatus.done)
         self._close_epoch_if_complete(a.wu.epoch, now)
 
     def _publish_snapshot_if_due(self, now: float) -> None:
@@ -285,18 +276,19 @@ class SimJob:
 
     def time_out(self, a: Assignment, now: float) -> bool:
         """The deadline passed: end the assignment if it is still running; True if it was."""
-        if a.status != IN_PROGRESS or not self.running:
+        if a.status != AssignmentStatus.in_progress or not self.running:
             return False
         self.timeouts += 1
-        self._end_assignment(a, "timed_out", now)
+        self._end_assignment(a, AssignmentStatus.timed_out, now)
         return True
 
-    def _end_assignment(self, a: Assignment, outcome: str, now: float) -> None:
+    def _end_assignment(self, a: Assignment, outcome: AssignmentStatus, now: float) -> None:
         """A charged failure: the workunit is ready again, or failed after max_errors."""
-        a.status, wu = outcome, a.wu
+        move(a, outcome)
+        wu = a.wu
         wu.error_count += 1
         if wu.error_count >= self.spec["scheduling"]["max_errors"]:
-            self._settle(wu, FAILED)
+            self._settle(wu, WorkunitStatus.failed)
             self.failed_workunits += 1
             self._close_epoch_if_complete(wu.epoch, now)
         else:
@@ -328,21 +320,23 @@ class SimJob:
         shown = "n/a" if figure is None else f"{figure:.4f}"
         if figure is not None and figure >= stop["target_accuracy"]:
             self._finish(
-                SUCCEEDED, f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}"
+                JobStatus.succeeded,
+                f"epoch {epoch} reached mean validation accuracy {figure:.4f} >= {stop['target_accuracy']}",
             )
             return True
         if epoch >= stop["max_epochs"]:
             self._finish(
-                "failed",
+                JobStatus.failed,
                 f"max_epochs={stop['max_epochs']} reached; last epoch accuracy {shown} "
                 f"< target {stop['target_accuracy']}",
             )
             return True
         return False
 
-    def _finish(self, outcome: str, message: str) -> None:
+    def _finish(self, outcome: JobStatus, message: str) -> None:
         """The job ends; its final accuracy is that of the exported (last) W_s."""
-        self.status, self.message = outcome, message
+        move(self, outcome)
+        self.message = message
         self.ready.clear()
         if self.evaluate is not None:
             recorded = [m.accuracy for m in self.metrics if m.version == self.version]

@@ -9,8 +9,10 @@ dispatch and training, stays in crowdtrain.sim.training.
 from collections import deque
 from dataclasses import replace
 
+from crowdtrain.core.states import AssignmentStatus
+from crowdtrain.server.ledger.states import move
 from crowdtrain.sim.job import SimJob
-from crowdtrain.sim.records import IN_PROGRESS, UPLOADED, Assignment, Metric
+from crowdtrain.sim.records import Assignment, Metric
 from crowdtrain.sim.servers import MergeQueue, ParameterServers
 
 MERGED, EVALUATED = "merged", "evaluated"
@@ -38,11 +40,12 @@ class MergePasses:
         self.uploads += 1
         self.bytes_uploaded += a.upload_bytes
         self.arrivals.append(a.id)
-        if a.status != IN_PROGRESS:
+        if a.status != AssignmentStatus.in_progress:
             self.late += 1  # timed out on its way: the scheduler refuses the upload
             a.client = None
             return
-        a.status, a.uploaded = UPLOADED, self.now
+        move(a, AssignmentStatus.uploaded)
+        a.uploaded = self.now
         self.reports.append((a.host, a.examples, a.train_seconds))
         self.queue.arrive(a, self.now)
         self._serve()

@@ -1,17 +1,14 @@
 """What the training simulator's job holds: its workunits, assignments and validation figures, with
-the statuses the scheduler gives them (crowdtrain.core.states, as plain strings), and the shards' deals."""
+the statuses the scheduler gives them (crowdtrain.core.states; each change goes through the ledger's
+table, crowdtrain.server.ledger.states.move), and the shards' deals."""
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.workgen.datasets import deal_shards
-
-READY, IN_PROGRESS, DONE, FAILED = "ready", "in_progress", "done", "failed"
-UPLOADED = "uploaded"
-RUNNING, SUCCEEDED = "running", "succeeded"
-UNMERGED = (IN_PROGRESS, UPLOADED)  # in flight, as backpressure.UNMERGED: dispatched or uploaded, not merged
 
 
 @dataclass(eq=False)
@@ -19,7 +16,7 @@ class Workunit:
     id: int
     epoch: int
     shard: int
-    status: str = READY
+    status: str = WorkunitStatus.ready.value
     error_count: int = 0
 
 
@@ -33,7 +30,7 @@ class Assignment:
     sent: float
     deadline: float
     uploaded: float | None = None  # when its result reached the scheduler
-    status: str = IN_PROGRESS  # in_progress -> uploaded -> merged | rejected; in_progress -> timed_out
+    status: str = AssignmentStatus.in_progress.value  # then as the ledger's table allows
     client: Params | None = None  # W_c once trained (decoded from its upload)
     examples: int = 0
     local_fraction: float = 1.0  # of the recipe's local epochs (dynamic local work)
