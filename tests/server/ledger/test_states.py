@@ -83,6 +83,9 @@ PACKAGE_FOLDERS = ("crowdtrain", "server", "assimilator", "workgen", "client", "
 LEDGER = REPO / "server" / "ledger"
 
 
+SIMULATOR = REPO / "crowdtrain" / "sim"
+
+
 def _modules_outside_the_ledger() -> list[Path]:
     return sorted(p for folder in PACKAGE_FOLDERS for p in (REPO / folder).rglob("*.py") if LEDGER not in p.parents)
 
@@ -156,14 +159,18 @@ def _status_writes(tree: ast.Module) -> list[int]:
 
 def test_statuses_change_only_in_the_ledger() -> None:
     """No module outside crowdtrain.server.ledger uses the transition table's `move`, or writes the
-    status of a ledger row itself: every life-cycle procedure is the ledger's."""
+    status of a ledger row itself: every life-cycle procedure is the ledger's. The simulator moves its
+    own in-memory records (never a ledger row) by the same table, and only by it."""
     modules = _modules_outside_the_ledger()
     assert len(modules) > 50, "the scan must see the source tree"
     offenders = []
     for path in modules:
         tree = ast.parse(path.read_text(), filename=str(path))
         where = path.relative_to(REPO)
-        offenders += [f"{where}:{line}: calls states.move" for line in _moves(tree)]
+        if SIMULATOR not in path.parents:
+            offenders += [f"{where}:{line}: calls states.move" for line in _moves(tree)]
+        else:
+            offenders += [f"{where}:{line}: writes a status besides the table" for line in _status_writes(tree)]
         if any(name.startswith("crowdtrain.server.ledger.models") for name in _imported(tree)):
             offenders += [f"{where}:{line}: writes a status" for line in _status_writes(tree)]
     assert offenders == []
