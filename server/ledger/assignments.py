@@ -176,16 +176,21 @@ def give_up(
 
 
 def time_out_expired(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, limit: int = 500
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    evaluator: Evaluator,
+    limit: int = 500,
+    now: datetime | None = None,
 ) -> int:
-    """End `timed_out` up to `limit` in-progress assignments past their deadline (rows other
-    transactions hold are skipped); their workunits retry or fail, and the epochs of those that
-    failed are closed if complete. Returns how many timed out."""
+    """End `timed_out` up to `limit` in-progress assignments past their deadline at `now` (naive UTC,
+    default the clock's; rows other transactions hold are skipped); their workunits retry or fail, and
+    the epochs of those that failed are closed if complete. Returns how many timed out."""
     failed: list[tuple[int, int]] = []
     with db.begin() as s:
         expired = s.scalars(
             select(Assignment)
-            .where(Assignment.status == AssignmentStatus.in_progress.value, Assignment.deadline < utcnow())
+            .where(Assignment.status == AssignmentStatus.in_progress.value, Assignment.deadline < (now or utcnow()))
             .order_by(Assignment.deadline)
             .limit(limit)
             .with_for_update(skip_locked=True)

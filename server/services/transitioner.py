@@ -28,11 +28,16 @@ log = logging.getLogger(__name__)
 
 
 def reap_expired_assignments(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, limit: int = 500
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    evaluator: Evaluator,
+    limit: int = 500,
+    now: datetime | None = None,
 ) -> int:
-    """Mark in-progress assignments past their deadline timed_out; their workunits retry or fail, and
-    the epochs of those that failed are closed (crowdtrain.server.ledger.assignments.time_out_expired)."""
-    expired = time_out_expired(db, storage, r, evaluator, limit)
+    """Mark in-progress assignments past their deadline at `now` timed_out; their workunits retry or
+    fail, and the epochs of those that failed are closed (crowdtrain.server.ledger.assignments.time_out_expired)."""
+    expired = time_out_expired(db, storage, r, evaluator, limit, now)
     telemetry.count(r, "timeouts", expired)
     return expired
 
@@ -66,7 +71,7 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
 
 
 def requeue_stalled_merges(
-    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None]
+    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None], now: datetime | None = None
 ) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task), for
     running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads).
@@ -86,7 +91,7 @@ def requeue_stalled_merges(
             .where(
                 Job.status == JobStatus.running.value,
                 Assignment.status == AssignmentStatus.uploaded.value,
-                Assignment.uploaded_at < utcnow() - timedelta(seconds=stalled_after),
+                Assignment.uploaded_at < (now or utcnow()) - timedelta(seconds=stalled_after),
                 or_(Workunit.quorum == 1, Workunit.canonical_assignment_id.is_not(None), uploaded >= Workunit.quorum),
             )
             .limit(500)
@@ -103,19 +108,48 @@ def requeue_stalled_merges(
 
 
 def end_stalled_uploads(
-    db: sessionmaker[Session], r: redis.Redis, stalled_after: float, enqueue: Callable[[int, float], None]
+    db: sessionmaker[Session],
+    r: redis.Redis,
+    stalled_after: float,
+    enqueue: Callable[[int, float], None],
+    now: datetime | None = None,
 ) -> int:
     """End the results that stayed unmerged long after upload while their job stopped running: their
     merge task was lost. The job's merges are closed first, so the set W_s holds is final: a result
     in it has its merge queued again (the task records it), any other is rejected, uncharged.
     Returns how many were rejected."""
-    ended, held = ledger_jobs.end_stalled_uploads(db, r, utcnow() - timedelta(seconds=stalled_after))
+    ended, held = ledger_jobs.end_stalled_uploads(db, r, (now or utcnow()) - timedelta(seconds=stalled_after))
     for aid in held:
         log.warning("assignment %s: W_s holds it but the ledger does not yet; queueing its merge again", aid)
         enqueue(aid, time.time())
     if ended:
         log.warning("%d results of jobs no longer running were never merged; rejected them", ended)
     return ended
+
+
+def sweep(
+    db: sessionmaker[Session],
+    storage: Storage,
+    r: redis.Redis,
+    evaluator: Evaluator,
+    now: datetime,
+    stalled: tuple[float, Callable[[int, float], None]] | None = None,
+) -> None:
+    """One pass of the transitioner at `now` (naive UTC): deadlines, stalled votes, orphaned workunits,
+    epochs whose closing was lost, merges a dead process left closed, pending exports, expert leases;
+    with `stalled` (stalled_after seconds, enqueue), the merges stalled that long are queued again or
+    ended. Time is this argument, not the clock: a test passes a later `now` instead of waiting."""
+    reap_expired_assignments(db, storage, r, evaluator, now=now)
+    close_stalled_votes(db, storage, r, evaluator, now)
+    duplicates.release_orphaned_workunits(db, WORKUNIT_MODES)
+    close_finished_epochs(db, storage, r, evaluator)
+    reopen_abandoned_merges(db, r)
+    export_pending_models(db, storage, r)
+    experts.expire_leases(db, now.replace(tzinfo=UTC).timestamp())
+    if stalled is not None:
+        stalled_after, enqueue = stalled
+        requeue_stalled_merges(db, stalled_after, enqueue, now)
+        end_stalled_uploads(db, r, stalled_after, enqueue, now)
 
 
 def run_forever(
@@ -128,20 +162,14 @@ def run_forever(
     enqueue: Callable[[int, float], None],
     stop: threading.Event,
 ) -> None:
+    """`sweep` every `interval` seconds at the clock's time until `stop`; the stalled merges every
+    `stalled_after` seconds."""
     last_requeue = 0.0
-
     while not stop.is_set():
         try:
-            reap_expired_assignments(db, storage, r, evaluator)
-            close_stalled_votes(db, storage, r, evaluator)
-            duplicates.release_orphaned_workunits(db, WORKUNIT_MODES)
-            close_finished_epochs(db, storage, r, evaluator)
-            reopen_abandoned_merges(db, r)
-            export_pending_models(db, storage, r)
-            experts.expire_leases(db, time.time())
-            if time.monotonic() - last_requeue >= stalled_after:
-                requeue_stalled_merges(db, stalled_after, enqueue)
-                end_stalled_uploads(db, r, stalled_after, enqueue)
+            requeue = time.monotonic() - last_requeue >= stalled_after
+            sweep(db, storage, r, evaluator, utcnow(), (stalled_after, enqueue) if requeue else None)
+            if requeue:
                 last_requeue = time.monotonic()
         except Exception:
             log.exception("transitioner sweep failed; retrying in %ss", interval)

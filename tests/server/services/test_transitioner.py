@@ -1,11 +1,14 @@
 """Merges of jobs that no longer run are never queued again: cancelling or finishing a job ends its
 unmerged results, uncharged. Real SQLite ledger, private Redis, local storage."""
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import redis
 from sqlalchemy import select
 
+from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import JobSpec, load_job_spec
 from crowdtrain.core.schemas import ResultMetrics
@@ -18,7 +21,7 @@ from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import states
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.job_end import close_merges, ending, reopen_abandoned_merges
-from crowdtrain.server.ledger.models import Assignment, Host, Job
+from crowdtrain.server.ledger.models import Assignment, Host, Job, utcnow
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.services.dispatch import request_work
 from crowdtrain.server.services.jobs import cancel_job
@@ -26,6 +29,7 @@ from crowdtrain.server.services.results import store_result
 from crowdtrain.server.services.transitioner import (
     end_stalled_uploads,
     requeue_stalled_merges,
+    sweep,
 )
 from crowdtrain.workgen.generator import submit_job
 from tests.conftest import EXAMPLE_SPEC
@@ -102,6 +106,30 @@ def _end_stalled(db, r) -> tuple[int, list[int]]:
     queued: list[int] = []
     ended = end_stalled_uploads(db, r, stalled_after=0, enqueue=lambda aid, _t: queued.append(aid))
     return ended, queued
+
+
+def test_a_sweep_acts_at_the_time_it_is_given_so_nothing_waits_for_the_clock(services, uploaded) -> None:
+    """Deadlines and stalled merges are judged at the sweep's `now`: at the clock's time an assignment
+    just sent keeps running and a result just uploaded is not stalled; at a `now` past the deadline
+    and past `stalled_after` (no sleeping) the one times out and the other is queued again."""
+    db, storage, r, _ = services
+    _, _, _, uploaded_id, host_id = uploaded
+    (running,) = request_work(db, storage, host_id, 1, [], None)
+    with db.begin() as s:
+        deadline = s.get_one(Assignment, running.assignment_id).deadline
+    queued: list[int] = []
+    stalled = (60.0, lambda aid, _t: queued.append(aid))
+
+    sweep(db, storage, r, FrameworkEvaluator(), utcnow(), stalled)
+    with db.begin() as s:
+        assert s.get_one(Assignment, running.assignment_id).status == AssignmentStatus.in_progress.value
+    assert queued == []
+
+    later = max(deadline, utcnow() + timedelta(seconds=60)) + timedelta(seconds=1)
+    sweep(db, storage, r, FrameworkEvaluator(), later, stalled)
+    with db.begin() as s:
+        assert s.get_one(Assignment, running.assignment_id).status == AssignmentStatus.timed_out.value
+    assert queued == [uploaded_id]
 
 
 def test_a_stalled_merge_of_a_running_job_is_queued_again(uploaded) -> None:
