@@ -5,13 +5,13 @@ pinned to it does the same with the jobs it is started for."""
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+import redis
 from sqlalchemy import func, select
 
-from crowdtrain.core import signing
+from crowdtrain.core import keys, signing
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, wait_for
@@ -119,8 +119,17 @@ def test_a_pinned_client_trains_signed_work_refuses_the_rest_and_follows_a_rotat
     (registration,) = identity.values()
     assert registration["project_public_key"] == key_c["public_key"]
     assert sorted(registration["refused_jobs"]) == sorted([jobs["foreign"], jobs["unsigned"]])
-    time.sleep(2)  # a few more polls: the refused jobs still get nothing
+    # Two more work requests answered (the pinned client is the cluster's only host): the refused jobs
+    # still get nothing. Counted, not slept for: a loaded machine may poll less often.
+    polled = served_work_requests(cluster)
+    wait_for(lambda: served_work_requests(cluster) >= polled + 2, 120, "the client stopped asking for work", client)
     assert {name: len(given(jobs[name])) for name in refused_counts} == refused_counts
+
+
+def served_work_requests(cluster: Cluster) -> int:
+    """Work requests the cluster's scheduler has answered (its telemetry counter)."""
+    with redis.Redis.from_url(cluster.redis_url) as r:
+        return int(r.hget(keys.METRIC_COUNTERS, "work_requests") or 0)
 
 
 def test_a_pinned_dedloc_peer_joins_signed_work_and_refuses_the_rest_for_good(make_cluster, tmp_path: Path) -> None:
