@@ -3,12 +3,12 @@
 import os
 import secrets
 import signal
-import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select
 
-from crowdtrain.client.status import read_status
+from crowdtrain.client.status import WRITE_EVERY, read_status
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus, WorkunitStatus
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, free_port, wait_for
@@ -117,7 +117,16 @@ def test_prefetch_holds_the_next_assignment_with_its_files_while_training(
     # Waits on the state, not a time: a loaded machine takes longer to ask for and fetch the second one.
     wait_for(holding_with_shards, 120, f"the client never held {held} assignment(s) with their shards", client)
     if not prefetch:
-        time.sleep(3)  # time enough to ask for a second one: it does not
+        # Two more turns of the client's status (one every couple of seconds, however loaded the machine):
+        # time enough to ask for a second assignment, which it does not.
+        status_dir = cluster.var_dir / "clients" / "volunteer"
+
+        def written_at() -> datetime:
+            status = read_status(status_dir)
+            return datetime.min.replace(tzinfo=UTC) if status is None else status.updated_at
+
+        seen = written_at() + timedelta(seconds=2 * WRITE_EVERY)
+        wait_for(lambda: written_at() > seen, 60, "the client's status is not written any more", client)
     rows = host_assignments(sqlite_url, "volunteer")
     assert len(rows) == held
     assert {status for _, status, _ in rows} == {AssignmentStatus.in_progress.value}
