@@ -13,6 +13,7 @@ route is given one.)
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,9 +118,21 @@ def stored_source(cluster: Cluster, job_id: int) -> str:
         return s.get_one(Job, job_id).spec["dataset"]["source"]
 
 
+@pytest.fixture(scope="module")
+def trained_by_one_volunteer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One cluster and one volunteer for every data source's job, each job submitted once the one
+    before it ended: a cluster and a client started per source would show nothing more."""
+    cluster = Cluster(var_dir=tmp_path_factory.mktemp("sources") / "cluster").start()
+    try:
+        cluster.start_client("volunteer", tasks=2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.parametrize("fmt", list(SOURCES))
-def test_a_job_on_each_data_source_trains_to_its_target(make_cluster, tmp_path: Path, fmt: str) -> None:
-    cluster = make_cluster()
+def test_a_job_on_each_data_source_trains_to_its_target(trained_by_one_volunteer, tmp_path: Path, fmt: str) -> None:
+    cluster = trained_by_one_volunteer
     home = tmp_path / "operator"
     home.mkdir()
     source = SOURCES[fmt](home)
@@ -139,7 +152,6 @@ def test_a_job_on_each_data_source_trains_to_its_target(make_cluster, tmp_path: 
     if fmt != "images":
         assert stored_source(cluster, job_id).startswith(f"{fmt}:sha256:")
         shutil.rmtree(home, ignore_errors=True)  # training needs nothing of the operator's
-    cluster.start_client("volunteer", tasks=2)
     st = wait_finished(cluster, job_id, timeout=240)
     assert st["status"] == "succeeded", st["status_message"]
     assert max(e["mean_accuracy"] or 0 for e in st["epochs"]) >= 0.9
