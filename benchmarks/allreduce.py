@@ -13,7 +13,10 @@ What it measures
     others; `round_s` the median of all (as before kept groups, when every round was a first one).
     `rendezvous_s` and `allreduce_s` split the median round (`first_rendezvous_s`: round 1's); `later_over_tcp` is
     `later_round_s / tcp_once_s`. `later_start_skew_s`: how much later than the first member the last
-    one heard of the round (peers poll every 10 ms here), time the first spends waiting for the last.
+    one heard of the round, time the first spends waiting for the last. A peer that waits (ready for the
+    round, or reduced and waiting for the commit) asks as the real peer does: its report may be held by
+    the scheduler until the round moves, up to `--round-wait` seconds; with `--round-wait 0` it is
+    answered at once and the peer asks again every 10 ms.
     The rows with `relayed: 1` are rounds of the same number of members where one is relayed: the
     others all-reduce in one group, its rank 0 streams the group's sum to the scheduler while the
     buckets complete, the relayed peer streams its weighted gradient, the scheduler sums the parts
@@ -42,7 +45,7 @@ How
 
 Run
     .venv/bin/python benchmarks/allreduce.py [--repeats 4] [--sizes 5000000,25000000] [--peers 2,3,4]
-        [--compressions none,float16,bfloat16]
+        [--compressions none,float16,bfloat16] [--round-wait SECONDS]
 
 Progress goes to stderr; the last line on stdout is one JSON object with the figures, and its
 `headline` the largest size with the most peers: `later_over_tcp` (goal <= 2), `later_over_gloo`,
@@ -77,7 +80,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, repeats: int, out) -> None:
+def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, repeats: int, wait: float, out) -> None:
     import torch
 
     from crowdtrain.client.dedloc.allreduce import ProcessGroups, reduce_round, result_digest
@@ -91,7 +94,7 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
     vec = torch.full((n,), 1.0 + os.getpid() % 7)
     rows = []
     for step in range(repeats):
-        while (reply := api.progress(step, 1, None, None)).action != "reduce":
+        while (reply := api.progress(step, 1, None, None, wait=wait)).action != "reduce":
             time.sleep(0.01)
         plan = reply.round
         t0, started = time.perf_counter(), time.time()
@@ -110,7 +113,7 @@ def peer_process(url: str, join_token: str, job_id: int, relayed: bool, n: int, 
                 "started": started,
             }
         )
-        while api.progress(step, 0, plan.attempt, None).action != "apply":
+        while api.progress(step, 0, plan.attempt, None, wait=wait).action != "apply":
             time.sleep(0.01)
     out.put(rows)
 
@@ -185,7 +188,7 @@ def gloo_bare(n: int, k: int, repeats: int, dtype: str = "float32") -> float:
     return statistics.median(per_round[1:] or per_round)
 
 
-def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, compression: str = "none") -> dict:
+def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, wait: float, compression: str = "none") -> dict:
     spec = SPEC | {
         "name": f"bench-{n}-{peers}-{relayed}-{compression}",
         "dedloc": {
@@ -202,7 +205,9 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, compress
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=peer_process, args=(cluster.url, cluster.join_token, job_id, i < relayed, n, repeats, out))
+        ctx.Process(
+            target=peer_process, args=(cluster.url, cluster.join_token, job_id, i < relayed, n, repeats, wait, out)
+        )
         for i in range(peers)
     ]
     for p in procs:
@@ -232,6 +237,7 @@ def run_config(cluster, n: int, peers: int, relayed: int, repeats: int, compress
 
 
 def main() -> None:
+    from crowdtrain.client.dedloc.peer import ROUND_WAIT
     from crowdtrain.launch.cluster import Cluster
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -239,17 +245,30 @@ def main() -> None:
     ap.add_argument("--sizes", default="5000000,25000000")
     ap.add_argument("--peers", default="2,3,4")
     ap.add_argument("--compressions", default="none,float16,bfloat16", help="dedloc.compression values")
+    ap.add_argument(
+        "--round-wait",
+        type=float,
+        default=ROUND_WAIT,
+        help="seconds a waiting peer's report may be held until the round moves, as the peer asks (0: answered "
+        "at once, the peer polling every 10 ms)",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     peer_counts = [int(x) for x in args.peers.split(",")]
-    figures: dict = {"machine_cpus": os.cpu_count(), "repeats": args.repeats, "configs": []}
+    figures: dict = {
+        "machine_cpus": os.cpu_count(),
+        "repeats": args.repeats,
+        "round_wait_s": args.round_wait,
+        "configs": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(
             var_dir=Path(tmp), assimilator_concurrency=1, extra_env={"CROWDTRAIN_UPLOAD_MAX_BYTES": str(1 << 30)}
         ).start()
         try:
             for n in sizes:
-                figures["configs"] += measure_size(cluster, n, peer_counts, args.repeats, args.compressions.split(","))
+                compressions = args.compressions.split(",")
+                figures["configs"] += measure_size(cluster, n, peer_counts, args.repeats, args.round_wait, compressions)
         finally:
             cluster.stop()
     direct = [c for c in figures["configs"] if not c["relayed"] and c["compression"] == "none"]
@@ -279,16 +298,18 @@ def main() -> None:
     print(json.dumps(figures))
 
 
-def direct_row(cluster, n: int, k: int, repeats: int, bound: float, compression: str) -> dict:
+def direct_row(cluster, n: int, k: int, repeats: int, wait: float, bound: float, compression: str) -> dict:
     """The rounds of k direct peers with `compression` on the wire, beside a bare Gloo all-reduce of
     the same vector in the same format and the raw send `bound`."""
     bare = gloo_bare(n, k, repeats, "float32" if compression == "none" else compression)
-    row = run_config(cluster, n, k, 0, repeats, compression)
+    row = run_config(cluster, n, k, 0, repeats, wait, compression)
     later = row["later_round_s"]
     return row | {"gloo_bare_s": bare, "later_over_tcp": later / bound, "later_over_gloo": later / bare}
 
 
-def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compressions: list[str]) -> list[dict]:
+def measure_size(
+    cluster, n: int, peer_counts: list[int], repeats: int, wait: float, compressions: list[str]
+) -> list[dict]:
     """The rows of one vector size: each peer count direct, the largest in each other wire format,
     and the largest with one peer relayed; each with the bounds measured just before it."""
     nbytes = 4 * n
@@ -296,7 +317,7 @@ def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compress
     _log(f"{n} floats ({nbytes / 1e6:.0f} MB): raw loopback TCP once {bound:.3f}s")
     rows = []
     for k in peer_counts:
-        row = direct_row(cluster, n, k, repeats, bound, "none")
+        row = direct_row(cluster, n, k, repeats, wait, bound, "none")
         bare = row["gloo_bare_s"]
         _log(
             f"  {k} peers: first round {row['first_round_s']:.3f}s (rendezvous {row['first_rendezvous_s']:.3f}s), "
@@ -306,7 +327,7 @@ def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compress
         rows.append({"parameters": n, "peers": k, "relayed": 0, "compression": "none", "tcp_once_s": bound, **row})
     k = max(peer_counts)
     for compression in [c for c in compressions if c != "none"]:
-        row = direct_row(cluster, n, k, repeats, bound, compression)
+        row = direct_row(cluster, n, k, repeats, wait, bound, compression)
         bare = row["gloo_bare_s"]
         _log(
             f"  {k} peers, {compression} on the wire: later rounds {row['later_round_s']:.3f}s = "
@@ -314,7 +335,7 @@ def measure_size(cluster, n: int, peer_counts: list[int], repeats: int, compress
             f"all-reduce ({bare:.3f}s)"
         )
         rows.append({"parameters": n, "peers": k, "relayed": 0, "compression": compression, "tcp_once_s": bound, **row})
-    relayed = run_config(cluster, n, k, 1, repeats)
+    relayed = run_config(cluster, n, k, 1, repeats, wait)
     direct = next(r for r in rows if r["peers"] == k and r["compression"] == "none")
     relayed["relayed_over_direct"] = relayed["later_round_s"] / direct["later_round_s"]
     _log(

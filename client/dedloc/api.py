@@ -79,9 +79,13 @@ class PeerAPI:
         """The shard's bytes, at most the `size` its reference declared."""
         return self.request("GET", f"/v1/shards/{shard_id}", limit=size)
 
-    def progress(self, step: int, examples: int, attempt: int | None, params_digest: str | None) -> ProgressReply:
+    def progress(
+        self, step: int, examples: int, attempt: int | None, params_digest: str | None, wait: float = 0.0
+    ) -> ProgressReply:
+        """Report the examples held for `step`; with `wait`, the scheduler may hold an answer that would
+        only say to go on waiting for up to that many seconds, until the round moves (Progress.wait)."""
         body = Progress(
-            peer_id=self.peer_id, step=step, examples=examples, attempt=attempt, params_digest=params_digest
+            peer_id=self.peer_id, step=step, examples=examples, attempt=attempt, params_digest=params_digest, wait=wait
         )
         return parse_reply(ProgressReply, self.request("POST", f"{self.base}/progress", json=body.model_dump()))
 

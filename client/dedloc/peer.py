@@ -31,6 +31,7 @@ from crowdtrain.core.zoo import build_model, state_to_numpy
 
 log = logging.getLogger(__name__)
 ROUND_POLL = 0.1
+ROUND_WAIT = 2.0  # while frozen, how long the scheduler may hold a report until the round moves (Progress.wait)
 REFUSED = 3  # the exit code of a peer that refused its job's recipe (crowdtrain.client.trust)
 
 
@@ -232,6 +233,7 @@ class DedlocPeer:
                 self.reported.examples,
                 self.reduced[1] if self.reduced else None,
                 self.params_digest() if self.step >= 0 else None,
+                wait=ROUND_WAIT if self.frozen else 0.0,
             )
             if not self.handle(reply):
                 return 0

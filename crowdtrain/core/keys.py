@@ -126,6 +126,12 @@ def dedloc_round(job_id: int) -> str:
     return f"{PREFIX}:job:{job_id}:dedloc:round"
 
 
+def dedloc_changed(job_id: int) -> str:
+    """Pub/sub channel: a message each time the job's round document changes, for the progress
+    reports held open until it does (crowdtrain.server.services.dedloc_rounds.progress)."""
+    return f"{PREFIX}:job:{job_id}:dedloc:changed"
+
+
 def dedloc_peers(job_id: int) -> str:
     """Hash peer id -> JSON {host_id, relayed, last_seen, joined}."""
     return f"{PREFIX}:job:{job_id}:dedloc:peers"

@@ -11,6 +11,7 @@ from crowdtrain.core.schemas import INT32_MAX, INT64_MAX, KeyRotation, SignedRec
 
 PEER_ID = r"^[A-Za-z0-9_-]{1,64}$"
 STORE_VALUE_CHARS = 1_000_000  # a Store value's base64 (750,000 bytes): rendezvous keys and small blobs
+MAX_PROGRESS_WAIT = 10.0  # seconds a progress report may be held open (Progress.wait)
 BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
@@ -77,6 +78,13 @@ class Progress(WireRequest):
     examples: int = Field(0, ge=0, le=1_000_000_000, description="Examples accumulated for `step`")
     attempt: int | None = Field(None, ge=0, le=INT32_MAX, description="The attempt the peer last reduced in, if any")
     params_digest: str | None = Field(None, max_length=64, description="sha256 of the peer's parameters at `step`")
+    wait: float = Field(
+        0.0,
+        ge=0,
+        le=MAX_PROGRESS_WAIT,
+        description="Seconds the scheduler may hold the answer while it would only say to go on waiting "
+        "(matchmaking, or wait for the others' outcomes): it answers as soon as the round moves",
+    )
 
 
 class RoundPlanOut(BaseModel):

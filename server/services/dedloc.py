@@ -130,7 +130,10 @@ def load(r: redis.Redis, job_id: int) -> Round | None:
 
 
 def save(r: redis.Redis, job_id: int, rnd: Round) -> None:
-    r.set(keys.dedloc_round(job_id), json.dumps(asdict(rnd)))
+    """Store the document; a change is announced to the reports held open for one (keys.dedloc_changed)."""
+    doc = json.dumps(asdict(rnd)).encode()
+    if r.set(keys.dedloc_round(job_id), doc, get=True) != doc:
+        r.publish(keys.dedloc_changed(job_id), b"")
 
 
 def lock(r: redis.Redis, job_id: int):

@@ -6,8 +6,10 @@ themselves in crowdtrain.server.services.dedloc; the routes only move data in an
 
 import base64
 import logging
+import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any, cast
 
 import redis
@@ -60,11 +62,49 @@ def _plan_for(rnd: Round, peer_id: str, spec: DedlocSpec) -> RoundPlanOut:
     )
 
 
+# Answers that only tell the peer to go on waiting for the others: a report that asks to (`Progress.wait`)
+# is held open while its answer would be one of these, and answered as soon as the round moves.
+WAITING = frozenset({PeerAction.matchmaking, PeerAction.wait})
+HELD_REPORTS = 8  # reports one scheduler process holds open at once; beyond them the answer comes at once
+RECHECK_S = 0.25  # a held report is answered anew at least this often (deadlines pass without a message)
+_held = threading.BoundedSemaphore(HELD_REPORTS)
+
+
 def progress(
     db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress, now: float | None = None
 ) -> ProgressReply:
-    """A peer's report of its accumulated examples at `now` (the clock's); the answer says what it does next."""
+    """A peer's report of its accumulated examples at `now` (the clock's); the answer says what it does next.
+
+    With `req.wait`, a report whose answer would only say to go on waiting (WAITING) is held open, up to
+    `req.wait` seconds, and answered anew each time the round's document changes (its channel,
+    keys.dedloc_changed) and at least every RECHECK_S: the members of a round hear that it starts, or
+    that it was committed, within a message's time of the report that made it so, not a poll interval
+    later. A held report holds one of the process's request threads, so at most HELD_REPORTS are held
+    at once; the others are answered at once, and their peers ask again as they would without."""
     now = now_or_wall(now)
+    reply = _progress_once(db, r, job_id, host_id, req, now)
+    if req.wait <= 0 or reply.action not in WAITING or not _held.acquire(blocking=False):
+        return reply
+    began = time.monotonic()
+    try:
+        with closing(r.pubsub()) as changes:
+            changes.subscribe(keys.dedloc_changed(job_id))
+            changes.get_message(timeout=RECHECK_S)  # the subscription confirmed: no change can slip by now
+            while True:
+                waited = time.monotonic() - began
+                reply = _progress_once(db, r, job_id, host_id, req, now + waited)
+                if reply.action not in WAITING or waited >= req.wait:
+                    return reply
+                if changes.get_message(timeout=min(RECHECK_S, req.wait - waited)) is not None:
+                    while changes.get_message(timeout=0) is not None:  # one answer for a burst of changes
+                        pass
+    finally:
+        _held.release()
+
+
+def _progress_once(
+    db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress, now: float
+) -> ProgressReply:
     view = job_view(db, job_id)
     with dedloc.lock(r, job_id):
         try:
