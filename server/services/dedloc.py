@@ -64,6 +64,9 @@ ROUND_MOVES: dict[RoundPhase, frozenset[RoundPhase]] = {
 }
 
 
+LOCK_POLL_S = 0.002  # how often a request waiting for the job's round lock asks for it again
+
+
 class IllegalRoundMove(RuntimeError):
     """A move that ROUND_MOVES does not allow: a bug in the coordinator, never a peer's doing."""
 
@@ -137,7 +140,9 @@ def save(r: redis.Redis, job_id: int, rnd: Round) -> None:
 
 
 def lock(r: redis.Redis, job_id: int):
-    return r.lock(keys.dedloc_lock(job_id), timeout=30, blocking_timeout=30)
+    """The job's round lock. A request that finds it held asks again every LOCK_POLL_S (redis-py's
+    default, 0.1 s, made the members of a round hear of it up to 0.1 s apart: they all ask at once)."""
+    return r.lock(keys.dedloc_lock(job_id), timeout=30, blocking_timeout=30, sleep=LOCK_POLL_S)
 
 
 def claim_bounds(r: redis.Redis, job_id: int, rnd: Round, spec: DedlocSpec, now: float) -> dict[str, int]:
