@@ -32,8 +32,8 @@ def reap_expired_assignments(
     storage: Storage,
     r: redis.Redis,
     evaluator: Evaluator,
+    now: datetime,
     limit: int = 500,
-    now: datetime | None = None,
 ) -> int:
     """Mark in-progress assignments past their deadline at `now` timed_out; their workunits retry or
     fail, and the epochs of those that failed are closed (crowdtrain.server.ledger.assignments.time_out_expired)."""
@@ -43,7 +43,7 @@ def reap_expired_assignments(
 
 
 def close_stalled_votes(
-    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, now: datetime | None = None
+    db: sessionmaker[Session], storage: Storage, r: redis.Redis, evaluator: Evaluator, now: datetime
 ) -> int:
     """Close, inconclusive, the replica votes that waited past their bound for a replica no host took
     by `now` (crowdtrain.server.ledger.replicas.close_stalled_votes): their results are deleted, and the
@@ -71,7 +71,7 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
 
 
 def requeue_stalled_merges(
-    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None], now: datetime | None = None
+    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None], now: datetime
 ) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task), for
     running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads).
@@ -91,7 +91,7 @@ def requeue_stalled_merges(
             .where(
                 Job.status == JobStatus.running.value,
                 Assignment.status == AssignmentStatus.uploaded.value,
-                Assignment.uploaded_at < (now or utcnow()) - timedelta(seconds=stalled_after),
+                Assignment.uploaded_at < now - timedelta(seconds=stalled_after),
                 or_(Workunit.quorum == 1, Workunit.canonical_assignment_id.is_not(None), uploaded >= Workunit.quorum),
             )
             .limit(500)
@@ -112,13 +112,13 @@ def end_stalled_uploads(
     r: redis.Redis,
     stalled_after: float,
     enqueue: Callable[[int, float], None],
-    now: datetime | None = None,
+    now: datetime,
 ) -> int:
     """End the results that stayed unmerged long after upload while their job stopped running: their
     merge task was lost. The job's merges are closed first, so the set W_s holds is final: a result
     in it has its merge queued again (the task records it), any other is rejected, uncharged.
     Returns how many were rejected."""
-    ended, held = ledger_jobs.end_stalled_uploads(db, r, (now or utcnow()) - timedelta(seconds=stalled_after))
+    ended, held = ledger_jobs.end_stalled_uploads(db, r, now - timedelta(seconds=stalled_after))
     for aid in held:
         log.warning("assignment %s: W_s holds it but the ledger does not yet; queueing its merge again", aid)
         enqueue(aid, time.time())
@@ -139,7 +139,7 @@ def sweep(
     epochs whose closing was lost, merges a dead process left closed, pending exports, expert leases;
     with `stalled` (stalled_after seconds, enqueue), the merges stalled that long are queued again or
     ended. Time is this argument, not the clock: a test passes a later `now` instead of waiting."""
-    reap_expired_assignments(db, storage, r, evaluator, now=now)
+    reap_expired_assignments(db, storage, r, evaluator, now)
     close_stalled_votes(db, storage, r, evaluator, now)
     duplicates.release_orphaned_workunits(db, WORKUNIT_MODES)
     close_finished_epochs(db, storage, r, evaluator)

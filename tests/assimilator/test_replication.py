@@ -343,4 +343,4 @@ def test_a_vote_no_replica_comes_for_closes_inconclusive_and_counts_toward_max_e
         problems = job_problems(services.db, p.job_id)
         assert any("replica vote closed inconclusive" in x.message for x in problems.recent)
     assert p.record(alice)[:3] == (0, 0, 0.0), "nothing charged, nothing credited"
-    assert close_stalled_votes(services.db, services.storage, services.r, services.evaluator) == 0
+    assert close_stalled_votes(services.db, services.storage, services.r, services.evaluator, utcnow()) == 0

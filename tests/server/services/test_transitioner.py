@@ -90,7 +90,7 @@ def _merge(r, job_id: int, assignment_id: int) -> merging.MergeOutcome:
 
 def _requeued(db) -> list[int]:
     queued: list[int] = []
-    requeue_stalled_merges(db, stalled_after=0, enqueue=lambda aid, _t: queued.append(aid))
+    requeue_stalled_merges(db, stalled_after=0, enqueue=lambda aid, _t: queued.append(aid), now=utcnow())
     return queued
 
 
@@ -104,7 +104,7 @@ def _ended_uncharged(db, assignment_id: int, host_id: int) -> str:
 
 def _end_stalled(db, r) -> tuple[int, list[int]]:
     queued: list[int] = []
-    ended = end_stalled_uploads(db, r, stalled_after=0, enqueue=lambda aid, _t: queued.append(aid))
+    ended = end_stalled_uploads(db, r, stalled_after=0, enqueue=lambda aid, _t: queued.append(aid), now=utcnow())
     return ended, queued
 
 
