@@ -50,7 +50,7 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def start_peer(cluster: Cluster, job_id: int, name: str, rank: int, hostile: bool) -> Service:
+def start_peer(cluster: Cluster, job_id: int, name: str, rank: int, hostile: bool, world: int = PEERS) -> Service:
     argv = crowdtrain_argv(
         "peer",
         "--server",
@@ -64,7 +64,7 @@ def start_peer(cluster: Cluster, job_id: int, name: str, rank: int, hostile: boo
         "--data-rank",
         str(rank),
         "--data-world",
-        str(PEERS),
+        str(world),
         # The poisoner brings at most a quarter of a batch a step: it cannot commit steps alone
         # before the honest peers have started (which only sends the collaboration back to step 0).
         *(("--poison-state", "--examples-per-step", "64") if hostile else ()),
@@ -80,15 +80,16 @@ def peer_ids(cluster: Cluster, name: str) -> set[str]:
     return {line.split("peer ", 1)[1].split(" ", 1)[0] for line in log.splitlines() if "joined job" in line}
 
 
-def start_peers(cluster: Cluster, job_id: int, label: str, poisoned: bool) -> list[Service]:
-    """Peer 0 first, until it has joined (the lowest host id: each of its commits' designated uploader)."""
-    first = start_peer(cluster, job_id, f"{label}-0", 0, poisoned)
+def start_peers(cluster: Cluster, job_id: int, label: str, poisoned: bool, count: int = PEERS) -> list[Service]:
+    """`count` peers, peer 0 first, until it has joined (the lowest host id: each of its commits'
+    designated uploader); peer i trains data rank i of `count`."""
+    first = start_peer(cluster, job_id, f"{label}-0", 0, poisoned, count)
     deadline = time.monotonic() + 120
     while not peer_ids(cluster, first.name):
         if time.monotonic() > deadline or not first.alive:
             raise RuntimeError(f"peer 0 never joined:\n{first.tail()}")
         time.sleep(0.2)
-    return [first] + [start_peer(cluster, job_id, f"{label}-{i}", i, False) for i in range(1, PEERS)]
+    return [first] + [start_peer(cluster, job_id, f"{label}-{i}", i, False, count) for i in range(1, count)]
 
 
 def wait_finished(cluster: Cluster, job_id: int, peers: list[Service], timeout: float, label: str) -> dict:

@@ -31,7 +31,7 @@ from crowdtrain.core.zoo import build_model, state_to_numpy
 
 log = logging.getLogger(__name__)
 ROUND_POLL = 0.1
-ROUND_WAIT = 2.0  # while frozen, how long the scheduler may hold a report until the round moves (Progress.wait)
+ROUND_WAIT = 2.0  # while idle, how long the scheduler may hold a report until the round moves (Progress.wait)
 REFUSED = 3  # the exit code of a peer that refused its job's recipe (crowdtrain.client.trust)
 
 
@@ -219,8 +219,10 @@ class DedlocPeer:
                 self.compute_micro_batch(count)
             interval = self.spec["report_interval"]
             idle = self.frozen or not self._wants_examples()
-            if idle:
-                interval = min(interval, ROUND_POLL if self.frozen or self.fresh.examples else 0.25)
+            if self.frozen:
+                interval = min(interval, ROUND_POLL)
+            elif idle:  # examples it will not add to are reported at once: they may be what closes the step
+                interval = 0.0 if self.fresh.examples else min(interval, 0.25)
             if time.monotonic() - last_poll < interval and self.fresh.examples < self.share:
                 if idle:
                     time.sleep(ROUND_POLL / 2)
@@ -233,7 +235,7 @@ class DedlocPeer:
                 self.reported.examples,
                 self.reduced[1] if self.reduced else None,
                 self.params_digest() if self.step >= 0 else None,
-                wait=ROUND_WAIT if self.frozen else 0.0,
+                wait=ROUND_WAIT if idle else 0.0,
             )
             if not self.handle(reply):
                 return 0

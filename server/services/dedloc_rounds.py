@@ -75,16 +75,17 @@ def progress(
 ) -> ProgressReply:
     """A peer's report of its accumulated examples at `now` (the clock's); the answer says what it does next.
 
-    With `req.wait`, a report whose answer would only say to go on waiting (WAITING) is held open, up to
-    `req.wait` seconds, and answered anew each time the round's document changes (its channel,
-    keys.dedloc_changed) and at least every RECHECK_S: the members of a round hear that it starts, or
-    that it was committed, within a message's time of the report that made it so, not a poll interval
-    later. A held report holds one of the process's request threads, so at most HELD_REPORTS are held
-    at once; the others are answered at once, and their peers ask again as they would without."""
+    With `req.wait` (the peer has nothing to do until the others move), a report whose answer would only
+    say to go on waiting (`still_waiting`) is held open, up to `req.wait` seconds, and answered anew
+    each time the round's document changes (its channel, keys.dedloc_changed) and at least every
+    RECHECK_S: a round's members hear that its step closed, that it starts, or that it was committed,
+    within a message's time of the report that made it so, not a poll interval later. A held report
+    holds one of the process's request threads, so at most HELD_REPORTS are held at once; the others
+    are answered at once, and their peers ask again as they would without."""
     now = now_or_wall(now)
-    reply = _progress_once(db, r, job_id, host_id, req, now)
-    if req.wait <= 0 or reply.action not in WAITING or not _held.acquire(blocking=False):
-        return reply
+    first = _progress_once(db, r, job_id, host_id, req, now)
+    if req.wait <= 0 or not still_waiting(first, first) or not _held.acquire(blocking=False):
+        return first
     began = time.monotonic()
     try:
         with closing(r.pubsub()) as changes:
@@ -93,13 +94,29 @@ def progress(
             while True:
                 waited = time.monotonic() - began
                 reply = _progress_once(db, r, job_id, host_id, req, now + waited)
-                if reply.action not in WAITING or waited >= req.wait:
+                if not still_waiting(reply, first) or waited >= req.wait:
                     return reply
                 if changes.get_message(timeout=min(RECHECK_S, req.wait - waited)) is not None:
                     while changes.get_message(timeout=0) is not None:  # one answer for a burst of changes
                         pass
     finally:
         _held.release()
+
+
+def still_waiting(reply: ProgressReply, first: ProgressReply) -> bool:
+    """Whether `reply`, to a peer that asked to wait and was first answered `first`, tells it nothing
+    new: it is not asked to upload its state, and it is to wait in matchmaking or for the others'
+    outcomes (WAITING), or, as first, to accumulate a batch the others fill, with as many peers and
+    no fewer examples accumulated (fewer, or another number of peers, may give it examples to compute)."""
+    if reply.upload_state:
+        return False
+    if reply.action in WAITING:
+        return True
+    return (
+        reply.action == first.action == PeerAction.accumulate
+        and reply.peers == first.peers
+        and reply.accumulated >= first.accumulated
+    )
 
 
 def _progress_once(

@@ -1,6 +1,8 @@
 """A DeDLOC peer's progress report held open while its answer would only say to go on waiting
 (crowdtrain.server.services.dedloc_rounds.progress with `Progress.wait`): answered as soon as the
-round moves, at the end of its wait when nothing moves, and at once when the process holds its most."""
+round moves (for a peer ready for its round, and for one idle with its share of the batch), at the
+end of its wait when nothing moves, at once when the process holds its most, and at once when the
+answer says something new (crowdtrain.server.services.dedloc_rounds.still_waiting)."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +11,7 @@ import pytest
 
 from crowdtrain.core import keys
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.schemas_dedloc import MAX_PROGRESS_WAIT, Progress
+from crowdtrain.core.schemas_dedloc import MAX_PROGRESS_WAIT, Progress, ProgressReply
 from crowdtrain.launch.cluster import wait_for
 from crowdtrain.server.services import dedloc, dedloc_peers, dedloc_rounds
 from tests.conftest import EXAMPLE_SPEC
@@ -105,3 +107,45 @@ def test_the_round_announces_a_change_and_only_a_change(private_redis) -> None:
     heard = [m for _ in range(3) if (m := changes.get_message(timeout=1.0)) is not None]
     assert len(heard) == 1, heard
     changes.close()
+
+
+def test_an_idle_peer_held_open_hears_its_round_start_when_the_others_fill_the_step(tmp_path, private_redis) -> None:
+    """A peer that holds its share and asks to wait is answered when the step it waits on closes
+    and every member is ready: straight to its round, with no poll in between."""
+    r = private_redis
+    with scheduler_app(tmp_path, r) as app:
+        job_id, peers, host = _two_peers(app)
+        now = dedloc_peers.peers(r, job_id)[peers["b"]].joined + 1.0
+
+        def report(name: str, wait: float = 0.0):
+            req = Progress(peer_id=peers[name], step=0, examples=500, wait=wait)
+            return dedloc_rounds.progress(app.db, r, job_id, host[name], req, now=now)
+
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(report, "a", MAX_PROGRESS_WAIT)
+            wait_for(lambda: _subscribers(r, job_id) == 1 or held.done(), 30, "a's report was not held")
+            assert not held.done(), f"answered at once: {held.result()}"
+            assert report("b").action == "matchmaking", "b's report closes the step"
+            answer = held.result(timeout=30)
+        assert answer.action == "reduce", "a's held report made it ready, and the round start"
+        assert report("b").action == "reduce"
+
+
+def _reply(action: str, accumulated: int = 0, peers: int = 2, upload_state: bool = False) -> ProgressReply:
+    return ProgressReply(
+        action=action, step=3, state_step=3, accumulated=accumulated, peers=peers, upload_state=upload_state
+    )
+
+
+def test_a_held_report_waits_only_while_its_answer_says_nothing_new() -> None:
+    still = dedloc_rounds.still_waiting
+    for action in ("matchmaking", "wait"):
+        assert still(_reply(action), _reply(action))
+        assert not still(_reply(action, upload_state=True), _reply(action)), "an uploader is told at once"
+    for action in ("reduce", "apply", "resync", "stop"):
+        assert not still(_reply(action), _reply("matchmaking"))
+    first = _reply("accumulate", accumulated=500)
+    assert still(_reply("accumulate", accumulated=700), first), "more examples from the others: still idle"
+    assert not still(_reply("accumulate", accumulated=400), first), "fewer: it may have examples to compute"
+    assert not still(_reply("accumulate", accumulated=500, peers=3), first), "another share of the batch"
+    assert not still(_reply("accumulate", accumulated=500), _reply("matchmaking")), "sent back to accumulating"
