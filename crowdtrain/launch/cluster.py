@@ -21,8 +21,28 @@ from sqlalchemy import create_engine, text
 
 from crowdtrain.server.ledger.db import normalize_url
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000  # below it live the well-known services (PostgreSQL, Redis, RabbitMQ's ports)
+
 
 def free_port() -> int:
+    """A port of 127.0.0.1 that nothing is bound to now, for a server started next. Drawn below the
+    kernel's ephemeral range: the local ports of outgoing connections come from that range, so one
+    of the machine's connections could take a port drawn there before the server binds it (a test
+    saw moto refused its port that way). Another caller may still draw the same port, about one
+    time in 20,000; where the range leaves no room below it, the kernel picks."""
+    try:
+        ephemeral_low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    for _ in range(100 if ephemeral_low > LOWEST_PORT else 0):
+        port = LOWEST_PORT + secrets.randbelow(ephemeral_low - LOWEST_PORT)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -12,7 +12,8 @@ from crowdtrain.cli import app
 from crowdtrain.cli.options import resolve_join_token
 from crowdtrain.core.settings import Settings, secrets_problems
 from crowdtrain.core.states import AssignmentStatus
-from crowdtrain.launch.cluster import Cluster, Service, wait_for
+from crowdtrain.launch import cluster as cluster_module
+from crowdtrain.launch.cluster import Cluster, Service, free_port, wait_for
 from tests.client.test_worker import host_assignments, submit_slow_job
 
 
@@ -124,3 +125,17 @@ def test_a_cluster_stops_its_clients_first_and_within_seconds(make_cluster, sqli
     # Exited by itself: a client still running when its stop's grace period ends is killed (-9).
     assert client.proc.returncode == 0, f"the client was killed ({client.proc.returncode}):\n{client.tail()}"
     print(f"the client exited {client_exit['exited']:.1f}s after the stop began; the cluster took {took:.1f}s")
+
+
+@pytest.mark.skipif(not cluster_module.EPHEMERAL_PORTS.exists(), reason="reads the kernel's ephemeral range")
+def test_a_free_port_is_drawn_below_the_ephemeral_range_and_is_not_one_bound_now(monkeypatch) -> None:
+    """The local ports of outgoing connections come from the ephemeral range: a port drawn below it
+    cannot be taken by one of them before its server binds it."""
+    low = int(cluster_module.EPHEMERAL_PORTS.read_text().split()[0])
+    assert all(cluster_module.LOWEST_PORT <= free_port() < low for _ in range(50))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        other = free_port()
+        draws = iter([taken.getsockname()[1] - cluster_module.LOWEST_PORT, other - cluster_module.LOWEST_PORT])
+        monkeypatch.setattr(cluster_module.secrets, "randbelow", lambda _n: next(draws))
+        assert free_port() == other, "the bound port was drawn and passed over"
