@@ -184,7 +184,7 @@ def _prepare(
     except Refused as exc:
         return Decided(_refuse(svc, p.assignment_id, exc))
     except Superseded as exc:
-        return Decided(_supersede(svc, p.assignment_id, exc))
+        return Decided(_supersede(svc, p.job_id, p.assignment_id, exc))
 
 
 def _read_and_judge(
@@ -242,7 +242,7 @@ def _merge(
         if taking.taken is Taken.refused:
             results.append(_refuse(svc, taking.assignment_id, Refused(taking.reason, charge=True)))
         elif taking.taken is Taken.superseded:
-            results.append(_supersede(svc, taking.assignment_id, Superseded(taking.winner)))
+            results.append(_supersede(svc, first.job_id, taking.assignment_id, Superseded(taking.winner)))
         elif taking.taken is Taken.already_merged:
             results.append(MergeResult(Outcome.already_merged, taking.version))
         else:
@@ -288,8 +288,18 @@ def _refuse(svc: MergeServices, assignment_id: int, refused: Refused) -> MergeRe
     return MergeResult(Outcome.refused, reason=refused.reason)
 
 
-def _supersede(svc: MergeServices, assignment_id: int, superseded: Superseded) -> MergeResult:
-    """End the result `superseded` and delete its upload: W_s holds its workunit from another assignment."""
+def _supersede(svc: MergeServices, job_id: int, assignment_id: int, superseded: Superseded) -> MergeResult:
+    """End the result `superseded` and delete its upload: W_s holds its workunit from another
+    assignment. A winner the ledger shows rejected is recorded merged first: another process
+    rejected it while a pass wrote it into W_s, and that pass died before its record. Else its
+    workunit would be dealt again, and each new result of it superseded by the winner, without end
+    (crowdtrain.server.ledger.merges.record_merges)."""
+    winner = superseded.winner_id
+    if winner is not None and merges.is_rejected(svc.db, winner):
+        version = merging.merged_version(svc.r, job_id, winner)
+        if version is not None:
+            for key in merges.record_merges(svc.db, [(winner, version)]):
+                svc.storage.delete(key)
     upload_key = duplicates.supersede_result(svc.db, assignment_id, superseded.winner_id)
     if upload_key:
         svc.storage.delete(upload_key)

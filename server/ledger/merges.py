@@ -128,7 +128,11 @@ def record_merge(db: sessionmaker[Session], assignment_id: int, version: int, no
     keys of superseded results, for the caller to delete.
 
     Does nothing when already recorded; an assignment ended meanwhile (its job was cancelled or
-    finished) stays ended, with a warning: W_s holds it, the ledger cannot say so any more.
+    finished) stays ended, with a warning: W_s holds it, the ledger cannot say so any more. One
+    `rejected` meanwhile is recorded merged all the same: another process ended it (its own merge
+    failed on the server, or refused it) while this pass wrote it into W_s, which the ledger must
+    then say, or its workunit would be dealt again and every later result of it superseded by
+    this one (crowdtrain.server.ledger.duplicates), without end.
     """
     return record_merges(db, [(assignment_id, version)], now)
 
@@ -159,8 +163,8 @@ def record_merges(
             states.move(a, AssignmentStatus.merged)
             a.merged_version, a.finished_at = versions[a.id], finished_at
             host, wu = hosts[a.host_id], workunits[a.workunit_id]
-            if wu.status == WorkunitStatus.in_progress.value:
-                states.move(wu, WorkunitStatus.done)
+            if wu.status in (WorkunitStatus.in_progress.value, WorkunitStatus.ready.value):
+                states.move(wu, WorkunitStatus.done)  # ready: released when `a` was rejected (_to_record)
                 wu.finished_at = finished_at
             job.param_version = max(job.param_version, versions[a.id])
             reputation.count_valid(host, (finished_at - a.sent_at).total_seconds())
@@ -179,18 +183,31 @@ def record_merges(
 
 
 def _to_record(a: Assignment, version: int) -> bool:
-    """Whether the merge of `a` into W_s `version` is still to record (warned when `a` ended meanwhile)."""
+    """Whether the merge of `a` into W_s `version` is still to record: uploaded, or rejected while it
+    was merged (record_merge says why); warned when it ended otherwise meanwhile."""
     if a.status == AssignmentStatus.uploaded.value:
         return True
-    if a.status != AssignmentStatus.merged.value:
-        log.warning(
-            "assignment %s: merged into W_s v%d after it was ended (%s)",
-            a.id,
-            version,
-            a.status,
-            extra=ids(job_id=a.job_id, assignment_id=a.id),
-        )
-    return False
+    if a.status == AssignmentStatus.merged.value:
+        return False
+    rejected = a.status == AssignmentStatus.rejected.value
+    log.warning(
+        "assignment %s: merged into W_s v%d after it was ended (%s)%s",
+        a.id,
+        version,
+        a.status,
+        "; recorded merged, as W_s holds it" if rejected else "",
+        extra=ids(job_id=a.job_id, assignment_id=a.id),
+    )
+    if rejected:
+        a.message = f"merged into W_s v{version} after it was rejected ({a.message})"[:1000]
+    return rejected
+
+
+def is_rejected(db: sessionmaker[Session], assignment_id: int) -> bool:
+    """Whether the assignment ended `rejected` (record_merges records it merged all the same when W_s holds it)."""
+    with db.begin() as s:
+        status = s.scalar(select(Assignment.status).where(Assignment.id == assignment_id))
+    return status == AssignmentStatus.rejected.value
 
 
 def _locked(s: Session, model: type[Row], row_ids: set[int]) -> dict[int, Row]:

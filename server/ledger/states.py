@@ -16,12 +16,17 @@ TRANSITIONS: dict[type, dict[StrEnum, frozenset[StrEnum]]] = {
         J.running: frozenset({J.succeeded, J.failed, J.cancelled}),
     },
     WorkunitStatus: {
-        W.ready: frozenset({W.in_progress, W.cancelled}),
+        # ready -> done: W_s holds a result of the workunit whose assignment the ledger had ended
+        # (crowdtrain.server.ledger.merges.record_merges).
+        W.ready: frozenset({W.in_progress, W.cancelled, W.done}),
         W.in_progress: frozenset({W.ready, W.done, W.failed, W.cancelled}),
     },
     AssignmentStatus: {
         A.in_progress: frozenset({A.uploaded, A.rejected, A.timed_out, A.abandoned, A.client_error, A.superseded}),
         A.uploaded: frozenset({A.merged, A.rejected, A.superseded, A.validated}),
+        # rejected -> merged: a merge pass wrote the result into W_s while another process ended it
+        # (crowdtrain.server.ledger.merges.record_merges); W_s is what the ledger records.
+        A.rejected: frozenset({A.merged}),
     },
 }
 

@@ -23,6 +23,7 @@ LEGAL = [
     (W.in_progress, W.failed),
     (W.ready, W.cancelled),
     (W.in_progress, W.cancelled),
+    (W.ready, W.done),  # W_s holds a result of an assignment the ledger had ended (ledger.merges.record_merges)
     (A.in_progress, A.uploaded),
     (A.uploaded, A.merged),
     (A.uploaded, A.rejected),
@@ -31,6 +32,7 @@ LEGAL = [
     (A.in_progress, A.client_error),
     (A.in_progress, A.superseded),
     (A.uploaded, A.superseded),
+    (A.rejected, A.merged),  # the same: W_s holds it after all
     (J.pending, J.running),
     (J.running, J.succeeded),
     (J.running, J.failed),
@@ -40,14 +42,15 @@ LEGAL = [
 ILLEGAL = [
     (W.done, W.ready),
     (W.failed, W.ready),
-    (W.ready, W.done),
+    (W.ready, W.failed),
     (W.cancelled, W.ready),
     (W.done, W.in_progress),
     (A.merged, A.uploaded),
     (A.merged, A.merged),
     (A.timed_out, A.uploaded),
     (A.in_progress, A.merged),
-    (A.rejected, A.merged),
+    (A.rejected, A.uploaded),
+    (A.rejected, A.superseded),
     (A.abandoned, A.in_progress),
     (A.superseded, A.merged),
     (A.merged, A.superseded),

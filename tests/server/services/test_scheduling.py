@@ -367,6 +367,71 @@ def test_a_workunit_whose_winner_fails_after_superseding_its_duplicate_is_dealt_
     assert ledger.workunit(t.workunit) == (WorkunitStatus.done.value, 0)
 
 
+def _rejected_while_merged(ledger: Ledger, t: Tail) -> int:
+    """The race behind a workunit dealt without end: the duplicate's merge fails on one parameter
+    server (Redis lost everything; its assignment is rejected, uncharged, and, the straggler having
+    given up, its workunit is ready again) while a pass on another, which read it still uploaded,
+    writes it into W_s. Returns the W_s version that holds it."""
+    give_up(
+        ledger.db,
+        ledger.storage,
+        ledger.r,
+        t.straggler,
+        t.original,
+        AssignmentStatus.abandoned,
+        "the volunteer stopped it",
+        FrameworkEvaluator(),
+    )
+    ledger.upload(t.idle, t.job_id, t.duplicate)
+    assert merges.end_failed_merge(
+        ledger.db, ledger.storage, ledger.r, t.duplicate, "NoServerModel", False, FrameworkEvaluator()
+    )
+    assert ledger.assignment(t.duplicate).status == AssignmentStatus.rejected.value
+    assert ledger.workunit(t.workunit)[0] == WorkunitStatus.ready.value
+    outcome = merging.merge_once(
+        ledger.r, t.job_id, t.duplicate, lambda params, _state, _v: params, workunit_id=t.workunit
+    )
+    return outcome.version
+
+
+def _assert_done_from(ledger: Ledger, t: Tail, winner: int, version: int) -> None:
+    """`winner` is recorded merged at `version` and its host credited; its workunit is done and dealt no more."""
+    merged = ledger.assignment(winner)
+    assert (merged.status, merged.merged_version) == (AssignmentStatus.merged.value, version)
+    assert f"W_s v{version}" in merged.message
+    assert ledger.workunit(t.workunit)[0] == WorkunitStatus.done.value
+    assert ledger.host(t.idle) == (1, 0)
+    (late,) = ledger.hosts(1)
+    assert t.workunit not in {a.workunit_id for a in request_work(ledger.db, ledger.storage, late, 4, [], None)}
+
+
+@BOTH_DATABASES
+def test_a_result_rejected_while_a_pass_merged_it_is_recorded_merged(ledger) -> None:
+    t = _tail(ledger)
+    version = _rejected_while_merged(ledger, t)
+    merges.record_merge(ledger.db, t.duplicate, version)  # the pass's record, after the rejection
+    _assert_done_from(ledger, t, t.duplicate, version)
+
+
+@BOTH_DATABASES
+def test_a_workunit_w_s_holds_from_a_rejected_result_is_done_when_the_next_result_of_it_is_superseded(
+    ledger,
+) -> None:
+    """The pass that merged the rejected result died before its record: the workunit is dealt again,
+    and the new result's merge finds W_s holding the workunit. It records the winner merged, so the
+    workunit is done, instead of making it ready again for a result W_s will supersede again."""
+    t = _tail(ledger)
+    version = _rejected_while_merged(ledger, t)
+    (again_host,) = ledger.hosts(1)
+    (again,) = request_work(ledger.db, ledger.storage, again_host, 1, [], None)
+    assert again.workunit_id == t.workunit
+    ledger.upload(again_host, t.job_id, again.assignment_id)
+    assert ledger.merge(again.assignment_id) == Outcome.superseded
+    assert ledger.assignment(again.assignment_id).status == AssignmentStatus.superseded.value
+    assert ledger.host(again_host) == (0, 0)
+    _assert_done_from(ledger, t, t.duplicate, version)
+
+
 @BOTH_DATABASES
 def test_the_transitioner_makes_ready_a_workunit_no_assignment_holds(ledger) -> None:
     t = _tail(ledger)
