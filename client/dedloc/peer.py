@@ -6,6 +6,10 @@ reduces); `fresh` collects micro-batches since the last report. A round reduces 
 (step, attempt), so an aborted round leaves every peer where it was. A peer left out of a step keeps
 both accumulators, loads the newer state and brings them into the next step. The accumulators
 themselves are crowdtrain.client.dedloc.accumulate's.
+
+A peer on a GPU (`PeerOptions.device`) computes its micro-batches there and accumulates their
+gradients there (crowdtrain.client.dedloc.compute); the all-reduce, the optimizer and the agreed
+parameters work on the CPU.
 """
 
 import json
@@ -19,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from crowdtrain.client.dedloc.accumulate import Accumulator, flat_grads
+from crowdtrain.client.dedloc.accumulate import Accumulator
 from crowdtrain.client.dedloc.allreduce import ProcessGroups, reduce_round, result_digest
 from crowdtrain.client.dedloc.api import PeerAPI, Refused
+from crowdtrain.client.dedloc.compute import ComputeCopy
 from crowdtrain.client.dedloc.state import encode_state, load_state, make_optimizer
 from crowdtrain.client.trust import ProjectTrust, initial_state_sha256
 from crowdtrain.core import dedloc as math
@@ -68,6 +73,7 @@ class PeerOptions:
     # Testing: a hostile peer that reports its real parameter digest but uploads its parameters x0,
     # after every step it applied and unasked, until the scheduler refuses it.
     poison_state: bool = False
+    device: str = "cpu"  # the torch device that computes the gradients (crowdtrain.client.devices.resolve_device)
 
 
 class DedlocPeer:
@@ -98,17 +104,6 @@ class DedlocPeer:
                 self._report_refusal(reason)
                 raise JobRefused(reason)
             self.initial_sha256 = initial_state_sha256(joined)
-        self.recipe = joined.recipe
-        self.spec = joined.recipe["dedloc"]
-        m = joined.recipe["model"]
-        self.model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
-        self.opt = make_optimizer(self.model, self.spec)
-        self.params = [p for p in self.model.parameters()]
-        n = sum(p.numel() for p in self.params)
-        # A state is the parameters and at most three optimizer buffers like them (Adam's moments),
-        # in float32, and a header: a longer reply is refused unread.
-        self.state_limit = 16 * n + 2**20
-        self.reported, self.fresh = Accumulator(torch.zeros(n)), Accumulator(torch.zeros(n))
         xs, ys = [], []
         for shard in joined.shards:
             blob = self.api.shard(shard.id, shard.size)
@@ -117,19 +112,39 @@ class DedlocPeer:
             x, y = decode_shard(blob)
             xs.append(x)
             ys.append(y)
-        self.x, self.y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
-        self.mine = np.arange(len(self.x))[self.o.data_rank :: self.o.data_world]
-        self.order: np.ndarray = np.empty(0, dtype=np.int64)
-        self.passes = 0
+        self.set_up(joined.recipe, np.concatenate(xs), np.concatenate(ys))
         log.info(
-            "peer %s joined job %s (%s); %d examples of %d are this peer's",
+            "peer %s joined job %s (%s) on %s; %d examples of %d are this peer's",
             joined.peer_id,
             self.o.job_id,
             "relayed" if self.o.relayed else "direct",
+            self.o.device,
             len(self.mine),
             len(self.x),
         )
         return joined
+
+    def set_up(self, recipe: dict, x: np.ndarray, y: np.ndarray) -> None:
+        """What the peer trains, from the recipe the scheduler gave and the job's examples (x, y): the
+        model and its optimizer, the model that computes the gradients on the peer's device, the
+        accumulators, and which examples are this peer's (`data_rank` of `data_world`)."""
+        self.recipe = recipe
+        self.spec = recipe["dedloc"]
+        m = recipe["model"]
+        self.model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
+        self.opt = make_optimizer(self.model, self.spec)
+        self.params = [p for p in self.model.parameters()]
+        self.compute = ComputeCopy(self.model, self.o.device)
+        n = sum(p.numel() for p in self.params)
+        # A state is the parameters and at most three optimizer buffers like them (Adam's moments),
+        # in float32, and a header: a longer reply is refused unread.
+        self.state_limit = 16 * n + 2**20
+        self.reported = Accumulator(torch.zeros(n, device=self.o.device))
+        self.fresh = Accumulator(torch.zeros(n, device=self.o.device))
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+        self.mine = np.arange(len(self.x))[self.o.data_rank :: self.o.data_world]
+        self.order: np.ndarray = np.empty(0, dtype=np.int64)
+        self.passes = 0
 
     def _report_refusal(self, reason: str) -> None:
         try:
@@ -153,6 +168,7 @@ class DedlocPeer:
             self._report_refusal(reason)
             raise JobRefused(reason)
         load_state(self.model, self.opt, blob)
+        self.compute.take_parameters(buffers=True)
         stale = self.reported.examples + self.fresh.examples and step > self.grads_step + 1
         if stale:  # gradients of parameters more than one step old would pull the model back
             self.reported.clear()
@@ -190,15 +206,13 @@ class DedlocPeer:
         if self.reported.examples + self.fresh.examples == 0:
             self.grads_step = self.step
         idx = self._next_indices(count)
-        self.model.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.cross_entropy(self.model(self.x[idx]), self.y[idx], reduction="sum")
-        loss.backward()
-        self.fresh.grads += flat_grads(self.params)
+        self.fresh.grads += self.compute.summed_gradient(self.x[idx], self.y[idx])
         self.fresh.examples += len(idx)
         self.fresh.indices += idx
 
     def params_digest(self) -> str:
         if self._digest is None or self._digest[0] != self.step:
+            self.compute.give_buffers()
             self._digest = (self.step, math.digest(state_to_numpy(self.model)))
         return self._digest[1]
 
@@ -279,6 +293,7 @@ class DedlocPeer:
     def upload_state(self) -> None:
         """Upload the state this peer holds (of `self.step`), as the scheduler asked. A refusal is
         logged: the scheduler asks another member that holds the agreed parameters."""
+        self.compute.give_buffers()
         blob = encode_state(self.model, self.opt)
         if self.o.poison_state:
             blob = encode({k: v * 0 if not k.startswith("__") else v for k, v in decode(blob).items()})
@@ -297,7 +312,8 @@ class DedlocPeer:
         try:
             # A job stored before `compression` existed has none in its recipe: float32, as it ran then.
             compression = self.spec.get("compression", "none")
-            average = reduce_round(self.api, plan, self.reported.grads, self.groups, compression)
+            # On a GPU, `.cpu()` is the copy the all-reduce works on; on the CPU, the tensor itself (never modified).
+            average = reduce_round(self.api, plan, self.reported.grads.cpu(), self.groups, compression)
         except Exception as exc:  # any failure of the collective: the round is aborted for everyone
             log.warning(
                 "peer %s: step %d attempt %d failed (%s); reporting it", self.api.peer_id, plan.step, plan.attempt, exc
@@ -340,7 +356,9 @@ class DedlocPeer:
         step, attempt, average = self.reduced
         offset = 0
         for p in self.params:
-            p.grad = average[offset : offset + p.numel()].view_as(p).clone()
+            # empty_like keeps the parameter's memory format (a channels-last convolution's): the
+            # gradients of the next backward pass accumulate into this tensor.
+            p.grad = torch.empty_like(p).copy_(average[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         lr = math.learning_rate(
             step, self.spec["lr"], self.spec["lr_schedule"], self.spec["warmup_steps"], self.recipe["max_steps"]
@@ -349,6 +367,7 @@ class DedlocPeer:
             group["lr"] = lr
         before = self.params_digest()
         self.opt.step()
+        self.compute.take_parameters(buffers=False)
         contributed = self.reported.indices
         self.reported.clear()
         self.step, self.reduced, self.frozen, self.others = step + 1, None, False, 0

@@ -18,6 +18,7 @@ from crowdtrain.cli.options import (
 )
 from crowdtrain.client.dedloc.api import PeerAPI
 from crowdtrain.client.dedloc.peer import DedlocPeer, PeerOptions, attach
+from crowdtrain.client.devices import DEVICE_CHOICES, DeviceUnavailable, detect_accelerators, resolve_device
 from crowdtrain.client.identity import Identities
 from crowdtrain.client.trust import ProjectTrust
 
@@ -57,6 +58,7 @@ def peer(
     threads: Annotated[
         int | None, typer.Option(min=1, help="CPU threads for training (default: the framework's)")
     ] = None,
+    device: Annotated[str, typer.Option(help=f"The device that computes the gradients: {DEVICE_CHOICES}")] = "auto",
     kill_at: Annotated[
         str | None,
         typer.Option(help="Testing: SIGKILL itself mid all-reduce of STEP:ATTEMPT", show_default=False),
@@ -88,6 +90,10 @@ def peer(
     if data_rank >= data_world:
         raise typer.BadParameter(f"must be below --data-world ({data_world})", param_hint="--data-rank")
     at = _step_attempt(kill_at) if kill_at else None
+    try:
+        resolved = resolve_device(device, detect_accelerators())
+    except DeviceUnavailable as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
     if threads:
         torch.set_num_threads(threads)
     api = PeerAPI(server)
@@ -103,6 +109,7 @@ def peer(
         trace=trace,
         kill_at=at,
         poison_state=poison_state,
+        device=resolved,
     )
     code = DedlocPeer(api, options, trust).run()
     raise typer.Exit(code)
