@@ -122,7 +122,7 @@ def dedloc_lock(job_id: int) -> str:
 
 def dedloc_round(job_id: int) -> str:
     """JSON: the step being accumulated and the phase of its round
-    (see crowdtrain.server.services.dedloc.Round)."""
+    (see crowdtrain.server.services.dedloc_document.Round)."""
     return f"{PREFIX}:job:{job_id}:dedloc:round"
 
 

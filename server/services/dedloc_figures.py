@@ -16,7 +16,7 @@ import redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core.schemas_dashboard import DedlocFigures, DedlocStep
-from crowdtrain.server.services import dedloc, dedloc_jobs, dedloc_peers
+from crowdtrain.server.services import dedloc_document, dedloc_jobs, dedloc_peers
 from crowdtrain.server.services.clock import now_or_wall
 
 RECENT_STEPS = 10
@@ -46,7 +46,7 @@ def dedloc_figures(db: sessionmaker[Session], r: redis.Redis, job_id: int, now: 
     now = now_or_wall(now)
     view = dedloc_jobs.job_view(db, job_id)
     commits = dedloc_jobs.commits(r, job_id)
-    rnd = dedloc.load(r, job_id)
+    rnd = dedloc_document.load(r, job_id)
     steps = committed_steps(commits)
     rounds = [s.seconds for s in steps if s.seconds is not None]
     examples = [s.examples for s in steps]

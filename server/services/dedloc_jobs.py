@@ -32,9 +32,9 @@ from crowdtrain.core.tensors import (
 from crowdtrain.server.ledger import jobs as ledger_jobs
 from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.models import Job, Shard
-from crowdtrain.server.services import access, dedloc, dedloc_peers, dedloc_states, project_key
+from crowdtrain.server.services import access, dedloc, dedloc_document, dedloc_peers, dedloc_states, project_key
 from crowdtrain.server.services.clock import now_or_wall
-from crowdtrain.server.services.dedloc import Round
+from crowdtrain.server.services.dedloc_document import Round
 from crowdtrain.server.services.dedloc_peers import NotAMember
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def job_view(db: sessionmaker[Session], job_id: int) -> JobView:
 def open_job(r: redis.Redis, storage: Storage, job_id: int) -> None:
     """Called once the job is submitted: step 0's state is the initial parameters (no optimizer state)."""
     storage.put(keys.dedloc_state_key(job_id, 0), storage.get(keys.snapshot_key(job_id, 0)))
-    dedloc.open_job(r, job_id)
+    dedloc_document.open_job(r, job_id)
 
 
 def join(
@@ -94,7 +94,7 @@ def join(
     if not view.running:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is not running")
     peer_id = f"h{host_id}-{secrets.token_hex(4)}"
-    rnd = dedloc.load(r, job_id)
+    rnd = dedloc_document.load(r, job_id)
     if rnd is None:
         raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared; join again in a moment")
     dedloc_peers.join(r, job_id, peer_id, host_id, relayed, now)
@@ -156,7 +156,7 @@ def refusals(r: redis.Redis, job_id: int) -> dict[int, dict]:
 def joined_round(r: redis.Redis, job_id: int) -> Round:
     """The round of a job that peers have joined: it exists (open_job wrote it before anyone could
     join, and nothing deletes it)."""
-    rnd = dedloc.load(r, job_id)
+    rnd = dedloc_document.load(r, job_id)
     assert rnd is not None, f"job {job_id} has peers but no round"
     return rnd
 
@@ -207,10 +207,10 @@ def put_state(
     if not r.set(keys.dedloc_state_claim(job_id, step), peer_id, nx=True):
         return Outcome.duplicate
     storage.put(keys.dedloc_state_key(job_id, step), body)
-    with dedloc.lock(r, job_id):
+    with dedloc_document.lock(r, job_id):
         rnd = joined_round(r, job_id)
         rnd.state_step = max(rnd.state_step, step)
-        dedloc.save(r, job_id, rnd)
+        dedloc_document.save(r, job_id, rnd)
     x, y = decode_shard(storage.get(view.validation_key))
     loss, accuracy = evaluator.evaluate(job_id, view.model_config, params, x, y)
     log.info(
@@ -237,17 +237,17 @@ def put_state(
         storage.put(keys.final_key(job_id), with_metadata(encode(params), metadata))
     ledger_jobs.record_dedloc_state(db, job_id, step, loss, accuracy, sha256(body), outcome)
     if outcome is not None:
-        with dedloc.lock(r, job_id):
+        with dedloc_document.lock(r, job_id):
             rnd = joined_round(r, job_id)
             rnd.finished = True
-            dedloc.save(r, job_id, rnd)
+            dedloc_document.save(r, job_id, rnd)
         log.info("job %s %s: %s", job_id, outcome[0].value, outcome[1])
     return Outcome.stored
 
 
 def latest_state(r: redis.Redis, storage: Storage, job_id: int, host_id: int) -> tuple[int, bytes]:
     """The newest state, for members of the job's collaboration only (others get the missing job's 404)."""
-    rnd = dedloc.load(r, job_id)
+    rnd = dedloc_document.load(r, job_id)
     if rnd is None or not access.is_collaboration_member(r, job_id, host_id):
         raise DedlocProblem(
             RefusalKind.not_found, f"the DeDLOC state of job {job_id} does not exist or you have not joined the job"

@@ -20,7 +20,7 @@ import redis
 from crowdtrain.core import dedloc as math
 from crowdtrain.core import keys
 from crowdtrain.core.refusals import RefusalKind
-from crowdtrain.server.services import dedloc
+from crowdtrain.server.services import dedloc, dedloc_document
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, joined_round
 from crowdtrain.server.services.dedloc_rounds import running_member
 
@@ -141,7 +141,7 @@ def _stream_total(r: redis.Redis, job_id: int, step: int, attempt: int, size: in
         while (chunk := _recent_totals.get(name) or r.get(name)) is None:
             if time.monotonic() - checked > RECHECK:
                 rnd, checked = joined_round(r, job_id), time.monotonic()
-                if rnd.phase != dedloc.RoundPhase.reducing or (rnd.step, rnd.attempt) != (step, attempt):
+                if rnd.phase != dedloc_document.RoundPhase.reducing or (rnd.step, rnd.attempt) != (step, attempt):
                     return
                 if now + (time.monotonic() - started) > rnd.deadline:
                     return

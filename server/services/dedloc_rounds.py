@@ -30,9 +30,9 @@ from crowdtrain.core.schemas_dedloc import (
 )
 from crowdtrain.core.states import JobStatus
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_states
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_document, dedloc_peers, dedloc_states
 from crowdtrain.server.services.clock import now_or_wall
-from crowdtrain.server.services.dedloc import Round, RoundGone, RoundPhase
+from crowdtrain.server.services.dedloc_document import Round, RoundGone, RoundPhase
 from crowdtrain.server.services.dedloc_jobs import DedlocProblem, JobView, job_view, joined_round
 from crowdtrain.server.services.dedloc_peers import NotAMember
 
@@ -123,12 +123,12 @@ def _progress_once(
     db: sessionmaker[Session], r: redis.Redis, job_id: int, host_id: int, req: Progress, now: float
 ) -> ProgressReply:
     view = job_view(db, job_id)
-    with dedloc.lock(r, job_id):
+    with dedloc_document.lock(r, job_id):
         try:
             dedloc_peers.touch(r, job_id, req.peer_id, host_id, now)
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
-        rnd = dedloc.load(r, job_id)
+        rnd = dedloc_document.load(r, job_id)
         if rnd is None:
             raise DedlocProblem(RefusalKind.conflict, f"job {job_id} is still being prepared")
         dedloc_states.rewind_orphaned(r, job_id, view.spec, rnd, now)
@@ -140,7 +140,7 @@ def _progress_once(
             reply.upload_state = dedloc_states.asked_to_upload(
                 r, job_id, view.spec, rnd, req.peer_id, view.max_steps, now
             )
-        dedloc.save(r, job_id, rnd)
+        dedloc_document.save(r, job_id, rnd)
     return reply
 
 
@@ -233,7 +233,7 @@ def report(
     for an absent peer is not to blame)."""
     now = now_or_wall(now)
     view = job_view(db, job_id)
-    with dedloc.lock(r, job_id):
+    with dedloc_document.lock(r, job_id):
         try:
             dedloc_peers.touch(r, job_id, peer_id, host_id, now)
         except NotAMember as exc:
@@ -251,7 +251,7 @@ def report(
             raise DedlocProblem(RefusalKind.conflict, str(exc)) from None
         except NotAMember as exc:
             raise DedlocProblem(RefusalKind.forbidden, str(exc)) from None
-        dedloc.save(r, job_id, rnd)
+        dedloc_document.save(r, job_id, rnd)
     if commit is not None:
         with db.begin() as s:
             job = s.get_one(Job, job_id)

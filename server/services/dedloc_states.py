@@ -21,7 +21,7 @@ from crowdtrain.core import keys
 from crowdtrain.core.dedloc import StateVerdict
 from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.server.services import dedloc, dedloc_peers
-from crowdtrain.server.services.dedloc import Round, RoundPhase
+from crowdtrain.server.services.dedloc_document import Round, RoundPhase
 
 log = logging.getLogger(__name__)
 

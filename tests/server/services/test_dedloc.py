@@ -14,7 +14,7 @@ from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.tensors import encode
 from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.models import Job
-from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_document, dedloc_peers
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -40,16 +40,16 @@ class Clock:
 CLOCK = Clock()
 
 
-def _report(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
+def _report(r: redis.Redis, rnd: dedloc_document.Round, **examples: int) -> None:
     for peer, n in examples.items():
         r.hset(keys.dedloc_progress(1, rnd.step), peer, n)
 
 
-def _joined(r: redis.Redis, *peers: str, relayed: tuple[str, ...] = ()) -> dedloc.Round:
-    dedloc.open_job(r, 1)
+def _joined(r: redis.Redis, *peers: str, relayed: tuple[str, ...] = ()) -> dedloc_document.Round:
+    dedloc_document.open_job(r, 1)
     for i, p in enumerate(peers):
         dedloc_peers.join(r, 1, p, i + 1, p in relayed, CLOCK.now)
-    return dedloc.load(r, 1)
+    return dedloc_document.load(r, 1)
 
 
 def _establish(r: redis.Redis, *peers: str) -> None:
@@ -102,7 +102,7 @@ def test_a_failed_attempt_is_retried_without_the_peer_that_does_not_come_back(pr
     dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
     assert rnd.phase == "matchmaking" and rnd.attempt == 1 and rnd.done == {}
     assert r.hexists(keys.dedloc_aborts(1), "0:0")
-    with pytest.raises(dedloc.RoundGone):
+    with pytest.raises(dedloc_document.RoundGone):
         dedloc.record_done(
             r, 1, rnd, SPEC, "b", 0, 0, "d1", CLOCK.now
         )  # a late report of the aborted attempt changes nothing
@@ -128,7 +128,7 @@ def test_members_that_disagree_on_the_result_abort_instead_of_forking(private_re
         dedloc.record_done(r, 1, rnd, SPEC, "b", 0, 1, "d1", CLOCK.now)
 
 
-def _reduce(r: redis.Redis, rnd: dedloc.Round, **examples: int) -> None:
+def _reduce(r: redis.Redis, rnd: dedloc_document.Round, **examples: int) -> None:
     """Close the step with these peers' examples and make them the members."""
     _report(r, rnd, **examples)
     dedloc.advance(r, 1, rnd, SPEC, 10, CLOCK.now)
@@ -180,14 +180,14 @@ def test_dissenters_are_the_minority_or_everyone_on_a_tie() -> None:
     assert dissenters({"a": "x", "b": "y"}) == ["a", "b"]
 
 
-def _commit(r: redis.Redis, rnd: dedloc.Round, spec: DedlocSpec) -> None:
+def _commit(r: redis.Redis, rnd: dedloc_document.Round, spec: DedlocSpec) -> None:
     step, attempt = rnd.step, rnd.attempt
     for peer in rnd.members:
         dedloc.record_done(r, 1, rnd, spec, peer, step, attempt, "d", CLOCK.now)
     assert rnd.step == step + 1, rnd
 
 
-def _close(r: redis.Redis, rnd: dedloc.Round, spec: DedlocSpec, **examples: int) -> None:
+def _close(r: redis.Redis, rnd: dedloc_document.Round, spec: DedlocSpec, **examples: int) -> None:
     CLOCK.later(r, 1.0)  # the peers accumulate: their claims are within what their rates allow
     _report(r, rnd, **examples)
     dedloc.advance(r, 1, rnd, spec, 10, CLOCK.now)

@@ -8,7 +8,7 @@ from crowdtrain.core import keys
 from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_dedloc import Progress
-from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_peers, dedloc_rounds
+from crowdtrain.server.services import dedloc, dedloc_claims, dedloc_document, dedloc_peers, dedloc_rounds
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -18,13 +18,13 @@ SPEC = DedlocSpec(
 T0 = 1_000_000.0
 
 
-def _joined(r: redis.Redis, established: tuple[str, ...], new: tuple[str, ...] = ()) -> dedloc.Round:
+def _joined(r: redis.Redis, established: tuple[str, ...], new: tuple[str, ...] = ()) -> dedloc_document.Round:
     """A job whose `established` peers each completed a round at 100 examples a second."""
-    dedloc.open_job(r, 1)
+    dedloc_document.open_job(r, 1)
     for i, p in enumerate(established + new):
         dedloc_peers.join(r, 1, p, i + 1, False, T0)
     dedloc_claims.record_round(r, 1, dict.fromkeys(established, 100), dict.fromkeys(established, 1.0))
-    rnd = dedloc.load(r, 1)
+    rnd = dedloc_document.load(r, 1)
     assert rnd is not None
     return rnd
 
@@ -190,5 +190,5 @@ def test_excluded_and_unproven_claims_are_not_told_to_the_others(tmp_path, priva
         assert report("other", 500, now + 2.0).action == "matchmaking"
         assert report("honest", 500, now + 2.0).action == "reduce"
         assert report("fake", 10**9, now + 2.0).action == "accumulate", "a claim beyond its bound is never ready"
-        rnd = dedloc.load(r, job_id)
+        rnd = dedloc_document.load(r, job_id)
         assert rnd is not None and rnd.members == sorted([peers["honest"], peers["other"]]) and rnd.total == 1000

@@ -13,7 +13,7 @@ from crowdtrain.core import keys
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas_dedloc import MAX_PROGRESS_WAIT, Progress, ProgressReply
 from crowdtrain.launch.cluster import wait_for
-from crowdtrain.server.services import dedloc, dedloc_peers, dedloc_rounds
+from crowdtrain.server.services import dedloc_document, dedloc_peers, dedloc_rounds
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import scheduler_app
 
@@ -94,16 +94,16 @@ def test_a_report_is_answered_at_once_while_the_process_holds_its_most(
 
 def test_the_round_announces_a_change_and_only_a_change(private_redis) -> None:
     r = private_redis
-    dedloc.open_job(r, 7)
+    dedloc_document.open_job(r, 7)
     changes = r.pubsub(ignore_subscribe_messages=True)
     changes.subscribe(keys.dedloc_changed(7))
     wait_for(lambda: _subscribers(r, 7) == 1, 10, "not subscribed")
-    rnd = dedloc.load(r, 7)
+    rnd = dedloc_document.load(r, 7)
     assert rnd is not None
-    dedloc.save(r, 7, rnd)  # the same document: nothing to announce
+    dedloc_document.save(r, 7, rnd)  # the same document: nothing to announce
     rnd.candidates = ["p1"]
-    dedloc.save(r, 7, rnd)
-    dedloc.save(r, 7, rnd)
+    dedloc_document.save(r, 7, rnd)
+    dedloc_document.save(r, 7, rnd)
     heard = [m for _ in range(3) if (m := changes.get_message(timeout=1.0)) is not None]
     assert len(heard) == 1, heard
     changes.close()

@@ -1,4 +1,4 @@
-"""The DeDLOC round's phases (crowdtrain.server.services.dedloc.ROUND_MOVES): every pair of phases is
+"""The DeDLOC round's phases (crowdtrain.server.services.dedloc_document.ROUND_MOVES): every pair of phases is
 tried, the table's moves succeed and every other is refused, and a stored round keeps its phase."""
 
 import itertools
@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import pytest
 
-from crowdtrain.server.services.dedloc import ROUND_MOVES, IllegalRoundMove, Round, RoundPhase
+from crowdtrain.server.services.dedloc_document import ROUND_MOVES, IllegalRoundMove, Round, RoundPhase
 
 
 @pytest.mark.parametrize(("current", "to"), list(itertools.product(RoundPhase, RoundPhase)))
