@@ -1,6 +1,7 @@
 """CPU time of processes read from /proc (Linux): a process tree's, and PostgreSQL's, counting the
 processes that exited in between through their parent's reaped-children time. What
-benchmarks/dispatch_throughput.py divides by the requests answered in a window."""
+benchmarks/dispatch_throughput.py divides by the requests answered in a window, and
+benchmarks/capacity.py by the workunits, heartbeats and polls served."""
 
 import os
 
@@ -32,19 +33,30 @@ def cpu_seconds(root: int) -> tuple[float, float]:
     """CPU seconds so far of the process tree under `root` (the scheduler) and of PostgreSQL's
     processes, counting processes that have exited (a backend, a worker) through their parent's
     waited-for children's time."""
+    figures = cpu_by_tree({"tree": root})
+    return figures["tree"], figures["postgres"]
+
+
+def cpu_by_tree(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process tree (its root's pid), and of PostgreSQL's processes
+    under "postgres", counting exited processes as cpu_seconds does."""
     procs = _processes()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
-    tree, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in procs:
-            tree += procs[pid][1] + (procs[pid][2] if pid == root else 0)
-        stack += children.get(pid, [])
+    out = {}
+    for name, root in roots.items():
+        tree, stack = 0, [root]
+        while stack:
+            pid = stack.pop()
+            if pid in procs:
+                tree += procs[pid][1] + (procs[pid][2] if pid == root else 0)
+            stack += children.get(pid, [])
+        out[name] = tree / CLOCK_TICKS
     postgres = 0
     for ppid, own, reaped, name in procs.values():
         if name.startswith("postgres"):
             is_postmaster = not procs.get(ppid, (0, 0, 0, ""))[3].startswith("postgres")
             postgres += own + (reaped if is_postmaster else 0)
-    return tree / CLOCK_TICKS, postgres / CLOCK_TICKS
+    out["postgres"] = postgres / CLOCK_TICKS
+    return out

@@ -34,6 +34,10 @@ UntilIdleOpt = Annotated[
     typer.Option(help="Stop once no work was handed out for this long (default: run --duration)", show_default=False),
 ]
 ConnectionsOpt = Annotated[int, typer.Option(min=1, help="HTTP connections shared by the hosts")]
+TrainSecondsOpt = Annotated[
+    float,
+    typer.Option(min=0, help="Seconds each host holds a workunit before uploading, heartbeating as a client does"),
+]
 
 
 @app.callback(invoke_without_command=True)
@@ -45,10 +49,11 @@ def simulate(
     duration: DurationOpt = 60.0,
     until_idle: UntilIdleOpt = None,
     connections: ConnectionsOpt = 100,
+    train_seconds: TrainSecondsOpt = 0.0,
 ) -> None:
     """Without a subcommand: the load generator, as `simulate load`."""
     if ctx.invoked_subcommand is None:
-        simulate_load(server, join_token, hosts, duration, until_idle, connections)
+        simulate_load(server, join_token, hosts, duration, until_idle, connections, train_seconds)
 
 
 @app.command("load")
@@ -59,16 +64,19 @@ def simulate_load(
     duration: DurationOpt = 60.0,
     until_idle: UntilIdleOpt = None,
     connections: ConnectionsOpt = 100,
+    train_seconds: TrainSecondsOpt = 0.0,
 ) -> None:
-    """Load generator: simulated hosts that ask for work and upload results without training.
+    """Load generator: simulated hosts that ask for work and upload results without training (or
+    after holding each workunit --train-seconds, heartbeating as a client does).
 
-    Prints one line of JSON with the figures (requests/s, work-request latency, dispatches, uploads).
+    Prints one line of JSON with the figures (requests/s, work-request latency, dispatches, uploads,
+    heartbeats).
     """
     if not server:
         raise typer.BadParameter("required by the load generator", param_hint="--server")
     if not join_token:
         raise typer.BadParameter("required by the load generator", param_hint="--join-token")
-    stats = run_simulation(server, join_token, hosts, duration, until_idle, connections)
+    stats = run_simulation(server, join_token, hosts, duration, until_idle, connections, train_seconds)
     typer.echo(json.dumps(stats.summary()))
 
 

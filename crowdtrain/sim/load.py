@@ -1,6 +1,10 @@
 """Simulated hosts: many registered clients in one process that ask for work and upload results
 without training. A load generator for the scheduler and the parameter servers.
 
+With `train_seconds`, each host holds each workunit that long before it uploads, sending the
+heartbeats a real client sends meanwhile (every `heartbeat_interval` the work reply names), so a
+run at a given number of hosts and workunit time loads the servers as real volunteers would.
+
 Each host returns the snapshot it was given, one weight moved (`result_of`), as its "trained"
 parameters: a valid result of the right names, shapes and dtypes, so every upload goes through the
 whole validate-and-merge path.
@@ -35,6 +39,7 @@ class SimulationStats:
     work_latencies: list[float] = field(default_factory=list)
     dispatched: int = 0
     uploads: int = 0
+    heartbeats: int = 0
     refused: int = 0
     server_errors: int = 0  # 5xx answers, but for backpressure
     busy: int = 0  # uploads answered 503 with Retry-After (the upload slots were full), then sent again
@@ -53,6 +58,7 @@ class SimulationStats:
             "work_p95_ms": round(float(np.percentile(lat, 95)), 1),
             "dispatched": self.dispatched,
             "uploads": self.uploads,
+            "heartbeats": self.heartbeats,
             "refused": self.refused,
             "server_errors": self.server_errors,
             "busy": self.busy,
@@ -61,8 +67,17 @@ class SimulationStats:
 
 
 class _Simulation:
-    def __init__(self, server: str, join_token: str, hosts: int, duration: float, until_idle: float | None):
+    def __init__(
+        self,
+        server: str,
+        join_token: str,
+        hosts: int,
+        duration: float,
+        until_idle: float | None,
+        train_seconds: float = 0.0,
+    ):
         self.server, self.join_token, self.duration, self.until_idle = server, join_token, duration, until_idle
+        self.train_seconds = train_seconds
         self.stats = SimulationStats(hosts)
         self.snapshots: dict[str, bytes] = {}
         self.last_dispatch = time.monotonic()
@@ -113,6 +128,8 @@ class _Simulation:
                 for a in reply["assignments"]:
                     self.stats.dispatched += 1
                     body = result_of(await self.snapshot(http, a["snapshot"], auth), a["assignment_id"])
+                    if not await self.train(http, a["assignment_id"], float(reply["heartbeat_interval"]), auth):
+                        continue
                     up = await self.upload(http, a["assignment_id"], body, auth)
                     if up.status_code == 202:
                         self.stats.uploads += 1
@@ -129,6 +146,21 @@ class _Simulation:
                 name = type(exc).__name__
                 self.stats.transport_errors[name] = self.stats.transport_errors.get(name, 0) + 1
                 await asyncio.sleep(0.5)
+
+    async def train(self, http: httpx.AsyncClient, assignment_id: int, heartbeat_every: float, auth: dict) -> bool:
+        """Hold the workunit `train_seconds`, heartbeating as a client does; False when the scheduler
+        no longer wants it (or the run ended), so that it is not uploaded."""
+        ends = time.monotonic() + self.train_seconds
+        while (left := ends - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, heartbeat_every))
+            if self.done():
+                return False
+            if time.monotonic() < ends:
+                beat = await self.request(http, "POST", f"/v1/assignments/{assignment_id}/heartbeat", headers=auth)
+                self.stats.heartbeats += 1
+                if beat.status_code != 200 or not beat.json()["keep_going"]:
+                    return False
+        return True
 
     async def upload(self, http: httpx.AsyncClient, assignment_id: int, body: bytes, auth: dict) -> httpx.Response:
         """Upload a result. A 503 with Retry-After is the scheduler's backpressure (its upload slots are
@@ -162,8 +194,14 @@ class _Simulation:
 
 
 def simulate(
-    server: str, join_token: str, hosts: int, duration: float, until_idle: float | None = None, connections: int = 100
+    server: str,
+    join_token: str,
+    hosts: int,
+    duration: float,
+    until_idle: float | None = None,
+    connections: int = 100,
+    train_seconds: float = 0.0,
 ) -> SimulationStats:
     """Run `hosts` simulated hosts for `duration` seconds (or until no work was handed out for `until_idle`,
-    or until SIGTERM or SIGINT)."""
-    return asyncio.run(_Simulation(server, join_token, hosts, duration, until_idle).run(connections))
+    or until SIGTERM or SIGINT), each holding a workunit `train_seconds` before it uploads."""
+    return asyncio.run(_Simulation(server, join_token, hosts, duration, until_idle, train_seconds).run(connections))
