@@ -17,19 +17,19 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import IO, TypeVar
+from typing import IO, Any, TypeVar
 
 import redis
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from crowdtrain.core.refusals import Refusal, RefusalKind
-from crowdtrain.core.schemas import ErrorOut
+from crowdtrain.core.schemas import ErrorOut, Id
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -92,6 +92,27 @@ def parse_json_body(model: type[M], body: bytes) -> M:
         raise RequestValidationError(
             [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)], body=body
         ) from None
+
+
+_ID: TypeAdapter[int] = TypeAdapter(Id)
+
+
+def path_id(name: str, raw: str) -> int:
+    """A path parameter as an Id (crowdtrain.core.schemas.Id), refused as FastAPI refuses one it
+    parses (422, RequestValidationError naming `path.<name>`): for a LeanRoute, which parses its own."""
+    try:
+        return int(_ID.validate_python(raw))
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("path", name, *e["loc"])} for e in exc.errors(include_url=False)]
+        ) from None
+
+
+def path_parameter(name: str, annotation: Any) -> dict[str, Any]:
+    """The OpenAPI declaration of a required path parameter of type `annotation`, for a LeanRoute
+    (whose endpoint takes the bare Request, so FastAPI cannot see its parameters)."""
+    schema = TypeAdapter(annotation).json_schema()
+    return {"parameters": [{"name": name, "in": "path", "required": True, "schema": schema}]}
 
 
 class BodyTooLarge(HTTPException):

@@ -87,17 +87,22 @@ def heartbeat(db: sessionmaker[Session], host_id: int, assignment_id: int) -> tu
     work, a silent one is timed out at its last deadline, and a hung one at the bound.
     """
     with db.begin() as s:
-        a = own_assignment(s, assignment_id, host_id)
-        now = utcnow()
-        s.get_one(Host, host_id).last_seen = now
-        if a.status != AssignmentStatus.in_progress.value:
-            return False, f"assignment is {a.status}", None
-        job = s.get_one(Job, a.job_id)
-        if job.status != JobStatus.running.value:
-            return False, f"job is {job.status}", None
-        a.last_heartbeat = now
-        a.deadline = max(a.deadline, extended_deadline(a.sent_at, now, scheduling_of(job.spec)))
-        return True, "", a.deadline
+        return heartbeat_in(s, host_id, assignment_id)
+
+
+def heartbeat_in(s: Session, host_id: int, assignment_id: int) -> tuple[bool, str, datetime | None]:
+    """`heartbeat` inside the caller's transaction `s` (one that authenticated the host, say)."""
+    a = own_assignment(s, assignment_id, host_id)
+    now = utcnow()
+    s.get_one(Host, host_id).last_seen = now
+    if a.status != AssignmentStatus.in_progress.value:
+        return False, f"assignment is {a.status}", None
+    job = s.get_one(Job, a.job_id)
+    if job.status != JobStatus.running.value:
+        return False, f"job is {job.status}", None
+    a.last_heartbeat = now
+    a.deadline = max(a.deadline, extended_deadline(a.sent_at, now, scheduling_of(job.spec)))
+    return True, "", a.deadline
 
 
 @dataclass(frozen=True)

@@ -92,10 +92,16 @@ def register_host(
 
 def authenticate_host(db: sessionmaker[Session], token: str) -> int:
     with db.begin() as s:
-        row = s.execute(select(Host.id, Host.revoked).where(Host.token_hash == hash_token(token))).first()
+        return host_of_token(s, token)
+
+
+def host_of_token(s: Session, token: str) -> int:
+    """The id of the live host whose bearer `token` this is, read in the caller's transaction `s`
+    (NotAuthorized if none, or revoked)."""
+    row = s.execute(select(Host.id, Host.revoked).where(Host.token_hash == hash_token(token))).first()
     if row is None or row.revoked:
         raise NotAuthorized("unknown or revoked host token", RefusalKind.unauthenticated)
-    return row.id
+    return int(row.id)
 
 
 def create_join_token(db: sessionmaker[Session], req: JoinTokenCreate) -> JoinTokenCreated:

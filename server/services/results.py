@@ -8,8 +8,10 @@ The merge queue is a parameter (`MergeQueue`): the process that serves the route
 starts (the parameter servers' Celery queue in the scheduler), so this layer imports no entry point."""
 
 import secrets
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from datetime import datetime
 from typing import Protocol
 
 import redis
@@ -24,10 +26,11 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_spec
 from crowdtrain.server.ledger import assignments
-from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat, refuse_result
+from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat, heartbeat_in, refuse_result
 from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.uploads import StoredUpload, record_upload, upload_target
 from crowdtrain.server.services import file_refs
+from crowdtrain.server.services.hosts import host_of_token
 
 __all__ = [
     "MergeQueue",
@@ -37,6 +40,7 @@ __all__ = [
     "check_result",
     "give_up",
     "heartbeat",
+    "heartbeat_by_token",
     "refuse_result",
     "store_result",
     "upload_target",
@@ -167,3 +171,15 @@ def store_result(
 
 def _new_upload_key(job_id: int, assignment_id: int) -> str:
     return keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
+
+
+def heartbeat_by_token(
+    db: sessionmaker[Session], token: str, assignment_id: Callable[[], int]
+) -> tuple[bool, str, datetime | None]:
+    """A host's heartbeat in one transaction: the host authenticated by its bearer `token`
+    (NotAuthorized if no live host's), then `assignment_id()` read (which may refuse the request:
+    a wrong token is refused whatever the rest), then its heartbeat (crowdtrain.server.ledger.
+    assignments.heartbeat: whether the work is still wanted, why not, its deadline now)."""
+    with db.begin() as s:
+        host_id = host_of_token(s, token)
+        return heartbeat_in(s, host_id, assignment_id())

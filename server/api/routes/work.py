@@ -1,4 +1,5 @@
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -23,6 +24,8 @@ from crowdtrain.server.api.boundary import (
     json_body,
     octet_stream_body,
     parse_json_body,
+    path_id,
+    path_parameter,
     upload_body,
 )
 from crowdtrain.server.api.deps import (
@@ -104,10 +107,36 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
     )
 
 
-@router.post("/assignments/{assignment_id}/heartbeat", response_model=HeartbeatReply)
-def heartbeat(assignment_id: Id, host_id: HostDep, db: DbDep) -> HeartbeatReply:
-    keep_going, reason, deadline = results.heartbeat(db, host_id, assignment_id)
-    return HeartbeatReply(keep_going=keep_going, reason=reason, deadline=deadline)
+async def heartbeat(request: Request) -> Response:
+    """The host still works on the assignment: its lease is extended (HeartbeatReply says whether
+    the work is still wanted). A LeanRoute, as `request_work` is: a client sends one every
+    `heartbeat_interval` for each assignment it holds, so heartbeats are the scheduler's most
+    frequent call once workunits are long (docs/operator/capacity.md). The path's id is read after
+    the token is authenticated, in the same transaction."""
+    call = host_call(request)
+    raw_id = request.path_params["assignment_id"]
+    reply = await run_in_threadpool(_heartbeat, call, lambda: path_id("assignment_id", raw_id))
+    return Response(reply, media_type="application/json")
+
+
+router.add_api_route(
+    "/assignments/{assignment_id}/heartbeat",
+    heartbeat,
+    methods=["POST"],
+    response_model=HeartbeatReply,
+    openapi_extra=path_parameter("assignment_id", Id) | HOST_TOKEN_SECURITY,
+    route_class_override=LeanRoute,
+)
+
+
+def _heartbeat(call: HostCall, assignment_id: Callable[[], int]) -> bytes:
+    try:
+        keep_going, reason, deadline = results.heartbeat_by_token(call.db, call.token, assignment_id)
+    except NotAuthorized:
+        call.budget.check()  # an address that has used up its failures is answered 429 from now on
+        call.budget.spend()
+        raise
+    return HeartbeatReply(keep_going=keep_going, reason=reason, deadline=deadline).model_dump_json().encode()
 
 
 @router.post("/assignments/{assignment_id}/start", response_model=SnapshotBound)

@@ -98,6 +98,17 @@ def test_a_guarded_route_answers_401_with_a_bearer_challenge(world: World, metho
     assert world.fingerprint() == before
 
 
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/work"), ("POST", "/v1/assignments/-1/heartbeat")])
+@pytest.mark.parametrize("token", ["missing", "wrong"])
+def test_a_lean_route_refuses_a_wrong_token_before_it_reads_the_request(world: World, method, path, token) -> None:
+    """The work and heartbeat routes read their body and path themselves (crowdtrain.server.api.lean):
+    what they cannot parse is not looked at before the token is known, as on any other route."""
+    client = world.sched.client(None if token == "missing" else "not-a-token", address=f"10.2.{token}")
+    resp = client.request(method, path, content=b"{not json")
+    assert resp.status_code == 401 and resp.headers["WWW-Authenticate"] == "Bearer", resp.text
+    assert world.alice.post("/v1/assignments/-1/heartbeat").status_code == 422
+
+
 @pytest.mark.parametrize(("method", "path"), ADMIN_ROUTES)
 def test_a_host_token_does_not_open_an_admin_route(world: World, method, path) -> None:
     before = world.fingerprint()
