@@ -55,10 +55,9 @@ from sqlalchemy import create_engine, text
 from crowdtrain.core import keys
 from crowdtrain.core.zoo import build_model, count_parameters
 from crowdtrain.launch.cluster import Cluster, fresh_postgres_database
-from crowdtrain.server.ledger.db import normalize_url
+from dispatch_throughput import admin_database_url
 from process_cpu import cpu_by_tree
 
-DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PARTS = ("scheduler", "parameter_server", "transitioner", "redis", "postgres")
 NUM_CLASSES = 10
 EXAMPLES_PER_SHARD = 8
@@ -66,12 +65,6 @@ EXAMPLES_PER_SHARD = 8
 
 def log(message: str) -> None:
     print(f"[capacity] {message}", file=sys.stderr, flush=True)
-
-
-def admin_database_url() -> str:
-    return normalize_url(
-        os.environ.get("CROWDTRAIN_BENCH_DATABASE_URL") or os.environ.get("CROWDTRAIN_TEST_DATABASE_URL") or DEFAULT_PG
-    )
 
 
 def model_for(params: int) -> tuple[int, dict, int]:

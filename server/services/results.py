@@ -26,7 +26,7 @@ from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
 from crowdtrain.core.updates import decode_update, upload_spec
 from crowdtrain.server.ledger import assignments
-from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat, heartbeat_in, refuse_result
+from crowdtrain.server.ledger.assignments import ResultRefused, give_up, heartbeat_in, refuse_result
 from crowdtrain.server.ledger.job_end import Evaluator
 from crowdtrain.server.ledger.uploads import StoredUpload, record_upload, upload_target
 from crowdtrain.server.services import file_refs
@@ -39,7 +39,6 @@ __all__ = [
     "bind_snapshot",
     "check_result",
     "give_up",
-    "heartbeat",
     "heartbeat_by_token",
     "refuse_result",
     "store_result",
