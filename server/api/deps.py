@@ -14,7 +14,8 @@ from functools import cached_property, wraps
 from typing import Annotated
 
 import redis
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from sqlalchemy.orm import Session, sessionmaker
@@ -205,6 +206,24 @@ def host_call(request: Request) -> HostCall:
     address = request.client.host if request.client else "unknown"
     budget = FailureBudget(c.redis, address, c.settings.auth_failures_per_minute)
     return HostCall(token, c.settings, c.db, c.storage, c.redis, budget)
+
+
+async def serve_host_call(request: Request, serve: Callable[[HostCall], bytes]) -> Response:
+    """A lean host route's answer: `serve` (which authenticates the token in its own transaction and
+    returns the reply's JSON bytes) runs in the thread pool, one hop for the whole request; a wrong
+    token consults the address's failure budget (429 once it is used up) and spends it before its 401
+    goes out."""
+    call = host_call(request)
+
+    def run() -> bytes:
+        try:
+            return serve(call)
+        except NotAuthorized:
+            call.budget.check()
+            call.budget.spend()
+            raise
+
+    return Response(await run_in_threadpool(run), media_type="application/json")
 
 
 HostDep = Annotated[int, Depends(current_host)]

@@ -160,6 +160,8 @@ def record_merges(
         job = s.scalars(select(Job).where(Job.id.in_(job_ids)).with_for_update()).one()
         superseded_uploads = []
         for a in sorted(recording, key=lambda a: versions[a.id]):
+            if a.status == AssignmentStatus.rejected.value:
+                a.message = f"merged into W_s v{versions[a.id]} after it was rejected ({a.message})"[:1000]
             states.move(a, AssignmentStatus.merged)
             a.merged_version, a.finished_at = versions[a.id], finished_at
             host, wu = hosts[a.host_id], workunits[a.workunit_id]
@@ -184,7 +186,8 @@ def record_merges(
 
 def _to_record(a: Assignment, version: int) -> bool:
     """Whether the merge of `a` into W_s `version` is still to record: uploaded, or rejected while it
-    was merged (record_merge says why); warned when it ended otherwise meanwhile."""
+    was merged (record_merges says why; it keeps the rejection in the message); warned when it ended
+    otherwise meanwhile. Reads only."""
     if a.status == AssignmentStatus.uploaded.value:
         return True
     if a.status == AssignmentStatus.merged.value:
@@ -198,8 +201,6 @@ def _to_record(a: Assignment, version: int) -> bool:
         "; recorded merged, as W_s holds it" if rejected else "",
         extra=ids(job_id=a.job_id, assignment_id=a.id),
     )
-    if rejected:
-        a.message = f"merged into W_s v{version} after it was rejected ({a.message})"[:1000]
     return rejected
 
 

@@ -13,9 +13,8 @@ from crowdtrain.client.dedloc.state import encode_state
 from crowdtrain.core import dedloc
 from crowdtrain.core.tensors import decode
 from crowdtrain.core.zoo import state_to_numpy
+from tests.client.gpu import DEVICES
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda:0", marks=CUDA)]
 MODELS = {
     "mlp": {"name": "mlp", "input_shape": [12], "num_classes": 4, "options": {"seed": 3, "hidden": [32]}},
     # BatchNorm's running statistics are buffers the forward passes update on the device.

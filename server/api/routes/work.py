@@ -37,11 +37,10 @@ from crowdtrain.server.api.deps import (
     RedisDep,
     SettingsDep,
     StorageDep,
-    host_call,
+    serve_host_call,
 )
 from crowdtrain.server.api.lean import HOST_TOKEN_SECURITY, LeanRoute
 from crowdtrain.server.services import backpressure, dispatch, held_hosts, project_key, results, telemetry
-from crowdtrain.server.services.hosts import NotAuthorized
 
 router = APIRouter(prefix="/v1", tags=["work"])
 
@@ -51,11 +50,10 @@ async def request_work(request: Request) -> Response:
 
     A LeanRoute: the route reads its token and body itself. The body is parsed after the token is
     authenticated, so that a wrong token is answered 401 whatever the body."""
-    call = host_call(request)
     body = await request.body()
-    reply = await run_in_threadpool(_serve_work, body, call)
-    # Serialised here, once: the reply is built from validated parts, and FastAPI would validate it again.
-    return Response(reply, media_type="application/json")
+    # Serialised by the service's caller, once: the reply is built from validated parts, and FastAPI
+    # would validate it again.
+    return await serve_host_call(request, lambda call: _serve_work(body, call))
 
 
 router.add_api_route(
@@ -71,24 +69,19 @@ router.add_api_route(
 def _serve_work(body: bytes, call: HostCall) -> bytes:
     """One thread-pool hop for the whole request: authentication and dispatch in one transaction
     (crowdtrain.server.services.dispatch.serve_work), then, before it commits, the telemetry counters in
-    one Redis round trip; the answer's bytes. Only a wrong token consults the failure budget."""
+    one Redis round trip; the answer's bytes."""
 
     def admit(req: WorkRequest, given: list[AssignmentOut]) -> None:
         call.budget.admit(keys.METRIC_COUNTERS, telemetry.work_request_events(req.cached_shards, given))
 
-    try:
-        _, served = dispatch.serve_work(
-            call.db,
-            call.storage,
-            call.token,
-            lambda: parse_json_body(WorkRequest, body),
-            call.settings.presign_seconds,
-            admit,
-        )
-    except NotAuthorized:
-        call.budget.check()  # an address that has used up its failures is answered 429 from now on
-        call.budget.spend()
-        raise
+    _, served = dispatch.serve_work(
+        call.db,
+        call.storage,
+        call.token,
+        lambda: parse_json_body(WorkRequest, body),
+        call.settings.presign_seconds,
+        admit,
+    )
     longest = call.settings.work_retry_after
     assignments = served.given
     held = served.held_seconds
@@ -113,10 +106,8 @@ async def heartbeat(request: Request) -> Response:
     `heartbeat_interval` for each assignment it holds, so heartbeats are the scheduler's most
     frequent call once workunits are long (docs/operator/capacity.md). The path's id is read after
     the token is authenticated, in the same transaction."""
-    call = host_call(request)
     raw_id = request.path_params["assignment_id"]
-    reply = await run_in_threadpool(_heartbeat, call, lambda: path_id("assignment_id", raw_id))
-    return Response(reply, media_type="application/json")
+    return await serve_host_call(request, lambda call: _heartbeat(call, lambda: path_id("assignment_id", raw_id)))
 
 
 router.add_api_route(
@@ -130,12 +121,7 @@ router.add_api_route(
 
 
 def _heartbeat(call: HostCall, assignment_id: Callable[[], int]) -> bytes:
-    try:
-        keep_going, reason, deadline = results.heartbeat_by_token(call.db, call.token, assignment_id)
-    except NotAuthorized:
-        call.budget.check()  # an address that has used up its failures is answered 429 from now on
-        call.budget.spend()
-        raise
+    keep_going, reason, deadline = results.heartbeat_by_token(call.db, call.token, assignment_id)
     return HeartbeatReply(keep_going=keep_going, reason=reason, deadline=deadline).model_dump_json().encode()
 
 

@@ -12,9 +12,8 @@ import torch
 from crowdtrain.client.trainers import TrainResult, train
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.zoo import build_model, state_to_numpy
+from tests.client.gpu import DEVICES
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda:0", marks=CUDA)]
 MODELS = {
     "cnn1d": {"name": "cnn1d", "input_shape": [40], "num_classes": 5, "options": {"channels": 8}},
     "resnet": {"name": "resnet", "input_shape": [3, 32, 32], "num_classes": 5, "options": {"width": 4}},
