@@ -64,6 +64,11 @@ def real_figures(db_url: str, job_id: int) -> tuple[int | None, float]:
     return examples, statistics.fmean(m.merged_version - 1 - m.base_version for m in merged)
 
 
+# Serial: the replay draws each slot's compute time from the run's own spread on a machine whose other
+# load is steady. With other tests taking the cores in bursts, the parameter server falls behind by
+# turns and the real run's staleness rises beyond anything its timing shows (a run beside the suite
+# and two more test runs: real 56,000 examples and staleness 4.57, replays 34,000-44,000 and 2.7-3.8).
+@pytest.mark.serial
 def test_the_simulator_replays_a_real_job_with_its_measured_timing(make_cluster) -> None:
     spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
     spec["stop"] |= {"target_accuracy": TARGET, "max_epochs": 16}
