@@ -37,6 +37,7 @@ from crowdtrain.core.schemas import AssignmentOut, KeyRotation, WorkReply
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_TICK_S = 1.0  # how often the heartbeat thread looks for assignments whose heartbeat is due
 BAD_REPLY_WAIT = 10.0  # seconds before asking again after a work request or its reply was refused
 
 
@@ -375,10 +376,18 @@ class VolunteerClient(AssignmentRunner):
         )
 
     def _heartbeat_loop(self) -> None:
-        while not self.stop.wait(self.heartbeat_interval):
+        """Each assignment held gets a heartbeat when it is due (Running.schedule_heartbeat: every
+        `heartbeat_interval` the scheduler names, sooner for a lease shorter than that)."""
+        while not self.stop.wait(HEARTBEAT_TICK_S):
             with self.lock:
                 running = list(self.running.values())
             for r in running:
+                now, wall = time.monotonic(), datetime.now(UTC)
+                if r.heartbeat_due is None:
+                    r.schedule_heartbeat(self.heartbeat_interval, now, wall)
+                if now < r.heartbeat_due:
+                    continue
+                r.schedule_heartbeat(self.heartbeat_interval, now, wall)
                 try:
                     reply = self.api.heartbeat(r.assignment.assignment_id)
                 except Exception as exc:

@@ -103,7 +103,13 @@ class Settings(BaseSettings):
         "0: unbounded",
     )
     work_retry_after: float = Field(2.0, description="Seconds a client waits when no work is ready")
-    heartbeat_interval: float = Field(5.0, description="Seconds between client heartbeats")
+    heartbeat_interval: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds between a client's heartbeats for each assignment it holds (sooner for a lease "
+        "shorter than three of them). They are the scheduler's most frequent call once workunits take "
+        "minutes: docs/operator/capacity.md",
+    )
     transitioner_interval: float = Field(1.0, description="Seconds between transitioner sweeps")
     stuck_upload_seconds: float = Field(60.0, description="Re-queue a merge not done this long after upload")
     snapshots_kept: int = Field(10, ge=2, description="Published W_s snapshots kept in storage per job")

@@ -221,6 +221,8 @@ class Cluster:
                 "CROWDTRAIN_REGISTRATIONS_PER_HOUR_PER_TOKEN": "100000",
                 "CROWDTRAIN_REGISTRATIONS_PER_HOUR_PER_NETWORK": "100000",
                 "CROWDTRAIN_QUARANTINE_FOLLOWS_NETWORK": "false",
+                # Workunits of seconds: a superseded or cancelled assignment hears it within 5 s, not 30.
+                "CROWDTRAIN_HEARTBEAT_INTERVAL": "5",
                 "PYTHONUNBUFFERED": "1",
             }
         )

@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 
 import crowdtrain.client.server_http
 import crowdtrain.client.worker
-from crowdtrain.client.assignment import Phase, Running
+from crowdtrain.client.assignment import MIN_HEARTBEAT_S, Phase, Running
 from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.preemption import Notice
 from crowdtrain.client.worker import VolunteerClient
@@ -335,3 +336,58 @@ def test_a_refused_work_request_is_said_and_asked_again_and_the_client_keeps_run
         scheduler.close()
     said = [rec.getMessage() for rec in caplog.records if "refused the work request" in rec.getMessage()]
     assert said == [f"the scheduler refused the work request (HTTP {status}: not now); asking again in 0s"] * 2
+
+
+def _held(deadline_in: float) -> Running:
+    a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
+    deadline = datetime.now(UTC) + timedelta(seconds=deadline_in)
+    return Running(a.model_copy(update={"deadline": deadline}), phase=Phase.training)
+
+
+def test_a_lease_shorter_than_three_heartbeat_intervals_is_heartbeated_at_a_third_of_what_is_left() -> None:
+    r, wall = _held(600), datetime.now(UTC)
+    r.schedule_heartbeat(30.0, now=100.0, wall=wall)
+    assert r.heartbeat_due == 130.0  # a long lease: the scheduler's interval
+    r.lease_until = wall + timedelta(seconds=45)
+    r.schedule_heartbeat(30.0, now=100.0, wall=wall)
+    assert r.heartbeat_due == pytest.approx(115.0)  # 45 s left: a third of it
+    r.lease_until = wall + timedelta(seconds=1)
+    r.schedule_heartbeat(30.0, now=100.0, wall=wall)
+    assert r.heartbeat_due == 100.0 + MIN_HEARTBEAT_S  # never more often than the floor
+
+
+def test_the_client_heartbeats_a_lease_shorter_than_the_interval_before_it_runs_out(tmp_path: Path) -> None:
+    """The scheduler names a 30 s interval; an assignment's lease ends in 6 s and each heartbeat moves
+    it 6 s on: the client's heartbeats keep it alive, each one sent before the lease it extends ran out."""
+    leases: list[tuple[float, float]] = []  # (when a heartbeat came, the lease it found), monotonic
+
+    class LeasingScheduler(FakeScheduler):
+        def route(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+            if path.endswith("/heartbeat"):
+                now = time.monotonic()
+                leases.append((now, lease[0]))
+                lease[0] = now + 6
+                deadline = (datetime.now(UTC) + timedelta(seconds=6)).isoformat()
+                return 200, json.dumps({"keep_going": True, "deadline": deadline}).encode()
+            return super().route(method, path, body)
+
+    scheduler = LeasingScheduler(b"{}", {})
+    volunteer = VolunteerClient(
+        ClientConfig(scheduler.url, "join", cache_dir=tmp_path / "cache", frameworks=["pytorch"])
+    )
+    try:
+        volunteer.ensure_registered()
+        volunteer.heartbeat_interval = 30.0
+        lease = [time.monotonic() + 6]
+        volunteer.running[AID] = _held(6)
+        beating = threading.Thread(target=volunteer._heartbeat_loop, daemon=True)
+        beating.start()
+        deadline = time.monotonic() + 30
+        while len(leases) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        volunteer.stop.set()
+        beating.join(10)
+    finally:
+        scheduler.close()
+    assert len(leases) >= 3, f"{len(leases)} heartbeats in 30 s for a 6 s lease"
+    assert all(at < until for at, until in leases), leases
