@@ -33,8 +33,9 @@ from crowdtrain.core.updates import encode_result
 log = logging.getLogger(__name__)
 
 KEEP_SNAPSHOTS = 4
-# A lease shorter than the scheduler's heartbeat interval is heartbeated at a third of what is left of
-# it, never more often than this (seconds).
+# Seconds between an assignment's heartbeats until a work reply names an interval (an assignment taken
+# up again from the journal), and the fewest a reply can make them.
+DEFAULT_HEARTBEAT_S = 5.0
 MIN_HEARTBEAT_S = 1.0
 EWMA_WEIGHT = 0.3  # weight of the newest observation in the running means of task times
 
@@ -77,17 +78,15 @@ class Running:
     training_since: float | None = None
     given_back: bool = False
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
-    # The deadline the last heartbeat's reply named (None: the assignment's own), and when (time.monotonic())
-    # the next heartbeat is due (None: not yet scheduled).
-    lease_until: datetime | None = None
+    # Seconds between this assignment's heartbeats (the interval named by the work reply that brought it),
+    # and when (time.monotonic()) the next one is due (None: not yet scheduled).
+    heartbeat_every: float = DEFAULT_HEARTBEAT_S
     heartbeat_due: float | None = None
 
-    def schedule_heartbeat(self, interval: float, now: float, wall: datetime) -> None:
-        """The next heartbeat is due after the scheduler's `interval`, or after a third of what is
-        left of the lease when that is sooner (a job whose deadline is shorter than the interval;
-        never under MIN_HEARTBEAT_S): a live host's lease never runs out between two heartbeats."""
-        left = ((self.lease_until or self.assignment.deadline) - wall).total_seconds()
-        self.heartbeat_due = now + max(MIN_HEARTBEAT_S, min(interval, left / 3))
+    def schedule_heartbeat(self, now: float) -> None:
+        """The next heartbeat is due `heartbeat_every` seconds after `now`, never sooner than
+        MIN_HEARTBEAT_S (a scheduler cannot make its clients flood it)."""
+        self.heartbeat_due = now + max(MIN_HEARTBEAT_S, self.heartbeat_every)
 
     def move(self, to: Phase) -> None:
         """Enter phase `to`; raises PhaseError unless PHASE_MOVES allows it from the phase now."""
@@ -347,11 +346,8 @@ class AssignmentRunner:
             self.optimizer_states.put(a.job_id, recipe_key(a.recipe), state)
 
     def _heard(self, r: Running, reply: HeartbeatReply) -> None:
-        """Act on the reply to a heartbeat for `r`: keep the deadline it names; stop it when the server
-        no longer wants it. A reply that crossed this client's own upload (the assignment is `uploaded`)
-        is no reason to stop."""
-        if reply.deadline is not None:
-            r.lease_until = reply.deadline
+        """Act on the reply to a heartbeat for `r`: stop it when the server no longer wants it. A reply
+        that crossed this client's own upload (the assignment is `uploaded`) is no reason to stop."""
         if reply.keep_going:
             return
         aid = r.assignment.assignment_id

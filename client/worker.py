@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from crowdtrain.client.api import BadReply, Refused, SchedulerAPI
-from crowdtrain.client.assignment import BEFORE_UPLOAD, AssignmentRunner, Phase, Running
+from crowdtrain.client.assignment import BEFORE_UPLOAD, DEFAULT_HEARTBEAT_S, AssignmentRunner, Phase, Running
 from crowdtrain.client.cachelock import CacheLock
 from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.identity import Identities
@@ -77,7 +77,6 @@ class VolunteerClient(AssignmentRunner):
         self.compute = threading.Semaphore(config.tasks)
         self.started = 0
         self.completed = 0
-        self.heartbeat_interval = 5.0
         self.train_seconds: dict[int, float] = {}  # job id -> running mean of training time
         self.upload_seconds: float | None = None
         self.optimizer_states = OptimizerStates(config.optimizer_state_bytes)  # memory only
@@ -192,10 +191,9 @@ class VolunteerClient(AssignmentRunner):
             reply = self._ask_for_work(want)
             if reply is None:
                 continue
-            self.heartbeat_interval = reply.heartbeat_interval
             started = [a for a in reply.assignments if self._accepts(a, reply.key_rotations)]
             for a in started:
-                self._start(a)
+                self._start(a, reply.heartbeat_interval)
             if not started:
                 self.slot_freed.clear()
                 if not self.draining.is_set():  # a notice that came during the request has set slot_freed
@@ -301,8 +299,8 @@ class VolunteerClient(AssignmentRunner):
                 log.info("assignment %s: finishing before the notice expires", r.assignment.assignment_id)
                 r.join(max(0.0, notice.at - time.time()))
 
-    def _start(self, a: AssignmentOut) -> None:
-        r = Running(a)
+    def _start(self, a: AssignmentOut, heartbeat_every: float = DEFAULT_HEARTBEAT_S) -> None:
+        r = Running(a, heartbeat_every=heartbeat_every)
         r.thread = threading.Thread(target=self._work, args=(r,), name=f"assignment-{a.assignment_id}")
         self.journal.record(a)
         with self.lock:  # under the lock, so an idleness change cannot slip between the check and the insert
@@ -376,18 +374,18 @@ class VolunteerClient(AssignmentRunner):
         )
 
     def _heartbeat_loop(self) -> None:
-        """Each assignment held gets a heartbeat when it is due (Running.schedule_heartbeat: every
-        `heartbeat_interval` the scheduler names, sooner for a lease shorter than that)."""
+        """Each assignment held gets a heartbeat when it is due (Running.schedule_heartbeat): every
+        `heartbeat_interval` the work reply that brought it named."""
         while not self.stop.wait(HEARTBEAT_TICK_S):
             with self.lock:
                 running = list(self.running.values())
             for r in running:
-                now, wall = time.monotonic(), datetime.now(UTC)
+                now = time.monotonic()
                 if r.heartbeat_due is None:
-                    r.schedule_heartbeat(self.heartbeat_interval, now, wall)
+                    r.schedule_heartbeat(now)
                 if now < r.heartbeat_due:
                     continue
-                r.schedule_heartbeat(self.heartbeat_interval, now, wall)
+                r.schedule_heartbeat(now)
                 try:
                     reply = self.api.heartbeat(r.assignment.assignment_id)
                 except Exception as exc:

@@ -106,9 +106,9 @@ class Settings(BaseSettings):
     heartbeat_interval: float = Field(
         30.0,
         gt=0,
-        description="Seconds between a client's heartbeats for each assignment it holds (sooner for a lease "
-        "shorter than three of them). They are the scheduler's most frequent call once workunits take "
-        "minutes: docs/operator/capacity.md",
+        description="Seconds between a client's heartbeats for each assignment it holds (a third of the job's "
+        "deadline_seconds when that is shorter). They are the scheduler's most frequent call once workunits "
+        "take minutes: docs/operator/capacity.md",
     )
     transitioner_interval: float = Field(1.0, description="Seconds between transitioner sweeps")
     stuck_upload_seconds: float = Field(60.0, description="Re-queue a merge not done this long after upload")

@@ -7,8 +7,9 @@ assignment `rejected`. Heartbeats, abandonments and error reports are the ledger
 The merge queue is a parameter (`MergeQueue`): the process that serves the routes sets it up where it
 starts (the parameter servers' Celery queue in the scheduler), so this layer imports no entry point."""
 
+import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from datetime import datetime
@@ -20,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.core import keys
 from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.digests import weights_digest
-from crowdtrain.core.schemas import ResultMetrics, SnapshotBound
+from crowdtrain.core.schemas import AssignmentOut, ResultMetrics, SnapshotBound
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
@@ -170,6 +171,20 @@ def store_result(
 
 def _new_upload_key(job_id: int, assignment_id: int) -> str:
     return keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
+
+
+# The shortest heartbeat interval a work reply names (seconds): a lease shorter than three of these is
+# heartbeated at this pace all the same.
+MIN_HEARTBEAT_S = 1.0
+
+
+def heartbeat_interval(longest: float, given: Sequence[AssignmentOut], now: datetime) -> float:
+    """The interval a work reply names for the heartbeats of the assignments it gives: the scheduler's
+    `longest`, or a third of the shortest lease among them when that is sooner (a job whose
+    `deadline_seconds` is under three intervals), so that a live host's work never times out between
+    two heartbeats. Reckoned on the scheduler's clock: a host's clock may be minutes off."""
+    shortest = min(((a.deadline - now).total_seconds() for a in given), default=math.inf)
+    return max(MIN_HEARTBEAT_S, min(longest, shortest / 3))
 
 
 def heartbeat_by_token(

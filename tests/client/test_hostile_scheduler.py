@@ -11,7 +11,6 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -338,56 +337,37 @@ def test_a_refused_work_request_is_said_and_asked_again_and_the_client_keeps_run
     assert said == [f"the scheduler refused the work request (HTTP {status}: not now); asking again in 0s"] * 2
 
 
-def _held(deadline_in: float) -> Running:
-    a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
-    deadline = datetime.now(UTC) + timedelta(seconds=deadline_in)
-    return Running(a.model_copy(update={"deadline": deadline}), phase=Phase.training)
+def test_each_assignment_is_heartbeated_at_the_interval_of_the_reply_that_brought_it(tmp_path: Path) -> None:
+    """One assignment came with a 2 s interval, another with 30 s, a third with an interval under the
+    floor: in 7 s the first gets a heartbeat every 2 s, the second none, the third one a second at most."""
+    beats: dict[int, list[float]] = {1: [], 2: [], 3: []}
 
-
-def test_a_lease_shorter_than_three_heartbeat_intervals_is_heartbeated_at_a_third_of_what_is_left() -> None:
-    r, wall = _held(600), datetime.now(UTC)
-    r.schedule_heartbeat(30.0, now=100.0, wall=wall)
-    assert r.heartbeat_due == 130.0  # a long lease: the scheduler's interval
-    r.lease_until = wall + timedelta(seconds=45)
-    r.schedule_heartbeat(30.0, now=100.0, wall=wall)
-    assert r.heartbeat_due == pytest.approx(115.0)  # 45 s left: a third of it
-    r.lease_until = wall + timedelta(seconds=1)
-    r.schedule_heartbeat(30.0, now=100.0, wall=wall)
-    assert r.heartbeat_due == 100.0 + MIN_HEARTBEAT_S  # never more often than the floor
-
-
-def test_the_client_heartbeats_a_lease_shorter_than_the_interval_before_it_runs_out(tmp_path: Path) -> None:
-    """The scheduler names a 30 s interval; an assignment's lease ends in 6 s and each heartbeat moves
-    it 6 s on: the client's heartbeats keep it alive, each one sent before the lease it extends ran out."""
-    leases: list[tuple[float, float]] = []  # (when a heartbeat came, the lease it found), monotonic
-
-    class LeasingScheduler(FakeScheduler):
+    class BeatCounting(FakeScheduler):
         def route(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
-            if path.endswith("/heartbeat"):
-                now = time.monotonic()
-                leases.append((now, lease[0]))
-                lease[0] = now + 6
-                deadline = (datetime.now(UTC) + timedelta(seconds=6)).isoformat()
-                return 200, json.dumps({"keep_going": True, "deadline": deadline}).encode()
+            if found := re.fullmatch(r"/v1/assignments/(\d+)/heartbeat", path):
+                beats[int(found[1])].append(time.monotonic())
             return super().route(method, path, body)
 
-    scheduler = LeasingScheduler(b"{}", {})
+    scheduler = BeatCounting(b"{}", {})
     volunteer = VolunteerClient(
         ClientConfig(scheduler.url, "join", cache_dir=tmp_path / "cache", frameworks=["pytorch"])
     )
+    a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
     try:
         volunteer.ensure_registered()
-        volunteer.heartbeat_interval = 30.0
-        lease = [time.monotonic() + 6]
-        volunteer.running[AID] = _held(6)
+        for aid, every in ((1, 2.0), (2, 30.0), (3, 0.01)):
+            held = a.model_copy(update={"assignment_id": aid})
+            volunteer.running[aid] = Running(held, phase=Phase.training, heartbeat_every=every)
         beating = threading.Thread(target=volunteer._heartbeat_loop, daemon=True)
+        began = time.monotonic()
         beating.start()
-        deadline = time.monotonic() + 30
-        while len(leases) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while time.monotonic() - began < 7:
+            time.sleep(0.1)
         volunteer.stop.set()
         beating.join(10)
     finally:
         scheduler.close()
-    assert len(leases) >= 3, f"{len(leases)} heartbeats in 30 s for a 6 s lease"
-    assert all(at < until for at, until in leases), leases
+    gaps = {aid: [b - a for a, b in zip(at, at[1:], strict=False)] for aid, at in beats.items()}
+    assert len(beats[1]) >= 2 and all(gap >= 1.9 for gap in gaps[1]), beats
+    assert beats[2] == [], beats
+    assert len(beats[3]) >= 3 and all(gap >= MIN_HEARTBEAT_S - 0.1 for gap in gaps[3]), beats

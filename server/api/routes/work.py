@@ -1,5 +1,6 @@
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
@@ -92,7 +93,9 @@ def _serve_work(body: bytes, call: HostCall) -> bytes:
         WorkReply(
             assignments=assignments,
             retry_after=backpressure.retry_after(held, longest),
-            heartbeat_interval=call.settings.heartbeat_interval,
+            heartbeat_interval=results.heartbeat_interval(
+                call.settings.heartbeat_interval, assignments, datetime.now(UTC)
+            ),
             key_rotations=project_key.rotations(call.db) if any(a.signed for a in assignments) else [],
         )
         .model_dump_json()
