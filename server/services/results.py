@@ -173,8 +173,8 @@ def _new_upload_key(job_id: int, assignment_id: int) -> str:
     return keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
 
 
-# The shortest heartbeat interval a work reply names (seconds): a lease shorter than three of these is
-# heartbeated at this pace all the same.
+# The shortest heartbeat interval a work reply derives from a lease (seconds): a lease shorter than three
+# of these is heartbeated at this pace all the same (the operator's own interval may be shorter).
 MIN_HEARTBEAT_S = 1.0
 
 
@@ -184,7 +184,7 @@ def heartbeat_interval(longest: float, given: Sequence[AssignmentOut], now: date
     `deadline_seconds` is under three intervals), so that a live host's work never times out between
     two heartbeats. Reckoned on the scheduler's clock: a host's clock may be minutes off."""
     shortest = min(((a.deadline - now).total_seconds() for a in given), default=math.inf)
-    return max(MIN_HEARTBEAT_S, min(longest, shortest / 3))
+    return min(longest, max(MIN_HEARTBEAT_S, shortest / 3))
 
 
 def heartbeat_by_token(

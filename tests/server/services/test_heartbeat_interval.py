@@ -23,6 +23,7 @@ def test_the_interval_is_the_schedulers_unless_a_lease_given_is_shorter_than_thr
     assert heartbeat_interval(30.0, [_leased(120), _leased(600)], NOW) == 30.0
     assert heartbeat_interval(30.0, [_leased(600), _leased(45)], NOW) == 15.0
     assert heartbeat_interval(30.0, [_leased(0.5)], NOW) == MIN_HEARTBEAT_S
+    assert heartbeat_interval(0.4, [_leased(0.5)], NOW) == 0.4  # the operator's own, shorter
 
 
 def test_a_work_reply_of_a_job_with_a_short_deadline_names_a_third_of_it(tmp_path: Path) -> None:
