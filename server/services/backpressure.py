@@ -120,17 +120,12 @@ def retry_after(held: float | None, longest: float) -> float:
 
 
 def in_flight_columns() -> tuple[ColumnElement[int], ...]:
-    """For a statement over jobs and hosts (dispatch's first): the job's unmerged assignments, the hosts
-    holding them, and how many the host holds, counted beside the job's row, each an index range scan
-    on (job, status) over its unmerged rows alone. Builds the expressions; runs nothing."""
+    """For a statement over jobs and hosts (dispatch's first): how many of the job's unmerged
+    assignments the host holds, counted beside the job's row (an index range scan over the host's
+    assignments). The job's own counts are kept per process (crowdtrain.server.services.in_flight_counts):
+    counted on every request, their cost grew with the work out. Builds the expression; runs nothing."""
     unmerged = and_(Assignment.job_id == Job.id, Assignment.status.in_(UNMERGED))
     return (
-        select(func.count()).where(unmerged).correlate(Job).scalar_subquery().label("job_in_flight"),
-        select(func.count(func.distinct(Assignment.host_id)))
-        .where(unmerged)
-        .correlate(Job)
-        .scalar_subquery()
-        .label("job_in_flight_hosts"),
         select(func.count())
         .where(unmerged, Assignment.host_id == Host.id)
         .correlate(Job, Host)

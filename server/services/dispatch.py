@@ -17,6 +17,7 @@ unmerged assignments are counted in the request's first statement.
 """
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -36,12 +37,14 @@ from crowdtrain.server.ledger.models import Host, Job, Shard, Workunit, utcnow
 from crowdtrain.server.services import dispatch_host, fair_share, file_refs, local_work
 from crowdtrain.server.services.backpressure import MAX_BUDGET, held_seconds, in_flight_budget
 from crowdtrain.server.services.hosts import NotAuthorized, hash_token
+from crowdtrain.server.services.in_flight_counts import InFlightCounts
 from crowdtrain.server.services.job_terms import JobTerms, LiveJob, TermsCache
 from crowdtrain.workgen.generator import write_epoch_shards
 
 log = logging.getLogger(__name__)
 
 _terms = TermsCache()
+_in_flight = InFlightCounts()
 
 
 def request_work(
@@ -135,9 +138,12 @@ def _dispatch(
     terms = {j: t for j, t in _terms.of(c, live).items() if t.runs_on(host_frameworks)}
     if not terms:
         return Served([])
+    live |= _in_flight.of(c, {j: live[j] for j in terms})
     with _Request(c, storage, host, live, terms, presign_seconds) as request:
         request.fill(free_slots, cached)
         if request.out:
+            for job_id, given in Counter(a.job_id for a in request.out).items():
+                _in_flight.claimed(c, live[job_id], given)
             return Served(request.out)
         held = request.held_seconds()
         return Served([], held, request.held_rate(), host.id) if held is not None else Served([])

@@ -51,11 +51,12 @@ class LiveJob:
     merge_rate: float | None
     turnaround_seconds: float | None
     param_version: int  # the newest W_s version the ledger has recorded merged
-    # Counted in the same statement (crowdtrain.server.services.dispatch): its assignments dispatched
-    # or uploaded but not merged, the hosts holding them, and how many the asking host holds.
+    # How many of its assignments dispatched or uploaded but not merged the asking host holds, counted in
+    # the same statement (crowdtrain.server.services.dispatch_host); all of them, and the hosts holding
+    # them, as this process counts them (crowdtrain.server.services.in_flight_counts).
+    held_by_host: int = 0
     in_flight: int = 0
     in_flight_hosts: int = 0
-    held_by_host: int = 0
 
 
 _JOB_TERMS = select(Job.id, Job.spec, Job.model_config_.label("model_config_"), Job.recipe).where(
