@@ -29,7 +29,9 @@ Before two merges are recorded there is no pace to derive it from, and no derive
 gives as before (at most the current epoch and the next, released early) until the first merges
 measure it. Requests on PostgreSQL that run at the same moment each see the count before the
 others' claims, so together they may pass the budget by what they claim at once; the next requests
-see it and hold back. Replicas for validation and straggler duplicates at an epoch's tail are not
+see it and hold back. Each scheduler process keeps the counts up to a second, or until W_s moves, and
+adds its own claims (crowdtrain.server.services.in_flight_counts): the other processes' claims of that
+second may pass the budget too. Replicas for validation and straggler duplicates at an epoch's tail are not
 held: they finish workunits already in flight (a vote waits on its replicas, and its first results
 count against the budget; a dead host's workunit would wait for its deadline).
 No I/O in this module.

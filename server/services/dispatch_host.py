@@ -1,5 +1,5 @@
 """The work request's host: its row, authenticated by token or found by id, with the running VC-ASGD
-jobs' live columns and in-flight counts beside it, in one statement (the first of a work request,
+jobs' live columns and how much of each job's work it holds beside it, in one statement (the first of a work request,
 crowdtrain.server.services.dispatch); and what the host's request records of it (last seen, declared
 resources)."""
 
@@ -34,8 +34,8 @@ _LIVE_JOB_FIELDS = len(_HOST_COLUMNS)
 
 
 def host_and_live_jobs(host: ColumnElement[bool]) -> Select:
-    """The host's row, once per running VC-ASGD job with that job's live columns and in-flight counts
-    beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
+    """The host's row, once per running VC-ASGD job with that job's live columns and the host's share of
+    its work in flight beside it (once with none when no job runs): authentication and what dispatch reads of the jobs,
     in one round trip. Only VC-ASGD jobs have workunits; DeDLOC peers join their job through
     crowdtrain.server.services.dedloc."""
     running = and_(Job.status == JobStatus.running.value, Job.mode.in_(WORKUNIT_MODES))
