@@ -83,10 +83,15 @@ class Running:
     heartbeat_every: float = DEFAULT_HEARTBEAT_S
     heartbeat_due: float | None = None
 
-    def schedule_heartbeat(self, now: float) -> None:
-        """The next heartbeat is due `heartbeat_every` seconds after `now`, never sooner than
-        MIN_HEARTBEAT_S (a scheduler cannot make its clients flood it)."""
+    def heartbeat_is_due(self, now: float) -> bool:
+        """Whether a heartbeat is due at `now` (time.monotonic()); when it is, the next one is due
+        `heartbeat_every` seconds later, never sooner than MIN_HEARTBEAT_S (a scheduler cannot make its
+        clients flood it). The first call schedules the first one."""
+        due = self.heartbeat_due
+        if due is not None and now < due:
+            return False
         self.heartbeat_due = now + max(MIN_HEARTBEAT_S, self.heartbeat_every)
+        return due is not None
 
     def move(self, to: Phase) -> None:
         """Enter phase `to`; raises PhaseError unless PHASE_MOVES allows it from the phase now."""

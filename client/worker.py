@@ -374,18 +374,14 @@ class VolunteerClient(AssignmentRunner):
         )
 
     def _heartbeat_loop(self) -> None:
-        """Each assignment held gets a heartbeat when it is due (Running.schedule_heartbeat): every
+        """Each assignment held gets a heartbeat when it is due (Running.heartbeat_is_due): every
         `heartbeat_interval` the work reply that brought it named."""
         while not self.stop.wait(HEARTBEAT_TICK_S):
             with self.lock:
                 running = list(self.running.values())
             for r in running:
-                now = time.monotonic()
-                if r.heartbeat_due is None:
-                    r.schedule_heartbeat(now)
-                if now < r.heartbeat_due:
+                if not r.heartbeat_is_due(time.monotonic()):
                     continue
-                r.schedule_heartbeat(now)
                 try:
                     reply = self.api.heartbeat(r.assignment.assignment_id)
                 except Exception as exc:

@@ -371,3 +371,15 @@ def test_each_assignment_is_heartbeated_at_the_interval_of_the_reply_that_brough
     assert len(beats[1]) >= 2 and all(gap >= 1.9 for gap in gaps[1]), beats
     assert beats[2] == [], beats
     assert len(beats[3]) >= 3 and all(gap >= MIN_HEARTBEAT_S - 0.1 for gap in gaps[3]), beats
+
+
+def test_a_heartbeat_is_due_at_the_assignments_interval_never_sooner_than_the_floor() -> None:
+    a = AssignmentOut.model_validate(json.loads(work_reply(file_ref("/files/shard", "0" * 64)))["assignments"][0])
+    every_30, flooding = Running(a, heartbeat_every=30.0), Running(a, heartbeat_every=0.001)
+    assert not every_30.heartbeat_is_due(100.0)  # the first look schedules the first heartbeat
+    assert not every_30.heartbeat_is_due(129.9)
+    assert every_30.heartbeat_is_due(130.0)
+    assert not every_30.heartbeat_is_due(159.0) and every_30.heartbeat_is_due(160.0)
+    assert not flooding.heartbeat_is_due(100.0)
+    assert not flooding.heartbeat_is_due(100.0 + MIN_HEARTBEAT_S / 2)
+    assert flooding.heartbeat_is_due(100.0 + MIN_HEARTBEAT_S)
