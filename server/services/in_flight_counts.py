@@ -24,7 +24,7 @@ from crowdtrain.server.services.backpressure import UNMERGED
 from crowdtrain.server.services.job_terms import LiveJob
 
 MAX_AGE_S = 1.0
-FORGET_AFTER = 64  # counts of jobs not running kept before they are dropped
+FORGET_AFTER_S = 60.0  # counts no request has asked for this long are dropped (jobs that ended)
 
 _COUNTS = (
     select(Assignment.job_id, func.count(), func.count(func.distinct(Assignment.host_id)))
@@ -61,19 +61,18 @@ class InFlightCounts:
         database = str(c.engine.url)
         keys = {j: (database, j, job.created_at) for j, job in live.items()}
         with self._lock:
-            stale = [j for j, job in live.items() if not self._fresh(keys[j], job.param_version, now)]
-        if stale:
-            counted = {row[0]: (row[1], row[2]) for row in c.execute(_COUNTS, {"ids": stale})}
+            known = {j: self._counted.get(key) for j, key in keys.items()}
+        counts = {j: k for j, k in known.items() if k is not None and self._fresh(k, live[j].param_version, now)}
+        if stale := [j for j in live if j not in counts]:
+            rows = {row[0]: (row[1], row[2]) for row in c.execute(_COUNTS, {"ids": stale})}
+            counts |= {j: _Counted(live[j].param_version, now, *rows.get(j, (0, 0))) for j in stale}
             with self._lock:
-                for j in stale:
-                    in_flight, hosts = counted.get(j, (0, 0))
-                    self._counted[keys[j]] = _Counted(live[j].param_version, now, in_flight, hosts)
-        with self._lock:
-            if len(self._counted) > len(keys) + FORGET_AFTER:  # jobs that no longer run, or other databases'
-                keep = set(keys.values())
-                self._counted = {key: v for key, v in self._counted.items() if key in keep}
-            counts = {j: (self._counted[key].in_flight, self._counted[key].hosts) for j, key in keys.items()}
-        return {j: replace(job, in_flight=counts[j][0], in_flight_hosts=counts[j][1]) for j, job in live.items()}
+                self._counted.update({keys[j]: counts[j] for j in stale})
+                # Jobs that no longer run (or other databases'): nothing asked for them for a while.
+                self._counted = {key: k for key, k in self._counted.items() if now - k.at < FORGET_AFTER_S}
+        return {
+            j: replace(job, in_flight=counts[j].in_flight, in_flight_hosts=counts[j].hosts) for j, job in live.items()
+        }
 
     def claimed(self, c: Connection, job: LiveJob, count: int) -> None:
         """This process gave `count` of `job`'s workunits to the host `job` was read for (which held
@@ -84,6 +83,5 @@ class InFlightCounts:
                 counted.in_flight += count
                 counted.hosts += int(not job.held_by_host)
 
-    def _fresh(self, key: "_Key", param_version: int, now: float) -> bool:
-        counted = self._counted.get(key)
-        return counted is not None and counted.param_version == param_version and 0 <= now - counted.at < self.max_age
+    def _fresh(self, counted: _Counted, param_version: int, now: float) -> bool:
+        return counted.param_version == param_version and 0 <= now - counted.at < self.max_age

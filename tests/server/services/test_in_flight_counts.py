@@ -42,3 +42,32 @@ def test_counts_are_kept_until_they_age_or_w_s_moves_and_own_claims_count_meanwh
         with sched.db.begin() as s:  # a merge: W_s moved, and what it merged may have made room
             s.execute(update(Job).where(Job.id == job_id).values(param_version=Job.param_version + 1))
         assert figures(counts, now=11.3) == (3, 2), "counted again once W_s moved"
+
+
+def test_a_request_for_some_jobs_keeps_the_other_jobs_counts(tmp_path: Path) -> None:
+    """A host that runs only some of the running jobs (its frameworks, the jobs it refused) asks for
+    their counts alone: the others' stay kept for the hosts that run them, until none asks for a minute."""
+    with private_scheduler(tmp_path) as sched:
+        spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+        first, second = (ok(sched.admin().post("/v1/jobs", json=spec)).json()["job_id"] for _ in range(2))
+        host = sched.register("alice")
+        ok(host.post("/v1/work", json={"free_slots": 1}))
+        with sched.db.begin() as s:
+            alice = s.scalar(select(Host.id).where(Host.name == "alice"))
+        engine = sched.db.kw["bind"]
+        counts = InFlightCounts(max_age=1.0)
+        with engine.begin() as c:
+            live = dispatch_host.live_jobs(c.execute(dispatch_host.HOST_BY_ID, {"seen_host": alice}).all())
+
+        def of(jobs: list[int], now: float) -> dict[int, int]:
+            with engine.begin() as c:
+                return {j: job.in_flight for j, job in counts.of(c, {j: live[j] for j in jobs}, now).items()}
+
+        both = of([first, second], now=10.0)
+        assert sum(both.values()) == 1
+        ok(host.post("/v1/work", json={"free_slots": 1}))
+        assert of([first], now=10.2) == {first: both[first]}
+        assert of([second], now=10.4) == {second: both[second]}
+        assert sum(of([first, second], now=11.5).values()) == 2
+        assert of([first], now=80.0)[first] >= 1  # asked for again
+        assert len(counts._counted) == 1, "the job no one asked for in a minute is forgotten"
