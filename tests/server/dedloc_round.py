@@ -4,13 +4,14 @@ round names them all, report the reduction's outcome, and report the parameters 
 that need a live round or a committed step without running peer processes."""
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 STORE_OPS = ("set", "get", "add", "check", "compare_set", "delete")
+ADVANCE_S = 0.5  # seconds a driven scheduler clock moves on between rounds of reports (open_round)
 HELD_AT_MOST = 0.2  # seconds an aimed progress report may ask to be held (Progress.wait): the round's own pace
 
 
@@ -55,10 +56,17 @@ class HandCollaboration:
         assert resp.status_code == 200, resp.text
         return resp.json()
 
-    def open_round(self, examples: int, timeout: float = 30.0) -> tuple[int, int]:
-        """Report `examples` from every peer until a reduction names them all; its (step, attempt)."""
+    def open_round(
+        self, examples: int, timeout: float = 30.0, advance: Callable[[float], None] | None = None
+    ) -> tuple[int, int]:
+        """Report `examples` from every peer until a reduction names them all; its (step, attempt).
+        With `advance` (a scheduler on a driven clock), the routes' clock is moved ADVANCE_S on after
+        each round of reports, so that waits measured on it (matchmaking) end after as many reports
+        however slowly a loaded machine sends them."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if advance is not None:
+                advance(ADVANCE_S)
             replies = [self.progress(p, examples) for p in self.peers]
             for peer, reply in zip(self.peers, replies, strict=True):
                 peer.step = reply["step"]  # a peer told to resync holds no parameters here: it just follows
@@ -81,10 +89,12 @@ class HandCollaboration:
                 return False
         return True
 
-    def commit(self, examples: int, result_digest: str = "r" * 64) -> int:
-        """Open a round and report it done by every peer with the same result: the step it committed.
-        Every peer then learns to apply it and is at the next step."""
-        step, attempt = self.open_round(examples)
+    def commit(
+        self, examples: int, result_digest: str = "r" * 64, advance: Callable[[float], None] | None = None
+    ) -> int:
+        """Open a round (`open_round`, `advance` passed on) and report it done by every peer with the same
+        result: the step it committed. Every peer then learns to apply it and is at the next step."""
+        step, attempt = self.open_round(examples, advance=advance)
         for peer in self.peers:
             body = {"peer_id": peer.peer_id, "ok": True, "result_digest": result_digest}
             resp = peer.http.post(f"{self.base}/rounds/{step}/{attempt}/report", json=body)
