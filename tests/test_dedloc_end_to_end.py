@@ -139,7 +139,9 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_round_retried_without_it
     with cluster.admin() as http:
         aborted = http.get(f"/v1/dedloc/jobs/{job_id}/aborts").json()
     killed = peer_ids(cluster, "peer-2")
-    assert len(aborted["2:0"]["members"]) == 3 and killed <= set(aborted["2:0"]["members"]), aborted
+    # The killed peer was a member of the aborted attempt, with peer-0 at least: peer-1 may join after it
+    # began, as peer-0 fills the two thirds of a batch the doomed peer leaves, without peer-1.
+    assert len(aborted["2:0"]["members"]) >= 2 and killed <= set(aborted["2:0"]["members"]), aborted
     assert not killed & set(done[2]["members"])
     assert done[2]["attempt"] >= 1 and len(done[2]["members"]) == 2, done[2]
     assert all(len(done[s]["members"]) == 2 for s in range(2, 6))
