@@ -32,7 +32,9 @@ from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.recording import record_merged
 from crowdtrain.assimilator.replica_vote import judge_replicas
 from crowdtrain.assimilator.rules import Rule, make_rule, reads_validation
+from crowdtrain.core import merge_stages
 from crowdtrain.core.logs import ids
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger import duplicates, merges
 from crowdtrain.server.paramstore import merging, store
@@ -103,7 +105,7 @@ def _job_terms(svc: MergeServices, p: merges.PendingMerge) -> JobTerms:
     return JobTerms(make_rule(assimilation), Policy.from_spec(assimilation), validation)
 
 
-def assimilate(svc: MergeServices, assignment_id: int, received_at: float | None = None) -> MergeResult:
+def assimilate(svc: MergeServices, assignment_id: int, stamps: Stamps | None = None) -> MergeResult:
     """Merge the uploaded result of `assignment_id` into W_s and record what happened.
 
     Merged exactly once; may be delivered twice: a second call for the same assignment merges
@@ -112,11 +114,11 @@ def assimilate(svc: MergeServices, assignment_id: int, received_at: float | None
     TRANSIENT errors, after which the caller runs it again; any other failure ends the assignment
     (and, when the job is at fault, the job) and is returned as `failed`.
     """
-    return assimilate_many(svc, [(assignment_id, received_at)])[0]
+    return assimilate_many(svc, [(assignment_id, stamps)])[0]
 
 
-def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None]]) -> list[MergeResult]:
-    """Merge the uploaded results of `queued` (assignment id, received at), all of one job, in order,
+def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, Stamps | None]]) -> list[MergeResult]:
+    """Merge the uploaded results of `queued` (assignment id, its merge stages so far), all of one job, in order,
     into W_s read once and written once, and record what happened to each: what `assimilate` does
     for one, with the same guarantee. A failure that is not TRANSIENT sends each result through
     `assimilate` alone, so that it ends only the result (or the job) at fault.
@@ -128,10 +130,10 @@ def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None
     except Exception as exc:
         if len(queued) == 1:
             return [_failed(svc, queued[0][0], exc)]
-        return [assimilate(svc, assignment_id, received_at) for assignment_id, received_at in queued]
+        return [assimilate(svc, assignment_id, stamps) for assignment_id, stamps in queued]
 
 
-def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | None]]) -> list[MergeResult]:
+def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, Stamps | None]]) -> list[MergeResult]:
     results: dict[int, MergeResult] = {}
     recorded: list[tuple[merges.PendingMerge, int]] = []  # W_s holds each at that version
     to_merge: dict[int, tuple[merges.PendingMerge, QueuedResult]] = {}  # in the order they are merged
@@ -141,7 +143,7 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
     # their workunits, read afresh): all are merged in the one pass below.
     work = deque(queued)
     while work:
-        assignment_id, received_at = work.popleft()
+        assignment_id, stamps = work.popleft()
         pending = pendings[assignment_id]
         if assignment_id in to_merge:
             continue
@@ -156,14 +158,15 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
             results[assignment_id] = MergeResult(Outcome.already_merged, version or 0)
             recorded.append((pending, version or 0))
             continue
-        prepared = _prepare(svc, pending, received_at, terms)
+        merge_stages.stamp(stamps, "found")
+        prepared = _prepare(svc, pending, stamps, terms)
         if isinstance(prepared, QueuedResult):
             to_merge[assignment_id] = (pending, prepared)
             continue
         results[assignment_id] = prepared.result
         if prepared.also_merge is not None:
             pendings[prepared.also_merge] = merges.pending_merge(svc.db, prepared.also_merge)
-            work.append((prepared.also_merge, received_at))
+            work.append((prepared.also_merge, None if stamps is None else dict(stamps)))
     merging_now = list(to_merge.values())
     for (pending, _), result in zip(merging_now, _merge(svc, merging_now, terms), strict=True):
         results[pending.assignment_id] = result
@@ -174,13 +177,13 @@ def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, float | Non
 
 
 def _prepare(
-    svc: MergeServices, p: merges.PendingMerge, received_at: float | None, terms: dict[int, JobTerms]
+    svc: MergeServices, p: merges.PendingMerge, stamps: Stamps | None, terms: dict[int, JobTerms]
 ) -> QueuedResult | Decided:
     """A result that no delivery has merged yet, read and ready to merge; or what was decided instead:
     refused, superseded when another assignment of its workunit was merged first, or judged by a
     replica vote."""
     try:
-        return _read_and_judge(svc, p, received_at, terms)
+        return _read_and_judge(svc, p, stamps, terms)
     except Refused as exc:
         return Decided(_refuse(svc, p.assignment_id, exc))
     except Superseded as exc:
@@ -188,7 +191,7 @@ def _prepare(
 
 
 def _read_and_judge(
-    svc: MergeServices, p: merges.PendingMerge, received_at: float | None, terms: dict[int, JobTerms]
+    svc: MergeServices, p: merges.PendingMerge, stamps: Stamps | None, terms: dict[int, JobTerms]
 ) -> QueuedResult | Decided:
     """`_prepare`'s work; raises Refused or Superseded for `_prepare` to record."""
     if not p.job_running:
@@ -200,6 +203,7 @@ def _read_and_judge(
     try:
         result: Result | None = read_result(svc.storage, svc.r, p)
         unreadable = None
+        merge_stages.stamp(stamps, "read")
     except Refused as exc:  # left to refuse below, after a replicated result's vote
         result, unreadable = None, exc
     # The digest is noted first, whether replicated or not, so that an original precedes its replays.
@@ -219,7 +223,8 @@ def _read_and_judge(
     if job.validation is not None:
         result = replace(result, update=replace(result.update, validation=job.validation))
     step = _guarded(p, job.rule, job.policy, result)
-    return QueuedResult(p.assignment_id, step, received_at, result.norm, p.workunit_id)
+    merge_stages.stamp(stamps, "judged")
+    return QueuedResult(p.assignment_id, step, stamps, result.norm, p.workunit_id)
 
 
 def _merge(
@@ -247,8 +252,8 @@ def _merge(
             results.append(MergeResult(Outcome.already_merged, taking.version))
         else:
             telemetry.count(svc.r, "merges")
-            if queued.received_at:
-                telemetry.observe_merge_latency(svc.r, time.time() - queued.received_at)
+            if queued.stamps is not None and "received" in queued.stamps:
+                telemetry.observe_merge_latency(svc.r, time.time() - queued.stamps["received"])
             results.append(MergeResult(Outcome.merged, taking.version))
     return results
 

@@ -10,9 +10,12 @@ one job's merges wait on each other. Replicated results go through their replica
 one, as before (crowdtrain.assimilator.merge.assimilate); exactly once either way.
 """
 
+import time
 from collections.abc import Callable
 
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate, assimilate_many
+from crowdtrain.core import merge_stages
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.server.ledger import merges
 from crowdtrain.server.paramstore import lease
 
@@ -22,7 +25,7 @@ MAX_PASS = 8
 
 
 def merge_queued(
-    svc: MergeServices, assignment_id: int, received_at: float | None = None, max_pass: int = MAX_PASS
+    svc: MergeServices, assignment_id: int, stamps: Stamps | None = None, max_pass: int = MAX_PASS
 ) -> MergeResult:
     """Merge the uploaded result of `assignment_id`, with the rest of its job's queue (`max_pass`
     results a pass) when this process gets the job's merge lease; `queued` when another process
@@ -31,7 +34,7 @@ def merge_queued(
     pending = merges.pending_merge(svc.db, assignment_id)
     if pending is None or pending.quorum > 1 or pending.already_merged:
         # Nothing to merge, a replica vote, or a delivery that completes what an earlier one recorded.
-        return assimilate(svc, assignment_id, received_at)
+        return assimilate(svc, assignment_id, stamps)
     own: list[MergeResult] = []
     taken: set[int] = set()
 
@@ -39,7 +42,8 @@ def merge_queued(
         while ready := merges.ready_to_merge(svc.db, pending.job_id, max_pass):
             if taken.issuperset(aid for aid, _ in ready):
                 return  # every outcome ends a result: one still uploaded is the transitioner's to queue again
-            queued = [(aid, received_at if aid == assignment_id else at) for aid, at in ready]
+            started = time.time()
+            queued = [(aid, stamps if aid == assignment_id else _taken_up(at, started)) for aid, at in ready]
             results = assimilate_many(svc, queued)
             taken.update(aid for aid, _ in queued)
             own.extend(result for (aid, _), result in zip(queued, results, strict=True) if aid == assignment_id)
@@ -49,3 +53,10 @@ def merge_queued(
 
     lease.serve(svc.r, pending.job_id, drain)
     return own[0] if own else MergeResult(Outcome.queued)
+
+
+def _taken_up(uploaded_at: float, started: float) -> Stamps:
+    """The stamps of a result a pass takes from the job's queue: its upload's time, and the pass's start."""
+    stamps = merge_stages.received(uploaded_at)
+    merge_stages.stamp(stamps, "started", started)
+    return stamps

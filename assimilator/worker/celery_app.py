@@ -3,6 +3,7 @@
 from celery import Celery
 
 from crowdtrain.core import keys
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.settings import get_settings
 
 ASSIMILATE_TASK = "crowdtrain.assimilate"
@@ -29,6 +30,6 @@ def make_celery() -> Celery:
 celery_app = make_celery()
 
 
-def enqueue_merge(assignment_id: int, received_at: float) -> None:
-    """Queue the merge of one uploaded result; may be called more than once for the same id."""
-    celery_app.send_task(ASSIMILATE_TASK, args=[assignment_id, received_at], task_id=f"assimilate-{assignment_id}")
+def enqueue_merge(assignment_id: int, stamps: Stamps) -> None:
+    """Queue the merge of one uploaded result, with its stamps so far; may be called more than once for the same id."""
+    celery_app.send_task(ASSIMILATE_TASK, args=[assignment_id, stamps], task_id=f"assimilate-{assignment_id}")

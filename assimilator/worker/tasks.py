@@ -15,6 +15,7 @@ from functools import lru_cache
 # evaluation as a process that seldom evaluates (a scheduler worker) does.
 from crowdtrain.assimilator import logits_pytorch, merge, merge_pass  # noqa: F401
 from crowdtrain.assimilator.worker.celery_app import ASSIMILATE_TASK, celery_app
+from crowdtrain.core import merge_stages
 from crowdtrain.core.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,12 @@ def _services() -> merge.MergeServices:
     retry_backoff=0.5,
     max_retries=10,
 )
-def assimilate(assignment_id: int, received_at: float | None = None) -> None:
-    result = merge_pass.merge_queued(_services(), assignment_id, received_at)
+def assimilate(assignment_id: int, stamps: merge_stages.Stamps | float | None = None) -> None:
+    """`stamps`: the result's merge stages so far (crowdtrain.core.merge_stages); a task an older
+    scheduler queued carries the time its body was in hand instead."""
+    timed = merge_stages.of_task(stamps)
+    merge_stages.stamp(timed, "started")
+    result = merge_pass.merge_queued(_services(), assignment_id, timed)
     log.debug("assignment %s: %s (v%s) %s", assignment_id, result.outcome, result.version, result.reason)
 
 

@@ -78,7 +78,8 @@ def checked_upload(job_id: int, upload_key: str) -> str:
 
 
 def merge_log(job_id: int) -> str:
-    """Hash assignment id -> JSON {version, merged_at, received_at}: when each merge landed."""
+    """Hash assignment id -> JSON {version, received_at, merged_at, stamps}: when each merge landed, and when
+    each of its stages ended (crowdtrain.core.merge_stages)."""
     return f"{PREFIX}:job:{job_id}:merge-log"
 
 

@@ -3,16 +3,17 @@ record of a checked, stored body as its assignment's upload. Checking and storin
 results service's (crowdtrain.server.services.results)."""
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from crowdtrain.core import merge_stages
 from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.credit import assigned_examples
 from crowdtrain.core.logs import ids
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import ResultMetrics
 from crowdtrain.core.states import AssignmentStatus
@@ -68,17 +69,17 @@ def record_upload(
     r: redis.Redis | None,
     upload: StoredUpload,
     metrics: ResultMetrics,
-    enqueue: Callable[[int, float], None],
+    enqueue: Callable[[int, Stamps], None],
     digest: str | None,
-    received_at: float | None,
+    stamps: Stamps | None,
 ) -> AssignmentStatus:
     """Record `upload`, a checked body already in storage, as its assignment's result and queue its
     merge (`enqueue`, after the commit); the stored body is deleted if the assignment cannot take it
     (ResultProblem not_found/conflict). Given `digest` (the W_c digest the check took) and `r`, it is
     recorded under the upload's key before the commit (result_records.note_checked_upload), so the
-    parameter server neither checks nor hashes the bytes again. `received_at`: when the body was in
-    hand (default: now), where a merge's latency starts."""
-    received_at = time.time() if received_at is None else received_at
+    parameter server neither checks nor hashes the bytes again. `stamps`: the result's merge stages so
+    far (crowdtrain.core.merge_stages; default: received now), stamped `recorded` and `queued` here."""
+    stamps = merge_stages.received() if stamps is None else stamps
     host_id, assignment_id, key = upload.host_id, upload.assignment_id, upload.key
     try:
         if digest is not None and r is not None:
@@ -96,6 +97,7 @@ def record_upload(
     except BaseException:
         storage.delete(key)
         raise
+    merge_stages.stamp(stamps, "recorded")
     log.info(
         "assignment %s: result uploaded (%d bytes, loss %s, %s examples reported), merge queued",
         assignment_id,
@@ -106,5 +108,6 @@ def record_upload(
     )
     # After the commit: the task must find the assignment uploaded. If this enqueue is lost, the
     # transitioner re-queues merges that stay uploaded too long.
-    enqueue(assignment_id, received_at)
+    merge_stages.stamp(stamps, "queued")
+    enqueue(assignment_id, stamps)
     return AssignmentStatus.uploaded

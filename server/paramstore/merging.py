@@ -29,7 +29,8 @@ from typing import cast
 import redis
 from redis.typing import EncodableT
 
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.paramstore import cache, store
 from crowdtrain.server.paramstore.cache import CachedModel
@@ -71,7 +72,7 @@ def merge_once(
     job_id: int,
     assignment_id: int,
     merge: Merge,
-    received_at: float | None = None,
+    stamps: Stamps | None = None,
     update_norm: float | None = None,
     initial_state: Callable[[Params], Params] | None = None,
     workunit_id: int | None = None,
@@ -89,7 +90,7 @@ def merge_once(
         if merge(server, state, version) is not server:
             raise ValueError("merge functions must update W_s and the rule's state in place")
 
-    queued = QueuedResult(assignment_id, step, received_at, update_norm, workunit_id)
+    queued = QueuedResult(assignment_id, step, stamps, update_norm, workunit_id)
     [taking] = merge_batch(r, job_id, [queued], initial_state)
     if taking.taken is Taken.superseded:
         raise WorkunitMerged(cast(int, workunit_id), cast(int, taking.winner))
@@ -162,14 +163,18 @@ def _merge_attempt(
         pipe.unwatch()
         return [cast(Taking, settled[q.assignment_id]) for q in results]
     merging = Pass(cached, version, [float(n) for n in norms])
-    settled |= {q.assignment_id: merging.apply(q) for q in todo}
+    for q in todo:
+        settled[q.assignment_id] = merging.apply(q)
+        merge_stages.stamp(q.stamps, "applied")
     if merging.merged:
         pipe.multi()
         _queue_merge_writes(pipe, job_id, merging)
         pipe.execute()
         merged_at = time.time()
+        for q, _ in merging.merged:
+            merge_stages.stamp(q.stamps, "merged", merged_at)
         log: dict[EncodableT, EncodableT] = {
-            str(q.assignment_id): _log_entry(v, q.received_at, merged_at) for q, v in merging.merged
+            str(q.assignment_id): _log_entry(v, q.stamps, merged_at) for q, v in merging.merged
         }
         r.hset(keys.merge_log(job_id), mapping=log)
     else:
@@ -188,9 +193,16 @@ def _settled(r: redis.Redis, job_id: int, q: QueuedResult, merged: int, owner: b
     return None
 
 
-def _log_entry(version: int, received_at: float | None, merged_at: float | None = None) -> str:
-    entry = {"version": version, "received_at": received_at}
-    return json.dumps(entry if merged_at is None else entry | {"merged_at": merged_at})
+def _log_entry(version: int, stamps: Stamps | None, merged_at: float | None = None) -> str:
+    """A merge log entry: the version of W_s that holds the result, when its body was in hand
+    (`received_at`, None when not timed) and W_s was written (`merged_at`, once the pass committed),
+    and every stage's stamp when timed (crowdtrain.core.merge_stages)."""
+    entry: dict[str, object] = {"version": version, "received_at": None if stamps is None else stamps.get("received")}
+    if merged_at is not None:
+        entry["merged_at"] = merged_at
+    if stamps:
+        entry["stamps"] = stamps
+    return json.dumps(entry)
 
 
 def _queue_merge_writes(pipe: redis.client.Pipeline, job_id: int, merging: Pass) -> None:
@@ -207,7 +219,7 @@ def _queue_merge_writes(pipe: redis.client.Pipeline, job_id: int, merging: Pass)
     }
     if workunits:
         pipe.hset(keys.merged_workunits(job_id), mapping=workunits)
-    log: dict[EncodableT, EncodableT] = {str(q.assignment_id): _log_entry(v, q.received_at) for q, v in merging.merged}
+    log: dict[EncodableT, EncodableT] = {str(q.assignment_id): _log_entry(v, q.stamps) for q, v in merging.merged}
     pipe.hset(keys.merge_log(job_id), mapping=log)
     norms = [q.update_norm for q, _ in merging.merged if q.update_norm is not None]
     if norms:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.paramstore.cache import CachedModel
 
@@ -27,7 +28,7 @@ class QueuedResult:
 
     assignment_id: int
     step: Step
-    received_at: float | None = None
+    stamps: Stamps | None = None  # its merge stages so far (crowdtrain.core.merge_stages), kept in the merge log
     update_norm: float | None = None  # recorded among the recent norms once merged
     workunit_id: int | None = None  # W_s takes one result per workunit
 

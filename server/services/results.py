@@ -18,9 +18,10 @@ from typing import Protocol
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
 from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.digests import weights_digest
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.schemas import AssignmentOut, ResultMetrics, SnapshotBound
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.storage import Storage
@@ -48,10 +49,10 @@ __all__ = [
 
 
 class MergeQueue(Protocol):
-    """Queues the merge of one uploaded result (assignment id, when its body was in hand); may be
-    called more than once for the same id (merges are idempotent)."""
+    """Queues the merge of one uploaded result (assignment id, its stamps so far:
+    crowdtrain.core.merge_stages); may be called more than once for the same id (merges are idempotent)."""
 
-    def __call__(self, assignment_id: int, received_at: float, /) -> None: ...
+    def __call__(self, assignment_id: int, stamps: Stamps, /) -> None: ...
 
 
 def bind_snapshot(
@@ -96,7 +97,7 @@ def accept_result(
     body: bytes,
     metrics: ResultMetrics,
     enqueue: MergeQueue,
-    received_at: float,
+    stamps: Stamps,
     evaluator: Evaluator,
 ) -> AssignmentStatus:
     """`check_result` and `store_result` for the upload target `upload_target` returned, with the
@@ -106,7 +107,7 @@ def accept_result(
     scores the final model if that ends the job): nothing of it stays, and nothing stored before is
     touched."""
     try:
-        return _check_and_store(db, storage, r, host_id, assignment_id, target, body, metrics, enqueue, received_at)
+        return _check_and_store(db, storage, r, host_id, assignment_id, target, body, metrics, enqueue, stamps)
     except ResultRefused as exc:
         refuse_result(db, storage, r, host_id, assignment_id, exc.message, evaluator)
         raise
@@ -122,21 +123,23 @@ def _check_and_store(
     body: bytes,
     metrics: ResultMetrics,
     enqueue: MergeQueue,
-    received_at: float,
+    stamps: Stamps,
 ) -> AssignmentStatus:
     job_id, manifest, upload = target
     key = _new_upload_key(job_id, assignment_id)
     writing = _store_threads.submit(storage.put, key, body)
     try:
         digest = check_result(body, manifest, upload)
+        merge_stages.stamp(stamps, "checked")
     except BaseException:
         with suppress(Exception):  # a failed write stored nothing (puts are atomic)
             writing.result()
         storage.delete(key)
         raise
     writing.result()
+    merge_stages.stamp(stamps, "stored")
     stored = StoredUpload(host_id, job_id, assignment_id, key, len(body))
-    return record_upload(db, storage, r, stored, metrics, enqueue, digest, received_at)
+    return record_upload(db, storage, r, stored, metrics, enqueue, digest, stamps)
 
 
 def store_result(
@@ -151,7 +154,7 @@ def store_result(
     *,
     r: redis.Redis | None = None,
     digest: str | None = None,
-    received_at: float | None = None,
+    stamps: Stamps | None = None,
 ) -> AssignmentStatus:
     """Store a checked result once and queue its merge (ResultProblem not_found/conflict otherwise).
 
@@ -161,12 +164,12 @@ def store_result(
     key before the commit (result_records.note_checked_upload): the parameter server that merges the
     result reads the bytes once and neither checks nor hashes them again. Keyed by the upload, not
     the assignment, so two racing uploads of one assignment cannot pair one's bytes with the other's
-    digest. `received_at`: when the body was in hand (default: now), where a merge's latency starts.
+    digest. `stamps`: the result's merge stages so far (crowdtrain.core.merge_stages; default: received now).
     """
     key = _new_upload_key(job_id, assignment_id)
     storage.put(key, body)
     stored = StoredUpload(host_id, job_id, assignment_id, key, len(body))
-    return record_upload(db, storage, r, stored, metrics, enqueue, digest, received_at)
+    return record_upload(db, storage, r, stored, metrics, enqueue, digest, stamps)
 
 
 def _new_upload_key(job_id: int, assignment_id: int) -> str:

@@ -12,7 +12,9 @@ import redis
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from crowdtrain.core import merge_stages
 from crowdtrain.core.jobspec import WORKUNIT_MODES
+from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.states import AssignmentStatus, JobStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.server.ledger import duplicates, replicas
@@ -71,7 +73,7 @@ def close_finished_epochs(db: sessionmaker[Session], storage: Storage, r: redis.
 
 
 def requeue_stalled_merges(
-    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, float], None], now: datetime
+    db: sessionmaker[Session], stalled_after: float, enqueue: Callable[[int, Stamps], None], now: datetime
 ) -> int:
     """Queue again the merge of results uploaded long ago and still not merged (a lost task), for
     running jobs only: a finished or cancelled job's results are ended instead (end_stalled_uploads).
@@ -103,7 +105,7 @@ def requeue_stalled_merges(
             aid,
             uploaded_at.isoformat(timespec="seconds"),
         )
-        enqueue(aid, uploaded_at.replace(tzinfo=UTC).timestamp())
+        enqueue(aid, merge_stages.received(uploaded_at.replace(tzinfo=UTC).timestamp()))
     return len(rows)
 
 
@@ -111,7 +113,7 @@ def end_stalled_uploads(
     db: sessionmaker[Session],
     r: redis.Redis,
     stalled_after: float,
-    enqueue: Callable[[int, float], None],
+    enqueue: Callable[[int, Stamps], None],
     now: datetime,
 ) -> int:
     """End the results that stayed unmerged long after upload while their job stopped running: their
@@ -121,7 +123,7 @@ def end_stalled_uploads(
     ended, held = ledger_jobs.end_stalled_uploads(db, r, now - timedelta(seconds=stalled_after))
     for aid in held:
         log.warning("assignment %s: W_s holds it but the ledger does not yet; queueing its merge again", aid)
-        enqueue(aid, time.time())
+        enqueue(aid, merge_stages.received())
     if ended:
         log.warning("%d results of jobs no longer running were never merged; rejected them", ended)
     return ended
@@ -133,7 +135,7 @@ def sweep(
     r: redis.Redis,
     evaluator: Evaluator,
     now: datetime,
-    stalled: tuple[float, Callable[[int, float], None]] | None = None,
+    stalled: tuple[float, Callable[[int, Stamps], None]] | None = None,
 ) -> None:
     """One pass of the transitioner at `now` (naive UTC): deadlines, stalled votes, orphaned workunits,
     epochs whose closing was lost, merges a dead process left closed, pending exports, expert leases;
@@ -159,7 +161,7 @@ def run_forever(
     evaluator: Evaluator,
     interval: float,
     stalled_after: float,
-    enqueue: Callable[[int, float], None],
+    enqueue: Callable[[int, Stamps], None],
     stop: threading.Event,
 ) -> None:
     """`sweep` every `interval` seconds at the clock's time until `stop`; the stalled merges every

@@ -4,7 +4,6 @@ Each test submits the demo job, registers a host, claims work and uploads result
 does, then calls crowdtrain.assimilator.merge.assimilate the way the Celery task does.
 """
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +13,7 @@ from sqlalchemy import func, select
 from crowdtrain.assimilator.inputs import read_result, replay_of
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
 from crowdtrain.assimilator.rules.control import GROW
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
 from crowdtrain.core.assimilationspec import AssimilationSpec
 from crowdtrain.core.credit import COBBLESTONE_FLOPS
 from crowdtrain.core.digests import weights_digest
@@ -181,7 +180,7 @@ def test_a_valid_result_is_merged_and_recorded(services, upload) -> None:
     client = _moved(job.w0, 0.01)
     job.upload_weights(a, client)
 
-    result = assimilate(services, a, received_at=time.time())
+    result = assimilate(services, a, stamps=merge_stages.received())
 
     assert result == MergeResult(Outcome.merged, 1)
     version, w_s = job.w_s()
@@ -262,7 +261,7 @@ def test_a_result_checked_at_upload_is_read_once_and_merged_once(services, died_
         assert pending is not None
         assert replay_of(services.r, job.job_id, a, read_result(services.storage, services.r, pending).digest) is None
 
-    first = assimilate(services, a, received_at=time.time())
+    first = assimilate(services, a, stamps=merge_stages.received())
     again = assimilate(services, a)
 
     assert (first, again) == (MergeResult(Outcome.merged, 1), MergeResult(Outcome.already_merged, 1))

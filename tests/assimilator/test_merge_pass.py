@@ -13,7 +13,7 @@ from sqlalchemy import select
 from crowdtrain.assimilator.merge import TRANSIENT, MergeResult, MergeServices, Outcome
 from crowdtrain.assimilator.merge_pass import merge_queued
 from crowdtrain.assimilator.rules import make_rule, make_update
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.models import Metric
@@ -68,7 +68,7 @@ def test_a_task_merges_its_job_s_queue_in_one_pass_as_single_merges_would(servic
     job, clients = _queue(services, 4)
     first, *others = job.assignments
 
-    assert merge_queued(services, first, received_at=time.time()) == MergeResult(Outcome.merged, 1)
+    assert merge_queued(services, first, stamps=merge_stages.received()) == MergeResult(Outcome.merged, 1)
 
     _assert_merged_once(job, clients)
     assert len({entry["merged_at"] for entry in _merge_log(job).values()}) == 1, "one write of W_s"
@@ -98,7 +98,7 @@ def test_the_pass_scores_w_s_with_the_evaluator_its_services_hold(services) -> N
     services = replace(services, evaluator=scores)
     job, _ = _queue(services, 4)
 
-    assert merge_queued(services, job.assignments[0], received_at=time.time()) == MergeResult(Outcome.merged, 1)
+    assert merge_queued(services, job.assignments[0], stamps=merge_stages.received()) == MergeResult(Outcome.merged, 1)
 
     assert scores.calls == [job.job_id], "one evaluation, for the version the pass wrote"
     with services.db.begin() as s:

@@ -5,7 +5,6 @@ Hosts are new, so a job that replicates untrusted hosts' work gives each workuni
 their results are judged by quorum before one is merged. Then reputation: trust, quarantine, release.
 """
 
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,7 +14,7 @@ from sqlalchemy import select
 
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.client.trainers.pytorch import train
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
 from crowdtrain.core.assimilationspec import AssimilationSpec
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import AssignmentOut, HostRegister, ResultMetrics
@@ -244,7 +243,7 @@ def test_a_valid_result_ends_a_run_of_refusals(services) -> None:
     assimilate(services, bad.assignment_id)
     [good] = p.work(host)
     p.upload(host, good, p.trained(good))
-    assert assimilate(services, good.assignment_id, received_at=time.time()).outcome is Outcome.merged
+    assert assimilate(services, good.assignment_id, stamps=merge_stages.received()).outcome is Outcome.merged
     [bad2] = p.work(host)
     p.upload(host, bad2, {k: np.full_like(v, np.nan) for k, v in p.base(bad2).items()})
     assimilate(services, bad2.assignment_id)

@@ -6,7 +6,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
 from crowdtrain.core.schemas import (
     AssignmentOut,
     ClientError,
@@ -169,7 +169,7 @@ async def upload_result(
     target = await run_in_threadpool(results.upload_target, db, host_id, assignment_id)
     try:
         async with upload_body(request, settings.upload_max_bytes) as body:
-            received_at = time.time()
+            stamps = merge_stages.received()
             status_ = await run_in_threadpool(
                 results.accept_result,
                 db,
@@ -181,7 +181,7 @@ async def upload_result(
                 body,
                 metrics,
                 merge_queue,
-                received_at,
+                stamps,
                 evaluator,
             )
             size = len(body)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from crowdtrain.assimilator.rules import Update, make_rule, merge_vc_asgd
-from crowdtrain.core import keys
+from crowdtrain.core import keys, merge_stages
 from crowdtrain.server.paramstore import merging, store
 from crowdtrain.server.paramstore.steps import QueuedResult, Taken
 from tests.server.paramstore.w_s_values import NESTEROV, STEP, assert_same, filled
@@ -77,7 +77,9 @@ def _queued(
         rule.apply(ws, state, Update(client, delta, version - base_version, 1))
 
     norm = float(np.linalg.norm(delta["w"]))
-    return QueuedResult(assignment_id, step, received_at=1.0, update_norm=norm, workunit_id=workunit_id)
+    return QueuedResult(
+        assignment_id, step, stamps=merge_stages.received(1.0), update_norm=norm, workunit_id=workunit_id
+    )
 
 
 def _merged_record(r, job_id: int) -> tuple:
