@@ -23,6 +23,7 @@ while its descent stays under 3. Each costs forward passes only: 2 + 2·(directi
 """
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def measure(
     job_id: int,
     model_config: dict,
     client: Params,
-    delta: Params,
+    delta: Mapping[str, np.ndarray],
     shard: tuple[np.ndarray, np.ndarray],
     directions: int,
     rng: np.random.Generator,

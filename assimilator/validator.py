@@ -35,12 +35,11 @@ No I/O: the merge (crowdtrain.assimilator.merge) measures the replicas and appli
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from crowdtrain.core.tensors import Params
 from crowdtrain.core.validationspec import ValidationSpec
 
 
@@ -68,7 +67,7 @@ class Verdict:
         return not self.more
 
 
-def flat_update(delta: Params) -> np.ndarray:
+def flat_update(delta: Mapping[str, np.ndarray]) -> np.ndarray:
     """Δ's floating-point tensors as one float64 vector, in name order (the same for every replica)."""
     parts = [np.asarray(delta[k], dtype=np.float64).ravel() for k in sorted(delta) if delta[k].dtype.kind == "f"]
     return np.concatenate(parts) if parts else np.zeros(0)

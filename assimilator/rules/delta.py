@@ -14,15 +14,15 @@ import numpy as np
 from crowdtrain.assimilator.rules.combiners import combine
 from crowdtrain.assimilator.rules.outer import OuterOptimizer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
-from crowdtrain.assimilator.rules.update import Update
+from crowdtrain.assimilator.rules.update import Scaled, Tensors, Update
 from crowdtrain.core.tensors import Params
 
 BUFFERED = "buffer.count"  # FedBuff: how many slots of the buffer hold an update (0-d int64)
 
 
-def weighted(delta: Params, weight: float) -> Params:
-    """s(τ)·Δ, in the dtype of each tensor."""
-    return {name: d * np.asarray(weight, d.dtype) for name, d in delta.items()}
+def weighted(delta: Tensors, weight: float) -> Scaled:
+    """s(τ)·Δ, in the dtype of each tensor, formed as each tensor is read (Scaled)."""
+    return Scaled(delta, weight)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from crowdtrain.assimilator.rules.update import Scaled, Tensors
 from crowdtrain.core.tensors import Params
 
 STEP = "step"
@@ -21,7 +22,7 @@ STEP = "step"
 class OuterOptimizer(Protocol):
     def initial_state(self, server: Params) -> Params: ...
 
-    def step(self, server: Params, state: Params, update: Params) -> None:
+    def step(self, server: Params, state: Params, update: Tensors) -> None:
         """Move `server` (and `state`) in place by the update `update` (a descent direction)."""
         ...
 
@@ -48,9 +49,9 @@ class PlainStep:
     def initial_state(self, server: Params) -> Params:
         return {}
 
-    def step(self, server: Params, state: Params, update: Params) -> None:
-        for name, u in update.items():
-            server[name] += self.lr * u
+    def step(self, server: Params, state: Params, update: Tensors) -> None:
+        for name, u in Scaled(update, self.lr).items():  # lr·u formed tensor by tensor, once
+            server[name] += u
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Nesterov:
     def initial_state(self, server: Params) -> Params:
         return _zeros_like_floats(server, "momentum.") | {STEP: _counter()}
 
-    def step(self, server: Params, state: Params, update: Params) -> None:
+    def step(self, server: Params, state: Params, update: Tensors) -> None:
         for name, u in update.items():
             b = state[f"momentum.{name}"]
             b *= self.momentum
@@ -95,7 +96,7 @@ class DelayedNesterov:
     def initial_state(self, server: Params) -> Params:
         return _zeros_like_floats(server, "momentum.") | _zeros_like_floats(server, "pending.") | {STEP: _counter()}
 
-    def step(self, server: Params, state: Params, update: Params) -> None:
+    def step(self, server: Params, state: Params, update: Tensors) -> None:
         state[STEP] += 1
         momentum_step = int(state[STEP]) % self.delay == 0
         for name, u in update.items():
@@ -126,7 +127,7 @@ class Adam:
     def initial_state(self, server: Params) -> Params:
         return _zeros_like_floats(server, "adam.m.") | _zeros_like_floats(server, "adam.v.") | {STEP: _counter()}
 
-    def step(self, server: Params, state: Params, update: Params) -> None:
+    def step(self, server: Params, state: Params, update: Tensors) -> None:
         beta1, beta2 = self.betas
         state[STEP] += 1
         t = int(state[STEP])
