@@ -90,10 +90,11 @@ def sum_of_squares(flat: np.ndarray, buffer: np.ndarray) -> float:
     if flat.dtype not in (np.float32, np.float64) or not flat.flags.c_contiguous:
         return _float64_squares(flat, buffer)
     total = 0.0
-    for start in range(0, flat.size, DOT_BLOCK):
-        x = flat[start : start + DOT_BLOCK]
-        s = float(np.dot(x, x))
-        total += s if math.isfinite(s) else _float64_squares(x, buffer)
+    with np.errstate(over="ignore"):  # an overflowing block is summed again in float64
+        for start in range(0, flat.size, DOT_BLOCK):
+            x = flat[start : start + DOT_BLOCK]
+            s = float(np.dot(x, x))
+            total += s if math.isfinite(s) else _float64_squares(x, buffer)
     return total
 
 
