@@ -9,7 +9,7 @@ stages, in order, each stamped when it ends:
     checked    its values checked and its W_c digest taken (the body is written to storage meanwhile)
     stored     its bytes in storage
     recorded   the upload committed in the ledger
-    queued     its merge task handed to the queue
+    queued     its merge task about to be sent (the stamps ride in it: the send counts in `started`)
     started    a parameter server took it up (its task, or the pass that took it from the job's queue)
     found      its ledger record read (with its job's queue, and W_s in Redis checked)
     read       its bytes read, Δ and ||Δ|| formed

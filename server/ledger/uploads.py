@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from crowdtrain.core import merge_stages
@@ -57,10 +58,15 @@ class StoredUpload:
 
 
 def _asked_examples(s: Session, a: Assignment) -> int:
-    """The examples `a` was asked to train (crowdtrain.core.credit.assigned_examples)."""
-    shard = s.get_one(Shard, s.get_one(Workunit, a.workunit_id).shard_id)
-    local_epochs = s.get_one(Job, a.job_id).spec["training"]["local_epochs"]
-    return assigned_examples(shard.examples, local_epochs, a.local_fraction)
+    """The examples `a` was asked to train (crowdtrain.core.credit.assigned_examples): one statement
+    that reads the shard's examples and the job's spec, not the job's whole row (its manifest)."""
+    examples, spec = s.execute(
+        select(Shard.examples, Job.spec)
+        .join(Workunit, Workunit.shard_id == Shard.id)
+        .join(Job, Job.id == Workunit.job_id)
+        .where(Workunit.id == a.workunit_id)
+    ).one()
+    return assigned_examples(examples, spec["training"]["local_epochs"], a.local_fraction)
 
 
 def record_upload(
