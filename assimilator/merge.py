@@ -22,7 +22,7 @@ crowdtrain.assimilator.worker.tasks only wraps crowdtrain.assimilator.merge_pass
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -117,14 +117,19 @@ def assimilate(svc: MergeServices, assignment_id: int, stamps: Stamps | None = N
     return assimilate_many(svc, [(assignment_id, stamps)])[0]
 
 
-def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, Stamps | None]]) -> list[MergeResult]:
-    """Merge the uploaded results of `queued` (assignment id, its merge stages so far), all of one job, in order,
-    into W_s read once and written once, and record what happened to each: what `assimilate` does
-    for one, with the same guarantee. A failure that is not TRANSIENT sends each result through
-    `assimilate` alone, so that it ends only the result (or the job) at fault.
+def assimilate_many(
+    svc: MergeServices,
+    queued: Sequence[tuple[int, Stamps | None]],
+    pendings: Mapping[int, merges.PendingMerge | None] | None = None,
+) -> list[MergeResult]:
+    """Merge the uploaded results of `queued` (assignment id, its merge stages so far), all of one job,
+    in order, into W_s read once and written once, and record what happened to each: what `assimilate`
+    does for one, with the same guarantee. `pendings`: their ledger records where the caller read them
+    already (merges.ready_to_merge); the others are read here. A failure that is not TRANSIENT sends
+    each result through `assimilate` alone, so that it ends only the result (or the job) at fault.
     """
     try:
-        return _assimilate_many(svc, queued)
+        return _assimilate_many(svc, queued, pendings or {})
     except TRANSIENT:
         raise
     except Exception as exc:
@@ -133,11 +138,15 @@ def assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, Stamps | Non
         return [assimilate(svc, assignment_id, stamps) for assignment_id, stamps in queued]
 
 
-def _assimilate_many(svc: MergeServices, queued: Sequence[tuple[int, Stamps | None]]) -> list[MergeResult]:
+def _assimilate_many(
+    svc: MergeServices, queued: Sequence[tuple[int, Stamps | None]], known: Mapping[int, merges.PendingMerge | None]
+) -> list[MergeResult]:
     results: dict[int, MergeResult] = {}
     recorded: list[tuple[merges.PendingMerge, int]] = []  # W_s holds each at that version
     to_merge: dict[int, tuple[merges.PendingMerge, QueuedResult]] = {}  # in the order they are merged
-    pendings = merges.pending_merges(svc.db, [assignment_id for assignment_id, _ in queued])
+    pendings = dict(known)
+    if unread := [assignment_id for assignment_id, _ in queued if assignment_id not in pendings]:
+        pendings |= merges.pending_merges(svc.db, unread)
     terms: dict[int, JobTerms] = {}  # by job: read at the first result that needs them
     # The queued results, then the canonical replicas their votes chose (another result of one of
     # their workunits, read afresh): all are merged in the one pass below.

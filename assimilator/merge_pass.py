@@ -40,11 +40,14 @@ def merge_queued(
 
     def drain(renew: Callable[[], object]) -> None:
         while ready := merges.ready_to_merge(svc.db, pending.job_id, max_pass):
-            if taken.issuperset(aid for aid, _ in ready):
+            if taken.issuperset(p.assignment_id for p, _ in ready):
                 return  # every outcome ends a result: one still uploaded is the transitioner's to queue again
             started = time.time()
-            queued = [(aid, stamps if aid == assignment_id else _taken_up(at, started)) for aid, at in ready]
-            results = assimilate_many(svc, queued)
+            queued = [
+                (p.assignment_id, stamps if p.assignment_id == assignment_id else _taken_up(at, started))
+                for p, at in ready
+            ]
+            results = assimilate_many(svc, queued, {p.assignment_id: p for p, _ in ready})
             taken.update(aid for aid, _ in queued)
             own.extend(result for (aid, _), result in zip(queued, results, strict=True) if aid == assignment_id)
             renew()

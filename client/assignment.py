@@ -26,7 +26,7 @@ from crowdtrain.client.restraints import Restraints
 from crowdtrain.client.status import AssignmentStatus, StatusWriter
 from crowdtrain.client.trainers import Cancelled, TrainControl, TrainResult, train
 from crowdtrain.core import frameworks as fw
-from crowdtrain.core.schemas import AssignmentOut, FileRef, HeartbeatReply, Resources, ResultMetrics
+from crowdtrain.core.schemas import MIN_HEARTBEAT_S, AssignmentOut, FileRef, HeartbeatReply, Resources, ResultMetrics
 from crowdtrain.core.tensors import Params, decode, decode_shard
 from crowdtrain.core.updates import encode_result
 
@@ -34,9 +34,8 @@ log = logging.getLogger(__name__)
 
 KEEP_SNAPSHOTS = 4
 # Seconds between an assignment's heartbeats until a work reply names an interval (an assignment taken
-# up again from the journal), and the fewest a reply can make them.
+# up again from the journal); no reply makes them fewer than crowdtrain.core.schemas.MIN_HEARTBEAT_S.
 DEFAULT_HEARTBEAT_S = 5.0
-MIN_HEARTBEAT_S = 1.0
 EWMA_WEIGHT = 0.3  # weight of the newest observation in the running means of task times
 
 
@@ -268,7 +267,7 @@ class AssignmentRunner:
             snap = self._fetch(self.snapshots, bound.snapshot, transfer, extra)
             params = decode(snap.read_bytes())
             r.assignment = a.model_copy(update={"base_version": bound.base_version, "snapshot": bound.snapshot})
-            self.journal.record(r.assignment)
+            self.journal.record(r.assignment, r.heartbeat_every)
             log.info(
                 "assignment %s: training from snapshot v%d (dispatched with v%d)",
                 a.assignment_id,

@@ -1,6 +1,7 @@
 """What a client keeps on disk about its running assignments, so that a restart can resume them.
 
-Each running assignment has a journal entry (the assignment as the server sent it) and, once
+Each running assignment has a journal entry (the assignment as the server sent it, with the heartbeat
+interval of the work reply that brought it) and, once
 training has run for a while, a checkpoint (model and optimizer state plus the position in the
 data). Both are removed when the assignment ends: uploaded, abandoned or failed. A client that
 is killed leaves them behind; when it starts again it resumes every assignment whose deadline
@@ -9,8 +10,10 @@ has not passed and that the server still wants.
 
 import json
 import logging
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.numpy import load_file, save_file
@@ -25,6 +28,22 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """An assignment an earlier run left behind, and the seconds between its heartbeats that its work
+    reply named (None: an entry written before the journal kept them)."""
+
+    assignment: AssignmentOut
+    heartbeat_every: float | None
+
+
+def _seconds(value: object) -> float | None:
+    """A journaled interval, or None when it is missing or not a positive number (the default then)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
 
 
 class AssignmentJournal:
@@ -42,25 +61,24 @@ class AssignmentJournal:
         """Per framework: a client restarted with other frameworks must not read another trainer's state."""
         return self.root / f"{assignment_id}.{framework}.checkpoint.safetensors"
 
-    def record(self, a: AssignmentOut) -> None:
-        _atomic_write(
-            self._path(a.assignment_id),
-            json.dumps({"server": self.server_url, "assignment": a.model_dump(mode="json")}).encode(),
-        )
+    def record(self, a: AssignmentOut, heartbeat_every: float) -> None:
+        entry = {"server": self.server_url, "assignment": a.model_dump(mode="json"), "heartbeat_every": heartbeat_every}
+        _atomic_write(self._path(a.assignment_id), json.dumps(entry).encode())
 
     def forget(self, assignment_id: int) -> None:
         self._path(assignment_id).unlink(missing_ok=True)
         for checkpoint in self.root.glob(f"{assignment_id}.*.checkpoint.safetensors"):
             checkpoint.unlink(missing_ok=True)
 
-    def pending(self) -> list[AssignmentOut]:
+    def pending(self) -> list[JournalEntry]:
         """Assignments of this server left behind by an earlier run, oldest first."""
         found = []
         for path in sorted(self.root.glob("*.json")):
             try:
                 entry = json.loads(path.read_text())
                 if entry["server"] == self.server_url:
-                    found.append(AssignmentOut.model_validate(entry["assignment"]))
+                    every = _seconds(entry.get("heartbeat_every"))
+                    found.append(JournalEntry(AssignmentOut.model_validate(entry["assignment"]), every))
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("ignoring unreadable journal entry %s: %s", path.name, exc)
                 path.unlink(missing_ok=True)

@@ -251,7 +251,8 @@ class VolunteerClient(AssignmentRunner):
     def _resume_journaled(self) -> None:
         """Take up the assignments an earlier run of this client left behind, if still wanted."""
         now = datetime.now(UTC)
-        for a in self.journal.pending():
+        for entry in self.journal.pending():
+            a = entry.assignment
             deadline = a.deadline if a.deadline.tzinfo else a.deadline.replace(tzinfo=UTC)
             keep, reason = deadline > now, "its deadline has passed"
             if keep:
@@ -267,7 +268,8 @@ class VolunteerClient(AssignmentRunner):
                 self.journal.forget(a.assignment_id)
                 continue
             log.info("assignment %s: left by an earlier run; resuming", a.assignment_id)
-            self._start(a)
+            # At the interval its work reply named: the scheduler's, or a third of a short lease.
+            self._start(a, entry.heartbeat_every or DEFAULT_HEARTBEAT_S)
 
     def _drain(self) -> None:
         """Finish what fits before the notice expires and give back the rest at once."""
@@ -302,7 +304,7 @@ class VolunteerClient(AssignmentRunner):
     def _start(self, a: AssignmentOut, heartbeat_every: float = DEFAULT_HEARTBEAT_S) -> None:
         r = Running(a, heartbeat_every=heartbeat_every)
         r.thread = threading.Thread(target=self._work, args=(r,), name=f"assignment-{a.assignment_id}")
-        self.journal.record(a)
+        self.journal.record(a, heartbeat_every)
         with self.lock:  # under the lock, so an idleness change cannot slip between the check and the insert
             if not self.restraints.machine_idle:
                 r.control.pause()

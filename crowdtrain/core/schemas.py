@@ -251,6 +251,12 @@ class AssignmentOut(BaseModel):
     )
 
 
+# The shortest interval between one assignment's heartbeats, in seconds: a work reply derives none
+# shorter from a lease (crowdtrain.server.services.results.heartbeat_interval), and a client waits
+# at least this long whatever a reply names (crowdtrain.client.assignment.Running.heartbeat_is_due).
+MIN_HEARTBEAT_S = 1.0
+
+
 class WorkReply(BaseModel):
     assignments: list[AssignmentOut]
     retry_after: float = Field(..., description="Seconds to wait before asking again when nothing was given")

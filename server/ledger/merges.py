@@ -102,10 +102,11 @@ def _pending(s: Session, assignment_id: int) -> PendingMerge | None:
     )
 
 
-def ready_to_merge(db: sessionmaker[Session], job_id: int, limit: int) -> list[tuple[int, float]]:
+def ready_to_merge(db: sessionmaker[Session], job_id: int, limit: int) -> list[tuple[PendingMerge, float]]:
     """The job's uploaded results that a merge pass takes, oldest upload first, at most `limit`: each
-    assignment id with its upload time (seconds since the epoch). Replicated workunits' results are
-    left out: each goes through its replicas' vote on its own (crowdtrain.assimilator.merge)."""
+    one's `pending_merge`, read in the same transaction, with its upload time (seconds since the
+    epoch). Replicated workunits' results are left out: each goes through its replicas' vote on its
+    own (crowdtrain.assimilator.merge)."""
     with db.begin() as s:
         rows = s.execute(
             select(Assignment.id, Assignment.uploaded_at)
@@ -118,7 +119,8 @@ def ready_to_merge(db: sessionmaker[Session], job_id: int, limit: int) -> list[t
             .order_by(Assignment.uploaded_at, Assignment.id)
             .limit(limit)
         ).all()
-    return [(aid, (at or utcnow()).replace(tzinfo=UTC).timestamp()) for aid, at in rows]
+        ready = [(_pending(s, aid), (at or utcnow()).replace(tzinfo=UTC).timestamp()) for aid, at in rows]
+    return [(pending, at) for pending, at in ready if pending is not None]  # all are: uploaded, in this transaction
 
 
 def record_merge(db: sessionmaker[Session], assignment_id: int, version: int, now: datetime | None = None) -> list[str]:

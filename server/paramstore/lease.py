@@ -36,15 +36,16 @@ def serve(r: redis.Redis, job_id: int, drain: Drain) -> bool:
     wanted = keys.merges_wanted(job_id)
     r.set(wanted, 1)
     served = False
-    while r.exists(wanted):
+    while True:  # the request just made stands: the lease is tried at once, with no look at it first
         lease = r.lock(keys.merge_lease(job_id), timeout=MERGE_LEASE_SECONDS)
         if not lease.acquire(blocking=False):
             return served
-        served = True
         try:
             while r.delete(wanted):
+                served = True
                 drain(lease.reacquire)
         finally:
             with suppress(LockNotOwnedError):  # it lapsed while a pass ran; another may hold it now
                 lease.release()
-    return served
+        if not r.exists(wanted):
+            return served

@@ -15,13 +15,12 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, func, select
 
 from crowdtrain.server.ledger.models import Assignment
 from crowdtrain.server.services.backpressure import UNMERGED
-from crowdtrain.server.services.job_terms import LiveJob
+from crowdtrain.server.services.job_terms import JobKey, LiveJob, job_key
 
 MAX_AGE_S = 1.0
 FORGET_AFTER_S = 60.0  # counts no request has asked for this long are dropped (jobs that ended)
@@ -33,9 +32,6 @@ _COUNTS = (
 )
 
 
-_Key = tuple[str, int, datetime]  # the job's database, id and creation time
-
-
 @dataclass
 class _Counted:
     param_version: int  # W_s's version the counts were taken at
@@ -45,21 +41,19 @@ class _Counted:
 
 
 class InFlightCounts:
-    """One process's counts of its running jobs' work in flight (the module's docstring says how fresh).
-    A job is known by its database, id and creation time, as crowdtrain.server.services.job_terms.TermsCache
-    knows it: a database made again under the same URL (tests do) cannot lend its counts to another job."""
+    """One process's counts of its running jobs' work in flight (the module's docstring says how fresh),
+    each job known by its `job_key`, as the job terms' cache knows it."""
 
     def __init__(self, max_age: float = MAX_AGE_S) -> None:
         self.max_age = max_age
-        self._counted: dict[_Key, _Counted] = {}
+        self._counted: dict[JobKey, _Counted] = {}
         self._lock = threading.Lock()
 
     def of(self, c: Connection, live: Mapping[int, LiveJob], now: float | None = None) -> dict[int, LiveJob]:
         """`live` with each job's `in_flight` and `in_flight_hosts` filled in, counted on `c` for the jobs
         whose counts are stale at `now` (time.monotonic() by default)."""
         now = time.monotonic() if now is None else now
-        database = str(c.engine.url)
-        keys = {j: (database, j, job.created_at) for j, job in live.items()}
+        keys = {j: job_key(c, j, job.created_at) for j, job in live.items()}
         with self._lock:
             known = {j: self._counted.get(key) for j, key in keys.items()}
         counts = {j: k for j, k in known.items() if k is not None and self._fresh(k, live[j].param_version, now)}
@@ -78,7 +72,7 @@ class InFlightCounts:
         """This process gave `count` of `job`'s workunits to the host `job` was read for (which held
         none of its work when `job.held_by_host` is 0): counted until the job is counted again."""
         with self._lock:
-            counted = self._counted.get((str(c.engine.url), job.id, job.created_at))
+            counted = self._counted.get(job_key(c, job.id, job.created_at))
             if counted is not None and count > 0:
                 counted.in_flight += count
                 counted.hosts += int(not job.held_by_host)

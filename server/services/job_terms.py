@@ -59,6 +59,15 @@ class LiveJob:
     in_flight_hosts: int = 0
 
 
+JobKey = tuple[str, int, datetime]
+
+
+def job_key(c: Connection, job_id: int, created_at: datetime) -> JobKey:
+    """How a process's caches know a running job: its database, id and creation time, so that a
+    database made again under the same URL (tests do) cannot lend one job's entries to another."""
+    return (str(c.engine.url), job_id, created_at)
+
+
 _JOB_TERMS = select(Job.id, Job.spec, Job.model_config_.label("model_config_"), Job.recipe).where(
     Job.id.in_(bindparam("ids", expanding=True))
 )
@@ -107,17 +116,14 @@ class JobTerms:
 
 
 class TermsCache:
-    """JobTerms of the running jobs. A job is known by its database, id and creation time, so that
-    a database made again under the same URL (tests do) cannot lend its terms to another job; jobs
-    that no longer run are forgotten."""
+    """JobTerms of the running jobs, each known by its `job_key`; jobs that no longer run are forgotten."""
 
     def __init__(self) -> None:
-        self._terms: dict[tuple[str, int, datetime], JobTerms] = {}
+        self._terms: dict[JobKey, JobTerms] = {}
         self._lock = threading.Lock()
 
     def of(self, c: Connection, live: Mapping[int, LiveJob]) -> dict[int, JobTerms]:
-        database = str(c.engine.url)
-        wanted = {job_id: (database, job_id, job.created_at) for job_id, job in live.items()}
+        wanted = {job_id: job_key(c, job_id, job.created_at) for job_id, job in live.items()}
         with self._lock:
             missing = [job_id for job_id, key in wanted.items() if key not in self._terms]
         if missing:

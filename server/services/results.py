@@ -22,7 +22,7 @@ from crowdtrain.core import keys, merge_stages
 from crowdtrain.core.assimilationspec import UploadSpec
 from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.merge_stages import Stamps
-from crowdtrain.core.schemas import AssignmentOut, ResultMetrics, SnapshotBound
+from crowdtrain.core.schemas import MIN_HEARTBEAT_S, AssignmentOut, ResultMetrics, SnapshotBound
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import TensorFormatError
@@ -176,16 +176,13 @@ def _new_upload_key(job_id: int, assignment_id: int) -> str:
     return keys.upload_key(job_id, assignment_id, secrets.token_hex(4))
 
 
-# The shortest heartbeat interval a work reply derives from a lease (seconds): a lease shorter than three
-# of these is heartbeated at this pace all the same (the operator's own interval may be shorter).
-MIN_HEARTBEAT_S = 1.0
-
-
 def heartbeat_interval(longest: float, given: Sequence[AssignmentOut], now: datetime) -> float:
     """The interval a work reply names for the heartbeats of the assignments it gives: the scheduler's
     `longest`, or a third of the shortest lease among them when that is sooner (a job whose
     `deadline_seconds` is under three intervals), so that a live host's work never times out between
-    two heartbeats. Reckoned on the scheduler's clock: a host's clock may be minutes off."""
+    two heartbeats, never under MIN_HEARTBEAT_S unless `longest` is (a lease shorter than three of
+    those is heartbeated at that pace all the same). Reckoned on the scheduler's clock: a host's clock
+    may be minutes off."""
     shortest = min(((a.deadline - now).total_seconds() for a in given), default=math.inf)
     return min(longest, max(MIN_HEARTBEAT_S, shortest / 3))
 

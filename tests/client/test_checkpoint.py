@@ -107,7 +107,7 @@ def test_a_sigkilled_client_resumes_its_assignment_from_the_checkpoint(make_clus
     with db.begin() as s:
         (a,) = s.scalars(select(Assignment).join(Host).where(Host.name == "volunteer"))
     assert a.status == AssignmentStatus.in_progress.value
-    assert AssignmentJournal(cache / "assignments", cluster.url).pending()[0].assignment_id == a.id
+    assert AssignmentJournal(cache / "assignments", cluster.url).pending()[0].assignment.assignment_id == a.id
 
     restarted = cluster.start_client("volunteer", 1, *args)
     assert restarted.proc.wait(180) == 0, restarted.tail()

@@ -18,11 +18,11 @@ import pytest
 
 import crowdtrain.client.server_http
 import crowdtrain.client.worker
-from crowdtrain.client.assignment import MIN_HEARTBEAT_S, Phase, Running
+from crowdtrain.client.assignment import Phase, Running
 from crowdtrain.client.config import ClientConfig
 from crowdtrain.client.preemption import Notice
 from crowdtrain.client.worker import VolunteerClient
-from crowdtrain.core.schemas import AssignmentOut, HeartbeatReply
+from crowdtrain.core.schemas import MIN_HEARTBEAT_S, AssignmentOut, HeartbeatReply
 from crowdtrain.core.tensors import sha256
 
 AID = 41

@@ -1,6 +1,7 @@
 """Dynamic local work on the client: a trainer given `local_fraction` trains that share of its local
 epochs' steps (rounded up, at least one), reports the examples it trained, and resumes exactly."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +101,7 @@ def test_a_resumed_partial_run_stops_where_an_uninterrupted_one_does(tmp_path: P
         np.testing.assert_array_equal(again.params[name], whole.params[name])
 
 
-def test_a_journaled_assignment_resumes_with_its_local_fraction(tmp_path: Path) -> None:
+def test_a_journaled_assignment_resumes_with_its_local_fraction_and_its_heartbeat_interval(tmp_path: Path) -> None:
     from datetime import UTC, datetime
 
     from crowdtrain.client.journal import AssignmentJournal
@@ -121,9 +122,20 @@ def test_a_journaled_assignment_resumes_with_its_local_fraction(tmp_path: Path) 
         snapshot=ref,
     )
     journal = AssignmentJournal(tmp_path, "http://scheduler")
-    journal.record(a)
+    journal.record(a, 2.0)
     (resumed,) = journal.pending()
-    assert resumed.local_fraction == 0.4
+    assert resumed.assignment.local_fraction == 0.4
+    assert resumed.heartbeat_every == 2.0, "heartbeated at the pace its work reply named, not the default"
+
+    # An entry of an older client (no interval), or one whose interval is not a positive number: the default.
+    for every in (None, -1, "soon", float("inf"), True):
+        entry = json.loads(journal._path(7).read_text())
+        entry.pop("heartbeat_every", None)
+        if every is not None:
+            entry["heartbeat_every"] = every
+        journal._path(7).write_text(json.dumps(entry))
+        (resumed,) = journal.pending()
+        assert (resumed.assignment.assignment_id, resumed.heartbeat_every) == (7, None), every
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.01, float("nan")])

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from crowdtrain.core.jobspec import load_job_spec
-from crowdtrain.core.schemas import AssignmentOut
-from crowdtrain.server.services.results import MIN_HEARTBEAT_S, heartbeat_interval
+from crowdtrain.core.schemas import MIN_HEARTBEAT_S, AssignmentOut
+from crowdtrain.server.services.results import heartbeat_interval
 from tests.conftest import EXAMPLE_SPEC
 from tests.server.inprocess import ok, private_scheduler
 
