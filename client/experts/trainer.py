@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from crowdtrain.client.cpu_kernels import guard_cpu_training
 from crowdtrain.client.experts.mixture import ExpertClient, RemoteExperts
 from crowdtrain.core.zoo_experts import MixtureTrunk
 
@@ -69,6 +70,7 @@ class PipelinedTrainer:
     experts' steps happen on their hosts, at each backward call."""
 
     def __init__(self, model: MixtureClassifier, optimizer: torch.optim.Optimizer, in_flight: int):
+        guard_cpu_training()  # the trunk trains on the CPU
         self.model, self.optimizer, self.in_flight = model, optimizer, in_flight
         self.steps, self.examples, self.loss_sum = 0, 0, 0.0
         self._lock = threading.Lock()

@@ -5,6 +5,7 @@ import time
 import numpy as np
 import torch
 
+from crowdtrain.client.cpu_kernels import guard_cpu_training
 from crowdtrain.client.trainers import Checkpoint, TrainControl, TrainResult, examples_in, local_steps
 from crowdtrain.core.tensors import Params
 from crowdtrain.core.zoo import build_model, load_numpy_state, state_to_numpy
@@ -57,6 +58,8 @@ def train(
     `optimizer_state` (a previous result's `optimizer_state`, same model and optimizer) when given,
     else from zero (a resumed checkpoint holds its own); the result carries its state at the end."""
     start = time.monotonic()
+    if torch.device(device).type == "cpu":
+        guard_cpu_training()
     control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]
     model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])
