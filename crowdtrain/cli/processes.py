@@ -29,6 +29,12 @@ from crowdtrain.server.services.transitioner import run_forever
 
 app = typer.Typer(add_completion=False, **HELP_LAYOUT)
 
+# uvicorn's supervisor pings each worker process and kills one that has not answered within this many
+# seconds. The answer needs the worker's GIL: its default (5 s) killed a worker, and the requests it
+# held, when a long computation held the GIL or the machine was loaded, though the worker was alive.
+# A minute is long enough for that and short enough to replace a worker that is truly stuck.
+WORKER_HEALTHCHECK_S = 60
+
 
 @app.command()
 def migrate() -> None:
@@ -65,7 +71,10 @@ def server(
         host=host,
         port=port,
         workers=workers,
-        log_level="warning",
+        # info: the supervisor says so when it replaces a worker; one line per request would cost.
+        log_level="info",
+        access_log=False,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
         http=NoDelayHttpToolsProtocol,
         loop="uvloop",
         timeout_keep_alive=KEEP_ALIVE_S,
