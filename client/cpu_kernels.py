@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from crowdtrain.core.settings import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 SELF_TEST_STEPS = 6
@@ -66,8 +68,7 @@ def machine_key() -> str:
 
 
 def verdict_file(key: str | None = None) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crowdtrain"
-    return base / f"onednn-self-test-{key or machine_key()}.json"
+    return user_cache_dir() / f"onednn-self-test-{key or machine_key()}.json"
 
 
 def kept_verdict(path: Path, test: Callable[[], bool]) -> bool:
@@ -86,10 +87,9 @@ def kept_verdict(path: Path, test: Callable[[], bool]) -> bool:
     return trains
 
 
-@functools.cache
 def onednn_trains(timeout: float = SELF_TEST_TIMEOUT_S, script: str = _SELF_TEST) -> bool:
     """Whether a child process ran `script` (the self-test: training its network with oneDNN) to its
-    end within `timeout` seconds. Remembered for the process."""
+    end within `timeout` seconds."""
     try:
         done = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, timeout=timeout, check=False, text=True
@@ -103,6 +103,7 @@ def onednn_trains(timeout: float = SELF_TEST_TIMEOUT_S, script: str = _SELF_TEST
     return done.returncode == 0
 
 
+@functools.cache  # for the process: every workunit's training asks
 def _machine_verdict() -> bool:
     return kept_verdict(verdict_file(), onednn_trains)
 

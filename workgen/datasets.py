@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from crowdtrain.core.datasetspec import MAX_CLASSES
-from crowdtrain.core.settings import Settings
+from crowdtrain.core.settings import Settings, user_cache_dir
 from crowdtrain.workgen.read_errors import npz_problem
 
 
@@ -122,7 +122,7 @@ def data_cache_dir() -> Path:
     configured = Settings().data_cache
     if configured is not None:
         return configured
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crowdtrain"
+    return user_cache_dir()
 
 
 # A SeedSequence word kept apart from deal_shards' epochs, so the validation pick is its own stream.

@@ -33,8 +33,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from crowdtrain.assimilator.rules.delta import weighted
-from crowdtrain.assimilator.rules.update import Rule, Update
+from crowdtrain.assimilator.rules.update import Rule, Scaled, Update
 from crowdtrain.core.tensors import Params
 
 GROW = 1.1  # c's factor at a new lowest validation loss
@@ -82,4 +81,4 @@ class LossControlled:
 
     def apply(self, server: Params, state: Params, update: Update) -> None:
         c = self.scale(state, update.validation)
-        self.inner.apply(server, state, replace(update, delta=weighted(update.delta, c)))
+        self.inner.apply(server, state, replace(update, delta=Scaled(update.delta, c)))

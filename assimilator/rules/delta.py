@@ -14,15 +14,10 @@ import numpy as np
 from crowdtrain.assimilator.rules.combiners import combine
 from crowdtrain.assimilator.rules.outer import OuterOptimizer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
-from crowdtrain.assimilator.rules.update import Scaled, Tensors, Update
+from crowdtrain.assimilator.rules.update import Scaled, Update
 from crowdtrain.core.tensors import Params
 
 BUFFERED = "buffer.count"  # FedBuff: how many slots of the buffer hold an update (0-d int64)
-
-
-def weighted(delta: Tensors, weight: float) -> Scaled:
-    """s(τ)·Δ, in the dtype of each tensor, formed as each tensor is read (Scaled)."""
-    return Scaled(delta, weight)
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,7 @@ class Delta:
         return self.outer.initial_state(server)
 
     def apply(self, server: Params, state: Params, update: Update) -> None:
-        self.outer.step(server, state, weighted(update.delta, self.weight(update.staleness)))
+        self.outer.step(server, state, Scaled(update.delta, self.weight(update.staleness)))
 
 
 def _slot(index: int, name: str) -> str:
@@ -73,7 +68,7 @@ class FedBuff:
 
     def apply(self, server: Params, state: Params, update: Update) -> None:
         filled = int(state[BUFFERED])
-        for name, d in weighted(update.delta, self.weight(update.staleness)).items():
+        for name, d in Scaled(update.delta, self.weight(update.staleness)).items():
             state[_slot(filled, name)][...] = d
         filled += 1
         if filled < self.size:

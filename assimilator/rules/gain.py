@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from crowdtrain.assimilator.rules.delta import weighted
 from crowdtrain.assimilator.rules.outer import OuterOptimizer
-from crowdtrain.assimilator.rules.update import Update
+from crowdtrain.assimilator.rules.update import Scaled, Update
 from crowdtrain.core.tensors import Params
 
 BETA = 0.9  # the moving averages' memory: about 2 / (1 - BETA) = 20 updates
@@ -81,4 +80,4 @@ class GainDelta:
             squares += float(np.sum(np.square(d, dtype=np.float64)))
         state[SQUARES][...] = BETA * float(state[SQUARES]) + (1.0 - BETA) * squares
         state[COUNT][...] = int(state[COUNT]) + 1
-        self.outer.step(server, state, weighted(update.delta, w))
+        self.outer.step(server, state, Scaled(update.delta, w))

@@ -2,6 +2,7 @@
 
 import ipaddress
 import math
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -11,6 +12,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The variable a client or peer reads its join token from (`crowdtrain client`, spot-fleet instances).
 CLIENT_JOIN_TOKEN_ENV = "CROWDTRAIN_CLIENT_JOIN_TOKEN"
+
+
+def user_cache_dir() -> Path:
+    """The user's cache directory for crowdtrain's files kept between processes (generated datasets, the
+    client's CPU self-test verdicts): $XDG_CACHE_HOME/crowdtrain, by default ~/.cache/crowdtrain."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crowdtrain"
 
 
 class Settings(BaseSettings):
