@@ -24,6 +24,9 @@ from sqlalchemy import create_engine, text
 from crowdtrain.launch.cluster import Cluster, free_port, fresh_postgres_database, start_redis
 from crowdtrain.server.ledger.db import normalize_url, session_factory
 
+# Each test's CPU, with the processes it starts, and the tests that spend the most (tests/cpu_report.py).
+pytest_plugins = ["tests.cpu_report"]
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "mnist1d-cnn.yaml"
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
