@@ -32,10 +32,16 @@ COMMANDS = {
         needs=_SERVER,
     ),
     "assimilator": LazyCommand(
-        _PROCESSES,
+        "crowdtrain.cli.assimilator",
         "Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies.",
-        member="assimilator",
         needs=_SERVER,
+    ),
+    "assimilator-worker": LazyCommand(
+        _PROCESSES,
+        "The Celery worker of a parameter server (`crowdtrain assimilator` starts and supervises it).",
+        member="assimilator-worker",
+        needs=_SERVER,
+        hidden=True,
     ),
     "transitioner": LazyCommand(
         _PROCESSES,

@@ -31,6 +31,7 @@ class LazyCommand:
     help: str
     member: str | None = None
     needs: tuple[str, ...] = ()  # packages of an extra the command imports (crowdtrain.cli.errors.EXTRA_OF)
+    hidden: bool = False  # run by another command, not by hand: left out of the help
 
     def missing(self) -> str | None:
         """The first package the command needs that this install lacks, or None."""
@@ -65,7 +66,7 @@ class LazyGroup(TyperGroup):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         for name, lazy in self.lazy_commands.items():
-            self.commands.setdefault(name, TyperCommand(name, help=lazy.help))
+            self.commands.setdefault(name, TyperCommand(name, help=lazy.help, hidden=lazy.hidden))
         self._unloaded = set(self.lazy_commands)
         self._listing = False
 

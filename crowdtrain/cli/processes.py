@@ -1,11 +1,11 @@
-"""The server's processes: `migrate`, `server` (the scheduler), `assimilator` (a parameter server) and
-`transitioner`. Each needs the server extra (`pip install 'crowdtrain[server]'`)."""
+"""The server's processes: `migrate`, `server` (the scheduler), `assimilator-worker` (a parameter
+server's Celery worker, which `crowdtrain assimilator` supervises) and `transitioner`. Each needs the
+server extra (`pip install 'crowdtrain[server]'`)."""
 
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 from typing import Annotated
 
@@ -19,7 +19,6 @@ from crowdtrain.cli.options import HELP_LAYOUT, configure_logging
 from crowdtrain.core import keys
 from crowdtrain.core.settings import InsecureSettings, check_secrets, get_settings
 from crowdtrain.core.storage import open_storage
-from crowdtrain.launch.supervise import supervise as run_supervised
 from crowdtrain.migrations import upgrade, wait_for_schema
 from crowdtrain.server.api.transport import KEEP_ALIVE_S, NoDelayHttpToolsProtocol
 from crowdtrain.server.ledger.db import session_factory
@@ -85,18 +84,10 @@ def server(
     )
 
 
-@app.command()
-def assimilator(
-    concurrency: Annotated[int, typer.Option(min=1)] = 1,
-    supervise: Annotated[
-        bool, typer.Option("--supervise/--no-supervise", help="Restart the Celery worker if it dies")
-    ] = True,
-) -> None:
-    """Run a parameter server: a Celery worker with `concurrency` processes, restarted if it dies."""
+@app.command("assimilator-worker", hidden=True)
+def assimilator_worker(concurrency: Annotated[int, typer.Option(min=1)] = 1) -> None:
+    """The Celery worker of a parameter server (`crowdtrain assimilator` starts and supervises it)."""
     configure_logging()
-    if supervise:
-        argv = [sys.executable, "-m", "crowdtrain", "assimilator", "--concurrency", str(concurrency), "--no-supervise"]
-        raise typer.Exit(run_supervised(argv, "the parameter server's Celery worker"))
     heartbeat = health.Heartbeat(
         store.connect(get_settings().redis_url), "parameter-server", f"{socket.gethostname()}-{os.getpid()}"
     ).start()

@@ -26,9 +26,24 @@ def test_the_root_help_of_each_command_is_the_first_paragraph_of_its_own(name: s
 def test_the_root_help_lists_every_command_in_order_with_its_help() -> None:
     out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    rows = [out.output.index(f"│ {name} ") for name in COMMANDS]
+    shown = {name: lazy for name, lazy in COMMANDS.items() if not lazy.hidden}
+    rows = [out.output.index(f"│ {name} ") for name in shown]
     assert rows == sorted(rows)
-    assert all(lazy.help in out.output for lazy in COMMANDS.values())
+    assert all(lazy.help in out.output for lazy in shown.values())
+    hidden = [name for name, lazy in COMMANDS.items() if lazy.hidden]
+    assert hidden == ["assimilator-worker"] and all(f"│ {name} " not in out.output for name in hidden)
+
+
+def test_the_parameter_server_s_supervisor_imports_no_server_package() -> None:
+    """`crowdtrain assimilator` only starts and restarts its worker: the worker alone imports them."""
+    probe = (
+        "import sys\n"
+        "import crowdtrain.cli.assimilator\n"
+        f"print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_command_is_the_one_its_module_defines() -> None:
@@ -89,7 +104,7 @@ def test_shell_completion_imports_only_the_command_being_completed(words: str, i
     if imported:
         assert "--server" in offered
     else:
-        assert offered == [name for name in COMMANDS if name.startswith(incomplete)]
+        assert offered == [name for name, lazy in COMMANDS.items() if name.startswith(incomplete) and not lazy.hidden]
     assert done.stderr.strip().splitlines()[-1] == repr(imported)
 
 
