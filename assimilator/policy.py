@@ -32,12 +32,14 @@ from typing import Any
 import numpy as np
 
 from crowdtrain.assimilator.rules.update import Rule, Update, params_norm
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.tensors import Params
 
 
 @dataclass(frozen=True)
 class UpdateBound:
-    """The bound on ||W_c − W_base|| (see AssimilationSpec for the meaning and defaults)."""
+    """The bound on ||W_c − W_base|| (see crowdtrain.core.assimilationspec.PolicySpec for the meaning and
+    defaults)."""
 
     factor: float | None
     warmup: int
@@ -45,11 +47,8 @@ class UpdateBound:
 
     @classmethod
     def from_spec(cls, assimilation: dict[str, Any]) -> "UpdateBound":
-        return cls(
-            factor=assimilation.get("update_norm_factor", 10.0),
-            warmup=assimilation.get("update_norm_warmup", 5),
-            max_update_norm=assimilation.get("max_update_norm"),
-        )
+        a = assimilation_of(assimilation)
+        return cls(factor=a.update_norm_factor, warmup=a.update_norm_warmup, max_update_norm=a.max_update_norm)
 
 
 def norm_limit(bound: UpdateBound, recent_norms: Sequence[float], base_norm: float) -> tuple[float, str]:
@@ -141,21 +140,24 @@ class Policy:
     """Everything every merge obeys, from the job spec's `assimilation` section."""
 
     bound: UpdateBound
-    max_staleness: int | None = None
-    clip_norm: float | None = None
-    min_update_spread: float | None = 1e-6
-    divergence_factor: float | None = 3.0
-    divergence_patience: int = 3
+    max_staleness: int | None
+    clip_norm: float | None
+    min_update_spread: float | None
+    divergence_factor: float | None
+    divergence_patience: int
 
     @classmethod
     def from_spec(cls, assimilation: dict[str, Any]) -> "Policy":
+        """The policy of a job's `assimilation` section (as stored: a dict; missing fields take the spec's
+        defaults, crowdtrain.core.assimilationspec.PolicySpec)."""
+        a = assimilation_of(assimilation)
         return cls(
             UpdateBound.from_spec(assimilation),
-            assimilation.get("max_staleness"),
-            assimilation.get("clip_norm"),
-            assimilation.get("min_update_spread", 1e-6),
-            assimilation.get("divergence_factor", 3.0),
-            assimilation.get("divergence_patience", 3),
+            a.max_staleness,
+            a.clip_norm,
+            a.min_update_spread,
+            a.divergence_factor,
+            a.divergence_patience,
         )
 
     def divergence(self, best_loss: float, latest_losses: Sequence[float]) -> str | None:

@@ -26,7 +26,7 @@ import math
 import sys
 from pathlib import Path
 
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 from efficiency_tasks import DEFAULT_RULE, ROUND_SIZE, RULE_CONFIGS, assimilation_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ def last_accuracies(runs: list[dict]) -> dict[tuple, float]:
 
 def _validated(assimilation: dict) -> dict | None:
     try:
-        return AssimilationSpec.model_validate(assimilation).model_dump()
+        return assimilation_of(assimilation).model_dump()
     except ValueError:
         return None
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.server.ledger.db import session_factory
@@ -60,7 +60,7 @@ ROUNDS = "rounds"
 def _spec(name: str, assimilation: dict) -> dict:
     spec = load_job_spec(EXAMPLE_SPEC)
     spec.name = f"mnist1d-{name}"
-    spec.assimilation = AssimilationSpec(**assimilation)
+    spec.assimilation = assimilation_of(assimilation)
     spec.stop = spec.stop.model_copy(update={"target_accuracy": TARGET})
     if name == LATE_BINDING:
         spec.scheduling.snapshot_binding = "start"

@@ -1,6 +1,7 @@
 """Merge rules: pure functions and small classes over dicts of named numpy arrays. No I/O.
 
-A rule is picked by `assimilation.rule` (`make_rule`). It sees one result at a time as an `Update`
+A rule is picked by `assimilation.rule`, whose model of options (crowdtrain.core.assimilationspec) its
+builder reads (`BUILDERS`, `make_rule`). It sees one result at a time as an `Update`
 and changes W_s, and its own state (named arrays kept beside W_s in Redis and written in the same
 exactly-once transaction: crowdtrain.server.paramstore.store), in place. Policy that applies to every rule
 (staleness bound, update-norm bound, clipping, refusals) lives in crowdtrain.assimilator.policy and wraps the
@@ -13,50 +14,80 @@ rule; a rule never refuses.
   `step_control: loss` (control.py) scales the step by a factor that follows the validation loss.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 from crowdtrain.assimilator.rules.control import LossControlled
 from crowdtrain.assimilator.rules.delta import Delta, FedBuff
 from crowdtrain.assimilator.rules.gain import GainDelta
-from crowdtrain.assimilator.rules.outer import make_outer
+from crowdtrain.assimilator.rules.outer import OuterOptimizer, make_outer
 from crowdtrain.assimilator.rules.staleness import StalenessWeight
 from crowdtrain.assimilator.rules.update import Rule, Update, make_update
 from crowdtrain.assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_vc_asgd, update_norm
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import (
+    DeltaSpec,
+    FedBuffSpec,
+    PolicySpec,
+    SteppingSpec,
+    VcAsgdSpec,
+    assimilation_of,
+)
+
+
+def _vc_asgd(spec: VcAsgdSpec) -> Rule:
+    return VcAsgd(spec.schedule, spec.alpha)
+
+
+def _delta(spec: DeltaSpec) -> Rule:
+    outer = _outer(spec)
+    if spec.staleness_weight == "gain":
+        return _controlled(spec, GainDelta(outer))
+    return _controlled(spec, Delta(_weight(spec), outer))
+
+
+def _fedbuff(spec: FedBuffSpec) -> Rule:
+    rule = FedBuff(_weight(spec), _outer(spec), spec.buffer_size, spec.combiner, spec.trim_fraction)
+    return _controlled(spec, rule)
+
+
+def _outer(spec: SteppingSpec) -> OuterOptimizer:
+    return make_outer(
+        spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay, spec.adam_betas, spec.adam_eps
+    )
+
+
+def _weight(spec: SteppingSpec) -> StalenessWeight:
+    return StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
+
+
+def _controlled(spec: SteppingSpec, rule: Rule) -> Rule:
+    return LossControlled(rule, spec.step_floor) if spec.step_control == "loss" else rule
+
+
+# What builds each rule from the model of its options (one per rule of
+# crowdtrain.core.assimilationspec.RULE_SPECS).
+BUILDERS: dict[type[PolicySpec], Callable[[Any], Rule]] = {
+    VcAsgdSpec: _vc_asgd,
+    DeltaSpec: _delta,
+    FedBuffSpec: _fedbuff,
+}
 
 
 def make_rule(assimilation: dict[str, Any]) -> Rule:
     """The merge rule a job's `assimilation` section (as stored: a dict) selects.
 
-    The dict is read through AssimilationSpec, so missing fields take the spec's defaults and a bad
-    value raises a pydantic ValidationError (a ValueError) that names the field.
+    The dict is read through its rule's model (crowdtrain.core.assimilationspec.assimilation_of), so
+    missing fields take their defaults and a bad value, or another rule's option, raises a pydantic
+    ValidationError (a ValueError) that names the field.
     """
-    spec = AssimilationSpec.model_validate(assimilation)
-    if spec.rule == "vc-asgd":
-        return VcAsgd(spec.schedule, spec.alpha)
-    outer = make_outer(
-        spec.outer_optimizer, spec.server_lr, spec.outer_momentum, spec.nesterov_delay, spec.adam_betas, spec.adam_eps
-    )
-    rule: Rule
-    if spec.staleness_weight == "gain":  # the spec allows it with rule delta only
-        return _controlled(spec, GainDelta(outer))
-    weight = StalenessWeight(spec.staleness_weight, spec.staleness_a, spec.staleness_b)
-    if spec.rule == "delta":
-        rule = Delta(weight, outer)
-    elif spec.rule == "fedbuff":
-        rule = FedBuff(weight, outer, spec.buffer_size, spec.combiner, spec.trim_fraction)
-    else:
-        raise ValueError(f"unknown merge rule {spec.rule!r}")
-    return _controlled(spec, rule)
-
-
-def _controlled(spec: AssimilationSpec, rule: Rule) -> Rule:
-    return LossControlled(rule, spec.step_floor) if spec.step_control == "loss" else rule
+    spec = assimilation_of(assimilation)
+    return BUILDERS[type(spec)](spec)
 
 
 def reads_validation(assimilation: dict[str, Any]) -> bool:
     """Whether the rule of `assimilation` reads the job's latest evaluation (`Update.validation`)."""
-    return AssimilationSpec.model_validate(assimilation).step_control != "none"
+    spec = assimilation_of(assimilation)
+    return isinstance(spec, SteppingSpec) and spec.step_control != "none"
 
 
 __all__ = [
@@ -69,6 +100,7 @@ __all__ = [
     "Update",
     "VcAsgd",
     "alpha_for_epoch",
+    "BUILDERS",
     "make_rule",
     "make_outer",
     "make_update",

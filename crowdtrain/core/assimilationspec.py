@@ -1,12 +1,17 @@
 """The job spec's `assimilation` section: which merge rule a job's parameter servers run
-(crowdtrain.assimilator.rules), with its options, the policy every rule is wrapped in
+(crowdtrain.assimilator.rules) with the options that rule owns, the policy every rule is wrapped in
 (crowdtrain.assimilator.policy) and what clients upload; the default configuration, and the one line
-that says which options a job's rule reads (`effective_rule`)."""
+that says which options a job's rule reads (`effective_rule`).
+
+The section is one model per rule (VcAsgdSpec, DeltaSpec, FedBuffSpec), chosen by its `rule`: a
+discriminated union (`AssimilationSpec`), so a rule's section holds its own options and the policy's,
+and an option of another rule is refused with a message that names its rule. `assimilation_of` reads
+a stored section (a dict) into its model."""
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from crowdtrain.core.specfile import SpecSection
 
@@ -33,10 +38,6 @@ class UploadSpec(SpecSection):
         return self
 
 
-MERGE_RULES = ("vc-asgd", "delta", "fedbuff")
-OUTER_OPTIMIZERS = ("none", "nesterov", "delayed-nesterov", "adam")
-
-
 # The assimilation a job gets when its spec names no rule: the configuration that scored best over the
 # benchmark suite among those that do not need the slot count (benchmarks/choosing_table.py; the
 # ranking is in docs/operator/choosing-a-mode.md). A spec that names a rule gets that rule with the
@@ -50,60 +51,12 @@ DEFAULT_ASSIMILATION: dict[str, Any] = {
 }
 
 
-class AssimilationSpec(SpecSection):
-    rule: Literal["vc-asgd", "delta", "fedbuff"] = Field(
-        DEFAULT_ASSIMILATION["rule"],
-        description="vc-asgd: W_s <- a*W_s + (1-a)*W_c; delta: W_s <- W_s + server_lr * s(tau) * Δ; "
-        "fedbuff: buffer buffer_size updates, combine, apply once. A section without a rule gets the "
-        "default configuration: delta, server_lr 1, staleness_weight polynomial (staleness_a 0.5), "
-        "step_control loss (crowdtrain.core.assimilationspec.DEFAULT_ASSIMILATION), its other fields as given",
-    )
-    server_lr: float = Field(
-        1.0,
-        gt=0,
-        le=100,
-        description="delta/fedbuff: the server step η on the (combined) update, or the outer optimizer's learning rate",
-    )
-    staleness_weight: Literal["constant", "polynomial", "hinge", "gain"] = Field(
-        "constant",
-        description="delta/fedbuff: s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, "
-        "else 1/(staleness_a*(tau-staleness_b)+1) (FedAsync); delta only: gain, r(1+tau)/(1+tau) with "
-        "AdaScale's gain r estimated from the updates' noise (crowdtrain.assimilator.rules.gain)",
-    )
-    step_control: Literal["none", "loss"] = Field(
-        "none",
-        description="delta/fedbuff: none, or loss: the step scaled by c, which starts at step_floor, grows "
-        "x1.1 at each evaluation whose validation loss is below the previous one (to 1) and halves at one more "
-        "than 5% above it (to step_floor): a step that follows what the task tolerates "
-        "(crowdtrain.assimilator.rules.control)",
-    )
-    step_floor: float = Field(0.0625, gt=0, le=1, description="step_control loss: the smallest (and first) c")
-    staleness_a: float = Field(0.5, ge=0, le=100)
-    staleness_b: int = Field(4, ge=0, le=1_000_000)
-    buffer_size: int = Field(4, ge=1, le=1024, description="fedbuff: updates combined per step of W_s")
-    combiner: Literal["mean", "median", "trimmed-mean"] = Field(
-        "mean", description="fedbuff: how buffered updates combine (median and trimmed-mean resist outliers)"
-    )
-    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="fedbuff trimmed-mean: fraction cut at each end")
-    outer_optimizer: Literal["none", "nesterov", "delayed-nesterov", "adam"] = Field(
-        "none",
-        description="delta/fedbuff: an optimizer over the combined update taken as a pseudo-gradient: "
-        "SGD with Nesterov momentum (DiLoCo), delayed Nesterov (Async Local-SGD), or Adam "
-        "with staleness-gated input",
-    )
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov_delay: int = Field(4, ge=1, le=1024, description="delayed-nesterov: updates between momentum steps")
-    adam_betas: tuple[float, float] = Field((0.9, 0.99))
-    adam_eps: float = Field(1e-8, gt=0)
+class PolicySpec(SpecSection):
+    """What every rule's section holds: the policy the rule is wrapped in and what clients upload."""
+
+    rule: str  # each rule's model narrows it to its own name, the union's discriminator
     clip_norm: float | None = Field(None, gt=0, description="Scale any update whose norm is above this down to it")
     upload: UploadSpec = Field(default_factory=UploadSpec)
-    schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
-    alpha: float = Field(
-        0.6,
-        ge=0,
-        lt=1,
-        description="vc-asgd: W_s keeps this share of itself at each merge",
-    )
     max_staleness: int | None = Field(None, ge=0, description="Reject results whose base is this many versions old")
     max_update_norm: float | None = Field(
         None,
@@ -143,78 +96,170 @@ class AssimilationSpec(SpecSection):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_configuration(cls, data: Any) -> Any:
-        """A section that names no rule starts from DEFAULT_ASSIMILATION; what it sets wins."""
-        if not isinstance(data, dict) or "rule" in data:
-            return data
-        for rule, fields in _OWN_FIELDS.items():
-            named = sorted(set(fields) & set(data))
-            if named and rule != DEFAULT_ASSIMILATION["rule"]:
-                raise ValueError(
-                    f"assimilation.{named[0]} is a {rule} setting, and a section without a rule gets the default "
-                    f"({DEFAULT_ASSIMILATION['rule']}): add `rule: {rule}`"
-                )
-        return DEFAULT_ASSIMILATION | data
+    def _options_of_other_rules(cls, data: Any) -> Any:
+        """An option that another rule owns is refused saying whose it is (pydantic would say only
+        "extra inputs are not permitted")."""
+        if isinstance(data, dict):
+            rule = data.get("rule")
+            for name in data:
+                owners = _owners(name)
+                if name not in cls.model_fields and owners:
+                    raise ValueError(
+                        f"assimilation.{name} is an option of rule {' and '.join(owners)}, not of rule {rule}"
+                    )
+        return data
+
+
+class VcAsgdSpec(PolicySpec):
+    """vc-asgd: W_s <- alpha*W_s + (1-alpha)*W_c at each merge (crowdtrain.assimilator.rules.vc_asgd)."""
+
+    rule: Literal["vc-asgd"]
+    schedule: Literal["constant", "epoch"] = Field("constant", description="constant alpha, or alpha_e = e/(e+1)")
+    alpha: float = Field(0.6, ge=0, lt=1, description="W_s keeps this share of itself at each merge")
+
+
+class SteppingSpec(PolicySpec):
+    """The options of the rules that take a step along the update Δ = W_c − W_base (delta, fedbuff)."""
+
+    server_lr: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="The server step η on the (combined) update, or the outer optimizer's learning rate",
+    )
+    staleness_weight: Literal["constant", "polynomial", "hinge", "gain"] = Field(
+        "constant",
+        description="s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, else "
+        "1/(staleness_a*(tau-staleness_b)+1) (FedAsync); rule delta only: gain, r(1+tau)/(1+tau) with "
+        "AdaScale's gain r estimated from the updates' noise (crowdtrain.assimilator.rules.gain)",
+    )
+    staleness_a: float = Field(0.5, ge=0, le=100)
+    staleness_b: int = Field(4, ge=0, le=1_000_000)
+    step_control: Literal["none", "loss"] = Field(
+        "none",
+        description="none, or loss: the step scaled by c, which starts at step_floor, grows x1.1 at each "
+        "evaluation whose validation loss is below the previous one (to 1) and halves at one more than 5% "
+        "above it (to step_floor): a step that follows what the task tolerates "
+        "(crowdtrain.assimilator.rules.control)",
+    )
+    step_floor: float = Field(0.0625, gt=0, le=1, description="step_control loss: the smallest (and first) c")
+    outer_optimizer: Literal["none", "nesterov", "delayed-nesterov", "adam"] = Field(
+        "none",
+        description="An optimizer over the combined update taken as a pseudo-gradient: SGD with Nesterov "
+        "momentum (DiLoCo), delayed Nesterov (Async Local-SGD), or Adam with staleness-gated input",
+    )
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov_delay: int = Field(4, ge=1, le=1024, description="delayed-nesterov: updates between momentum steps")
+    adam_betas: tuple[float, float] = Field((0.9, 0.99))
+    adam_eps: float = Field(1e-8, gt=0)
 
     @model_validator(mode="after")
-    def _options_of_the_rule(self) -> "AssimilationSpec":
-        if self.rule == "vc-asgd" and self.outer_optimizer != "none":
-            raise ValueError(
-                f"assimilation.outer_optimizer {self.outer_optimizer!r} needs rule delta or fedbuff "
-                "(vc-asgd mixes weights; it has no update to optimize)"
-            )
+    def _betas(self) -> "SteppingSpec":
         if any(not 0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"assimilation.adam_betas must lie in [0, 1), got {list(self.adam_betas)}")
-        if self.step_control != "none" and self.rule == "vc-asgd":
-            raise ValueError("assimilation.step_control needs rule delta or fedbuff (vc-asgd takes no step)")
-        if self.staleness_weight == "gain" and self.rule != "delta":
-            raise ValueError(f"assimilation.staleness_weight gain needs rule delta, not {self.rule}")
         return self
 
 
-STEPPING = "delta/fedbuff"  # an option of the rules that take a step (every rule but vc-asgd)
+class DeltaSpec(SteppingSpec):
+    """delta: W_s <- W_s + server_lr * s(tau) * Δ at each merge (crowdtrain.assimilator.rules.delta)."""
 
-# The options a merge rule reads, in the order they are shown: (name, whose option it is (a rule,
-# STEPPING, or None: any rule's), and when that rule reads it (None: always)).
-_OPTIONS: tuple[tuple[str, str | None, Callable[[AssimilationSpec], bool] | None], ...] = (
-    ("schedule", "vc-asgd", None),
-    ("alpha", "vc-asgd", lambda a: a.schedule == "constant"),
-    ("server_lr", STEPPING, None),
-    ("staleness_weight", STEPPING, None),
-    ("staleness_a", STEPPING, lambda a: a.staleness_weight in ("polynomial", "hinge")),
-    ("staleness_b", STEPPING, lambda a: a.staleness_weight == "hinge"),
-    ("buffer_size", "fedbuff", None),
-    ("combiner", "fedbuff", None),
-    ("trim_fraction", "fedbuff", lambda a: a.combiner == "trimmed-mean"),
-    ("outer_optimizer", STEPPING, lambda a: a.outer_optimizer != "none"),
-    ("outer_momentum", STEPPING, lambda a: a.outer_optimizer in ("nesterov", "delayed-nesterov")),
-    ("nesterov_delay", STEPPING, lambda a: a.outer_optimizer == "delayed-nesterov"),
-    ("adam_betas", STEPPING, lambda a: a.outer_optimizer == "adam"),
-    ("step_control", STEPPING, None),
-    ("step_floor", STEPPING, lambda a: a.step_control != "none"),
-    ("clip_norm", None, lambda a: a.clip_norm is not None),
-    ("max_staleness", None, lambda a: a.max_staleness is not None),
+    rule: Literal["delta"]
+
+
+class FedBuffSpec(SteppingSpec):
+    """fedbuff: buffer_size updates buffered, combined and applied in one step (crowdtrain.assimilator.rules.delta)."""
+
+    rule: Literal["fedbuff"]
+    staleness_weight: Literal["constant", "polynomial", "hinge"] = Field(
+        "constant",
+        description="s(tau) = 1; (1+tau)^-staleness_a; or 1 for tau <= staleness_b, else "
+        "1/(staleness_a*(tau-staleness_b)+1) (FedAsync)",
+    )
+    buffer_size: int = Field(4, ge=1, le=1024, description="Updates combined per step of W_s")
+    combiner: Literal["mean", "median", "trimmed-mean"] = Field(
+        "mean", description="How buffered updates combine (median and trimmed-mean resist outliers)"
+    )
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed-mean: the fraction cut at each end")
+
+
+# The rules, by name, each with the model of its options.
+RULE_SPECS: dict[str, type[PolicySpec]] = {"vc-asgd": VcAsgdSpec, "delta": DeltaSpec, "fedbuff": FedBuffSpec}
+
+
+def _owners(option: str) -> list[str]:
+    """The rules whose sections hold `option`."""
+    return [rule for rule, model in RULE_SPECS.items() if option in model.model_fields]
+
+
+def _default_configuration(data: Any) -> Any:
+    """A section that names no rule starts from DEFAULT_ASSIMILATION; what it sets wins."""
+    if isinstance(data, dict) and isinstance(data.get("rule"), str) and data["rule"] not in RULE_SPECS:
+        raise ValueError(f"assimilation.rule {data['rule']!r} is not a merge rule: one of {', '.join(RULE_SPECS)}")
+    if not isinstance(data, dict) or "rule" in data:
+        return data
+    default = DEFAULT_ASSIMILATION["rule"]
+    for name in data:
+        owners = _owners(name)
+        if owners and default not in owners:
+            raise ValueError(
+                f"assimilation.{name} is a {' and '.join(owners)} setting, and a section without a rule gets the "
+                f"default ({default}): add `rule: {owners[0]}`"
+            )
+    return DEFAULT_ASSIMILATION | data
+
+
+AnyAssimilation = VcAsgdSpec | DeltaSpec | FedBuffSpec
+AssimilationSpec = Annotated[AnyAssimilation, Field(discriminator="rule"), BeforeValidator(_default_configuration)]
+_ADAPTER: TypeAdapter[AnyAssimilation] = TypeAdapter(AssimilationSpec, config=ConfigDict(title="assimilation"))
+
+
+def assimilation_of(section: dict[str, Any] | None = None) -> AnyAssimilation:
+    """The model of an `assimilation` section (a stored job's, or one written by hand): missing fields
+    take their defaults, no rule the default configuration; a bad value raises pydantic's
+    ValidationError (a ValueError) naming the field."""
+    return _ADAPTER.validate_python({} if section is None else section)
+
+
+def default_assimilation() -> AnyAssimilation:
+    """The section a spec without one gets."""
+    return assimilation_of()
+
+
+# The options effective_rule shows, in order, each with when its rule reads it (None: always) among
+# the options its rule's model holds (the policy's are shown only when set).
+_SHOWN: tuple[tuple[str, Callable[[Any], bool] | None], ...] = (
+    ("schedule", None),
+    ("alpha", lambda a: a.schedule == "constant"),
+    ("server_lr", None),
+    ("staleness_weight", None),
+    ("staleness_a", lambda a: a.staleness_weight in ("polynomial", "hinge")),
+    ("staleness_b", lambda a: a.staleness_weight == "hinge"),
+    ("buffer_size", None),
+    ("combiner", None),
+    ("trim_fraction", lambda a: a.combiner == "trimmed-mean"),
+    ("outer_optimizer", lambda a: a.outer_optimizer != "none"),
+    ("outer_momentum", lambda a: a.outer_optimizer in ("nesterov", "delayed-nesterov")),
+    ("nesterov_delay", lambda a: a.outer_optimizer == "delayed-nesterov"),
+    ("adam_betas", lambda a: a.outer_optimizer == "adam"),
+    ("step_control", None),
+    ("step_floor", lambda a: a.step_control != "none"),
+    ("clip_norm", lambda a: a.clip_norm is not None),
+    ("max_staleness", lambda a: a.max_staleness is not None),
 )
 
-# Fields that only one rule reads: given without a rule, they would silently do nothing.
-_OWN_FIELDS: dict[str, tuple[str, ...]] = {
-    rule: tuple(name for name, owner, _ in _OPTIONS if owner == rule) for rule in MERGE_RULES
-}
 
-
-def _reads(a: AssimilationSpec, owner: str | None, when: Callable[[AssimilationSpec], bool] | None) -> bool:
-    mine = owner is None or owner == a.rule or (owner == STEPPING and a.rule != "vc-asgd")
-    return mine and (when is None or when(a))
-
-
-def effective_rule(a: AssimilationSpec) -> str:
+def effective_rule(a: PolicySpec) -> str:
     """The merge rule a job runs with and the options it reads, defaults included, in one line (the
     scheduler logs it when the job is created): what a spec left out is shown, not guessed."""
-    shown = ", ".join(f"{name} {getattr(a, name)}" for name, owner, when in _OPTIONS if _reads(a, owner, when))
+    fields = type(a).model_fields
+    shown = ", ".join(
+        f"{name} {getattr(a, name)}" for name, when in _SHOWN if name in fields and (when is None or when(a))
+    )
     return f"{a.rule} ({shown})"
 
 
 def buffer_size_of(spec: dict[str, Any]) -> int:
-    """fedbuff's buffer (the results combined per step, a round's K) of a stored job spec; the model's
-    default where a spec stored before the field existed leaves it out."""
-    return int(spec.get("assimilation", {}).get("buffer_size", AssimilationSpec.model_fields["buffer_size"].default))
+    """fedbuff's buffer (the results combined per step, a round's K) of a stored job spec; 1 for the
+    rules that merge each result on its own."""
+    a = assimilation_of(spec.get("assimilation"))
+    return a.buffer_size if isinstance(a, FedBuffSpec) else 1

@@ -9,7 +9,7 @@ from typing import Any, Final, Literal
 
 from pydantic import Field, model_validator
 
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import AssimilationSpec, FedBuffSpec, default_assimilation
 from crowdtrain.core.datasetspec import DatasetSpec, resolve_relative_source
 from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.core.experts import ExpertLayout
@@ -132,7 +132,13 @@ class JobSpec(SpecSection):
     model: ModelSpec
     dataset: DatasetSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
-    assimilation: AssimilationSpec = Field(default_factory=AssimilationSpec)
+    assimilation: AssimilationSpec = Field(
+        default_factory=default_assimilation,
+        description="The merge rule and its options, one section per rule chosen by its `rule`. A section without "
+        "a rule gets the default configuration: rule delta, server_lr 1, staleness_weight polynomial "
+        "(staleness_a 0.5), step_control loss (crowdtrain.core.assimilationspec.DEFAULT_ASSIMILATION), its "
+        "other fields as given",
+    )
     stop: StopSpec
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     validation: ValidationSpec = Field(default_factory=ValidationSpec)
@@ -158,7 +164,7 @@ class JobSpec(SpecSection):
                 raise ValueError("mode 'dedloc' peers train with PyTorch: use framework 'pytorch'")
         elif self.dedloc is not None:
             raise ValueError(f"a 'dedloc' section is only allowed with mode 'dedloc', not {self.mode!r}")
-        if self.scheduling.rounds and self.assimilation.rule != "fedbuff":
+        if self.scheduling.rounds and not isinstance(self.assimilation, FedBuffSpec):
             raise ValueError(
                 "scheduling.rounds needs assimilation.rule 'fedbuff' (a round is its buffer: buffer_size results "
                 f"combined in one outer step), not {self.assimilation.rule!r}"

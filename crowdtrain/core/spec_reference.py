@@ -51,8 +51,8 @@ def type_of(schema: dict[str, Any], titles: dict[str, str]) -> str:
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[-1]
         return f"[{titles[name]}](#{anchor(titles[name])})"
-    if "anyOf" in schema:
-        return " or ".join(type_of(option, titles) for option in schema["anyOf"])
+    if "anyOf" in schema or "oneOf" in schema:  # oneOf: a union of sections told apart by one key
+        return " or ".join(type_of(option, titles) for option in schema.get("anyOf") or schema["oneOf"])
     if "enum" in schema:
         return " \\| ".join(f"`{json.dumps(value)}`" for value in schema["enum"])
     if "const" in schema:
@@ -77,6 +77,8 @@ def default_of(name: str, schema: dict[str, Any], required: list[str], titles: d
         return f"`{json.dumps(schema['default'], ensure_ascii=False)}`"
     if "$ref" in schema:  # a section made by its own defaults
         return "its section's defaults"
+    if "oneOf" in schema:
+        return "the first section's defaults (the default configuration)"
     return "`{}`" if schema.get("type") == "object" else "empty"
 
 
@@ -103,14 +105,35 @@ def section_titles(
     node: dict[str, Any], defs: dict[str, Any], path: str = "", titles: dict[str, str] | None = None
 ) -> dict[str, str]:
     """Each nested model's section title, by its name in the schema's `$defs`: where it sits in a spec
-    (`assimilation.upload`), in the order a reader meets them (a section's own sections follow it)."""
+    (`assimilation.upload`), in the order a reader meets them (a section's own sections follow it).
+
+    A union of sections told apart by one key (`assimilation`, by `rule`) gets a section of the keys
+    they all share, then one per value of the key with the rest (`defs` is changed so)."""
     titles = {} if titles is None else titles
     for name, field in node.get("properties", {}).items():
-        for ref in (r["$ref"].rsplit("/", 1)[-1] for r in [field, *field.get("anyOf", [])] if "$ref" in r):
-            if ref not in titles:
-                titles[ref] = f"{path}{name}"
-                section_titles(defs[ref], defs, f"{path}{name}.", titles)
+        key = field.get("discriminator", {}).get("propertyName")
+        options = [field, *field.get("anyOf", []), *field.get("oneOf", [])]
+        refs = [r["$ref"].rsplit("/", 1)[-1] for r in options if "$ref" in r]
+        refs = [r for r in refs if r not in titles]
+        if key and len(refs) > 1:
+            shared = f"{path}{name} (every {key})"
+            defs[shared] = _split_shared(defs, refs, key, shared)
+            titles[shared] = shared
+            section_titles(defs[shared], defs, f"{path}{name}.", titles)
+        for ref in refs:
+            titles[ref] = f"{path}{name} ({key} {defs[ref]['properties'][key]['const']})" if key else f"{path}{name}"
+            section_titles(defs[ref], defs, f"{path}{name}.", titles)
     return titles
+
+
+def _split_shared(defs: dict[str, Any], refs: list[str], key: str, title: str) -> dict[str, Any]:
+    """The schema of the fields every one of `refs` has alike (but `key`), taken out of each of them."""
+    first = defs[refs[0]]["properties"]
+    shared = {n: f for n, f in first.items() if n != key and all(defs[r]["properties"].get(n) == f for r in refs)}
+    for ref in refs:
+        defs[ref]["properties"] = {n: f for n, f in defs[ref]["properties"].items() if n not in shared}
+        defs[ref]["description"] = f"{defs[ref].get('description', '')} With the keys of [{title}](#{anchor(title)})."
+    return {"description": f"The keys every section has, whatever its {key}.", "properties": shared}
 
 
 def render(spec: type[BaseModel] = JobSpec) -> str:

@@ -67,7 +67,7 @@ class BudgetTerms:
     def of(cls, spec: dict[str, Any]) -> "BudgetTerms":
         return cls(
             max_in_flight=scheduling_of(spec).max_in_flight,
-            rule_floor=buffer_size_of(spec) if spec.get("assimilation", {}).get("rule") == "fedbuff" else 1,
+            rule_floor=buffer_size_of(spec),
             round_size=rounds.round_size(spec),
         )
 

@@ -8,7 +8,7 @@ import pytest
 from crowdtrain.assimilator.rules import GainDelta, Update, make_rule
 from crowdtrain.assimilator.rules.gain import WARMUP, gain
 from crowdtrain.assimilator.rules.outer import make_outer
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 
 SIZE = 4096
 
@@ -52,5 +52,5 @@ def test_updates_that_are_mostly_noise_each_take_their_step() -> None:
 
 def test_the_gain_weight_belongs_to_the_delta_rule() -> None:
     assert isinstance(make_rule({"rule": "delta", "staleness_weight": "gain"}), GainDelta)
-    with pytest.raises(ValueError, match="gain needs rule delta"):
-        AssimilationSpec(rule="fedbuff", staleness_weight="gain")
+    with pytest.raises(ValueError, match="staleness_weight\n  Input should be 'constant', 'polynomial' or 'hinge'"):
+        assimilation_of(dict(rule="fedbuff", staleness_weight="gain"))

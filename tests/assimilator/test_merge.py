@@ -14,7 +14,7 @@ from crowdtrain.assimilator.inputs import read_result, replay_of
 from crowdtrain.assimilator.merge import MergeResult, MergeServices, Outcome, assimilate
 from crowdtrain.assimilator.rules.control import GROW
 from crowdtrain.core import keys, merge_stages
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.credit import COBBLESTONE_FLOPS
 from crowdtrain.core.digests import weights_digest
 from crowdtrain.core.jobspec import load_job_spec
@@ -120,7 +120,10 @@ class Job:
 
 def _job(svc: MergeServices, assignments: int = 1, **assimilation) -> Job:
     spec = load_job_spec(EXAMPLE_SPEC)
-    spec.assimilation = AssimilationSpec.model_validate({"rule": "vc-asgd", "alpha": ALPHA, **assimilation})
+    vc_asgd = {"rule": "vc-asgd", "alpha": ALPHA}  # unless another rule is named
+    spec.assimilation = assimilation_of(
+        (vc_asgd if assimilation.get("rule", "vc-asgd") == "vc-asgd" else {}) | assimilation
+    )
     settings = Settings()
     job_id = submit_job(svc.db, svc.storage, svc.r, spec, settings.upload_max_bytes).job_id
     token = "join-token-for-this-test"

@@ -17,9 +17,9 @@ from crowdtrain.assimilator.policy import (
     staleness_refusal,
 )
 from crowdtrain.assimilator.rules import Update, make_rule
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 
-DEFAULT = UpdateBound.from_spec(AssimilationSpec().model_dump())
+DEFAULT = UpdateBound.from_spec(assimilation_of().model_dump())
 
 
 def test_the_default_bound_is_on_and_relative() -> None:
@@ -89,7 +89,7 @@ def test_clipping_leaves_a_short_update_alone() -> None:
 
 
 def test_the_policy_wraps_any_rule_refusing_before_the_rule_sees_the_update() -> None:
-    policy = Policy.from_spec(AssimilationSpec(rule="delta", max_staleness=1, clip_norm=1.0).model_dump())
+    policy = Policy.from_spec(assimilation_of(dict(rule="delta", max_staleness=1, clip_norm=1.0)).model_dump())
     rule = make_rule({"rule": "delta"})
     server = {"w": np.zeros(2, np.float32), "n": np.array(0)}
     refusal = apply_with_policy(
@@ -106,7 +106,7 @@ def test_the_policy_wraps_any_rule_refusing_before_the_rule_sees_the_update() ->
 def test_merged_alone_is_the_point_the_rules_merge_would_make_and_leaves_w_s_as_it_was() -> None:
     """A VC-ASGD result is measured at alpha·W_s + (1 − alpha)·W_c, not at W_s + Δ: for a stale result
     the two differ by everything W_s has moved since its base."""
-    spec = AssimilationSpec(rule="vc-asgd", alpha=0.6).model_dump()
+    spec = assimilation_of(dict(rule="vc-asgd", alpha=0.6)).model_dump()
     server = {"w": np.array([1.0, 1.0], np.float32)}
     base = {"w": np.array([0.0, 0.0], np.float32)}  # W_s moved by (1, 1) since this result's base
     client = {"w": np.array([0.5, 0.0], np.float32)}
@@ -117,7 +117,7 @@ def test_merged_alone_is_the_point_the_rules_merge_would_make_and_leaves_w_s_as_
 
 
 def test_merged_alone_is_what_the_policy_wrapped_rule_merges_and_keeps_a_stateful_rules_state() -> None:
-    spec = AssimilationSpec(rule="delta", outer_optimizer="nesterov", clip_norm=1.0).model_dump()
+    spec = assimilation_of(dict(rule="delta", outer_optimizer="nesterov", clip_norm=1.0)).model_dump()
     policy, rule = Policy.from_spec(spec), make_rule(spec)
     server = {"w": np.zeros(2, np.float32)}
     state = rule.initial_state(server)

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.client.trainers.pytorch import train
 from crowdtrain.core import keys, merge_stages
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.schemas import AssignmentOut, HostRegister, ResultMetrics
 from crowdtrain.core.settings import Settings
@@ -95,7 +95,7 @@ def _project(services: MergeServices, **validation) -> Project:
     spec.scheduling.duplicate_after_seconds = None
     # The paper's rule: a replica's held-out loss is W_s's after the rule merged it alone, and α 0.6
     # moves W_s far enough for a sign-flipped update to show there (the default's first steps are 1/16).
-    spec.assimilation = AssimilationSpec(rule="vc-asgd", alpha=0.6)
+    spec.assimilation = assimilation_of(dict(rule="vc-asgd", alpha=0.6))
     job_id = submit_job(services.db, services.storage, services.r, spec, Settings().upload_max_bytes).job_id
     return Project(services, job_id, spec.assimilation.upload.model_dump())
 

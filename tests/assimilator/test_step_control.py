@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from crowdtrain.assimilator.rules import Delta, FedBuff, LossControlled, Update, make_rule, reads_validation
 from crowdtrain.assimilator.rules.control import GROW, SHRINK
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import assimilation_of
 
 CONTROLLED = {"rule": "delta", "server_lr": 1.0, "step_control": "loss", "step_floor": 0.125}
 
@@ -70,8 +70,10 @@ def test_a_buffered_rule_takes_the_controlled_step_on_its_combined_updates() -> 
 
 
 def test_the_spec_refuses_step_control_where_no_step_is_taken_and_says_which_rules_read_the_loss() -> None:
-    with pytest.raises(ValidationError, match="step_control needs rule delta or fedbuff"):
-        AssimilationSpec.model_validate({"rule": "vc-asgd", "step_control": "loss"})
+    with pytest.raises(
+        ValidationError, match="step_control is an option of rule delta and fedbuff, not of rule vc-asgd"
+    ):
+        assimilation_of({"rule": "vc-asgd", "step_control": "loss"})
     with pytest.raises(ValidationError, match="step_floor"):
-        AssimilationSpec.model_validate(CONTROLLED | {"step_floor": 0})
+        assimilation_of(CONTROLLED | {"step_floor": 0})
     assert reads_validation(CONTROLLED) and not reads_validation({"rule": "delta"})

@@ -88,3 +88,52 @@ def test_the_claim_tables_are_vacuumed_after_a_hundredth_of_their_rows_change(da
     command.downgrade(alembic_config(database_url), "0008")
     assert options() == {"workunits": set(), "assignments": set()}
     engine.dispose()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+def test_0015_keeps_each_stored_jobs_own_rule_options_and_the_spec_reads_as_it_did(database_url: str) -> None:
+    """Jobs stored before 0015 hold every rule's options side by side (the flat section dumped them all):
+    after it, each job's section holds its own rule's options, with their values, and validates."""
+    from crowdtrain.core.assimilationspec import RULE_SPECS, assimilation_of
+    from crowdtrain.core.jobspec import JobSpec, load_job_spec
+    from crowdtrain.server.ledger.db import session_factory
+    from crowdtrain.server.ledger.models import Job
+    from tests.conftest import EXAMPLE_SPEC
+
+    # The old section: every rule's fields with their defaults, as the flat model dumped them.
+    flat: dict = {}
+    for rule, model in RULE_SPECS.items():
+        flat |= model.model_validate({"rule": rule}).model_dump(mode="json")
+    set_by_operator = {"vc-asgd": {"alpha": 0.7}, "delta": {"server_lr": 0.3}, "fedbuff": {"buffer_size": 8}}
+    example = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json")
+    upgrade(database_url)
+    command.downgrade(alembic_config(database_url), "0014")
+    db = session_factory(database_url)
+    with db.begin() as s:
+        jobs = {
+            rule: Job(
+                name=rule,
+                mode="vc-asgd",
+                status="running",
+                spec=example | {"assimilation": flat | {"rule": rule} | own},
+                model_config_={},
+                param_manifest={},
+            )
+            for rule, own in set_by_operator.items()
+        }
+        s.add_all(jobs.values())
+        s.flush()
+        ids = {rule: job.id for rule, job in jobs.items()}
+    with pytest.raises(ValueError, match="is an option of rule"):
+        assimilation_of(flat | {"rule": "delta"})  # what 0015 is for
+    db.kw["bind"].dispose()
+    upgrade(database_url)
+    db = session_factory(database_url)
+    with db.begin() as s:
+        for rule, own in set_by_operator.items():
+            spec = s.get_one(Job, ids[rule]).spec
+            section = assimilation_of(spec["assimilation"])
+            assert section.rule == rule and section.model_dump(include=set(own)) == own
+            assert set(spec["assimilation"]) == set(RULE_SPECS[rule].model_fields)
+            JobSpec.model_validate(spec)
+    db.kw["bind"].dispose()

@@ -4,7 +4,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from crowdtrain.core.assimilationspec import DEFAULT_ASSIMILATION, AssimilationSpec, effective_rule
+from crowdtrain.assimilator.rules import BUILDERS, make_rule
+from crowdtrain.core.assimilationspec import DEFAULT_ASSIMILATION, RULE_SPECS, assimilation_of, effective_rule
 from crowdtrain.core.dedlocspec import DedlocSpec
 from crowdtrain.core.jobspec import JobSpec, load_job_spec
 from tests.conftest import EXAMPLE_SPEC, ROOT
@@ -17,25 +18,60 @@ def test_the_example_spec_is_valid() -> None:
 
 @pytest.mark.parametrize("example", ["mnist1d-cnn.yaml", "mnist1d-cnn-tensorflow.yaml", "mnist1d-keras.yaml"])
 def test_the_example_jobs_merge_with_the_default_configuration(example: str) -> None:
-    assert load_job_spec(ROOT / "examples" / example).assimilation == AssimilationSpec()
+    assert load_job_spec(ROOT / "examples" / example).assimilation == assimilation_of()
 
 
 def test_a_section_without_a_rule_gets_the_default_configuration_and_keeps_what_it_sets() -> None:
-    default = AssimilationSpec()
+    default = assimilation_of()
     assert default.model_dump(include=set(DEFAULT_ASSIMILATION)) == DEFAULT_ASSIMILATION
-    assert AssimilationSpec(server_lr=0.5).model_dump(include=set(DEFAULT_ASSIMILATION)) == (
+    assert assimilation_of(dict(server_lr=0.5)).model_dump(include=set(DEFAULT_ASSIMILATION)) == (
         DEFAULT_ASSIMILATION | {"server_lr": 0.5}
     )
     # A rule named: that rule with the fields' own defaults, not the default configuration's.
-    named = AssimilationSpec(rule="delta")
+    named = assimilation_of(dict(rule="delta"))
     assert (named.staleness_weight, named.step_control) == ("constant", "none")
-    assert AssimilationSpec(rule="vc-asgd").alpha == 0.6
+    assert assimilation_of(dict(rule="vc-asgd")).alpha == 0.6
 
 
 @pytest.mark.parametrize(("fields", "rule"), [({"alpha": 0.7}, "vc-asgd"), ({"buffer_size": 8}, "fedbuff")])
 def test_another_rule_s_own_field_without_a_rule_is_refused_naming_the_rule_to_add(fields: dict, rule: str) -> None:
     with pytest.raises(ValidationError, match=f"assimilation.{next(iter(fields))} is a {rule} setting.*rule: {rule}"):
-        AssimilationSpec.model_validate(fields)
+        assimilation_of(fields)
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ({"rule": "delta", "alpha": 0.7}, "assimilation.alpha is an option of rule vc-asgd, not of rule delta"),
+        ({"rule": "fedbuff", "schedule": "epoch"}, "assimilation.schedule is an option of rule vc-asgd"),
+        ({"rule": "vc-asgd", "server_lr": 0.5}, "assimilation.server_lr is an option of rule delta and fedbuff"),
+        (
+            {"rule": "delta", "combiner": "median"},
+            "assimilation.combiner is an option of rule fedbuff, not of rule delta",
+        ),
+        ({"rule": "fedbuff", "staleness_weight": "gain"}, "Input should be 'constant', 'polynomial' or 'hinge'"),
+        ({"rule": "delta", "nonsense": 1}, "Extra inputs are not permitted"),
+    ],
+)
+def test_a_rule_s_section_holds_its_own_options_and_the_policy_s_and_refuses_the_rest(
+    section: dict, words: str
+) -> None:
+    with pytest.raises(ValidationError, match=words):
+        assimilation_of(section)
+    with pytest.raises(ValidationError, match=words):  # and so does a whole spec
+        JobSpec.model_validate(load_job_spec(EXAMPLE_SPEC).model_dump(mode="json") | {"assimilation": section})
+
+
+@pytest.mark.parametrize("rule", list(RULE_SPECS))
+def test_each_rule_s_section_is_its_own_model_and_dumps_only_its_options(rule: str) -> None:
+    """What a job stores is its rule's section: read back, it is the same model with the same values."""
+    section = assimilation_of({"rule": rule, "clip_norm": 2.0})
+    assert type(section) is RULE_SPECS[rule]
+    stored = section.model_dump(mode="json")
+    assert set(stored) == set(RULE_SPECS[rule].model_fields)
+    assert assimilation_of(stored) == section
+    assert isinstance(make_rule(stored), type(make_rule({"rule": rule})))
+    assert type(section) in BUILDERS, "every rule of the spec has a builder"
 
 
 @pytest.mark.parametrize(
@@ -265,4 +301,4 @@ def test_a_moe_spec_refuses_sections_that_do_not_fit_the_mode(patch: dict, messa
     ],
 )
 def test_the_effective_rule_names_every_option_the_rule_reads_defaults_included(assimilation: dict, line: str) -> None:
-    assert effective_rule(AssimilationSpec.model_validate(assimilation)) == line
+    assert effective_rule(assimilation_of(assimilation)) == line

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from crowdtrain.core import rounds
-from crowdtrain.core.assimilationspec import AssimilationSpec
+from crowdtrain.core.assimilationspec import FedBuffSpec
 from crowdtrain.core.jobspec import JobSpec, load_job_spec
 from crowdtrain.server.services.backpressure import BudgetTerms
 from tests.conftest import EXAMPLE_SPEC
@@ -30,14 +30,15 @@ def test_rounds_need_the_fedbuff_rule_and_set_the_budget_themselves() -> None:
     assert rounds.round_size({"assimilation": FEDBUFF_4}) is None, "a spec stored before the field: no rounds"
 
 
-def test_a_stored_spec_without_buffer_size_has_the_spec_model_s_default_everywhere_it_is_read(monkeypatch) -> None:
+def test_a_stored_spec_without_buffer_size_has_the_spec_model_s_default_everywhere_it_is_read() -> None:
     """A job stored before buffer_size existed: its rounds and its in-flight floor both take the
-    default the spec model gives (whatever it is: here changed to 6), not a figure of their own."""
-    monkeypatch.setattr(AssimilationSpec.model_fields["buffer_size"], "default", 6)
+    default the spec model gives, not a figure of their own."""
     stored = spec({"rule": "fedbuff", "buffer_size": 2}, rounds=True)
     del stored["assimilation"]["buffer_size"]
-    assert rounds.round_size(stored) == 6
-    assert BudgetTerms.of(stored).rule_floor == 6
+    default = FedBuffSpec.model_fields["buffer_size"].default
+    assert default != 2
+    assert rounds.round_size(stored) == default
+    assert BudgetTerms.of(stored).rule_floor == default
 
 
 def test_the_budget_is_what_is_left_of_the_round() -> None:

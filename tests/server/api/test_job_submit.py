@@ -92,6 +92,28 @@ def test_a_spec_that_cannot_train_is_refused_and_stores_nothing(scheduler, datas
     assert scheduler.count(Job) == 0 and scheduler.stored_files() == []
 
 
+@pytest.mark.parametrize(
+    ("assimilation", "words"),
+    [
+        ({"rule": "delta", "alpha": 0.7}, "assimilation.alpha is an option of rule vc-asgd, not of rule delta"),
+        (
+            {"rule": "vc-asgd", "buffer_size": 8},
+            "assimilation.buffer_size is an option of rule fedbuff, not of rule vc",
+        ),
+        ({"rule": "sgd"}, "assimilation.rule 'sgd' is not a merge rule: one of vc-asgd, delta, fedbuff"),
+    ],
+)
+def test_an_assimilation_section_with_another_rule_s_option_is_refused_naming_its_rule(
+    scheduler, datasets, assimilation: dict, words: str
+) -> None:
+    resp = scheduler.http.post(
+        "/v1/jobs", json=spec(datasets) | {"assimilation": assimilation}, headers=scheduler.admin_headers
+    )
+    assert resp.status_code == 422, resp.text
+    assert words in resp.text
+    assert scheduler.count(Job) == 0 and scheduler.stored_files() == []
+
+
 def moe_spec(datasets: Path, **experts) -> dict:
     layout = {"layers": 1, "grid": [2, 2], "dim": 8, "hidden": 8, "k": 2, **experts}
     return spec(datasets, model={"name": "moe"}) | {"mode": "moe", "experts": layout}

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from crowdtrain.assimilator.evaluate import FrameworkEvaluator
 from crowdtrain.assimilator.merge import MergeServices, Outcome, assimilate
 from crowdtrain.core import keys
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.jobspec import WORKUNIT_MODES, load_job_spec
 from crowdtrain.core.refusals import RefusalKind
 from crowdtrain.core.schemas import ResultMetrics
@@ -64,7 +65,7 @@ class Ledger:
         spec.stop.max_epochs, spec.stop.target_accuracy = max_epochs, 0.01
         spec.scheduling = spec.scheduling.model_copy(update=scheduling)
         if assimilation:
-            spec.assimilation = spec.assimilation.model_copy(update=assimilation)
+            spec.assimilation = assimilation_of(spec.assimilation.model_dump(mode="json") | assimilation)
         return submit_job(self.db, self.storage, self.r, spec, Settings().upload_max_bytes).job_id
 
     def hosts(self, n: int) -> list[int]:
