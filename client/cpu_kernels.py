@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from crowdtrain.client.files import replace_file
 from crowdtrain.core.settings import user_cache_dir
 
 log = logging.getLogger(__name__)
@@ -81,9 +81,7 @@ def kept_verdict(path: Path, test: Callable[[], bool]) -> bool:
     trains = test()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"trains": trains, "torch": torch.__version__}))
-        os.replace(tmp, path)
+        replace_file(path, json.dumps({"trains": trains, "torch": torch.__version__}))
     return trains
 
 

@@ -5,8 +5,9 @@ and the jobs it has refused (see crowdtrain.client.trust). The file is readable 
 """
 
 import json
-import os
 from pathlib import Path
+
+from crowdtrain.client.files import replace_file
 
 
 class Identities:
@@ -18,11 +19,7 @@ class Identities:
 
     def _write(self, ids: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.unlink(missing_ok=True)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(json.dumps(ids))
-        os.replace(tmp, self.path)
+        replace_file(self.path, json.dumps(ids), private=True)
 
     def get(self, server_url: str) -> dict | None:
         """{"host_id", "host_token", "download_origins", "project_public_key", "refused_jobs"} for

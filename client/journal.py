@@ -11,23 +11,17 @@ has not passed and that the server still wants.
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.numpy import load_file, save_file
 
+from crowdtrain.client.files import replace_file, replacing
 from crowdtrain.core.schemas import AssignmentOut
 from crowdtrain.core.tensors import Params
 
 log = logging.getLogger(__name__)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -63,7 +57,7 @@ class AssignmentJournal:
 
     def record(self, a: AssignmentOut, heartbeat_every: float) -> None:
         entry = {"server": self.server_url, "assignment": a.model_dump(mode="json"), "heartbeat_every": heartbeat_every}
-        _atomic_write(self._path(a.assignment_id), json.dumps(entry).encode())
+        replace_file(self._path(a.assignment_id), json.dumps(entry).encode())
 
     def forget(self, assignment_id: int) -> None:
         self._path(assignment_id).unlink(missing_ok=True)
@@ -118,8 +112,7 @@ class FileCheckpoint:
         return self.interval > 0 and time.monotonic() - self._last >= self.interval
 
     def save(self, tensors: Params, progress: dict) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata={self.PROGRESS: json.dumps(progress)})
-        os.replace(tmp, self.path)
+        with replacing(self.path) as tmp:
+            save_file(tensors, str(tmp), metadata={self.PROGRESS: json.dumps(progress)})
         self.saves += 1
         self._last = time.monotonic()

@@ -7,12 +7,13 @@ rolls over. The counts are written to disk on every change, so a restart does no
 """
 
 import json
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from pathlib import Path
+
+from crowdtrain.client.files import replace_file
 
 DIRECTIONS = ("download", "upload")
 
@@ -57,9 +58,7 @@ class DailyTransfer:
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"day": self.day.isoformat(), **self.used, "refused": self.refused}))
-        os.replace(tmp, self.path)
+        replace_file(self.path, json.dumps({"day": self.day.isoformat(), **self.used, "refused": self.refused}))
 
     def _roll(self) -> None:
         """A new UTC day starts with nothing used (reservations in flight stay)."""

@@ -7,7 +7,6 @@ has not been rewritten for STALE_SECONDS, belongs to a client that is not runnin
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import psutil
 from pydantic import BaseModel
+
+from crowdtrain.client.files import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +112,7 @@ class StatusWriter:
     def write(self) -> None:
         try:
             status = self.snapshot()
-            tmp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-            tmp.write_text(status.model_dump_json(indent=1))
-            os.replace(tmp, self.path)
+            replace_file(self.path, status.model_dump_json(indent=1))
         except Exception:  # the status file must never take the client down
             log.exception("could not write %s", self.path)
 
