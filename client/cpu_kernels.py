@@ -106,10 +106,12 @@ def _machine_verdict() -> bool:
     return kept_verdict(verdict_file(), onednn_trains)
 
 
-def guard_cpu_training(trains: Callable[[], bool] = _machine_verdict) -> None:
-    """Before training on the CPU: turn oneDNN off in this process when it does not train here
-    (`trains`: the self-test's verdict for this machine, kept or taken now). Nothing when it is
-    already off, or unavailable, or trains."""
+def guard_cpu_training(device: str | torch.device = "cpu", trains: Callable[[], bool] = _machine_verdict) -> None:
+    """Before training on `device`: when it is the CPU, turn oneDNN off in this process if it does not
+    train here (`trains`: the self-test's verdict for this machine, kept or taken now). Nothing for
+    another device, or when oneDNN is already off, or unavailable, or trains."""
+    if torch.device(device).type != "cpu":
+        return
     with _guard:  # one check, even when several slots start at once
         if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
             return

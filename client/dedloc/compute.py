@@ -19,8 +19,7 @@ from crowdtrain.client.dedloc.accumulate import flat_grads
 class ComputeCopy:
     def __init__(self, agreed: torch.nn.Module, device: str):
         self.agreed, self.device = agreed, device
-        if torch.device(device).type == "cpu":
-            guard_cpu_training()
+        guard_cpu_training(device)
         self.model = agreed if device == "cpu" else copy.deepcopy(agreed).to(device)
         self.params = list(self.model.parameters())
 

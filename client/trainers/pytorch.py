@@ -58,8 +58,7 @@ def train(
     `optimizer_state` (a previous result's `optimizer_state`, same model and optimizer) when given,
     else from zero (a resumed checkpoint holds its own); the result carries its state at the end."""
     start = time.monotonic()
-    if torch.device(device).type == "cpu":
-        guard_cpu_training()
+    guard_cpu_training(device)
     control = control or TrainControl()
     m, t = recipe["model"], recipe["training"]
     model = build_model(m["name"], m["input_shape"], m["num_classes"], **m["options"])

@@ -28,14 +28,17 @@ def test_a_child_that_crashes_or_hangs_fails_the_self_test_and_one_that_ends_pas
 
 
 def test_a_failed_self_test_turns_onednn_off_and_a_passed_one_leaves_it_on(onednn_on: None) -> None:
-    cpu_kernels.guard_cpu_training(lambda: True)
+    asked: list[bool] = []
+    cpu_kernels.guard_cpu_training("cuda:0", trains=lambda: asked.append(True) or False)
+    assert asked == [] and torch.backends.mkldnn.enabled, "training on another device: nothing to check"
+
+    cpu_kernels.guard_cpu_training(trains=lambda: True)
     assert torch.backends.mkldnn.enabled
 
-    cpu_kernels.guard_cpu_training(lambda: cpu_kernels.onednn_trains(30.0, CRASHES))
+    cpu_kernels.guard_cpu_training("cpu", trains=lambda: cpu_kernels.onednn_trains(30.0, CRASHES))
     assert not torch.backends.mkldnn.enabled
 
-    asked: list[bool] = []
-    cpu_kernels.guard_cpu_training(lambda: asked.append(True) or False)
+    cpu_kernels.guard_cpu_training(trains=lambda: asked.append(True) or False)
     assert asked == [], "with oneDNN off already there is nothing to check"
 
 
