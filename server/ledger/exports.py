@@ -77,23 +77,43 @@ CheckpointReader = Callable[[Storage, int, str, str], Params]
 
 
 def checkpoint_weights_at(storage: Storage, mixture_id: int, uid: str, key: str) -> Params:
-    """The weights of expert `uid`'s checkpoint at `key` (expert/UID/NAME); none, logged, when it cannot
-    be read: the expert is then taken at its initial weights."""
+    """The weights of expert `uid`'s checkpoint at `key` (expert/UID/NAME); none, logged, when it is not a
+    checkpoint: the expert is then taken at its initial weights. Raises ObjectNotFound when `key` is gone."""
     try:
         return checkpoint_weights(uid, storage.get(key))
-    except (TensorFormatError, ObjectNotFound) as exc:
+    except TensorFormatError as exc:
         log.warning("mixture %s: expert %s's checkpoint %s is unreadable (%s); left out", mixture_id, uid, key, exc)
         return {}
+
+
+# Reads of an expert's newest checkpoint key when each checkpoint read is gone by the time it is read.
+KEY_READS = 3
 
 
 def mixture_weights(
     db: sessionmaker[Session], storage: Storage, mixture_id: int, read: CheckpointReader = checkpoint_weights_at
 ) -> Params:
     """The weights of every expert of the mixture that has a checkpoint, from its newest, read by `read`
-    (a caching reader may stand in): what evaluation and the export use beside the trunk."""
+    (a caching reader may stand in): what evaluation and the export use beside the trunk.
+
+    A checkpoint gone when its bytes are read was replaced after its key was: a host's newer
+    checkpoint deletes the one before it. The expert's key is read again and the newer one read (up to
+    KEY_READS keys); an expert whose checkpoint is gone and not replaced is left out, logged."""
     out: Params = {}
-    for uid, key in experts.checkpoint_keys(db, mixture_id).items():
-        out.update(read(storage, mixture_id, uid, key))
+    due = experts.checkpoint_keys(db, mixture_id)
+    for reads in range(1, KEY_READS + 1):
+        gone = {}
+        for uid, key in due.items():
+            try:
+                out.update(read(storage, mixture_id, uid, key))
+            except ObjectNotFound:
+                gone[uid] = key
+        newest = experts.checkpoint_keys(db, mixture_id) if gone and reads < KEY_READS else {}
+        due = {uid: newest[uid] for uid, key in gone.items() if newest.get(uid, key) != key}
+        for uid in gone.keys() - due.keys():
+            log.warning("mixture %s: expert %s's checkpoint %s is gone; left out", mixture_id, uid, gone[uid])
+        if not due:
+            break
     return out
 
 

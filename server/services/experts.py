@@ -4,6 +4,7 @@ and the trainers' reports of their calls. A checkpoint is written before it is r
 when it is replaced; a crash in between leaves an unrecorded object behind, never a record without
 its object."""
 
+import contextlib
 import logging
 import secrets
 from collections.abc import Callable
@@ -29,11 +30,12 @@ from crowdtrain.core.schemas_experts import (
     RouteOut,
     RoutingTable,
 )
-from crowdtrain.core.storage import Storage
+from crowdtrain.core.storage import ObjectNotFound, Storage
 from crowdtrain.core.tensors import TensorFormatError, views
 from crowdtrain.core.validationspec import validation_of
 from crowdtrain.server.ledger import expert_calls
 from crowdtrain.server.ledger import experts as ledger
+from crowdtrain.server.ledger.exports import KEY_READS
 
 log = logging.getLogger(__name__)
 PROBE_SECONDS = 3.0
@@ -140,12 +142,15 @@ def checkpoint(
 ) -> bytes:
     """For the host that leases a replica of the expert: the newest checkpoint of any of its replicas
     (to restore it), or with `peer` of its other replicas (to average with); NotFound with none."""
-    held = ledger.check_lease(db, host_id, mixture_id, uid, _naive(now))
-    key = held.peer_key if peer else held.checkpoint_key
-    if key is None:
-        which = "no other replica" if peer else "no replica"
-        raise Refusal(f"expert {uid}: {which} has a checkpoint yet", RefusalKind.not_found)
-    return storage.get(key)
+    for _ in range(KEY_READS):  # a checkpoint gone when read was replaced by a newer one: read its key again
+        held = ledger.check_lease(db, host_id, mixture_id, uid, _naive(now))
+        key = held.peer_key if peer else held.checkpoint_key
+        if key is None:
+            which = "no other replica" if peer else "no replica"
+            raise Refusal(f"expert {uid}: {which} has a checkpoint yet", RefusalKind.not_found)
+        with contextlib.suppress(ObjectNotFound):
+            return storage.get(key)
+    raise Refusal(f"expert {uid}: its checkpoint was replaced as it was read, again and again", RefusalKind.conflict)
 
 
 def routing(db: sessionmaker[Session], mixture_id: int, since: int) -> RoutingTable:
