@@ -1,12 +1,12 @@
 """Tensor codec: named numpy arrays <-> safetensors bytes, and content hashes."""
 
+import functools
 import hashlib
 import io
 import json
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
@@ -30,12 +30,10 @@ def decode(blob: bytes) -> Params:
         raise TensorFormatError(f"not a safetensors file: {exc}") from exc
 
 
-# numpy has no bfloat16; ml_dtypes' is the one safetensors writes (crowdtrain.core.updates sends Δ in it).
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
     "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,
@@ -43,6 +41,23 @@ _DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+BF16 = "BF16"
+
+
+@functools.cache
+def bfloat16() -> np.dtype:
+    """numpy has no bfloat16; ml_dtypes' is the one safetensors writes (crowdtrain.core.updates sends Δ
+    in it). Imported when first needed: the import costs about half a CPU-second, in every process."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def numpy_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype code ("F32", "BF16", ...); KeyError for another code."""
+    return bfloat16() if code == BF16 else np.dtype(_DTYPES[code])
+
+
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 MAX_RANK = 8
 
@@ -90,9 +105,9 @@ def _layout(header: dict[str, Any], data_size: int) -> list[tuple[str, np.dtype,
     library requires: no gap, no overlap, nothing after the last tensor."""
     out = []
     for name, info in header.items():
-        if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        if not isinstance(info, dict) or (info.get("dtype") not in _DTYPES and info.get("dtype") != BF16):
             raise ValueError(f"tensor {name!r} has no known dtype")
-        dtype = np.dtype(_DTYPES[info["dtype"]])
+        dtype = numpy_dtype(info["dtype"])
         shape = tuple(_ints(info.get("shape"), f"tensor {name!r} shape"))
         start, end = _ints(info.get("data_offsets"), f"tensor {name!r} data_offsets", 2)
         if not start <= end or end - start != dtype.itemsize * math.prod(shape):

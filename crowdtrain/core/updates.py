@@ -21,7 +21,6 @@ into the next (the server applies each Δ once), so an unbiased but twice as lar
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from safetensors.numpy import save as _st_save
 
@@ -30,6 +29,7 @@ from crowdtrain.core.tensors import (
     Manifest,
     Params,
     TensorFormatError,
+    bfloat16,
     check_against_manifest,
     check_layout,
     encode,
@@ -39,7 +39,6 @@ from crowdtrain.core.tensors import (
 
 SCALE_SUFFIX = ".__scale__"
 INT8_MAX = 127
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 # The encodings `upload_sizes` compares by default (benchmarks report bytes per upload for each).
 STANDARD_UPLOADS: tuple[dict[str, Any], ...] = (
@@ -103,7 +102,7 @@ def expected_upload_bytes(manifest: dict[str, Any], upload: UploadSpec | dict[st
 
 
 def _np_dtype(dtype: str) -> np.dtype:
-    return BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    return bfloat16() if dtype == "bfloat16" else np.dtype(dtype)
 
 
 # -- encoding (the client) -------------------------------------------------------------------------
@@ -139,7 +138,7 @@ def encode_update(delta: Params, upload: UploadSpec | dict[str, Any] | None) -> 
         if u.dtype == "float32":
             out[name] = d
         elif u.dtype == "bfloat16":
-            out[name] = d.astype(BFLOAT16)  # ml_dtypes rounds to nearest even
+            out[name] = d.astype(bfloat16())  # ml_dtypes rounds to nearest even
         else:
             out[name], out[name + SCALE_SUFFIX] = quantize_int8(d, u.block_size)
     return out
