@@ -50,7 +50,8 @@ def bfloat16() -> np.dtype:
     in it). Imported when first needed: the import costs about half a CPU-second, in every process."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16)
+    dtype: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return dtype
 
 
 def numpy_dtype(code: str) -> np.dtype:
