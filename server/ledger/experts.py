@@ -56,10 +56,12 @@ class Lease:
 
 @dataclass(frozen=True)
 class Renewal:
-    """A host's call as the ledger answers it: the mixture's layout and the host's leases after it."""
+    """A host's call as the ledger answers it: the mixture's layout, the host's leases after it, and
+    whether a free expert was left that the host had room for (what a call with `grant` would lease)."""
 
     layout: ExpertLayout
     leases: list[Lease]
+    more: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ def renew_and_lease(
 ) -> Renewal:
     """The mixture's layout and the host's leases after its call at `now`: those it holds renewed, and, with
     `grant` (it passed the connect-back probe), up to LEASES_PER_CALL free experts more while it holds
-    fewer than `capacity` (lowest replica first, never a second replica of an expert it holds). A lease
+    fewer than `capacity` (lowest replica first, never a second replica of an expert it holds); without,
+    whether there were any (Renewal.more: only then is a probe worth its cost). A lease
     that ended is not renewed (its expert may be another host's now): the host learns it has lost it by
     its absence. A quarantined host (its answers refused, `record_calls`) holds nothing: its experts are
     freed. One transaction."""
@@ -140,21 +143,9 @@ def renew_and_lease(
             if expert.url != url:  # the host moved: trainers follow
                 _route(mixture, expert, host_id, url)
         room = min(capacity - len(held), LEASES_PER_CALL)
-        if grant and mixture.status == OPEN and room > 0:
-            holds = select(Expert.uid).where(
-                Expert.mixture_id == mixture_id, Expert.host_id == host_id, Expert.lease_expires_at > now
-            )
-            free = s.scalars(
-                select(Expert)
-                .where(
-                    Expert.mixture_id == mixture_id,
-                    or_(Expert.host_id.is_(None), Expert.lease_expires_at <= now),
-                    Expert.uid.not_in(holds),
-                )
-                .order_by(Expert.replica, Expert.id)
-                .limit(room * layout.replicas)
-            ).all()
-            taken: set[str] = set()
+        free = _free_experts(s, mixture_id, host_id, now, room * layout.replicas) if mixture.status == OPEN else []
+        taken: set[str] = set()
+        if grant and room > 0:
             for expert in free:
                 if expert.uid in taken or len(taken) == room:
                     continue
@@ -163,7 +154,28 @@ def renew_and_lease(
                 expert.lease_expires_at = until
                 expert.leases += 1
                 held.append(expert)
-        return Renewal(layout, _leases(s, mixture_id, held, until, layout.replicas))
+        more = len(held) < capacity and any(expert.uid not in taken for expert in free)
+        return Renewal(layout, _leases(s, mixture_id, held, until, layout.replicas), more=more)
+
+
+def _free_experts(s: Session, mixture_id: int, host_id: int, now: datetime, limit: int) -> Sequence[Expert]:
+    """Up to `limit` replicas of the mixture that no lease holds at `now`, of experts the host holds no
+    replica of: lowest replica first."""
+    if limit <= 0:
+        return []
+    holds = select(Expert.uid).where(
+        Expert.mixture_id == mixture_id, Expert.host_id == host_id, Expert.lease_expires_at > now
+    )
+    return s.scalars(
+        select(Expert)
+        .where(
+            Expert.mixture_id == mixture_id,
+            or_(Expert.host_id.is_(None), Expert.lease_expires_at <= now),
+            Expert.uid.not_in(holds),
+        )
+        .order_by(Expert.replica, Expert.id)
+        .limit(limit)
+    ).all()
 
 
 def _leases(s: Session, mixture_id: int, held: list[Expert], until: datetime, replicas: int) -> list[Lease]:

@@ -61,6 +61,33 @@ def test_a_host_the_scheduler_cannot_reach_gets_no_expert_and_is_told_why(sched)
     assert sched.rows() == before
 
 
+def test_a_host_is_probed_only_when_there_is_an_expert_to_lease_or_it_holds_none(sched) -> None:
+    """The connect-back probe costs a connection on both sides: a host that renews while every expert
+    is leased is not probed; one that holds nothing is, so that an unreachable host is still told."""
+    probes: list[str] = []
+
+    def counted(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        probes.append(path)
+        return healthy(method, path, body)
+
+    mixture = create(sched)
+    with stub_server(counted) as url:
+        first, second, third = sched.register("first"), sched.register("second"), sched.register("third")
+        call = {"url": url, "capacity": 3}
+        assert len(first.post(f"/v1/mixtures/{mixture}/leases", json=call).json()["leases"]) == 3
+        assert len(second.post(f"/v1/mixtures/{mixture}/leases", json=call).json()["leases"]) == 1
+        assert len(probes) == 2
+        for _ in range(3):  # both have room, but all four experts are leased
+            assert first.post(f"/v1/mixtures/{mixture}/leases", json=call).status_code == 200
+            assert second.post(f"/v1/mixtures/{mixture}/leases", json=call).status_code == 200
+        assert len(probes) == 2
+        standby = third.post(f"/v1/mixtures/{mixture}/leases", json=call)
+        assert standby.status_code == 200 and standby.json()["leases"] == [] and len(probes) == 3
+        # Asking for none (the layout alone, before the host listens) is no reason to probe it.
+        asked = third.post(f"/v1/mixtures/{mixture}/leases", json={"url": "http://127.0.0.1:9", "capacity": 0})
+        assert asked.status_code == 200 and asked.json()["leases"] == [] and len(probes) == 3
+
+
 def test_a_checkpoint_is_kept_for_the_next_host_of_its_expert(sched, reachable) -> None:
     mixture = create(sched)
     first, second = sched.register("first"), sched.register("second")

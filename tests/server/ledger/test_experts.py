@@ -64,6 +64,22 @@ def test_a_host_gets_no_more_than_its_capacity_and_nothing_without_the_probe(db)
     assert len(renew(db, 1, mixture, "http://a:1", 3, at(1), grant=True)) == 3
 
 
+def test_a_call_says_whether_a_free_expert_is_left_that_the_host_has_room_for(db) -> None:
+    """What decides whether the scheduler probes the host: free experts (6 in the layout), and room."""
+    mixture = experts.create_mixture(db, "m", LAYOUT)
+    assert experts.renew_and_lease(db, 1, mixture, "http://a:1", 2, at(0), grant=False).more
+    taken = experts.renew_and_lease(db, 1, mixture, "http://a:1", 2, at(0), grant=True)
+    assert len(taken.leases) == 2 and not taken.more  # free ones are left, but host 1 is full
+    assert not experts.renew_and_lease(db, 1, mixture, "http://a:1", 2, at(1), grant=False).more
+    assert experts.renew_and_lease(db, 2, mixture, "http://b:1", 10, at(1), grant=False).more
+    rest = experts.renew_and_lease(db, 2, mixture, "http://b:1", 10, at(1), grant=True)
+    assert len(rest.leases) == 4 and not rest.more  # room left, but every expert is leased
+    assert not experts.renew_and_lease(db, 1, mixture, "http://a:1", 10, at(2), grant=False).more
+    # Host 2 keeps calling, host 1 stops: once its leases end, its experts are free again.
+    assert not experts.renew_and_lease(db, 2, mixture, "http://b:1", 10, at(30), grant=False).more
+    assert experts.renew_and_lease(db, 2, mixture, "http://b:1", 10, at(32), grant=False).more
+
+
 def test_a_lease_not_renewed_ends_and_its_expert_goes_to_the_next_host_that_asks(db) -> None:
     mixture = experts.create_mixture(db, "m", LAYOUT)
     renew(db, 1, mixture, "http://a:1", 1, at(0), grant=True)  # 0.0.0 to host 1
