@@ -299,6 +299,11 @@ def routing_changes(db: sessionmaker[Session], mixture_id: int, since: int) -> t
         return mixture.route_version, [Route(uid, replica, url) for uid, replica, url in changed]
 
 
+# Reads of an expert's newest checkpoint key, by a reader that finds each checkpoint it read the key of
+# gone (a host's newer checkpoint deletes the one before it) by the time it reads its bytes.
+KEY_READS = 3
+
+
 def checkpoint_keys(db: sessionmaker[Session], mixture_id: int) -> dict[str, str]:
     """Where each expert of the mixture that has a checkpoint keeps its newest one (of any replica):
     uid -> object key."""

@@ -86,10 +86,6 @@ def checkpoint_weights_at(storage: Storage, mixture_id: int, uid: str, key: str)
         return {}
 
 
-# Reads of an expert's newest checkpoint key when each checkpoint read is gone by the time it is read.
-KEY_READS = 3
-
-
 def mixture_weights(
     db: sessionmaker[Session], storage: Storage, mixture_id: int, read: CheckpointReader = checkpoint_weights_at
 ) -> Params:
@@ -98,17 +94,17 @@ def mixture_weights(
 
     A checkpoint gone when its bytes are read was replaced after its key was: a host's newer
     checkpoint deletes the one before it. The expert's key is read again and the newer one read (up to
-    KEY_READS keys); an expert whose checkpoint is gone and not replaced is left out, logged."""
+    experts.KEY_READS keys); an expert whose checkpoint is gone and not replaced is left out, logged."""
     out: Params = {}
     due = experts.checkpoint_keys(db, mixture_id)
-    for reads in range(1, KEY_READS + 1):
+    for reads in range(1, experts.KEY_READS + 1):
         gone = {}
         for uid, key in due.items():
             try:
                 out.update(read(storage, mixture_id, uid, key))
             except ObjectNotFound:
                 gone[uid] = key
-        newest = experts.checkpoint_keys(db, mixture_id) if gone and reads < KEY_READS else {}
+        newest = experts.checkpoint_keys(db, mixture_id) if gone and reads < experts.KEY_READS else {}
         due = {uid: newest[uid] for uid, key in gone.items() if newest.get(uid, key) != key}
         for uid in gone.keys() - due.keys():
             log.warning("mixture %s: expert %s's checkpoint %s is gone; left out", mixture_id, uid, gone[uid])

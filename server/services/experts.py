@@ -35,7 +35,6 @@ from crowdtrain.core.tensors import TensorFormatError, views
 from crowdtrain.core.validationspec import validation_of
 from crowdtrain.server.ledger import expert_calls
 from crowdtrain.server.ledger import experts as ledger
-from crowdtrain.server.ledger.exports import KEY_READS
 
 log = logging.getLogger(__name__)
 PROBE_SECONDS = 3.0
@@ -146,7 +145,7 @@ def checkpoint(
 ) -> bytes:
     """For the host that leases a replica of the expert: the newest checkpoint of any of its replicas
     (to restore it), or with `peer` of its other replicas (to average with); NotFound with none."""
-    for _ in range(KEY_READS):  # a checkpoint gone when read was replaced by a newer one: read its key again
+    for _ in range(ledger.KEY_READS):  # a checkpoint gone when read was replaced by a newer one: read its key again
         held = ledger.check_lease(db, host_id, mixture_id, uid, _naive(now))
         key = held.peer_key if peer else held.checkpoint_key
         if key is None:

@@ -16,7 +16,8 @@ from crowdtrain.core.tensors import encode
 from crowdtrain.migrations import upgrade
 from crowdtrain.server.ledger import experts
 from crowdtrain.server.ledger.db import session_factory
-from crowdtrain.server.ledger.exports import KEY_READS, mixture_weights
+from crowdtrain.server.ledger.experts import KEY_READS
+from crowdtrain.server.ledger.exports import mixture_weights
 from crowdtrain.server.ledger.models import Host
 from crowdtrain.server.services import experts as services
 from tests.server.ledger.test_experts import T0, at
