@@ -5,6 +5,7 @@ their own. The page is docs/reference/job-spec.md; a test renders it again and c
     python -m crowdtrain.core.spec_reference docs/reference/job-spec.md    (or `make docs-reference`)
 """
 
+import copy
 import json
 import re
 import sys
@@ -101,15 +102,20 @@ def section(title: str, schema: dict[str, Any], titles: dict[str, str], lead: st
     return [*lines, ""]
 
 
-def section_titles(
-    node: dict[str, Any], defs: dict[str, Any], path: str = "", titles: dict[str, str] | None = None
-) -> dict[str, str]:
-    """Each nested model's section title, by its name in the schema's `$defs`: where it sits in a spec
-    (`assimilation.upload`), in the order a reader meets them (a section's own sections follow it).
+def sections(schema: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """(titles, defs) of the schema's nested models: each one's section title by its name in `defs`,
+    where it sits in a spec (`assimilation.upload`), in the order a reader meets them (a section's own
+    sections follow it); and `defs`, the schemas of the sections (`schema` is left as it is).
 
     A union of sections told apart by one key (`assimilation`, by `rule`) gets a section of the keys
-    they all share, then one per value of the key with the rest (`defs` is changed so)."""
-    titles = {} if titles is None else titles
+    they all share, then one per value of the key with the rest: `defs` holds the shared section, and
+    each of the union's sections without the shared keys."""
+    defs = copy.deepcopy(schema["$defs"])
+    return _titles(schema, defs, "", {}), defs
+
+
+def _titles(node: dict[str, Any], defs: dict[str, Any], path: str, titles: dict[str, str]) -> dict[str, str]:
+    """`titles` with those of `node`'s sections at `path` added; a union's shared section added to `defs`."""
     for name, field in node.get("properties", {}).items():
         key = field.get("discriminator", {}).get("propertyName")
         options = [field, *field.get("anyOf", []), *field.get("oneOf", [])]
@@ -119,10 +125,10 @@ def section_titles(
             shared = f"{path}{name} (every {key})"
             defs[shared] = _split_shared(defs, refs, key, shared)
             titles[shared] = shared
-            section_titles(defs[shared], defs, f"{path}{name}.", titles)
+            _titles(defs[shared], defs, f"{path}{name}.", titles)
         for ref in refs:
             titles[ref] = f"{path}{name} ({key} {defs[ref]['properties'][key]['const']})" if key else f"{path}{name}"
-            section_titles(defs[ref], defs, f"{path}{name}.", titles)
+            _titles(defs[ref], defs, f"{path}{name}.", titles)
     return titles
 
 
@@ -139,10 +145,10 @@ def _split_shared(defs: dict[str, Any], refs: list[str], key: str, title: str) -
 def render(spec: type[BaseModel] = JobSpec) -> str:
     """The whole reference page, as Markdown."""
     schema = spec.model_json_schema()
-    titles = section_titles(schema, schema["$defs"])
+    titles, defs = sections(schema)
     lines = [INTRO, *section("Top level", schema, titles, "The keys of the spec file itself.")]
     for name, title in titles.items():
-        lines += section(title, schema["$defs"][name], titles)
+        lines += section(title, defs[name], titles)
     for model, options in ZOO_OPTIONS.items():
         lead = f"The keys of `model.options` when `model.name` is `{model}`."
         lines += section(f"model.options ({model})", options.model_json_schema(), titles, lead)

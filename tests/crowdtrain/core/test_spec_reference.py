@@ -1,6 +1,7 @@
 """The job spec's reference page: rendered from the spec's JSON schema, every field in its section, and the
 committed page (docs/reference/job-spec.md) the one the schema renders today."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,11 @@ def test_every_field_of_every_section_has_a_row() -> None:
     found = sections(spec_reference.render())
     assert found["Top level"] == list(JobSpec.model_fields)
     spec = JobSpec.model_json_schema()
-    for name, title in spec_reference.section_titles(spec, spec["$defs"]).items():
-        assert found[title] == list(spec["$defs"][name]["properties"]), title
+    unchanged = json.dumps(spec)
+    titles, defs = spec_reference.sections(spec)
+    assert json.dumps(spec) == unchanged, "sections() changed the schema it read"
+    for name, title in titles.items():
+        assert found[title] == list(defs[name]["properties"]), title
     for model, options in ZOO_OPTIONS.items():
         assert found[f"model.options ({model})"] == list(options.model_fields)
     assert {"assimilation.upload", "scheduling", "validation", "dedloc"} <= found.keys()
