@@ -33,6 +33,7 @@ from crowdtrain.assimilator.recording import record_merged
 from crowdtrain.assimilator.replica_vote import judge_replicas
 from crowdtrain.assimilator.rules import Rule, make_rule, reads_validation
 from crowdtrain.core import merge_stages
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.merge_stages import Stamps
 from crowdtrain.core.tensors import Params
@@ -100,7 +101,7 @@ class JobTerms:
 
 
 def _job_terms(svc: MergeServices, p: merges.PendingMerge) -> JobTerms:
-    assimilation = p.spec["assimilation"]
+    assimilation = assimilation_of(p.spec["assimilation"])  # read once, for the rule and the policy
     validation = merges.latest_validation(svc.db, p.job_id) if reads_validation(assimilation) else None
     return JobTerms(make_rule(assimilation), Policy.from_spec(assimilation), validation)
 

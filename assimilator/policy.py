@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from crowdtrain.assimilator.rules.update import Rule, Update, params_norm
-from crowdtrain.core.assimilationspec import assimilation_of
+from crowdtrain.core.assimilationspec import AnyAssimilation, assimilation_of
 from crowdtrain.core.tensors import Params
 
 
@@ -46,7 +46,7 @@ class UpdateBound:
     max_update_norm: float | None = None
 
     @classmethod
-    def from_spec(cls, assimilation: dict[str, Any]) -> "UpdateBound":
+    def from_spec(cls, assimilation: dict[str, Any] | AnyAssimilation) -> "UpdateBound":
         a = assimilation_of(assimilation)
         return cls(factor=a.update_norm_factor, warmup=a.update_norm_warmup, max_update_norm=a.max_update_norm)
 
@@ -147,12 +147,12 @@ class Policy:
     divergence_patience: int
 
     @classmethod
-    def from_spec(cls, assimilation: dict[str, Any]) -> "Policy":
-        """The policy of a job's `assimilation` section (as stored: a dict; missing fields take the spec's
-        defaults, crowdtrain.core.assimilationspec.PolicySpec)."""
+    def from_spec(cls, assimilation: dict[str, Any] | AnyAssimilation) -> "Policy":
+        """The policy of a job's `assimilation` section (as stored: a dict, or read already; missing fields
+        take the spec's defaults, crowdtrain.core.assimilationspec.PolicySpec)."""
         a = assimilation_of(assimilation)
         return cls(
-            UpdateBound.from_spec(assimilation),
+            UpdateBound.from_spec(a),
             a.max_staleness,
             a.clip_norm,
             a.min_update_spread,

@@ -18,6 +18,7 @@ from crowdtrain.assimilator import evidence, validator
 from crowdtrain.assimilator.inputs import Refused, holdout, read_result, replay_reason
 from crowdtrain.assimilator.policy import Policy, merged_alone
 from crowdtrain.assimilator.rules import make_rule
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.logs import ids
 from crowdtrain.core.storage import Storage
 from crowdtrain.core.tensors import decode_shard
@@ -95,7 +96,7 @@ def measure_replicas(
     (crowdtrain.assimilator.evidence), its flat Δ, and the held-out loss of W_s itself; a result that cannot be
     read as an update, or that replays an earlier one, is invalid at once (assignment id -> why)."""
     version, server, state = store.read_with_state(r, p.job_id)
-    assimilation = p.spec["assimilation"]
+    assimilation = assimilation_of(p.spec["assimilation"])  # read once, for the rule and the policy
     rule, policy = make_rule(assimilation), Policy.from_spec(assimilation)
     state = rule.initial_state(server) if state is None else state
     x, y = holdout(storage, p.job_id, spec.holdout_examples)

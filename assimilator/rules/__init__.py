@@ -25,6 +25,7 @@ from crowdtrain.assimilator.rules.staleness import StalenessWeight
 from crowdtrain.assimilator.rules.update import Rule, Update, make_update
 from crowdtrain.assimilator.rules.vc_asgd import VcAsgd, alpha_for_epoch, merge_vc_asgd, update_norm
 from crowdtrain.core.assimilationspec import (
+    AnyAssimilation,
     DeltaSpec,
     FedBuffSpec,
     PolicySpec,
@@ -73,8 +74,8 @@ BUILDERS: dict[type[PolicySpec], Callable[[Any], Rule]] = {
 }
 
 
-def make_rule(assimilation: dict[str, Any]) -> Rule:
-    """The merge rule a job's `assimilation` section (as stored: a dict) selects.
+def make_rule(assimilation: dict[str, Any] | AnyAssimilation) -> Rule:
+    """The merge rule a job's `assimilation` section (as stored: a dict, or read already) selects.
 
     The dict is read through its rule's model (crowdtrain.core.assimilationspec.assimilation_of), so
     missing fields take their defaults and a bad value, or another rule's option, raises a pydantic
@@ -84,7 +85,7 @@ def make_rule(assimilation: dict[str, Any]) -> Rule:
     return BUILDERS[type(spec)](spec)
 
 
-def reads_validation(assimilation: dict[str, Any]) -> bool:
+def reads_validation(assimilation: dict[str, Any] | AnyAssimilation) -> bool:
     """Whether the rule of `assimilation` reads the job's latest evaluation (`Update.validation`)."""
     spec = assimilation_of(assimilation)
     return isinstance(spec, SteppingSpec) and spec.step_control != "none"

@@ -213,10 +213,13 @@ AssimilationSpec = Annotated[AnyAssimilation, Field(discriminator="rule"), Befor
 _ADAPTER: TypeAdapter[AnyAssimilation] = TypeAdapter(AssimilationSpec, config=ConfigDict(title="assimilation"))
 
 
-def assimilation_of(section: dict[str, Any] | None = None) -> AnyAssimilation:
+def assimilation_of(section: "dict[str, Any] | AnyAssimilation | None" = None) -> AnyAssimilation:
     """The model of an `assimilation` section (a stored job's, or one written by hand): missing fields
     take their defaults, no rule the default configuration; a bad value raises pydantic's
-    ValidationError (a ValueError) naming the field."""
+    ValidationError (a ValueError) naming the field. A section read already is returned as it is, so
+    that a merge that reads the section once can hand the model to each part that needs it."""
+    if isinstance(section, VcAsgdSpec | DeltaSpec | FedBuffSpec):
+        return section
     return _ADAPTER.validate_python({} if section is None else section)
 
 

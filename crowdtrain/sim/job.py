@@ -51,6 +51,7 @@ from crowdtrain.assimilator.policy import Policy, apply_with_policy
 from crowdtrain.assimilator.rules import make_rule, make_update, reads_validation
 from crowdtrain.assimilator.rules.update import params_norm
 from crowdtrain.core import rounds
+from crowdtrain.core.assimilationspec import assimilation_of
 from crowdtrain.core.states import AssignmentStatus, JobStatus, WorkunitStatus
 from crowdtrain.core.tensors import Params
 from crowdtrain.server.ledger.pace import WINDOW, Pace, pace_of
@@ -92,9 +93,10 @@ class SimJob:
     final_accuracy: float | None = None
 
     def __post_init__(self) -> None:
-        asm = self.spec["assimilation"]
+        asm = assimilation_of(self.spec["assimilation"])  # read once
         self.rule = make_rule(asm)
         self.policy = Policy.from_spec(asm)
+        self.reads_validation = reads_validation(asm)
         self.state = self.rule.initial_state(self.params)
         self.recent_norms: deque[float] = deque(maxlen=NORMS_KEPT)
         self.snapshot_version, self.snapshot, self.snapshot_at = 0, _copy(self.params), 0.0
@@ -204,7 +206,7 @@ class SimJob:
             return "job is no longer running" if not self.running else f"assignment is {a.status}"
         assert a.client is not None  # set when its training ended, before it arrived
         update = make_update(a.base, a.client, "weights", self.version - a.base_version, a.wu.epoch)
-        if self.metrics and reads_validation(self.spec["assimilation"]):
+        if self.metrics and self.reads_validation:
             update = replace(update, validation=(self.metrics[-1].version, self.metrics[-1].loss))
         norm = params_norm(update.delta)
         base_norm = self._snapshot_norm if a.base is self.snapshot else params_norm(a.base)
