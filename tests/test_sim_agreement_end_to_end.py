@@ -17,7 +17,11 @@ EXAMPLES_TOLERANCE of the real examples to the target, and their staleness withi
 half the real figure: the test catches a replay that holds a different number of assignments in
 flight than the system, and examples to target that the same training code does not reproduce."""
 
+import multiprocessing
+import os
 import statistics
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 
 import pytest
 from sqlalchemy import select
@@ -27,7 +31,7 @@ from crowdtrain.launch.cluster import Cluster
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Metric
 from crowdtrain.sim.calibration import measure
-from crowdtrain.sim.training import simulate_training
+from crowdtrain.sim.training import SimResult, simulate_training
 from tests.conftest import EXAMPLE_SPEC
 from tests.test_training_end_to_end import wait_finished
 
@@ -64,6 +68,11 @@ def real_figures(db_url: str, job_id: int) -> tuple[int | None, float]:
     return examples, statistics.fmean(m.merged_version - 1 - m.base_version for m in merged)
 
 
+def replay(spec: dict, settings: dict, seed: int) -> SimResult:
+    """One seeded replay of the real run's timing (module level: it runs in a worker process)."""
+    return simulate_training(spec, hosts=1, slots=SLOTS, seed=seed, **settings)
+
+
 # Serial: the replay draws each slot's compute time from the run's own spread on a machine whose other
 # load is steady. With other tests taking the cores in bursts, the parameter server falls behind by
 # turns and the real run's staleness rises beyond anything its timing shows (a run beside the suite
@@ -84,9 +93,11 @@ def test_the_simulator_replays_a_real_job_with_its_measured_timing(make_cluster)
     timing = measure(db_url, cluster.redis_url, job_id)
     assert timing.passes > 0 and timing.example_seconds > 0
 
-    replays = [
-        simulate_training(spec, hosts=1, slots=SLOTS, seed=seed, **timing.sim_settings()) for seed in range(REPLAYS)
-    ]
+    # The replays are independent and each holds one core: they run side by side on the machine's cores
+    # (this test runs alone), in fresh processes rather than forks of one holding torch's threads.
+    workers = min(REPLAYS, os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        replays = list(pool.map(partial(replay, spec, timing.sim_settings()), range(REPLAYS)))
     reached = [next((m.examples for m in r.metrics if m.accuracy >= TARGET), None) for r in replays]
     figures = (
         f"examples to {TARGET}: real {real_examples}, replays {reached}; mean staleness: real "
