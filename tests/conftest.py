@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from sqlalchemy import create_engine, text
 
+from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.launch.cluster import Cluster, free_port, fresh_postgres_database, start_redis
 from crowdtrain.server.ledger.db import normalize_url, session_factory
 
@@ -34,6 +35,17 @@ DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 BUILD_LOG = "pip-wheel.log"
 # What is not the sources: environments, build outputs, run-time state, caches.
 NOT_SOURCES = {".venv", "build", "dist", "var", ".git", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+
+
+def quick_spec(**changes) -> dict:
+    """The example job cut to one quick epoch (a quarter of its channels, one local epoch), as a
+    submitted spec: it succeeds once epoch 1's merges are in. For a test that needs a job to run and
+    end, not to learn; `changes` replace top-level sections."""
+    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
+    spec |= {"stop": {"target_accuracy": 0.01, "max_epochs": 1}}
+    spec["model"]["options"] = {"channels": 8, "kernel_size": 5, "layers": 2}
+    spec["training"] |= {"local_epochs": 1}
+    return spec | changes
 
 
 def _admin_pg_url() -> str:

@@ -12,12 +12,11 @@ import redis
 from sqlalchemy import func, select
 
 from crowdtrain.core import keys, signing
-from crowdtrain.core.jobspec import load_job_spec
 from crowdtrain.core.states import AssignmentStatus
 from crowdtrain.launch.cluster import Cluster, Service, crowdtrain_argv, wait_for
 from crowdtrain.server.ledger.db import session_factory
 from crowdtrain.server.ledger.models import Assignment, Job
-from tests.conftest import EXAMPLE_SPEC
+from tests.conftest import quick_spec
 from tests.dedloc_cluster import dedloc_spec, start_peer
 
 pytestmark = pytest.mark.integration
@@ -33,13 +32,9 @@ def operator(cluster: Cluster, *args: str) -> dict:
 
 
 def small_spec(tmp_path: Path, name: str) -> Path:
-    """The demo job cut to one quick epoch: it succeeds when epoch 1's merges are in."""
-    spec = load_job_spec(EXAMPLE_SPEC).model_dump(mode="json", exclude_none=True)
-    spec |= {"name": name, "stop": {"target_accuracy": 0.01, "max_epochs": 1}}
-    spec["model"]["options"] = {"channels": 8, "kernel_size": 5, "layers": 2}
-    spec["training"] |= {"local_epochs": 1}
+    """The demo job cut to one quick epoch, as a file: it succeeds when epoch 1's merges are in."""
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(spec))
+    path.write_text(json.dumps(quick_spec(name=name)))
     return path
 
 
