@@ -2,7 +2,8 @@
 Celery parameter servers, transitioner and client processes).
 
 Each test keeps to a few minutes on 2 cores: one parameter-server process and clients with one
-task slot each, since every TensorFlow process pays a slow import.
+task slot each, since every TensorFlow process pays a slow import. The Keras JSON job, which only
+TensorFlow clients can train, shows a job trained to its target by TensorFlow alone.
 """
 
 import subprocess
@@ -23,7 +24,9 @@ pytest.importorskip("tensorflow")
 pytestmark = pytest.mark.integration
 
 EXAMPLES = ROOT / "examples"
-JOB_TIMEOUT = 240
+# How long a job may take: the two jobs side by side took 6.5 minutes in a clean-clone run at a load of
+# 10 on 2 slow cores, where a TensorFlow job on its own was at epoch 4 of about 10 after 240 s.
+JOB_TIMEOUT = 600
 
 
 def submit(cluster: Cluster, example: str) -> int:
@@ -51,18 +54,6 @@ def assert_reached(st: dict, target: float) -> None:
     assert max(e["mean_accuracy"] or 0 for e in st["epochs"]) >= target
 
 
-def test_a_tensorflow_job_trained_by_tensorflow_clients_reaches_its_target(make_cluster) -> None:
-    cluster = make_cluster(assimilator_concurrency=1)
-    job_id = submit(cluster, "mnist1d-cnn-tensorflow.yaml")
-    cluster.start_client("tf-a", 1, "--frameworks", "tensorflow")
-    cluster.start_client("tf-b", 1, "--frameworks", "tensorflow")
-    st = wait_finished(cluster, job_id, JOB_TIMEOUT)
-    assert_reached(st, 0.90)
-    assert_exact_accounting(cluster, job_id)
-    for name in ("tf-a", "tf-b"):
-        assert "tensorflow, loss" in cluster.service(name).log_path.read_text(), f"{name} did not train with TF"
-
-
 def test_pytorch_and_tensorflow_clients_share_a_tensorflow_job_and_a_keras_json_job_goes_to_tensorflow_only(
     make_cluster,
 ) -> None:
@@ -76,8 +67,8 @@ def test_pytorch_and_tensorflow_clients_share_a_tensorflow_job_and_a_keras_json_
     cluster.start_client("tf-only", 1, "--frameworks", "tensorflow")
 
     # Both jobs end before the accounting is checked: checking it stops the clients.
-    tf_status = wait_finished(cluster, tf_job, 2 * JOB_TIMEOUT)
-    keras_status = wait_finished(cluster, keras_job, 2 * JOB_TIMEOUT)
+    tf_status = wait_finished(cluster, tf_job, JOB_TIMEOUT)
+    keras_status = wait_finished(cluster, keras_job, JOB_TIMEOUT)
     assert_reached(tf_status, 0.90)
     assert_reached(keras_status, load_job_spec(EXAMPLES / "mnist1d-keras.yaml").stop.target_accuracy)
     assert_exact_accounting(cluster, tf_job)
